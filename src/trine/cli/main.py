@@ -1,0 +1,42 @@
+"""The `trine` command. Each subcommand lives in its own module and is imported only when run."""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> (module, function): the module defines a click.Command named by `function`.
+COMMANDS = {
+    "serve": ("trine.cli.serve", "serve"),
+    "keys": ("trine.cli.keys", "keys"),
+    "demo": ("trine.cli.demo", "demo"),
+    "usage": ("trine.cli.usage", "usage"),
+    "estimate": ("trine.cli.estimate", "estimate"),
+    "models": ("trine.cli.models", "models"),
+    "checkpoints": ("trine.cli.checkpoints", "checkpoints"),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name]
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as e:
+            if e.name == module:
+                return None
+            raise
+
+
+@click.group(cls=LazyGroup)
+def main():
+    """trine: a self-hosted engine for LLM post-training (PyTRIO protocol)."""
+
+
+if __name__ == "__main__":
+    main()

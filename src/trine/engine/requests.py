@@ -1,0 +1,121 @@
+"""Plain dataclasses that cross the service <-> engine boundary.
+
+They are serialisable (ints, floats, strings, lists) except for the live `Adapter` handle, so the
+boundary can later become a transport (DESIGN §6). Usage counters always satisfy
+`prompt_tokens == prefill_tokens + cached_tokens`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .model import Adapter
+
+
+@dataclass(frozen=True)
+class WeightsIdentity:
+    """Which weights produced a KV entry: the root of every prefix-cache chain.
+
+    Two requests may share cached KV only if all three fields are equal.
+    """
+
+    base_model: str
+    adapter: str | None = None  # adapter id: a training run's live adapter or a saved snapshot
+    version: int = 0  # bumped by every optim_step of a live adapter
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    stop_at_eos: bool = True
+
+
+@dataclass
+class SampleRequest:
+    request_id: str
+    prompt: list[int]
+    options: SamplingOptions
+    weights: WeightsIdentity
+    adapter: Adapter | None = None  # the weights named by `weights.adapter`; None = base model
+    num_samples: int = 1
+    prompt_logprobs: bool = False  # full forward, never reads the prefix cache
+    topk_prompt_logprobs: int = 0
+    generate: bool = True  # False: compute_logprobs (prompt logprobs only, no decoding)
+
+
+@dataclass
+class SampleUsage:
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # computed
+    cached_tokens: int = 0  # served from the prefix cache
+    sample_tokens: int = 0  # generated, all samples together
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    text: str | None
+    stop_reason: str  # "stop" or "length"
+
+
+@dataclass
+class SampleResult:
+    request_id: str
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None
+    usage: SampleUsage
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass
+class TrainDatum:
+    """One training sequence. Targets are pre-shifted: position i predicts target_tokens[i].
+
+    target_tokens entries are -100 (ignored) or a vocabulary id. weights (cross_entropy) or
+    logprobs + advantages (policy losses) have the same length as tokens.
+    """
+
+    tokens: list[int]
+    target_tokens: list[int]
+    weights: list[float] | None = None
+    logprobs: list[float] | None = None
+    advantages: list[float] | None = None
+
+
+@dataclass
+class TrainUsage:
+    train_tokens: int = 0  # every computed position
+    loss_tokens: int = 0  # positions with a non-zero weight or advantage
+
+
+@dataclass
+class ForwardResult:
+    """Per-datum target logprobs and elementwise losses, plus the summed metrics."""
+
+    logprobs: list[list[float]]
+    losses: list[list[float]]
+    loss_sum: float
+    token_count: int
+    usage: TrainUsage = field(default_factory=TrainUsage)
+
+    @property
+    def loss_mean(self) -> float:
+        return self.loss_sum / self.token_count if self.token_count else 0.0
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """torch.optim.AdamW semantics; grad_clip_norm 0 = no clipping."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
