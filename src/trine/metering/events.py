@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 PHASES = ("prefill", "prefill_cached", "sample", "train", "train_loss")
 OPERATIONS = ("sample", "compute_logprobs", "forward", "forward_backward", "optim_step")
+PATTERNS = ("retokenized_history", "varying_head", "split_group")  # CacheDiagnostic.pattern values
 
 
 @dataclass
@@ -26,6 +27,29 @@ class UsageEvent:
     train: int = 0  # every computed training position (forward or forward_backward)
     train_loss: int = 0  # positions with non-zero weight or advantage
 
+    def __post_init__(self):
+        if self.operation not in OPERATIONS:
+            raise ValueError(f"UsageEvent.operation must be one of {OPERATIONS}, got {self.operation!r}")
+        for phase in PHASES:
+            n = getattr(self, phase)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"UsageEvent.{phase} must be a non-negative int, got {n!r}")
+        if self.train_loss > self.train:
+            raise ValueError(f"UsageEvent.train_loss ({self.train_loss}) exceeds train ({self.train}): "
+                             "loss positions are a subset of the computed positions")
+
+    @classmethod
+    def from_counts(cls, *, prompt_tokens: int, prefill: int, prefill_cached: int, **fields) -> UsageEvent:
+        """An event from an engine's counters, checking prompt = prefill (computed) + prefill_cached."""
+        if prompt_tokens != prefill + prefill_cached:
+            raise ValueError(f"usage does not add up: prompt_tokens={prompt_tokens} but prefill={prefill} + "
+                             f"prefill_cached={prefill_cached}; the engine must count every prompt token once")
+        return cls(prefill=prefill, prefill_cached=prefill_cached, **fields)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> UsageEvent:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
     @property
     def prompt_tokens(self) -> int:
         return self.prefill + self.prefill_cached
@@ -39,8 +63,9 @@ class CacheDiagnostic:
     """A sampling prompt that missed the prefix cache for a reason the user can fix.
 
     pattern: "retokenized_history" (the prompt's text continues an earlier prompt + completion, but its
-    tokens diverge from the sampler's real tokens) or "varying_head" (prompts repeatedly share a head,
-    then diverge right after it: varying content placed before fixed content).
+    tokens diverge from the sampler's real tokens), "varying_head" (prompts repeatedly share a head,
+    then diverge right after it: varying content placed before fixed content) or "split_group" (the same
+    prompt sent again as another request of one sample instead of one request with num_samples).
     """
 
     time: float
@@ -52,6 +77,10 @@ class CacheDiagnostic:
     diverge_position: int  # first token index where the prompt differs from the earlier one
     tokens_lost: int  # prompt tokens that had to be prefilled because of it
     request_id: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CacheDiagnostic:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def to_dict(self) -> dict:
         return asdict(self)

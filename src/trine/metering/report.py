@@ -1,0 +1,216 @@
+"""Usage reports: tokens and cost by phase, per group (hour, run, model or session) and in total.
+
+Invariants: a report's total tokens are exactly the sums of its events' tokens, and every row's tokens
+are the sums of the events in that row (rows partition the events). Costs are priced per event's
+base model, so a row mixing models is still priced correctly. Every event is validated on the way in
+(`UsageEvent.__post_init__`: non-negative counts, loss <= train), and prompt = prefill + prefill_cached
+holds by construction.
+"""
+from __future__ import annotations
+
+import json
+import time as _time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+
+from .events import PATTERNS, PHASES, CacheDiagnostic, UsageEvent
+from .rates import BILLED_PHASES, RateCard
+
+GROUPINGS = ("hour", "run", "model", "session")
+
+FIXES = {
+    "retokenized_history": "build each turn by appending to the sampler's returned tokens; "
+                           "do not re-tokenize the history text",
+    "varying_head": "put fixed content (system prompt, tool definitions) first and varying content "
+                    "(dates, ids, the question) after it",
+    "split_group": "send one request with num_samples=N instead of N requests of one sample",
+}
+
+
+@dataclass
+class PhaseTokens:
+    prefill: int = 0
+    prefill_cached: int = 0
+    sample: int = 0
+    train: int = 0
+    train_loss: int = 0
+
+    def add(self, e) -> None:
+        for ph in PHASES:
+            setattr(self, ph, getattr(self, ph) + getattr(e, ph))
+
+    @property
+    def prompt(self) -> int:
+        return self.prefill + self.prefill_cached
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Cached / prompt tokens; None when nothing was prompted."""
+        return self.prefill_cached / self.prompt if self.prompt else None
+
+    @property
+    def loss_fraction(self) -> float | None:
+        """Loss tokens / computed train tokens; None when nothing was trained."""
+        return self.train_loss / self.train if self.train else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ReportRow:
+    key: str  # the group: an hour ("2026-01-05 13:00Z"), run id, model or session; "total" for the total
+    requests: int = 0
+    tokens: PhaseTokens = field(default_factory=PhaseTokens)
+    cost: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*BILLED_PHASES, "total"), 0.0))
+
+    def add(self, e: UsageEvent, cost: dict[str, float]) -> None:
+        self.requests += 1
+        self.tokens.add(e)
+        for k, v in cost.items():
+            self.cost[k] += v
+
+    @property
+    def dominant_phase(self) -> str | None:
+        """The billed phase with the largest cost (None when nothing was billed)."""
+        costs = {ph: self.cost[ph] for ph in BILLED_PHASES}
+        best = max(costs, key=costs.get)
+        return best if costs[best] > 0 else None
+
+    def to_dict(self) -> dict:
+        t = self.tokens
+        return {"key": self.key, "requests": self.requests, "tokens": {**t.to_dict(), "prompt": t.prompt},
+                "cost": dict(self.cost), "cache_hit_rate": t.cache_hit_rate, "loss_fraction": t.loss_fraction,
+                "dominant_phase": self.dominant_phase}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReportRow:
+        tok = PhaseTokens(**{f.name: d["tokens"][f.name] for f in fields(PhaseTokens)})
+        return cls(key=d["key"], requests=d["requests"], tokens=tok, cost=dict(d["cost"]))
+
+
+@dataclass
+class PatternSummary:
+    """All diagnostics of one pattern: how often, how many prompt tokens it cost, where prompts diverged."""
+
+    pattern: str
+    requests: int
+    tokens_lost: int  # prompt tokens prefilled that a cache-friendly prompt would have served from cache
+    cost_lost: float  # tokens_lost priced at (prefill - prefill_cached)
+    diverge_position: int  # the most common divergence position
+    fix: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Report:
+    by: str | None
+    rows: list[ReportRow]
+    total: ReportRow
+    diagnostics: list[PatternSummary] = field(default_factory=list)
+    currency: str = "USD"
+    filters: dict = field(default_factory=dict)  # session_id / run_id / since the events were selected by
+
+    def to_dict(self) -> dict:
+        return {"by": self.by, "currency": self.currency, "filters": self.filters,
+                "total": self.total.to_dict(), "rows": [r.to_dict() for r in self.rows],
+                "diagnostics": [d.to_dict() for d in self.diagnostics]}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Report:
+        return cls(by=d["by"], rows=[ReportRow.from_dict(r) for r in d["rows"]],
+                   total=ReportRow.from_dict(d["total"]),
+                   diagnostics=[PatternSummary(**p) for p in d.get("diagnostics", [])],
+                   currency=d.get("currency", "USD"), filters=d.get("filters", {}))
+
+
+def group_key(e: UsageEvent, by: str) -> str:
+    if by == "hour":
+        return _time.strftime("%Y-%m-%d %H:00Z", _time.gmtime(e.time))
+    return {"run": e.run_id, "model": e.base_model, "session": e.session_id}[by]
+
+
+def build_report(events: list[UsageEvent], by: str | None = None, rate_card: RateCard | None = None,
+                 diagnostics: list[CacheDiagnostic] = (), filters: dict | None = None) -> Report:
+    """Aggregate events into a total and, with `by`, one row per group (sorted by key)."""
+    if by is not None and by not in GROUPINGS:
+        raise ValueError(f"by must be one of {GROUPINGS} or None, got {by!r}")
+    rate_card = rate_card or RateCard.load()
+    total, rows = ReportRow("total"), {}
+    for e in events:
+        c = rate_card.cost(e)
+        total.add(e, c)
+        if by is not None:
+            k = group_key(e, by)
+            rows.setdefault(k, ReportRow(k)).add(e, c)
+    return Report(by=by, rows=[rows[k] for k in sorted(rows)], total=total,
+                  diagnostics=summarize_diagnostics(diagnostics, rate_card),
+                  currency=rate_card.currency, filters=filters or {})
+
+
+def summarize_diagnostics(diags: list[CacheDiagnostic], rate_card: RateCard) -> list[PatternSummary]:
+    out = []
+    for pattern in PATTERNS:
+        ds = [d for d in diags if d.pattern == pattern]
+        if not ds:
+            continue
+        lost = sum(d.tokens_lost for d in ds)
+        cost = sum(d.tokens_lost * (rate_card.price(d.base_model).prefill
+                                    - rate_card.price(d.base_model).prefill_cached) / 1e6 for d in ds)
+        pos = Counter(d.diverge_position for d in ds).most_common(1)[0][0]
+        out.append(PatternSummary(pattern, len(ds), lost, cost, pos, FIXES[pattern]))
+    return out
+
+
+# ---- rendering ---------------------------------------------------------------------------------------
+
+def render(report: Report, console=None) -> None:
+    """Print the report as rich tables: tokens by phase per group, cost by phase, cache diagnostics."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    title = "usage by phase" + (f", by {report.by}" if report.by else "")
+    if report.filters:
+        title += " (" + ", ".join(f"{k}={v}" for k, v in report.filters.items()) + ")"
+    t = Table(title=title, title_justify="left")
+    t.add_column(report.by or "")
+    for name in ("requests", "prefill", "cached", "sample", "train", "loss", "cache hit", "loss/train"):
+        t.add_column(name, justify="right")
+    t.add_column(f"cost {report.currency}", justify="right")
+    for r in report.rows + [report.total]:
+        tk = r.tokens
+        t.add_row(r.key, f"{r.requests:,}", f"{tk.prefill:,}", f"{tk.prefill_cached:,}", f"{tk.sample:,}",
+                  f"{tk.train:,}", f"{tk.train_loss:,}", _pct(tk.cache_hit_rate), _pct(tk.loss_fraction),
+                  _money(r.cost["total"]), style="bold" if r is report.total else None,
+                  end_section=r is not report.total and r is report.rows[-1])
+    console.print(t)
+
+    c = report.total.cost
+    parts = [f"{ph} {_money(c[ph])} ({_pct(c[ph] / c['total'] if c['total'] else None)})" for ph in BILLED_PHASES]
+    console.print("cost by phase: " + " · ".join(parts))
+    if report.total.dominant_phase:
+        console.print(f"dominant phase: [bold]{report.total.dominant_phase}[/bold]")
+
+    if report.diagnostics:
+        d = Table(title="prefix-cache diagnostics", title_justify="left")
+        for name, just in (("pattern", "left"), ("requests", "right"), ("prompt tokens lost", "right"),
+                           (f"cost {report.currency}", "right"), ("diverges at token", "right"), ("fix", "left")):
+            d.add_column(name, justify=just)
+        for p in report.diagnostics:
+            d.add_row(p.pattern, f"{p.requests:,}", f"{p.tokens_lost:,}", _money(p.cost_lost),
+                      str(p.diverge_position), p.fix)
+        console.print(d)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _money(x: float) -> str:
+    return f"{x:.6f}" if x < 0.01 else f"{x:.4f}"
