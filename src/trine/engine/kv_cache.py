@@ -1,0 +1,232 @@
+"""The paged KV block pool and its prefix cache.
+
+The pool is preallocated once: for each layer `k_pool[layer]` and `v_pool[layer]` of shape
+`[num_blocks * block_size, num_kv_heads, head_dim]`, the layout `KVContext` reads (slot =
+block * block_size + offset). Sequences own lists of block ids; nothing is concatenated per step.
+
+Prefix cache (full blocks only). A full block of `block_size` tokens at chain position i has the key
+`hash((key of block i-1, tokens))`; the key before block 0 is the `WeightsIdentity` itself, so the
+chain of a prompt is rooted in the weights (base model, adapter, version) that computed its KV.
+
+Block states:
+- free        ref 0, no key: on the free list.
+- in use      ref > 0 (shared by every sequence that references it), with or without a key.
+- cached-free ref 0 but still keyed: reusable by a hit until evicted, least recently used first.
+
+Invariants
+- Reference counts are never negative; a block with ref > 0 is never evicted or handed out.
+- Every hit is verified: same WeightsIdentity, same parent key and the same tokens, stored with
+  the block. KV computed under other weights is never served, even on a hash collision.
+- Evicting a block removes its key before the block is reused, so a reused block is never served
+  for its old content.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .requests import WeightsIdentity
+
+
+def block_key(parent: object, tokens: list[int] | tuple[int, ...]) -> int:
+    """The key of a full block: its parent's key (or the WeightsIdentity at the root) + its tokens."""
+    return hash((parent, tuple(tokens)))
+
+
+def chain_hashes(identity: WeightsIdentity, tokens: list[int], block_size: int,
+                 start: int = 0, parent: int | None = None) -> list[int]:
+    """Chained keys of the full blocks of `tokens`, from block `start` on.
+
+    `parent` is the key of block `start - 1` (ignored when start == 0, where the root is
+    `identity`). Returns one key per full block in `tokens[start * block_size:]`.
+    """
+    keys = []
+    prev: object = identity if start == 0 else parent
+    for b in range(start, len(tokens) // block_size):
+        prev = block_key(prev, tokens[b * block_size:(b + 1) * block_size])
+        keys.append(prev)
+    return keys
+
+
+@dataclass(eq=False)
+class Block:
+    """One block of the pool. `key`, `parent`, `identity` and `tokens` are set while it is cached."""
+
+    id: int
+    ref: int = 0
+    key: int | None = None
+    parent: object = None  # parent block's key, or the WeightsIdentity for block 0 of a chain
+    identity: WeightsIdentity | None = None
+    tokens: tuple[int, ...] | None = None
+
+
+class NoFreeBlocks(RuntimeError):
+    """The pool has fewer free (or evictable) blocks than asked for."""
+
+
+class BlockManager:
+    """A fixed KV pool of `num_blocks` blocks with reference counting and an LRU prefix cache."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_pool = list(self.k.unbind(0))  # views: per layer [slots, kv_heads, head_dim]
+        self.v_pool = list(self.v.unbind(0))
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives low ids first
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._table: dict[int, int] = {}  # key -> block id
+        self.hit_blocks = 0
+        self.queried_blocks = 0
+        self.evictions = 0
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+    @classmethod
+    def from_budget(cls, memory_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                    block_size: int = 16, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> "BlockManager":
+        """As many blocks as fit in `memory_bytes` (K and V, every layer)."""
+        per = cls.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
+        if memory_bytes < per:
+            raise ValueError(f"kv_cache_bytes={memory_bytes} is below one KV block ({per} bytes)")
+        return cls(num_layers, num_kv_heads, head_dim, memory_bytes // per, block_size, dtype, device)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now: never-cached free ones plus evictable cached ones."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._cached_free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a key (in use or cached-free)."""
+        return len(self._table)
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, n: int) -> list[int]:
+        """`n` blocks with ref 1: free ones first, then the least recently used cached-free ones."""
+        if n > self.num_free:
+            raise NoFreeBlocks(f"asked for {n} KV blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                bid = self._free.pop()
+            else:
+                bid, _ = self._cached_free.popitem(last=False)
+                self._evict(self.blocks[bid])
+            self.blocks[bid].ref = 1
+            out.append(bid)
+        return out
+
+    def _evict(self, block: Block) -> None:
+        del self._table[block.key]
+        block.key = block.parent = block.identity = block.tokens = None
+        self.evictions += 1
+
+    def incref(self, block_ids: list[int]) -> None:
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.ref == 0:
+                if block.key is None:
+                    raise ValueError(f"block {bid} is free: it cannot be shared")
+                del self._cached_free[bid]
+            block.ref += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block. Pass a sequence's blocks in order: the tail is made
+        least recently used first, so a chain is evicted from its end."""
+        for bid in reversed(block_ids):
+            block = self.blocks[bid]
+            if block.ref <= 0:
+                raise ValueError(f"block {bid} released more often than referenced")
+            block.ref -= 1
+            if block.ref == 0:
+                if block.key is None:
+                    self._free.append(bid)
+                else:
+                    self._cached_free[bid] = None
+
+    def copy_tokens(self, src: int, dsts: list[int], n: int) -> None:
+        """Copy the first `n` slots of block `src` into each of `dsts`, every layer."""
+        if not dsts or n == 0:
+            return
+        bs = self.block_size
+        s = src * bs
+        for d in dsts:
+            self.k[:, d * bs:d * bs + n] = self.k[:, s:s + n]
+            self.v[:, d * bs:d * bs + n] = self.v[:, s:s + n]
+
+    # ------------------------------------------------------------------ prefix cache
+    def match(self, identity: WeightsIdentity, tokens: list[int],
+              keys: list[int] | None = None) -> list[int]:
+        """Block ids of the longest cached full-block prefix of `tokens`, each with one more ref.
+
+        `keys` are the chain keys of `tokens` (`chain_hashes`), if the caller already has them.
+        """
+        bs = self.block_size
+        keys = chain_hashes(identity, tokens, bs) if keys is None else keys
+        out: list[int] = []
+        parent: object = identity
+        for i, key in enumerate(keys):
+            bid = self._table.get(key)
+            if bid is None:
+                break
+            block = self.blocks[bid]
+            if (block.identity != identity or block.parent != parent
+                    or block.tokens != tuple(tokens[i * bs:(i + 1) * bs])):
+                break  # hash collision: never serve it
+            out.append(bid)
+            parent = key
+        self.queried_blocks += len(keys)
+        self.hit_blocks += len(out)
+        self.incref(out)  # takes hit blocks off the LRU list until released again
+        return out
+
+    def register(self, block_id: int, key: int, parent: object, identity: WeightsIdentity,
+                 tokens: list[int] | tuple[int, ...]) -> bool:
+        """Key a full, in-use block whose KV is computed. False if the key is already taken (the
+        content is cached in another block) or the block already has a key."""
+        block = self.blocks[block_id]
+        if block.ref <= 0:
+            raise ValueError(f"block {block_id} is not in use: only computed KV can be cached")
+        if len(tokens) != self.block_size:
+            raise ValueError(f"only full blocks are cached: got {len(tokens)} tokens")
+        if block.key is not None or key in self._table:
+            return False
+        block.key, block.parent, block.identity, block.tokens = key, parent, identity, tuple(tokens)
+        self._table[key] = block_id
+        return True
+
+    def check(self) -> None:
+        """Assert the internal invariants (for tests)."""
+        free, cached = set(self._free), set(self._cached_free)
+        assert len(free) == len(self._free) and not free & cached
+        for b in self.blocks:
+            assert b.ref >= 0
+            assert (b.id in free) == (b.ref == 0 and b.key is None)
+            assert (b.id in cached) == (b.ref == 0 and b.key is not None)
+            if b.key is not None:
+                assert self._table[b.key] == b.id
+        assert len(self._table) == sum(b.key is not None for b in self.blocks)
