@@ -1,0 +1,183 @@
+"""LoRA checkpoints on disk: PEFT-format adapters, plus optimizer state for training checkpoints.
+
+A checkpoint is a directory:
+- `adapter_model.safetensors`: PEFT keys (`base_model.model.<module>.lora_A.weight`, A [r, in],
+  B [out, r]); its safetensors metadata also records trine's full `LoRAConfig` (seed included).
+- `adapter_config.json`: PEFT's LoraConfig, so `peft.PeftModel.from_pretrained` loads it.
+- `optimizer.safetensors` (training checkpoints only): AdamW's `exp_avg`, `exp_avg_sq` and `step`
+  per parameter, under the same PEFT keys.
+
+Invariants
+- Every file is written with `atomic_write` (temp file in the same directory, fsync, rename, fsync
+  of the directory): a crash mid-write leaves the previous file intact and no partial file behind.
+- `adapter_config.json` is written last, so a directory that has one also has its weights.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+
+from .model import LORA_ATTN, LORA_MLP, LORA_UNEMBED, Adapter, LoRAConfig, Transformer
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+OPTIMIZER_STATE = "optimizer.safetensors"
+_PREFIX = "base_model.model."
+
+
+def atomic_write(path: str | Path, data: bytes) -> int:
+    """Write `data` to `path` so readers see the old file or the new one, never a mix. Returns bytes."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return len(data)
+
+
+def peft_key(module: str, which: str) -> str:
+    """`model.layers.0.self_attn.q_proj`, "A" -> PEFT's saved key for that LoRA matrix."""
+    return f"{_PREFIX}{module}.lora_{which}.weight"
+
+
+def adapter_state(adapter: Adapter) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT keys, contiguous fp32 on CPU."""
+    out = {}
+    for module in adapter.module_names():
+        a, b = adapter.pair(module)
+        out[peft_key(module, "A")] = a.detach().float().cpu().contiguous()
+        out[peft_key(module, "B")] = b.detach().float().cpu().contiguous()
+    return out
+
+
+def save_peft_adapter(adapter: Adapter, lora: LoRAConfig, path: str | Path,
+                      base_model_name_or_path: str) -> int:
+    """Write `adapter` as a PEFT LoRA adapter directory at `path`. Returns the bytes written."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted(lora.target_names()), "fan_in_fan_out": False, "use_rslora": False,
+        "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+    }
+    meta = {"trine_lora": json.dumps(asdict(lora))}
+    written = atomic_write(path / ADAPTER_WEIGHTS, save(adapter_state(adapter), metadata=meta))
+    return written + atomic_write(path / ADAPTER_CONFIG, json.dumps(config, indent=2).encode())
+
+
+def read_lora_config(path: str | Path) -> LoRAConfig:
+    """The LoRAConfig of a checkpoint directory (trine's own record, else derived from PEFT's config)."""
+    path = Path(path)
+    cfg_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    if not cfg_file.is_file() or not weights.is_file():
+        raise ValueError(f"{path} is not a LoRA checkpoint: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    from safetensors import safe_open
+    with safe_open(str(weights), "pt") as f:
+        meta = f.metadata() or {}
+    if "trine_lora" in meta:
+        return LoRAConfig(**json.loads(meta["trine_lora"]))
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("bias", "none") != "none" or cfg.get("fan_in_fan_out") or cfg.get("modules_to_save"):
+        raise ValueError(f"{cfg_file}: only plain LoRA is supported (bias 'none', no fan_in_fan_out, "
+                         "no modules_to_save)")
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    names = {t.rsplit(".", 1)[-1] for t in targets}
+    unsupported = sorted(names - set(LORA_ATTN + LORA_MLP + LORA_UNEMBED))
+    if unsupported:
+        raise ValueError(f"{cfg_file}: target_modules {unsupported} are not supported "
+                         f"(LoRA targets: {', '.join(LORA_ATTN + LORA_MLP + LORA_UNEMBED)})")
+    rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    if cfg.get("use_rslora"):
+        alpha = alpha * math.sqrt(rank)  # rsLoRA scales by alpha / sqrt(r); ours by alpha / r
+    return LoRAConfig(rank=rank, alpha=alpha, train_attn=bool(names & set(LORA_ATTN)),
+                      train_mlp=bool(names & set(LORA_MLP)), train_unembed=bool(names & set(LORA_UNEMBED)))
+
+
+def load_peft_adapter(model: Transformer, path: str | Path) -> tuple[Adapter, LoRAConfig]:
+    """Load a PEFT LoRA adapter directory for `model`.
+
+    An adapter that targets only some modules of a group (say q_proj and v_proj) loads exactly: the
+    group's other modules get B = 0, which adds nothing.
+    """
+    path = Path(path)
+    lora = read_lora_config(path)
+    state = load_file(str(path / ADAPTER_WEIGHTS))
+    adapter = Adapter(model, lora, device=model.device)
+    expected = {peft_key(m, w) for m in adapter.module_names() for w in "AB"}
+    unexpected = sorted(set(state) - expected)
+    if unexpected:
+        raise ValueError(f"{path / ADAPTER_WEIGHTS}: keys {unexpected[:3]} do not match this model's LoRA "
+                         f"modules (expected keys like {peft_key('model.layers.0.self_attn.q_proj', 'A')})")
+    with torch.no_grad():
+        for module in adapter.module_names():
+            a, b = adapter.pair(module)
+            ka, kb = peft_key(module, "A"), peft_key(module, "B")
+            if ka not in state or kb not in state:
+                b.zero_()
+                continue
+            for param, key in ((a, ka), (b, kb)):
+                if tuple(state[key].shape) != tuple(param.shape):
+                    raise ValueError(f"{path / ADAPTER_WEIGHTS}: {key} has shape {tuple(state[key].shape)}, "
+                                     f"this model needs {tuple(param.shape)}")
+                param.copy_(state[key])
+    return adapter, lora
+
+
+def save_optimizer_state(adapter: Adapter, optimizer: torch.optim.Optimizer, path: str | Path) -> int:
+    """Write the AdamW moments and step counts of `adapter`'s parameters to `path/optimizer.safetensors`."""
+    tensors = {}
+    for module in adapter.module_names():
+        for which, param in zip("AB", adapter.pair(module)):
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            key = peft_key(module, which)
+            tensors[f"exp_avg/{key}"] = state["exp_avg"].detach().float().cpu().contiguous()
+            tensors[f"exp_avg_sq/{key}"] = state["exp_avg_sq"].detach().float().cpu().contiguous()
+            tensors[f"step/{key}"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
+    return atomic_write(Path(path) / OPTIMIZER_STATE, save(tensors))
+
+
+def load_optimizer_state(adapter: Adapter, optimizer: torch.optim.Optimizer, path: str | Path) -> None:
+    """Restore what `save_optimizer_state` wrote into a fresh optimizer over `adapter`'s parameters."""
+    file = Path(path) / OPTIMIZER_STATE
+    if not file.is_file():
+        raise ValueError(f"{path} holds no optimizer state ({OPTIMIZER_STATE}); it is a sampler checkpoint: "
+                         "load it without the optimizer")
+    tensors = load_file(str(file))
+    for module in adapter.module_names():
+        for which, param in zip("AB", adapter.pair(module)):
+            key = peft_key(module, which)
+            if f"step/{key}" not in tensors:
+                continue
+            exp_avg, exp_avg_sq = tensors[f"exp_avg/{key}"], tensors[f"exp_avg_sq/{key}"]
+            if exp_avg.shape != param.shape or exp_avg_sq.shape != param.shape:
+                raise ValueError(f"{file}: optimizer state for {key} has shape {tuple(exp_avg.shape)}, "
+                                 f"the adapter needs {tuple(param.shape)}")
+            optimizer.state[param] = {
+                "step": tensors[f"step/{key}"].reshape(()).clone(),
+                "exp_avg": exp_avg.to(param.device, param.dtype),
+                "exp_avg_sq": exp_avg_sq.to(param.device, param.dtype),
+            }

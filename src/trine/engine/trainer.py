@@ -1,0 +1,345 @@
+"""LoRA training runs on one frozen base model: forward_backward, optim_step, checkpoints.
+
+A run is a LoRA `Adapter` with its own AdamW state; many runs share the base model. One
+`forward_backward` call packs the data of many runs into the same micro-batches (each row uses its
+run's adapter), so each run's gradient lands only in its own adapter.
+
+How a micro-batch is computed
+1. Rows are sorted by length and grouped so rows x longest row <= `micro_batch_tokens` (padding
+   included); a longer sequence runs alone.
+2. The body runs once with autograd, giving final hidden states h.
+3. Only positions with a target (not -100) go through the LM head, `logits_chunk_tokens` at a time.
+   Because every loss is elementwise in the target logprob, dLoss/dlogits = g * (onehot - softmax)
+   with g = dloss/dlogp is known right away: each chunk's softmax is computed in place, turned into
+   that gradient and pushed back through the LM head at once. At most one [chunk, vocab] fp32
+   tensor is alive, and the full logits are never stored.
+4. The gradient gathered for h flows back through the body in one backward call.
+
+Invariants
+- Gradients accumulate in each run's adapter across calls until `optim_step`, which applies
+  `torch.optim.AdamW` (clipping with `clip_grad_norm_` first when asked), zeroes the gradients and
+  bumps the version. Versions come from one counter per trainer, so (base_model, run_id, version)
+  never names two different weights, even across delete_run / create_run or load_state.
+- All input is validated before any computation touches gradients.
+- `snapshot` returns a detached copy that the trainer never modifies (one per version).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import checkpoint
+from .losses import Loss, LossInputs, PreparedDatum, prepare_datum
+from .model import Adapter, AdapterBatch, LoRAConfig, Transformer
+from .requests import AdamConfig, ForwardResult, TrainDatum, TrainUsage, WeightsIdentity
+
+
+@dataclass
+class _Run:
+    lora: LoRAConfig
+    adapter: Adapter
+    optimizer: torch.optim.AdamW
+    version: int
+    snapshot: Adapter | None = None
+    snapshot_version: int = -1
+
+
+@dataclass
+class _Row:
+    entry: int  # index into the forward_backward batch
+    datum: PreparedDatum
+    adapter: Adapter
+    loss: Loss
+
+
+class Trainer:
+    """Training runs (LoRA adapter + AdamW state) on one frozen base model."""
+
+    def __init__(self, model: Transformer, *, base_model: str, micro_batch_tokens: int = 4096,
+                 logits_chunk_tokens: int = 1024):
+        if micro_batch_tokens < 1 or logits_chunk_tokens < 1:
+            raise ValueError("micro_batch_tokens and logits_chunk_tokens must be >= 1")
+        model.requires_grad_(False)  # the base is frozen and shared; only adapters train
+        self.model = model
+        self.base_model = base_model
+        self.micro_batch_tokens = micro_batch_tokens
+        self.logits_chunk_tokens = logits_chunk_tokens
+        self._runs: dict[str, _Run] = {}
+        self._versions = itertools.count(1)
+
+    # ------------------------------------------------------------------ runs
+    def create_run(self, run_id: str, lora: LoRAConfig) -> None:
+        if run_id in self._runs:
+            raise ValueError(f"run_id {run_id!r} already exists")
+        self._install(run_id, lora, Adapter(self.model, _check_lora(lora), device=self.model.device))
+
+    def delete_run(self, run_id: str) -> None:
+        self._run(run_id)
+        del self._runs[run_id]
+
+    def has_run(self, run_id: str) -> bool:
+        return run_id in self._runs
+
+    def run_ids(self) -> list[str]:
+        return list(self._runs)
+
+    def lora_config(self, run_id: str) -> LoRAConfig:
+        return self._run(run_id).lora
+
+    def adapter(self, run_id: str) -> Adapter:
+        """The live adapter: its weights change at every optim_step (and its version with them)."""
+        return self._run(run_id).adapter
+
+    def weights_identity(self, run_id: str) -> WeightsIdentity:
+        return WeightsIdentity(self.base_model, run_id, self._run(run_id).version)
+
+    def snapshot(self, run_id: str) -> Adapter:
+        """A detached copy of the current weights, never modified afterwards; one copy per version."""
+        run = self._run(run_id)
+        if run.snapshot is None or run.snapshot_version != run.version:
+            snap = copy.deepcopy(run.adapter)  # Parameter deepcopy clones data, not .grad
+            snap.requires_grad_(False)
+            run.snapshot, run.snapshot_version = snap, run.version
+        return run.snapshot
+
+    def _run(self, run_id: str) -> _Run:
+        run = self._runs.get(run_id)
+        if run is None:
+            raise ValueError(f"run_id {run_id!r} is not a training run on {self.base_model}")
+        return run
+
+    def _install(self, run_id: str, lora: LoRAConfig, adapter: Adapter,
+                 optimizer: torch.optim.AdamW | None = None) -> None:
+        self._runs[run_id] = _Run(lora, adapter, optimizer or _new_optimizer(adapter), next(self._versions))
+
+    # ------------------------------------------------------------------ forward / backward
+    def forward_backward(self, batch: list[tuple[str, list[TrainDatum], str, dict]], *, backward: bool = True,
+                         between_microbatches: Callable[[], None] | None = None) -> list[ForwardResult]:
+        """One ForwardResult per (run_id, data, loss_fn, loss_config) entry, in order.
+
+        The data of all entries are packed together. backward=False is `forward`: no gradient
+        changes. `between_microbatches` is called after each micro-batch.
+        """
+        rows = self._prepare(batch)
+        logps = [torch.zeros(len(r.datum)) for r in rows]
+        losses = [torch.zeros(len(r.datum)) for r in rows]
+        for mb in self._micro_batches(rows):
+            self._run_micro_batch([rows[i] for i in mb], [logps[i] for i in mb], [losses[i] for i in mb],
+                                  backward)
+            if between_microbatches is not None:
+                between_microbatches()
+        results = [ForwardResult([], [], 0.0, 0, TrainUsage()) for _ in batch]
+        for row, logp, loss in zip(rows, logps, losses):
+            res = results[row.entry]
+            res.logprobs.append(logp.tolist())
+            res.losses.append(loss.tolist())
+            res.loss_sum += float(loss.double().sum())
+            res.token_count += row.datum.token_count
+            res.usage.train_tokens += len(row.datum)
+            res.usage.loss_tokens += row.datum.loss_tokens
+        return results
+
+    def _prepare(self, batch) -> list[_Row]:
+        if not isinstance(batch, (list, tuple)) or not batch:
+            raise ValueError("batch must be a non-empty list of (run_id, data, loss_fn, loss_config)")
+        vocab = self.model.cfg.vocab_size
+        rows = []
+        for e, entry in enumerate(batch):
+            run_id, data, loss_fn, loss_config = entry
+            adapter = self._run(run_id).adapter
+            loss = Loss.parse(loss_fn, loss_config)
+            if not isinstance(data, (list, tuple)) or not data:
+                raise ValueError(f"batch[{e}] data must be a non-empty list of TrainDatum")
+            for i, datum in enumerate(data):
+                rows.append(_Row(e, prepare_datum(datum, loss, vocab, f"batch[{e}].data[{i}]"), adapter, loss))
+        return rows
+
+    def _micro_batches(self, rows: list[_Row]) -> list[list[int]]:
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i].datum))
+        batches: list[list[int]] = []
+        for i in order:
+            if batches and (len(batches[-1]) + 1) * len(rows[batches[-1][0]].datum) <= self.micro_batch_tokens:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        return batches
+
+    def _run_micro_batch(self, rows: list[_Row], logps: list[torch.Tensor], losses: list[torch.Tensor],
+                         backward: bool) -> None:
+        model, device = self.model, self.model.device
+        B, T = len(rows), len(rows[0].datum)
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        targets = torch.zeros(B, T, dtype=torch.long)
+        pad_mask = torch.zeros(B, T, dtype=torch.bool)
+        for r, row in enumerate(rows):
+            n = len(row.datum)
+            tokens[r, :n] = row.datum.tokens
+            targets[r, :n] = row.datum.targets
+            pad_mask[r, :n] = True
+        # Active positions (a real target), row-major, with their row, loss and loss inputs.
+        active = torch.cat([row.datum.active + r * T for r, row in enumerate(rows)])
+        counts = [row.datum.active.numel() for row in rows]
+        row_of = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+        losses_in_mb = list(dict.fromkeys(row.loss for row in rows))
+        loss_of = torch.tensor([losses_in_mb.index(row.loss) for row in rows])[row_of].to(device)
+        inputs = LossInputs.cat([row.datum.inputs.select(row.datum.active) for row in rows]).to(device)
+        tgt = targets.reshape(-1)[active].to(device)
+
+        adapters = AdapterBatch.from_rows([row.adapter for row in rows], device=device)
+        positions = torch.arange(T).expand(B, T)
+        with torch.set_grad_enabled(backward):
+            h = model.hidden_states(tokens.to(device), positions.to(device), adapters, pad_mask.to(device))
+            sel = h.reshape(B * T, -1).index_select(0, active.to(device))
+        train = backward and sel.requires_grad
+        hs = sel.detach().requires_grad_(train)
+        groups = _token_groups(adapters, row_of.to(device))
+        logp_all = torch.empty(active.numel(), device=device)
+        loss_all = torch.empty(active.numel(), device=device)
+        for i in range(0, active.numel(), self.logits_chunk_tokens):
+            j = min(i + self.logits_chunk_tokens, active.numel())
+            chunk_adapters = AdapterBatch(_slice_groups(groups, i, j))
+            with torch.set_grad_enabled(backward):
+                logits = model.lm_head(hs[i:j], chunk_adapters).float()
+            z = logits.detach()
+            lse = torch.logsumexp(z, dim=-1)
+            logp = z.gather(1, tgt[i:j, None]).squeeze(1) - lse
+            loss_t, g = _losses_and_grads(losses_in_mb, loss_of[i:j], logp, inputs.select(slice(i, j)),
+                                          need_grad=backward)
+            logp_all[i:j], loss_all[i:j] = logp, loss_t
+            if backward and logits.requires_grad:
+                grad = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # in place: z becomes dLoss/dlogits
+                grad.scatter_add_(1, tgt[i:j, None], g[:, None])
+                logits.backward(grad)
+            del logits, z
+        if train:
+            sel.backward(hs.grad)
+        for r, part_logp, part_loss in zip(range(B), logp_all.split(counts), loss_all.split(counts)):
+            idx = rows[r].datum.active
+            logps[r][idx] = part_logp.detach().float().cpu()
+            losses[r][idx] = part_loss.detach().float().cpu()
+
+    # ------------------------------------------------------------------ optimizer
+    def optim_step(self, run_id: str, adam: AdamConfig) -> dict[str, float]:
+        """AdamW on the accumulated gradients (clipped first if grad_clip_norm > 0); zero them; new version.
+
+        Returns {"grad_norm": norm before clipping, "learning_rate": lr}.
+        """
+        run = self._run(run_id)
+        _check_adam(adam)
+        params = list(run.adapter.parameters())
+        if adam.grad_clip_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = float(norm)
+        if not math.isfinite(norm):
+            run.optimizer.zero_grad(set_to_none=False)
+            raise ValueError("gradients are not finite (NaN or inf); the step was skipped and the gradients "
+                             "cleared: lower the loss weights / advantages or the learning rate")
+        for group in run.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=False)
+        run.version = next(self._versions)
+        return {"grad_norm": norm, "learning_rate": float(adam.learning_rate)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, run_id: str, path: Path) -> int:
+        """Write adapter (PEFT format) + AdamW state + LoRA config to directory `path`; bytes written."""
+        run = self._run(run_id)
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        written = checkpoint.save_optimizer_state(run.adapter, run.optimizer, path)
+        return written + checkpoint.save_peft_adapter(run.adapter, run.lora, path, self.base_model)
+
+    def save_weights(self, run_id: str, path: Path) -> int:
+        """Write the sampler weights only (a PEFT adapter directory); bytes written."""
+        run = self._run(run_id)
+        return checkpoint.save_peft_adapter(run.adapter, run.lora, Path(path), self.base_model)
+
+    def load_state(self, run_id: str, path: Path, *, with_optimizer: bool) -> None:
+        """(Re)build run `run_id` from a checkpoint directory: its adapter and LoRA config, and its
+        AdamW state if `with_optimizer` (else a fresh optimizer). Pending gradients are dropped."""
+        adapter, lora = checkpoint.load_peft_adapter(self.model, path)
+        _check_lora(lora)
+        optimizer = _new_optimizer(adapter)
+        if with_optimizer:
+            checkpoint.load_optimizer_state(adapter, optimizer, path)
+        self._install(run_id, lora, adapter, optimizer)
+
+
+def _new_optimizer(adapter: Adapter) -> torch.optim.AdamW:
+    """AdamW over the adapter; hyperparameters are set at each step. Gradients start as zeros, so a
+    step without a preceding forward_backward still decays and applies momentum, like AdamW."""
+    params = list(adapter.parameters())
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = torch.zeros_like(p)
+    return torch.optim.AdamW(params, lr=0.0, foreach=True)
+
+
+def _token_groups(adapters: AdapterBatch, row_of: torch.Tensor) -> list[tuple[Adapter, torch.Tensor | None]]:
+    """Row groups of a micro-batch -> groups of its active positions (row_of[k] = row of position k)."""
+    return [(a, None if rows is None else torch.isin(row_of, rows).nonzero().squeeze(1))
+            for a, rows in adapters.groups]
+
+
+def _slice_groups(groups, i: int, j: int):
+    out = []
+    for a, idx in groups:
+        if idx is None:
+            out.append((a, None))
+            continue
+        sub = idx[(idx >= i) & (idx < j)] - i
+        if sub.numel():
+            out.append((a, sub))
+    return out
+
+
+def _losses_and_grads(losses: list[Loss], loss_of: torch.Tensor, logp: torch.Tensor, inputs: LossInputs,
+                      need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token losses and dloss/dlogp for positions whose loss is losses[loss_of[k]]."""
+    with torch.enable_grad():
+        x = logp.detach().requires_grad_(need_grad)
+        if len(losses) == 1:
+            out = losses[0](x, inputs)
+        else:
+            out = torch.zeros_like(x)
+            for k, loss in enumerate(losses):
+                idx = (loss_of == k).nonzero().squeeze(1)
+                if idx.numel():
+                    out = out.index_put((idx,), loss(x[idx], inputs.select(idx)))
+        grad = torch.autograd.grad(out.sum(), x)[0] if need_grad else None
+    return out.detach(), grad
+
+
+def _check_lora(lora: LoRAConfig) -> LoRAConfig:
+    if not isinstance(lora.rank, int) or not 1 <= lora.rank <= 1024:
+        raise ValueError(f"lora rank must be an integer in [1, 1024], got {lora.rank!r}")
+    if not (isinstance(lora.alpha, (int, float)) and math.isfinite(lora.alpha) and lora.alpha > 0):
+        raise ValueError(f"lora alpha must be a positive number, got {lora.alpha!r}")
+    if not lora.target_names():
+        raise ValueError("lora config trains nothing: set at least one of train_attn, train_mlp, train_unembed")
+    return lora
+
+
+def _check_adam(adam: AdamConfig) -> None:
+    def finite(name, lo, hi=math.inf, hi_open=False):
+        v = getattr(adam, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo \
+                or v > hi or (hi_open and v >= hi):
+            rng = f"[{lo}, {hi})" if hi_open else f">= {lo}"
+            raise ValueError(f"adam_params.{name} must be a finite number in {rng}, got {v!r}")
+    finite("learning_rate", 0.0)
+    finite("beta1", 0.0, 1.0, hi_open=True)
+    finite("beta2", 0.0, 1.0, hi_open=True)
+    finite("eps", 0.0)
+    finite("weight_decay", 0.0)
+    finite("grad_clip_norm", 0.0)

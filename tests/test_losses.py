@@ -1,0 +1,156 @@
+"""Losses: each equals a plain reference in value and gradient, and bad input fails before compute."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trine.engine.losses import Loss, prepare_datum
+from trine.engine.model import AdapterBatch, LoRAConfig
+from trine.engine.requests import TrainDatum
+from trine.engine.trainer import Trainer
+from trine.engine.weights import load_model
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir, "cpu")
+
+
+def reference_token_losses(name: str, logp, q, adv, w, cfg):
+    """Textbook formulas, written independently of trine.engine.losses."""
+    if name == "cross_entropy":
+        return -w * logp
+    ratio = (logp - q).exp()
+    lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+    if name == "importance_sampling":
+        return -ratio * adv
+    if name == "ppo":
+        return torch.max(-adv * ratio, -adv * torch.clamp(ratio, lo, hi))
+    if name == "cispo":
+        return -torch.clamp(ratio, lo, hi).detach() * adv * logp
+    beta = cfg.get("beta", 0.05)
+    return -(adv * logp) + 0.5 * beta * (logp - q) ** 2
+
+
+def random_data(seed: int, lengths=(11, 7, 16)) -> list[TrainDatum]:
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for n in lengths:
+        tokens = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        targets = torch.randint(0, VOCAB, (n,), generator=g)
+        targets[: n // 3] = -100  # a prompt that does not count
+        data.append(TrainDatum(
+            tokens=tokens, target_tokens=targets.tolist(),
+            weights=(torch.randn(n, generator=g)).tolist(),  # negative weights included
+            logprobs=(-torch.rand(n, generator=g) * 12 - 9).tolist(),  # near the random model's logp
+            advantages=torch.randn(n, generator=g).tolist()))
+    return data
+
+
+def randomize(adapter, seed: int, std: float = 0.05) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+CASES = [("cross_entropy", {}), ("importance_sampling", {}), ("ppo", {}),
+         ("ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.01}), ("cispo", {}),
+         ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}), ("dro", {}), ("dro", {"beta": 0.5})]
+
+
+@pytest.mark.parametrize("name,cfg", CASES)
+def test_loss_matches_reference_in_value_and_gradient(model, name, cfg):
+    trainer = Trainer(model, base_model="tiny", logits_chunk_tokens=7)  # several LM-head chunks
+    trainer.create_run("r", LoRAConfig(rank=4))
+    adapter = trainer.adapter("r")
+    randomize(adapter, 0)
+    data = random_data(1)
+    # Old logprobs close to the current ones, so that PPO/CISPO clipping is active on some tokens.
+    fwd = trainer.forward_backward([("r", data, name, cfg)], backward=False)[0]
+    g = torch.Generator().manual_seed(2)
+    for d, lp in zip(data, fwd.logprobs):
+        d.logprobs = [x + 0.1 * float(torch.randn(1, generator=g)) for x in lp]
+    out = trainer.forward_backward([("r", data, name, cfg)])[0]
+    got = {n: p.grad.clone() for n, p in adapter.named_parameters()}
+
+    ref = {n: torch.zeros_like(p) for n, p in adapter.named_parameters()}
+    total = 0.0
+    for d, logp_out, loss_out in zip(data, out.logprobs, out.losses):
+        adapter.zero_grad()
+        tokens = torch.tensor([d.tokens])
+        logits = model(tokens, adapters=AdapterBatch.single(adapter))[0]
+        tgt = torch.tensor(d.target_tokens)
+        mask = tgt != -100
+        logp = torch.log_softmax(logits, -1).gather(1, tgt.clamp(min=0)[:, None]).squeeze(1)
+        per_tok = reference_token_losses(name, logp, torch.tensor(d.logprobs), torch.tensor(d.advantages),
+                                         torch.tensor(d.weights), cfg) * mask
+        per_tok.sum().backward()
+        for n, p in adapter.named_parameters():
+            ref[n] += p.grad
+        torch.testing.assert_close(torch.tensor(logp_out), (logp * mask).detach(), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(loss_out), per_tok.detach(), atol=1e-4, rtol=1e-5)
+        total += float(per_tok.detach().sum())
+    assert out.loss_sum == pytest.approx(total, rel=1e-5, abs=1e-3)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_ppo_reads_thresholds_as_ratio_bounds():
+    loss = Loss.parse("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.05]))  # ratios 1.5, 0.5, 1.05 against q = 0
+    from trine.engine.losses import LossInputs
+    inputs = LossInputs(torch.ones(3), torch.zeros(3), torch.tensor([1.0, -1.0, 1.0]))
+    # A>0, r=1.5: min(1.5, 1.1) = 1.1; A<0, r=0.5: min(-0.5, -0.9) = -0.9; inside the bounds: r*A.
+    torch.testing.assert_close(loss(logp, inputs), torch.tensor([-1.1, 0.9, -1.05]))
+    assert Loss.parse("ppo") == Loss("ppo", clip_low=0.8, clip_high=1.2)
+
+
+@pytest.mark.parametrize("name,cfg,field", [
+    ("mse", {}, "loss_fn"),
+    ("ppo", {"clip_high_threshold": 0.2}, "clip_high_threshold"),
+    ("ppo", {"clip_low_threshold": 1.5}, "clip_low_threshold"),
+    ("ppo", {"epsilon": 0.2}, "epsilon"),
+    ("cross_entropy", {"beta": 0.1}, "beta"),
+    ("dro", {"beta": float("nan")}, "beta"),
+])
+def test_bad_loss_config_names_the_field(name, cfg, field):
+    with pytest.raises(ValueError, match=field):
+        Loss.parse(name, cfg)
+
+
+def test_loss_names_are_case_insensitive():
+    assert Loss.parse("PPO").name == "ppo"
+
+
+@pytest.mark.parametrize("datum,loss,field", [
+    (TrainDatum([1, 2], [2, 3, 4]), "cross_entropy", "target_tokens"),
+    (TrainDatum([1, VOCAB], [2, 3]), "cross_entropy", "tokens"),
+    (TrainDatum([1, -1], [2, 3]), "cross_entropy", "tokens"),
+    (TrainDatum([1, 2], [2, VOCAB]), "cross_entropy", "target_tokens"),
+    (TrainDatum([1, 2], [2, -5]), "cross_entropy", "target_tokens"),
+    (TrainDatum([], []), "cross_entropy", "tokens"),
+    (TrainDatum([1.5, 2], [2, 3]), "cross_entropy", "tokens"),
+    (TrainDatum([1, 2], [2, 3], weights=[1.0]), "cross_entropy", "weights"),
+    (TrainDatum([1, 2], [2, 3], weights=[1.0, math.nan]), "cross_entropy", "weights"),
+    (TrainDatum([1, 2], [2, 3], advantages=[1.0, 1.0]), "ppo", "logprobs"),
+    (TrainDatum([1, 2], [2, 3], logprobs=[-1.0, -1.0]), "importance_sampling", "advantages"),
+    (TrainDatum([1, 2], [2, 3], logprobs=[-1.0, math.inf], advantages=[1.0, 1.0]), "dro", "logprobs"),
+    (TrainDatum([1, 2], [2, 3], logprobs=[-1.0, -1.0], advantages=[1.0]), "cispo", "advantages"),
+])
+def test_bad_datum_names_the_field(datum, loss, field):
+    with pytest.raises(ValueError, match=field):
+        prepare_datum(datum, Loss.parse(loss), VOCAB)
+
+
+def test_token_counts():
+    d = TrainDatum([1, 2, 3, 4], [-100, 5, 6, 7], weights=[1.0, 0.0, 2.0, -1.0],
+                   logprobs=[0.0] * 4, advantages=[1.0, 0.0, 0.0, 3.0])
+    ce = prepare_datum(d, Loss.parse("cross_entropy"), VOCAB)
+    assert (ce.token_count, ce.loss_tokens) == (2, 2)  # target set and weight != 0
+    pg = prepare_datum(d, Loss.parse("importance_sampling"), VOCAB)
+    assert (pg.token_count, pg.loss_tokens) == (3, 1)  # target set; loss tokens also need A != 0
