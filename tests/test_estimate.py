@@ -1,0 +1,127 @@
+"""The job estimate: its arithmetic, and its agreement with what the engine actually meters."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trine.metering.estimate import JobShape, estimate
+from trine.metering.rates import SHIPPED, RateCard
+from trine.metering.report import PhaseTokens
+
+CARD = RateCard.from_tomls([("shipped", SHIPPED.read_text())])
+
+
+def test_shape_validation():
+    for bad in (dict(steps=0), dict(group_size=-1), dict(prompt_tokens=0), dict(turns=1.5), dict(block_size=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            JobShape(**bad)
+
+
+def test_single_turn_group_prefills_once():
+    s = JobShape(model="SmolLM2-135M-Instruct", steps=10, prompts_per_step=8, group_size=16, turns=1,
+                 prompt_tokens=200, completion_tokens=300, train_passes=1)
+    e = estimate(s, CARD)
+    w, wo = e.with_cache.tokens, e.without_cache.tokens
+    assert w.prompt == wo.prompt == 10 * 8 * 200  # one prefill per group, not per sample
+    assert w.prefill_cached == 0  # nothing shared between different prompts
+    assert w.sample == 10 * 8 * 16 * 300
+    assert w.train == 10 * 8 * 16 * 499 and w.train_loss == 10 * 8 * 16 * 300
+    assert e.dominant_phase in ("sample", "train")
+    assert e.with_cache.requests == 80
+
+
+def test_shared_system_prompt_is_cached_after_the_first_group():
+    s = JobShape(steps=3, prompts_per_step=4, group_size=2, prompt_tokens=20, completion_tokens=5,
+                 system_tokens=100, train_passes=1)
+    w = estimate(s, CARD).with_cache.tokens
+    assert w.prefill_cached == 3 * 3 * 96  # 6 full blocks of 16, for groups 2..4 of each step
+    warm = estimate(JobShape(**{**s.__dict__, "train_passes": 0}), CARD).with_cache.tokens
+    assert warm.prefill_cached == (3 * 4 - 1) * 96  # no training: weights never change, the cache stays warm
+
+
+def test_multi_turn_prefill_dominates_without_cache():
+    s = JobShape(steps=1, prompts_per_step=4, group_size=4, turns=10, prompt_tokens=200, completion_tokens=100,
+                 system_tokens=500)
+    e = estimate(s, CARD)
+    assert e.without_cache.dominant_phase == "prefill"
+    assert e.with_cache.tokens.prompt == e.without_cache.tokens.prompt
+    assert e.with_cache.tokens.cache_hit_rate > 0.8
+    assert e.cache_savings > 0.3
+    # turn 1: the first group computes its whole prompt, the others all but the system prompt's 31 full blocks;
+    # a later turn computes its new tokens plus the previous turn's last sampled token and partial block
+    first_turn = 700 + 3 * (700 - 496)
+    per_turn = (e.with_cache.tokens.prefill - first_turn) / (4 * 4 * 9)
+    assert 200 + 1 <= per_turn < 200 + 1 + 16
+    d = e.to_dict()
+    assert d["dominant_phase"] == e.dominant_phase and d["with_cache"]["tokens"]["prompt"] == e.with_cache.tokens.prompt
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from trine.engine.sampler import Sampler
+    from trine.engine.tokenizer import Tokenizer
+    from trine.engine.trainer import Trainer
+    from trine.engine.weights import load_model
+
+    model = load_model(tiny_model_dir, device="cpu")
+    return Sampler(model, Tokenizer(tiny_model_dir)), Trainer(model, base_model="tiny")
+
+
+def test_estimate_matches_metered_multi_turn_rl(engine):
+    """A multi-turn RL loop on the real engine (sampler + trainer), metered, vs the estimate of its shape."""
+    from trine.engine.model import LoRAConfig
+    from trine.engine.requests import AdamConfig, SampleRequest, SamplingOptions, TrainDatum
+
+    sampler, trainer = engine
+    shape = JobShape(model="SmolLM2-135M-Instruct", steps=2, prompts_per_step=3, group_size=4, turns=3,
+                     prompt_tokens=12, completion_tokens=10, system_tokens=40, train_passes=1)
+    rng = random.Random(0)
+    words = lambda n: [rng.randrange(3, 40000) for _ in range(n)]  # noqa: E731
+    system = words(shape.system_tokens)
+    trainer.create_run("est", LoRAConfig(rank=4))
+    opts = SamplingOptions(max_tokens=shape.completion_tokens, seed=1, stop_at_eos=False)
+    measured = dict(prefill=0, prefill_cached=0, sample=0, train=0, train_loss=0)
+    n_requests = 0
+
+    def sample(prompts, num_samples):
+        nonlocal n_requests
+        w = trainer.weights_identity("est")
+        reqs = [SampleRequest(f"r{n_requests + i}", p, opts, w, trainer.adapter("est"), num_samples=num_samples)
+                for i, p in enumerate(prompts)]
+        n_requests += len(reqs)
+        out = sampler.run(reqs)
+        for r in out:
+            assert r.usage.prompt_tokens == r.usage.prefill_tokens + r.usage.cached_tokens
+            measured["prefill"] += r.usage.prefill_tokens
+            measured["prefill_cached"] += r.usage.cached_tokens
+            measured["sample"] += r.usage.sample_tokens
+        return out
+
+    for _ in range(shape.steps):
+        firsts = [system + words(shape.prompt_tokens) for _ in range(shape.prompts_per_step)]
+        trajs, masks = [], []  # token lists and completion masks, one per sample
+        for p, res in zip(firsts, sample(firsts, shape.group_size)):
+            for seq in res.sequences:
+                trajs.append(p + seq.tokens)
+                masks.append([0] * len(p) + [1] * len(seq.tokens))
+        for _turn in range(1, shape.turns):
+            new = [words(shape.prompt_tokens) for _ in trajs]
+            prompts = [t + n for t, n in zip(trajs, new)]
+            for i, (p, res) in enumerate(zip(prompts, sample(prompts, 1))):
+                masks[i] = masks[i] + [0] * len(new[i]) + [1] * len(res.sequences[0].tokens)
+                trajs[i] = p + res.sequences[0].tokens
+        data = [TrainDatum(tokens=t[:-1], target_tokens=t[1:], weights=[float(m) for m in mask[1:]])
+                for t, mask in zip(trajs, masks)]
+        (res,) = trainer.forward_backward([("est", data, "cross_entropy", {})])
+        measured["train"] += res.usage.train_tokens
+        measured["train_loss"] += res.usage.loss_tokens
+        trainer.optim_step("est", AdamConfig(learning_rate=1e-3))
+
+    est = estimate(shape, CARD)
+    predicted = est.with_cache.tokens.to_dict()
+    for phase, value in measured.items():
+        assert predicted[phase] == pytest.approx(value, rel=0.10), phase
+    assert est.with_cache.requests == n_requests
+    cost = CARD.cost(PhaseTokens(**measured), shape.model)["total"]
+    assert est.with_cache.cost["total"] == pytest.approx(cost, rel=0.10)
