@@ -1,0 +1,478 @@
+"""Continuous-batching sampler over the paged KV pool, with a prefix cache.
+
+One `step()` does, in order:
+1. Admission (FIFO): a waiting request is admitted when its worst-case KV blocks fit the pool
+   (free + evictable, minus what running sequences have reserved), so a running sequence never
+   runs out of blocks and nothing is ever preempted.
+2. One prefill forward for the admitted requests (padded rows). A request looks up the longest
+   cached full-block prefix of `prompt[:-1]` and computes only the rest: the last prompt token is
+   always computed, since its logits give the first sampled token. The prompt is prefilled once
+   per request; its `num_samples` sequences then share the prompt's full blocks by reference and
+   each gets a copy of the partial last block. A request whose uncached prefix starts with blocks
+   another request is computing in this same forward waits one step, then hits them.
+3. One decode forward: every running sequence of every request (any mix of adapters) advances by
+   one token.
+
+Invariants
+- Usage: prompt_tokens == prefill_tokens + cached_tokens for every request; sample_tokens counts
+  every generated token of every sample.
+- Requests with prompt logprobs (`prompt_logprobs`, `topk_prompt_logprobs`, or `generate=False`)
+  run a full forward over the prompt: they never read the prefix cache (0 cached tokens) but do
+  write it.
+- Each sequence draws from its own `torch.Generator`, seeded from (seed, sample index), one
+  uniform per sampled token, so samples do not depend on the rest of the batch or on whether the
+  prefix came from the cache. Without a seed the generator is seeded at random.
+- Token logprobs are log-softmax of the raw logits (temperature 1, before top-k / top-p): the
+  model's own log-probability of the token, which importance-sampling losses compare against.
+- Returned tokens include the token that stopped a sequence (EOS, a stop token, or the token that
+  completed a stop string); the text excludes a stop token and is cut before a stop string.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import BlockManager, block_key, chain_hashes
+from .model import AdapterBatch, KVContext, Transformer
+from .requests import SampledSequence, SampleRequest, SampleResult, SampleUsage
+from .tokenizer import Tokenizer
+
+DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+LOGITS_CHUNK = 256  # prompt positions per lm_head call when computing prompt logprobs
+_MASK64 = 2**64 - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample `index` of a request seeded with `seed` (stable everywhere)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 1
+
+
+@dataclass(eq=False)
+class _Request:
+    req: SampleRequest
+    usage: SampleUsage
+    stop_ids: frozenset[int]
+    full: bool  # full forward for prompt logprobs: never reads the cache
+    keys: list[int] = field(default_factory=list)  # chain keys of the prompt's full blocks
+    blocks: list[int] = field(default_factory=list)  # the prompt's blocks during prefill
+    copies: list[int] = field(default_factory=list)  # partial-block copies for samples 1..n-1
+    cached: int = 0  # prompt tokens served from the cache
+    seqs: list["_Seq"] = field(default_factory=list)
+    running: int = 0
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One sample. KV is computed for every token but the last; `keys` covers its full blocks."""
+
+    req: _Request
+    tokens: list[int]
+    blocks: list[int]
+    keys: list[int]
+    gen: torch.Generator
+    reserve: int  # blocks it may still allocate
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str | None = None
+    text: str | None = None
+    searched: int = 0  # length of generated text already searched for stop strings
+
+
+class Sampler:
+    """Samples from one base model (and any of its LoRA adapters) with continuous batching."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, kv_cache_bytes: int | None = None,
+                 block_size: int = 16, max_batch_tokens: int = 2048, max_running: int = 64,
+                 enable_prefix_cache: bool = True):
+        if max_batch_tokens < 1 or max_running < 1:
+            raise ValueError("max_batch_tokens and max_running must be >= 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        cfg = model.cfg
+        self.cfg = cfg
+        self.device = model.device
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.enable_prefix_cache = enable_prefix_cache
+        self.kv = BlockManager.from_budget(
+            kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES,
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, model.dtype, self.device)
+        self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Seq] = []
+        self._live: set[str] = set()
+        self._reserved = 0  # blocks promised to admitted requests, not yet allocated
+        self._carry: list[SampleResult] = []  # finished during run() but not run()'s own
+        self._counters = dict(requests=0, prompt_tokens=0, prefill_tokens=0, cached_tokens=0,
+                              sample_tokens=0, steps=0, prefill_forwards=0, decode_forwards=0)
+        self._arange = torch.arange(block_size, device=self.device)
+
+    # ------------------------------------------------------------------ public API
+    def add(self, req: SampleRequest) -> None:
+        """Validate and queue a request. Raises ValueError naming the bad field."""
+        self._validate(req)
+        opts = req.options
+        stop_ids = frozenset(opts.stop_token_ids) | (self.eos_ids if opts.stop_at_eos else frozenset())
+        full = req.prompt_logprobs or req.topk_prompt_logprobs > 0 or not req.generate
+        self._live.add(req.request_id)
+        self._waiting.append(_Request(req, SampleUsage(), stop_ids, full))
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def run(self, reqs: list[SampleRequest]) -> list[SampleResult]:
+        """Add every request, step until they are done, return their results in input order."""
+        ids = [r.request_id for r in reqs]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request_id: duplicate ids in one run()")
+        for r in reqs:
+            self._validate(r)
+        for r in reqs:
+            self.add(r)
+        done: dict[str, SampleResult] = {}
+        want = set(ids)
+        while want - done.keys():
+            for res in self.step():
+                if res.request_id in want:
+                    done[res.request_id] = res
+                else:
+                    self._carry.append(res)  # another caller's request: the next step() returns it
+        return [done[i] for i in ids]
+
+    @property
+    def stats(self) -> dict:
+        kv = self.kv
+        return dict(self._counters, cache_hit_blocks=kv.hit_blocks, cache_queried_blocks=kv.queried_blocks,
+                    cache_evictions=kv.evictions, blocks_total=kv.num_blocks, blocks_used=kv.num_used,
+                    blocks_free=kv.num_free, blocks_cached=kv.num_cached, block_size=self.block_size,
+                    waiting=len(self._waiting), running=len(self._running))
+
+    @torch.inference_mode()
+    def step(self) -> list[SampleResult]:
+        """One engine step: admit + prefill, then decode every running sequence by one token."""
+        self._counters["steps"] += 1
+        decoding = list(self._running)
+        finished, self._carry = self._carry, []
+        admitted = self._admit()
+        if admitted:
+            finished += self._prefill(admitted)
+        if decoding:
+            finished += self._decode(decoding)
+        return finished
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, req: SampleRequest) -> None:
+        cfg, opts, n = self.cfg, req.options, len(req.prompt)
+        if req.request_id in self._live:
+            raise ValueError(f"request_id {req.request_id!r} is already queued or running")
+        if n == 0:
+            raise ValueError("prompt: is empty; give at least one token")
+        if any(not isinstance(t, int) for t in req.prompt) or min(req.prompt) < 0 \
+                or max(req.prompt) >= cfg.vocab_size:
+            raise ValueError(f"prompt: token ids must be ints in [0, {cfg.vocab_size})")
+        if req.num_samples < 1:
+            raise ValueError(f"num_samples: must be >= 1, got {req.num_samples}")
+        if req.topk_prompt_logprobs < 0:
+            raise ValueError(f"topk_prompt_logprobs: must be >= 0, got {req.topk_prompt_logprobs}")
+        if (req.adapter is None) != (req.weights.adapter is None):
+            raise ValueError("adapter: must be given exactly when weights.adapter names one")
+        max_new = 0
+        if req.generate:
+            max_new = opts.max_tokens
+            if opts.max_tokens is None or opts.max_tokens <= 0:
+                raise ValueError(f"max_tokens: must be >= 1, got {opts.max_tokens}")
+            if not (math.isfinite(opts.temperature) and opts.temperature >= 0):
+                raise ValueError(f"temperature: must be a finite number >= 0, got {opts.temperature}")
+            if not (0 < opts.top_p <= 1):
+                raise ValueError(f"top_p: must be in (0, 1], got {opts.top_p}")
+            if opts.top_k < -1:
+                raise ValueError(f"top_k: must be -1 (off) or >= 1, got {opts.top_k}")
+            if any(not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in opts.stop_token_ids):
+                raise ValueError(f"stop_token_ids: must be ints in [0, {cfg.vocab_size})")
+            if any(not isinstance(s, str) or not s for s in opts.stop_strings):
+                raise ValueError("stop_strings: must be non-empty strings")
+        if n + max_new > cfg.max_position_embeddings:
+            raise ValueError(f"prompt + max_tokens: {n} + {max_new} tokens exceed the model context "
+                             f"of {cfg.max_position_embeddings}; shorten the prompt or lower max_tokens")
+        need = self._blocks_needed(n, max_new, req.num_samples if req.generate else 0)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"prompt + max_tokens: {n} + {max_new} tokens x {req.num_samples} samples "
+                             f"need {need} KV blocks, the pool has {self.kv.num_blocks}; lower "
+                             f"max_tokens or num_samples, or give the sampler a larger kv_cache_bytes")
+
+    def _blocks_needed(self, n: int, max_new: int, samples: int) -> int:
+        """Worst-case blocks of one request: shared full prompt blocks + each sample's own."""
+        bs = self.block_size
+        if samples == 0:
+            return -(-n // bs)
+        per_sample = -(-(n + max_new - 1) // bs) - n // bs  # the last token's KV is never computed
+        return n // bs + samples * per_sample
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self) -> list[_Request]:
+        bs, kv = self.block_size, self.kv
+        admitted: list[_Request] = []
+        pending: set[int] = set()  # keys being computed by this step's prefill
+        running = len(self._running)
+        max_suffix = max_len = 0
+        while self._waiting:
+            r = self._waiting[0]
+            req, n = r.req, len(r.req.prompt)
+            k = req.num_samples if req.generate else 0
+            if (admitted or self._running) and running + k > self.max_running:
+                break
+            if self.enable_prefix_cache:
+                r.keys = chain_hashes(req.weights, req.prompt, bs)
+            matched = [] if r.full or not self.enable_prefix_cache else \
+                kv.match(req.weights, req.prompt[:n - 1], r.keys[:(n - 1) // bs])
+            if admitted and r.keys[len(matched):len(matched) + 1] and r.keys[len(matched)] in pending:
+                kv.release(matched)  # the next block is being computed now: hit it next step
+                break
+            suffix = n - len(matched) * bs
+            cost = (len(admitted) + 1) * max(max_suffix, suffix)
+            max_new = req.options.max_tokens if req.generate else 0
+            partial = int(n % bs != 0)
+            now = -(-n // bs) - len(matched) + (max(k - 1, 0) * partial)
+            later = self._blocks_needed(n, max_new, k) - n // bs - k * partial if k else 0
+            if admitted and cost > self.max_batch_tokens or kv.num_free - self._reserved < now + later:
+                kv.release(matched)
+                break
+            self._waiting.popleft()
+            r.blocks = matched + kv.allocate(-(-n // bs) - len(matched))
+            r.copies = kv.allocate(max(k - 1, 0) * partial)
+            self._reserved += later
+            r.cached = len(matched) * bs
+            pending.update(r.keys[len(matched):])
+            running += k
+            max_suffix, max_len = max(max_suffix, suffix), max(max_len, n)
+            admitted.append(r)
+        return admitted
+
+    # ------------------------------------------------------------------ forwards
+    def _slots(self, block_lists: list[list[int]], length: int) -> torch.Tensor:
+        """[B, length] pool slots of positions 0..length-1 of each row's blocks (padding: slot 0)."""
+        width = max(len(b) for b in block_lists)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in block_lists], device=self.device)
+        slots = (table[:, :, None] * self.block_size + self._arange).view(len(block_lists), -1)
+        return slots[:, :length]
+
+    def _prefill(self, batch: list[_Request]) -> list[SampleResult]:
+        dev, bs = self.device, self.block_size
+        B = len(batch)
+        starts = [r.cached for r in batch]
+        lens = [len(r.req.prompt) for r in batch]
+        T, L = max(n - s for n, s in zip(lens, starts)), max(lens)
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        for i, r in enumerate(batch):
+            tokens[i, :lens[i] - starts[i]] = torch.tensor(r.req.prompt[starts[i]:])
+        start = torch.tensor(starts)[:, None]
+        positions = (start + torch.arange(T)[None]).to(dev)  # padded queries: past the end
+        read = self._slots([r.blocks for r in batch], L)
+        real = torch.arange(T)[None] < (torch.tensor(lens)[:, None] - start)
+        write = torch.where(real.to(dev), read.gather(1, positions.clamp(max=L - 1)), -1)
+        mask = (torch.arange(L, device=dev)[None, None] <= positions[:, :, None])[:, None]
+        adapters = AdapterBatch.from_rows([r.req.adapter for r in batch], dev)
+        kvc = KVContext(self.kv.k_pool, self.kv.v_pool, write, read, mask)
+        hidden = self.model.hidden_states(tokens.to(dev), positions, adapters, kv=kvc)
+        last = torch.tensor([n - s - 1 for n, s in zip(lens, starts)], device=dev)
+        last_logits = self.model.logits(hidden[torch.arange(B, device=dev), last], adapters)
+        self._counters["prefill_forwards"] += 1
+
+        finished, forked, rows = [], [], []
+        for i, r in enumerate(batch):
+            req, n = r.req, lens[i]
+            r.usage.prompt_tokens, r.usage.cached_tokens = n, r.cached
+            r.usage.prefill_tokens = n - r.cached
+            c = self._counters
+            c["requests"] += 1
+            c["prompt_tokens"] += n
+            c["cached_tokens"] += r.cached
+            c["prefill_tokens"] += n - r.cached
+            if r.full:
+                self._prompt_logprobs(r, hidden[i:i + 1, :n], AdapterBatch.single(req.adapter))
+            if self.enable_prefix_cache:
+                for b in range(r.cached // bs, n // bs):
+                    self.kv.register(r.blocks[b], r.keys[b], r.keys[b - 1] if b else req.weights,
+                                     req.weights, req.prompt[b * bs:(b + 1) * bs])
+            if not req.generate:
+                self.kv.release(r.blocks)
+                finished.append(self._result(r))
+                continue
+            forked += self._fork(r)
+            rows += [i] * req.num_samples
+        if forked:
+            rows = torch.tensor(rows, device=dev)
+            finished += self._advance(forked, last_logits.index_select(0, rows))
+            self._running += [s for s in forked if s.stop_reason is None]
+        return finished
+
+    def _fork(self, r: _Request) -> list[_Seq]:
+        """The request's sequences: sample 0 takes the prompt blocks, the others share the full
+        ones and get a copy of the partial last block."""
+        req, bs, n = r.req, self.block_size, len(r.req.prompt)
+        full, partial = n // bs, n % bs
+        max_new = req.options.max_tokens
+        seed = req.options.seed if req.options.seed is not None else secrets.randbits(63)
+        reserve = self._blocks_needed(n, max_new, 1) - full - (1 if partial else 0)
+        seqs = []
+        for j in range(req.num_samples):
+            if j == 0:
+                blocks = list(r.blocks)
+            else:
+                self.kv.incref(r.blocks[:full])
+                blocks = r.blocks[:full]
+                if partial:
+                    self.kv.copy_tokens(r.blocks[full], [r.copies[j - 1]], partial)
+                    blocks = blocks + [r.copies[j - 1]]
+            gen = torch.Generator().manual_seed(sample_seed(seed, j))
+            seqs.append(_Seq(r, list(req.prompt), blocks, list(r.keys[:full]), gen, reserve))
+        r.seqs, r.running = seqs, len(seqs)
+        return seqs
+
+    def _decode(self, seqs: list[_Seq]) -> list[SampleResult]:
+        dev, bs, kv = self.device, self.block_size, self.kv
+        for s in seqs:
+            if (len(s.tokens) - 1) // bs == len(s.blocks):
+                s.blocks += kv.allocate(1)
+                s.reserve -= 1
+                self._reserved -= 1
+        B = len(seqs)
+        lens = torch.tensor([len(s.tokens) for s in seqs], device=dev)
+        pos = (lens - 1)[:, None]
+        read = self._slots([s.blocks for s in seqs], int(lens.max()))
+        write = read.gather(1, pos)
+        mask = (torch.arange(read.shape[1], device=dev)[None] <= pos)[:, None, None]
+        tokens = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
+        adapters = AdapterBatch.from_rows([s.req.req.adapter for s in seqs], dev)
+        kvc = KVContext(kv.k_pool, kv.v_pool, write, read, mask)
+        hidden = self.model.hidden_states(tokens, pos, adapters, kv=kvc)
+        logits = self.model.logits(hidden[:, 0], adapters)
+        self._counters["decode_forwards"] += 1
+        if self.enable_prefix_cache:
+            for s in seqs:  # the block holding the token just computed may now be full
+                if len(s.tokens) % bs == 0:
+                    b = len(s.tokens) // bs - 1
+                    w = s.req.req.weights
+                    parent = s.keys[b - 1] if b else w
+                    toks = s.tokens[b * bs:]
+                    s.keys.append(block_key(parent, toks))
+                    kv.register(s.blocks[b], s.keys[-1], parent, w, toks)
+        finished = self._advance(seqs, logits)
+        self._running = [s for s in self._running if s.stop_reason is None]
+        return finished
+
+    # ------------------------------------------------------------------ sampling
+    def _advance(self, seqs: list[_Seq], logits: torch.Tensor) -> list[SampleResult]:
+        """Sample one token per sequence from `logits` [B, V], apply stops, retire finished ones."""
+        tokens, logprobs = self._sample(seqs, logits)
+        finished = []
+        for s, tok, lp in zip(seqs, tokens, logprobs):
+            r = s.req
+            s.tokens.append(tok)
+            s.out.append(tok)
+            s.logprobs.append(lp)
+            r.usage.sample_tokens += 1
+            self._counters["sample_tokens"] += 1
+            opts = r.req.options
+            if tok in r.stop_ids:
+                s.stop_reason = "stop"
+            elif opts.stop_strings and self._hit_stop_string(s, opts.stop_strings):
+                s.stop_reason = "stop"
+            elif len(s.out) >= opts.max_tokens:
+                s.stop_reason = "length"
+            if s.stop_reason is None:
+                continue
+            self._retire(s)
+            if r.running == 0:
+                finished.append(self._result(r))
+        return finished
+
+    def _hit_stop_string(self, s: _Seq, stops: tuple[str, ...]) -> bool:
+        text = self.tokenizer.decode(s.out)
+        begin = max(0, s.searched - max(len(x) for x in stops) + 1)
+        hits = [i for i in (text.find(x, begin) for x in stops) if i >= 0]
+        s.searched = len(text)
+        if hits:
+            s.text = text[:min(hits)]
+            return True
+        return False
+
+    def _retire(self, s: _Seq) -> None:
+        self.kv.release(s.blocks)
+        self._reserved -= s.reserve
+        s.reserve = 0
+        s.blocks = []
+        s.req.running -= 1
+        if s.text is None:
+            out = s.out[:-1] if s.stop_reason == "stop" else s.out
+            s.text = self.tokenizer.decode(out)
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        logits = logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
+        opts = [s.req.req.options for s in seqs]
+        greedy = [o.temperature == 0 for o in opts]
+        if all(greedy):
+            tok = logits.argmax(-1)
+        else:
+            x = logits / torch.tensor([o.temperature or 1.0 for o in opts], device=logits.device)[:, None]
+            ks = [o.top_k if o.top_k > 0 else 0 for o in opts]
+            if any(ks):
+                kmax = min(max(ks), x.shape[-1])
+                top = x.topk(kmax, dim=-1).values
+                idx = torch.tensor([min(k, kmax) - 1 if k else kmax - 1 for k in ks], device=x.device)
+                thr = top.gather(1, idx[:, None])
+                thr = torch.where(torch.tensor(ks, device=x.device)[:, None] > 0, thr, -math.inf)
+                x = x.masked_fill(x < thr, -math.inf)
+            if any(o.top_p < 1 for o in opts):
+                top_p = torch.tensor([o.top_p if o.top_p < 1 else math.inf for o in opts],
+                                     device=x.device)[:, None]
+                sx, si = x.sort(dim=-1, descending=True)
+                sp = sx.softmax(-1)
+                drop = (sp.cumsum(-1) - sp) > top_p  # keep the smallest prefix reaching top_p
+                x = x.masked_fill(torch.zeros_like(drop).scatter(1, si, drop), -math.inf)
+            cdf = x.softmax(-1).double().cumsum(-1)
+            u = torch.tensor([float(torch.rand((), generator=s.gen)) if not g else 0.0
+                              for s, g in zip(seqs, greedy)], dtype=torch.float64, device=x.device)
+            tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+            tok = tok.clamp(max=x.shape[-1] - 1)
+            if any(greedy):
+                tok = torch.where(torch.tensor(greedy, device=x.device), logits.argmax(-1), tok)
+        lp = logp.gather(1, tok[:, None])[:, 0]
+        return tok.tolist(), lp.tolist()
+
+    def _prompt_logprobs(self, r: _Request, hidden: torch.Tensor, adapters: AdapterBatch) -> None:
+        """Entry i = log p(prompt[i] | prompt[:i]) from a full forward; entry 0 is None."""
+        prompt, k = r.req.prompt, r.req.topk_prompt_logprobs
+        n = len(prompt)
+        targets = torch.tensor(prompt[1:], device=hidden.device)
+        lps: list[float | None] = [None]
+        topk: list[list[tuple[int, float]] | None] = [None]
+        for a in range(0, n - 1, LOGITS_CHUNK):
+            b = min(a + LOGITS_CHUNK, n - 1)
+            logp = torch.log_softmax(self.model.logits(hidden[:, a:b], adapters)[0], dim=-1)
+            lps += logp.gather(1, targets[a:b, None])[:, 0].tolist()
+            if k:
+                v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
+                topk += [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
+        r.prompt_logprobs = lps if (r.req.prompt_logprobs or not r.req.generate) else None
+        r.topk_prompt_logprobs = topk if k else None
+
+    def _result(self, r: _Request) -> SampleResult:
+        self._live.discard(r.req.request_id)
+        seqs = [SampledSequence(s.out, s.logprobs, s.text, s.stop_reason) for s in r.seqs]
+        return SampleResult(r.req.request_id, seqs, r.prompt_logprobs, r.usage, r.topk_prompt_logprobs)
