@@ -1,0 +1,97 @@
+"""User-set parameters: sampling, the Adam optimizer step, and a LoRA adapter's shape.
+
+Defaults equal PyTRIO's. Invalid values raise ValueError naming the field.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from pydantic import field_validator, model_validator
+
+from .base import BaseModel
+
+
+class SamplingParams(BaseModel):
+    max_tokens: int | None = None  # required by sample(); None here so the type can be built in steps
+    seed: int | None = None
+    stop: str | Sequence[str] | Sequence[int] | None = None  # stop strings, or stop token ids
+    temperature: float = 1
+    top_k: int = -1  # -1: off
+    top_p: float = 1
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ValueError(f"SamplingParams.max_tokens must be > 0, got {self.max_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k != -1 and self.top_k <= 0:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or > 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        return self
+
+    def to_wire(self) -> dict:
+        """The PyTRIO wire form: `stop` strings and `stop_token_ids` are separate fields."""
+        out: dict = {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                     "top_k": self.top_k, "top_p": self.top_p}
+        if self.seed is not None:
+            out["seed"] = self.seed
+        stop = self.stop
+        if isinstance(stop, str):
+            out["stop"] = [stop]
+        elif stop is not None:
+            items = list(stop)
+            if items and all(isinstance(s, int) and not isinstance(s, bool) for s in items):
+                out["stop_token_ids"] = items
+            elif all(isinstance(s, str) for s in items):
+                out["stop"] = items
+            else:
+                raise ValueError("SamplingParams.stop must be a str, a list of str, or a list of int token ids")
+        return out
+
+
+class AdamParams(BaseModel):
+    """AdamW. grad_clip_norm 0.0 = no clipping."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    @model_validator(mode="after")
+    def _check(self) -> AdamParams:
+        for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"AdamParams.{name} must be a finite number >= 0, got {v}")
+        for name in ("beta1", "beta2"):
+            if getattr(self, name) >= 1:
+                raise ValueError(f"AdamParams.{name} must be < 1, got {getattr(self, name)}")
+        return self
+
+
+class LoraConfig(BaseModel):
+    """The LoRA adapter of a training run. rank must be in [4, 64] (as PyTRIO enforces)."""
+
+    rank: int = 32
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+    @field_validator("rank")
+    @classmethod
+    def _rank(cls, v: int) -> int:
+        if not 4 <= v <= 64:
+            raise ValueError(f"LoraConfig.rank must be in [4, 64], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _some_target(self) -> LoraConfig:
+        if not (self.train_mlp or self.train_attn or self.train_unembed):
+            raise ValueError("LoraConfig: at least one of train_mlp, train_attn, train_unembed must be True")
+        return self

@@ -1,0 +1,35 @@
+"""Usage by phase, with the engine's field names.
+
+Sampling fills prompt/prefill/cached/sample tokens, training fills train/loss tokens.
+Invariants: prompt_tokens == prefill_tokens + cached_tokens; loss_tokens <= train_tokens.
+`cost` is set only when the server reports one; a sum has a cost only if every term had one.
+"""
+from __future__ import annotations
+
+from .base import BaseModel
+
+PHASE_FIELDS = ("prompt_tokens", "prefill_tokens", "cached_tokens", "sample_tokens",
+                "train_tokens", "loss_tokens")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    sample_tokens: int = 0  # generated tokens, all samples together
+    train_tokens: int = 0  # every computed training position
+    loss_tokens: int = 0  # positions with a non-zero weight or advantage
+    cost: float | None = None
+
+    def __add__(self, other: Usage) -> Usage:
+        fields = {f: getattr(self, f) + getattr(other, f) for f in PHASE_FIELDS}
+        cost = None if self.cost is None or other.cost is None else self.cost + other.cost
+        return Usage(**fields, cost=cost)
+
+    @classmethod
+    def from_wire(cls, usage: dict | None, cost: float | None = None) -> Usage:
+        """Read the trine fields from a response's `usage` map (unknown keys are ignored)."""
+        usage = usage or {}
+        fields = {f: int(usage.get(f) or 0) for f in PHASE_FIELDS}
+        c = usage.get("cost", cost)
+        return cls(**fields, cost=None if c is None else float(c))
