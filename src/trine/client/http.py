@@ -1,0 +1,181 @@
+"""HTTP for both planes, with PyTRIO's retry rules.
+
+Retryable: HTTP 408/429/500/502/503/504 and transport errors (connect, read, timeouts). After the
+first retryable failure, the *same* request (same body, same event or request id) is re-sent with
+exponential backoff until `retry_window_s` has passed; the server deduplicates by those ids.
+
+Control (`{root}/api/...`): JSON, authenticated with the API key (X-API-Key + Bearer).
+Actor (from the run's `actor.endpoint`): authenticated with the run's short-lived JWT, renewed
+through control when within 300 s of expiry or after a 401 (once per failed token).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import httpx
+
+from .errors import ActorAPIError, AuthError, ControlAPIError, TrineError
+from .wire import decode_body
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@dataclass
+class Settings:
+    request_timeout_s: float = 30.0
+    retry_window_s: float = 900.0  # retry a failing request this long after its first failure
+    retry_initial_delay_s: float = 0.5
+    retry_max_delay_s: float = 10.0
+    poll_wait_s: int = 30  # sent as `Prefer: wait=N` on event long-polls
+    sampling_timeout_s: float = 4 * 3600.0
+    max_events_in_flight: int = 16  # per training run
+    max_samples_in_flight: int = 16  # per sampling client
+
+
+def normalize_base_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if url.endswith("/api"):
+        url = url[: -len("/api")]
+    return url
+
+
+async def send_with_retry(send: Callable[[], Awaitable[httpx.Response]], settings: Settings) -> httpx.Response:
+    """Call `send` until it gives a non-retryable response or the retry window closes."""
+    first_failure: float | None = None
+    delay = settings.retry_initial_delay_s
+    while True:
+        try:
+            response = await send()
+            if response.status_code not in RETRYABLE_STATUS:
+                return response
+            error: Exception | None = None
+        except httpx.TransportError as e:
+            response, error = None, e
+        now = time.monotonic()
+        first_failure = first_failure if first_failure is not None else now
+        if now - first_failure >= settings.retry_window_s:
+            if error is not None:
+                raise error
+            return response
+        await asyncio.sleep(delay * (1 + 0.1 * random.random()))
+        delay = min(delay * 2, settings.retry_max_delay_s)
+
+
+def error_fields(body: object) -> tuple[str, str, dict]:
+    """(code, message, details) from `{code, message, ...}` or `{error: {code, message}}`."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        body = body["error"]
+    if not isinstance(body, dict):
+        return "", "", {}
+    details = {k: v for k, v in body.items() if k not in ("code", "message")}
+    return str(body.get("code") or ""), str(body.get("message") or ""), details
+
+
+class ControlHTTP:
+    """The control plane of one server, bound to one API key."""
+
+    def __init__(self, base_url: str, api_key: str, settings: Settings):
+        self.root = normalize_base_url(base_url)
+        self.settings = settings
+        self.client = httpx.AsyncClient(
+            base_url=self.root + "/api/", timeout=settings.request_timeout_s,
+            headers={"X-API-Key": api_key, "Authorization": f"Bearer {api_key}"})
+
+    async def call(self, method: str, path: str, *, json: dict | None = None,
+                   params: dict | None = None, retry: bool = True) -> dict:
+        """The JSON object a control endpoint returns; `retry=False` tries once (used at exit)."""
+        send = lambda: self.client.request(method, path, json=json, params=params)  # noqa: E731
+        response = await (send_with_retry(send, self.settings) if retry else send())
+        try:
+            body = response.json() if response.content.strip() else {}
+        except ValueError:
+            body = None
+        if response.status_code >= 400:
+            code, message, details = error_fields(body)
+            cls = AuthError if response.status_code == 401 else ControlAPIError
+            raise cls(message or f"control request {method} /api/{path} failed with HTTP {response.status_code}",
+                      code=code, status_code=response.status_code, details=details)
+        if not isinstance(body, dict):
+            raise ControlAPIError(f"control request {method} /api/{path} did not return a JSON object",
+                                  code="invalid_response", status_code=response.status_code)
+        return body
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def _parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    t = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+class ActorConnection:
+    """The actor endpoint of one run with its JWT. `renew` asks control for new credentials
+    (a response with `actor` and `actor_jwt`)."""
+
+    def __init__(self, actor: dict, actor_jwt: dict, renew: Callable[[], Awaitable[dict]],
+                 settings: Settings, client: httpx.AsyncClient):
+        self.settings = settings
+        self.client = client  # shared by every actor connection of a ServiceClient
+        self._renew_fn = renew
+        self._renewing: asyncio.Task | None = None
+        self._apply(actor, actor_jwt)
+
+    def _apply(self, actor: dict, actor_jwt: dict) -> None:
+        endpoint = actor["endpoint"]
+        if "://" not in endpoint:
+            endpoint = ("https://" if actor.get("tls_enabled") else "http://") + endpoint
+        self.endpoint = endpoint.rstrip("/") + "/"
+        self.token = actor_jwt["token"]
+        self.expires_at = _parse_time(actor_jwt.get("expires_at"))
+
+    async def renew(self, failed_token: str | None = None) -> None:
+        """Fetch new credentials once; concurrent callers share one renewal."""
+        if failed_token is not None and failed_token != self.token:
+            return  # someone renewed already
+        if self._renewing is None or self._renewing.done():
+            async def run():
+                r = await self._renew_fn()
+                self._apply(r["actor"], r["actor_jwt"])
+            self._renewing = asyncio.ensure_future(run())
+        await asyncio.shield(self._renewing)
+
+    async def request(self, method: str, path: str, *, content: bytes | None = None,
+                      json: dict | None = None, headers: dict | None = None,
+                      timeout: float | None = None) -> httpx.Response:
+        if self.expires_at is not None and (self.expires_at - datetime.now(timezone.utc)).total_seconds() < 300:
+            await self.renew()
+        for attempt in range(2):
+            token = self.token
+            h = {**(headers or {}), "Authorization": f"Bearer {token}"}
+            response = await send_with_retry(
+                lambda: self.client.request(method, self.endpoint + path, content=content, json=json,
+                                            headers=h, timeout=timeout or self.settings.request_timeout_s),
+                self.settings)
+            if response.status_code == 401 and attempt == 0:
+                await self.renew(failed_token=token)
+                continue
+            return response
+        return response
+
+    @staticmethod
+    def raise_for_error(response: httpx.Response, what: str) -> object:
+        """The decoded body, or ActorAPIError carrying the server's code and message."""
+        try:
+            body = decode_body(response.content, response.headers.get("content-type", ""))
+        except Exception:  # noqa: BLE001 - an undecodable body is reported with its status
+            body = None
+        if response.status_code >= 400:
+            code, message, details = error_fields(body)
+            raise ActorAPIError(message or f"{what} failed with HTTP {response.status_code}",
+                                code=code, status_code=response.status_code, details=details)
+        if body is None:
+            raise TrineError(f"{what}: the server sent an undecodable body", code="invalid_response")
+        return body

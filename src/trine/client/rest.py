@@ -1,0 +1,209 @@
+"""RestClient: metadata of runs, sessions, samplers and checkpoints, and checkpoint downloads.
+Every method returns an APIFuture (`.result()` or `await`); `*_async` methods return the value."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..types import (
+    Checkpoint,
+    CheckpointArchiveUrlResponse,
+    CheckpointDownloadResult,
+    CheckpointDownloadSource,
+    CheckpointsListResponse,
+    Cursor,
+    GetSamplerResponse,
+    GetSessionResponse,
+    ListSessionsResponse,
+    TrainingRun,
+    TrainingRunsResponse,
+)
+from .errors import TrineError, ValidationError
+from .futures import APIFuture
+
+if TYPE_CHECKING:
+    from .service import Session
+
+
+def _require(name: str, value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValidationError(f"{name} must be a non-empty str, got {value!r}")
+
+
+def _cursor(c: dict) -> Cursor:
+    return Cursor(offset=c["offset"], limit=c["limit"], total_count=c["total"])
+
+
+def _checkpoint(c: dict) -> Checkpoint:
+    kind = {"TRAINING": "training", "SAMPLER": "sampler"}.get(c["checkpoint_type"])
+    if kind is None:
+        raise TrineError(f"unknown checkpoint_type {c['checkpoint_type']!r}", code="invalid_response")
+    return Checkpoint(checkpoint_id=c["checkpoint_cuid"], checkpoint_type=kind, time=c["created_at"],
+                      path=c["checkpoint_uri"], size_bytes=c.get("size_bytes"), expires_at=c.get("expired_at"))
+
+
+def _training_run(r: dict) -> TrainingRun:
+    rank = r.get("lora_rank") or 0
+    return TrainingRun(training_run_id=r["training_run_cuid"], base_model=r["base_model"],
+                       model_owner=r["workspace_cuid"], is_lora=r["is_lora"], corrupted=r.get("corrupted", False),
+                       lora_rank=rank if r["is_lora"] and rank > 0 else None, last_request_time=r["updated_at"],
+                       user_metadata=r.get("user_metadata"))
+
+
+class RestClient:
+    def __init__(self, session: Session):
+        self._session = session
+        self._rt = session.runtime
+        self._control = session.runtime.control
+
+    def _future(self, coro) -> APIFuture:
+        return APIFuture(self._rt.spawn(coro))
+
+    # -- training runs -------------------------------------------------------------------------
+
+    async def get_training_run_async(self, training_run_id: str, access_scope: str = "owned") -> TrainingRun:
+        _require("training_run_id", training_run_id)
+        r = await self._rt.run_async(self._control.call("GET", f"openapi/v1/training-runs/{training_run_id}",
+                                                        params={"access_scope": access_scope}))
+        return _training_run(r)
+
+    def get_training_run(self, training_run_id: str, access_scope: str = "owned") -> APIFuture[TrainingRun]:
+        _require("training_run_id", training_run_id)
+        return self._future(self.get_training_run_async(training_run_id, access_scope))
+
+    async def list_training_runs_async(self, limit: int = 20, offset: int = 0,
+                                       access_scope: str = "owned") -> TrainingRunsResponse:
+        r = await self._rt.run_async(self._control.call("GET", "openapi/v1/training-runs", params={
+            "limit": limit, "offset": offset, "access_scope": access_scope}))
+        return TrainingRunsResponse(training_runs=[_training_run(x) for x in r["training_runs"]],
+                                    cursor=_cursor(r["cursor"]))
+
+    def list_training_runs(self, limit: int = 20, offset: int = 0,
+                           access_scope: str = "owned") -> APIFuture[TrainingRunsResponse]:
+        return self._future(self.list_training_runs_async(limit, offset, access_scope))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    async def list_checkpoints_async(self, training_run_id: str) -> CheckpointsListResponse:
+        """Every checkpoint of one run (all pages)."""
+        _require("training_run_id", training_run_id)
+        items: list[dict] = []
+        offset = 0
+        while True:
+            page = await self._rt.run_async(self._control.call(
+                "GET", f"openapi/v1/training-runs/{training_run_id}/checkpoints",
+                params={"limit": 200, "offset": offset}))
+            items += page["checkpoints"]
+            cursor = page["cursor"]
+            offset = cursor["offset"] + cursor["limit"]
+            if not page["checkpoints"] or offset >= cursor["total"]:
+                break
+        return CheckpointsListResponse(checkpoints=[_checkpoint(c) for c in items])
+
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
+        _require("training_run_id", training_run_id)
+        return self._future(self.list_checkpoints_async(training_run_id))
+
+    async def list_user_checkpoints_async(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
+        page = await self._rt.run_async(self._control.call("GET", "openapi/v1/checkpoints",
+                                                           params={"limit": limit, "offset": offset}))
+        return CheckpointsListResponse(checkpoints=[_checkpoint(c) for c in page["checkpoints"]],
+                                       cursor=_cursor(page["cursor"]))
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[CheckpointsListResponse]:
+        return self._future(self.list_user_checkpoints_async(limit, offset))
+
+    async def get_checkpoint_download_url_async(self, checkpoint_id: str) -> CheckpointDownloadSource:
+        _require("checkpoint_id", checkpoint_id)
+        r = await self._rt.run_async(self._control.call("GET", f"openapi/v1/checkpoints/{checkpoint_id}/download-url"))
+        return CheckpointDownloadSource(checkpoint_id=checkpoint_id, url=r["url"], expires=r["expires_at"],
+                                        source=r["source"], checkpoint_status=r["checkpoint_status"],
+                                        tls_cert_pem=r.get("tls_cert_pem"), tls_not_after=r.get("tls_not_after"))
+
+    def get_checkpoint_download_url(self, checkpoint_id: str) -> APIFuture[CheckpointDownloadSource]:
+        _require("checkpoint_id", checkpoint_id)
+        return self._future(self.get_checkpoint_download_url_async(checkpoint_id))
+
+    async def get_checkpoint_archive_url_async(self, checkpoint_id: str) -> CheckpointArchiveUrlResponse:
+        source = await self.get_checkpoint_download_url_async(checkpoint_id)
+        return CheckpointArchiveUrlResponse(url=source.url, expires=source.expires)
+
+    def get_checkpoint_archive_url(self, checkpoint_id: str) -> APIFuture[CheckpointArchiveUrlResponse]:
+        _require("checkpoint_id", checkpoint_id)
+        return self._future(self.get_checkpoint_archive_url_async(checkpoint_id))
+
+    async def _download(self, checkpoint_id: str, path: Path, resume: bool) -> CheckpointDownloadResult:
+        source = await self.get_checkpoint_download_url_async(checkpoint_id)
+        start = path.stat().st_size if resume and path.is_file() else 0
+        headers = {"Range": f"bytes={start}-"} if start else {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        written = 0
+        async with self._rt.actor_http.stream("GET", source.url, headers=headers, follow_redirects=True,
+                                              timeout=None) as r:
+            if r.status_code == 416 and start:
+                status, resumed = 416, True
+            elif r.status_code in (200, 206):
+                resumed = r.status_code == 206
+                status = r.status_code
+                with path.open("ab" if resumed else "wb") as f:
+                    async for block in r.aiter_bytes():
+                        f.write(block)
+                        written += len(block)
+            else:
+                await r.aread()
+                raise TrineError(f"checkpoint download failed with HTTP {r.status_code}", status_code=r.status_code)
+        return CheckpointDownloadResult(checkpoint_id=checkpoint_id, path=str(path), bytes_written=written,
+                                        file_size_bytes=path.stat().st_size, status_code=status, resumed=resumed)
+
+    async def download_checkpoint_async(self, checkpoint_id: str, destination_path: str | Path, *,
+                                        resume: bool = True) -> CheckpointDownloadResult:
+        _require("checkpoint_id", checkpoint_id)
+        return await self._rt.run_async(self._download(checkpoint_id, Path(destination_path), resume))
+
+    def download_checkpoint(self, checkpoint_id: str, destination_path: str | Path, *,
+                            resume: bool = True) -> APIFuture[CheckpointDownloadResult]:
+        """Download a checkpoint's archive to `destination_path` (resuming a partial file)."""
+        _require("checkpoint_id", checkpoint_id)
+        return self._future(self._download(checkpoint_id, Path(destination_path), resume))
+
+    async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
+        _require("training_run_id", training_run_id)
+        _require("checkpoint_id", checkpoint_id)
+        await self._rt.run_async(self._control.call("DELETE", f"openapi/v1/checkpoints/{checkpoint_id}"))
+
+    def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
+        _require("training_run_id", training_run_id)
+        _require("checkpoint_id", checkpoint_id)
+        return self._future(self.delete_checkpoint_async(training_run_id, checkpoint_id))
+
+    # -- sessions, samplers --------------------------------------------------------------------
+
+    async def get_session_async(self, session_id: str, access_scope: str = "owned") -> GetSessionResponse:
+        _require("session_id", session_id)
+        r = await self._rt.run_async(self._control.call("GET", f"openapi/v1/service-sessions/{session_id}",
+                                                        params={"access_scope": access_scope}))
+        return GetSessionResponse(training_run_ids=r["training_run_cuids"], sampler_ids=r["sampling_run_cuids"])
+
+    def get_session(self, session_id: str, access_scope: str = "owned") -> APIFuture[GetSessionResponse]:
+        _require("session_id", session_id)
+        return self._future(self.get_session_async(session_id, access_scope))
+
+    async def list_sessions_async(self, limit: int = 20, offset: int = 0,
+                                  access_scope: str = "owned") -> ListSessionsResponse:
+        r = await self._rt.run_async(self._control.call("GET", "openapi/v1/service-sessions", params={
+            "limit": limit, "offset": offset, "access_scope": access_scope}))
+        return ListSessionsResponse(sessions=[s["service_session_cuid"] for s in r["service_sessions"]])
+
+    def list_sessions(self, limit: int = 20, offset: int = 0,
+                      access_scope: str = "owned") -> APIFuture[ListSessionsResponse]:
+        return self._future(self.list_sessions_async(limit, offset, access_scope))
+
+    async def get_sampler_async(self, sampler_id: str) -> GetSamplerResponse:
+        _require("sampler_id", sampler_id)
+        r = await self._rt.run_async(self._control.call("GET", f"openapi/v1/sampling-runs/{sampler_id}"))
+        return GetSamplerResponse(sampler_id=r["sampling_run_cuid"], base_model=r["base_model"],
+                                  model_path=r.get("source_checkpoint_uri"))
+
+    def get_sampler(self, sampler_id: str) -> APIFuture[GetSamplerResponse]:
+        _require("sampler_id", sampler_id)
+        return self._future(self.get_sampler_async(sampler_id))
