@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from .rates import RateCard
-from .report import PhaseTokens, ReportRow
+from .report import PhaseTokens, ReportRow, fmt_money
 
 
 @dataclass(frozen=True)
@@ -130,13 +130,14 @@ def render(est: Estimate, console=None) -> None:
                   f"{s.group_size}, {s.turns} turn(s) of {s.prompt_tokens} prompt + {s.completion_tokens} "
                   f"completion tokens, system {s.system_tokens}, {s.train_passes} training pass(es)")
     t = Table(title_justify="left")
-    for name in ("phase", "tokens (cache)", "cost (cache)", "tokens (no cache)", "cost (no cache)"):
-        t.add_column(name, justify="left" if name == "phase" else "right")
+    t.add_column("phase", no_wrap=True)
+    for name in ("tokens", "cost", "tokens, no cache", "cost, no cache"):
+        t.add_column(name, justify="right")
     for ph in ("prefill", "prefill_cached", "sample", "train"):
-        t.add_row(ph, f"{getattr(w.tokens, ph):,}", _money(w.cost[ph]),
-                  f"{getattr(wo.tokens, ph):,}", _money(wo.cost[ph]))
-    t.add_row("train_loss (in train)", f"{w.tokens.train_loss:,}", "", f"{wo.tokens.train_loss:,}", "")
-    t.add_row("total", "", _money(w.cost["total"]), "", _money(wo.cost["total"]), style="bold")
+        t.add_row(ph, f"{getattr(w.tokens, ph):,}", fmt_money(w.cost[ph]),
+                  f"{getattr(wo.tokens, ph):,}", fmt_money(wo.cost[ph]))
+    t.add_row("train_loss", f"{w.tokens.train_loss:,}", "", f"{wo.tokens.train_loss:,}", "")
+    t.add_row("total", "", fmt_money(w.cost["total"]), "", fmt_money(wo.cost["total"]), style="bold")
     console.print(t)
     hit = w.tokens.cache_hit_rate
     console.print(f"sampling requests: {w.requests:,} · prefix-cache hit rate: "
@@ -146,5 +147,3 @@ def render(est: Estimate, console=None) -> None:
         console.print(f"dominant phase: [bold]{est.dominant_phase}[/bold] ({100 * share:.0f}% of the cost)")
 
 
-def _money(x: float) -> str:
-    return f"{x:.6f}" if x < 0.01 else f"{x:,.4f}"

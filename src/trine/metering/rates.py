@@ -111,6 +111,17 @@ class RateCard:
                 note=str(r.get("note", "")))
         return cls(rows, currency, tuple(s for s, _ in texts))
 
+    @classmethod
+    def from_models_list(cls, models: list[dict], currency: str = "USD") -> RateCard:
+        """The inverse of `as_models_list` (a server's /api/trine/v1/rates answer)."""
+        rows = {}
+        for m in models:
+            p = m["pricing"]
+            rows[model_key(m["model_id"])] = ModelPrices(
+                m["model_id"], *(_price(p[k], f'{m["model_id"]}.{k}') for k in (*BILLED_PHASES, "storage_gb_month")),
+                note=m.get("description", ""))
+        return cls(rows, currency)
+
     def price(self, model: str) -> ModelPrices:
         return self.rows.get(model_key(model)) or self.rows[DEFAULT_ROW]
 

@@ -170,7 +170,7 @@ def summarize_diagnostics(diags: list[CacheDiagnostic], rate_card: RateCard) -> 
 # ---- rendering ---------------------------------------------------------------------------------------
 
 def render(report: Report, console=None) -> None:
-    """Print the report as rich tables: tokens by phase per group, cost by phase, cache diagnostics."""
+    """Print the report: a table of tokens by phase per group, cost by phase, then cache diagnostics."""
     from rich.console import Console
     from rich.table import Table
 
@@ -179,38 +179,35 @@ def render(report: Report, console=None) -> None:
     if report.filters:
         title += " (" + ", ".join(f"{k}={v}" for k, v in report.filters.items()) + ")"
     t = Table(title=title, title_justify="left")
-    t.add_column(report.by or "")
-    for name in ("requests", "prefill", "cached", "sample", "train", "loss", "cache hit", "loss/train"):
+    t.add_column(report.by or "", no_wrap=True)
+    for name in ("req", "prefill", "cached", "sample", "train", "loss", "hit"):
         t.add_column(name, justify="right")
-    t.add_column(f"cost {report.currency}", justify="right")
+    t.add_column(report.currency, justify="right", no_wrap=True)
     for r in report.rows + [report.total]:
         tk = r.tokens
         t.add_row(r.key, f"{r.requests:,}", f"{tk.prefill:,}", f"{tk.prefill_cached:,}", f"{tk.sample:,}",
-                  f"{tk.train:,}", f"{tk.train_loss:,}", _pct(tk.cache_hit_rate), _pct(tk.loss_fraction),
-                  _money(r.cost["total"]), style="bold" if r is report.total else None,
+                  f"{tk.train:,}", f"{tk.train_loss:,}", fmt_pct(tk.cache_hit_rate), fmt_money(r.cost["total"]),
+                  style="bold" if r is report.total else None,
                   end_section=r is not report.total and r is report.rows[-1])
     console.print(t)
-
-    c = report.total.cost
-    parts = [f"{ph} {_money(c[ph])} ({_pct(c[ph] / c['total'] if c['total'] else None)})" for ph in BILLED_PHASES]
-    console.print("cost by phase: " + " · ".join(parts))
+    tk, c = report.total.tokens, report.total.cost
+    console.print("cached = prompt tokens served from the prefix cache; hit = cached / prompt; "
+                  f"loss = train positions with non-zero weight ({fmt_pct(tk.loss_fraction)} of train)")
+    parts = [f"{ph} {fmt_money(c[ph])} ({fmt_pct(c[ph] / c['total'] if c['total'] else None)})" for ph in BILLED_PHASES]
+    console.print(f"cost by phase ({report.currency}): " + " · ".join(parts))
     if report.total.dominant_phase:
         console.print(f"dominant phase: [bold]{report.total.dominant_phase}[/bold]")
-
     if report.diagnostics:
-        d = Table(title="prefix-cache diagnostics", title_justify="left")
-        for name, just in (("pattern", "left"), ("requests", "right"), ("prompt tokens lost", "right"),
-                           (f"cost {report.currency}", "right"), ("diverges at token", "right"), ("fix", "left")):
-            d.add_column(name, justify=just)
-        for p in report.diagnostics:
-            d.add_row(p.pattern, f"{p.requests:,}", f"{p.tokens_lost:,}", _money(p.cost_lost),
-                      str(p.diverge_position), p.fix)
-        console.print(d)
+        console.print("[bold]prefix-cache diagnostics[/bold]")
+    for p in report.diagnostics:
+        console.print(f"  [bold]{p.pattern}[/bold]: {p.requests:,} request(s), {p.tokens_lost:,} prompt tokens "
+                      f"prefilled that could have been cached ({report.currency} {fmt_money(p.cost_lost)}); "
+                      f"prompts diverge at token {p.diverge_position}\n    fix: {p.fix}")
 
 
-def _pct(x: float | None) -> str:
+def fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _money(x: float) -> str:
-    return f"{x:.6f}" if x < 0.01 else f"{x:.4f}"
+def fmt_money(x: float) -> str:
+    return f"{x:,.4f}" if x >= 0.01 or x == 0 else f"{x:.2g}"

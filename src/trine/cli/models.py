@@ -1,0 +1,68 @@
+"""`trine models`: the model list with per-phase prices, from a server or from the rate card + data dir."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..metering import remote
+from ..metering.rates import RateCard, trine_home
+
+
+@click.command()
+@click.option("--url", help="List a server's models (default $TRINE_BASE_URL).")
+@click.option("--api-key", help="API key for --url (default $TRINE_API_KEY).")
+@click.option("--home", type=click.Path(file_okay=False, path_type=Path),
+              help="Data dir whose models/ and rates.toml apply (default $TRINE_HOME or ~/.trine).")
+@click.option("--rates", type=click.Path(dir_okay=False, path_type=Path), help="Rate card TOML to price with.")
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
+def models(url, api_key, home, rates, as_json):
+    """Models with their prices per million tokens: prefill, cached prefill, sample, train; storage per GB-month."""
+    try:
+        rows = _rows(url, api_key, home, rates)
+    except (ValueError, ConnectionError) as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="models (USD per million tokens; storage per GB-month)", title_justify="left")
+    t.add_column("model", no_wrap=True)
+    t.add_column("status", no_wrap=True)
+    for name in ("prefill", "cached", "sample", "train", "GB-month"):
+        t.add_column(name, justify="right")
+    for r in rows:
+        p = r["pricing"]
+        status = r["status"] + ("" if p["rate_row"] == r["model_id"] else f" (priced as {p['rate_row']})")
+        t.add_row(r["model_id"], status, *(f"{p[k]:g}" for k in
+                  ("prefill", "prefill_cached", "sample", "train", "storage_gb_month")))
+    Console().print(t)
+
+
+def _rows(url, api_key, home, rates) -> list[dict]:
+    """One entry per model: model_id, status (served / downloaded / rate card), pricing."""
+    url = remote.server_url(url)
+    if url is not None:
+        key = remote.api_key(api_key)
+        card = None
+        out = []
+        for item in remote.models(url, key):
+            pricing = item.get("pricing")
+            if pricing is None:  # a server that does not price its catalogue: use its rate card endpoint
+                if card is None:
+                    d = remote.get_json(url, key, "/api/trine/v1/rates")
+                    card = RateCard.from_models_list(d["models"], d["currency"])
+                pricing = card.pricing(item["model_id"])
+            out.append({"model_id": item["model_id"], "status": "served", "pricing": pricing})
+        return out
+    home = home or trine_home()
+    card = RateCard.load(rates, home=home)
+    local = sorted(p.name for p in (home / "models").glob("*") if (p / "config.json").is_file())
+    out = [{"model_id": m, "status": "downloaded", "pricing": card.pricing(m)} for m in local]
+    out += [{"model_id": m["model_id"], "status": "rate card", "pricing": m["pricing"]}
+            for m in card.as_models_list() if m["model_id"] not in local]
+    return out
+
