@@ -148,3 +148,16 @@ def test_report_totals_property(rows):
         if by:
             assert sum(row.requests for row in r.rows) == len(events)
             assert sum(row.cost["total"] for row in r.rows) == pytest.approx(r.total.cost["total"])
+
+
+def test_parse_since():
+    from trine.metering.since import parse_since
+
+    now = T0 + 7200
+    assert parse_since("2h", now=now) == T0
+    assert parse_since("90m", now=now) == T0 + 1800
+    assert parse_since(str(int(T0))) == T0
+    assert parse_since("2026-01-05T08:00:00Z") == T0 == parse_since("2026-01-05T08:00")
+    assert parse_since("2026-01-05T09:00+01:00") == T0
+    with pytest.raises(ValueError, match="since"):
+        parse_since("last tuesday")
