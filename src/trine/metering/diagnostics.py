@@ -6,6 +6,8 @@ each has a detector here that fires when a prompt breaks it:
 - "retokenized_history": the prompt's decoded text continues an earlier prompt + completion, but its
   tokens diverge from those real tokens before their end (history was re-tokenized from text, and the
   tokenizer merged tokens differently across a boundary). tokens_lost = real tokens after the divergence.
+  Only earlier requests whose own prompt the new one repeats (to within RETOKENIZE_SLACK tokens) are
+  decoded and compared, which keeps the check cheap when prompts are unrelated.
 - "varying_head": the prompt shares a short head with an earlier prompt, diverges right after it, and
   then a much longer run of identical tokens follows (varying content placed before fixed content).
   tokens_lost = length of that identical run, which had to be prefilled again.
@@ -21,21 +23,31 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .events import CacheDiagnostic
 
 KGRAM = 8  # tokens that anchor a search for shared content after a divergence
+RETOKENIZE_SLACK = 16  # re-tokenizing may merge this far back into the earlier prompt's tail
 
 
 @dataclass
 class _Seen:
-    """One earlier request: its prompt, each completion's full real token sequence, and their texts."""
+    """One earlier request: its prompt and each completion's full real token sequence (prompt + completion),
+    whose decoded texts are filled in the first time a later prompt needs them."""
 
     prompt: list[int]
-    texts: list[tuple[list[int], str]]  # (prompt + completion tokens, decoded text)
+    reals: list[list[int]]
     single: bool  # sent with num_samples == 1
+    texts: list[str | None] = field(default_factory=list)
+
+    def text(self, i: int, decode: Callable[[list[int]], str]) -> str:
+        if not self.texts:
+            self.texts = [None] * len(self.reals)
+        if self.texts[i] is None:
+            self.texts[i] = decode(self.reals[i])
+        return self.texts[i]
 
 
 class PrefixDiagnostics:
@@ -59,7 +71,7 @@ class PrefixDiagnostics:
         found = (self._retokenized(prompt, past, decode)
                  or self._varying_head(prompt, cached_tokens, past)
                  or self._split_group(prompt, cached_tokens, completion_tokens_list, past))
-        seen = _Seen(prompt, [(r, decode(r)) for r in (prompt + list(c) for c in completion_tokens_list)],
+        seen = _Seen(prompt, [prompt + list(c) for c in completion_tokens_list],
                      single=len(completion_tokens_list) == 1)
         with self._lock:
             hist = self._runs.pop((api_key_id, run_id), None) or deque(maxlen=self.history)
@@ -75,18 +87,23 @@ class PrefixDiagnostics:
                                 tokens_lost=lost, request_id=request_id)]
 
     def _retokenized(self, prompt, past, decode):
-        candidates = [(real, text) for s in past for real, text in s.texts]
-        if any(prompt[:len(real)] == real for real, _ in candidates):
+        if any(_extends(prompt, real) for s in past for real in s.reals):
             return None  # appended to real tokens: the cache-friendly way
         text = None
-        for real, real_text in candidates:  # most recent first
-            if len(prompt) < len(real) // 2 or not real_text:
-                continue
-            if text is None:
-                text = decode(prompt)
-            if text.startswith(real_text):
-                d = _common_prefix(prompt, real)
-                return "retokenized_history", d, len(real) - d
+        for s in past:  # most recent first
+            if _common_prefix(prompt, s.prompt) < len(s.prompt) - RETOKENIZE_SLACK:
+                continue  # not a continuation of this request: its own prompt is not even there
+            for i, real in enumerate(s.reals):
+                if len(prompt) < 0.9 * len(real):
+                    continue  # too short to hold that text: re-tokenizing merges only a few tokens
+                real_text = s.text(i, decode)
+                if not real_text:
+                    continue
+                if text is None:
+                    text = decode(prompt)
+                if text.startswith(real_text):
+                    d = _common_prefix(prompt, real)
+                    return "retokenized_history", d, len(real) - d
         return None
 
     def _varying_head(self, prompt, cached, past):
@@ -108,12 +125,24 @@ class PrefixDiagnostics:
         return None
 
 
+def _extends(a: list[int], b: list[int]) -> bool:
+    """a starts with b (checks the last token first: cheap when they differ)."""
+    return len(a) >= len(b) and (not b or a[len(b) - 1] == b[-1]) and a[:len(b)] == b
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (bisection over slice comparisons, which run in C)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _shared_run(a: list[int], b: list[int], d: int, window: int) -> tuple[int, int]:
