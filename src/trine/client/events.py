@@ -6,8 +6,10 @@ Invariants (what the server's per-run FIFO relies on):
 - `step` counts completed forward_backward groups; the chunks of one group share a step;
 - a retried POST reuses its event id (the server deduplicates; `409 event_exists` = accepted);
 - at most `max_events_in_flight` events are accepted-but-unfinished at once.
-A failed POST, or any failure of one chunk of a split forward_backward, breaks the run: later
-calls raise RunBrokenError (the gradient state is unknown).
+An event the server refuses with a 4xx was not accepted: its future fails, its index is reused by
+the next event, and the run goes on. A POST whose fate is unknown (network errors or 5xx after
+every retry), or any failure of one chunk of a split forward_backward, breaks the run: later calls
+raise RunBrokenError (the gradient state is unknown).
 Futures resolve to the server's whole terminal event response (result, usage, cycle...).
 """
 from __future__ import annotations
@@ -85,8 +87,10 @@ class EventQueue:
                                   run_id=self.run_id, sdk_version=self.sdk_version)
             try:
                 response = await self._post(event_id, body)
-            except Exception as e:  # noqa: BLE001 - the event's fate is unknown: stop the run
-                self._break(f"submitting {item.type} failed ({e})")
+            except Exception as e:  # noqa: BLE001 - delivered through the event's future
+                refused = isinstance(e, ActorAPIError) and 400 <= e.status_code < 500
+                if not refused or item.breaks_run:
+                    self._break(f"submitting {item.type} failed ({e})")
                 _settle(item.future, exc=e)
                 self._slots.release()
                 continue

@@ -90,7 +90,11 @@ class ControlHTTP:
                    params: dict | None = None, retry: bool = True) -> dict:
         """The JSON object a control endpoint returns; `retry=False` tries once (used at exit)."""
         send = lambda: self.client.request(method, path, json=json, params=params)  # noqa: E731
-        response = await (send_with_retry(send, self.settings) if retry else send())
+        try:
+            response = await (send_with_retry(send, self.settings) if retry else send())
+        except httpx.TransportError as e:
+            raise ControlAPIError(f"cannot reach the trine server at {self.root} ({type(e).__name__}: {e}); "
+                                  "is `trine serve` running there?", code="network_error") from e
         try:
             body = response.json() if response.content.strip() else {}
         except ValueError:
@@ -104,6 +108,21 @@ class ControlHTTP:
             raise ControlAPIError(f"control request {method} /api/{path} did not return a JSON object",
                                   code="invalid_response", status_code=response.status_code)
         return body
+
+    async def get_bytes(self, path: str) -> bytes:
+        """A control GET whose answer is a file, not JSON."""
+        try:
+            response = await send_with_retry(lambda: self.client.get(path), self.settings)
+        except httpx.TransportError as e:
+            raise ControlAPIError(f"cannot reach the trine server at {self.root} ({e})", code="network_error") from e
+        if response.status_code >= 400:
+            try:
+                code, message, details = error_fields(response.json())
+            except ValueError:
+                code, message, details = "", "", {}
+            raise ControlAPIError(message or f"GET /api/{path} failed with HTTP {response.status_code}",
+                                  code=code, status_code=response.status_code, details=details)
+        return response.content
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -155,10 +174,14 @@ class ActorConnection:
         for attempt in range(2):
             token = self.token
             h = {**(headers or {}), "Authorization": f"Bearer {token}"}
-            response = await send_with_retry(
-                lambda: self.client.request(method, self.endpoint + path, content=content, json=json,
-                                            headers=h, timeout=timeout or self.settings.request_timeout_s),
-                self.settings)
+            try:
+                response = await send_with_retry(
+                    lambda: self.client.request(method, self.endpoint + path, content=content, json=json,
+                                                headers=h, timeout=timeout or self.settings.request_timeout_s),
+                    self.settings)
+            except httpx.TransportError as e:
+                raise ActorAPIError(f"cannot reach the actor at {self.endpoint} ({type(e).__name__}: {e})",
+                                    code="network_error") from e
             if response.status_code == 401 and attempt == 0:
                 await self.renew(failed_token=token)
                 continue

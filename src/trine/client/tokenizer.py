@@ -2,7 +2,7 @@
 
 Resolution: if the server's `model_id` is a directory on this machine holding a tokenizer (same
 host), load it from there. Otherwise fetch the tokenizer files from the server once
-(`GET /api/trine/v1/tokenizers/{model}` -> `{"files": {name: text}}`) into
+(`GET /api/trine/v1/models/{model}/tokenizer` lists the files, `.../tokenizer/{file}` serves one) into
 `$TRINE_HOME/tokenizers/<model>/` (written to a temporary dir, then renamed: the cache dir is
 either absent or complete; `.model_id` records which server model it came from) and load that.
 """
@@ -36,16 +36,16 @@ def cache_dir(model_alias: str) -> Path:
     return trine_home() / "tokenizers" / re.sub(r"[^A-Za-z0-9._-]+", "_", model_alias)
 
 
-def write_cache(directory: Path, model_id: str, files: dict[str, str]) -> None:
+def write_cache(directory: Path, model_id: str, files: dict[str, bytes]) -> None:
     if "tokenizer.json" not in files:
         raise ValueError("the server's tokenizer has no tokenizer.json")
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=".tmp-"))
     try:
-        for name, text in files.items():
+        for name, content in files.items():
             if "/" in name or name.startswith("."):
                 raise ValueError(f"the server sent an unsafe tokenizer file name {name!r}")
-            (tmp / name).write_text(text, encoding="utf-8")
+            (tmp / name).write_bytes(content)
         (tmp / ".model_id").write_text(model_id, encoding="utf-8")
         if directory.exists():
             shutil.rmtree(directory)
@@ -55,12 +55,12 @@ def write_cache(directory: Path, model_id: str, files: dict[str, str]) -> None:
         raise
 
 
-async def fetch_tokenizer_files(control, model_alias: str) -> dict[str, str]:
-    body = await control.call("GET", f"trine/v1/tokenizers/{model_alias}")
-    files = body.get("files")
-    if not isinstance(files, dict):
-        raise ValueError(f"the server's tokenizer response for {model_alias!r} has no 'files' map")
-    return files
+async def fetch_tokenizer_files(control, model_alias: str) -> dict[str, bytes]:
+    listing = await control.call("GET", f"trine/v1/models/{model_alias}/tokenizer")
+    names = listing.get("files")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"the server's tokenizer listing for {model_alias!r} has no 'files' list")
+    return {n: await control.get_bytes(f"trine/v1/models/{model_alias}/tokenizer/{n}") for n in names}
 
 
 def resolve_local(model_id: str, model_alias: str) -> Any | None:
@@ -75,7 +75,7 @@ def resolve_local(model_id: str, model_alias: str) -> Any | None:
     return None
 
 
-def install(model_id: str, model_alias: str, files: dict[str, str]) -> Any:
+def install(model_id: str, model_alias: str, files: dict[str, bytes]) -> Any:
     directory = cache_dir(model_alias)
     write_cache(directory, model_id, files)
     return _load(directory)

@@ -1,0 +1,381 @@
+"""The trine SDK end to end over HTTP against a real server on a tiny model.
+
+One server and one ServiceClient per module; each test makes its own training runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+
+import pytest
+import torch
+
+import trine as trio
+from serverutil import serve
+from trine.client.batch import Limits
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("sdk-home")
+    old = os.environ.get("TRINE_HOME")
+    os.environ["TRINE_HOME"] = str(home)  # the SDK's tokenizer cache goes here too
+    try:
+        with serve(tiny_model_dir, home) as srv:
+            yield srv
+    finally:
+        if old is None:
+            os.environ.pop("TRINE_HOME", None)
+        else:
+            os.environ["TRINE_HOME"] = old
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def tokenizer(service):
+    return service.create_lora_training_client(MODEL, rank=4).get_tokenizer()
+
+
+def sft_datum(tokenizer, text: str) -> trio.Datum:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+
+
+def test_sft_loss_falls_and_each_pipelined_step_takes_one_cycle(service, tokenizer):
+    trainer = service.create_lora_training_client(MODEL, rank=8, seed=0)
+    batch = [sft_datum(tokenizer, "The capital of France is Paris."),
+             sft_datum(tokenizer, "Two plus two equals four.")]
+    losses, cycles = [], []
+    for _ in range(8):
+        fb = trainer.forward_backward(batch, "cross_entropy")
+        opt = trainer.optim_step(trio.AdamParams(learning_rate=1e-2))
+        out, step = fb.result(), opt.result()
+        losses.append(out.metrics["loss_mean"])
+        assert step.cycle == out.cycle  # submitted together: one clock cycle
+        cycles.append(out.cycle)
+        assert "grad_norm" in step.metrics
+    assert losses[-1] < 0.5 * losses[0]
+    assert cycles == sorted(set(cycles))
+    n = sum(len(d.model_input) for d in batch)
+    assert out.usage.train_tokens == n and out.usage.loss_tokens == n == out.metrics["token_count"]
+    assert [o["logprobs"].shape for o in out.loss_fn_outputs] == [[len(d.model_input)] for d in batch]
+
+
+def test_rl_loop_with_importance_sampling(service, tokenizer):
+    trainer = service.create_lora_training_client(MODEL, rank=8, seed=1)
+    prompt = tokenizer.encode("Count with me: one, two,", add_special_tokens=False)
+    params = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    for step in range(2):
+        sampler = trainer.save_weights_and_get_sampling_client()
+        res = sampler.sample(trio.ModelInput.from_ints(prompt), num_samples=4, sampling_params=params).result()
+        assert len(res.sequences) == 4
+        rewards = [float(len(set(s.tokens))) for s in res.sequences]
+        mean = sum(rewards) / len(rewards)
+        data = []
+        for seq, r in zip(res.sequences, rewards):
+            assert len(seq.logprobs) == len(seq.tokens) and all(math.isfinite(x) for x in seq.logprobs)
+            p = len(prompt) - 1
+            data.append(trio.Datum(model_input=trio.ModelInput.from_ints(prompt + seq.tokens[:-1]),
+                                   loss_fn_inputs={"target_tokens": [-100] * p + seq.tokens,
+                                                   "logprobs": [0.0] * p + seq.logprobs,
+                                                   "advantages": [0.0] * p + [r - mean + 0.5] * len(seq.tokens)}))
+        fb = trainer.forward_backward(data, "importance_sampling")
+        trainer.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
+        out = fb.result()
+        # the trainer's logprobs of the sampled tokens match the sampler's (same weights)
+        for datum, o, seq in zip(data, out.loss_fn_outputs, res.sequences):
+            trained = o["logprobs"].tolist()[len(prompt) - 1:]
+            assert trained == pytest.approx(seq.logprobs, abs=2e-3)
+        assert out.usage.loss_tokens == sum(len(s.tokens) for s in res.sequences)
+
+
+def test_save_state_then_a_new_client_from_it_gives_the_same_logprobs(service, tokenizer):
+    batch = [sft_datum(tokenizer, "Checkpoints must restore exactly.")]
+    trainer = service.create_lora_training_client(MODEL, rank=8, seed=2)
+    for _ in range(2):
+        trainer.forward_backward(batch)
+        trainer.optim_step(trio.AdamParams(learning_rate=1e-2))
+    saved = trainer.save_state("after-two-steps").result()
+    assert saved.path and saved.size > 0 and saved.type == "save-checkpoint"
+    expected = trainer.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist()
+
+    restored = service.create_training_client_from_state(saved.path)
+    assert restored.training_run_id != trainer.training_run_id and restored.lora.rank == 8
+    assert restored.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(expected, abs=1e-5)
+
+    with_optimizer = service.create_training_client_from_state_with_optimizer(saved.path)
+    assert with_optimizer.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == \
+        pytest.approx(expected, abs=1e-5)
+
+    loaded = service.create_lora_training_client(MODEL, rank=8)
+    assert loaded.load_state(saved.path).result() == {}
+    assert loaded.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(trio.ValidationError, match="before the first training call"):
+        loaded.load_state(saved.path)
+    other_rank = service.create_lora_training_client(MODEL, rank=4)
+    with pytest.raises(trio.ValidationError, match="lora_rank"):
+        other_rank.load_state(saved.path)
+
+
+def test_a_sampler_from_saved_weights_serves_exactly_those_weights(service, tokenizer):
+    trainer = service.create_lora_training_client(MODEL, rank=8, seed=3)
+    batch = [sft_datum(tokenizer, "Samplers load saved adapters.")]
+    trainer.forward_backward(batch)
+    trainer.optim_step(trio.AdamParams(learning_rate=5e-2))
+    saved = trainer.save_weights_for_sampler("sampler-weights").result()
+    assert saved.type == "save-weights" and saved.size > 0
+    prompt = trio.ModelInput.from_ints(batch[0].model_input.to_ints())
+    greedy = trio.SamplingParams(max_tokens=5, temperature=0.0)
+
+    from_path = service.create_sampling_client(base_model=MODEL, model_path=saved.path)
+    from_trainer = trainer.create_sampling_client(saved.path)
+    base = service.create_sampling_client(base_model=MODEL)
+    a, b, c = (s.sample(prompt, sampling_params=greedy) for s in (from_path, from_trainer, base))
+    assert a.result().sequences[0].tokens == b.result().sequences[0].tokens
+
+    logprobs = from_path.compute_logprobs(prompt).result()
+    trained = trainer.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert logprobs[0] is None and len(logprobs) == len(prompt)
+    assert logprobs[1:] == pytest.approx(trained[:-1], abs=2e-3)
+    base_logprobs = base.compute_logprobs(prompt).result()
+    assert base_logprobs[1:] != pytest.approx(logprobs[1:], abs=1e-3)  # the adapter changed the model
+    assert c.result().sequences
+
+
+def test_pipelined_submissions_run_in_order(service, tokenizer):
+    """forward_backward, optim_step, ... submitted without waiting give exactly the losses of a loop
+    that waits on every call, and their cycle numbers follow submission order."""
+    batch = [sft_datum(tokenizer, "Order matters for optimizers.")]
+    adam = trio.AdamParams(learning_rate=2e-2)
+
+    naive = service.create_lora_training_client(MODEL, rank=8, seed=4)
+    naive_losses = []
+    for _ in range(3):
+        naive_losses.append(naive.forward_backward(batch).result().metrics["loss_sum"])
+        naive.optim_step(adam).result()
+
+    piped = service.create_lora_training_client(MODEL, rank=8, seed=4)
+    futures = []
+    for _ in range(3):
+        futures.append(piped.forward_backward(batch))
+        futures.append(piped.optim_step(adam))
+    last = piped.forward(batch)
+    results = [f.result() for f in futures]
+    assert [r.metrics["loss_sum"] for r in results[::2]] == pytest.approx(naive_losses, rel=1e-5)
+    cycles = [r.cycle for r in results] + [last.result().cycle]
+    assert cycles == sorted(cycles)
+    assert len(set(cycles[:-1])) == 3  # one cycle per pipelined step
+
+
+def test_futures_work_with_result_await_and_map(service, tokenizer):
+    trainer = service.create_lora_training_client(MODEL, rank=4, seed=5)
+    batch = [sft_datum(tokenizer, "Futures resolve once.")]
+
+    async def main():
+        fb = await trainer.forward_backward_async(batch)
+        opt = await trainer.optim_step_async(trio.AdamParams())
+        out = await fb
+        await opt
+        sampler = await trainer.save_weights_and_get_sampling_client_async()
+        res = await sampler.sample_async(trio.ModelInput.from_ints([1, 2, 3]),
+                                         sampling_params=trio.SamplingParams(max_tokens=2))
+        lps = await sampler.compute_logprobs_async(trio.ModelInput.from_ints([1, 2, 3]))
+        both = await asyncio.gather(sampler.sample(trio.ModelInput.from_ints([4, 5]),
+                                                   sampling_params=trio.SamplingParams(max_tokens=1)),
+                                    sampler.sample(trio.ModelInput.from_ints([6, 7]),
+                                                   sampling_params=trio.SamplingParams(max_tokens=1)))
+        return out, res, lps, both
+
+    out, res, lps, both = asyncio.run(main())
+    assert out.metrics["token_count"] > 0 and len(res.sequences[0].tokens) <= 2 and len(lps) == 3
+    assert all(len(b.sequences) == 1 for b in both)
+    fut = trainer.forward(batch)
+    mapped = fut.map(lambda o: o.metrics["loss_sum"])
+    assert mapped.result(timeout=60) == fut.result().metrics["loss_sum"] and fut.done()
+    assert isinstance(fut, trio.APIFuture)
+
+
+def test_usage_is_reported_by_phase_and_adds_up(service, tokenizer):
+    sampler = service.create_sampling_client(base_model=MODEL)
+    before = service.usage()
+    prompt = trio.ModelInput.from_ints(tokenizer.encode("A prompt long enough to fill a few cache blocks of sixteen "
+                                                        "tokens each, so that a repeat hits the prefix cache.",
+                                                        add_special_tokens=False))
+    params = trio.SamplingParams(max_tokens=3, temperature=0.0)
+    first = sampler.sample(prompt, num_samples=3, sampling_params=params).result().usage
+    again = sampler.sample(prompt, num_samples=3, sampling_params=params).result().usage
+    scored = sampler.compute_logprobs(prompt).result().usage
+    for u in (first, again, scored):
+        assert u.prompt_tokens == u.prefill_tokens + u.cached_tokens == len(prompt)
+    assert first.prefill_tokens == len(prompt)  # one prefill for the group of 3
+    assert first.sample_tokens == 9
+    assert again.cached_tokens > 0 and again.prefill_tokens >= 1
+    assert scored.cached_tokens == 0 and scored.sample_tokens == 0
+
+    trainer = service.create_lora_training_client(MODEL, rank=4)
+    ids = prompt.to_ints()
+    weighted = trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]),
+                          loss_fn_inputs={"target_tokens": ids[1:], "weights": [0.0] * 10 + [1.0] * (len(ids) - 11)})
+    train = trainer.forward_backward([weighted]).result().usage
+    assert (train.train_tokens, train.loss_tokens) == (len(ids) - 1, len(ids) - 11)
+
+    spent = service.usage()
+    for field in ("prompt_tokens", "prefill_tokens", "cached_tokens", "sample_tokens", "train_tokens", "loss_tokens"):
+        assert getattr(spent, field) - getattr(before, field) == \
+            sum(getattr(u, field) for u in (first, again, scored, train)), field
+    assert sampler.usage().sample_tokens == 18 and trainer.usage().train_tokens == len(ids) - 1
+
+
+def test_bad_input_is_refused_client_side_with_clear_messages(service, tokenizer):
+    trainer = service.create_lora_training_client(MODEL, rank=4)
+    good = sft_datum(tokenizer, "valid text")
+    with pytest.raises(trio.ValidationError, match="Unsupported loss function"):
+        trainer.forward_backward([good], "hinge")
+    with pytest.raises(trio.ValidationError, match="outside the vocabulary"):
+        trainer.forward_backward([trio.Datum(model_input=trio.ModelInput.from_ints([1, 10 ** 6]),
+                                             loss_fn_inputs={"target_tokens": [1, 2]})])
+    with pytest.raises(trio.ValidationError, match=r"target_tokens'\] must have shape"):
+        trainer.forward_backward([trio.Datum(model_input=trio.ModelInput.from_ints([1, 2, 3]),
+                                             loss_fn_inputs={"target_tokens": [1, 2]})])
+    with pytest.raises(trio.ValidationError, match="logprobs'\\] is required"):
+        trainer.forward_backward([good], "importance_sampling")
+    with pytest.raises(trio.ValidationError, match="adam_params"):
+        trainer.optim_step({"learning_rate": 1.0})
+    with pytest.raises(trio.ValidationError, match="checkpoint name"):
+        trainer.save_state("bad/name")
+    with pytest.raises(ValueError, match=r"rank must be in \[4, 64\]"):
+        service.create_lora_training_client(MODEL, rank=2)
+    sampler = service.create_sampling_client(base_model=MODEL)
+    with pytest.raises(trio.ValidationError, match="max_tokens must be set"):
+        sampler.sample(trio.ModelInput.from_ints([1, 2]))
+    with pytest.raises(trio.ValidationError, match="prompt is empty"):
+        sampler.sample(trio.ModelInput.from_ints([]), sampling_params=trio.SamplingParams(max_tokens=1))
+    with pytest.raises(trio.ValidationError, match="num_samples"):
+        sampler.sample(trio.ModelInput.from_ints([1]), num_samples=0, sampling_params=trio.SamplingParams(max_tokens=1))
+    # errors only the server can see come back with its code and message
+    with pytest.raises(trio.ControlAPIError) as e:
+        service.create_lora_training_client("no-such-model")
+    assert e.value.status_code == 404 and "no-such-model" in str(e.value)
+    # the run is unharmed by all of the above
+    assert trainer.forward_backward([good]).result().metrics["token_count"] > 0
+
+
+def test_an_event_the_server_refuses_fails_only_its_future(service):
+    trainer = service.create_lora_training_client(MODEL, rank=4)
+    ok = trio.Datum(model_input=trio.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3, 4]})
+    policy = trio.Datum(model_input=trio.ModelInput.from_ints([1, 2, 3]),
+                        loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [-1.0] * 3, "advantages": [1.0] * 3})
+    first = trainer.forward_backward([ok])
+    refused = trainer.forward_backward([policy], "ppo", loss_fn_config={"clip_epsilon": 0.2})  # not a ppo key
+    after = trainer.forward_backward([ok])
+    with pytest.raises(trio.ActorAPIError, match="clip_epsilon") as e:
+        refused.result(timeout=60)
+    assert 400 <= e.value.status_code < 500
+    assert first.result().metrics["token_count"] == after.result().metrics["token_count"] == 3
+
+
+def test_a_batch_split_into_chunks_equals_the_whole_batch(service, tokenizer):
+    batch = [sft_datum(tokenizer, t) for t in ("one small text", "another small text", "a third one")]
+    whole = service.create_lora_training_client(MODEL, rank=4, seed=6)
+    split = service.create_lora_training_client(MODEL, rank=4, seed=6)
+    split._limits = Limits(max_batch_size=1)  # as if the server limited batches to one sample
+    a, b = whole.forward_backward(batch).result(), split.forward_backward(batch).result()
+    assert b.metrics == pytest.approx(a.metrics, rel=1e-5)
+    assert b.usage.train_tokens == a.usage.train_tokens
+    assert [x for o in b.loss_fn_outputs for x in o["logprobs"].tolist()] == \
+        pytest.approx([x for o in a.loss_fn_outputs for x in o["logprobs"].tolist()], abs=1e-5)
+    whole.optim_step(trio.AdamParams(learning_rate=1e-2))
+    split.optim_step(trio.AdamParams(learning_rate=1e-2))
+    after_a, after_b = whole.forward(batch).result(), split.forward(batch).result()
+    assert after_b.metrics["loss_sum"] == pytest.approx(after_a.metrics["loss_sum"], rel=1e-4)
+
+
+def test_forward_backward_custom_matches_cross_entropy(service, tokenizer):
+    batch = [sft_datum(tokenizer, "Custom losses are linearised.")]
+    ce = service.create_lora_training_client(MODEL, rank=4, seed=7)
+    custom = service.create_lora_training_client(MODEL, rank=4, seed=7)
+
+    def nll(data, logprobs):
+        loss = -sum(lp.sum() for lp in logprobs)
+        return loss, {"custom_nll": loss.item()}
+
+    out = custom.forward_backward_custom(batch, nll).result()
+    ce_out = ce.forward_backward(batch).result()
+    assert out.metrics["custom_nll"] == pytest.approx(ce_out.metrics["loss_sum"], rel=1e-4)
+    for t in (ce, custom):
+        t.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    assert custom.forward(batch).result().metrics["loss_sum"] == \
+        pytest.approx(ce.forward(batch).result().metrics["loss_sum"], rel=1e-4)
+
+
+def test_tokenizer_is_served_by_the_server_and_cached(service, server, tmp_path, monkeypatch):
+    trainer = service.create_lora_training_client(MODEL, rank=4)
+    local = trainer.get_tokenizer()
+    text = local.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>assistant" in text
+    # a client on another machine cannot read the server's model dir: it downloads the files once
+    monkeypatch.setenv("TRINE_HOME", str(tmp_path))
+    remote = service._session.get_tokenizer("/not/on/this/machine", MODEL)
+    assert (tmp_path / "tokenizers" / MODEL / "tokenizer.json").is_file()
+    assert remote.encode("hello there") == local.encode("hello there") and len(remote) == len(local)
+    from trine.client.tokenizer import resolve_local
+    assert resolve_local("/not/on/this/machine", MODEL) is not None  # served from the cache now
+    assert resolve_local("/another/model", MODEL) is None  # a different model is not
+
+
+def test_rest_client_runs_checkpoints_and_downloads(service, tokenizer, tmp_path):
+    trainer = service.create_lora_training_client(MODEL, rank=4)
+    trainer.forward_backward([sft_datum(tokenizer, "the rest client lists this run")])
+    state = trainer.save_state("rest-state").result()
+    weights = trainer.save_weights_for_sampler("rest-weights").result()
+    rest = service.create_rest_client()
+    listed = rest.list_checkpoints(trainer.training_run_id).result()
+    by_path = {c.path: c for c in listed.checkpoints}
+    assert by_path[state.path].checkpoint_type == "training" and by_path[weights.path].checkpoint_type == "sampler"
+    run = rest.get_training_run(trainer.training_run_id).result()
+    assert run.training_run_id == trainer.training_run_id and run.lora_rank == 4 and run.is_lora
+    assert trainer.training_run_id in [r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs]
+    session = rest.get_session(service.service_session_cuid).result()
+    assert trainer.training_run_id in session.training_run_ids
+    assert service.service_session_cuid in rest.list_sessions(limit=100).result().sessions
+    sampler = service.create_sampling_client(model_path=weights.path)  # base model resolved from the checkpoint
+    assert rest.get_sampler(sampler.sampling_run_id).result().model_path == weights.path
+
+    ck = by_path[weights.path].checkpoint_id
+    result = rest.download_checkpoint(ck, tmp_path / "weights.tar").result()
+    assert result.file_size_bytes == (tmp_path / "weights.tar").stat().st_size > 0
+    again = rest.download_checkpoint(ck, tmp_path / "weights.tar").result()  # already complete: resumed, 0 bytes
+    assert again.resumed and again.bytes_written == 0 and again.file_size_bytes == result.file_size_bytes
+    rest.delete_checkpoint(trainer.training_run_id, ck).result()
+    assert weights.path not in {c.path for c in rest.list_checkpoints(trainer.training_run_id).result().checkpoints}
+
+
+def test_service_client_reads_the_environment_and_refuses_a_bad_key(server, monkeypatch):
+    monkeypatch.setenv("TRINE_BASE_URL", server.url + "/api/")
+    monkeypatch.setenv("TRINE_API_KEY", server.api_key)
+    with trio.ServiceClient() as svc:
+        assert MODEL in [m.alias for m in svc.get_server_capabilities().supported_models]
+        info = svc.create_lora_training_client(MODEL, rank=4, seed=9).get_info()
+        assert info.lora_config.rank == 4 and info.base_model == MODEL
+    with pytest.raises(trio.AuthError):
+        trio.ServiceClient(api_key="trine-wrong", base_url=server.url)
+    monkeypatch.delenv("TRINE_API_KEY")
+    with pytest.raises(trio.AuthError, match="TRINE_API_KEY"):
+        trio.ServiceClient()
+
+
+def test_training_client_uses_torch_free_types(service):
+    """Tensors from the server come back as TensorData convertible to torch and numpy."""
+    trainer = service.create_lora_training_client(MODEL, rank=4)
+    out = trainer.forward([trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7]),
+                                      loss_fn_inputs={"target_tokens": [6, 7, 8]})]).result()
+    lp = out.loss_fn_outputs[0]["logprobs"]
+    assert lp.dtype == "float32" and lp.to_numpy().shape == (3,) and lp.to_torch().dtype == torch.float32
