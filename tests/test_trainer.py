@@ -1,0 +1,216 @@
+"""Trainer: gradient accumulation, AdamW semantics, batching of many runs, versions, learning."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trine.engine.model import AdapterBatch, LoRAConfig
+from trine.engine.requests import AdamConfig, TrainDatum
+from trine.engine.tokenizer import Tokenizer
+from trine.engine.trainer import Trainer
+from trine.engine.weights import load_model
+
+from test_losses import randomize, random_data
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir, "cpu")
+
+
+def new_trainer(model, *runs, rank=4, **kw) -> Trainer:
+    trainer = Trainer(model, base_model="tiny", **kw)
+    for i, run in enumerate(runs):
+        trainer.create_run(run, LoRAConfig(rank=rank, seed=i))
+        randomize(trainer.adapter(run), 10 + i)  # non-zero B, so every parameter gets a gradient
+    return trainer
+
+
+def grads(trainer, run):
+    return {n: p.grad.clone() for n, p in trainer.adapter(run).named_parameters()}
+
+
+def weights(trainer, run):
+    return {n: p.detach().clone() for n, p in trainer.adapter(run).named_parameters()}
+
+
+def assert_dicts_close(a, b, rel=1e-5):
+    """Equal up to fp32 summation order: errors measured against each tensor's largest entry."""
+    assert a.keys() == b.keys()
+    for k in a:
+        scale = max(float(b[k].abs().max()), 1e-6)
+        torch.testing.assert_close(a[k], b[k], atol=rel * scale, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_two_calls_then_step_equal_one_call_on_the_union(model):
+    data = random_data(3, lengths=(9, 14, 5, 12))
+    adam = AdamConfig(learning_rate=1e-3, weight_decay=0.1)
+    split, whole = new_trainer(model, "r"), new_trainer(model, "r")
+    a = split.forward_backward([("r", data[:2], "cross_entropy", {})])[0]
+    b = split.forward_backward([("r", data[2:], "cross_entropy", {})])[0]
+    c = whole.forward_backward([("r", data, "cross_entropy", {})])[0]
+    assert a.loss_sum + b.loss_sum == pytest.approx(c.loss_sum, rel=1e-6)
+    for x, y in zip(a.logprobs + b.logprobs, c.logprobs):
+        assert x == pytest.approx(y, abs=1e-5)
+    assert_dicts_close(grads(split, "r"), grads(whole, "r"))
+    m1, m2 = split.optim_step("r", adam), whole.optim_step("r", adam)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+    assert_dicts_close(weights(split, "r"), weights(whole, "r"))
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_optim_step_equals_torch_adamw(model, clip):
+    trainer = new_trainer(model, "r")
+    params = dict(trainer.adapter("r").named_parameters())
+    ref = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
+    opt = torch.optim.AdamW(list(ref.values()), lr=2e-3, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.3)
+    adam = AdamConfig(learning_rate=2e-3, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.3,
+                      grad_clip_norm=clip)
+    for step in range(3):
+        trainer.forward_backward([("r", random_data(step, lengths=(8, 6)), "cross_entropy", {})])
+        for n, p in params.items():
+            ref[n].grad = p.grad.clone()
+        norm = float(torch.nn.utils.clip_grad_norm_(list(ref.values()), clip if clip else float("inf")))
+        opt.step()
+        opt.zero_grad()
+        metrics = trainer.optim_step("r", adam)
+        assert metrics == {"grad_norm": pytest.approx(norm, rel=1e-5), "learning_rate": 2e-3}
+        assert_dicts_close({n: p.detach() for n, p in params.items()}, {n: p.detach() for n, p in ref.items()})
+        assert all(float(p.grad.abs().max()) == 0.0 for p in params.values())  # zeroed after the step
+    if clip:
+        assert norm > clip  # clipping was really exercised
+
+
+def test_runs_batched_together_get_the_gradients_each_gets_alone(model):
+    data_a, data_b = random_data(4, lengths=(10, 6)), random_data(5, lengths=(13, 3, 8))
+    mixed = new_trainer(model, "a", "b")
+    ra, rb = mixed.forward_backward([("a", data_a, "cross_entropy", {}), ("b", data_b, "importance_sampling", {})])
+    alone = new_trainer(model, "a", "b")
+    sa = alone.forward_backward([("a", data_a, "cross_entropy", {})])[0]
+    assert_dicts_close(grads(alone, "b"), {n: torch.zeros_like(g) for n, g in grads(alone, "b").items()})
+    sb = alone.forward_backward([("b", data_b, "importance_sampling", {})])[0]
+    for run in ("a", "b"):
+        assert_dicts_close(grads(mixed, run), grads(alone, run))
+    for x, y in ((ra, sa), (rb, sb)):
+        assert x.loss_sum == pytest.approx(y.loss_sum, rel=1e-5)
+        assert x.token_count == y.token_count and x.usage == y.usage
+        for p, q in zip(x.logprobs, y.logprobs):
+            assert p == pytest.approx(q, abs=1e-5)
+
+
+def test_micro_batching_does_not_change_results(model):
+    data = random_data(6, lengths=(17, 3, 9, 9, 1, 12))
+    big = new_trainer(model, "r")
+    small = new_trainer(model, "r", micro_batch_tokens=20, logits_chunk_tokens=5)
+    calls = []
+    rb = big.forward_backward([("r", data, "ppo", {})])[0]
+    rs = small.forward_backward([("r", data, "ppo", {})], between_microbatches=lambda: calls.append(1))[0]
+    assert len(calls) == 4  # by length, padding counted: [17] [12] [9, 9] [3, 1 (padded to 3)]
+    assert rb.loss_sum == pytest.approx(rs.loss_sum, rel=1e-5)
+    for p, q in zip(rb.logprobs, rs.logprobs):
+        assert p == pytest.approx(q, abs=1e-5)
+    assert_dicts_close(grads(big, "r"), grads(small, "r"))
+
+
+def test_forward_changes_no_gradient_and_reports_what_forward_backward_does(model):
+    data = random_data(7)
+    trainer = new_trainer(model, "r")
+    fwd = trainer.forward_backward([("r", data, "cross_entropy", {})], backward=False)[0]
+    assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
+    fb = trainer.forward_backward([("r", data, "cross_entropy", {})])[0]
+    assert fwd.loss_sum == pytest.approx(fb.loss_sum, rel=1e-6)
+    assert fwd.logprobs == fb.logprobs and fwd.usage == fb.usage
+
+
+def test_outputs_metrics_and_usage(model):
+    trainer = new_trainer(model, "r")
+    d = TrainDatum(tokens=[5, 6, 7, 8, 9], target_tokens=[-100, -100, 7, 8, 9], weights=[1.0, 1.0, 0.0, 2.0, 1.0])
+    res = trainer.forward_backward([("r", [d, d], "cross_entropy", {})])[0]
+    assert res.usage.train_tokens == 10 and res.usage.loss_tokens == 4 and res.token_count == 4
+    for lp, loss in zip(res.logprobs, res.losses):
+        assert len(lp) == len(loss) == 5
+        assert lp[:2] == [0.0, 0.0] and loss[:3] == [0.0, 0.0, 0.0] and all(x < 0 for x in lp[2:])
+        assert loss[3] == pytest.approx(-2 * lp[3]) and loss[4] == pytest.approx(-lp[4])
+    assert res.loss_sum == pytest.approx(sum(map(sum, res.losses)), rel=1e-6)
+    assert res.loss_mean == pytest.approx(res.loss_sum / 4)
+
+
+@pytest.mark.parametrize("entry,field", [
+    (("nope", None, "cross_entropy", {}), "run_id"),
+    (("r", None, "hinge", {}), "loss_fn"),
+    (("r", [], "cross_entropy", {}), "data"),
+    (("r", [TrainDatum([1, 2], [2, 3], weights=[1.0, float("nan")])], "cross_entropy", {}), "weights"),
+    (("r", [TrainDatum([1, 2], [2, 10**6])], "cross_entropy", {}), "target_tokens"),
+])
+def test_bad_input_fails_before_any_gradient_changes(model, entry, field):
+    trainer = new_trainer(model, "r")
+    good = ("r", random_data(8, lengths=(6,)), "cross_entropy", {})
+    if entry[1] is None:
+        entry = (entry[0], good[1], entry[2], entry[3])
+    with pytest.raises(ValueError, match=field):
+        trainer.forward_backward([good, entry])
+    assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
+
+
+def test_versions_snapshots_and_run_lifecycle(model):
+    trainer = new_trainer(model, "r")
+    v0 = trainer.weights_identity("r")
+    assert (v0.base_model, v0.adapter) == ("tiny", "r")
+    snap = trainer.snapshot("r")
+    assert trainer.snapshot("r") is snap and not any(p.requires_grad for p in snap.parameters())
+    before = {n: p.clone() for n, p in snap.named_parameters()}
+    trainer.forward_backward([("r", random_data(9), "cross_entropy", {})])
+    assert trainer.weights_identity("r") == v0  # gradients alone change no weights
+    trainer.optim_step("r", AdamConfig(learning_rate=1e-2))
+    v1 = trainer.weights_identity("r")
+    assert v1.version > v0.version
+    assert_dicts_close(dict(snap.named_parameters()), before)  # the snapshot never moves
+    assert trainer.snapshot("r") is not snap
+    # A deleted and re-created run never reuses an old version.
+    trainer.delete_run("r")
+    assert not trainer.has_run("r")
+    with pytest.raises(ValueError, match="run_id"):
+        trainer.weights_identity("r")
+    trainer.create_run("r", LoRAConfig(rank=4))
+    assert trainer.weights_identity("r").version > v1.version
+    with pytest.raises(ValueError, match="already exists"):
+        trainer.create_run("r", LoRAConfig(rank=4))
+
+
+@pytest.mark.parametrize("lora,field", [(LoRAConfig(rank=0), "rank"), (LoRAConfig(alpha=-1.0), "alpha"),
+                                        (LoRAConfig(train_attn=False, train_mlp=False, train_unembed=False),
+                                         "train_attn")])
+def test_bad_lora_config(model, lora, field):
+    with pytest.raises(ValueError, match=field):
+        Trainer(model, base_model="tiny").create_run("r", lora)
+
+
+@pytest.mark.parametrize("adam,field", [(AdamConfig(learning_rate=-1.0), "learning_rate"),
+                                        (AdamConfig(beta2=1.0), "beta2"),
+                                        (AdamConfig(grad_clip_norm=float("nan")), "grad_clip_norm")])
+def test_bad_adam_config(model, adam, field):
+    trainer = new_trainer(model, "r")
+    with pytest.raises(ValueError, match=field):
+        trainer.optim_step("r", adam)
+
+
+def test_lora_sft_learns_a_string(model, tiny_model_dir):
+    # lr 1e-2 overshoots once the LM head is trained too (transformers + peft do the same here).
+    tok = Tokenizer(tiny_model_dir)
+    ids = tok.encode("The secret password is marmalade-42.")
+    prompt_len = 3
+    datum = TrainDatum(tokens=ids[:-1], target_tokens=[-100] * (prompt_len - 1) + ids[prompt_len:])
+    trainer = Trainer(model, base_model="tiny")
+    trainer.create_run("sft", LoRAConfig(rank=16))
+    first = None
+    for _ in range(30):
+        res = trainer.forward_backward([("sft", [datum] * 4, "cross_entropy", {})])[0]
+        first = first if first is not None else res.loss_mean
+        trainer.optim_step("sft", AdamConfig(learning_rate=2e-3))
+    assert res.loss_mean < first / 5
+    seq = ids[:prompt_len]
+    with torch.no_grad():
+        adapters = AdapterBatch.single(trainer.snapshot("sft"))
+        while len(seq) < len(ids):
+            seq.append(int(model(torch.tensor([seq]), adapters=adapters)[0, -1].argmax()))
+    assert tok.decode(seq) == tok.decode(ids)
