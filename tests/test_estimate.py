@@ -13,9 +13,17 @@ CARD = RateCard.from_tomls([("shipped", SHIPPED.read_text())])
 
 
 def test_shape_validation():
-    for bad in (dict(steps=0), dict(group_size=-1), dict(prompt_tokens=0), dict(turns=1.5), dict(block_size=0)):
+    for bad in (dict(steps=0), dict(group_size=-1), dict(prompt_tokens=0), dict(turns=1.5), dict(block_size=0),
+                dict(trained_fraction=1.5)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             JobShape(**bad)
+
+
+def test_trained_fraction_scales_training_only():
+    full = estimate(JobShape(steps=2, prompts_per_step=4, group_size=4), CARD).with_cache.tokens
+    half = estimate(JobShape(steps=2, prompts_per_step=4, group_size=4, trained_fraction=0.5), CARD).with_cache.tokens
+    assert (half.train, half.train_loss) == (full.train // 2, full.train_loss // 2)
+    assert (half.prefill, half.sample) == (full.prefill, full.sample)
 
 
 def test_single_turn_group_prefills_once():
@@ -125,3 +133,42 @@ def test_estimate_matches_metered_multi_turn_rl(engine):
     assert est.with_cache.requests == n_requests
     cost = CARD.cost(PhaseTokens(**measured), shape.model)["total"]
     assert est.with_cache.cost["total"] == pytest.approx(cost, rel=0.10)
+
+
+@pytest.mark.slow
+def test_estimate_matches_the_demo_grpo_loop(tmp_path):
+    """`trine demo`'s GRPO stage (real SmolLM2 weights, through a real server and the SDK) vs the estimate.
+
+    The shape is the demo's (4 steps x 4 prompts x group 4, one turn); the measured inputs a user would
+    read off a first run are the mean prompt and completion lengths and the share of trajectories trained
+    on (the demo skips groups with equal rewards, and every trained completion token carries an advantage).
+    """
+    import io
+
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    import trine as trio
+    from serverutil import serve
+    from trine.cli.demo import RL_PROMPT, chat_prompt, run_job
+    from trine.engine.default_model import ensure_default_model
+
+    model_dir = ensure_default_model()
+    steps, prompts, group = 4, 4, 4
+    with serve(model_dir, tmp_path / "home") as srv, trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as sc:
+        stages = dict(run_job(sc, model_dir.name, sft_steps=0, rl_steps=steps, console=Console(file=io.StringIO()),
+                              group_size=group, prompts_per_step=prompts))
+    u = stages["GRPO"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    a, b = (chat_prompt(tok, RL_PROMPT.format(n=n)) for n in (11, 22))
+    system = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the head every RL prompt shares
+    mean_prompt = (u.prefill_tokens + u.cached_tokens) / (steps * prompts)
+    mean_completion = u.sample_tokens / (steps * prompts * group)
+    shape = JobShape(model=model_dir.name, steps=steps, prompts_per_step=prompts, group_size=group,
+                     prompt_tokens=round(mean_prompt) - system, completion_tokens=round(mean_completion),
+                     system_tokens=system, trained_fraction=u.loss_tokens / u.sample_tokens)
+    predicted = estimate(shape, CARD).with_cache.tokens
+    measured = dict(prefill=u.prefill_tokens, prefill_cached=u.cached_tokens, sample=u.sample_tokens,
+                    train=u.train_tokens)
+    for phase, value in measured.items():
+        assert getattr(predicted, phase) == pytest.approx(value, rel=0.10, abs=8), (phase, measured, predicted)

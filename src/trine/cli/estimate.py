@@ -23,18 +23,21 @@ from ..metering.rates import RateCard
               help="Fixed prefix every prompt starts with (system prompt, tool definitions).")
 @click.option("--train-passes", type=int, default=1, show_default=True,
               help="forward_backward passes over each trajectory per step (0: sampling only).")
+@click.option("--trained-fraction", type=float, default=1.0, show_default=True,
+              help="Share of trajectories trained on (GRPO skips groups whose rewards are all equal).")
 @click.option("--block-size", type=int, default=16, show_default=True, help="The server's KV cache block size.")
 @click.option("--rates", type=click.Path(dir_okay=False, path_type=Path), help="Rate card TOML to price with.")
 @click.option("--home", type=click.Path(file_okay=False, path_type=Path),
               help="Data dir whose rates.toml applies (default $TRINE_HOME).")
 @click.option("--json", "as_json", is_flag=True, help="Print the estimate as JSON.")
 def estimate(model, steps, prompts_per_step, group_size, turns, prompt_tokens, completion_tokens, system_tokens,
-             train_passes, block_size, rates, home, as_json):
+             train_passes, trained_fraction, block_size, rates, home, as_json):
     """Predict a job's prefill, cached prefill, sample and train tokens and their cost, and which phase dominates."""
     try:
         shape = JobShape(model=model, steps=steps, prompts_per_step=prompts_per_step, group_size=group_size,
                          turns=turns, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         system_tokens=system_tokens, train_passes=train_passes, block_size=block_size)
+                         system_tokens=system_tokens, train_passes=train_passes,
+                         trained_fraction=trained_fraction, block_size=block_size)
         est = run_estimate(shape, RateCard.load(rates, home=home))
     except ValueError as e:
         raise click.ClickException(str(e)) from None

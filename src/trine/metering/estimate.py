@@ -14,7 +14,8 @@ The model follows how trine executes (engine/sampler.py, engine/trainer.py):
   train_passes > 0 the cache starts cold each step; without training it stays warm across steps.
 - Training runs `train_passes` forward_backward passes over each trajectory; a trajectory of N tokens is
   one datum of N - 1 positions (inputs tokens[:-1], targets tokens[1:]): train tokens. Its loss tokens
-  are the completions (turns x completion_tokens), assuming non-zero advantages.
+  are the completions (turns x completion_tokens). `trained_fraction` scales both, for loops that train
+  on only some trajectories (GRPO skips a group whose rewards are all equal: zero advantages).
 Invariant: `with_cache` and `without_cache` have the same prompt, sample, train and loss tokens; only
 the split of prompt tokens into computed and cached differs.
 """
@@ -37,6 +38,7 @@ class JobShape:
     completion_tokens: int = 128  # per turn, per sample
     system_tokens: int = 0  # a fixed prefix every prompt starts with (system prompt, tool definitions)
     train_passes: int = 1  # forward_backward passes over each trajectory per step; 0 = sampling only
+    trained_fraction: float = 1.0  # share of trajectories trained on (GRPO drops groups of equal rewards)
     block_size: int = 16  # the KV cache block size of the server
 
     def __post_init__(self):
@@ -46,6 +48,9 @@ class JobShape:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        f = self.trained_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"trained_fraction must be a number in [0, 1], got {f!r}")
 
     @property
     def trajectory_tokens(self) -> int:
@@ -85,9 +90,9 @@ def estimate(shape: JobShape, rate_card: RateCard) -> Estimate:
             tokens = _sum([(cold, s.steps), (warm, s.steps * groups_warm)])
         else:
             tokens = _sum([(cold, 1), (warm, s.steps * s.prompts_per_step - 1)])
-        trajectories = s.steps * s.prompts_per_step * s.group_size
-        tokens.train = s.train_passes * trajectories * (s.trajectory_tokens - 1)
-        tokens.train_loss = s.train_passes * trajectories * s.turns * s.completion_tokens
+        trained = s.train_passes * s.trained_fraction * s.steps * s.prompts_per_step * s.group_size
+        tokens.train = round(trained * (s.trajectory_tokens - 1))
+        tokens.train_loss = round(trained * s.turns * s.completion_tokens)
         requests = s.steps * s.prompts_per_step * (1 + (s.turns - 1) * s.group_size)
         key = "with prefix cache" if cache else "without prefix cache"
         rows.append(ReportRow(key, requests, tokens, rate_card.cost(tokens, s.model)))
@@ -128,7 +133,8 @@ def render(est: Estimate, console=None) -> None:
     s, w, wo = est.shape, est.with_cache, est.without_cache
     console.print(f"[bold]{s.model}[/bold]: {s.steps} steps × {s.prompts_per_step} prompts × group "
                   f"{s.group_size}, {s.turns} turn(s) of {s.prompt_tokens} prompt + {s.completion_tokens} "
-                  f"completion tokens, system {s.system_tokens}, {s.train_passes} training pass(es)")
+                  f"completion tokens, system {s.system_tokens}, {s.train_passes} training pass(es)"
+                  + (f" over {100 * s.trained_fraction:.0f}% of trajectories" if s.trained_fraction < 1 else ""))
     t = Table(title_justify="left")
     t.add_column("phase", no_wrap=True)
     for name in ("tokens", "cost", "tokens, no cache", "cost, no cache"):
