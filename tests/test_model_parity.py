@@ -1,0 +1,95 @@
+"""Our Transformer equals transformers' own implementation of the same weights (fp32, within 1e-4)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trine.engine.model import Adapter, AdapterBatch, LoRAConfig
+from trine.engine.weights import load_model
+
+from conftest import FAMILIES, build_tiny_model_dir
+
+TOL = 1e-4
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def random_adapter(model, lora: LoRAConfig, seed: int) -> Adapter:
+    adapter = Adapter(model, lora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return adapter.requires_grad_(False)
+
+
+def batch_with_padding():
+    """Two rows, the second right-padded; mask True on real tokens."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 49152, (2, 13), generator=g)
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[1, 8:] = False
+    return tokens, mask
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory):
+    return build_tiny_model_dir("llama", tmp_path_factory.mktemp("untied") / "tiny-llama-untied", seed=1, tie=False)
+
+
+def model_dirs(tiny_model_dirs, untied_dir):
+    return {**tiny_model_dirs, "llama-untied": untied_dir}
+
+
+@pytest.mark.parametrize("family", FAMILIES + ("llama-untied",))
+def test_logits_match_transformers_with_padding(tiny_model_dirs, untied_dir, family):
+    path = model_dirs(tiny_model_dirs, untied_dir)[family]
+    ours, ref = load_model(path, "cpu"), hf_model(path)
+    assert ours.cfg.tie_word_embeddings == (family != "llama-untied")
+    tokens, mask = batch_with_padding()
+    with torch.no_grad():
+        want = ref(tokens, attention_mask=mask.long()).logits
+        got = ours(tokens, pad_mask=mask)
+    assert (got - want)[mask].abs().max() <= TOL
+    assert (got[0] - want[0]).abs().max() <= TOL  # unpadded row: every position
+
+
+@pytest.mark.parametrize("family", FAMILIES + ("llama-untied",))
+def test_lora_logits_match_peft(tiny_model_dirs, untied_dir, family):
+    from peft import LoraConfig, get_peft_model
+    path = model_dirs(tiny_model_dirs, untied_dir)[family]
+    ours = load_model(path, "cpu")
+    lora = LoRAConfig(rank=8, alpha=32.0)  # attn + mlp + lm_head
+    adapter = random_adapter(ours, lora, seed=3)
+    peft_model = get_peft_model(hf_model(path), LoraConfig(r=8, lora_alpha=32, target_modules=list(lora.target_names())))
+    with torch.no_grad():
+        lora_params = dict(peft_model.named_parameters())
+        for module in adapter.module_names():
+            a, b = adapter.pair(module)
+            lora_params[f"base_model.model.{module}.lora_A.default.weight"].copy_(a)
+            lora_params[f"base_model.model.{module}.lora_B.default.weight"].copy_(b)
+    peft_model.eval()
+    tokens, mask = batch_with_padding()
+    with torch.no_grad():
+        want = peft_model(tokens, attention_mask=mask.long()).logits
+        got = ours(tokens, adapters=AdapterBatch.single(adapter), pad_mask=mask)
+        base = ours(tokens, pad_mask=mask)
+    assert (got - base)[mask].abs().max() > 1e-2  # the adapter changes the output
+    assert (got - want)[mask].abs().max() <= TOL
+
+
+def test_mixed_adapters_in_one_batch_equal_each_row_alone(tiny_model_dir):
+    model = load_model(tiny_model_dir, "cpu")
+    a1 = random_adapter(model, LoRAConfig(rank=4), seed=1)
+    a2 = random_adapter(model, LoRAConfig(rank=16, alpha=8.0, train_unembed=False), seed=2)
+    rows = [a1, None, a2, a1]
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 49152, (4, 9), generator=g)
+    with torch.no_grad():
+        mixed = model(tokens, adapters=AdapterBatch.from_rows(rows))
+        for i, a in enumerate(rows):
+            alone = model(tokens[i:i + 1], adapters=AdapterBatch.single(a))
+            assert (mixed[i] - alone[0]).abs().max() <= TOL
