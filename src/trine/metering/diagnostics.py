@@ -12,7 +12,8 @@ each has a detector here that fires when a prompt breaks it:
   then a much longer run of identical tokens follows (varying content placed before fixed content).
   tokens_lost = length of that identical run, which had to be prefilled again.
 - "split_group": the prompt equals an earlier one-sample prompt token for token: one request with
-  num_samples=N prefills it once. tokens_lost = the prompt tokens this request computed again.
+  num_samples=N prefills it once. tokens_lost = the prompt tokens this request computed again;
+  diverge_position = the prompt's length (the prompts never diverge).
 
 At most one diagnostic per request (the first pattern in that order that fires). History is bounded:
 the last `history` prompts per (api key, run), for the `max_runs` most recently active runs.
