@@ -1,0 +1,115 @@
+"""The actor plane (`/actor/v1/...`, bearer JWT): training events (MessagePack), their long-poll,
+heartbeats, and sampling (JSON). Shapes follow `reference/pytrio-protocol.md` §4.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..service.errors import InvalidRequest, NotFound, ServiceError, TooLarge
+from ..store import ApiKey
+from .auth import bearer
+from .control import service_of, signer_of
+from .wire import parse_event, parse_sample
+
+MAX_EVENT_BYTES = 64 << 20
+MAX_SAMPLE_BYTES = 16 << 20
+MAX_POLL_SECONDS = 55.0
+KEEPALIVE_AFTER = 20.0  # a sample still running after this streams whitespace until it is done
+KEEPALIVE_EVERY = 20.0
+HEARTBEAT_MS = 60_000
+MSGPACK = "application/msgpack"
+
+router = APIRouter(prefix="/actor/v1")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than `limit` bytes (413) without reading it all first."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"body: {declared} bytes exceeds the limit of {limit} bytes; split the batch "
+                       "into smaller requests")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"body exceeds the limit of {limit} bytes; split the batch into smaller "
+                           "requests")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _caller(request: Request, kind: str) -> tuple[ApiKey, str]:
+    claims = signer_of(request).verify(bearer(request.headers.get("authorization")), kind)
+    return service_of(request).key(claims["key"]), claims["sub"]
+
+
+def _wait_seconds(prefer: str | None) -> float:
+    m = re.search(r"wait\s*=\s*(\d+(?:\.\d+)?)", prefer or "")
+    return min(float(m.group(1)) * 0.9, MAX_POLL_SECONDS) if m else 0.0
+
+
+@router.post("/events")
+async def submit_event(request: Request):
+    key, run_id = _caller(request, "training")
+    env, op = parse_event(await read_body(request, MAX_EVENT_BYTES))
+    if env.metadata.run_id and env.metadata.run_id != run_id:
+        raise NotFound(f"training run {env.metadata.run_id} not found (this token is for {run_id})",
+                       code="training_run_not_found")
+    svc = service_of(request)
+    rec = svc.submit_event(key, run_id, event_id=env.event_id, type=env.type,
+                           index=env.metadata.index, step=env.metadata.step, op=op)
+    return Response(svc.envelope(rec), status_code=200 if rec.response else 202, media_type=MSGPACK)
+
+
+@router.get("/events/{event_id}")
+async def get_event(event_id: str, request: Request):
+    key, run_id = _caller(request, "training")
+    svc = service_of(request)
+    rec = await svc.event(key, run_id, event_id, _wait_seconds(request.headers.get("prefer")))
+    return Response(svc.envelope(rec), media_type=MSGPACK)
+
+
+@router.post("/client/heartbeat")
+async def heartbeat(request: Request):
+    key, run_id = _caller(request, "training")
+    service_of(request).heartbeat(key, run_id)
+    return {"heartbeat_ms": HEARTBEAT_MS}
+
+
+@router.post("/sampling-runs/{sampling_run_id}/sample")
+async def sample(sampling_run_id: str, request: Request):
+    key, run_id = _caller(request, "sampling")
+    if run_id != sampling_run_id:
+        raise NotFound(f"sampling run {sampling_run_id} not found", code="sampling_run_not_found")
+    raw = await read_body(request, MAX_SAMPLE_BYTES)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise InvalidRequest("body: not valid JSON", code="invalid_request_body") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("body: the sample request must be a JSON object",
+                             code="invalid_request_body")
+    spec = parse_sample(body)
+    task = asyncio.ensure_future(service_of(request).sample(key, sampling_run_id, spec))
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if unawaited
+    await asyncio.wait({task}, timeout=KEEPALIVE_AFTER)
+    if task.done():
+        return Response(task.result(), media_type="application/json")
+
+    async def keepalive():
+        """Leading whitespace keeps the client's idle watchdog fed; JSON parsers skip it."""
+        while not task.done():
+            await asyncio.wait({task}, timeout=KEEPALIVE_EVERY)
+            if not task.done():
+                yield b" "
+        try:
+            yield task.result()
+        except ServiceError as e:
+            yield json.dumps({"code": e.code, "message": e.message, "sequences": []}).encode()
+
+    return StreamingResponse(keepalive(), media_type="application/json")

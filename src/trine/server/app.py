@@ -1,0 +1,198 @@
+"""The HTTP server: one FastAPI app (control plane, actor plane, downloads) over one `Service`.
+
+`start_server(...)` runs it with uvicorn in a background thread and returns a `ServerHandle`
+(url, api_key, stop()); `trine serve`, `trine demo` and the tests use it.
+
+Every error leaves as `{"code", "message"}` with a 4xx status for anything the caller can fix;
+a 500 (`internal_error`) means a bug in trine, and the server keeps serving.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..service import Service, ServiceError
+from ..store import Store
+from . import actor, control
+from .auth import TokenSigner
+from .wire import validation_message
+
+log = logging.getLogger("trine.server")
+EMBEDDED_KEY_FILE = "embedded.key"
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"code": code, "message": message}, status_code=status)
+
+
+def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRouter, ...] = ()) -> FastAPI:
+    """The app; `routers` are mounted next to trine's own (e.g. the metering usage API). They reach
+    the service as `request.app.state.service` and the caller's key via `control.api_key`."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="trine", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.service = service
+    app.state.signer = signer
+
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, e: ServiceError):
+        return _error(e.status, e.code, e.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        parts = []
+        for err in e.errors()[:3]:
+            parts.append(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}")
+        code = "invalid_request_body" if any(err["type"] == "json_invalid" for err in e.errors()) \
+            else "validation_failed"
+        return _error(400, code, "; ".join(parts))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return _error(e.status_code, code, f"{request.method} {request.url.path}: {e.detail}")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, "internal_error", f"{type(e).__name__}: {e}")
+
+    @app.head("/")
+    @app.get("/")
+    async def root():
+        return {"service": "trine", "models": list(service.models)}
+
+    app.include_router(control.router)
+    app.include_router(control.files_router)
+    app.include_router(actor.router)
+    for r in routers:
+        app.include_router(r)
+    return app
+
+
+def embedded_key(store: Store, home: Path) -> str:
+    """The key an embedded server hands its caller: kept in `home/embedded.key` (0600), created
+    once; a fresh one replaces it if the stored one was revoked."""
+    path = home / EMBEDDED_KEY_FILE
+    if path.is_file():
+        secret = path.read_text().strip()
+        if store.key_by_secret(secret) is not None:
+            return secret
+    _, secret = store.create_key("embedded")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    return secret
+
+
+def resolve_models(models) -> dict[str, Path]:
+    """`models`: a dict name -> dir, or a list of dirs / "NAME=DIR" strings. Name = directory name."""
+    if isinstance(models, dict):
+        return {str(k): Path(v) for k, v in models.items()}
+    out: dict[str, Path] = {}
+    for spec in models:
+        spec = str(spec)
+        name, _, path = spec.partition("=") if "=" in spec else ("", "", spec)
+        path = Path(path).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {spec!r}: {path} is not a model directory (no config.json)")
+        name = name or path.name
+        if name in out:
+            raise ValueError(f"--model: two models are named {name!r}; name one with NAME=DIR")
+        out[name] = path
+    if not out:
+        raise ValueError("--model: serve at least one model")
+    return out
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    api_key: str
+    home: Path
+    service: Service
+    _server: uvicorn.Server
+    _thread: threading.Thread
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
+                 cycle_seconds: float = 0.0, routers: tuple[APIRouter, ...] = (),
+                 log_level: str = "warning", startup_timeout: float = 600.0,
+                 **service_options) -> ServerHandle:
+    """Serve `models` in a background thread; returns once the models are loaded and the port is open.
+
+    home: the data dir (default `$TRINE_HOME` or ~/.trine). port 0 picks a free port.
+    service_options go to `Service` (gather_seconds, num_threads, sampler_options, ...).
+    """
+    home = Path(home or os.environ.get("TRINE_HOME") or Path.home() / ".trine").expanduser()
+    store = Store(home)
+    key = embedded_key(store, home)
+    service = Service(store, resolve_models(models), cycle_seconds=cycle_seconds, **service_options)
+    app = create_app(service, TokenSigner(home), routers=routers)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only when proto says TCP
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_keep_alive=75,
+                            access_log=False)
+    server = uvicorn.Server(config)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            server.run(sockets=[sock])
+        except BaseException as e:  # reported to the caller below
+            errors.append(e)
+        finally:
+            store.close()
+
+    thread = threading.Thread(target=run, name="trine-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"trine server failed to start: {errors[0] if errors else 'see log'}")
+        time.sleep(0.02)
+    url_host = f"[{host}]" if ":" in host else host
+    return ServerHandle(f"http://{url_host}:{bound}", key, home, service, server, thread)
+
+
+def run_forever(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    """Serve in the foreground (the `trine serve` command) until interrupted."""
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=75,
+                access_log=False)
+
+
+__all__ = ["create_app", "start_server", "ServerHandle", "resolve_models", "embedded_key", "run_forever"]

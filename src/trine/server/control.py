@@ -1,0 +1,382 @@
+"""The control plane (`/api/...`, JSON, API key): identity, sessions, runs, checkpoints, models.
+
+Response shapes follow `reference/pytrio-protocol.md` §3; PyTRIO ignores extra keys here, so trine
+adds a few of its own (e.g. `last_cycle` on training runs).
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..service import Service
+from ..service.errors import InvalidRequest, NotFound
+from ..store import ApiKey, Checkpoint, SamplingRun, Session, TrainingRun
+from .auth import TokenSigner, bearer, iso
+from .wire import validation_message
+
+SDK_VERSION = "0.2.9"
+PAGE_MAX = 1000
+
+
+def service_of(request: Request) -> Service:
+    return request.app.state.service
+
+
+def signer_of(request: Request) -> TokenSigner:
+    return request.app.state.signer
+
+
+def api_key(request: Request) -> ApiKey:
+    """Dependency: the caller's API key (`X-API-Key` or `Authorization: Bearer`)."""
+    secret = request.headers.get("x-api-key") or bearer(request.headers.get("authorization"))
+    return service_of(request).authenticate(secret)
+
+
+router = APIRouter(prefix="/api")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SessionCreate(_Body):
+    sdk_version: str = ""
+    user_metadata: dict[str, Any] | None = None
+
+
+class SessionClose(_Body):
+    status: str = Field(default="ENDED", pattern="^(ENDED|CANCELLED)$")
+
+
+class TrainingRunCreate(_Body):
+    base_model: str = ""
+    lora_rank: int = 32
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    source_checkpoint_uri: str = ""
+    restore_optimizer: bool = False
+    seed: int | None = None
+
+
+class TrainingRunUpdate(_Body):
+    source_checkpoint_uri: str = Field(min_length=1)
+    restore_optimizer: bool = False
+
+
+class SamplingRunCreate(_Body):
+    base_model: str = ""
+    source_checkpoint_uri: str = ""
+
+
+# ---------------------------------------------------------------------------- shapes
+def _capability(svc: Service, model_name: str) -> dict:
+    m = svc.models[model_name]
+    return {"max_batch_size": None, "max_tokens_per_request": None, "max_seq_len": m.max_seq_len}
+
+
+def actor_binding(request: Request, key: ApiKey, subject: str, kind: str) -> dict:
+    token, exp = signer_of(request).issue(key_id=key.id, subject=subject, kind=kind)
+    return {"actor": {"actor_cuid": "trine", "endpoint": str(request.base_url) + "actor",
+                      "connect_mode": "direct", "tls_enabled": False, "tls_cert_pem": None,
+                      "tls_not_after": None},
+            "actor_jwt": {"token": token, "expires_at": iso(exp)}}
+
+
+def session_json(s: Session) -> dict:
+    return {"service_session_cuid": s.id, "workspace_cuid": s.api_key_id, "status": s.status,
+            "sdk_version": s.sdk_version, "created_at": iso(s.created_at),
+            "updated_at": iso(s.updated_at)}
+
+
+def training_run_json(svc: Service, r: TrainingRun) -> dict:
+    m = svc.models.get(r.base_model)
+    params = {"restore_optimizer": r.restore_optimizer, "lora_rank": r.lora_rank, "seed": r.seed,
+              "train_mlp": r.train_mlp, "train_attn": r.train_attn, "train_unembed": r.train_unembed}
+    return {"training_run_cuid": r.id, "base_model": m.model_id if m else r.base_model,
+            "model_alias": r.base_model, "service_session_cuid": r.session_id,
+            "workspace_cuid": r.api_key_id, "status": r.status, "run_index": r.run_index,
+            "model_spec_cuid": r.base_model, "is_lora": True,
+            "source_checkpoint_uri": r.source_checkpoint_uri or None, **params,
+            "corrupted": r.status == "INTERRUPTED",
+            "corrupted_reason": "server restarted" if r.status == "INTERRUPTED" else None,
+            "training_params": params, "created_at": iso(r.created_at),
+            "updated_at": iso(r.updated_at), "last_cycle": r.last_cycle}
+
+
+def checkpoint_json(svc: Service, c: Checkpoint) -> dict:
+    m = svc.models.get(c.base_model)
+    model_id = m.model_id if m else c.base_model
+    return {"cuid": c.id, "checkpoint_cuid": c.id, "training_run_cuid": c.training_run_id,
+            "workspace_cuid": c.api_key_id, "name": c.name, "checkpoint_type": c.kind,
+            "status": "READY", "checkpoint_uri": c.uri, "model": model_id, "base_model": model_id,
+            "model_spec_cuid": c.base_model, "task_id": c.training_run_id, "task_name": None,
+            "task_created_at": iso(c.created_at), "task_status": "SUCCEEDED", "step": c.step,
+            "path": c.uri, "created_at": iso(c.created_at), "uploaded_at": None,
+            "size_bytes": c.size_bytes, "lora_rank": c.lora_rank, "is_uploaded": bool(c.path),
+            "expired_at": iso(c.expires_at), "visibility": c.visibility}
+
+
+def sampling_run_json(svc: Service, r: SamplingRun) -> dict:
+    m = svc.models[r.base_model]
+    return {"sampling_run_cuid": r.id, "service_session_cuid": r.session_id,
+            "workspace_cuid": r.api_key_id, "status": r.status, "base_model": m.model_id,
+            "model_id": m.model_id, "alias": m.name, "run_index": r.run_index,
+            "model_spec_cuid": m.name, "model_alias": m.name,
+            "source_checkpoint_uri": r.source_checkpoint_uri or None,
+            "created_at": iso(r.created_at), "updated_at": iso(r.updated_at)}
+
+
+def cursor(offset: int, limit: int, total: int) -> dict:
+    return {"offset": offset, "limit": limit, "total": total}
+
+
+# ---------------------------------------------------------------------------- identity, platform
+@router.get("/openapi/v1/api-key/verify")
+def verify(key: ApiKey = Depends(api_key)):
+    return {"api_key_tid": key.id, "api_key_name": key.name, "user_cuid": key.id, "username": key.name,
+            "display_name": key.name, "workspace_cuid": key.id, "workspace_name": key.name,
+            "workspace_type": "PERSONAL", "expires_at": None}
+
+
+@router.get("/sdk/bootstrap")
+def bootstrap(sdk_version: str = SDK_VERSION):
+    return {"compatibility": {"status": "compatible", "sdk_version": sdk_version}, "notices": []}
+
+
+@router.post("/telemetry/event", status_code=204)
+async def telemetry(request: Request):
+    """Accepted and dropped: trine keeps no client telemetry."""
+    return Response(status_code=204)
+
+
+@router.get("/models")
+def models(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX), offset: int = Query(0, ge=0),
+           key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    items = []
+    for m in svc.models.values():
+        cap = _capability(svc, m.name)
+        items.append({"cuid": m.name, "alias": m.name, "model_id": m.model_id, "display_name": m.name,
+                      "model_type": "llm", "architecture": m.worker.model.cfg.model_type,
+                      "context_length": m.max_seq_len, "train_available": True,
+                      "sample_available": True, "trainer": cap, "sampler": cap,
+                      "created_at": iso(svc.started_at), "updated_at": iso(svc.started_at),
+                      "name": m.name})
+    return {"items": items[offset:offset + limit], "total": len(items), "limit": limit,
+            "offset": offset}
+
+
+# ---------------------------------------------------------------------------- sessions
+@router.post("/openapi/v1/service-sessions")
+def create_session(body: SessionCreate, request: Request, key: ApiKey = Depends(api_key)):
+    return session_json(service_of(request).create_session(key, body.sdk_version))
+
+
+@router.get("/openapi/v1/service-sessions")
+def list_sessions(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
+                  offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+    rows, total = service_of(request).store.sessions(key.id, limit, offset)
+    return {"service_sessions": [session_json(s) for s in rows], "cursor": cursor(offset, limit, total)}
+
+
+@router.get("/openapi/v1/service-sessions/{session_id}")
+def get_session(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    s = svc.session(key, session_id)
+    trs, _ = svc.store.training_runs(key.id, session_id=s.id)
+    srs = svc.store.sampling_runs(key.id, session_id=s.id)
+    return {**session_json(s), "training_run_cuids": [r.id for r in trs],
+            "sampling_run_cuids": [r.id for r in srs]}
+
+
+@router.post("/openapi/v1/service-sessions/{session_id}/close")
+async def close_session(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
+    try:
+        body = SessionClose.model_validate(await _json_or_empty(request))
+    except ValidationError as e:
+        raise InvalidRequest(validation_message(e)) from None
+    s = await service_of(request).close_session(key, session_id, body.status)
+    return session_json(s)
+
+
+@router.post("/openapi/v1/service-sessions/{session_id}/renew")
+def renew_session(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
+    s = service_of(request).session(key, session_id)
+    return {"service_session_cuid": s.id, "workspace_cuid": s.api_key_id, "status": s.status,
+            "updated_at": iso(time.time())}
+
+
+async def _json_or_empty(request: Request) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        raise InvalidRequest("body: not valid JSON", code="invalid_request_body") from None
+    return obj if isinstance(obj, dict) else {}
+
+
+# ---------------------------------------------------------------------------- training runs
+@router.post("/openapi/v1/service-sessions/{session_id}/training-runs")
+def create_training_run(session_id: str, body: TrainingRunCreate, request: Request,
+                        key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    r = svc.create_training_run(key, session_id, base_model=body.base_model, lora_rank=body.lora_rank,
+                                train_mlp=body.train_mlp, train_attn=body.train_attn,
+                                train_unembed=body.train_unembed, seed=body.seed,
+                                source_checkpoint_uri=body.source_checkpoint_uri,
+                                restore_optimizer=body.restore_optimizer)
+    m = svc.models[r.base_model]
+    return {**training_run_json(svc, r), "model_alias": m.name, "model_id": m.model_id,
+            "trainer": _capability(svc, m.name), **actor_binding(request, key, r.id, "training")}
+
+
+@router.patch("/openapi/v1/service-sessions/{session_id}/training-runs/{run_id}")
+def update_training_run(session_id: str, run_id: str, body: TrainingRunUpdate, request: Request,
+                        key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    r = svc.update_training_run(key, session_id, run_id, source_checkpoint_uri=body.source_checkpoint_uri,
+                                restore_optimizer=body.restore_optimizer)
+    return {"source_checkpoint_uri": r.source_checkpoint_uri, "restore_optimizer": r.restore_optimizer,
+            "trainer": _capability(svc, r.base_model), **actor_binding(request, key, r.id, "training")}
+
+
+@router.get("/openapi/v1/training-runs/by-checkpoint-uri")
+def by_checkpoint_uri(request: Request, checkpoint_uri: str = Query(min_length=1),
+                      key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    c = svc.checkpoint_by_uri(key, checkpoint_uri)
+    m = svc.models.get(c.base_model)
+    return {"base_model": m.model_id if m else c.base_model, "lora_rank": c.lora_rank, "seed": c.seed,
+            "train_mlp": c.train_mlp, "train_attn": c.train_attn, "train_unembed": c.train_unembed,
+            "checkpoint_type": c.kind, "training_run_cuid": c.training_run_id}
+
+
+@router.get("/openapi/v1/training-runs")
+def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
+                       offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    rows, total = svc.list_training_runs(key, limit, offset)
+    return {"training_runs": [training_run_json(svc, r) for r in rows],
+            "cursor": cursor(offset, limit, total)}
+
+
+@router.get("/openapi/v1/training-runs/{run_id}")
+def get_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    return training_run_json(svc, svc.training_run(key, run_id))
+
+
+@router.post("/openapi/v1/training-runs/{run_id}/renew")
+def renew_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
+    r = service_of(request).training_run(key, run_id)
+    return {"training_run_cuid": r.id, "service_session_cuid": r.session_id,
+            "workspace_cuid": r.api_key_id, **actor_binding(request, key, r.id, "training")}
+
+
+@router.get("/openapi/v1/training-runs/{run_id}/checkpoints")
+def run_checkpoints(run_id: str, request: Request, limit: int = Query(200, ge=1, le=PAGE_MAX),
+                    offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    rows, total = svc.list_checkpoints(key, training_run_id=run_id, limit=limit, offset=offset)
+    return {"checkpoints": [checkpoint_json(svc, c) for c in rows],
+            "cursor": cursor(offset, limit, total)}
+
+
+# ---------------------------------------------------------------------------- sampling runs
+@router.post("/openapi/v1/service-sessions/{session_id}/sampling-runs")
+def create_sampling_run(session_id: str, body: SamplingRunCreate, request: Request,
+                        key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    r = svc.create_sampling_run(key, session_id, base_model=body.base_model,
+                                source_checkpoint_uri=body.source_checkpoint_uri)
+    return {**sampling_run_json(svc, r), "sampler": _capability(svc, r.base_model),
+            **actor_binding(request, key, r.id, "sampling")}
+
+
+@router.get("/openapi/v1/sampling-runs/{run_id}")
+def get_sampling_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    return sampling_run_json(svc, svc.sampling_run(key, run_id))
+
+
+@router.post("/openapi/v1/sampling-runs/{run_id}/renew")
+def renew_sampling_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
+    r = service_of(request).sampling_run(key, run_id)
+    return {"sampling_run_cuid": r.id, "service_session_cuid": r.session_id,
+            "workspace_cuid": r.api_key_id, **actor_binding(request, key, r.id, "sampling")}
+
+
+# ---------------------------------------------------------------------------- checkpoints
+@router.get("/openapi/v1/checkpoints")
+def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX),
+                     offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    rows, total = svc.list_checkpoints(key, limit=limit, offset=offset)
+    return {"checkpoints": [checkpoint_json(svc, c) for c in rows],
+            "cursor": cursor(offset, limit, total)}
+
+
+@router.delete("/openapi/v1/checkpoints/{checkpoint_id}")
+def delete_checkpoint(checkpoint_id: str, request: Request, key: ApiKey = Depends(api_key)):
+    service_of(request).delete_checkpoint(key, checkpoint_id)
+    return {"checkpoint_cuid": checkpoint_id, "deleted": True}
+
+
+@router.get("/openapi/v1/checkpoints/{checkpoint_id}/download-url")
+def download_url(checkpoint_id: str, request: Request, key: ApiKey = Depends(api_key)):
+    c = service_of(request).checkpoint(key, checkpoint_id)
+    token, exp = signer_of(request).issue(key_id=key.id, subject=c.id, kind="download")
+    return {"url": f"{request.base_url}files/{c.id}?token={token}", "expires_at": iso(exp),
+            "source": "actor", "checkpoint_status": "READY", "tls_cert_pem": None,
+            "tls_not_after": None}
+
+
+files_router = APIRouter()
+
+
+@files_router.get("/files/{checkpoint_id}")
+async def download(checkpoint_id: str, request: Request, token: str = Query("")):
+    """The checkpoint directory as a tar file. The URL carries its own short-lived token (clients
+    fetch it without auth headers); Range requests resume a partial download."""
+    claims = signer_of(request).verify(token, "download")
+    svc = service_of(request)
+    if claims["sub"] != checkpoint_id:
+        raise NotFound(f"checkpoint {checkpoint_id} not found", code="checkpoint_not_found")
+    c = svc.checkpoint(svc.key(claims["key"]), checkpoint_id)
+    tar = await svc.checkpoint_archive(c)
+    return FileResponse(tar, media_type="application/x-tar", filename=f"{c.name}.tar")
+
+
+# ---------------------------------------------------------------------------- trine extras
+@router.get("/trine/v1/models/{name}/tokenizer")
+def tokenizer_files(name: str, request: Request, key: ApiKey = Depends(api_key)):
+    """The tokenizer files of a served model, for clients that build the tokenizer locally."""
+    m = service_of(request).model(name)
+    return {"model": m.name, "files": [f.name for f in m.worker.tokenizer.files()]}
+
+
+@router.get("/trine/v1/models/{name}/tokenizer/{filename}")
+def tokenizer_file(name: str, filename: str, request: Request, key: ApiKey = Depends(api_key)):
+    m = service_of(request).model(name)
+    for f in m.worker.tokenizer.files():
+        if f.name == filename:
+            return FileResponse(f)
+    raise NotFound(f"{name} has no tokenizer file {filename!r}", code="not_found")
+
+
+@router.get("/trine/v1/events/{event_id}")
+def event_info(event_id: str, request: Request, key: ApiKey = Depends(api_key)):
+    """An event's status and the clock cycle it ran in."""
+    rec = service_of(request).store.event(event_id)
+    if rec is None or rec.api_key_id != key.id:
+        raise NotFound(f"event {event_id} not found", code="event_not_found")
+    return JSONResponse({"event_id": rec.id, "run_id": rec.run_id, "index": rec.idx, "type": rec.type,
+                         "status": rec.status, "cycle": rec.cycle})

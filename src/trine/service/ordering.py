@@ -1,0 +1,132 @@
+"""Per-run event ordering and the shape of one clock cycle; plain logic, no I/O, no asyncio.
+
+Invariants
+- A run's events execute strictly in index order 1, 2, 3, ... with no gaps: an event that arrives
+  early waits until every lower index has been taken.
+- An index is used once: a second event id for a taken or waiting index is a Conflict.
+- One cycle takes, per run, the longest head of its queue of the form
+      (init | save)*  (forward | forward_backward)*  optimize_step?  save*
+  so a loop that submits forward_backward and optimize_step before waiting needs one cycle per step,
+  and gradients of all chunks of one step are accumulated before the step is applied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import Conflict, TooManyRequests
+from .ops import END_RUN, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_STATE, SAVE_WEIGHTS
+
+_PRE, _FWD, _OPT, _POST = 0, 1, 2, 3
+_FWD_TYPES = (FORWARD, FORWARD_BACKWARD)
+_SAVE_TYPES = (SAVE_STATE, SAVE_WEIGHTS)
+
+
+@dataclass
+class Pending:
+    """An accepted event waiting for (or in) execution."""
+
+    event_id: str
+    run_id: str
+    index: int
+    type: str
+    op: Any
+    cycle: int | None = None
+
+
+class RunQueue:
+    """The not-yet-executed events of one training run, released in index order."""
+
+    def __init__(self, run_id: str, next_index: int = 1, max_waiting: int = 64):
+        self.run_id = run_id
+        self.next_index = next_index
+        self.max_waiting = max_waiting
+        self.waiting: dict[int, Pending] = {}
+
+    def add(self, ev: Pending) -> None:
+        if ev.index < self.next_index:
+            raise Conflict(f"event index {ev.index} of run {self.run_id} was already used; the next "
+                           f"index is {self.next_index}", code="index_conflict")
+        other = self.waiting.get(ev.index)
+        if other is not None and other.event_id != ev.event_id:
+            raise Conflict(f"event index {ev.index} of run {self.run_id} is taken by event "
+                           f"{other.event_id}; send a new event with the next index",
+                           code="index_conflict")
+        if len(self.waiting) >= self.max_waiting:
+            raise TooManyRequests(f"run {self.run_id} already has {self.max_waiting} events waiting; "
+                                  "wait for some to finish before sending more")
+        self.waiting[ev.index] = ev
+
+    def ready(self) -> bool:
+        return self.next_index in self.waiting
+
+    def take_cycle(self) -> list[Pending]:
+        """Remove and return this run's share of the next cycle (possibly empty), in index order."""
+        taken: list[Pending] = []
+        state = _PRE
+        while self.next_index in self.waiting:
+            t = self.waiting[self.next_index].type
+            if t in _FWD_TYPES and state <= _FWD:
+                state = _FWD
+            elif t == OPTIMIZE_STEP and state <= _FWD:
+                state = _OPT
+            elif t in _SAVE_TYPES:
+                state = _PRE if state == _PRE else _POST
+            elif t in (INIT_RUN, END_RUN) and state == _PRE and not taken:
+                taken.append(self.waiting.pop(self.next_index))
+                self.next_index += 1
+                break  # init and end stand alone: later events depend on their outcome
+            else:
+                break
+            taken.append(self.waiting.pop(self.next_index))
+            self.next_index += 1
+        return taken
+
+
+@dataclass
+class CyclePhases:
+    """One run's share of a cycle split by phase: pre (init/save before training), forward
+    (forward and forward_backward), optim, post (saves after the step)."""
+
+    pre: list[Pending] = field(default_factory=list)
+    forward: list[Pending] = field(default_factory=list)
+    optim: list[Pending] = field(default_factory=list)
+    post: list[Pending] = field(default_factory=list)
+
+
+def split_phases(events: list[Pending]) -> CyclePhases:
+    p = CyclePhases()
+    trained = False
+    for ev in events:
+        if ev.type in _FWD_TYPES:
+            p.forward.append(ev)
+            trained = True
+        elif ev.type == OPTIMIZE_STEP:
+            p.optim.append(ev)
+            trained = True
+        else:
+            (p.post if trained else p.pre).append(ev)
+    return p
+
+
+@dataclass
+class CyclePlan:
+    number: int
+    runs: dict[str, list[Pending]]  # run id -> its events this cycle, in index order
+
+    def phases(self) -> dict[str, CyclePhases]:
+        return {run_id: split_phases(evs) for run_id, evs in self.runs.items()}
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.runs.values())
+
+
+def plan_cycle(number: int, queues: list[RunQueue]) -> CyclePlan:
+    runs = {}
+    for q in queues:
+        evs = q.take_cycle()
+        if evs:
+            for ev in evs:
+                ev.cycle = number
+            runs[q.run_id] = evs
+    return CyclePlan(number, runs)

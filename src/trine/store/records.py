@@ -1,0 +1,97 @@
+"""Rows of the database as plain dataclasses; each table's columns are its dataclass's fields."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ApiKey:
+    id: str
+    name: str
+    key_hash: str
+    created_at: float
+    revoked_at: float | None = None
+
+
+@dataclass
+class Session:
+    id: str
+    api_key_id: str
+    status: str  # ACTIVE, ENDED, CANCELLED
+    sdk_version: str
+    created_at: float
+    updated_at: float
+
+
+@dataclass
+class TrainingRun:
+    id: str
+    api_key_id: str
+    session_id: str
+    run_index: int
+    base_model: str  # served model name
+    lora_rank: int
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    seed: int | None
+    source_checkpoint_uri: str
+    restore_optimizer: bool
+    status: str  # ACTIVE, ENDED, CANCELLED, INTERRUPTED (server restarted: in-memory state lost)
+    created_at: float
+    updated_at: float
+    started: bool = False  # an event has been accepted: PATCH is no longer allowed
+    last_cycle: int = 0
+
+
+@dataclass
+class SamplingRun:
+    id: str
+    api_key_id: str
+    session_id: str
+    run_index: int
+    base_model: str
+    source_checkpoint_uri: str
+    checkpoint_id: str  # "" for the base model
+    status: str
+    created_at: float
+    updated_at: float
+
+
+@dataclass
+class EventRecord:
+    """One actor event. `response` is the msgpack envelope a client gets once the event is terminal."""
+
+    id: str
+    run_id: str
+    api_key_id: str
+    idx: int
+    type: str
+    step: int
+    status: str  # accepted, running, succeeded, failed
+    created_at: float
+    updated_at: float
+    cycle: int | None = None
+    response: bytes | None = None
+
+
+@dataclass
+class Checkpoint:
+    id: str
+    api_key_id: str
+    training_run_id: str
+    name: str
+    kind: str  # TRAINING (save_state) or SAMPLER (save_weights)
+    uri: str
+    path: str  # directory on disk, "" while it lives only in memory (TEMPORARY)
+    size_bytes: int
+    visibility: str  # WORKSPACE or TEMPORARY
+    base_model: str
+    lora_rank: int
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    seed: int | None
+    step: int
+    created_at: float
+    expires_at: float | None = None
