@@ -23,7 +23,9 @@ PREFIX = "/api/trine/v1"
 
 def make_usage_router(get_store: Callable[..., Any], authenticate: Callable[..., Any],
                       rate_card: RateCard | Callable[[], RateCard] | None = None) -> APIRouter:
-    """get_store: a FastAPI dependency returning the store (`usage_events`, `diagnostics`);
+    """get_store: a FastAPI dependency returning the store (`usage_events`, `diagnostics`), e.g.
+    `def get_store(request: Request): return request.app.state.service.store` (annotate `request`,
+    at module level, or FastAPI reads it as a query parameter);
     authenticate: a FastAPI dependency that rejects a bad key and returns the caller's api key id
     (a str) or a record with an `.id`; rate_card: the server's card, or a callable returning it
     (default: `RateCard.load()`, i.e. shipped + $TRINE_HOME/rates.toml)."""
