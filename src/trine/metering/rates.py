@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
