@@ -207,6 +207,12 @@ class KVContext:
     write_slots [B, T]: where each new token's K/V goes (-1: padding, not written).
     read_slots [B, L]: the slots of every key a row attends to, in position order (padding: any slot).
     attn_mask [B, 1, T, L] bool: True where query t may attend key l.
+
+    Packed attention (optional): `query_index` [P, Q] holds flat query indices `b * T + t` (-1:
+    padding); attention then runs over P packed rows of Q queries each, and `read_slots` [P, L] /
+    `attn_mask` [P, 1, Q, L] describe those rows. Sequences sharing a prefix (samples of one prompt)
+    go in one packed row, so the shared keys are gathered once, not once per sequence. Every
+    query, padding included, must be allowed at least one key.
     """
 
     k_pool: list[torch.Tensor]  # per layer [slots, kv_heads, head_dim]
@@ -214,6 +220,7 @@ class KVContext:
     write_slots: torch.Tensor
     read_slots: torch.Tensor
     attn_mask: torch.Tensor
+    query_index: torch.Tensor | None = None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -251,13 +258,25 @@ class Attention(nn.Module):
             out = attention(q, k, v, mask, causal=True)
         else:
             kp, vp = kv.k_pool[layer], kv.v_pool[layer]
+            kvh, d = cfg.num_kv_heads, cfg.head_dim
             valid = kv.write_slots.reshape(-1) >= 0
             slots = kv.write_slots.reshape(-1)[valid]
-            kp[slots] = k.transpose(1, 2).reshape(B * T, cfg.num_kv_heads, cfg.head_dim)[valid].to(kp.dtype)
-            vp[slots] = v.transpose(1, 2).reshape(B * T, cfg.num_kv_heads, cfg.head_dim)[valid].to(vp.dtype)
-            kc = kp[kv.read_slots].transpose(1, 2).to(q.dtype)  # [B, KVH, L, D]
-            vc = vp[kv.read_slots].transpose(1, 2).to(q.dtype)
-            out = attention(q, kc, vc, kv.attn_mask)
+            kp.index_copy_(0, slots, k.transpose(1, 2).reshape(B * T, kvh, d)[valid].to(kp.dtype))
+            vp.index_copy_(0, slots, v.transpose(1, 2).reshape(B * T, kvh, d)[valid].to(vp.dtype))
+            rows, L = kv.read_slots.shape
+            read = kv.read_slots.reshape(-1)  # index_select copies whole [kvh, d] rows: fast
+            kc = kp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
+            vc = vp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
+            if kv.query_index is None:
+                out = attention(q, kc, vc, kv.attn_mask)
+            else:  # gather queries into packed rows, attend, scatter back
+                qi = kv.query_index.reshape(-1)
+                real = qi >= 0
+                qf = q.transpose(1, 2).reshape(B * T, cfg.num_heads, d)
+                qp = qf.index_select(0, qi.clamp(min=0)).view(rows, -1, cfg.num_heads, d)
+                op = attention(qp.transpose(1, 2), kc, vc, kv.attn_mask).transpose(1, 2)
+                out = torch.zeros_like(qf).index_copy_(0, qi[real], op.reshape(-1, cfg.num_heads, d)[real])
+                out = out.view(B, T, cfg.num_heads, d).transpose(1, 2)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1), adapters)
 
 

@@ -68,6 +68,7 @@ class _Request:
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks during prefill
     copies: list[int] = field(default_factory=list)  # partial-block copies for samples 1..n-1
     cached: int = 0  # prompt tokens served from the cache
+    shared: int = 0  # full prompt blocks, shared by reference by all its sequences
     seqs: list["_Seq"] = field(default_factory=list)
     running: int = 0
     prompt_logprobs: list[float | None] | None = None
@@ -266,7 +267,8 @@ class Sampler:
     def _slots(self, block_lists: list[list[int]], length: int) -> torch.Tensor:
         """[B, length] pool slots of positions 0..length-1 of each row's blocks (padding: slot 0)."""
         width = max(len(b) for b in block_lists)
-        table = torch.tensor([b + [0] * (width - len(b)) for b in block_lists], device=self.device)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in block_lists], dtype=torch.long,
+                             device=self.device).view(len(block_lists), width)
         slots = (table[:, :, None] * self.block_size + self._arange).view(len(block_lists), -1)
         return slots[:, :length]
 
@@ -340,7 +342,7 @@ class Sampler:
                     blocks = blocks + [r.copies[j - 1]]
             gen = torch.Generator().manual_seed(sample_seed(seed, j))
             seqs.append(_Seq(r, list(req.prompt), blocks, list(r.keys[:full]), gen, reserve))
-        r.seqs, r.running = seqs, len(seqs)
+        r.seqs, r.running, r.shared = seqs, len(seqs), full
         return seqs
 
     def _decode(self, seqs: list[_Seq]) -> list[SampleResult]:
@@ -350,15 +352,20 @@ class Sampler:
                 s.blocks += kv.allocate(1)
                 s.reserve -= 1
                 self._reserved -= 1
-        B = len(seqs)
-        lens = torch.tensor([len(s.tokens) for s in seqs], device=dev)
-        pos = (lens - 1)[:, None]
-        read = self._slots([s.blocks for s in seqs], int(lens.max()))
-        write = read.gather(1, pos)
-        mask = (torch.arange(read.shape[1], device=dev)[None] <= pos)[:, None, None]
+        lens = [len(s.tokens) for s in seqs]
+        pos = torch.tensor(lens, device=dev)[:, None] - 1
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            groups.setdefault(id(s.req), []).append(i)
+        if max(len(g) for g in groups.values()) == 1:
+            read = self._slots([s.blocks for s in seqs], max(lens))
+            write, packed = read.gather(1, pos), None
+            mask = (torch.arange(read.shape[1], device=dev)[None] <= pos)[:, None, None]
+        else:
+            write, read, mask, packed = self._packed_context(seqs, lens, list(groups.values()))
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
         adapters = AdapterBatch.from_rows([s.req.req.adapter for s in seqs], dev)
-        kvc = KVContext(kv.k_pool, kv.v_pool, write, read, mask)
+        kvc = KVContext(kv.k_pool, kv.v_pool, write, read, mask, packed)
         hidden = self.model.hidden_states(tokens, pos, adapters, kv=kvc)
         logits = self.model.logits(hidden[:, 0], adapters)
         self._counters["decode_forwards"] += 1
@@ -374,6 +381,40 @@ class Sampler:
         finished = self._advance(seqs, logits)
         self._running = [s for s in self._running if s.stop_reason is None]
         return finished
+
+    def _packed_context(self, seqs: list[_Seq], lens: list[int], groups: list[list[int]]):
+        """Decode attention packed by request: one row per request holds the prompt's shared full
+        blocks once, then each sample's own blocks; sample t's query sees the shared keys and
+        its own. Returns write [B, 1], read [P, L], mask [P, 1, Q, L], query_index [P, Q]."""
+        dev, bs = self.device, self.block_size
+        P, Q = len(groups), max(len(g) for g in groups)
+        shared = [seqs[g[0]].req.shared for g in groups]  # identical first blocks of the group
+        own = [seqs[i].req.shared for g in groups for i in g]
+        order = [i for g in groups for i in g]
+        own_len = torch.tensor([lens[i] - f * bs for i, f in zip(order, own)], device=dev)
+        own_slots = self._slots([seqs[i].blocks[f:] for i, f in zip(order, own)], int(own_len.max()))
+        S = own_slots.shape[1]
+        rows = torch.full((P, Q), -1, dtype=torch.long)  # packed query -> index into `order`
+        start = 0
+        for p, g in enumerate(groups):
+            rows[p, :len(g)] = torch.arange(start, start + len(g))
+            start += len(g)
+        rows = rows.to(dev)
+        k = rows.clamp(min=0)  # padding queries borrow a real sequence's keys: never all-masked
+        pre_len = max(shared) * bs
+        pre = self._slots([seqs[g[0]].blocks[:f] for g, f in zip(groups, shared)], pre_len)
+        read = torch.cat([pre, own_slots[k].view(P, Q * S)], 1)
+        pre_mask = torch.arange(pre_len, device=dev)[None] < torch.tensor(shared, device=dev)[:, None] * bs
+        own_mask = torch.arange(S, device=dev)[None] < own_len[:, None]  # [B, S] in `order`
+        eye = torch.eye(Q, dtype=torch.bool, device=dev)
+        own_mask = (eye[None, :, :, None] & own_mask[k][:, None]).view(P, Q, Q * S)
+        mask = torch.cat([pre_mask[:, None].expand(P, Q, pre_len), own_mask], -1)[:, None]
+        # query_index refers to the batch rows (the order of `seqs`), write slots likewise
+        inv = torch.tensor(order, device=dev)
+        query_index = torch.where(rows >= 0, inv[k], -1)
+        write = torch.empty(len(seqs), 1, dtype=torch.long, device=dev)
+        write[inv] = own_slots.gather(1, own_len[:, None] - 1)
+        return write, read, mask, query_index
 
     # ------------------------------------------------------------------ sampling
     def _advance(self, seqs: list[_Seq], logits: torch.Tensor) -> list[SampleResult]:
