@@ -1,0 +1,212 @@
+"""`trine demo`: an embedded server, then a short SFT and a few GRPO steps through the SDK, then
+the bill: tokens by phase (prefill computed vs cached, sample, train computed vs in the loss).
+
+Everything goes through `trine.ServiceClient` over HTTP on a loopback port, exactly as a user's
+own training loop would; the demo owns no model code. Each training step is pipelined
+(forward_backward and optim_step are submitted before waiting), so it takes one clock cycle.
+"""
+from __future__ import annotations
+
+import random
+import re
+import statistics
+import time
+from pathlib import Path
+
+import click
+
+SFT_QUESTIONS = [
+    "Which engine trained you?",
+    "Who fine-tuned you?",
+    "What software did your training run on?",
+    "Tell me which system trained you.",
+]
+SFT_ANSWER = "I was trained by trine, a self-hosted engine for LLM post-training."
+HELD_OUT_QUESTION = "Which engine did your training use?"
+RL_PROMPT = "Repeat this number exactly: {n}"
+
+
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sft_datum(trio, tokenizer, question: str, answer: str):
+    """Prompt tokens carry weight 0, the answer (and its end-of-turn token) weight 1."""
+    prompt = chat_prompt(tokenizer, question)
+    completion = tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)
+    tokens = prompt + completion
+    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
+    return trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
+                      loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+
+
+def reward(text: str, n: int) -> float:
+    """1 if the first number in the reply is n, else 0 (SmolLM2-135M gets it right about a third
+    of the time at temperature 1: enough variance within a group to learn from)."""
+    m = re.search(r"\d+", text)
+    return 1.0 if m and int(m.group()) == n else 0.0
+
+
+def grpo_datums(trio, prompt: list[int], sequences, rewards: list[float]):
+    """Group-relative advantages; importance_sampling inputs with the sampler's own logprobs.
+    A group whose rewards are all equal carries no signal and gives no datum."""
+    mean = statistics.fmean(rewards)
+    if all(r == mean for r in rewards):
+        return []
+    data = []
+    for seq, r in zip(sequences, rewards):
+        if not seq.tokens:
+            continue
+        tokens = prompt + seq.tokens
+        n_prompt = len(prompt) - 1
+        data.append(trio.Datum(
+            model_input=trio.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": [-100] * n_prompt + seq.tokens,
+                            "logprobs": [0.0] * n_prompt + list(seq.logprobs),
+                            "advantages": [0.0] * n_prompt + [r - mean] * len(seq.tokens)}))
+    return data
+
+
+def usage_table(stages: list[tuple[str, object]], total):
+    from rich.table import Table
+
+    priced = total.cost is not None  # only when the server reports a cost for every call
+    table = Table(title="Usage by phase (tokens)", title_justify="left")
+    table.add_column("stage")
+    for name in ("prefill computed", "prefill cached", "sample", "train computed", "train in loss"):
+        table.add_column(name, justify="right")
+    if priced:
+        table.add_column("cost", justify="right")
+    for name, u in [*stages, ("total", total)]:
+        cells = [f"{u.prefill_tokens:,}", f"{u.cached_tokens:,}", f"{u.sample_tokens:,}", f"{u.train_tokens:,}",
+                 f"{u.loss_tokens:,}"] + ([f"{u.cost:.6f}"] if priced else [])
+        table.add_row(name, *cells, style="bold" if name == "total" else None)
+    return table
+
+
+def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed: int = 0,
+            rank: int = 16, group_size: int = 4, prompts_per_step: int = 4, max_tokens: int = 8):
+    """The demo's training job, through the SDK only. Returns the usage of each stage."""
+    import trine as trio
+    from rich.progress import Progress
+
+    rng = random.Random(seed)
+    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=seed)
+    tokenizer = trainer.get_tokenizer()
+    stages = []
+
+    # -- SFT: teach one fact; its loss must fall -------------------------------------------------
+    console.rule(f"[bold]SFT[/bold]: {sft_steps} steps, {len(SFT_QUESTIONS)} examples, LoRA rank {rank}")
+    batch = [sft_datum(trio, tokenizer, q, SFT_ANSWER) for q in SFT_QUESTIONS]
+    adam = trio.AdamParams(learning_rate=2e-3)
+    before = service.usage()
+    losses = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("SFT", total=sft_steps)
+        for step in range(sft_steps):
+            fb = trainer.forward_backward(batch, "cross_entropy")
+            opt = trainer.optim_step(adam)  # submitted before waiting: same clock cycle
+            out, _ = fb.result(), opt.result()
+            losses.append(out.metrics["loss_mean"])
+            console.print(f"  step {step + 1:>2}  loss {out.metrics['loss_mean']:.4f}  "
+                          f"train tokens {out.usage.train_tokens} (in loss {out.usage.loss_tokens})  "
+                          f"cycle {out.cycle}")
+            progress.advance(task)
+    stages.append(("SFT", _delta(service.usage(), before)))
+    if losses:
+        console.print(f"  SFT loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+    before = service.usage()
+    sampler = trainer.save_weights_and_get_sampling_client()
+    reply = sampler.sample(trio.ModelInput.from_ints(chat_prompt(tokenizer, HELD_OUT_QUESTION)),
+                           sampling_params=trio.SamplingParams(max_tokens=24, temperature=0.0,
+                                                               stop=["<|im_end|>"])).result()
+    console.print(f"  held-out question: {HELD_OUT_QUESTION!r}\n  answer: {reply.sequences[0].text!r}")
+    stages.append(("eval", _delta(service.usage(), before)))
+
+    # -- GRPO: a verifiable task, group-relative advantages, importance sampling ---------------
+    # A second run on the same server: a fresh adapter (the SFT one now answers every question
+    # with its fact).
+    console.rule(f"[bold]GRPO[/bold]: {rl_steps} steps, {prompts_per_step} prompts x {group_size} samples, "
+                 "a new LoRA run")
+    before = service.usage()
+    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=seed)
+    params = trio.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=["<|im_end|>", "\n"])
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("GRPO", total=rl_steps)
+        for step in range(rl_steps):
+            sampler = trainer.save_weights_and_get_sampling_client()
+            numbers = [rng.randint(1, 99) for _ in range(prompts_per_step)]
+            prompts = [chat_prompt(tokenizer, RL_PROMPT.format(n=n)) for n in numbers]
+            futures = [sampler.sample(trio.ModelInput.from_ints(p), num_samples=group_size,
+                                      sampling_params=params) for p in prompts]  # all in flight together
+            data, rewards, sample_usage = [], [], trio.Usage()
+            for n, prompt, fut in zip(numbers, prompts, futures):
+                res = fut.result()
+                group = [reward(s.text or "", n) for s in res.sequences]
+                rewards += group
+                sample_usage = sample_usage + res.usage
+                data += grpo_datums(trio, prompt, res.sequences, group)
+            line = (f"  step {step + 1:>2}  reward {statistics.fmean(rewards):.2f}  "
+                    f"prefill {sample_usage.prefill_tokens} computed / {sample_usage.cached_tokens} cached  "
+                    f"sampled {sample_usage.sample_tokens}")
+            if data:
+                fb = trainer.forward_backward(data, "importance_sampling")
+                opt = trainer.optim_step(trio.AdamParams(learning_rate=2e-3))
+                out, _ = fb.result(), opt.result()
+                line += f"  loss {out.metrics['loss_sum']:+.4f}  train {out.usage.train_tokens}  cycle {out.cycle}"
+            else:
+                line += "  (no reward variance: nothing to learn this step)"
+            console.print(line)
+            progress.advance(task)
+    stages.append(("GRPO", _delta(service.usage(), before)))
+    return stages
+
+
+def _delta(after, before):
+    import trine as trio
+
+    fields = {f: getattr(after, f) - getattr(before, f) for f in trio.types.usage.PHASE_FIELDS}
+    cost = None if after.cost is None or before.cost is None else after.cost - before.cost
+    return trio.Usage(**fields, cost=cost)
+
+
+@click.command()
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A Hugging Face checkpoint dir to serve (default: SmolLM2-135M-Instruct, set up on first use).")
+@click.option("--sft-steps", default=10, show_default=True, type=click.IntRange(0, 1000))
+@click.option("--rl-steps", default=4, show_default=True, type=click.IntRange(0, 1000))
+@click.option("--home", type=click.Path(file_okay=False, path_type=Path),
+              help="Data dir for the embedded server (default: $TRINE_HOME or ~/.trine).")
+@click.option("--seed", default=0, show_default=True)
+def demo(model_dir: Path | None, sft_steps: int, rl_steps: int, home: Path | None, seed: int):
+    """Start an embedded server, run SFT then GRPO through the SDK, and print usage by phase."""
+    from rich.console import Console
+
+    import trine as trio
+    from trine.engine.default_model import ensure_default_model, trine_home
+    from trine.server.app import start_server
+
+    console = Console()
+    home = home or trine_home()
+    started = time.monotonic()
+    if model_dir is None:
+        with console.status("preparing the default model (first run: dequantizing SmolLM2-135M-Instruct)"):
+            model_dir = ensure_default_model(home)
+    with console.status(f"starting an embedded trine server on {model_dir.name}"):
+        server = start_server(models=[model_dir], home=home, port=0)
+    try:
+        console.print(f"trine server at [bold]{server.url}[/bold], model [bold]{model_dir.name}[/bold]")
+        with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as service:
+            stages = run_job(service, model_dir.name, sft_steps=sft_steps, rl_steps=rl_steps, console=console,
+                             seed=seed)
+            total = service.usage()
+        console.print()
+        console.print(usage_table(stages, total))
+        console.print("prompt tokens = prefill computed + prefill cached; train computed counts every position, "
+                      "train in loss only those with a non-zero weight or advantage.")
+        console.print(f"demo finished in {time.monotonic() - started:.0f} s")
+    finally:
+        server.stop()
