@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .errors import ActorAPIError, EventFailedError, RunBrokenError
+from .futures import settle
 from .http import ActorConnection, Settings
 from .wire import event_envelope, new_event_id
 
@@ -34,15 +35,6 @@ class _Queued:
     future: Future
     ends_step: bool
     breaks_run: bool
-
-
-def _settle(f: Future, result=None, exc: BaseException | None = None) -> None:
-    if f.done():  # cancelled by the user
-        return
-    if exc is not None:
-        f.set_exception(exc)
-    else:
-        f.set_result(result)
 
 
 class EventQueue:
@@ -79,7 +71,7 @@ class EventQueue:
             if item.future.done():
                 continue
             if self.broken:
-                _settle(item.future, exc=RunBrokenError(self.broken, code="training.run_broken"))
+                settle(item.future, exc=RunBrokenError(self.broken, code="training.run_broken"))
                 continue
             await self._slots.acquire()
             event_id = new_event_id()
@@ -91,7 +83,7 @@ class EventQueue:
                 refused = isinstance(e, ActorAPIError) and 400 <= e.status_code < 500
                 if not refused or item.breaks_run:
                     self._break(f"submitting {item.type} failed ({e})")
-                _settle(item.future, exc=e)
+                settle(item.future, exc=e)
                 self._slots.release()
                 continue
             self.index += 1
@@ -135,18 +127,18 @@ class EventQueue:
         except Exception as e:  # noqa: BLE001 - delivered through the event's future
             if item.breaks_run:
                 self._break(f"a chunk of a split forward_backward could not be polled ({e})")
-            _settle(item.future, exc=e)
+            settle(item.future, exc=e)
         finally:
             self._slots.release()
 
     def _finish(self, item: _Queued, response: dict) -> None:
         if response["status"] == "succeeded":
-            _settle(item.future, response)
+            settle(item.future, response)
             return
         error = response.get("error") or {}
         if item.breaks_run:
             self._break("a chunk of a split forward_backward failed")
-        _settle(item.future, exc=EventFailedError(response.get("event_id", ""), str(error.get("code", "")),
+        settle(item.future, exc=EventFailedError(response.get("event_id", ""), str(error.get("code", "")),
                                                   str(error.get("message", "the event failed"))))
 
     async def close(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Generator
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -47,11 +47,14 @@ class APIFuture(Generic[T]):
                 out.cancel()
                 return
             try:
-                out.set_result(fn(src.result()))
+                value = fn(src.result())
             except CancelledError:
                 out.cancel()
+                return
             except BaseException as e:  # noqa: BLE001 - a future carries any failure
-                out.set_exception(e)
+                settle(out, exc=e)
+                return
+            settle(out, value)
 
         self._future.add_done_callback(resolve)
         out.add_done_callback(lambda f: self._future.cancel() if f.cancelled() else None)
@@ -59,6 +62,17 @@ class APIFuture(Generic[T]):
 
     def __await__(self) -> Generator[object, None, T]:
         return asyncio.wrap_future(self._future).__await__()
+
+
+def settle(f: Future, value=None, exc: BaseException | None = None) -> None:
+    """Complete `f` unless it was cancelled meanwhile (by another thread)."""
+    try:
+        if exc is not None:
+            f.set_exception(exc)
+        else:
+            f.set_result(value)
+    except InvalidStateError:
+        pass
 
 
 def gather(futures: list[APIFuture]) -> APIFuture[list]:
@@ -78,11 +92,11 @@ def gather(futures: list[APIFuture]) -> APIFuture[list]:
                 return
             exc = src.exception()
             if exc is not None:
-                out.set_exception(exc)
+                settle(out, exc=exc)
                 return
             results[i] = src.result()
             if len(results) == len(futures):
-                out.set_result([results[k] for k in range(len(futures))])
+                settle(out, [results[k] for k in range(len(futures))])
 
     for i, f in enumerate(futures):
         f._future.add_done_callback(lambda src, i=i: resolve(i, src))
