@@ -8,6 +8,7 @@ import asyncio
 import math
 import os
 
+import httpx
 import pytest
 import torch
 
@@ -379,3 +380,49 @@ def test_training_client_uses_torch_free_types(service):
                                       loss_fn_inputs={"target_tokens": [6, 7, 8]})]).result()
     lp = out.loss_fn_outputs[0]["logprobs"]
     assert lp.dtype == "float32" and lp.to_numpy().shape == (3,) and lp.to_torch().dtype == torch.float32
+
+
+class LoseFirstResponse(httpx.AsyncBaseTransport):
+    """The network, losing the response to the first request whose path contains `part`: the
+    server did the work, the client saw a read timeout (and must retry with the same id)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, part: str):
+        self.inner, self.part, self.lost = inner, part, []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if self.part in request.url.path and not self.lost:
+            await response.aread()
+            self.lost.append(request.content)
+            raise httpx.ReadTimeout("the response was lost", request=request)
+        return response
+
+
+def test_lost_responses_are_retried_with_the_same_ids_and_run_once(server, tokenizer):
+    batch = [sft_datum(tokenizer, "Retries must not train twice.")]
+    adam = trio.AdamParams(learning_rate=2e-2)
+    with trio.ServiceClient(api_key=server.api_key, base_url=server.url,
+                            settings=trio.Settings(retry_initial_delay_s=0.05)) as svc:
+        clean = svc.create_lora_training_client(MODEL, rank=4, seed=8)
+        expected = [clean.forward_backward(batch), clean.optim_step(adam), clean.forward_backward(batch)]
+        expected = [f.result() for f in expected]
+
+        flaky = svc.create_lora_training_client(MODEL, rank=4, seed=8)
+        flaky.forward(batch).result()  # init_run and one event go through untouched
+        http = svc._rt.actor_http
+        http._transport = LoseFirstResponse(http._transport, "/v1/events")
+        got = [flaky.forward_backward(batch), flaky.optim_step(adam), flaky.forward_backward(batch)]
+        got = [f.result(timeout=60) for f in got]
+        assert len(http._transport.lost) == 1
+        assert got[2].metrics["loss_sum"] == pytest.approx(expected[2].metrics["loss_sum"], rel=1e-5)
+
+        sampler = svc.create_sampling_client(base_model=MODEL)
+        http._transport = LoseFirstResponse(http._transport.inner, "/sample")
+        res = sampler.sample(trio.ModelInput.from_ints([1, 2, 3]), num_samples=2,
+                             sampling_params=trio.SamplingParams(max_tokens=3, seed=1)).result(timeout=60)
+        assert len(http._transport.lost) == 1 and len(res.sequences) == 2
+        key = server.service.authenticate(server.api_key)
+        ops = [e.operation for e in server.service.usage_events(key, run_id=flaky.training_run_id)]
+        assert sorted(ops) == ["forward", "forward_backward", "forward_backward", "optim_step"]
+        recorded = server.service.usage_events(key, run_id=sampler.sampling_run_id)
+        assert len(recorded) == 1 and recorded[0].sample == res.usage.sample_tokens
