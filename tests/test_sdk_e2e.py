@@ -370,8 +370,20 @@ def test_service_client_reads_the_environment_and_refuses_a_bad_key(server, monk
     with pytest.raises(trio.AuthError):
         trio.ServiceClient(api_key="trine-wrong", base_url=server.url)
     monkeypatch.delenv("TRINE_API_KEY")
+    monkeypatch.delenv("TRINE_BASE_URL")
+    monkeypatch.setenv("PYTRIO_BASE_URL", server.url)
+    monkeypatch.setenv("PYTRIO_API_KEY", server.api_key)
+    with trio.ServiceClient() as svc:  # a PyTRIO environment pointed at trine works as is
+        assert svc.base_url == server.url
+    monkeypatch.delenv("PYTRIO_API_KEY")
     with pytest.raises(trio.AuthError, match="TRINE_API_KEY"):
         trio.ServiceClient()
+    monkeypatch.setattr("trine.client.service._configured", {})
+    trio.configure(api_key=server.api_key, retry_window_s=5.0)
+    with trio.ServiceClient() as svc:
+        assert svc._rt.settings.retry_window_s == 5.0
+    with pytest.raises(ValueError, match="unknown option"):
+        trio.configure(retry_windw_s=1)
 
 
 def test_training_client_uses_torch_free_types(service):

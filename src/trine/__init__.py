@@ -20,6 +20,7 @@ from .client import (  # noqa: E402
     TrainingClient,
     TrineError,
     ValidationError,
+    configure,
 )
 from .types import (  # noqa: E402
     AdamParams,
@@ -52,5 +53,5 @@ __all__ = [
     "PyTrioError", "RestClient", "RunBrokenError", "SampleResponse", "SampleSequence", "SampledSequence",
     "SamplingClient", "SamplingParams", "SaveWeightsForSamplerResponse", "SaveWeightsResponse",
     "ServiceClient", "Settings", "TensorData", "TrainingClient", "TrineError", "Usage", "ValidationError",
-    "types",
+    "configure", "types",
 ]

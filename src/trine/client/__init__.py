@@ -12,9 +12,9 @@ from .futures import APIFuture
 from .http import Settings
 from .rest import RestClient
 from .sampling import SamplingClient
-from .service import ServiceClient
+from .service import ServiceClient, configure
 from .training import TrainingClient
 
 __all__ = ["APIFuture", "ActorAPIError", "AuthError", "ControlAPIError", "EventFailedError", "RestClient",
            "RunBrokenError", "SamplingClient", "ServiceClient", "Settings", "TrainingClient", "TrineError",
-           "ValidationError"]
+           "ValidationError", "configure"]

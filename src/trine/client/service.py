@@ -23,6 +23,29 @@ from .sampling import SamplingClient
 from .training import TrainingClient
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+_configured: dict = {}
+
+
+def configure(api_key: str | None = None, base_url: str | None = None, **settings) -> None:
+    """Process-wide defaults for ServiceClients created afterwards: the API key, the base URL,
+    and any `Settings` field (e.g. `retry_window_s=60`). Explicit constructor arguments win."""
+    known = set(Settings.__dataclass_fields__)
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"configure: unknown option(s) {unknown}; use api_key, base_url or one of {sorted(known)}")
+    if api_key is not None:
+        _configured["api_key"] = api_key
+    if base_url is not None:
+        _configured["base_url"] = base_url
+    _configured.setdefault("settings", {}).update(settings)
+
+
+def _env(*names: str) -> str:
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return ""
 
 
 def _close_session(runtime: Runtime, session_id: str) -> None:
@@ -81,15 +104,22 @@ class Session:
 class ServiceClient:
     def __init__(self, api_key: str | None = None, base_url: str | None = None, *,
                  settings: Settings | None = None):
-        """Connect to a trine server: `base_url` (else $TRINE_BASE_URL, else http://127.0.0.1:8000)
-        with `api_key` (else $TRINE_API_KEY; `trine serve` prints one)."""
-        base_url = base_url or os.environ.get("TRINE_BASE_URL", "").strip() or DEFAULT_BASE_URL
-        api_key = (api_key if api_key is not None else os.environ.get("TRINE_API_KEY", "")).strip()
+        """Connect to a trine server at `base_url` with `api_key`. Unset, they come from
+        `trine.configure(...)`, then $TRINE_BASE_URL / $TRINE_API_KEY, then $PYTRIO_BASE_URL /
+        $PYTRIO_API_KEY (so a PyTRIO setup pointed at trine works as is); the URL defaults to
+        http://127.0.0.1:8000. `trine serve` prints a key."""
+        base_url = (base_url or _configured.get("base_url") or _env("TRINE_BASE_URL", "PYTRIO_BASE_URL")
+                    or DEFAULT_BASE_URL)
+        if api_key is None:
+            api_key = _configured.get("api_key") or _env("TRINE_API_KEY", "PYTRIO_API_KEY")
+        api_key = api_key.strip()
+        if settings is None:
+            settings = Settings(**_configured.get("settings", {}))
         if not api_key:
             raise AuthError("no API key: pass ServiceClient(api_key=...) or set TRINE_API_KEY "
                             "(`trine serve` prints one; `trine keys create` makes more)", code="auth.missing_api_key")
         self.base_url = base_url
-        runtime = Runtime(base_url, api_key, settings or Settings())
+        runtime = Runtime(base_url, api_key, settings)
 
         async def open_session():
             identity = await runtime.control.call("GET", "openapi/v1/api-key/verify")
