@@ -54,7 +54,8 @@ def test_sampler_adapter_loads_into_peft_with_the_same_logits(model, tiny_model_
 def test_peft_adapter_round_trip_and_partial_targets(model, tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     # An adapter trained elsewhere on q_proj and v_proj only, saved by peft itself.
-    peft_model = get_peft_model(hf_model(tiny_model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    peft_cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    peft_model = get_peft_model(hf_model(tiny_model_dir), peft_cfg)
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_" in n:

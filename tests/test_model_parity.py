@@ -64,7 +64,8 @@ def test_lora_logits_match_peft(tiny_model_dirs, untied_dir, family):
     ours = load_model(path, "cpu")
     lora = LoRAConfig(rank=8, alpha=32.0)  # attn + mlp + lm_head
     adapter = random_adapter(ours, lora, seed=3)
-    peft_model = get_peft_model(hf_model(path), LoraConfig(r=8, lora_alpha=32, target_modules=list(lora.target_names())))
+    peft_cfg = LoraConfig(r=8, lora_alpha=32, target_modules=list(lora.target_names()))
+    peft_model = get_peft_model(hf_model(path), peft_cfg)
     with torch.no_grad():
         lora_params = dict(peft_model.named_parameters())
         for module in adapter.module_names():
@@ -81,15 +82,18 @@ def test_lora_logits_match_peft(tiny_model_dirs, untied_dir, family):
     assert (got - want)[mask].abs().max() <= TOL
 
 
-def test_mixed_adapters_in_one_batch_equal_each_row_alone(tiny_model_dir):
+@pytest.mark.parametrize("layout", ["scattered", "contiguous"])
+def test_mixed_adapters_in_one_batch_equal_each_row_alone(tiny_model_dir, layout):
     model = load_model(tiny_model_dir, "cpu")
     a1 = random_adapter(model, LoRAConfig(rank=4), seed=1)
     a2 = random_adapter(model, LoRAConfig(rank=16, alpha=8.0, train_unembed=False), seed=2)
-    rows = [a1, None, a2, a1]
+    rows = [a1, None, a2, a1] if layout == "scattered" else [a1, a1, None, a2]
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 49152, (4, 9), generator=g)
+    batch = AdapterBatch.from_rows(rows)
+    assert (batch.spans is not None) == (layout == "contiguous")  # row views instead of gather/scatter
     with torch.no_grad():
-        mixed = model(tokens, adapters=AdapterBatch.from_rows(rows))
+        mixed = model(tokens, adapters=batch)
         for i, a in enumerate(rows):
             alone = model(tokens[i:i + 1], adapters=AdapterBatch.single(a))
             assert (mixed[i] - alone[0]).abs().max() <= TOL

@@ -131,6 +131,9 @@ class AdapterBatch:
     """Which batch rows (dim 0) use which adapter. Rows in no group use the base model alone."""
 
     groups: list[tuple[Adapter, torch.Tensor | None]] = field(default_factory=list)  # None = all rows
+    # Optional, same information: when each group's rows are one contiguous range [start, stop),
+    # LoRALinear works on views of those rows instead of gathering and scattering them.
+    spans: list[tuple[Adapter, int, int]] | None = None
 
     @classmethod
     def single(cls, adapter: Adapter | None) -> "AdapterBatch":
@@ -138,13 +141,16 @@ class AdapterBatch:
 
     @classmethod
     def from_rows(cls, row_adapters: list[Adapter | None], device=None) -> "AdapterBatch":
+        """Group rows by adapter; put rows of one adapter next to each other to get `spans`."""
         if all(a is row_adapters[0] for a in row_adapters):
             return cls.single(row_adapters[0])
         groups: dict[int, tuple[Adapter, list[int]]] = {}
         for i, a in enumerate(row_adapters):
             if a is not None:
                 groups.setdefault(id(a), (a, []))[1].append(i)
-        return cls([(a, torch.tensor(rows, device=device)) for a, rows in groups.values()])
+        contiguous = all(rows[-1] - rows[0] + 1 == len(rows) for _, rows in groups.values())
+        spans = [(a, rows[0], rows[-1] + 1) for a, rows in groups.values()] if contiguous else None
+        return cls([(a, torch.tensor(rows, device=device)) for a, rows in groups.values()], spans)
 
 
 class LoRALinear(nn.Linear):
@@ -156,14 +162,25 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if not adapters or not adapters.groups:
             return out
+        # In place: `out` is fresh and F.linear's backward does not read it, so no copies of it are
+        # made per adapter. The scale multiplies the rank-r intermediate, not the wide output.
+        if adapters.spans is not None:
+            for adapter, start, stop in adapters.spans:
+                pair = adapter.pair(self.lora_name)
+                if pair is not None:
+                    a, b = pair
+                    xs = x.narrow(0, start, stop - start).to(a.dtype)
+                    delta = F.linear(F.linear(xs, a) * adapter.scale, b).to(out.dtype)
+                    out.narrow(0, start, stop - start).add_(delta)
+            return out
         for adapter, rows in adapters.groups:
             pair = adapter.pair(self.lora_name)
             if pair is None:
                 continue
             a, b = pair
             xs = x if rows is None else x.index_select(0, rows)
-            delta = (F.linear(F.linear(xs.to(a.dtype), a), b) * adapter.scale).to(out.dtype)
-            out = out + delta if rows is None else out.index_add(0, rows, delta)
+            delta = F.linear(F.linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype)
+            out = out.add_(delta) if rows is None else out.index_add_(0, rows, delta)
         return out
 
 

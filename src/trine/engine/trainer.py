@@ -161,19 +161,24 @@ class Trainer:
         return rows
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[int]]:
+        """Rows by decreasing length, cut so rows x longest <= micro_batch_tokens; within a micro-batch
+        the rows of one adapter are contiguous (so LoRA runs on views, see AdapterBatch.spans)."""
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i].datum))
         batches: list[list[int]] = []
-        for i in order:
+        for i in order:  # a micro-batch's first row is its longest
             if batches and (len(batches[-1]) + 1) * len(rows[batches[-1][0]].datum) <= self.micro_batch_tokens:
                 batches[-1].append(i)
             else:
                 batches.append([i])
-        return batches
+        first_seen = {}
+        for row in rows:
+            first_seen.setdefault(id(row.adapter), len(first_seen))
+        return [sorted(mb, key=lambda i: first_seen[id(rows[i].adapter)]) for mb in batches]
 
     def _run_micro_batch(self, rows: list[_Row], logps: list[torch.Tensor], losses: list[torch.Tensor],
                          backward: bool) -> None:
         model, device = self.model, self.model.device
-        B, T = len(rows), len(rows[0].datum)
+        B, T = len(rows), max(len(row.datum) for row in rows)
         tokens = torch.zeros(B, T, dtype=torch.long)
         targets = torch.zeros(B, T, dtype=torch.long)
         pad_mask = torch.zeros(B, T, dtype=torch.bool)
@@ -198,12 +203,12 @@ class Trainer:
             sel = h.reshape(B * T, -1).index_select(0, active.to(device))
         train = backward and sel.requires_grad
         hs = sel.detach().requires_grad_(train)
-        groups = _token_groups(adapters, row_of.to(device))
+        token_spans = _token_spans(adapters, counts)
         logp_all = torch.empty(active.numel(), device=device)
         loss_all = torch.empty(active.numel(), device=device)
         for i in range(0, active.numel(), self.logits_chunk_tokens):
             j = min(i + self.logits_chunk_tokens, active.numel())
-            chunk_adapters = AdapterBatch(_slice_groups(groups, i, j))
+            chunk_adapters = adapters if token_spans is None else _chunk_adapters(token_spans, i, j, device)
             with torch.set_grad_enabled(backward):
                 logits = model.lm_head(hs[i:j], chunk_adapters).float()
             z = logits.detach()
@@ -285,22 +290,22 @@ def _new_optimizer(adapter: Adapter) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=0.0, foreach=True)
 
 
-def _token_groups(adapters: AdapterBatch, row_of: torch.Tensor) -> list[tuple[Adapter, torch.Tensor | None]]:
-    """Row groups of a micro-batch -> groups of its active positions (row_of[k] = row of position k)."""
-    return [(a, None if rows is None else torch.isin(row_of, rows).nonzero().squeeze(1))
-            for a, rows in adapters.groups]
+def _token_spans(adapters: AdapterBatch, counts: list[int]) -> list[tuple[Adapter, int, int]] | None:
+    """Row spans of a micro-batch -> spans of its active positions (row r has counts[r] of them).
+    None when one adapter (or none) covers every row: then the row-level batch applies as is."""
+    if adapters.spans is None:
+        assert all(rows is None for _, rows in adapters.groups), "micro-batch rows must be grouped by adapter"
+        return None
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    return [(a, starts[s], starts[e]) for a, s, e in adapters.spans]
 
 
-def _slice_groups(groups, i: int, j: int):
-    out = []
-    for a, idx in groups:
-        if idx is None:
-            out.append((a, None))
-            continue
-        sub = idx[(idx >= i) & (idx < j)] - i
-        if sub.numel():
-            out.append((a, sub))
-    return out
+def _chunk_adapters(spans: list[tuple[Adapter, int, int]], i: int, j: int, device) -> AdapterBatch:
+    """The adapter spans of positions [i, j), renumbered from 0."""
+    cut = [(a, max(s, i) - i, min(e, j) - i) for a, s, e in spans if s < j and e > i]
+    return AdapterBatch([(a, torch.arange(s, e, device=device)) for a, s, e in cut], cut)
 
 
 def _losses_and_grads(losses: list[Loss], loss_of: torch.Tensor, logp: torch.Tensor, inputs: LossInputs,
