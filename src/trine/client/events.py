@@ -18,7 +18,7 @@ import asyncio
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .errors import ActorAPIError, EventFailedError, RunBrokenError
+from .errors import ActorAPIError, EventFailedError, RunBrokenError, TrineError
 from .futures import settle
 from .http import ActorConnection, Settings
 from .wire import event_envelope, new_event_id
@@ -66,6 +66,14 @@ class EventQueue:
         self.broken = self.broken or f"training run {self.run_id} cannot continue: {reason}; create a new training client"
 
     async def _dispatch(self) -> None:
+        try:
+            await self._dispatch_forever()
+        except asyncio.CancelledError:  # the ServiceClient is closing
+            while not self._queue.empty():
+                settle(self._queue.get_nowait().future, exc=_closed())
+            raise
+
+    async def _dispatch_forever(self) -> None:
         while True:
             item = await self._queue.get()
             if item.future.done():
@@ -73,12 +81,15 @@ class EventQueue:
             if self.broken:
                 settle(item.future, exc=RunBrokenError(self.broken, code="training.run_broken"))
                 continue
-            await self._slots.acquire()
             event_id = new_event_id()
             body = event_envelope(item.type, item.payload, event_id=event_id, index=self.index, step=self.step,
                                   run_id=self.run_id, sdk_version=self.sdk_version)
             try:
+                await self._slots.acquire()
                 response = await self._post(event_id, body)
+            except asyncio.CancelledError:
+                settle(item.future, exc=_closed())
+                raise
             except Exception as e:  # noqa: BLE001 - delivered through the event's future
                 refused = isinstance(e, ActorAPIError) and 400 <= e.status_code < 500
                 if not refused or item.breaks_run:
@@ -124,6 +135,9 @@ class EventQueue:
                     self._finish(item, response)
                     return
                 await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            settle(item.future, exc=_closed())
+            raise
         except Exception as e:  # noqa: BLE001 - delivered through the event's future
             if item.breaks_run:
                 self._break(f"a chunk of a split forward_backward could not be polled ({e})")
@@ -141,9 +155,6 @@ class EventQueue:
         settle(item.future, exc=EventFailedError(response.get("event_id", ""), str(error.get("code", "")),
                                                   str(error.get("message", "the event failed"))))
 
-    async def close(self) -> None:
-        self._dispatcher.cancel()
-        for t in list(self._polls):
-            t.cancel()
-        while not self._queue.empty():
-            self._queue.get_nowait().future.cancel()
+
+def _closed() -> TrineError:
+    return TrineError("the ServiceClient was closed before this event finished", code="client_closed")

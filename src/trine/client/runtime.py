@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import httpx
 
 from ..types import Usage
+from .errors import TrineError
 from .http import ControlHTTP, Settings
 
 T = TypeVar("T")
@@ -57,17 +58,23 @@ class Runtime:
 
         self.control, self.actor_http = self.run_sync(make_clients())
 
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> Future:
+        if self.closed:
+            coro.close()
+            raise TrineError("this ServiceClient is closed; create a new one", code="client_closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a blocking trine call was made from the SDK's own loop; use the *_async method")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return self._submit(coro).result()
 
     async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+        return await asyncio.wrap_future(self._submit(coro))
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return self._submit(coro)
 
     def close(self, on_loop: Coroutine[Any, Any, None] | None = None) -> None:
         """Run `on_loop` (last requests), close the HTTP clients and stop the loop thread."""
@@ -80,12 +87,12 @@ class Runtime:
                 if on_loop is not None:
                     await on_loop
             finally:
-                await self.control.aclose()
-                await self.actor_http.aclose()
                 tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                await self.control.aclose()
+                await self.actor_http.aclose()
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=30)
