@@ -135,6 +135,15 @@ def test_outputs_metrics_and_usage(model):
     assert res.loss_mean == pytest.approx(res.loss_sum / 4)
 
 
+def test_data_without_targets_cost_compute_but_no_loss(model):
+    trainer = new_trainer(model, "r")
+    d = TrainDatum(tokens=[5, 6, 7], target_tokens=[-100, -100, -100])
+    res = trainer.forward_backward([("r", [d], "cross_entropy", {})])[0]
+    assert (res.loss_sum, res.token_count, res.usage.train_tokens, res.usage.loss_tokens) == (0.0, 0, 3, 0)
+    assert res.logprobs == [[0.0, 0.0, 0.0]]
+    assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
+
+
 @pytest.mark.parametrize("entry,field", [
     (("nope", None, "cross_entropy", {}), "run_id"),
     (("r", None, "hinge", {}), "loss_fn"),

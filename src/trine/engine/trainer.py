@@ -222,7 +222,7 @@ class Trainer:
                 grad.scatter_add_(1, tgt[i:j, None], g[:, None])
                 logits.backward(grad)
             del logits, z
-        if train:
+        if train and hs.grad is not None:  # None when no position has a target
             sel.backward(hs.grad)
         for r, part_logp, part_loss in zip(range(B), logp_all.split(counts), loss_all.split(counts)):
             idx = rows[r].datum.active
