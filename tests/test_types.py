@@ -125,6 +125,7 @@ def test_usage_sums_by_phase_and_reads_the_wire():
             total.train_tokens, total.loss_tokens) == (10, 4, 6, 5, 12, 3)
     assert a.cost is None and b.cost == 0.5 and total.cost is None
     assert (b + b).cost == 1.0
+    assert (total - a) == b.model_copy(update={"cost": None}) and (b + b - b) == b
 
 
 def test_prompt_logprobs_is_a_list_with_usage():

@@ -114,7 +114,7 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
                           f"train tokens {out.usage.train_tokens} (in loss {out.usage.loss_tokens})  "
                           f"cycle {out.cycle}")
             progress.advance(task)
-    stages.append(("SFT", _delta(service.usage(), before)))
+    stages.append(("SFT", service.usage() - before))
     if losses:
         console.print(f"  SFT loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 
@@ -124,7 +124,7 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
                            sampling_params=trio.SamplingParams(max_tokens=24, temperature=0.0,
                                                                stop=["<|im_end|>"])).result()
     console.print(f"  held-out question: {HELD_OUT_QUESTION!r}\n  answer: {reply.sequences[0].text!r}")
-    stages.append(("eval", _delta(service.usage(), before)))
+    stages.append(("eval", service.usage() - before))
 
     # -- GRPO: a verifiable task, group-relative advantages, importance sampling ---------------
     # A second run on the same server: a fresh adapter (the SFT one now answers every question
@@ -134,6 +134,7 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
     before = service.usage()
     trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=seed)
     params = trio.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=["<|im_end|>", "\n"])
+    mean_rewards = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("GRPO", total=rl_steps)
         for step in range(rl_steps):
@@ -161,16 +162,11 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
                 line += "  (no reward variance: nothing to learn this step)"
             console.print(line)
             progress.advance(task)
-    stages.append(("GRPO", _delta(service.usage(), before)))
+            mean_rewards.append(statistics.fmean(rewards))
+    stages.append(("GRPO", service.usage() - before))
+    if mean_rewards:
+        console.print(f"  GRPO mean reward {mean_rewards[0]:.2f} -> {mean_rewards[-1]:.2f}")
     return stages
-
-
-def _delta(after, before):
-    import trine as trio
-
-    fields = {f: getattr(after, f) - getattr(before, f) for f in trio.types.usage.PHASE_FIELDS}
-    cost = None if after.cost is None or before.cost is None else after.cost - before.cost
-    return trio.Usage(**fields, cost=cost)
 
 
 @click.command()

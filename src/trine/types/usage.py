@@ -26,6 +26,12 @@ class Usage(BaseModel):
         cost = None if self.cost is None or other.cost is None else self.cost + other.cost
         return Usage(**fields, cost=cost)
 
+    def __sub__(self, earlier: Usage) -> Usage:
+        """What was used since `earlier` (a previous reading of the same running total)."""
+        fields = {f: getattr(self, f) - getattr(earlier, f) for f in PHASE_FIELDS}
+        cost = None if self.cost is None or earlier.cost is None else self.cost - earlier.cost
+        return Usage(**fields, cost=cost)
+
     @classmethod
     def from_wire(cls, usage: dict | None, cost: float | None = None) -> Usage:
         """Read the trine fields from a response's `usage` map (unknown keys are ignored)."""
