@@ -182,9 +182,10 @@ def test_stop_string_spanning_token_boundaries(model_tok):
     tok = model_tok[1]
     s = make(model_tok)
     p = prompt(12)
-    base = s.run([req(p, 24, seed=11)])[0].sequences[0]
+    base = s.run([req(p, 40, seed=11)])[0].sequences[0]
     texts = [tok.decode(base.tokens[:k]) for k in range(len(base.tokens) + 1)]
-    for k in range(1, len(base.tokens)):  # a stop string made of the end of token k-1 and start of k
+    # a stop string made of the end of token k-1 and the start of token k, late in the text
+    for k in range(len(base.tokens) - 1, 0, -1):
         a, b = texts[k], texts[k + 1]
         if len(a) >= 2 and b.startswith(a) and len(b) >= len(a) + 2 and "\ufffd" not in b:
             stop = b[len(a) - 2:len(a) + 2]
@@ -192,8 +193,9 @@ def test_stop_string_spanning_token_boundaries(model_tok):
                 break
     else:
         pytest.fail("no token boundary to test")
-    out = s.run([req(p, 24, seed=11, stop_strings=(stop,))])[0].sequences[0]
+    out = s.run([req(p, 40, seed=11, stop_strings=(stop, "never appears \u2603"))])[0].sequences[0]
     assert out.stop_reason == "stop"
+    assert k > 20  # later than the window of tokens the sampler decodes at each step
     assert out.tokens == base.tokens[:k + 1]  # up to and including the token completing the stop
     assert out.text == b[:len(a) - 2]
     assert len(out.logprobs) == len(out.tokens)

@@ -41,7 +41,15 @@ from .model import AdapterBatch, KVContext, Transformer
 from .requests import SampledSequence, SampleRequest, SampleResult, SampleUsage
 from .tokenizer import Tokenizer
 
-DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+CPU_KV_CACHE_BYTES = 512 * 2**20
+GPU_KV_CACHE_FRACTION = 0.5  # of the memory free when the sampler is built
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """512 MiB on CPU; on a GPU, half of its free memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * GPU_KV_CACHE_FRACTION)
+    return CPU_KV_CACHE_BYTES
 LOGITS_CHUNK = 256  # prompt positions per lm_head call when computing prompt logprobs
 _MASK64 = 2**64 - 1
 
@@ -89,7 +97,6 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
     text: str | None = None
-    searched: int = 0  # length of generated text already searched for stop strings
 
 
 class Sampler:
@@ -110,7 +117,7 @@ class Sampler:
         self.max_running = max_running
         self.enable_prefix_cache = enable_prefix_cache
         self.kv = BlockManager.from_budget(
-            kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES,
+            kv_cache_bytes if kv_cache_bytes is not None else default_kv_cache_bytes(self.device),
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, model.dtype, self.device)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         self._waiting: deque[_Request] = deque()
@@ -229,7 +236,7 @@ class Sampler:
         admitted: list[_Request] = []
         pending: set[int] = set()  # keys being computed by this step's prefill
         running = len(self._running)
-        max_suffix = max_len = 0
+        max_suffix = 0
         while self._waiting:
             r = self._waiting[0]
             req, n = r.req, len(r.req.prompt)
@@ -259,7 +266,7 @@ class Sampler:
             r.cached = len(matched) * bs
             pending.update(r.keys[len(matched):])
             running += k
-            max_suffix, max_len = max(max_suffix, suffix), max(max_len, n)
+            max_suffix = max(max_suffix, suffix)
             admitted.append(r)
         return admitted
 
@@ -443,14 +450,17 @@ class Sampler:
         return finished
 
     def _hit_stop_string(self, s: _Seq, stops: tuple[str, ...]) -> bool:
+        """Did the newest token complete a stop string? Decodes only a window of recent tokens
+        (wide enough for the longest stop string), then the whole text once, to cut it."""
+        window = 2 * max(len(x) for x in stops) + 8
+        if not any(x in self.tokenizer.decode(s.out[-window:]) for x in stops):
+            return False
         text = self.tokenizer.decode(s.out)
-        begin = max(0, s.searched - max(len(x) for x in stops) + 1)
-        hits = [i for i in (text.find(x, begin) for x in stops) if i >= 0]
-        s.searched = len(text)
-        if hits:
-            s.text = text[:min(hits)]
-            return True
-        return False
+        hits = [i for i in (text.find(x) for x in stops) if i >= 0]
+        if not hits:
+            return False
+        s.text = text[:min(hits)]
+        return True
 
     def _retire(self, s: _Seq) -> None:
         self.kv.release(s.blocks)
