@@ -165,14 +165,7 @@ class LoRALinear(nn.Linear):
         # In place: `out` is fresh and F.linear's backward does not read it, so no copies of it are
         # made per adapter. The scale multiplies the rank-r intermediate, not the wide output.
         if adapters.spans is not None:
-            for adapter, start, stop in adapters.spans:
-                pair = adapter.pair(self.lora_name)
-                if pair is not None:
-                    a, b = pair
-                    xs = x.narrow(0, start, stop - start).to(a.dtype)
-                    delta = F.linear(F.linear(xs, a) * adapter.scale, b).to(out.dtype)
-                    out.narrow(0, start, stop - start).add_(delta)
-            return out
+            return self._add_spans(x, out, adapters.spans)
         for adapter, rows in adapters.groups:
             pair = adapter.pair(self.lora_name)
             if pair is None:
@@ -182,6 +175,31 @@ class LoRALinear(nn.Linear):
             delta = F.linear(F.linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype)
             out = out.add_(delta) if rows is None else out.index_add_(0, rows, delta)
         return out
+
+    def _add_spans(self, x: torch.Tensor, out: torch.Tensor, spans) -> torch.Tensor:
+        """Contiguous row ranges: split x, one delta per piece, one cat. Backward is one split and one
+        cat too (narrowing or in-place adds on views would copy the full gradient once per adapter)."""
+        sizes, owners, pos = [], [], 0
+        for adapter, start, stop in sorted(spans, key=lambda s: s[1]):
+            if start > pos:
+                sizes.append(start - pos)
+                owners.append(None)
+            sizes.append(stop - start)
+            owners.append(adapter if adapter.pair(self.lora_name) is not None else None)
+            pos = stop
+        if pos < x.shape[0]:
+            sizes.append(x.shape[0] - pos)
+            owners.append(None)
+        if all(o is None for o in owners):
+            return out
+        deltas = []
+        for xs, adapter in zip(x.split(sizes), owners):
+            if adapter is None:
+                deltas.append(out.new_zeros(xs.shape[:-1] + out.shape[-1:]))
+                continue
+            a, b = adapter.pair(self.lora_name)
+            deltas.append(F.linear(F.linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype))
+        return out.add_(torch.cat(deltas))
 
 
 # ----------------------------------------------------------------------------- layers
