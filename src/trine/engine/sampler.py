@@ -11,7 +11,8 @@ One `step()` does, in order:
    each gets a copy of the partial last block. A request whose uncached prefix starts with blocks
    another request is computing in this same forward waits one step, then hits them.
 3. One decode forward: every running sequence of every request (any mix of adapters) advances by
-   one token.
+   one token. The samples of one request attend as one packed row (`KVContext.query_index`), so
+   the prompt KV they share is gathered once per step, not once per sample.
 
 Invariants
 - Usage: prompt_tokens == prefill_tokens + cached_tokens for every request; sample_tokens counts
