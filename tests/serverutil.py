@@ -44,7 +44,9 @@ def pytrio_env(url: str, api_key: str):
     old = {k: os.environ.get(k) for k in ("PYTRIO_BASE_URL", "PYTRIO_API_KEY", "NO_PROXY")}
     os.environ.update(PYTRIO_BASE_URL=url, PYTRIO_API_KEY=api_key, NO_PROXY="127.0.0.1,localhost")
     import pytrio
-    pytrio.configure(base_url=url, api_key=api_key)
+    # short retry windows: a test that fails must not leave the client retrying for 15 minutes
+    pytrio.configure(base_url=url, api_key=api_key, control_retry_timeout_seconds=10,
+                     training_retry_timeout_seconds=10, sampling_retry_timeout_seconds=10)
     pytrio.configure_observability(enabled=False)
     try:
         yield pytrio
