@@ -246,3 +246,20 @@ def test_checkpoint_download_supports_range(server, client):
     assert part.status_code == 206 and part.content == full.content[100:]
     assert part.headers["content-range"] == f"bytes 100-{len(full.content) - 1}/{len(full.content)}"
     assert httpx.get(info["url"].split("?")[0] + "?token=x", trust_env=False).status_code == 401
+
+
+def test_usage_api_is_mounted_and_scoped_to_the_key(server, client):
+    srun = client.sampling_run(client.session(), "tiny-llama")
+    body = {"request_id": "req_usage", "prompt": {"chunks": [{"type": "encoded_text", "tokens": [7, 8, 9]}]},
+            "sampling_params": {"max_tokens": 2, "temperature": 0}, "num_samples": 1}
+    assert client.sample(srun, body).status_code == 200
+    mine = client.http.get("/api/trine/v1/usage/events", params={"run_id": srun["sampling_run_cuid"]}).json()
+    assert [e["operation"] for e in mine["events"]] == ["sample"]
+    _, secret = server.service.store.create_key("someone-else")
+    other = RawClient(server.url, secret)
+    try:
+        theirs = other.http.get("/api/trine/v1/usage/events",
+                                params={"run_id": srun["sampling_run_cuid"]}).json()
+        assert theirs["events"] == []
+    finally:
+        other.close()

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..metering.http import make_usage_router
 from ..metering.rates import RateCard
+from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
 from . import actor, control
@@ -40,8 +41,9 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 
 
 def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRouter, ...] = ()) -> FastAPI:
-    """The app; `routers` are mounted next to trine's own (e.g. the metering usage API). They reach
-    the service as `request.app.state.service` and the caller's key via `control.api_key`."""
+    """The app: control plane, actor plane, downloads and the metering usage API. Extra `routers`
+    are mounted next to them; they reach the service as `request.app.state.service` and the
+    caller's key through the `control.api_key` dependency."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

