@@ -17,7 +17,7 @@ import msgpack
 from trine.server.app import ServerHandle, start_server
 
 # Small engines: tests run on 2 shared cores.
-TEST_OPTIONS = dict(num_threads=1, gather_seconds=0.02,
+TEST_OPTIONS = dict(num_threads=1, gather_seconds=0.02, device="cpu",
                     sampler_options={"kv_cache_bytes": 16 << 20, "max_batch_tokens": 512},
                     trainer_options={"micro_batch_tokens": 1024})
 

@@ -263,3 +263,64 @@ def test_usage_api_is_mounted_and_scoped_to_the_key(server, client):
         assert theirs["events"] == []
     finally:
         other.close()
+
+
+def test_long_samples_stream_keepalive_whitespace(server, client, monkeypatch):
+    from trine.server import actor
+    monkeypatch.setattr(actor, "KEEPALIVE_AFTER", 0.0)
+    monkeypatch.setattr(actor, "KEEPALIVE_EVERY", 0.001)
+    srun = client.sampling_run(client.session(), "tiny-llama")
+    body = {"request_id": "req_keepalive", "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4]}]},
+            "sampling_params": {"max_tokens": 12, "temperature": 0}, "num_samples": 2}
+    r = client.sample(srun, body)
+    assert r.status_code == 200 and r.text.startswith(" ")  # whitespace first, then the JSON
+    assert len(r.json()["sequences"]) == 2
+
+
+def test_session_close_ends_its_runs(client):
+    session = client.session()
+    run = client.training_run(session, "tiny-llama")
+    rid = run["training_run_cuid"]
+    # a queued event that can never run (index 2 is missing): close must fail it, not leave it hanging
+    assert client.submit(run, event(f"event_q{rid[-11:]}", "optimize_step", 3, ADAM, rid)).status_code == 202
+    for _ in range(2):  # close is idempotent
+        r = client.control("POST", f"service-sessions/{session}/close", json={"status": "ENDED"})
+        assert r.status_code == 200 and r.json()["status"] == "ENDED"
+    assert client.get(run, f"event_q{rid[-11:]}", wait=1)["error"]["code"] == "run_ended"
+    assert client.control("GET", f"training-runs/{rid}").json()["status"] == "ENDED"
+    r = client.submit(run, event(f"event_z{rid[-11:]}", "init_run", 1, init_payload(run["model_id"]), rid))
+    assert r.status_code == 409 and r.json()["code"] == "run_ended"
+    r = client.control("POST", f"service-sessions/{session}/training-runs", json={"base_model": "tiny-llama"})
+    assert r.status_code == 409 and r.json()["code"] == "service_session_closed"
+
+
+def test_temporary_weights_spill_to_disk_and_expire(tiny_model_dir, tmp_path):
+    with serve(tiny_model_dir, tmp_path / "home", max_adapters=1) as srv:
+        c = RawClient(srv.url, srv.api_key)
+        run, rid = new_run(c)
+        uris = []
+        for i in range(3):  # 3 temporary snapshots, room for 1 in memory: older ones go to disk
+            c.submit(run, event(f"event_t{i}{rid[-10:]}", "forward_backward", 2 + 2 * i, ce_payload([1, 2, 3]),
+                                rid))
+            c.submit(run, event(f"event_s{i}{rid[-10:]}", "save_weights", 3 + 2 * i,
+                                {"name": f"tmp-{i}", "visibility": "TEMPORARY", "ttl_seconds": 3600}, rid))
+            uris.append(c.wait(run, f"event_s{i}{rid[-10:]}")["result"]["checkpoint"]["uri"])
+        prompt = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [4, 5]}]},
+                  "sampling_params": {"max_tokens": 3, "temperature": 0}, "num_samples": 1}
+        session = c.session()
+        for i, uri in enumerate(uris):  # every snapshot still samples, from memory or from disk
+            r = c.sample(c.sampling_run(session, "tiny-llama", uri), {**prompt, "request_id": f"req_{i}"})
+            assert r.status_code == 200, r.text
+        spilled = [ck for ck in srv.service.store.checkpoints(visibility="TEMPORARY")[0] if ck.path]
+        assert spilled  # written out when they left memory
+        # past its TTL a temporary checkpoint is collected, and its sampler says so
+        srv.service.store.update_checkpoint(spilled[0].id, expires_at=0.0)
+        import asyncio
+        asyncio.run_coroutine_threadsafe(srv.service.collect_garbage(), srv.service.loop).result(30)
+        srun = c.sampling_run(session, "tiny-llama", uris[-1])
+        assert srv.service.store.checkpoint(spilled[0].id) is None
+        gone = next(u for u in uris if u == spilled[0].uri)
+        r = c.control("GET", "training-runs/by-checkpoint-uri", params={"checkpoint_uri": gone})
+        assert r.status_code == 404
+        assert c.sample(srun, {**prompt, "request_id": "req_last"}).status_code == 200
+        c.close()

@@ -34,6 +34,7 @@ from .wire import validation_message
 
 log = logging.getLogger("trine.server")
 EMBEDDED_KEY_FILE = "embedded.key"
+MAX_CONTROL_BYTES = 1 << 20  # control-plane JSON bodies; the actor plane checks its own limits
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -79,6 +80,15 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     async def internal_error(request: Request, e: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return _error(500, "internal_error", f"{type(e).__name__}: {e}")
+
+    @app.middleware("http")
+    async def limit_control_bodies(request: Request, call_next):
+        declared = request.headers.get("content-length", "")
+        if (request.url.path.startswith("/api/") and declared.isdigit()
+                and int(declared) > MAX_CONTROL_BYTES):
+            return _error(413, "request_too_large", f"body: {declared} bytes exceeds the control-plane "
+                                                    f"limit of {MAX_CONTROL_BYTES} bytes")
+        return await call_next(request)
 
     @app.head("/")
     @app.get("/")

@@ -119,11 +119,13 @@ class Service:
         self._samples: dict[tuple[str, str], asyncio.Future] = {}
         self._activity: dict[str, float] = {}  # training run id -> last heartbeat or event
         self._gc_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()  # fire-and-forget tasks, referenced until done
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self.started_at = time.time()
 
     # ================================================================== lifecycle
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         self._recover()
         first_cycle = self.store.max_cycle()
         for m in self.models.values():
@@ -134,6 +136,11 @@ class Service:
                                          gather_seconds=self.gather_seconds, first_cycle=first_cycle)
             m.scheduler.start()
         self._gc_task = loop.create_task(self._gc_loop())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def stop(self) -> None:
         if self._gc_task is not None:
@@ -543,7 +550,7 @@ class Service:
             old_id, old = next(iter(m.adapters.items()))
             ck = self.store.checkpoint(old_id)
             if ck is not None and not ck.path:  # only in memory: write it out before letting go
-                asyncio.get_running_loop().create_task(self._spill(m, ck, old))
+                self._spawn(self._spill(m, ck, old))
             m.adapters.pop(old_id)
 
     async def _spill(self, m: ServedModel, ck: Checkpoint, adapter: Adapter) -> None:
@@ -664,7 +671,7 @@ class Service:
             request_id=spec.request_id, prefill=u.prefill_tokens, prefill_cached=u.cached_tokens,
             sample=u.sample_tokens))
         if spec.generate:
-            asyncio.get_running_loop().create_task(self._diagnose(key, r, m, spec, res))
+            self._spawn(self._diagnose(key, r, m, spec, res))
         return body
 
     def _sample_response(self, r: SamplingRun, spec: SampleSpec, res: SampleResult,

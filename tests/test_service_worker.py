@@ -1,0 +1,52 @@
+"""The engine worker thread: futures on the asyncio loop, sampling between training micro-batches."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from trine.engine.model import LoRAConfig
+from trine.engine.requests import SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
+from trine.engine.worker import EngineWorker
+
+
+def test_sampling_is_served_between_training_micro_batches(tiny_model_dir):
+    async def main():
+        loop = asyncio.get_running_loop()
+        w = EngineWorker("tiny", tiny_model_dir, device="cpu", num_threads=1,
+                         trainer_options={"micro_batch_tokens": 64},
+                         sampler_options={"kv_cache_bytes": 8 << 20})
+        await loop.run_in_executor(None, w.start, loop)
+        ticks = []
+
+        def train(w):
+            w.trainer.create_run("r", LoRAConfig(rank=4))
+            data = [TrainDatum(list(range(10 + i, 74 + i)), list(range(11 + i, 75 + i))) for i in range(10)]
+
+            def tick():
+                ticks.append(w.sampler.has_work())
+                w.tick()
+            w.trainer.forward_backward([("r", data, "cross_entropy", {})], between_microbatches=tick)
+            return "train"
+
+        finished = []
+        job = w.submit(train)
+        sample = w.sample(SampleRequest("s", [5, 6, 7], SamplingOptions(max_tokens=3, temperature=0),
+                                        WeightsIdentity("tiny")))
+        for fut in (job, sample):
+            fut.add_done_callback(lambda f: finished.append("train" if f is job else "sample"))
+        bad = w.sample(SampleRequest("bad", [], SamplingOptions(max_tokens=3), WeightsIdentity("tiny")))
+        failing = w.submit(lambda w: w.trainer.optim_step("no-such-run", None))
+        await asyncio.gather(job, sample)
+        with pytest.raises(ValueError):
+            await bad
+        with pytest.raises(ValueError):
+            await failing
+        result = sample.result()
+        await loop.run_in_executor(None, w.stop)
+        return finished, ticks, result
+
+    finished, ticks, result = asyncio.run(main())
+    assert len(ticks) == 10  # one tick per micro-batch
+    assert finished == ["sample", "train"]  # the sample did not wait for the whole training job
+    assert result.usage.sample_tokens == len(result.sequences[0].tokens) > 0
