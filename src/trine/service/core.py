@@ -117,6 +117,7 @@ class Service:
         self.diagnostics = PrefixDiagnostics()
         self._live: dict[str, LiveEvent] = {}
         self._samples: dict[tuple[str, str], asyncio.Future] = {}
+        self._submitting: dict[str, asyncio.Future] = {}  # event id -> its submission in progress
         self._activity: dict[str, float] = {}  # training run id -> last heartbeat or event
         self._gc_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # fire-and-forget tasks, referenced until done
@@ -358,17 +359,38 @@ class Service:
             self._forget_checkpoint(ck)
 
     # ================================================================== events
-    def submit_event(self, key: ApiKey, run_id: str, *, event_id: str, type: str, index: int,
-                     step: int, op: Op) -> EventRecord:
-        """Accept an event (or return the state of the one already accepted with this id)."""
+    async def submit_event(self, key: ApiKey, run_id: str, *, event_id: str, type: str, index: int,
+                           step: int, op: Op) -> EventRecord:
+        """Accept an event (or return the state of the one already accepted with this id).
+
+        Checking a large batch runs in a thread; a retry that arrives meanwhile joins this call."""
         known = self._event_record(event_id)
         if known is not None:
             if known.run_id != run_id or known.api_key_id != key.id:
                 raise Conflict(f"event_id {event_id} belongs to another run; generate a new id",
                                code="event_id_conflict")
             return known
+        if event_id in self._submitting:
+            return await asyncio.shield(self._submitting[event_id])
+        fut = self._submitting[event_id] = asyncio.get_running_loop().create_future()
+        try:
+            rec = await self._accept(key, run_id, event_id, type, index, step, op)
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: joiners re-raise it
+            raise
+        finally:
+            self._submitting.pop(event_id, None)
+        fut.set_result(rec)
+        return rec
+
+    async def _accept(self, key: ApiKey, run_id: str, event_id: str, type: str, index: int, step: int,
+                      op: Op) -> EventRecord:
         r = self._active_run(key, run_id)
         m = self.models[r.base_model]
+        if isinstance(op, Forward):
+            await asyncio.get_running_loop().run_in_executor(None, self._check_forward, m, op)
+            r = self._active_run(key, run_id)  # it may have ended meanwhile
         op = self._resolve(key, r, m, op)
         pend = Pending(event_id, run_id, index, type, op)
         m.scheduler.queue(run_id).add(pend)
@@ -416,22 +438,24 @@ class Service:
         """Check an op against the run and the model; fill in what the engine needs."""
         if isinstance(op, InitRun):
             return self._resolve_init(key, r, m, op)
-        if isinstance(op, Forward):
-            try:
-                loss = Loss.parse(op.loss_fn, op.loss_config)
-                for i, d in enumerate(op.data):
-                    prepare_datum(d, loss, m.vocab_size, f"data[{i}]")
-            except ValueError as e:
-                raise InvalidRequest(str(e)) from None
-            n = max(len(d.tokens) for d in op.data)
-            if n > m.max_seq_len:
-                raise InvalidRequest(f"data: a sequence has {n} tokens; {m.name} handles at most "
-                                     f"{m.max_seq_len}")
-            op.loss_fn = loss.name
-            return op
         if isinstance(op, Save):
             return self._resolve_save(key, r, m, op)
         return op
+
+    @staticmethod
+    def _check_forward(m: ServedModel, op: Forward) -> None:
+        """Everything the trainer would reject, checked before the event is accepted (thread-safe)."""
+        try:
+            loss = Loss.parse(op.loss_fn, op.loss_config)
+            for i, d in enumerate(op.data):
+                prepare_datum(d, loss, m.vocab_size, f"data[{i}]")
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        n = max(len(d.tokens) for d in op.data)
+        if n > m.max_seq_len:
+            raise InvalidRequest(f"data: a sequence has {n} tokens; {m.name} handles at most "
+                                 f"{m.max_seq_len}")
+        op.loss_fn = loss.name
 
     def _resolve_init(self, key: ApiKey, r: TrainingRun, m: ServedModel, op: InitRun) -> InitRun:
         if op.base_model and self.model(op.base_model) is not m:
