@@ -143,7 +143,7 @@ def test_sampler_from_saved_weights_and_checkpoint_rest_api(trio, service, tmp_p
 
     rest = service.create_rest_client()
     cks = rest.list_checkpoints(tc.training_run_cuid).result().checkpoints
-    by_path = {c.checkpoint_path if hasattr(c, "checkpoint_path") else c.path: c for c in cks}
+    by_path = {c.path: c for c in cks}
     assert saved.path in by_path and by_path[saved.path].checkpoint_type == "sampler"
     ck = by_path[saved.path]
     rest.download_checkpoint(ck.checkpoint_id, tmp_path / "ck.tar").result()

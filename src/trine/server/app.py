@@ -30,7 +30,6 @@ from ..service import Service, ServiceError
 from ..store import Store
 from . import actor, control
 from .auth import TokenSigner
-from .wire import validation_message
 
 log = logging.getLogger("trine.server")
 EMBEDDED_KEY_FILE = "embedded.key"

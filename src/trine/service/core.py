@@ -37,7 +37,7 @@ from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, Store
 from ..store.keys import new_id
 from .cycle import CycleRunner, Outcome, load_adapter, spill_adapter
 from .errors import Conflict, InvalidRequest, NotFound, Unauthorized
-from .ops import FORWARD, FORWARD_BACKWARD, OPTIMIZE_STEP, EndRun, Forward, InitRun, Op, Save
+from .ops import FORWARD, FORWARD_BACKWARD, OPTIMIZE_STEP, Forward, InitRun, Op, Save
 from .ordering import CyclePlan, Pending
 from .scheduler import ClockScheduler
 
