@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from .model import LORA_ATTN, LORA_MLP, LORA_UNEMBED, Adapter, LoRAConfig, Transformer
@@ -90,7 +91,6 @@ def read_lora_config(path: str | Path) -> LoRAConfig:
     cfg_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     if not cfg_file.is_file() or not weights.is_file():
         raise ValueError(f"{path} is not a LoRA checkpoint: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-    from safetensors import safe_open
     with safe_open(str(weights), "pt") as f:
         meta = f.metadata() or {}
     if "trine_lora" in meta:
