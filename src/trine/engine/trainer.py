@@ -6,7 +6,8 @@ run's adapter), so each run's gradient lands only in its own adapter.
 
 How a micro-batch is computed
 1. Rows are sorted by length and grouped so rows x longest row <= `micro_batch_tokens` (padding
-   included); a longer sequence runs alone.
+   included); a longer sequence runs alone. Within a micro-batch the rows of one run are adjacent,
+   so each LoRA layer handles a run's rows as one slice (`AdapterBatch.spans`).
 2. The body runs once with autograd, giving final hidden states h.
 3. Only positions with a target (not -100) go through the LM head, `logits_chunk_tokens` at a time.
    Because every loss is elementwise in the target logprob, dLoss/dlogits = g * (onehot - softmax)
@@ -202,15 +203,17 @@ class Trainer:
             h = model.hidden_states(tokens.to(device), positions.to(device), adapters, pad_mask.to(device))
             sel = h.reshape(B * T, -1).index_select(0, active.to(device))
         train = backward and sel.requires_grad
-        hs = sel.detach().requires_grad_(train)
+        # Each LM-head chunk reads its own leaf, so its gradient is exactly that chunk's rows.
+        pieces = [p.requires_grad_(train) for p in sel.detach().split(self.logits_chunk_tokens)] \
+            if active.numel() else []
         token_spans = _token_spans(adapters, counts)
         logp_all = torch.empty(active.numel(), device=device)
         loss_all = torch.empty(active.numel(), device=device)
-        for i in range(0, active.numel(), self.logits_chunk_tokens):
-            j = min(i + self.logits_chunk_tokens, active.numel())
+        for i, hs in zip(range(0, active.numel(), self.logits_chunk_tokens), pieces):
+            j = i + hs.shape[0]
             chunk_adapters = adapters if token_spans is None else _chunk_adapters(token_spans, i, j, device)
             with torch.set_grad_enabled(backward):
-                logits = model.lm_head(hs[i:j], chunk_adapters).float()
+                logits = model.lm_head(hs, chunk_adapters).float()
             z = logits.detach()
             lse = torch.logsumexp(z, dim=-1)
             logp = z.gather(1, tgt[i:j, None]).squeeze(1) - lse
@@ -222,8 +225,8 @@ class Trainer:
                 grad.scatter_add_(1, tgt[i:j, None], g[:, None])
                 logits.backward(grad)
             del logits, z
-        if train and hs.grad is not None:  # None when no position has a target
-            sel.backward(hs.grad)
+        if train and pieces:  # no pieces when no position has a target
+            sel.backward(torch.cat([p.grad for p in pieces]))
         for r, part_logp, part_loss in zip(range(B), logp_all.split(counts), loss_all.split(counts)):
             idx = rows[r].datum.active
             logps[r][idx] = part_logp.detach().float().cpu()
