@@ -121,6 +121,7 @@ BAD_EVENTS = {
     "nan weight": ("nan", 400, "validation_failed"),
     "unknown loss": ("loss", 400, "validation_failed"),
     "unknown type": ("type", 400, "validation_failed"),
+    "nan learning rate": ("lr", 400, "validation_failed"),
     "oversized": ("big", 413, "request_too_large"),
 }
 
@@ -143,6 +144,10 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(client, case):
             payload["loss"]["type"] = "hinge"
         elif body == "type":
             typ = "explode"
+        elif body == "lr":
+            typ, payload = "optimize_step", {"adam_params": {
+                "learning_rate": float("nan"), "beta1": 0.9, "beta2": 0.95, "eps": 1e-12,
+                "weight_decay": 0.0, "grad_clip_norm": 0.0}}
         elif body == "big":
             payload["padding"] = b"x" * (65 << 20)  # over the 64 MiB event limit
         body = event(f"event_bad{rid[-9:]}", typ, 2, payload, rid)

@@ -5,7 +5,6 @@ message names the field (`payload.data.0.target_ids: ...`).
 """
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -15,6 +14,7 @@ from ..engine.model import LoRAConfig
 from ..engine.requests import AdamConfig, SamplingOptions, TrainDatum
 from ..service.core import SampleSpec
 from ..service.errors import InvalidRequest
+from ..types import AdamParams
 from ..service.ops import (END_RUN, EVENT_TYPES, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP,
                            SAVE_STATE, SAVE_WEIGHTS, EndRun, Forward, InitRun, Op, OptimStep, Save)
 
@@ -92,15 +92,6 @@ class ForwardPayload(_Model):
     data: list[Datum] = Field(min_length=1)
     auto_shift: bool = False
     loss: LossSpec
-
-
-class AdamParams(_Model):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 class OptimPayload(_Model):
@@ -187,10 +178,7 @@ def parse_op(type_: str, payload: dict) -> Op:
         return Forward(data, p.loss.type, dict(p.loss.config), backward=type_ == FORWARD_BACKWARD,
                        auto_shift=p.auto_shift)
     if type_ == OPTIMIZE_STEP:
-        a = _parse(OptimPayload, payload, "payload").adam_params
-        for name, v in a.model_dump().items():
-            if not math.isfinite(v):
-                raise InvalidRequest(f"payload.adam_params.{name} must be finite, got {v}")
+        a = _parse(OptimPayload, payload, "payload").adam_params  # validated by trine.types.AdamParams
         return OptimStep(AdamConfig(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay,
                                     a.grad_clip_norm))
     if type_ in (SAVE_STATE, SAVE_WEIGHTS):
