@@ -194,36 +194,23 @@ class Service:
         return key
 
     def session(self, key: ApiKey, session_id: str) -> Session:
-        s = self.store.session(session_id)
-        if s is None or s.api_key_id != key.id:
-            raise NotFound(f"service session {session_id} not found", code="service_session_not_found")
-        return s
+        return _owned(self.store.session(session_id), key, f"service session {session_id}",
+                      "service_session_not_found")
 
     def training_run(self, key: ApiKey, run_id: str) -> TrainingRun:
-        r = self.store.training_run(run_id)
-        if r is None or r.api_key_id != key.id:
-            raise NotFound(f"training run {run_id} not found", code="training_run_not_found")
-        return r
+        return _owned(self.store.training_run(run_id), key, f"training run {run_id}", "training_run_not_found")
 
     def sampling_run(self, key: ApiKey, run_id: str) -> SamplingRun:
-        r = self.store.sampling_run(run_id)
-        if r is None or r.api_key_id != key.id:
-            raise NotFound(f"sampling run {run_id} not found", code="sampling_run_not_found")
-        return r
+        return _owned(self.store.sampling_run(run_id), key, f"sampling run {run_id}", "sampling_run_not_found")
 
     def checkpoint(self, key: ApiKey, checkpoint_id: str) -> Checkpoint:
-        c = self.store.checkpoint(checkpoint_id)
-        if c is None or c.api_key_id != key.id:
-            raise NotFound(f"checkpoint {checkpoint_id} not found", code="checkpoint_not_found")
-        return c
+        return _owned(self.store.checkpoint(checkpoint_id), key, f"checkpoint {checkpoint_id}",
+                      "checkpoint_not_found")
 
     def checkpoint_by_uri(self, key: ApiKey, uri: str) -> Checkpoint:
-        c = self.store.checkpoint_by_uri((uri or "").strip())
-        if c is None or c.api_key_id != key.id:
-            raise NotFound(f"checkpoint {uri!r} not found: use the path a save returned "
-                           "(trio://<run>/state/<name> or trio://<run>/weights/<name>)",
-                           code="checkpoint_not_found")
-        return c
+        return _owned(self.store.checkpoint_by_uri((uri or "").strip()), key,
+                      f"checkpoint {uri!r}", "checkpoint_not_found",
+                      ": use the path a save returned (trio://<run>/state/<name> or trio://<run>/weights/<name>)")
 
     # ================================================================== sessions
     def create_session(self, key: ApiKey, sdk_version: str = "") -> Session:
@@ -818,3 +805,10 @@ def _write_tar(src: Path, dst: Path) -> None:
     with tarfile.open(tmp, "w") as tf:
         tf.add(src, arcname=src.name)
     tmp.replace(dst)
+
+
+def _owned(record, key: ApiKey, what: str, code: str, hint: str = ""):
+    """The record if `key` owns it; otherwise 404, whether it is missing or another key's."""
+    if record is None or record.api_key_id != key.id:
+        raise NotFound(f"{what} not found{hint}", code=code)
+    return record
