@@ -4,10 +4,12 @@
 
 Both sides train LoRA rank 16 (alpha 32) on attention and MLP of the same fp32 weights with AdamW, on
 the same random batch (labels = inputs, next-token cross-entropy), in the same process; their steps
-are interleaved and the medians compared:
+are interleaved (each pair back to back, alternating which goes first) and each ratio is the median
+of the per-iteration ratios, which cancels most of the drift of a shared machine:
 - vs_hf_peft: HF step time / trine step time (tokens/s ratio; >= 1 means trine is faster).
-- mixed_adapter_overhead: the same batch split across 4 runs (4 adapters mixed in one
-  forward_backward, then 4 optim_steps) against one run's step, as a fraction (0.05 = 5% slower).
+- mixed_adapter_overhead: forward_backward of the same batch split across 4 runs (4 adapters mixed
+  in one pass) against one run's forward_backward, as a fraction (0.05 = 5% slower);
+  mixed_adapter_overhead_with_optim adds the optim_steps (4 against 1) to both sides.
 - peak_memory_ratio: trine / HF peak memory of one step. Measured in a fresh child process per side
   (the allocator keeps freed memory, so one process cannot measure two sides): after loading and
   setup, the kernel's peak-RSS counter is reset (`/proc/self/clear_refs` <- 5), then one step runs;
@@ -144,20 +146,20 @@ def main():
         HFSide(args.model, tokens, args.rank)
     ours.step(), mixed.step(), hf.step()  # warm-up
     t_ours, t_hf, t_fb1, t_fb4, t_mixed = [], [], [], [], []
-    for _ in range(args.iters):
-        t_ours.append(timed(ours.step))
-        t_hf.append(timed(hf.step))
-        t_fb1.append(timed(ours.forward_backward))
-        t_fb4.append(timed(mixed.forward_backward))
+    for it in range(args.iters):  # pairs run back to back, in alternating order (ABBA) against drift
+        for fn, out in ((ours.step, t_ours), (hf.step, t_hf))[::1 if it % 2 == 0 else -1]:
+            out.append(timed(fn))
+        for fn, out in ((ours.forward_backward, t_fb1), (mixed.forward_backward, t_fb4))[::1 if it % 2 else -1]:
+            out.append(timed(fn))
         t_mixed.append(timed(mixed.step))
     del ours, mixed, hf
     peak_ours, peak_hf = peak_memory("trine", args), peak_memory("hf", args)
     ntok = args.batch * args.seq
     med = statistics.median
-    result = {
-        "vs_hf_peft": med(t_hf) / med(t_ours),
-        "mixed_adapter_overhead": med(t_fb4) / med(t_fb1) - 1,
-        "mixed_adapter_overhead_with_optim": med(t_mixed) / med(t_ours) - 1,
+    result = {  # ratios: the median of the per-iteration ratios of paired timings
+        "vs_hf_peft": med([h / o for h, o in zip(t_hf, t_ours)]),
+        "mixed_adapter_overhead": med([m / o for m, o in zip(t_fb4, t_fb1)]) - 1,
+        "mixed_adapter_overhead_with_optim": med([m / o for m, o in zip(t_mixed, t_ours)]) - 1,
         "peak_memory_ratio": peak_ours / peak_hf,
         "trine_step_s": med(t_ours), "hf_peft_step_s": med(t_hf),
         "trine_tokens_per_s": ntok / med(t_ours), "hf_peft_tokens_per_s": ntok / med(t_hf),
