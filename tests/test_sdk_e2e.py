@@ -253,6 +253,25 @@ def test_usage_is_reported_by_phase_and_adds_up(service, tokenizer):
     assert sampler.usage().sample_tokens == 18 and trainer.usage().train_tokens == len(ids) - 1
 
 
+def test_results_are_priced_from_the_servers_rate_card(service, tokenizer):
+    [model] = [m for m in service.get_server_capabilities().supported_models if m.alias == MODEL]
+    price = model.pricing  # USD per million tokens by phase
+    assert price["train"] == price["sample"] > price["prefill"] > price["prefill_cached"] > 0
+    sampler = service.create_sampling_client(base_model=MODEL)
+    prompt = trio.ModelInput.from_ints(tokenizer.encode("Price this prompt, twice over: " * 4))
+    params = trio.SamplingParams(max_tokens=2, temperature=0.0)
+    for _ in range(2):  # the second request is partly cached, and cheaper for it
+        u = sampler.sample(prompt, num_samples=2, sampling_params=params).result().usage
+        expected = (u.prefill_tokens * price["prefill"] + u.cached_tokens * price["prefill_cached"]
+                    + u.sample_tokens * price["sample"]) / 1e6
+        assert u.cost == pytest.approx(expected, rel=1e-9)
+    trainer = service.create_lora_training_client(MODEL, rank=4)
+    before = service.usage()
+    u = trainer.forward_backward([sft_datum(tokenizer, "priced training text")]).result().usage
+    assert u.cost == pytest.approx(u.train_tokens * price["train"] / 1e6, rel=1e-9)
+    assert (service.usage() - before).cost == pytest.approx(u.cost)
+
+
 def test_bad_input_is_refused_client_side_with_clear_messages(service, tokenizer):
     trainer = service.create_lora_training_client(MODEL, rank=4)
     good = sft_datum(tokenizer, "valid text")

@@ -240,7 +240,7 @@ class ServiceClient:
 
         return GetServerCapabilitiesResponse(supported_models=[
             SupportedModel(model_name=m["model_id"], max_context_length=m.get("context_length"), alias=m.get("alias"),
-                           training=caps(m, "trainer", "train_available"),
+                           pricing=m.get("pricing"), training=caps(m, "trainer", "train_available"),
                            sampling=caps(m, "sampler", "sample_available")) for m in items])
 
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:

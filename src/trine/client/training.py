@@ -150,7 +150,8 @@ class TrainingClient:
         return gather(futures).map(functools.partial(self._parse_forward, expected=expected))
 
     def _parse_forward(self, responses: list[dict], expected: list[int]) -> ForwardBackwardOutput:
-        outputs, loss_sum, count, usage = [], 0.0, 0, Usage()
+        outputs, loss_sum, count = [], 0.0, 0
+        usage = sum((_event_usage(r) for r in responses[1:]), _event_usage(responses[0]))
         for k, (response, n) in enumerate(zip(responses, expected)):
             result = response.get("result") or {}
             chunk_outputs = result.get("loss_fn_outputs")
@@ -160,7 +161,6 @@ class TrainingClient:
             outputs += [{name: tensor_from_wire(t) for name, t in out.items()} for out in chunk_outputs]
             loss_sum += float(result["metrics"]["loss_sum"])
             count += int(result["metrics"]["token_count"])
-            usage = usage + _event_usage(response)
         self._usage.add(usage)
         return ForwardBackwardOutput(
             loss_fn_outputs=outputs,

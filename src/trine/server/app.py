@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..metering.http import make_usage_router
-from ..metering.rates import RateCard
 from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
@@ -98,7 +97,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     app.include_router(control.files_router)
     app.include_router(actor.router)
     # metering: usage by phase with cost, for the caller's key only (GET /api/trine/v1/usage, /rates)
-    app.state.rate_card = RateCard.load(home=service.store.home)
+    app.state.rate_card = service.rate_card
     app.include_router(make_usage_router(_store, control.api_key, app.state.rate_card))
     for r in routers:
         app.include_router(r)

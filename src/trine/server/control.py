@@ -171,7 +171,7 @@ def models(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX), offset:
                       "context_length": m.max_seq_len, "train_available": True,
                       "sample_available": True, "trainer": cap, "sampler": cap,
                       "created_at": iso(svc.started_at), "updated_at": iso(svc.started_at),
-                      "name": m.name})
+                      "name": m.name, "pricing": svc.rate_card.pricing(m.name)})
     return {"items": items[offset:offset + limit], "total": len(items), "limit": limit,
             "offset": offset}
 

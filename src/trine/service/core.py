@@ -33,6 +33,7 @@ from ..engine.requests import SampleRequest, SampleResult, SamplingOptions, Weig
 from ..engine.worker import EngineWorker
 from ..metering.diagnostics import PrefixDiagnostics
 from ..metering.events import UsageEvent
+from ..metering.rates import RateCard
 from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, Store, TrainingRun
 from ..store.keys import new_id
 from .cycle import CycleRunner, Outcome, load_adapter, spill_adapter
@@ -99,7 +100,8 @@ class Service:
                  gather_seconds: float = 0.02, device: str | None = None,
                  num_threads: int | None = None, sampler_options: dict | None = None,
                  trainer_options: dict | None = None, max_adapters: int = 32,
-                 run_idle_seconds: float = 3600.0, gc_interval: float = 60.0):
+                 run_idle_seconds: float = 3600.0, gc_interval: float = 60.0,
+                 rate_card: RateCard | None = None):
         if not models:
             raise ValueError("models: serve at least one base model")
         self.store = store
@@ -115,6 +117,7 @@ class Service:
                                   sampler_options=sampler_options, trainer_options=trainer_options)
             self.models[name] = ServedModel(name, path, worker)
         self.diagnostics = PrefixDiagnostics()
+        self.rate_card = rate_card or RateCard.load(home=store.home)  # prices every usage event
         self._live: dict[str, LiveEvent] = {}
         self._samples: dict[tuple[str, str], asyncio.Future] = {}
         self._submitting: dict[str, asyncio.Future] = {}  # event id -> its submission in progress
@@ -509,25 +512,28 @@ class Service:
         run = self.store.training_run(rec.run_id)
         if out.error is None and isinstance(op, Save):
             out.result = self._saved(m, run, op, out)
+        cost = 0.0
         if out.error is None and rec.type in (FORWARD, FORWARD_BACKWARD, OPTIMIZE_STEP):
-            self.store.add_usage(UsageEvent(
+            event = UsageEvent(
                 time=time.time(), api_key_id=rec.api_key_id, session_id=run.session_id, run_id=run.id,
                 base_model=m.name, operation={FORWARD: "forward", FORWARD_BACKWARD: "forward_backward",
                                               OPTIMIZE_STEP: "optim_step"}[rec.type],
-                request_id=rec.id, train=out.train_tokens, train_loss=out.loss_tokens))
+                request_id=rec.id, train=out.train_tokens, train_loss=out.loss_tokens)
+            self.store.add_usage(event)
+            cost = self.rate_card.cost(event)["total"]
         rec.status = "failed" if out.error else "succeeded"
         rec.cycle = cycle
-        rec.response = self._envelope(rec, out)
+        rec.response = self._envelope(rec, out, cost)
         self.store.update_event(rec.id, status=rec.status, cycle=cycle, response=rec.response)
         live.done.set()
         self._live.pop(rec.id, None)
 
     @staticmethod
-    def _envelope(rec: EventRecord, out: Outcome) -> bytes:
+    def _envelope(rec: EventRecord, out: Outcome, cost: float = 0.0) -> bytes:
         env = {"version": 1, "event_id": rec.id, "type": rec.type,
                "status": "failed" if out.error else "succeeded",
                "usage": {"input_tokens": out.train_tokens, "output_tokens": 0,
-                         "train_tokens": out.train_tokens, "loss_tokens": out.loss_tokens},
+                         "train_tokens": out.train_tokens, "loss_tokens": out.loss_tokens, "cost": cost},
                "cycle": rec.cycle}
         if out.error:
             env["error"] = {"code": out.error[0], "message": out.error[1]}
@@ -673,20 +679,21 @@ class Service:
             res: SampleResult = await m.worker.sample(req)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        body = json.dumps(self._sample_response(r, spec, res, m)).encode()
-        self.store.add_sample_result(r.id, spec.request_id, body)
         u = res.usage
-        self.store.add_usage(UsageEvent(
+        event = UsageEvent.from_counts(
+            prompt_tokens=u.prompt_tokens, prefill=u.prefill_tokens, prefill_cached=u.cached_tokens,
             time=time.time(), api_key_id=key.id, session_id=r.session_id, run_id=r.id,
             base_model=m.name, operation="sample" if spec.generate else "compute_logprobs",
-            request_id=spec.request_id, prefill=u.prefill_tokens, prefill_cached=u.cached_tokens,
-            sample=u.sample_tokens))
+            request_id=spec.request_id, sample=u.sample_tokens)
+        body = json.dumps(self._sample_response(r, spec, res, m, self.rate_card.cost(event)["total"])).encode()
+        self.store.add_sample_result(r.id, spec.request_id, body)
+        self.store.add_usage(event)
         if spec.generate:
             self._spawn(self._diagnose(key, r, m, spec, res))
         return body
 
     def _sample_response(self, r: SamplingRun, spec: SampleSpec, res: SampleResult,
-                         m: ServedModel) -> dict:
+                         m: ServedModel, cost: float) -> dict:
         seqs = []
         for s in res.sequences:
             lps = [float(x) for x in s.logprobs] if spec.return_token_logprobs else []
@@ -702,7 +709,8 @@ class Service:
                    if spec.topk_prompt_logprobs and res.topk_prompt_logprobs is not None else None),
                "usage": {"input_tokens": u.prompt_tokens, "output_tokens": u.sample_tokens,
                          "prompt_tokens": u.prompt_tokens, "prefill_tokens": u.prefill_tokens,
-                         "cached_tokens": u.cached_tokens, "sample_tokens": u.sample_tokens},
+                         "cached_tokens": u.cached_tokens, "sample_tokens": u.sample_tokens,
+                         "cost": cost},
                "model": m.name}
         return out
 

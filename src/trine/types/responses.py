@@ -96,6 +96,7 @@ class SupportedModel(BaseModel):
     training: ModelOperationCapabilities
     sampling: ModelOperationCapabilities
     alias: str | None = None  # trine: the short name accepted as base_model
+    pricing: dict | None = None  # trine: price per million tokens by phase (the server's rate card)
 
 
 class GetServerCapabilitiesResponse(BaseModel):
