@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import datetime
-import os
-from pathlib import Path
 
 import click
+
+from trine.home import trine_home
 
 
 def _store(home):
     from trine.store import Store
-    return Store(Path(home or os.environ.get("TRINE_HOME") or Path.home() / ".trine").expanduser())
+    return Store(trine_home(home))
 
 
 @click.group()

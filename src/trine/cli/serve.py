@@ -1,10 +1,11 @@
 """`trine serve`: serve base models over the PyTRIO protocol (control + actor planes)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
+
+from trine.home import trine_home
 
 
 def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
@@ -50,7 +51,7 @@ def serve(models, host, port, home, cycle_seconds, threads, log_level):
     from trine.service import Service
     from trine.store import Store
 
-    home = Path(home or os.environ.get("TRINE_HOME") or Path.home() / ".trine").expanduser()
+    home = trine_home(home)
     if cycle_seconds < 0:
         raise click.BadParameter("must be >= 0", param_hint="--cycle-seconds")
     served = _model_specs(models, home)

@@ -8,18 +8,17 @@ either absent or complete; `.model_id` records which server model it came from) 
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..home import trine_home
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def trine_home() -> Path:
-    return Path(os.environ.get("TRINE_HOME") or Path.home() / ".trine")
 
 
 def _load(directory: Path) -> Any:

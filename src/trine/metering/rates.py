@@ -8,13 +8,14 @@ is a finite number >= 0; `price(model)` always answers (unknown models get the "
 from __future__ import annotations
 
 import math
-import os
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ..home import trine_home
 
 SHIPPED = Path(__file__).with_name("rates.toml")
 DEFAULT_ROW = "default"
@@ -24,8 +25,6 @@ _ROW_KEYS = {*BILLED_PHASES, "storage_gb_month", "note"}
 _TOP_KEYS = {"currency", "storage_gb_month", "models"}
 
 
-def trine_home() -> Path:
-    return Path(os.environ.get("TRINE_HOME") or Path.home() / ".trine")
 
 
 def model_key(name: str) -> str:

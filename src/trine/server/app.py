@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..metering.http import make_usage_router
+from ..home import trine_home
 from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
@@ -172,7 +172,7 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
     home: the data dir (default `$TRINE_HOME` or ~/.trine). port 0 picks a free port.
     service_options go to `Service` (gather_seconds, num_threads, sampler_options, ...).
     """
-    home = Path(home or os.environ.get("TRINE_HOME") or Path.home() / ".trine").expanduser()
+    home = trine_home(home)
     store = Store(home)
     key = embedded_key(store, home)
     service = Service(store, resolve_models(models), cycle_seconds=cycle_seconds, **service_options)
