@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import json
 import os
 
 import httpx
@@ -490,3 +491,19 @@ def test_closing_the_service_fails_pending_futures_instead_of_hanging(server, to
             assert e.code in ("run_ended", "client_closed")
     with pytest.raises(trio.TrineError, match="closed"):
         trainer.optim_step(trio.AdamParams())
+
+
+def test_trine_checkpoints_lists_what_a_run_saved(server, service, tokenizer):
+    from click.testing import CliRunner
+
+    from trine.cli.checkpoints import checkpoints
+
+    trainer = service.create_lora_training_client(MODEL, rank=4)
+    trainer.forward_backward([sft_datum(tokenizer, "checkpoint me")]).result()
+    saved = trainer.save_weights_for_sampler("listed-weights").result()
+    out = CliRunner().invoke(checkpoints, ["--home", str(server.home), "--json"])
+    assert out.exit_code == 0, out.output
+    rows = {r["uri"]: r for r in map(json.loads, out.stdout.splitlines())}
+    assert rows[saved.path]["size_bytes"] > 0 and rows[saved.path]["visibility"] == "WORKSPACE"
+    text = CliRunner().invoke(checkpoints, ["--home", str(server.home)]).stdout
+    assert saved.path in text and "MB" in text
