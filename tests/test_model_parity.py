@@ -97,3 +97,18 @@ def test_mixed_adapters_in_one_batch_equal_each_row_alone(tiny_model_dir, layout
         for i, a in enumerate(rows):
             alone = model(tokens[i:i + 1], adapters=AdapterBatch.single(a))
             assert (mixed[i] - alone[0]).abs().max() <= TOL
+
+
+def test_a_checkpoint_sharded_into_many_safetensors_files_loads_the_same(tiny_model_dir, tmp_path):
+    hf_model(tiny_model_dir).save_pretrained(tmp_path, max_shard_size="2MB")  # many files + an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    tokens, mask = batch_with_padding()
+    with torch.no_grad():
+        want = load_model(tiny_model_dir, "cpu")(tokens, pad_mask=mask)
+        got = load_model(tmp_path, "cpu")(tokens, pad_mask=mask)
+    assert torch.equal(got, want)
+
+
+def test_a_directory_that_is_not_a_checkpoint_gets_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path, "cpu")
