@@ -78,7 +78,7 @@ def usage_table(stages: list[tuple[str, object]], total):
     for name in ("prefill computed", "prefill cached", "sample", "train computed", "train in loss"):
         table.add_column(name, justify="right")
     if priced:
-        table.add_column("cost", justify="right")
+        table.add_column("cost (USD)", justify="right")
     for name, u in [*stages, ("total", total)]:
         cells = [f"{u.prefill_tokens:,}", f"{u.cached_tokens:,}", f"{u.sample_tokens:,}", f"{u.train_tokens:,}",
                  f"{u.loss_tokens:,}"] + ([f"{u.cost:.6f}"] if priced else [])
