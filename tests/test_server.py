@@ -329,3 +329,29 @@ def test_temporary_weights_spill_to_disk_and_expire(tiny_model_dir, tmp_path):
         assert r.status_code == 404
         assert c.sample(srun, {**prompt, "request_id": "req_last"}).status_code == 200
         c.close()
+
+
+def test_renew_gives_working_actor_credentials_to_the_owner_only(server, client):
+    session = client.session()
+    trun = client.training_run(session, "tiny-llama")
+    srun = client.sampling_run(session, "tiny-llama")
+    for run, kind in ((trun, "training"), (srun, "sampling")):
+        r = client.control("POST", f"{kind}-runs/{run[f'{kind}_run_cuid']}/renew")
+        assert r.status_code == 200, r.text
+        renewed = r.json()
+        assert renewed[f"{kind}_run_cuid"] == run[f"{kind}_run_cuid"]
+        assert renewed["service_session_cuid"] == session and renewed["actor_jwt"]["token"]
+        run.update(actor=renewed["actor"], actor_jwt=renewed["actor_jwt"])
+    ok = client.submit(trun, event("event_renewed1", "forward_backward", 1, ce_payload([1, 2, 3]),
+                                   trun["training_run_cuid"]))
+    assert ok.status_code == 202, ok.text
+    sample = {"request_id": "req_renewed", "num_samples": 1, "sampling_params": {"max_tokens": 1},
+              "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}}
+    assert client.sample(srun, sample).status_code == 200
+    _, secret = server.service.store.create_key("renew-stranger")
+    stranger = RawClient(server.url, secret)
+    try:
+        assert stranger.control("POST", f"training-runs/{trun['training_run_cuid']}/renew").status_code == 404
+        assert stranger.control("POST", f"sampling-runs/{srun['sampling_run_cuid']}/renew").status_code == 404
+    finally:
+        stranger.close()

@@ -280,9 +280,7 @@ def get_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_ke
 
 @router.post("/openapi/v1/training-runs/{run_id}/renew")
 def renew_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    r = service_of(request).training_run(key, run_id)
-    return {"training_run_cuid": r.id, "service_session_cuid": r.session_id,
-            "workspace_cuid": r.api_key_id, **actor_binding(request, key, r.id, "training")}
+    return _renewal(request, key, service_of(request).training_run(key, run_id), "training")
 
 
 @router.get("/openapi/v1/training-runs/{run_id}/checkpoints")
@@ -313,9 +311,13 @@ def get_sampling_run(run_id: str, request: Request, key: ApiKey = Depends(api_ke
 
 @router.post("/openapi/v1/sampling-runs/{run_id}/renew")
 def renew_sampling_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    r = service_of(request).sampling_run(key, run_id)
-    return {"sampling_run_cuid": r.id, "service_session_cuid": r.session_id,
-            "workspace_cuid": r.api_key_id, **actor_binding(request, key, r.id, "sampling")}
+    return _renewal(request, key, service_of(request).sampling_run(key, run_id), "sampling")
+
+
+def _renewal(request: Request, key: ApiKey, run, kind: str) -> dict:
+    """Fresh actor credentials for a training or sampling run the key owns."""
+    return {f"{kind}_run_cuid": run.id, "service_session_cuid": run.session_id,
+            "workspace_cuid": run.api_key_id, **actor_binding(request, key, run.id, kind)}
 
 
 # ---------------------------------------------------------------------------- checkpoints
