@@ -112,3 +112,19 @@ def test_a_checkpoint_sharded_into_many_safetensors_files_loads_the_same(tiny_mo
 def test_a_directory_that_is_not_a_checkpoint_gets_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(tmp_path, "cpu")
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    import transformers as tf
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    ours, ref = load_model(tmp_path, "cpu"), hf_model(tmp_path)
+    assert ours.cfg.rope_scaling == (8.0, 1.0, 4.0, 64)
+    tokens = torch.randint(0, 49152, (1, 300), generator=torch.Generator().manual_seed(0))  # past 64
+    with torch.no_grad():
+        assert (ours(tokens) - ref(tokens).logits).abs().max() <= TOL
