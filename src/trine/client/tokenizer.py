@@ -16,10 +16,6 @@ from typing import Any
 
 from ..home import trine_home
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-
 
 def _load(directory: Path) -> Any:
     from transformers import AutoTokenizer

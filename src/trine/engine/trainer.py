@@ -87,9 +87,6 @@ class Trainer:
     def has_run(self, run_id: str) -> bool:
         return run_id in self._runs
 
-    def run_ids(self) -> list[str]:
-        return list(self._runs)
-
     def lora_config(self, run_id: str) -> LoRAConfig:
         return self._run(run_id).lora
 

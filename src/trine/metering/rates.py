@@ -127,9 +127,6 @@ class RateCard:
     def price(self, model: str) -> ModelPrices:
         return self.rows.get(model_key(model)) or self.rows[DEFAULT_ROW]
 
-    def has_model(self, model: str) -> bool:
-        return model_key(model) in self.rows
-
     def cost(self, usage, model: str | None = None) -> dict[str, float]:
         """Cost by billed phase plus "total", for a UsageEvent (priced at its base_model) or any object with
         the phase attributes (prefill, prefill_cached, sample, train), priced at `model`."""

@@ -27,10 +27,6 @@ def service_of(request: Request) -> Service:
     return request.app.state.service
 
 
-def store_of(request: Request):
-    return request.app.state.service.store
-
-
 def signer_of(request: Request) -> TokenSigner:
     return request.app.state.signer
 

@@ -45,7 +45,6 @@ from .scheduler import ClockScheduler
 log = logging.getLogger("trine.service")
 
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
-TERMINAL = ("succeeded", "failed")
 DEFAULT_TEMPORARY_TTL = 6 * 3600
 
 
