@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from ..engine.interface import Engine, EngineStats
+from ..engine.ops import Op
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
 from ..store import ApiKey, Checkpoint, EventRecord, Store
@@ -168,11 +169,20 @@ class Service:
     async def close_session(self, key: ApiKey, session_id: str, status: str = "ENDED"):
         return await self.runs.close_session(key, session_id, status)
 
-    def create_training_run(self, key: ApiKey, session_id: str, **kw):
-        return self.runs.create_training_run(key, session_id, **kw)
+    def create_training_run(self, key: ApiKey, session_id: str, *, base_model: str, lora_rank: int,
+                            train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
+                            seed: int | None = None, source_checkpoint_uri: str = "",
+                            restore_optimizer: bool = False):
+        return self.runs.create_training_run(
+            key, session_id, base_model=base_model, lora_rank=lora_rank, train_mlp=train_mlp,
+            train_attn=train_attn, train_unembed=train_unembed, seed=seed,
+            source_checkpoint_uri=source_checkpoint_uri, restore_optimizer=restore_optimizer)
 
-    def update_training_run(self, key: ApiKey, session_id: str, run_id: str, **kw):
-        return self.runs.update_training_run(key, session_id, run_id, **kw)
+    def update_training_run(self, key: ApiKey, session_id: str, run_id: str, *,
+                            source_checkpoint_uri: str, restore_optimizer: bool):
+        return self.runs.update_training_run(key, session_id, run_id,
+                                             source_checkpoint_uri=source_checkpoint_uri,
+                                             restore_optimizer=restore_optimizer)
 
     def list_training_runs(self, key: ApiKey, limit: int, offset: int):
         return self.runs.list_training_runs(key, limit, offset)
@@ -180,12 +190,17 @@ class Service:
     def heartbeat(self, key: ApiKey, run_id: str) -> None:
         self.runs.heartbeat(key, run_id)
 
-    def create_sampling_run(self, key: ApiKey, session_id: str, **kw):
-        return self.runs.create_sampling_run(key, session_id, **kw)
+    def create_sampling_run(self, key: ApiKey, session_id: str, *, base_model: str,
+                            source_checkpoint_uri: str = ""):
+        return self.runs.create_sampling_run(key, session_id, base_model=base_model,
+                                             source_checkpoint_uri=source_checkpoint_uri)
 
     # ================================================================== events
-    async def submit_event(self, key: ApiKey, run_id: str, **kw) -> EventRecord:
-        return await self.events.submit(key, run_id, **kw)
+    async def submit_event(self, key: ApiKey, run_id: str, *, event_id: str, type: str, index: int,
+                           step: int, op: Op) -> EventRecord:
+        """Accept a training event (idempotent by event_id); see events.py."""
+        return await self.events.submit(key, run_id, event_id=event_id, type=type, index=index,
+                                        step=step, op=op)
 
     async def event(self, key: ApiKey, run_id: str, event_id: str, wait: float = 0.0) -> EventRecord:
         return await self.events.event(key, run_id, event_id, wait)
@@ -206,8 +221,9 @@ class Service:
         return await self.sampling.cancel(key, sampling_run_id, request_id)
 
     # ================================================================== checkpoints
-    def list_checkpoints(self, key: ApiKey, **kw):
-        return self.checkpoints.list(key, **kw)
+    def list_checkpoints(self, key: ApiKey, *, training_run_id: str | None = None,
+                         limit: int | None = None, offset: int = 0):
+        return self.checkpoints.list(key, training_run_id=training_run_id, limit=limit, offset=offset)
 
     def delete_checkpoint(self, key: ApiKey, checkpoint_id: str) -> None:
         self.checkpoints.delete(key, checkpoint_id)

@@ -10,6 +10,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -121,24 +122,16 @@ class Sampling:
         req = self._request(m, r, spec)
         for attempt in range(len(m.replicas)):  # a lost replica: reroute to another one
             rep = self._route(m, r, spec)
-            rep.inflight_samples += 1
-            self._serving[(r.id, spec.request_id)] = rep
             try:
-                if r.checkpoint_id:
-                    await self.adapters.ensure(rep, r.checkpoint_id)
-                res: SampleResult = await rep.engine.sample(req)
+                async with self._serving_on(rep, r, spec):
+                    if r.checkpoint_id:
+                        await self.adapters.ensure(rep, r.checkpoint_id)
+                    res: SampleResult = await rep.engine.sample(req)
                 break
             except EngineLost:
                 if attempt == len(m.replicas) - 1:
                     raise Conflict(f"every engine replica of {m.name} was lost; try again later",
                                    code="worker_lost", status=503) from None
-            except ServiceError:
-                raise
-            except ValueError as e:
-                raise InvalidRequest(str(e)) from None
-            finally:
-                rep.inflight_samples -= 1
-                self._serving.pop((r.id, spec.request_id), None)
         return self._record(key, r, m, spec, res, rep)
 
     async def sample_stream(self, key: ApiKey, sampling_run_id: str,
@@ -156,20 +149,28 @@ class Sampling:
         m = self.models[r.base_model]
         req = self._request(m, r, spec)
         rep = self._route(m, r, spec)
-        rep.inflight_samples += 1
-        self._serving[(r.id, spec.request_id)] = rep
         res = None
         try:
-            if r.checkpoint_id:
-                await self.adapters.ensure(rep, r.checkpoint_id)
-            async for item in rep.engine.sample_stream(req):
-                if isinstance(item, SampleResult):
-                    res = item
-                else:
-                    yield item
+            async with self._serving_on(rep, r, spec):
+                if r.checkpoint_id:
+                    await self.adapters.ensure(rep, r.checkpoint_id)
+                async for item in rep.engine.sample_stream(req):
+                    if isinstance(item, SampleResult):
+                        res = item
+                    else:
+                        yield item
         except EngineLost:
             raise Conflict("the engine replica serving this request was lost; send it again",
                            code="worker_lost", status=503) from None
+        yield self._record(key, r, m, spec, res, rep)
+
+    @contextlib.asynccontextmanager
+    async def _serving_on(self, rep: Replica, r: SamplingRun, spec: SampleSpec):
+        """Count the request against `rep`'s load while it runs; engine ValueErrors become 400s."""
+        rep.inflight_samples += 1
+        self._serving[(r.id, spec.request_id)] = rep
+        try:
+            yield
         except ServiceError:
             raise
         except ValueError as e:
@@ -177,7 +178,6 @@ class Sampling:
         finally:
             rep.inflight_samples -= 1
             self._serving.pop((r.id, spec.request_id), None)
-        yield self._record(key, r, m, spec, res, rep)
 
     async def cancel(self, key: ApiKey, sampling_run_id: str, request_id: str) -> bool:
         """Cancel a running request (its client went away): the engine frees its sequences, its
