@@ -22,6 +22,7 @@ ints, floats, strings and lists, so it pickles across a process boundary unchang
 | `evict_adapter(checkpoint_id)` | | the adapter leaves memory |
 | `spill_adapter(checkpoint_id, lora, path)` | | bytes written (a published snapshot goes to disk) |
 | `stats()` | | `EngineStats` |
+| `lost()` | | returns (the reason) only once the engine is gone: a watch for faults |
 | `stop()` | | |
 
 Runs and their state: a run is created by the `InitRun` op of a cycle (fresh LoRA, or loaded from
@@ -144,3 +145,6 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    async def lost(self) -> str: ...

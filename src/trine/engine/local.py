@@ -85,6 +85,9 @@ class LocalEngine(Engine):
     async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
         return await self.worker.submit(lambda w: spill_adapter(w, checkpoint_id, lora, path))
 
+    async def lost(self) -> str:
+        return await asyncio.shield(self.worker.exited)
+
     async def stats(self) -> EngineStats:
         """Read without queueing behind a cycle (counters may be one step apart)."""
         w = self.worker

@@ -74,6 +74,7 @@ class EngineWorker:
     # ------------------------------------------------------------------ asyncio side
     def start(self, loop: asyncio.AbstractEventLoop, timeout: float | None = None) -> None:
         self.loop = loop
+        self.exited = loop.create_future()  # set to the reason when the thread ends
         self._thread = threading.Thread(target=self._main, name=f"trine-engine-{self.name}",
                                         daemon=True)
         self._thread.start()
@@ -137,6 +138,20 @@ class EngineWorker:
             self._ready.set()
             return
         self._ready.set()
+        reason = "stopped"
+        try:
+            self._serve()
+        except BaseException as e:  # a bug in the loop itself: report it as the engine lost
+            log.error("engine thread died:\n%s", traceback.format_exc())
+            reason = f"engine thread died: {type(e).__name__}: {e}"
+        try:
+            for fut in list(self._pending.values()) + [f for _, f in self._jobs]:
+                self._post(fut, exc=RuntimeError(f"the engine worker {reason}"))
+            self._post(self.exited, reason)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+    def _serve(self) -> None:
         while not self._stopping:
             self._drain(block=not (self._jobs or self.sampler.has_work()))
             if self._jobs:
@@ -151,8 +166,6 @@ class EngineWorker:
                     self._post(fut, result)
             elif self.sampler.has_work():
                 self._step()
-        for fut in list(self._pending.values()) + [f for _, f in self._jobs]:
-            self._post(fut, exc=RuntimeError("the engine worker stopped"))
 
     def tick(self) -> None:
         """Admit new sample requests and run one sampler step. Worker thread only."""

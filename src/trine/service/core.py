@@ -10,6 +10,8 @@ forwards each public call to the part that owns the concept:
 | `AdapterCache` | adapters.py | sampler adapters per replica, spill to disk |
 | `Checkpoints` | checkpoints.py | checkpoint records, deletion, downloads |
 | `GarbageCollector` | gc.py | restart recovery, expiry, idle runs |
+| `Faults` | faults.py | lost engine replicas |
+| `Router` | routing.py | prefix-aware routing of samples across replicas |
 | `ServedModel`, `Replica` | models.py | base models, engine replicas, run placement |
 
 Runs on the asyncio loop; the engines (one per replica) are reached only through
@@ -31,6 +33,7 @@ from ..store import ApiKey, Checkpoint, EventRecord, Store
 from .adapters import AdapterCache
 from .checkpoints import Checkpoints
 from .events import EventResult, Events
+from .faults import Faults
 from .gc import GarbageCollector
 from .models import Replica, ServedModel, resolve_model
 from .ownership import Ownership
@@ -78,11 +81,12 @@ class Service:
         self.adapters = AdapterCache(store, max_adapters, self._spawn, self._on_loop)
         self.checkpoints = Checkpoints(store, self.ownership, self.models, self.adapters)
         self.events = Events(store, self.ownership, self.models, self.checkpoints, self.activity,
-                             self.rate_card)
+                             self.rate_card, self._replica_lost)
+        self.faults = Faults(store, self.events)
         self.runs = Runs(store, self.ownership, self.models, self.checkpoints, self.activity,
                          self.events)
         self.sampling = Sampling(store, self.ownership, self.models, self.adapters, self.rate_card,
-                                 self._spawn, router or Router())
+                                 self._spawn, self._replica_lost, router or Router())
         self.gc = GarbageCollector(store, self.models, self.checkpoints, self.runs, self.events,
                                    self.activity, run_idle_seconds)
         self.diagnostics = self.sampling.diagnostics
@@ -101,9 +105,11 @@ class Service:
                 rep.scheduler = ClockScheduler(self.events.executor(m, rep), cycle_seconds=self.cycle_seconds,
                                                gather_seconds=self.gather_seconds, first_cycle=first_cycle)
                 rep.scheduler.start()
+                self._spawn(self.faults.watch(m, rep))
         self._gc_task = self.loop.create_task(self.gc.loop(self.gc_interval))
 
     async def stop(self) -> None:
+        self.faults.stopping = True
         if self._gc_task is not None:
             self._gc_task.cancel()
         for m in self.models.values():
@@ -111,6 +117,9 @@ class Service:
                 if rep.scheduler is not None:
                     await rep.scheduler.stop()
             await asyncio.gather(*(rep.engine.stop() for rep in m.replicas), return_exceptions=True)
+
+    def _replica_lost(self, m: ServedModel, rep: Replica, reason: str) -> None:
+        self.faults.lost(m, rep, reason)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -76,13 +76,14 @@ class LiveEvent:
 
 class Events:
     def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
-                 checkpoints: Checkpoints, activity: Activity, rate_card: RateCard):
+                 checkpoints: Checkpoints, activity: Activity, rate_card: RateCard, on_lost):
         self.store = store
         self.ownership = ownership
         self.models = models
         self.checkpoints = checkpoints
         self.activity = activity
         self.rate_card = rate_card
+        self.on_lost = on_lost  # (model, replica, reason): a replica died (faults.py)
         self.live: dict[str, LiveEvent] = {}
         self._submitting: dict[str, asyncio.Future] = {}  # event id -> its submission in progress
 
@@ -218,6 +219,7 @@ class Events:
             try:
                 outcomes = (await rep.engine.run_cycle(cycle)).outcomes
             except EngineLost as e:
+                self.on_lost(m, rep, str(e))  # fails this plan's events and the rest of the replica's
                 outcomes = _all_failed(plan, "worker_lost", f"the engine replica running this event was "
                                        f"lost ({e}); restore the run from a saved state and send it again")
             except Exception as e:  # the worker died or stopped

@@ -87,6 +87,7 @@ class Sampling:
     adapters: AdapterCache
     rate_card: RateCard
     spawn: object  # runs a coroutine in the background
+    on_lost: object  # (model, replica, reason): a replica died (faults.py)
     router: Router = field(default_factory=Router)
     diagnostics: PrefixDiagnostics = field(default_factory=PrefixDiagnostics)
     _running: dict[tuple[str, str], asyncio.Future] = field(default_factory=dict)
@@ -128,7 +129,8 @@ class Sampling:
                         await self.adapters.ensure(rep, r.checkpoint_id)
                     res: SampleResult = await rep.engine.sample(req)
                 break
-            except EngineLost:
+            except EngineLost as e:
+                self.on_lost(m, rep, str(e))
                 if attempt == len(m.replicas) - 1:
                     raise Conflict(f"every engine replica of {m.name} was lost; try again later",
                                    code="worker_lost", status=503) from None
@@ -159,7 +161,8 @@ class Sampling:
                         res = item
                     else:
                         yield item
-        except EngineLost:
+        except EngineLost as e:
+            self.on_lost(m, rep, str(e))
             raise Conflict("the engine replica serving this request was lost; send it again",
                            code="worker_lost", status=503) from None
         yield self._record(key, r, m, spec, res, rep)
