@@ -35,6 +35,16 @@ def test_conversations_and_groups_stick_to_one_replica_while_loads_stay_bounded(
         homes |= seen
     assert homes == {0, 1}  # different conversations spread over both replicas
 
+    group = [5] * 80  # a group of 8 sent at once stays on one replica (within the slack)
+    picks = []
+    for _ in range(8):
+        rep = router.route(reps, "m\0", group, 16)
+        rep.inflight_samples += 1
+        picks.append(rep.index)
+    assert len(set(picks)) == 1
+    for r in reps:
+        r.inflight_samples = 0
+
     hot = [7] * 64  # one hot prefix; replica loads are in flight counts
     first = router.route(reps, "m\0", hot, 16)
     first.inflight_samples = 10

@@ -17,6 +17,7 @@ so sampling never waits for a whole training cycle.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -193,20 +194,22 @@ class EngineWorker:
                 self._cancel(obj)
                 continue
             try:
-                self._resolve_adapter(obj)
+                obj = self._with_adapter(obj)
                 self.sampler.add(obj)
             except ValueError as e:
                 self._post(fut, exc=e)
             else:
                 self._pending[obj.request_id] = fut
 
-    def _resolve_adapter(self, req: SampleRequest) -> None:
+    def _with_adapter(self, req: SampleRequest) -> SampleRequest:
+        """The request with its adapter resolved from the table (a copy: the caller's is untouched)."""
         if req.weights.adapter is None or req.adapter is not None:
-            return
-        req.adapter = self.adapters.get(req.weights.adapter)
-        if req.adapter is None:
+            return req
+        adapter = self.adapters.get(req.weights.adapter)
+        if adapter is None:
             raise ValueError(f"adapter {req.weights.adapter!r} is not loaded on this engine; load it "
                              "(load_adapter) before sampling from it")
+        return dataclasses.replace(req, adapter=adapter)
 
     def _cancel(self, request_id: str) -> None:
         fut = self._pending.pop(request_id, None)

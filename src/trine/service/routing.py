@@ -12,8 +12,10 @@ Choosing a replica:
    identity alone, for a prompt shorter than a block) picks a point on a ring of virtual nodes;
    walk clockwise to the first live replica under the bound. Prompts sharing a system prompt
    therefore land together unless that replica is full.
-The load bound: a replica may take a request only while in-flight <= ceil(c * (total + 1) / n)
-(c = `load_factor`), so no replica is overloaded by a hot prefix.
+The load bound: a replica may take one more request only while its in-flight count stays within
+max(ceil(c * (total + 1) / n), least-loaded + slack) (c = `load_factor`): under real load no
+replica takes more than c times its share, while a small burst that shares a prefix (a group of 8
+sent at once) stays together instead of computing the prefix on every replica.
 
 `random` routing (for the benchmark's baseline) ignores prompts.
 """
@@ -53,11 +55,12 @@ def block_keys(identity: str, prompt: list[int], block_size: int, max_blocks: in
 
 
 class Router:
-    def __init__(self, policy: str = "prefix", load_factor: float = 1.25, seed: int = 0):
+    def __init__(self, policy: str = "prefix", load_factor: float = 1.25, slack: int = 8, seed: int = 0):
         if policy not in ("prefix", "random"):
             raise ValueError(f"routing policy {policy!r}: use 'prefix' or 'random'")
         self.policy = policy
         self.load_factor = load_factor
+        self.slack = slack
         self._rng = _random.Random(seed)
         self._affinity: OrderedDict[int, int] = OrderedDict()  # block key -> replica index
         self._rings: dict[int, tuple[list[int], list[int]]] = {}  # n replicas -> (points, indices)
@@ -70,7 +73,8 @@ class Router:
             return live[0]
         if self.policy == "random":
             return self._rng.choice(live)
-        bound = math.ceil(self.load_factor * (sum(r.inflight_samples for r in live) + 1) / len(live))
+        loads = [r.inflight_samples for r in live]
+        bound = max(math.ceil(self.load_factor * (sum(loads) + 1) / len(live)), min(loads) + self.slack)
         fits = {r.index: r for r in live if r.inflight_samples + 1 <= bound}
         keys = block_keys(identity, prompt, block_size)
         chosen = None
