@@ -33,6 +33,16 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
         raise click.BadParameter(str(e), param_hint="--model")
 
 
+def _ray_engines(address: str, replicas: int, threads: int | None):
+    try:
+        from trine.engine.ray_backend import connect, ray_engines
+    except ImportError:
+        raise click.UsageError("--ray needs Ray: pip install 'trine[ray]'") from None
+    resources = connect(None if address == "local" else address)
+    click.echo(f"Ray cluster: {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs")
+    return ray_engines(replicas, num_threads=threads or 1)
+
+
 @click.command()
 @click.option("--model", "models", multiple=True, metavar="DIR|NAME=DIR",
               help="A Hugging Face checkpoint directory to serve (repeatable). Default: "
@@ -43,8 +53,19 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
 @click.option("--cycle-seconds", default=0.0, show_default=True, type=float,
               help="Clock-cycle length; 0 = start a cycle as soon as training work waits.")
 @click.option("--threads", default=None, type=int, help="CPU threads per model (default: torch's).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
+              metavar="[ADDRESS]",
+              help="Run the engines as Ray actors: --ray alone starts a local Ray; --ray auto joins "
+                   "the cluster `ray start` made here; --ray ray://HOST:10001 a remote one. Needs "
+                   "`pip install 'trine[ray]'`.")
+@click.option("--replicas", default=1, show_default=True, type=int,
+              help="Engine replicas per base model (with --ray), one GPU each where there are GPUs.")
+@click.option("--checkpoint-dir", default=None,
+              help="Where checkpoints are written (default: DATA_DIR/checkpoints). With a Ray "
+                   "cluster, a path every node can read (shared storage).")
 @click.option("--log-level", default="info", show_default=True)
-def serve(models, host, port, home, cycle_seconds, threads, log_level):
+def serve(models, host, port, home, cycle_seconds, threads, ray_address, replicas, checkpoint_dir,
+          log_level):
     """Serve base models for training and sampling over the PyTRIO protocol."""
     from trine.server.app import create_app, run_forever
     from trine.server.auth import TokenSigner
@@ -54,17 +75,27 @@ def serve(models, host, port, home, cycle_seconds, threads, log_level):
     home = trine_home(home)
     if cycle_seconds < 0:
         raise click.BadParameter("must be >= 0", param_hint="--cycle-seconds")
+    if replicas < 1 or (replicas > 1 and ray_address is None):
+        raise click.BadParameter("use 1 or more, and more than 1 only with --ray", param_hint="--replicas")
     served = _model_specs(models, home)
     store = Store(home)
+    if checkpoint_dir:
+        store.checkpoint_dir = Path(checkpoint_dir).expanduser().resolve()
+        store.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    engines = None
+    if ray_address is not None:
+        engines = _ray_engines(ray_address, replicas, threads)
     new_key = None
     if not store.keys():
         _, new_key = store.create_key("default")
-    service = Service(store, served, cycle_seconds=cycle_seconds, num_threads=threads)
+    service = Service(store, served, cycle_seconds=cycle_seconds, num_threads=threads, engines=engines)
     app = create_app(service, TokenSigner(home))
     url = f"http://{host}:{port}"
     click.echo(f"trine serving {', '.join(served)} at {url}  (data: {home})")
     for name, path in served.items():
         click.echo(f"  {name}: {path}")
+    if engines is not None:
+        click.echo(f"  engines: {replicas} Ray replica(s) per model ({ray_address})")
     if new_key:
         click.echo(f"\nA new API key was created (shown once; `trine keys create --name NAME` for more):\n"
                    f"  {new_key}")

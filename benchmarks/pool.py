@@ -1,0 +1,161 @@
+"""Engine pool benchmark: Ray replicas, prefix-aware routing, and the cost of the Ray hop.
+
+A sampling workload of many concurrent requests whose prompts share a few system prompts (each
+request: one of `--system-prompts` system prompts of `--system-len` tokens + a random user turn of
+`--user-len` tokens; `--new` new tokens; fixed seeds), sent `--concurrency` at a time through the
+service API (`Service.sample`, no HTTP). Every round uses fresh system prompts, so each starts cold.
+SmolLM2-135M-Instruct by default (`--model DIR` for any other), fp32 on CPU, 1 torch thread per
+engine. Configurations run interleaved, round by round; figures are medians over `--rounds`.
+
+- replicas2_vs_1: requests/s with 2 Ray replicas x 1 thread over 1 Ray replica x 1 thread.
+- routed_cached_fraction / random_cached_fraction / single_cached_fraction: prompt tokens served
+  from the prefix cache with prefix-aware routing over 2 replicas, random routing over 2 replicas,
+  and one replica (the ceiling).
+- ray_vs_inproc: latency of one sample request (`--latency-prompt` tokens, `--new` new tokens,
+  4 samples) through one Ray replica over the in-process engine thread.
+
+    .venv/bin/python benchmarks/pool.py [--rounds 3] [--requests 48] [--json] [--model DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trine.engine.local import LocalEngine
+from trine.engine.requests import SamplingOptions
+from trine.engine.ray_backend import connect, ray_engines
+from trine.service import SampleSpec, Service
+from trine.service.routing import Router
+from trine.store import Store
+
+ENGINE = dict(device="cpu", sampler_options={"kv_cache_bytes": 256 << 20})
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Config:
+    """One service over its own engines, with a key and a sampling run."""
+
+    def __init__(self, name: str, model: Path, home: Path, engines, router: Router | None = None):
+        self.name = name
+        store = Store(home / name)
+        _, self.secret = store.create_key("bench")
+        self.svc = Service(store, {model.name: model}, engines=engines, router=router)
+        self.model = model.name
+
+    async def start(self) -> None:
+        await self.svc.start()
+        self.key = self.svc.authenticate(self.secret)
+        session = self.svc.create_session(self.key, "bench")
+        self.run = self.svc.create_sampling_run(self.key, session.id, base_model=self.model)
+
+    async def workload(self, rnd: int, args) -> dict:
+        rng = random.Random(rnd)
+        systems = [[rng.randrange(100, 40000) for _ in range(args.system_len)]
+                   for _ in range(args.system_prompts)]
+        prompts = [systems[i % len(systems)] + [rng.randrange(100, 40000) for _ in range(args.user_len)]
+                   for i in range(args.requests)]
+        opts = SamplingOptions(max_tokens=args.new, temperature=1.0, seed=rnd, stop_at_eos=False)
+        gate = asyncio.Semaphore(args.concurrency)
+
+        async def one(i, prompt):
+            async with gate:
+                return await self.svc.sample(self.key, self.run.id, SampleSpec(f"w{rnd}-{i}", prompt, opts))
+        t = time.perf_counter()
+        outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        dt = time.perf_counter() - t
+        cached = sum(o.usage["cached_tokens"] for o in outs)
+        total = sum(o.usage["prompt_tokens"] for o in outs)
+        return {"rps": len(outs) / dt, "cached_fraction": cached / total}
+
+    async def latency(self, rnd: int, args) -> float:
+        rng = random.Random(10_000 + rnd)
+        prompt = [rng.randrange(100, 40000) for _ in range(args.latency_prompt)]
+        opts = SamplingOptions(max_tokens=args.new, temperature=1.0, seed=1, stop_at_eos=False)
+        t = time.perf_counter()
+        await self.svc.sample(self.key, self.run.id, SampleSpec(f"l{rnd}", prompt, opts, num_samples=4))
+        return time.perf_counter() - t
+
+
+async def run(args, model: Path, home: Path) -> dict:
+    opts = dict(num_threads=1, options=ENGINE)
+    configs = {
+        "one": Config("one", model, home, ray_engines(1, **opts)),
+        "routed": Config("routed", model, home, ray_engines(2, **opts), Router()),
+        "random": Config("random", model, home, ray_engines(2, **opts), Router("random", seed=0)),
+        "inproc": Config("inproc", model, home,
+                         lambda name, path: [LocalEngine(name, path, num_threads=1, **ENGINE)]),
+    }
+    for c in configs.values():
+        await c.start()
+    for c in configs.values():  # warm-up round, dropped
+        await c.latency(-1, args)
+    res = {k: [] for k in ("one", "routed", "random")}
+    lat = {"one": [], "inproc": []}
+    for rnd in range(args.rounds):
+        order = ["one", "routed", "random"] if rnd % 2 == 0 else ["random", "routed", "one"]
+        for name in order:
+            res[name].append(await configs[name].workload(rnd, args))
+            log(f"round {rnd} {name}: {res[name][-1]}")
+        for name in (["one", "inproc"] if rnd % 2 == 0 else ["inproc", "one"]):
+            for rep in range(args.latency_repeats):
+                lat[name].append(await configs[name].latency(rnd * 100 + rep, args))
+    for c in configs.values():
+        await c.svc.stop()
+
+    def med(name, field):
+        return statistics.median(r[field] for r in res[name])
+    return {
+        "replicas2_vs_1": med("routed", "rps") / med("one", "rps"),
+        "rps_one_replica": med("one", "rps"), "rps_two_replicas": med("routed", "rps"),
+        "routed_cached_fraction": med("routed", "cached_fraction"),
+        "random_cached_fraction": med("random", "cached_fraction"),
+        "single_cached_fraction": med("one", "cached_fraction"),
+        "ray_vs_inproc": statistics.median(lat["one"]) / statistics.median(lat["inproc"]),
+        "ray_ms": statistics.median(lat["one"]) * 1000, "inproc_ms": statistics.median(lat["inproc"]) * 1000,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--system-prompts", type=int, default=4)
+    ap.add_argument("--system-len", type=int, default=192)
+    ap.add_argument("--user-len", type=int, default=24)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--latency-prompt", type=int, default=128)
+    ap.add_argument("--latency-repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.model is None:
+        from trine.engine.default_model import ensure_default_model
+        args.model = ensure_default_model()
+    # 5 actors (1 + 2 + 2 replicas), 1 torch thread each; only one configuration works at a time
+    connect(None, num_cpus=5)
+    import ray
+    try:
+        with tempfile.TemporaryDirectory() as home:
+            result = asyncio.run(run(args, args.model.resolve(), Path(home)))
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps({k: round(v, 4) for k, v in result.items()}))
+    else:
+        for k, v in result.items():
+            print(f"{k:24s} {v:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The Ray backend of the engine interface: each replica is a Ray actor holding a `LocalEngine`.
+
+`trine serve --ray [ADDRESS] --replicas N` builds N `RayEngine`s per base model with
+`ray_engines(...)`. Importing this module imports Ray; nothing else in trine does, so a server
+without `--ray` never loads it.
+
+Each actor is an asyncio actor: its calls run on the actor's event loop and reach the engine thread
+inside it exactly as in-process calls do, so sampling still interleaves with training cycles. An
+actor takes one GPU when the cluster has GPUs, otherwise `num_threads` CPUs (torch uses as many
+threads). Calls and results are the interface's dataclasses, pickled by Ray.
+
+Invariants
+- A dead actor turns every call in flight, and every later call, into `EngineLost` (Ray fails the
+  pending object refs as soon as it learns of the death; `lost()` returns then).
+- Errors the caller caused keep their type across the process boundary (Ray's task errors subclass
+  the original exception), so a ValueError is still a ValueError.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import AsyncIterator
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from .interface import Engine, EngineInfo, EngineLost, EngineStats, SampleDelta
+from .local import LocalEngine
+from .model import LoRAConfig
+from .ops import CycleResult, TrainingCycle
+from .requests import SampleRequest, SampleResult
+
+_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+@ray.remote
+class ReplicaActor:
+    """One engine replica in its own process."""
+
+    def __init__(self, name: str, model_dir: str, replica: str, options: dict):
+        self.engine = LocalEngine(name, model_dir, replica=replica, **options)
+
+    async def start(self) -> EngineInfo:
+        return await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    async def sample(self, req: SampleRequest) -> SampleResult:
+        return await self.engine.sample(req)
+
+    async def sample_stream(self, req: SampleRequest):
+        async for item in self.engine.sample_stream(req):
+            yield item
+
+    async def cancel(self, request_id: str) -> None:
+        await self.engine.cancel(request_id)
+
+    async def run_cycle(self, cycle: TrainingCycle) -> CycleResult:
+        return await self.engine.run_cycle(cycle)
+
+    async def drop_run(self, run_id: str) -> None:
+        await self.engine.drop_run(run_id)
+
+    async def load_adapter(self, checkpoint_id: str, path: str) -> int:
+        return await self.engine.load_adapter(checkpoint_id, path)
+
+    async def evict_adapter(self, checkpoint_id: str) -> None:
+        await self.engine.evict_adapter(checkpoint_id)
+
+    async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
+        return await self.engine.spill_adapter(checkpoint_id, lora, path)
+
+    async def stats(self) -> EngineStats:
+        return await self.engine.stats()
+
+    async def lost(self) -> str:
+        return await self.engine.lost()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayEngine(Engine):
+    """The service-side handle of one replica actor."""
+
+    def __init__(self, name: str, model_dir: str | Path, index: int, *, num_threads: int = 1,
+                 num_gpus: float = 0, options: dict | None = None):
+        self.name = name
+        self.index = index
+        opts = dict(options or {})
+        opts["num_threads"] = num_threads
+        if num_gpus:
+            opts.setdefault("device", "cuda")
+        self.actor = ReplicaActor.options(
+            num_cpus=0 if num_gpus else num_threads, num_gpus=num_gpus, max_concurrency=1000,
+            max_restarts=0, max_task_retries=0,
+        ).remote(name, str(model_dir), f"ray:{name}/{index}", opts)
+
+    async def _call(self, method: str, *args):
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except _LOST as e:
+            raise EngineLost(f"replica {self.index} of {self.name}: {type(e).__name__}") from None
+
+    async def start(self) -> EngineInfo:
+        self.info = await self._call("start")
+        return self.info
+
+    async def stop(self) -> None:
+        try:
+            await asyncio.wait_for(self._call("stop"), 30)
+        except (EngineLost, asyncio.TimeoutError):
+            pass
+        ray.kill(self.actor, no_restart=True)
+
+    async def sample(self, req: SampleRequest) -> SampleResult:
+        if req.adapter is not None:
+            raise ValueError("SampleRequest.adapter is engine-internal: name the adapter by "
+                             "weights.adapter (a loaded checkpoint id)")
+        return await self._call("sample", req)
+
+    async def sample_stream(self, req: SampleRequest) -> AsyncIterator[SampleDelta | SampleResult]:
+        done = False
+        try:
+            async for ref in self.actor.sample_stream.remote(req):
+                item = await ref
+                done = isinstance(item, SampleResult)
+                yield item
+        except _LOST as e:
+            raise EngineLost(f"replica {self.index} of {self.name}: {type(e).__name__}") from None
+        finally:
+            if not done:
+                try:
+                    await self.cancel(req.request_id)
+                except EngineLost:
+                    pass
+
+    async def cancel(self, request_id: str) -> None:
+        await self._call("cancel", request_id)
+
+    async def run_cycle(self, cycle: TrainingCycle) -> CycleResult:
+        return await self._call("run_cycle", cycle)
+
+    async def drop_run(self, run_id: str) -> None:
+        await self._call("drop_run", run_id)
+
+    async def load_adapter(self, checkpoint_id: str, path: str) -> int:
+        return await self._call("load_adapter", checkpoint_id, path)
+
+    async def evict_adapter(self, checkpoint_id: str) -> None:
+        await self._call("evict_adapter", checkpoint_id)
+
+    async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
+        return await self._call("spill_adapter", checkpoint_id, lora, path)
+
+    async def stats(self) -> EngineStats:
+        return await self._call("stats")
+
+    async def lost(self) -> str:
+        try:
+            return await self._call("lost")
+        except EngineLost as e:
+            return str(e)
+
+    async def pid(self) -> int:
+        return await self._call("pid")
+
+
+def connect(address: str | None, *, num_cpus: int | None = None) -> dict:
+    """Join the Ray cluster at `address` ("auto": the one `ray start` made on this machine), or
+    start a local one when `address` is None. Returns the cluster's resources."""
+    if not ray.is_initialized():
+        kw = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        if address:
+            ray.init(address=address, **kw)
+        else:
+            ray.init(num_cpus=num_cpus, **kw)
+    return ray.cluster_resources()
+
+
+def ray_engines(replicas: int, *, num_threads: int = 1, options: dict | None = None):
+    """An engine factory for `Service(engines=...)`: `replicas` actors per base model, one GPU each
+    when the cluster has GPUs."""
+    if replicas < 1:
+        raise ValueError("replicas: use 1 or more")
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+
+    def engines(name: str, model_dir: Path) -> list[Engine]:
+        return [RayEngine(name, model_dir, i, num_threads=num_threads, num_gpus=gpus, options=options)
+                for i in range(replicas)]
+    return engines

@@ -1,0 +1,197 @@
+"""The engine pool on Ray: 2 replicas of a tiny model in a local Ray instance (num_cpus=2).
+
+One Ray instance and one Ray-backed server for the module. The last test kills a replica of that
+server, so it stays last in this file.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import trine as trio
+from serverutil import TEST_OPTIONS, pytrio_env, serve, start
+from trine.engine.requests import SamplingOptions
+from trine.service import SampleSpec
+from trine.service.routing import Router
+
+ray = pytest.importorskip("ray")
+from trine.engine.ray_backend import connect, ray_engines  # noqa: E402
+
+MODEL = "tiny-llama"
+ENGINE_OPTIONS = {k: TEST_OPTIONS[k] for k in ("device", "sampler_options", "trainer_options")}
+
+
+@pytest.fixture(scope="module")
+def ray_server(tiny_model_dir, tmp_path_factory):
+    connect(None, num_cpus=2)
+    srv = start(tiny_model_dir, tmp_path_factory.mktemp("ray-home"),
+                engines=ray_engines(2, num_threads=1, options=ENGINE_OPTIONS))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        ray.shutdown()
+
+
+def _sft_batch(tokenizer_ids: list[list[int]]) -> list[trio.Datum]:
+    return [trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]),
+                       loss_fn_inputs={"target_tokens": ids[1:]}) for ids in tokenizer_ids]
+
+
+def _train_and_sample(srv) -> dict:
+    batch = _sft_batch([list(range(300, 340)), list(range(1000, 1025))])
+    with trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as svc:
+        tc = svc.create_lora_training_client(MODEL, rank=4, seed=11)
+        losses, lps = [], []
+        for _ in range(3):
+            fb = tc.forward_backward(batch, "cross_entropy")
+            tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+            out = fb.result()
+            losses.append(out.metrics["loss_sum"])
+            lps.append([o["logprobs"].tolist() for o in out.loss_fn_outputs])
+        uri = tc.save_weights_for_sampler("parity").result().path
+        sampler = tc.save_weights_and_get_sampling_client()
+        res = sampler.sample(trio.ModelInput.from_ints(list(range(50, 70))), num_samples=3,
+                             sampling_params=trio.SamplingParams(max_tokens=8, temperature=1.0,
+                                                                 seed=5)).result()
+    path = srv.service.store.checkpoint_by_uri(uri).path
+    return {"losses": losses, "logprobs": lps, "weights": load_file(f"{path}/adapter_model.safetensors"),
+            "tokens": [s.tokens for s in res.sequences], "sample_logprobs": [s.logprobs for s in res.sequences]}
+
+
+def test_ray_replica_gives_the_same_samples_losses_and_weights_as_in_process(ray_server, tiny_model_dir,
+                                                                              tmp_path):
+    on_ray = _train_and_sample(ray_server)
+    with serve(tiny_model_dir, tmp_path / "home") as local:
+        in_proc = _train_and_sample(local)
+    assert on_ray["losses"] == in_proc["losses"]
+    assert on_ray["logprobs"] == in_proc["logprobs"]
+    assert on_ray["tokens"] == in_proc["tokens"]
+    assert on_ray["sample_logprobs"] == in_proc["sample_logprobs"]
+    assert on_ray["weights"].keys() == in_proc["weights"].keys()
+    for k, v in on_ray["weights"].items():
+        assert torch.equal(v, in_proc["weights"][k]), k
+
+
+def _cached_fraction(srv, router: Router, seed: int) -> tuple[float, set[int]]:
+    """4-turn conversations and groups of 8 (sent at once): cached / prompt tokens of every request
+    that could hit (turns 2-4, group members 2-8)."""
+    svc = srv.service
+    svc.sampling.router = router
+    key = svc.authenticate(srv.api_key)
+    run = svc.create_sampling_run(key, svc.create_session(key, "t").id, base_model=MODEL)
+    opts = SamplingOptions(max_tokens=4, temperature=1.0, seed=1)
+    g = torch.Generator().manual_seed(seed)
+    n = [0]
+
+    def spec(prompt):
+        n[0] += 1
+        return SampleSpec(f"q{seed}-{n[0]}", prompt, opts)
+
+    async def workload():
+        cached = prompt_tokens = 0
+        replicas = set()
+        for _conv in range(3):
+            prompt = torch.randint(100, 40000, (200,), generator=g).tolist()
+            for turn in range(4):
+                out = await svc.sample(key, run.id, spec(prompt))
+                replicas.add(out.replica)
+                if turn:
+                    cached += out.usage["cached_tokens"]
+                    prompt_tokens += out.usage["prompt_tokens"]
+                prompt = prompt + out.sequences[0].tokens + torch.randint(100, 40000, (12,), generator=g).tolist()
+        for _group in range(2):
+            prompt = torch.randint(100, 40000, (200,), generator=g).tolist()
+            first = await svc.sample(key, run.id, spec(prompt))
+            replicas.add(first.replica)
+            rest = await asyncio.gather(*(svc.sample(key, run.id, spec(prompt)) for _ in range(7)))
+            cached += sum(o.usage["cached_tokens"] for o in rest)
+            prompt_tokens += sum(o.usage["prompt_tokens"] for o in rest)
+        return cached / prompt_tokens, replicas
+
+    return asyncio.run_coroutine_threadsafe(workload(), svc.loop).result(300)
+
+
+def test_prefix_routing_keeps_conversations_and_groups_cached_and_random_does_not(ray_server):
+    routed, used = _cached_fraction(ray_server, Router(), seed=1)
+    randomly, _ = _cached_fraction(ray_server, Router("random", seed=0), seed=2)
+    ray_server.service.sampling.router = Router()
+    assert routed >= 0.9, routed
+    assert used == {0, 1}  # different conversations went to different replicas
+    assert randomly < routed - 0.15, (randomly, routed)
+
+
+def test_official_pytrio_client_against_a_ray_backed_server(ray_server):
+    with pytrio_env(ray_server.url, ray_server.api_key) as pytrio:
+        client = pytrio.ServiceClient()
+        try:
+            tc = client.create_lora_training_client(base_model=MODEL, rank=4, seed=2)
+            data = [pytrio.Datum(model_input=pytrio.ModelInput.from_ints(list(range(20, 40))),
+                                 loss_fn_inputs={"target_tokens": list(range(21, 41))})]
+            first = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(pytrio.AdamParams(learning_rate=1e-2)).result()
+            second = tc.forward_backward(data, "cross_entropy").result()
+            assert second.metrics["loss_sum"] < first.result().metrics["loss_sum"]
+            sampler = tc.save_weights_and_get_sampling_client()
+            out = sampler.sample(pytrio.ModelInput.from_ints([5, 6, 7]), num_samples=2,
+                                 sampling_params=pytrio.SamplingParams(max_tokens=4)).result()
+            assert len(out.sequences) == 2 and all(len(s.tokens) == 4 for s in out.sequences)
+        finally:
+            client._runtime.shutdown()
+
+
+def test_killed_replica_fails_its_events_at_once_others_go_on_and_the_run_restores(ray_server):
+    """Runs last: it kills replica 0 of the module's server."""
+    svc_obj = ray_server.service
+    batch = _sft_batch([list(range(400, 430))])
+    adam = trio.AdamParams(learning_rate=1e-2)
+    with trio.ServiceClient(api_key=ray_server.api_key, base_url=ray_server.url) as svc:
+        runs = [svc.create_lora_training_client(MODEL, rank=4, seed=i) for i in range(2)]
+        for tc in runs:
+            tc.forward_backward(batch, "cross_entropy").result()
+            tc.optim_step(adam).result()
+        placement = svc_obj.models[MODEL].placement
+        homes = {tc.training_run_id: placement[tc.training_run_id] for tc in runs}
+        assert {rep.index for rep in homes.values()} == {0, 1}  # placed by load
+        doomed, survivor = sorted(runs, key=lambda tc: homes[tc.training_run_id].index)
+        saved = doomed.save_state("before-kill").result().path
+
+        pending = []
+        for _ in range(3):  # pipelined: queued and running when the replica dies
+            pending += [doomed.forward_backward(batch, "cross_entropy"), doomed.optim_step(adam)]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(
+                live.record.run_id == doomed.training_run_id for live in svc_obj.events.live.values()) < 6:
+            time.sleep(0.01)  # until the server has accepted all six
+        t0 = time.monotonic()
+        ray.kill(homes[doomed.training_run_id].engine.actor, no_restart=True)
+        codes = []
+        for fut in pending:
+            with pytest.raises(trio.TrineError) as err:
+                fut.result(timeout=60)
+            codes.append(err.value.code)
+        assert time.monotonic() - t0 < 30
+        assert set(codes) == {"worker_lost"}, codes
+
+        out = survivor.forward_backward(batch, "cross_entropy").result()  # the other replica goes on
+        survivor.optim_step(adam).result()
+        assert out.metrics["token_count"] == 29
+
+        restored = svc.create_training_client_from_state(saved)  # placed on the live replica
+        assert restored.forward_backward(batch, "cross_entropy").result().metrics["token_count"] == 29
+        assert placement[restored.training_run_id].index == homes[survivor.training_run_id].index
+
+        sampler = svc.create_sampling_client(base_model=MODEL)  # sampling is rerouted
+        for i in range(4):
+            res = sampler.sample(trio.ModelInput.from_ints([7, 8, 9, i]), num_samples=1,
+                                 sampling_params=trio.SamplingParams(max_tokens=3)).result()
+            assert len(res.sequences[0].tokens) == 3
+
+        key = svc_obj.authenticate(ray_server.api_key)
+        metered = [e.operation for e in svc_obj.usage_events(key, run_id=doomed.training_run_id)]
+        assert metered == ["forward_backward", "optim_step"]  # the failed events cost nothing
+        assert svc_obj.store.training_run(doomed.training_run_id).status == "INTERRUPTED"
