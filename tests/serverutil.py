@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -140,3 +145,39 @@ def ce_payload(tokens: list[int], targets: list[int] | None = None, weights=None
 
 ADAM = {"adam_params": {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
                         "weight_decay": 0.0, "grad_clip_norm": 0.0}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_serve_cli(args: list[str], timeout: float = 120):
+    """Start `trine serve ARGS` in a subprocess; wait for its connection hint. Returns (process,
+    the printed text, the new API key). The caller terminates the process."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "trine.cli.main", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "PYTRIO_API_KEY=" in line:
+            break
+    text = "".join(lines)
+    found = re.search(r"(trine-[0-9A-Za-z]{43})", text)
+    return proc, text, found.group(1) if found else None
+
+
+def wait_http(url: str, key: str, tries: int = 300) -> httpx.Response:
+    """GET `url` with the key once the server listens."""
+    for _ in range(tries):
+        try:
+            return httpx.get(url, headers={"X-API-Key": key}, trust_env=False)
+        except httpx.ConnectError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer")

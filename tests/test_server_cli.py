@@ -1,24 +1,11 @@
 """`trine serve` and `trine keys` as a user runs them."""
 from __future__ import annotations
 
-import os
-import re
-import socket
-import subprocess
-import sys
-import time
-
-import httpx
 from click.testing import CliRunner
 
+from serverutil import free_port, run_serve_cli, wait_http
 from trine.cli.keys import keys
 from trine.store import Store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_keys_create_list_revoke(tmp_path):
@@ -37,30 +24,11 @@ def test_keys_create_list_revoke(tmp_path):
 
 def test_fresh_serve_creates_a_key_and_prints_how_to_connect(tiny_model_dir, tmp_path):
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "trine.cli.main", "serve", "--model", str(tiny_model_dir),
-                             "--port", str(port), "--home", str(tmp_path), "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc, text, key = run_serve_cli(["--model", str(tiny_model_dir), "--port", str(port), "--home",
+                                     str(tmp_path), "--threads", "1"])
     try:
-        lines = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "PYTRIO_API_KEY=" in line:
-                break
-        text = "".join(lines)
-        key = re.search(r"(trine-[0-9A-Za-z]{43})", text).group(1)
         assert f"PYTRIO_BASE_URL=http://127.0.0.1:{port}" in text and "tiny-llama" in text
-        for _ in range(200):
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/api/openapi/v1/api-key/verify",
-                              headers={"X-API-Key": key}, trust_env=False)
-                break
-            except httpx.ConnectError:
-                time.sleep(0.1)
+        r = wait_http(f"http://127.0.0.1:{port}/api/openapi/v1/api-key/verify", key)
         assert r.status_code == 200 and r.json()["api_key_name"] == "default"
     finally:
         proc.terminate()
