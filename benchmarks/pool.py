@@ -97,8 +97,8 @@ async def run(args, model: Path, home: Path) -> dict:
     }
     for c in configs.values():
         await c.start()
-    for c in configs.values():  # warm-up round, dropped
-        await c.latency(-1, args)
+    for c in configs.values():  # warm-up, dropped: 4 requests at once reach every replica
+        await asyncio.gather(*(c.latency(-1 - i, args) for i in range(4)))
     res = {k: [] for k in ("one", "routed", "random")}
     lat = {"one": [], "inproc": []}
     for rnd in range(args.rounds):

@@ -63,3 +63,23 @@ def test_dead_replicas_are_skipped_and_random_policy_ignores_prompts():
     rand = Router("random", seed=1)
     picks = {rand.route(reps, "m\0", prompt, 16).index for _ in range(30)}
     assert picks == {r.index for r in reps if r.alive}
+
+
+def test_a_few_system_prompts_split_evenly_and_each_stays_on_one_replica():
+    rng = random.Random(3)
+    systems = [[rng.randrange(50000) for _ in range(96)] for _ in range(4)]
+    reps = _replicas(2)
+    router = Router()
+    homes: dict[int, set[int]] = {}
+    batch = []
+    for i in range(48):  # 16 in flight at a time
+        if len(batch) == 16:
+            for r in batch:
+                r.inflight_samples -= 1
+            batch = []
+        rep = router.route(reps, "m\0", systems[i % 4] + [rng.randrange(50000) for _ in range(20)], 16)
+        rep.inflight_samples += 1
+        batch.append(rep)
+        homes.setdefault(i % 4, set()).add(rep.index)
+    assert all(len(h) == 1 for h in homes.values())  # every system prompt is computed once
+    assert sorted(sum((list(h) for h in homes.values()), [])) == [0, 0, 1, 1]

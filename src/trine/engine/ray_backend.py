@@ -54,8 +54,8 @@ class ReplicaActor:
         async for item in self.engine.sample_stream(req):
             yield item
 
-    async def cancel(self, request_id: str) -> None:
-        await self.engine.cancel(request_id)
+    async def cancel(self, request_id: str):
+        return await self.engine.cancel(request_id)
 
     async def run_cycle(self, cycle: TrainingCycle) -> CycleResult:
         return await self.engine.run_cycle(cycle)
@@ -137,8 +137,9 @@ class RayEngine(Engine):
                 except EngineLost:
                     pass
 
-    async def cancel(self, request_id: str) -> None:
-        await self._call("cancel", request_id)
+    async def cancel(self, request_id: str):
+        """Whatever the engine's cancel answers (its partial result, where it reports one)."""
+        return await self._call("cancel", request_id)
 
     async def run_cycle(self, cycle: TrainingCycle) -> CycleResult:
         return await self._call("run_cycle", cycle)

@@ -6,16 +6,17 @@ endian int32) - the same in every process and on every run, unlike Python's salt
 
 Choosing a replica:
 1. Affinity: the replica that last served the longest prefix of these block keys, if it is alive
-   and under the load bound. So turn 5 of a conversation follows turns 1-4, and a group follows
+   and within the load bound. So turn 5 of a conversation follows turns 1-4, and a group follows
    its first request.
-2. Otherwise consistent hashing with bounded loads: the first block's key (or the weights
-   identity alone, for a prompt shorter than a block) picks a point on a ring of virtual nodes;
-   walk clockwise to the first live replica under the bound. Prompts sharing a system prompt
-   therefore land together unless that replica is full.
-The load bound: a replica may take one more request only while its in-flight count stays within
-max(ceil(c * (total + 1) / n), least-loaded + slack) (c = `load_factor`): under real load no
-replica takes more than c times its share, while a small burst that shares a prefix (a group of 8
-sent at once) stays together instead of computing the prefix on every replica.
+2. Otherwise (a new prefix, or its replica is full) consistent hashing with bounded loads: the
+   first block's key (or the weights identity alone, for a prompt shorter than a block) picks a
+   point on a ring of virtual nodes; walk clockwise to the first live replica whose in-flight count
+   stays within its fair share, ceil((total + 1) / n). New prefixes thus spread evenly even when
+   few of them (a handful of system prompts) hash unevenly.
+The load bound for affinity: in-flight <= max(ceil(c * (total + 1) / n), least-loaded + slack)
+(c = `load_factor`): under real load no replica takes more than c times its share, while a small
+burst that shares a prefix (a group of 8 sent at once) stays together instead of computing the
+prefix on every replica.
 
 `random` routing (for the benchmark's baseline) ignores prompts.
 """
@@ -74,6 +75,7 @@ class Router:
         if self.policy == "random":
             return self._rng.choice(live)
         loads = [r.inflight_samples for r in live]
+        share = math.ceil((sum(loads) + 1) / len(live))
         bound = max(math.ceil(self.load_factor * (sum(loads) + 1) / len(live)), min(loads) + self.slack)
         fits = {r.index: r for r in live if r.inflight_samples + 1 <= bound}
         keys = block_keys(identity, prompt, block_size)
@@ -83,8 +85,9 @@ class Router:
             if idx is not None and idx in fits:
                 chosen = fits[idx]
                 break
-        if chosen is None:
-            chosen = self._ring_walk(replicas, keys[0] if keys else _digest(identity.encode()), fits)
+        if chosen is None:  # never empty: the least loaded replica is within the fair share
+            fair = {r.index: r for r in live if r.inflight_samples + 1 <= share}
+            chosen = self._ring_walk(replicas, keys[0] if keys else _digest(identity.encode()), fair)
         for k in keys:
             self._affinity[k] = chosen.index
             self._affinity.move_to_end(k)
@@ -99,7 +102,7 @@ class Router:
             rep = fits.get(owners[(start + i) % len(points)])
             if rep is not None:
                 return rep
-        return min(fits.values() or replicas, key=lambda r: r.inflight_samples)
+        return min(fits.values(), key=lambda r: r.inflight_samples)
 
     def _ring(self, n: int) -> tuple[list[int], list[int]]:
         ring = self._rings.get(n)
