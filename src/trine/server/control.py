@@ -104,7 +104,8 @@ def training_run_json(svc: Service, r: TrainingRun) -> dict:
             "model_spec_cuid": r.base_model, "is_lora": True,
             "source_checkpoint_uri": r.source_checkpoint_uri or None, **params,
             "corrupted": r.status == "INTERRUPTED",
-            "corrupted_reason": "server restarted" if r.status == "INTERRUPTED" else None,
+            "corrupted_reason": ("its weights were lost (a server restart or a lost engine replica)"
+                                 if r.status == "INTERRUPTED" else None),
             "training_params": params, "created_at": iso(r.created_at),
             "updated_at": iso(r.updated_at), "last_cycle": r.last_cycle}
 
