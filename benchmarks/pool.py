@@ -12,7 +12,8 @@ engine. Configurations run interleaved, round by round; figures are medians over
   from the prefix cache with prefix-aware routing over 2 replicas, random routing over 2 replicas,
   and one replica (the ceiling).
 - ray_vs_inproc: latency of one sample request (`--latency-prompt` tokens, `--new` new tokens,
-  4 samples) through one Ray replica over the in-process engine thread.
+  4 samples) through one Ray replica over the in-process engine thread; ray_hop_ms: the round trip
+  of a call that does no model work (`Engine.stats()`) to a Ray replica.
 
     .venv/bin/python benchmarks/pool.py [--rounds 3] [--requests 48] [--json] [--model DIR]
 """
@@ -109,6 +110,12 @@ async def run(args, model: Path, home: Path) -> dict:
         for name in (["one", "inproc"] if rnd % 2 == 0 else ["inproc", "one"]):
             for rep in range(args.latency_repeats):
                 lat[name].append(await configs[name].latency(rnd * 100 + rep, args))
+    engine = configs["one"].svc.models[model.name].replicas[0].engine
+    hops = []
+    for _ in range(20):
+        t = time.perf_counter()
+        await engine.stats()
+        hops.append(time.perf_counter() - t)
     for c in configs.values():
         await c.svc.stop()
 
@@ -122,6 +129,7 @@ async def run(args, model: Path, home: Path) -> dict:
         "single_cached_fraction": med("one", "cached_fraction"),
         "ray_vs_inproc": statistics.median(lat["one"]) / statistics.median(lat["inproc"]),
         "ray_ms": statistics.median(lat["one"]) * 1000, "inproc_ms": statistics.median(lat["inproc"]) * 1000,
+        "ray_hop_ms": statistics.median(hops) * 1000,
     }
 
 
