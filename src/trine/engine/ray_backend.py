@@ -18,7 +18,6 @@ Invariants
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -77,9 +76,6 @@ class ReplicaActor:
 
     async def lost(self) -> str:
         return await self.engine.lost()
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 class RayEngine(Engine):
@@ -164,9 +160,6 @@ class RayEngine(Engine):
             return await self._call("lost")
         except EngineLost as e:
             return str(e)
-
-    async def pid(self) -> int:
-        return await self._call("pid")
 
 
 def connect(address: str | None, *, num_cpus: int | None = None) -> dict:

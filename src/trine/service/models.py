@@ -30,13 +30,8 @@ class Replica:
     adapters: OrderedDict[str, None] = field(default_factory=OrderedDict)
     loading: dict[str, asyncio.Future] = field(default_factory=dict)  # checkpoint id -> its load
     runs: set[str] = field(default_factory=set)  # training runs placed here
-    inflight_samples: int = 0
+    inflight_samples: int = 0  # what routing balances (placement balances `runs`)
     alive: bool = True
-
-    @property
-    def load(self) -> int:
-        """What placement and routing balance: runs held plus sample requests in flight."""
-        return len(self.runs) + self.inflight_samples
 
 
 @dataclass(eq=False)
