@@ -23,6 +23,12 @@ class WeightsIdentity:
     version: int = 0  # bumped by every optim_step of a live adapter
 
 
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature samples as temperature 0 (argmax)
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     max_tokens: int
@@ -33,6 +39,22 @@ class SamplingOptions:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     stop_at_eos: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    def check_stops(self) -> None:
+        """Stop lists are bounded (every decode step checks them): ValueError naming the limit."""
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: {len(self.stop_strings)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+        longest = max((len(s) for s in self.stop_strings if isinstance(s, str)), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop: a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} "
+                             "are allowed")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                             "are allowed")
 
 
 @dataclass

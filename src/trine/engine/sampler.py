@@ -214,6 +214,7 @@ class Sampler:
                 raise ValueError(f"stop_token_ids: must be ints in [0, {cfg.vocab_size})")
             if any(not isinstance(s, str) or not s for s in opts.stop_strings):
                 raise ValueError("stop_strings: must be non-empty strings")
+            opts.check_stops()
         if n + max_new > cfg.max_position_embeddings:
             raise ValueError(f"prompt + max_tokens: {n} + {max_new} tokens exceed the model context "
                              f"of {cfg.max_position_embeddings}; shorten the prompt or lower max_tokens")
@@ -477,11 +478,12 @@ class Sampler:
         logits = logits.float()
         logp = torch.log_softmax(logits, dim=-1)
         opts = [s.req.req.options for s in seqs]
-        greedy = [o.temperature == 0 for o in opts]
+        greedy = [o.greedy for o in opts]
         if all(greedy):
             tok = logits.argmax(-1)
         else:
-            x = logits / torch.tensor([o.temperature or 1.0 for o in opts], device=logits.device)[:, None]
+            x = logits / torch.tensor([1.0 if g else o.temperature for o, g in zip(opts, greedy)],
+                                      device=logits.device)[:, None]
             ks = [o.top_k if o.top_k > 0 else 0 for o in opts]
             if any(ks):
                 kmax = min(max(ks), x.shape[-1])

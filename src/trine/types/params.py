@@ -64,14 +64,25 @@ class AdamParams(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> AdamParams:
-        for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
-            v = getattr(self, name)
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(f"AdamParams.{name} must be a finite number >= 0, got {v}")
-        for name in ("beta1", "beta2"):
-            if getattr(self, name) >= 1:
-                raise ValueError(f"AdamParams.{name} must be < 1, got {getattr(self, name)}")
+        for name in ADAM_BOUNDS:
+            check_adam_value(name, getattr(self, name))
         return self
+
+
+# name -> (low, high, high included): sane ranges, checked before a step is queued
+ADAM_BOUNDS = {"learning_rate": (0.0, 10.0, True), "beta1": (0.0, 1.0, False), "beta2": (0.0, 1.0, False),
+               "eps": (0.0, 1.0, True), "weight_decay": (0.0, 100.0, True),
+               "grad_clip_norm": (0.0, math.inf, False)}
+
+
+def check_adam_value(name: str, v) -> None:
+    """Raise ValueError unless AdamParams field `name` holds a finite number in its range."""
+    lo, hi, closed = ADAM_BOUNDS[name]
+    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= lo
+          and (v <= hi if closed else v < hi))
+    if not ok:
+        rng = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}{']' if closed else ')'}"
+        raise ValueError(f"AdamParams.{name} must be a finite number {rng}, got {v!r}")
 
 
 class LoraConfig(BaseModel):
