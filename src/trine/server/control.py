@@ -17,6 +17,7 @@ from ..service import Service
 from ..service.errors import InvalidRequest, NotFound
 from ..store import ApiKey, Checkpoint, SamplingRun, Session, TrainingRun
 from .auth import TokenSigner, bearer, iso
+from .bounds import INT64_MAX, Int64, Seed
 from .wire import validation_message
 
 SDK_VERSION = "0.2.9"
@@ -55,13 +56,13 @@ class SessionClose(_Body):
 
 class TrainingRunCreate(_Body):
     base_model: str = ""
-    lora_rank: int = 32
+    lora_rank: Int64 = 32
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
     source_checkpoint_uri: str = ""
     restore_optimizer: bool = False
-    seed: int | None = None
+    seed: Seed | None = None
 
 
 class TrainingRunUpdate(_Body):
@@ -156,8 +157,8 @@ async def telemetry(request: Request):
 
 
 @router.get("/models")
-def models(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX), offset: int = Query(0, ge=0),
-           key: ApiKey = Depends(api_key)):
+def models(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX),
+           offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     items = []
     for m in svc.models.values():
@@ -180,7 +181,7 @@ def create_session(body: SessionCreate, request: Request, key: ApiKey = Depends(
 
 @router.get("/openapi/v1/service-sessions")
 def list_sessions(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
-                  offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+                  offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     rows, total = service_of(request).store.sessions(key.id, limit, offset)
     return {"service_sessions": [session_json(s) for s in rows], "cursor": cursor(offset, limit, total)}
 
@@ -261,7 +262,7 @@ def by_checkpoint_uri(request: Request, checkpoint_uri: str = Query(min_length=1
 
 @router.get("/openapi/v1/training-runs")
 def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
-                       offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+                       offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     rows, total = svc.list_training_runs(key, limit, offset)
     return {"training_runs": [training_run_json(svc, r) for r in rows],
@@ -281,7 +282,7 @@ def renew_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_
 
 @router.get("/openapi/v1/training-runs/{run_id}/checkpoints")
 def run_checkpoints(run_id: str, request: Request, limit: int = Query(200, ge=1, le=PAGE_MAX),
-                    offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+                    offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     rows, total = svc.list_checkpoints(key, training_run_id=run_id, limit=limit, offset=offset)
     return {"checkpoints": [checkpoint_json(svc, c) for c in rows],
@@ -319,7 +320,7 @@ def _renewal(request: Request, key: ApiKey, run, kind: str) -> dict:
 # ---------------------------------------------------------------------------- checkpoints
 @router.get("/openapi/v1/checkpoints")
 def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX),
-                     offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+                     offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     rows, total = svc.list_checkpoints(key, limit=limit, offset=offset)
     return {"checkpoints": [checkpoint_json(svc, c) for c in rows],

@@ -37,7 +37,7 @@ from ..metering.rates import RateCard
 from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, Store, TrainingRun
 from ..store.keys import new_id
 from .cycle import CycleRunner, Outcome, load_adapter, spill_adapter
-from .errors import Conflict, InvalidRequest, NotFound, Unauthorized
+from .errors import Conflict, InvalidRequest, NotFound, Unauthorized, by_uri
 from .ops import FORWARD, FORWARD_BACKWARD, OPTIMIZE_STEP, Forward, InitRun, Op, Save
 from .ordering import CyclePlan, Pending
 from .scheduler import ClockScheduler
@@ -603,7 +603,7 @@ class Service:
             adapter = await m.worker.submit(lambda w: load_adapter(w, ck.path))
         except Exception as e:
             fut.set_result(None)
-            raise Conflict(f"checkpoint {ck.uri} could not be loaded: {e}",
+            raise Conflict(f"checkpoint {ck.uri} could not be loaded: {by_uri(str(e), ck.path, ck.uri)}",
                            code="checkpoint_invalid") from None
         finally:
             m.loading.pop(checkpoint_id, None)

@@ -25,6 +25,7 @@ import numpy as np
 from ..engine.checkpoint import load_peft_adapter
 from ..engine.model import Adapter
 from ..engine.requests import ForwardResult
+from .errors import by_uri
 from .ops import EndRun, Forward, InitRun, OptimStep, Save
 from .ordering import CyclePlan, Pending
 
@@ -69,7 +70,8 @@ def _failed(e: BaseException) -> Outcome:
     if isinstance(e, ValueError):
         return Outcome(error=(getattr(e, "code", "validation_failed"), str(e)))
     log.error("engine error:\n%s", traceback.format_exc())
-    return Outcome(error=("internal_error", f"{type(e).__name__}: {e}"))
+    return Outcome(error=("internal_error", f"an internal error in the engine ({type(e).__name__}); the server "
+                          "logged it"))
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
@@ -187,7 +189,12 @@ class CycleRunner:
         if self.trainer.has_run(run_id):
             self.trainer.delete_run(run_id)
         if op.checkpoint_path:
-            self.trainer.load_state(run_id, Path(op.checkpoint_path), with_optimizer=op.load_optimizer)
+            try:
+                self.trainer.load_state(run_id, Path(op.checkpoint_path), with_optimizer=op.load_optimizer)
+            except (ValueError, OSError) as e:
+                error = ValueError(by_uri(str(e), op.checkpoint_path, op.checkpoint_uri))
+                error.code = "checkpoint_invalid"
+                raise error from None
         else:
             self.trainer.create_run(run_id, op.lora)
         return Outcome()
