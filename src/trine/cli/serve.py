@@ -44,7 +44,11 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
               help="Clock-cycle length; 0 = start a cycle as soon as training work waits.")
 @click.option("--threads", default=None, type=int, help="CPU threads per model (default: torch's).")
 @click.option("--log-level", default="info", show_default=True)
-def serve(models, host, port, home, cycle_seconds, threads, log_level):
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
+              help="Open connections beyond this are closed at once.")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a connection may take to send complete request headers.")
+def serve(models, host, port, home, cycle_seconds, threads, log_level, max_connections, header_timeout):
     """Serve base models for training and sampling over the PyTRIO protocol."""
     from trine.server.app import create_app, run_forever
     from trine.server.auth import TokenSigner
@@ -73,4 +77,4 @@ def serve(models, host, port, home, cycle_seconds, threads, log_level):
                f"  import trine as trio; trio.ServiceClient(base_url=\"{url}\", api_key=\"{key}\")\n"
                f"or the official pytrio client:\n"
                f"  PYTRIO_BASE_URL={url} PYTRIO_API_KEY={key} python your_script.py\n")
-    run_forever(app, host, port, log_level)
+    run_forever(app, host, port, log_level, max_connections=max_connections, header_timeout=header_timeout)

@@ -31,7 +31,7 @@ from ..service import Service, ServiceError
 from ..store import Store
 from . import actor, control
 from .auth import TokenSigner
-from .connections import quiet_accept_errors, uvicorn_config
+from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, quiet_accept_errors, uvicorn_config
 from .middleware import BodyLimit, InternalErrors
 
 log = logging.getLogger("trine.server")
@@ -165,6 +165,7 @@ class ServerHandle:
 def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
                  cycle_seconds: float = 0.0, routers: tuple[APIRouter, ...] = (),
                  log_level: str = "warning", startup_timeout: float = 600.0,
+                 max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT,
                  **service_options) -> ServerHandle:
     """Serve `models` in a background thread; returns once the models are loaded and the port is open.
 
@@ -182,7 +183,8 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, log_level=log_level))
+    server = uvicorn.Server(uvicorn_config(app, log_level=log_level, max_connections=max_connections,
+                                           header_timeout=header_timeout))
     errors: list[BaseException] = []
 
     def run():
@@ -205,9 +207,11 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
     return ServerHandle(f"http://{url_host}:{bound}", key, home, service, server, thread)
 
 
-def run_forever(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+def run_forever(app: FastAPI, host: str, port: int, log_level: str = "info", *,
+                max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT) -> None:
     """Serve in the foreground (the `trine serve` command) until interrupted."""
-    uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
+    uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level,
+                                  max_connections=max_connections, header_timeout=header_timeout)).run()
 
 
 __all__ = ["create_app", "start_server", "ServerHandle", "resolve_models", "embedded_key", "run_forever"]

@@ -5,8 +5,10 @@ uvicorn 0.54 offers `limit_concurrency` (a 503 once a request's headers are in) 
 finishes its headers, and such connections count against nothing until they do. So:
 - a connection that has not sent complete request headers `header_timeout` seconds after it
   opened (or after its first byte of a new request) is closed;
-- beyond `max_connections` open connections, a new one is closed at once, so idle clients cannot
-  exhaust the process's file descriptors and valid requests keep being served;
+- beyond `max_connections` open connections, the oldest one that is not in a request (still
+  waiting for headers, or idle between keep-alive requests) is closed to make room, or else the
+  new one: idle clients cannot exhaust the process's file descriptors, and a valid request gets in
+  even while thousands of idle connections arrive;
 - each of these, and asyncio's own accept errors, is logged once per condition (`ConditionLog`).
 """
 from __future__ import annotations
@@ -33,20 +35,30 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._header_timer: asyncio.TimerHandle | None = None
         self._headers_of = None  # the request cycle whose headers arrived last
+        self._opened = self.loop.time()
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
-            conditions.report("connection cap", "more than %d open connections: closing new ones until "
-                              "some close", self.max_connections)
-            transport.abort()
-            return
+            conditions.report("connection cap", "more than %d open connections: closing the oldest idle "
+                              "ones", self.max_connections)
+            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
+                    and c.idle]
+            victim = min(idle, key=lambda c: c._opened) if idle else self
+            victim.transport.abort()
+            if victim is self:
+                return
         self._arm()
+
+    @property
+    def idle(self) -> bool:
+        """Not inside a request: waiting for headers, or between keep-alive requests."""
+        return self.cycle is None or self.cycle.response_complete
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+        if self._header_timer is None and self.idle:
             self._arm()  # the first bytes of a new request: its headers must follow in time
         super().data_received(data)
         if self.cycle is not None and self.cycle is not self._headers_of:
