@@ -98,3 +98,19 @@ def test_stop_lists_are_bounded(model_tok):
         with pytest.raises(ValueError, match=field):
             s.add(req(prompt(5), **opts))
     assert not s.has_work()
+
+
+def test_while_others_decode_a_prefill_chunk_costs_about_one_decode_step(model_tok):
+    s = Sampler(*model_tok, kv_cache_bytes=32 << 20, max_batch_tokens=4096)  # the token bound alone: 1 chunk
+    short = req(prompt(10, 10), max_tokens=12, temperature=0.0)
+    s.add(short)
+    s.step()  # the short request is decoding from now on
+    long = req(prompt(1500, 11), generate=False)
+    s.add(long)
+    done_at, steps = {}, 0
+    while s.has_work():
+        steps += 1
+        for res in s.step():
+            done_at[res.request_id] = steps
+    assert done_at[short.request_id] == 11  # one token per step, never held up
+    assert done_at[long.request_id] > 2  # split into chunks while the short one decoded

@@ -6,7 +6,10 @@ One `step()` does, in order:
    runs out of blocks and nothing is ever preempted.
 2. One prefill forward over a bounded chunk of the admitted prompts (at most `max_batch_tokens`
    positions, padding included), so a long prompt is prefilled over several steps, each followed
-   by a decode step: no request stalls the others. Prompts with the fewest tokens left go first
+   by a decode step: no request stalls the others. While sequences are decoding, the chunk is
+   also sized so that the prefill takes about `prefill_share` x the time of a decode step
+   (measured, moving averages; at least one block), so a long prompt at most about doubles the
+   per-token latency of everyone decoding, and runs at full `max_batch_tokens` speed otherwise. Prompts with the fewest tokens left go first
    (they start decoding at once); the longest one takes what is left of the budget. A request
    looks up the longest cached full-block prefix of `prompt[:-1]` at admission and computes only
    the rest: the last prompt token is always computed, since its logits give the first sampled
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -64,6 +68,10 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def _average(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -110,9 +118,14 @@ class Sampler:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 2048, max_running: int = 64,
-                 enable_prefix_cache: bool = True):
+                 enable_prefix_cache: bool = True, prefill_share: float = 1.0):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
+        if not prefill_share > 0:
+            raise ValueError("prefill_share must be > 0")
+        self.prefill_share = prefill_share
+        self._decode_seconds: float | None = None  # moving average of one decode step
+        self._prefill_rate: float | None = None  # moving average of prefill positions per second
         self.model = model
         self.tokenizer = tokenizer
         cfg = model.cfg
@@ -185,10 +198,26 @@ class Sampler:
         finished, self._carry = self._carry, []
         self._prefilling += self._admit()
         if self._prefilling:
-            finished += self._prefill(self._chunks())
+            t = time.perf_counter()
+            rows = self._chunks(self._prefill_budget(bool(decoding)))
+            finished += self._prefill(rows)
+            rate = len(rows) * max(take for _, take in rows) / max(time.perf_counter() - t, 1e-6)
+            self._prefill_rate = _average(self._prefill_rate, rate)
         if decoding:
+            t = time.perf_counter()
             finished += self._decode(decoding)
+            self._decode_seconds = _average(self._decode_seconds, time.perf_counter() - t)
         return finished
+
+    def _prefill_budget(self, decoding: bool) -> int:
+        """Prefill positions for this step: all of max_batch_tokens unless sequences are decoding;
+        then about prefill_share x a decode step's time worth of them (at least one block)."""
+        if not decoding:
+            return self.max_batch_tokens
+        if self._decode_seconds is None or self._prefill_rate is None:
+            return min(self.max_batch_tokens, 4 * self.block_size)
+        fair = int(self.prefill_share * self._decode_seconds * self._prefill_rate)
+        return max(min(self.block_size, self.max_batch_tokens), min(fair, self.max_batch_tokens))
 
     # ------------------------------------------------------------------ validation
     def _validate(self, req: SampleRequest) -> None:
@@ -277,10 +306,9 @@ class Sampler:
             admitted.append(r)
         return admitted
 
-    def _chunks(self) -> list[tuple[_Request, int]]:
+    def _chunks(self, budget: int) -> list[tuple[_Request, int]]:
         """This step's prefill rows (request, tokens to compute): fewest tokens left first, while
-        rows x the longest chunk <= max_batch_tokens; the last row may take a partial chunk."""
-        budget = self.max_batch_tokens
+        rows x the longest chunk <= budget; the last row may take a partial chunk."""
         rows: list[tuple[_Request, int]] = []
         for r in sorted(self._prefilling, key=lambda r: len(r.req.prompt) - r.done):  # stable: FIFO ties
             cap = budget // (len(rows) + 1)
