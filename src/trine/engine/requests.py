@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..limits import GREEDY_BELOW_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from .model import Adapter
 
 
@@ -21,12 +22,6 @@ class WeightsIdentity:
     base_model: str
     adapter: str | None = None  # adapter id: a training run's live adapter or a saved snapshot
     version: int = 0  # bumped by every optim_step of a live adapter
-
-
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
-GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature samples as temperature 0 (argmax)
 
 
 @dataclass(frozen=True)

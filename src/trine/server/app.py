@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..home import trine_home
+from ..limits import MAX_BODY_BYTES, MAX_CONTROL_BYTES
 from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
@@ -36,11 +37,11 @@ from .middleware import BodyLimit, InternalErrors
 
 log = logging.getLogger("trine.server")
 EMBEDDED_KEY_FILE = "embedded.key"
-MAX_CONTROL_BYTES = 1 << 20  # control-plane JSON bodies
-MAX_BODY_BYTES = 64 << 20  # any other body; the actor plane checks its own, smaller, per-route limits
 
 
 def body_limit(path: str) -> int:
+    """The most bytes a request body to `path` may have (the actor plane checks smaller per-route
+    limits itself)."""
     return MAX_CONTROL_BYTES if path.startswith("/api/") else MAX_BODY_BYTES
 
 

@@ -10,8 +10,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-INT64_MAX = 2**63 - 1
-MAX_TTL_SECONDS = 100 * 365 * 86400  # a checkpoint's time to live: at most a century
+from ..limits import INT64_MAX, MAX_TTL_SECONDS
 
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # counts, offsets, steps

@@ -42,7 +42,3 @@ class TooLarge(ServiceError):
 class TooManyRequests(ServiceError):
     status, code = 429, "too_many_requests"
 
-
-def by_uri(message: str, path: str, uri: str) -> str:
-    """`message` with the checkpoint's server path replaced by its URI: clients never see paths."""
-    return message.replace(str(path), uri) if path else message

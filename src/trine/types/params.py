@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pydantic import field_validator, model_validator
 
+from ..limits import ADAM_BOUNDS, check_adam_value
 from .base import BaseModel
 
 
@@ -67,22 +68,6 @@ class AdamParams(BaseModel):
         for name in ADAM_BOUNDS:
             check_adam_value(name, getattr(self, name))
         return self
-
-
-# name -> (low, high, high included): sane ranges, checked before a step is queued
-ADAM_BOUNDS = {"learning_rate": (0.0, 10.0, True), "beta1": (0.0, 1.0, False), "beta2": (0.0, 1.0, False),
-               "eps": (0.0, 1.0, True), "weight_decay": (0.0, 100.0, True),
-               "grad_clip_norm": (0.0, math.inf, False)}
-
-
-def check_adam_value(name: str, v) -> None:
-    """Raise ValueError unless AdamParams field `name` holds a finite number in its range."""
-    lo, hi, closed = ADAM_BOUNDS[name]
-    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= lo
-          and (v <= hi if closed else v < hi))
-    if not ok:
-        rng = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}{']' if closed else ')'}"
-        raise ValueError(f"AdamParams.{name} must be a finite number {rng}, got {v!r}")
 
 
 class LoraConfig(BaseModel):

@@ -1,0 +1,91 @@
+"""One definition of every limit and name that several layers check (SDK, front ends, service,
+engine). Plain constants and checks that raise ValueError naming the field and the fix; no imports
+from the rest of trine, so every layer can use them.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+# ---------------------------------------------------------------------------- LoRA
+LORA_RANK_MIN, LORA_RANK_MAX = 1, 256
+
+
+def check_lora_rank(rank, field: str = "lora_rank") -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not LORA_RANK_MIN <= rank <= LORA_RANK_MAX:
+        raise ValueError(f"{field} {rank!r}: use an integer from {LORA_RANK_MIN} to {LORA_RANK_MAX}")
+    return rank
+
+
+# ---------------------------------------------------------------------------- training events
+INIT_RUN = "trainer.init_run"
+FORWARD = "trainer.forward"
+FORWARD_BACKWARD = "trainer.forward_backward"
+OPTIMIZE_STEP = "trainer.optimize_step"
+SAVE_STATE = "trainer.save_state"
+SAVE_WEIGHTS = "trainer.save_weights"
+END_RUN = "trainer.end_run"
+EVENT_TYPES = (INIT_RUN, FORWARD, FORWARD_BACKWARD, OPTIMIZE_STEP, SAVE_STATE, SAVE_WEIGHTS, END_RUN)
+MAX_WAITING_EVENTS_PER_RUN = 64  # accepted, not yet executed
+
+# ---------------------------------------------------------------------------- checkpoints
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
+CHECKPOINT_NAME_MAX = 200
+CHECKPOINT_VISIBILITIES = ("WORKSPACE", "TEMPORARY")
+TEMPORARY_CHECKPOINT_TTL_SECONDS = 6 * 3600
+
+
+def check_checkpoint_name(name, field: str = "name") -> str:
+    if not isinstance(name, str) or len(name) > CHECKPOINT_NAME_MAX or not CHECKPOINT_NAME.match(name):
+        raise ValueError(f"{field} {name!r}: use 1-{CHECKPOINT_NAME_MAX} letters, digits, '.', '_' or "
+                         "'-', starting with a letter or digit")
+    return name
+
+
+# ---------------------------------------------------------------------------- sampling
+MAX_SAMPLES_PER_REQUEST = 256
+MAX_TOPK_PROMPT_LOGPROBS = 64
+MAX_REQUEST_ID_CHARS = 200
+
+
+MAX_STOP_STRINGS = 64  # every decode step checks them: bounded count and length
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature samples as temperature 0 (argmax)
+
+
+def check_prompt_length(prompt_tokens: int, max_tokens: int, context: int, model: str) -> None:
+    """A prompt plus the tokens to generate must fit the model's context."""
+    if prompt_tokens < 1:
+        raise ValueError("prompt: send at least one token")
+    total = prompt_tokens + max_tokens
+    if total > context:
+        raise ValueError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                         f"exceeds {model}'s context of {context} tokens")
+
+
+# ---------------------------------------------------------------------------- request bodies
+MAX_EVENT_BYTES = 64 << 20
+MAX_SAMPLE_BYTES = 16 << 20
+MAX_CONTROL_BYTES = 1 << 20
+MAX_BODY_BYTES = MAX_EVENT_BYTES  # any route without a smaller limit of its own
+
+# ---------------------------------------------------------------------------- wire numbers
+INT64_MAX = 2**63 - 1  # indexes, steps, seeds, offsets, limits: what SQLite and torch hold
+MAX_TTL_SECONDS = 100 * 365 * 86400  # a checkpoint's time to live: at most a century
+
+# ---------------------------------------------------------------------------- optimizer
+# AdamParams field -> (low, high, high included): sane ranges, checked before a step is queued
+ADAM_BOUNDS = {"learning_rate": (0.0, 10.0, True), "beta1": (0.0, 1.0, False), "beta2": (0.0, 1.0, False),
+               "eps": (0.0, 1.0, True), "weight_decay": (0.0, 100.0, True),
+               "grad_clip_norm": (0.0, math.inf, False)}
+
+
+def check_adam_value(name: str, v) -> None:
+    """Raise ValueError unless AdamParams field `name` holds a finite number in its range."""
+    lo, hi, closed = ADAM_BOUNDS[name]
+    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= lo
+          and (v <= hi if closed else v < hi))
+    if not ok:
+        rng = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}{']' if closed else ')'}"
+        raise ValueError(f"AdamParams.{name} must be a finite number {rng}, got {v!r}")
