@@ -381,5 +381,5 @@ def event_info(event_id: str, request: Request, key: ApiKey = Depends(api_key)):
     rec = service_of(request).store.event(event_id)
     if rec is None or rec.api_key_id != key.id:
         raise NotFound(f"event {event_id} not found", code="event_not_found")
-    return JSONResponse({"event_id": rec.id, "run_id": rec.run_id, "index": rec.idx, "type": rec.type,
+    return JSONResponse({"event_id": rec.event_id, "run_id": rec.run_id, "index": rec.idx, "type": rec.type,
                          "status": rec.status, "cycle": rec.cycle})

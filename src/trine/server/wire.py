@@ -5,6 +5,8 @@ message names the field (`payload.data.0.target_ids: ...`).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -160,12 +162,16 @@ def decode_msgpack(body: bytes) -> dict:
     return obj
 
 
-def parse_event(body: bytes) -> tuple[Envelope, Op]:
+def parse_event(body: bytes) -> tuple[Envelope, Op, str]:
+    """The envelope, the operation, and the request's fingerprint (type, index, step and payload:
+    what a retry must repeat; the timestamp and SDK fields may differ)."""
     env = _parse(Envelope, decode_msgpack(body), "")
     if env.type not in EVENT_TYPES:
         raise InvalidRequest(f"type {env.type!r} is not an event type; use one of "
                              f"{', '.join(EVENT_TYPES)}")
-    return env, parse_op(env.type, env.payload)
+    op = parse_op(env.type, env.payload)
+    packed = msgpack.packb([env.type, env.metadata.index, env.metadata.step, env.payload], use_bin_type=True)
+    return env, op, hashlib.sha256(packed).hexdigest()
 
 
 def parse_op(type_: str, payload: dict) -> Op:
@@ -230,5 +236,6 @@ def parse_sample(body: dict) -> tuple[SampleSpec, SampleShape]:
         raise InvalidRequest(f"sampling_params.{e}") from None
     compute_logprobs = b.return_prompt_logprobs and not b.return_token_logprobs
     spec = SampleSpec(b.request_id, b.prompt.tokens("prompt"), opts, b.num_samples,
-                      b.return_prompt_logprobs, b.topk_prompt_logprobs, not compute_logprobs)
+                      b.return_prompt_logprobs, b.topk_prompt_logprobs, not compute_logprobs,
+                      fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest())
     return spec, SampleShape(b.return_text, b.return_token_logprobs)

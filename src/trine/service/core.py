@@ -206,10 +206,11 @@ class Service:
 
     # ================================================================== events
     async def submit_event(self, key: ApiKey, run_id: str, *, event_id: str, type: str, index: int,
-                           step: int, op: Op) -> EventRecord:
-        """Accept a training event (idempotent by event_id); see events.py."""
+                           step: int, op: Op, fingerprint: str = "") -> EventRecord:
+        """Accept a training event (idempotent by event_id; `fingerprint` identifies its body, so
+        the same id with another body is refused); see events.py."""
         return await self.events.submit(key, run_id, event_id=event_id, type=type, index=index,
-                                        step=step, op=op)
+                                        step=step, op=op, fingerprint=fingerprint)
 
     async def event(self, key: ApiKey, run_id: str, event_id: str, wait: float = 0.0) -> EventRecord:
         return await self.events.event(key, run_id, event_id, wait)
