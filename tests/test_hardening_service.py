@@ -125,3 +125,27 @@ def test_checkpoint_names_w_and_w_tar_and_overwrites(server, client):
         assert r.status_code == 200, r.text
     leftovers = [p for p in server.home.rglob("*") if ".tmp-" in p.name]
     assert leftovers == []
+
+
+def test_a_just_saved_sampler_stays_available_while_it_is_spilled(tiny_model_dir, tmp_path):
+    """max_adapters=1: every new temporary save evicts (spills) the previous one; samplers of the
+    evicted snapshot wait for the spill and load it from disk, never answering 'unavailable'."""
+    from concurrent.futures import ThreadPoolExecutor
+    with serve(tiny_model_dir, tmp_path / "home", max_adapters=1) as srv:
+        c = RawClient(srv.url, srv.api_key)
+        try:
+            run, rid = new_run(c)
+            uris = []
+            for i in range(2, 5):
+                eid = f"event_spill{rid[-5:]}{i}"
+                c.submit(run, event(eid, "save_weights", i, {"name": f"temp-{i}", "visibility": "TEMPORARY",
+                                                             "ttl_seconds": 600}, rid))
+                uris.append(c.wait(run, eid)["result"]["checkpoint"]["uri"])
+            samplers = [c.sampling_run(c.session(), MODEL, uri=u) for u in uris]
+            body = lambda i: {"request_id": f"s{i}", "sampling_params": {"max_tokens": 2},
+                              "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}}
+            with ThreadPoolExecutor(6) as pool:
+                codes = list(pool.map(lambda i: c.sample(samplers[i % 3], body(i)).status_code, range(12)))
+            assert codes == [200] * 12
+        finally:
+            c.close()
