@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from serverutil import ADAM, RawClient, ce_payload, event, init_payload, serve
+from trine.limits import KeyLimits
 
 MODEL = "tiny-llama"
 
@@ -127,25 +128,61 @@ def test_checkpoint_names_w_and_w_tar_and_overwrites(server, client):
     assert leftovers == []
 
 
-def test_a_just_saved_sampler_stays_available_while_it_is_spilled(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def limited(tiny_model_dir, tmp_path_factory):
+    """max_adapters=1, and per-key limits small enough to reach in a test (a rank-4 run of the tiny
+    model holds about 3.6 MB of adapter state, a rank-64 one about 57 MB)."""
+    limits = KeyLimits(live_runs=3, adapter_bytes=20 << 20, queued_tokens=20)
+    with serve(tiny_model_dir, tmp_path_factory.mktemp("home"), max_adapters=1, key_limits=limits) as srv:
+        yield srv
+
+
+def test_a_just_saved_sampler_stays_available_while_it_is_spilled(limited):
     """max_adapters=1: every new temporary save evicts (spills) the previous one; samplers of the
     evicted snapshot wait for the spill and load it from disk, never answering 'unavailable'."""
     from concurrent.futures import ThreadPoolExecutor
-    with serve(tiny_model_dir, tmp_path / "home", max_adapters=1) as srv:
-        c = RawClient(srv.url, srv.api_key)
-        try:
-            run, rid = new_run(c)
-            uris = []
-            for i in range(2, 5):
-                eid = f"event_spill{rid[-5:]}{i}"
-                c.submit(run, event(eid, "save_weights", i, {"name": f"temp-{i}", "visibility": "TEMPORARY",
-                                                             "ttl_seconds": 600}, rid))
-                uris.append(c.wait(run, eid)["result"]["checkpoint"]["uri"])
-            samplers = [c.sampling_run(c.session(), MODEL, uri=u) for u in uris]
-            body = lambda i: {"request_id": f"s{i}", "sampling_params": {"max_tokens": 2},
-                              "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}}
-            with ThreadPoolExecutor(6) as pool:
-                codes = list(pool.map(lambda i: c.sample(samplers[i % 3], body(i)).status_code, range(12)))
-            assert codes == [200] * 12
-        finally:
-            c.close()
+    c = RawClient(limited.url, limited.api_key)
+    try:
+        run, rid = new_run(c)
+        uris = []
+        for i in range(2, 5):
+            eid = f"event_spill{rid[-5:]}{i}"
+            c.submit(run, event(eid, "save_weights", i, {"name": f"temp-{i}", "visibility": "TEMPORARY",
+                                                         "ttl_seconds": 600}, rid))
+            uris.append(c.wait(run, eid)["result"]["checkpoint"]["uri"])
+        samplers = [c.sampling_run(c.session(), MODEL, uri=u) for u in uris]
+        body = lambda i: {"request_id": f"s{i}", "sampling_params": {"max_tokens": 2},
+                          "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}}
+        with ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(lambda i: c.sample(samplers[i % 3], body(i)).status_code, range(12)))
+        assert codes == [200] * 12
+    finally:
+        c.close()
+
+
+def test_per_key_limits_answer_429_naming_the_limit(limited):
+    _, secret = limited.service.store.create_key("limited")
+    c = RawClient(limited.url, secret)
+    try:
+        session = c.session()
+        create = lambda rank: c.control("POST", f"service-sessions/{session}/training-runs",
+                                        json={"base_model": MODEL, "lora_rank": rank})
+        big = create(64)
+        assert big.status_code == 429 and "adapter_bytes" in big.json()["message"]
+        runs = [create(4).json() for _ in range(3)]
+        full = create(4)
+        assert full.status_code == 429 and "live_runs" in full.json()["message"]
+        # queued tokens: events behind an index gap wait; past 20 tokens the key is refused
+        run = runs[0]
+        rid = run["training_run_cuid"]
+        assert c.submit(run, event(f"event_q{rid[-6:]}003", "forward_backward", 3, ce_payload(list(range(5, 17))),
+                                   rid)).status_code == 202
+        r = c.submit(run, event(f"event_q{rid[-6:]}004", "forward_backward", 4, ce_payload(list(range(5, 17))), rid))
+        assert r.status_code == 429 and "queued_tokens" in r.json()["message"]
+        # closing the session ends its runs: the key may create runs again
+        assert c.control("POST", f"service-sessions/{session}/close", json={}).status_code == 200
+        again = c.control("POST", f"service-sessions/{c.session()}/training-runs",
+                          json={"base_model": MODEL, "lora_rank": 4})
+        assert again.status_code == 200
+    finally:
+        c.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 # ---------------------------------------------------------------------------- LoRA
 LORA_RANK_MIN, LORA_RANK_MAX = 1, 256
@@ -89,3 +90,14 @@ def check_adam_value(name: str, v) -> None:
     if not ok:
         rng = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}{']' if closed else ')'}"
         raise ValueError(f"AdamParams.{name} must be a finite number {rng}, got {v!r}")
+
+# ---------------------------------------------------------------------------- per API key
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """What one API key may hold at once; past a limit a request gets 429 naming it."""
+
+    live_runs: int = 64  # ACTIVE training runs
+    adapter_bytes: int = 8 << 30  # their LoRA weights + gradients + Adam state (estimated)
+    queued_tokens: int = 1 << 22  # tokens of forward / forward_backward events accepted, not yet run

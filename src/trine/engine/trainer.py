@@ -32,6 +32,8 @@ Invariants
 from __future__ import annotations
 
 import copy
+import ctypes
+import gc
 import itertools
 import math
 from dataclasses import dataclass
@@ -88,8 +90,10 @@ class Trainer:
         self._install(run_id, lora, Adapter(self.model, _check_lora(lora), device=self.model.device))
 
     def delete_run(self, run_id: str) -> None:
+        """Drop the run's adapter, gradients and optimizer state, and hand the memory back."""
         self._run(run_id)
         del self._runs[run_id]
+        return_freed_memory()
 
     @property
     def num_runs(self) -> int:
@@ -342,6 +346,16 @@ def _losses_and_grads(losses: list[Loss], loss_of: torch.Tensor, logp: torch.Ten
                     out = out.index_put((idx,), loss(x[idx], inputs.select(idx)))
         grad = torch.autograd.grad(out.sum(), x)[0] if need_grad else None
     return out.detach(), grad
+
+
+def return_freed_memory() -> None:
+    """Freed CPU tensors go back to glibc's heap, which keeps them unless trimmed: collect cycles and
+    trim, so the memory of a deleted run is returned to the operating system."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _grad_scale(denominator, where: str) -> float:

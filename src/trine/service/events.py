@@ -36,6 +36,7 @@ from .errors import Conflict, InvalidRequest, NotFound
 from .models import Replica, ServedModel, resolve_model
 from .ordering import CyclePlan, Pending, split_phases
 from .ownership import Ownership
+from .quotas import KeyQuotas
 from .runs import Activity
 
 log = logging.getLogger("trine.service")
@@ -80,7 +81,9 @@ class LiveEvent:
 
 class Events:
     def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
-                 checkpoints: Checkpoints, activity: Activity, rate_card: RateCard, on_lost):
+                 checkpoints: Checkpoints, activity: Activity, rate_card: RateCard, on_lost,
+                 quotas: "KeyQuotas | None" = None):
+        self.quotas = quotas  # per-key limits on queued work
         self.store = store
         self.ownership = ownership
         self.models = models
@@ -136,6 +139,8 @@ class Events:
             await asyncio.get_running_loop().run_in_executor(None, _check_forward, m, op)
             r = self.ownership.active_run(key, run_id)  # it may have ended meanwhile
         op = self._resolve(key, r, m, op)
+        if self.quotas is not None:
+            self.quotas.check_queue(key, op, self.queued_tokens(key.id))
         rep = m.place(run_id)
         pend = Pending(event_id, run_id, index, type, op)
         now = time.time()
@@ -222,6 +227,12 @@ class Events:
     def result(rec: EventRecord) -> EventResult | None:
         """The terminal result of `rec`, or None while it is accepted or running."""
         return EventResult.unpack(rec.response) if rec.response is not None else None
+
+    def queued_tokens(self, api_key_id: str) -> int:
+        """Tokens of the key's forward events accepted and not yet running."""
+        return sum(live.pending.op.tokens for live in self.live.values()
+                   if live.record.api_key_id == api_key_id and live.record.status == "accepted"
+                   and isinstance(live.pending.op, Forward))
 
     def busy(self, run_id: str) -> bool:
         return any(live.record.run_id == run_id for live in self.live.values())
