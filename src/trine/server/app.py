@@ -10,7 +10,6 @@ Body limits count the bytes actually read; connection limits are in `connections
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 import threading
@@ -35,7 +34,6 @@ from .auth import TokenSigner
 from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, quiet_accept_errors, uvicorn_config
 from .middleware import BodyLimit, InternalErrors
 
-log = logging.getLogger("trine.server")
 EMBEDDED_KEY_FILE = "embedded.key"
 
 
