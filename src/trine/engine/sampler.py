@@ -286,7 +286,7 @@ class Sampler:
                 r.keys = chain_hashes(req.weights, req.prompt, bs)
             matched = [] if r.full or not self.enable_prefix_cache else \
                 kv.match(req.weights, req.prompt[:n - 1], r.keys[:(n - 1) // bs])
-            if r.keys[len(matched):len(matched) + 1] and r.keys[len(matched)] in pending:
+            if not r.full and r.keys[len(matched):len(matched) + 1] and r.keys[len(matched)] in pending:
                 kv.release(matched)  # the next block is being computed now: hit it when it is done
                 break
             max_new = req.options.max_tokens if req.generate else 0
