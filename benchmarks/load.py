@@ -2,6 +2,7 @@
 
 SmolLM2-135M-Instruct by default (`--model DIR` for any checkpoint directory), fp32 on CPU.
 
+Phase 0: probes on the idle server, then the long request alone with probes while it runs.
 Phase 1 (`--seconds`): `--clients` concurrent sampling clients (prompts sharing a system prompt,
 2-4 samples, 16 new tokens each) and `--train-runs` training runs (pipelined forward_backward +
 optim_step, small batches), plus a probe client sending a short sample (16-token prompt, 1 sample,
@@ -15,9 +16,10 @@ Reported (`--json`):
 - train_step_p99_s: one training step (forward_backward + optim_step, submitted together);
 - lost: requests or events that never succeeded; doubled: requests or events metered twice
   (both read from the server's usage store by request / event id); both must be 0;
-- probe_slowdown: median probe latency while the long request was running / median probe latency
-  in phase 1 (the same load without it); goal <= 3. Also probe_idle_s (idle server) and the long
-  request's own latency.
+- probe_slowdown: median probe latency while the long request runs alone / median probe latency
+  on the idle server (phase 0, before the load; goal <= 3), and probe_slowdown_under_load: median
+  probe latency while the long request runs in phase 2 / median probe latency in phase 1 (the same
+  load without it). Also the probes' and the long request's own latencies.
 
     .venv/bin/python benchmarks/load.py [--json] [--seconds 40] [--model DIR] [--threads N]
 """
@@ -159,14 +161,14 @@ class Load:
             self.record("probe", dt, during_long=during_long)  # sent while the long request ran
             self.stop.wait(self.args.probe_every)
 
-    def long_request(self, c: Wire, srun: dict) -> None:
-        rng = random.Random(400)
+    def long_request(self, c: Wire, srun: dict, request_id: str) -> None:
+        rng = random.Random(request_id)
         tokens = [rng.randrange(100, 40000) for _ in range(self.args.long_tokens)]
-        body = {"request_id": "long-1", "num_samples": 1, "return_prompt_logprobs": True,
+        body = {"request_id": request_id, "num_samples": 1, "return_prompt_logprobs": True,
                 "return_token_logprobs": False, "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
                 "sampling_params": {"max_tokens": 1}}
         with self.lock:
-            self.sent_samples.append(f"{srun['sampling_run_cuid']}/long-1")
+            self.sent_samples.append(f"{srun['sampling_run_cuid']}/{request_id}")
         self.long_running.set()
         t = time.perf_counter()
         try:
@@ -189,6 +191,18 @@ def run(url: str, key: str, model: str, args) -> dict:
         if n:
             idle.append(dt)
     log(f"idle probe: {statistics.median(idle):.3f} s")
+    long_client = client(url, key, 2)
+    long_run = long_client.sampler(model)
+    load.phase = "isolated"
+    alone = threading.Thread(target=load.long_request, args=(long_client, long_run, "long-alone"), daemon=True)
+    alone.start()
+    n = 500
+    while alone.is_alive():
+        n += 1
+        dt = load.probe_once(probe_client, probe_run, n)
+        if alone.is_alive():
+            load.record("probe", dt, during_long=True)
+    log(f"long request alone: {load.records['long'][-1][1] if load.records['long'] else float('nan'):.1f} s")
     threads = [threading.Thread(target=load.sampling_client, args=(i,), daemon=True) for i in range(args.clients)]
     threads += [threading.Thread(target=load.training_run, args=(i,), daemon=True) for i in range(args.train_runs)]
     threads.append(threading.Thread(target=load.probe, args=(probe_client, probe_run), daemon=True))
@@ -200,9 +214,8 @@ def run(url: str, key: str, model: str, args) -> dict:
     log(f"phase 1 done: {len(load.records['sample'])} samples, {len(load.records['train_step'])} train steps")
     load.phase = "long"
     time.sleep(args.long_after)
-    long_client = client(url, key, 2)
-    long_run = long_client.sampler(model)
-    long_thread = threading.Thread(target=load.long_request, args=(long_client, long_run), daemon=True)
+    long_thread = threading.Thread(target=load.long_request, args=(long_client, long_run, "long-load"),
+                                   daemon=True)
     long_thread.start()
     long_thread.join(args.max_seconds)
     time.sleep(args.after_long)
@@ -228,19 +241,22 @@ def run(url: str, key: str, model: str, args) -> dict:
     steps = [s for _, s, _ in rec["train_step"]]
     probe_load = [s for ph, s, _ in rec["probe"] if ph == "load"]
     probe_long = [s for ph, s, x in rec["probe"] if ph == "long" and x["during_long"]]
-    long_s = rec["long"][0][1] if rec["long"] else float("nan")
+    probe_alone = [s for ph, s, _ in rec["probe"] if ph == "isolated"]
+    long_s = {ph: s for ph, s, _ in rec["long"]}
+    med = lambda v: statistics.median(v) if v else float("nan")
     result = {
         "sample_p50_s": statistics.median(samples) if samples else float("nan"),
         "sample_p99_s": pct(samples, 0.99),
         "train_step_p99_s": pct(steps, 0.99),
         "lost": lost, "doubled": doubled,
-        "probe_slowdown": (statistics.median(probe_long) / statistics.median(probe_load)
-                           if probe_long and probe_load else float("nan")),
+        "probe_slowdown": med(probe_alone) / statistics.median(idle),
+        "probe_slowdown_under_load": med(probe_long) / med(probe_load),
         "probe_idle_s": statistics.median(idle),
-        "probe_load_s": statistics.median(probe_load) if probe_load else float("nan"),
-        "probe_during_long_s": statistics.median(probe_long) if probe_long else float("nan"),
-        "probes_during_long": len(probe_long),
-        "long_request_s": long_s,
+        "probe_during_long_alone_s": med(probe_alone), "probes_during_long_alone": len(probe_alone),
+        "probe_load_s": med(probe_load),
+        "probe_during_long_under_load_s": med(probe_long), "probes_during_long_under_load": len(probe_long),
+        "long_request_alone_s": long_s.get("isolated", float("nan")),
+        "long_request_under_load_s": long_s.get("long", float("nan")),
         "sample_p50_s_phase1": statistics.median([s for ph, s, _ in rec["sample"] if ph == "load"] or [float("nan")]),
         "sample_p50_s_phase2": statistics.median([s for ph, s, _ in rec["sample"] if ph == "long"] or [float("nan")]),
         "samples": len(samples), "train_steps": len(steps), "seconds": elapsed,

@@ -6,10 +6,12 @@ One `step()` does, in order:
    runs out of blocks and nothing is ever preempted.
 2. One prefill forward over a bounded chunk of the admitted prompts (at most `max_batch_tokens`
    positions, padding included), so a long prompt is prefilled over several steps, each followed
-   by a decode step: no request stalls the others. While sequences are decoding, the chunk is
-   also sized so that the prefill takes about `prefill_share` x the time of a decode step
-   (measured, moving averages; at least one block), so a long prompt at most about doubles the
-   per-token latency of everyone decoding, and runs at full `max_batch_tokens` speed otherwise. Prompts with the fewest tokens left go first
+   by a decode step: no request stalls the others. The chunk is also sized by time, scaled from
+   the last prefill step's tokens and seconds (at least one block, at most twice as many as the
+   last step): while sequences decode it aims at `prefill_share` x a decode step's time (a moving
+   average), so a long prompt at most about doubles everyone's per-token latency; otherwise at
+   `prefill_step_seconds`, which bounds how long a request arriving meanwhile waits for the step
+   in progress. Prompts with the fewest tokens left go first
    (they start decoding at once); the longest one takes what is left of the budget. A request
    looks up the longest cached full-block prefix of `prompt[:-1]` at admission and computes only
    the rest: the last prompt token is always computed, since its logits give the first sampled
@@ -118,14 +120,16 @@ class Sampler:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 2048, max_running: int = 64,
-                 enable_prefix_cache: bool = True, prefill_share: float = 1.0):
+                 enable_prefix_cache: bool = True, prefill_share: float = 1.0,
+                 prefill_step_seconds: float = 0.25):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
-        if not prefill_share > 0:
-            raise ValueError("prefill_share must be > 0")
+        if not (prefill_share > 0 and prefill_step_seconds > 0):
+            raise ValueError("prefill_share and prefill_step_seconds must be > 0")
         self.prefill_share = prefill_share
+        self.prefill_step_seconds = prefill_step_seconds
         self._decode_seconds: float | None = None  # moving average of one decode step
-        self._prefill_rate: float | None = None  # moving average of prefill positions per second
+        self._last_prefill: tuple[int, float] | None = None  # (positions, seconds) of the last prefill
         self.model = model
         self.tokenizer = tokenizer
         cfg = model.cfg
@@ -201,8 +205,7 @@ class Sampler:
             t = time.perf_counter()
             rows = self._chunks(self._prefill_budget(bool(decoding)))
             finished += self._prefill(rows)
-            rate = len(rows) * max(take for _, take in rows) / max(time.perf_counter() - t, 1e-6)
-            self._prefill_rate = _average(self._prefill_rate, rate)
+            self._last_prefill = (len(rows) * max(take for _, take in rows), time.perf_counter() - t)
         if decoding:
             t = time.perf_counter()
             finished += self._decode(decoding)
@@ -210,14 +213,18 @@ class Sampler:
         return finished
 
     def _prefill_budget(self, decoding: bool) -> int:
-        """Prefill positions for this step: all of max_batch_tokens unless sequences are decoding;
-        then about prefill_share x a decode step's time worth of them (at least one block)."""
-        if not decoding:
-            return self.max_batch_tokens
-        if self._decode_seconds is None or self._prefill_rate is None:
+        """Prefill positions for this step: what should take the target time (prefill_share x a
+        decode step while sequences decode, else prefill_step_seconds), scaled from the last
+        prefill step; between one block and max_batch_tokens."""
+        low = min(self.block_size, self.max_batch_tokens)
+        if self._last_prefill is None:
             return min(self.max_batch_tokens, 4 * self.block_size)
-        fair = int(self.prefill_share * self._decode_seconds * self._prefill_rate)
-        return max(min(self.block_size, self.max_batch_tokens), min(fair, self.max_batch_tokens))
+        target = self.prefill_step_seconds
+        if decoding and self._decode_seconds is not None:
+            target = min(target, self.prefill_share * self._decode_seconds)
+        tokens, seconds = self._last_prefill
+        scaled = int(tokens * min(2.0, target / max(seconds, 1e-6)))
+        return max(low, min(scaled, self.max_batch_tokens))
 
     # ------------------------------------------------------------------ validation
     def _validate(self, req: SampleRequest) -> None:
