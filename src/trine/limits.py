@@ -4,7 +4,9 @@ from the rest of trine, so every layer can use them.
 """
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 
 # ---------------------------------------------------------------------------- LoRA
 LORA_RANK_MIN, LORA_RANK_MAX = 1, 256
@@ -47,6 +49,12 @@ MAX_TOPK_PROMPT_LOGPROBS = 64
 MAX_REQUEST_ID_CHARS = 200
 
 
+MAX_STOP_STRINGS = 64  # every decode step checks them: bounded count and length
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature samples as temperature 0 (argmax)
+
+
 def check_prompt_length(prompt_tokens: int, max_tokens: int, context: int, model: str) -> None:
     """A prompt plus the tokens to generate must fit the model's context."""
     if prompt_tokens < 1:
@@ -61,3 +69,35 @@ def check_prompt_length(prompt_tokens: int, max_tokens: int, context: int, model
 MAX_EVENT_BYTES = 64 << 20
 MAX_SAMPLE_BYTES = 16 << 20
 MAX_CONTROL_BYTES = 1 << 20
+MAX_BODY_BYTES = MAX_EVENT_BYTES  # any route without a smaller limit of its own
+
+# ---------------------------------------------------------------------------- wire numbers
+INT64_MAX = 2**63 - 1  # indexes, steps, seeds, offsets, limits: what SQLite and torch hold
+MAX_TTL_SECONDS = 100 * 365 * 86400  # a checkpoint's time to live: at most a century
+
+# ---------------------------------------------------------------------------- optimizer
+# AdamParams field -> (low, high, high included): sane ranges, checked before a step is queued
+ADAM_BOUNDS = {"learning_rate": (0.0, 10.0, True), "beta1": (0.0, 1.0, False), "beta2": (0.0, 1.0, False),
+               "eps": (0.0, 1.0, True), "weight_decay": (0.0, 100.0, True),
+               "grad_clip_norm": (0.0, math.inf, False)}
+
+
+def check_adam_value(name: str, v) -> None:
+    """Raise ValueError unless AdamParams field `name` holds a finite number in its range."""
+    lo, hi, closed = ADAM_BOUNDS[name]
+    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= lo
+          and (v <= hi if closed else v < hi))
+    if not ok:
+        rng = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}{']' if closed else ')'}"
+        raise ValueError(f"AdamParams.{name} must be a finite number {rng}, got {v!r}")
+
+# ---------------------------------------------------------------------------- per API key
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """What one API key may hold at once; past a limit a request gets 429 naming it."""
+
+    live_runs: int = 64  # ACTIVE training runs
+    adapter_bytes: int = 8 << 30  # their LoRA weights + gradients + Adam state (estimated)
+    queued_tokens: int = 1 << 22  # tokens of forward / forward_backward events accepted, not yet run

@@ -64,8 +64,12 @@ def _ray_engines(address: str, replicas: int, threads: int | None):
               help="Where checkpoints are written (default: DATA_DIR/checkpoints). With a Ray "
                    "cluster, a path every node can read (shared storage).")
 @click.option("--log-level", default="info", show_default=True)
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
+              help="Open connections beyond this are closed at once.")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a connection may take to send complete request headers.")
 def serve(models, host, port, home, cycle_seconds, threads, ray_address, replicas, checkpoint_dir,
-          log_level):
+          log_level, max_connections, header_timeout):
     """Serve base models for training and sampling over the PyTRIO protocol."""
     from trine.server.app import create_app, run_forever
     from trine.server.auth import TokenSigner
@@ -104,4 +108,4 @@ def serve(models, host, port, home, cycle_seconds, threads, ray_address, replica
                f"  import trine as trio; trio.ServiceClient(base_url=\"{url}\", api_key=\"{key}\")\n"
                f"or the official pytrio client:\n"
                f"  PYTRIO_BASE_URL={url} PYTRIO_API_KEY={key} python your_script.py\n")
-    run_forever(app, host, port, log_level)
+    run_forever(app, host, port, log_level, max_connections=max_connections, header_timeout=header_timeout)

@@ -181,3 +181,8 @@ def load_optimizer_state(adapter: Adapter, optimizer: torch.optim.Optimizer, pat
                 "exp_avg": exp_avg.to(param.device, param.dtype),
                 "exp_avg_sq": exp_avg_sq.to(param.device, param.dtype),
             }
+
+
+def by_uri(message: str, path, uri: str) -> str:
+    """`message` with a checkpoint's server path replaced by its URI: clients never see paths."""
+    return message.replace(str(path), uri) if path else message

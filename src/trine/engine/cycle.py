@@ -20,7 +20,7 @@ import traceback
 import uuid
 from pathlib import Path
 
-from .checkpoint import load_peft_adapter, save_peft_adapter
+from .checkpoint import by_uri, load_peft_adapter, save_peft_adapter
 from .model import Adapter, LoRAConfig
 from .ops import CycleEvent, CycleResult, EndRun, EventOutcome, Forward, InitRun, OptimStep, Save, TrainingCycle
 from .requests import ForwardResult
@@ -48,7 +48,8 @@ def _failed(e: BaseException) -> EventOutcome:
     if isinstance(e, ValueError):
         return EventOutcome(error=(getattr(e, "code", "validation_failed"), str(e)))
     log.error("engine error:\n%s", traceback.format_exc())
-    return EventOutcome(error=("internal_error", f"{type(e).__name__}: {e}"))
+    return EventOutcome(error=("internal_error", f"an internal error in the engine ({type(e).__name__}); the "
+                               "server logged it"))
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
@@ -139,7 +140,8 @@ class CycleRunner:
         return out
 
     def _call(self, live, backward):
-        batch = [(run_id, ev.op.data, ev.op.loss_fn, ev.op.loss_config) for run_id, ev in live]
+        batch = [(run_id, ev.op.data, ev.op.loss_fn, ev.op.loss_config, ev.op.denominator)
+                 for run_id, ev in live]
         return self.trainer.forward_backward(batch, backward=backward,
                                              between_microbatches=self.w.tick)
 
@@ -167,7 +169,12 @@ class CycleRunner:
         if self.trainer.has_run(run_id):
             self.trainer.delete_run(run_id)
         if op.checkpoint_path:
-            self.trainer.load_state(run_id, Path(op.checkpoint_path), with_optimizer=op.load_optimizer)
+            try:
+                self.trainer.load_state(run_id, Path(op.checkpoint_path), with_optimizer=op.load_optimizer)
+            except (ValueError, OSError) as e:
+                error = ValueError(by_uri(str(e), op.checkpoint_path, op.checkpoint_uri))
+                error.code = "checkpoint_invalid"
+                raise error from None
         else:
             self.trainer.create_run(run_id, op.lora)
         return EventOutcome()

@@ -72,6 +72,7 @@ class EngineInfo:
     block_size: int = 16  # KV block size of its prefix cache (routing hashes whole blocks)
     device: str = "cpu"
     replica: str = "local"  # where it runs: "local" or the Ray actor's node / id
+    lora_features: dict[str, int] = field(default_factory=dict)  # model.lora_features: sizes adapters
 
 
 @dataclass

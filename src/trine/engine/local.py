@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from .cycle import CycleRunner, load_adapter, spill_adapter
 from .interface import CycleStats, Engine, EngineInfo, EngineStats, SampleDelta
-from .model import LoRAConfig
+from .model import LoRAConfig, lora_features
 from .ops import CycleResult, TrainingCycle
 from .requests import SampleRequest, SampleResult
 from .worker import EngineWorker
@@ -35,7 +35,8 @@ class LocalEngine(Engine):
         await loop.run_in_executor(None, self.worker.start, loop)
         w = self.worker
         self.info = EngineInfo(w.name, str(w.model_dir), w.vocab_size, w.max_seq_len,
-                               w.model.cfg.model_type, w.sampler.block_size, str(w.model.device), self.replica)
+                               w.model.cfg.model_type, w.sampler.block_size, str(w.model.device), self.replica,
+                               lora_features(w.model))
         return self.info
 
     async def stop(self) -> None:

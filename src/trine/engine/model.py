@@ -94,6 +94,17 @@ class LoRAConfig:
                 + (LORA_UNEMBED if self.train_unembed else ()))
 
 
+def lora_features(model: "Transformer") -> dict[str, int]:
+    """Per LoRA target name, in + out features summed over the layers: a rank-r adapter on targets
+    T holds r x sum(features[t] for t in T) fp32 parameters."""
+    out: dict[str, int] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoRALinear):
+            target = name.rsplit(".", 1)[-1]
+            out[target] = out.get(target, 0) + mod.in_features + mod.out_features
+    return out
+
+
 class Adapter(nn.Module):
     """One LoRA adapter: for each targeted linear (by its full module name), A [r, in] and B [out, r].
 

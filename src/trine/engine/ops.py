@@ -35,6 +35,7 @@ class Forward:
     loss_config: dict = field(default_factory=dict)
     backward: bool = True
     auto_shift: bool = False
+    denominator: float | None = None  # divides the gradient (PyTRIO normalisation); None = plain sum
 
     @property
     def tokens(self) -> int:

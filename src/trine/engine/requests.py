@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..limits import GREEDY_BELOW_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from .model import Adapter
 
 
@@ -33,6 +34,22 @@ class SamplingOptions:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     stop_at_eos: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    def check_stops(self) -> None:
+        """Stop lists are bounded (every decode step checks them): ValueError naming the limit."""
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: {len(self.stop_strings)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+        longest = max((len(s) for s in self.stop_strings if isinstance(s, str)), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop: a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} "
+                             "are allowed")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                             "are allowed")
 
 
 @dataclass

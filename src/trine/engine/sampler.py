@@ -4,12 +4,21 @@ One `step()` does, in order:
 1. Admission (FIFO): a waiting request is admitted when its worst-case KV blocks fit the pool
    (free + evictable, minus what running sequences have reserved), so a running sequence never
    runs out of blocks and nothing is ever preempted.
-2. One prefill forward for the admitted requests (padded rows). A request looks up the longest
-   cached full-block prefix of `prompt[:-1]` and computes only the rest: the last prompt token is
-   always computed, since its logits give the first sampled token. The prompt is prefilled once
-   per request; its `num_samples` sequences then share the prompt's full blocks by reference and
-   each gets a copy of the partial last block. A request whose uncached prefix starts with blocks
-   another request is computing in this same forward waits one step, then hits them.
+2. One prefill forward over a bounded chunk of the admitted prompts (at most `max_batch_tokens`
+   positions, padding included), so a long prompt is prefilled over several steps, each followed
+   by a decode step: no request stalls the others. The chunk is also sized by time, scaled from
+   the last prefill step's tokens and seconds (at least one block, at most twice as many as the
+   last step): while sequences decode it aims at `prefill_share` x a decode step's time (a moving
+   average), so a long prompt at most about doubles everyone's per-token latency; otherwise at
+   `prefill_step_seconds`, which bounds how long a request arriving meanwhile waits for the step
+   in progress. Prompts with the fewest tokens left go first
+   (they start decoding at once); the longest one takes what is left of the budget. A request
+   looks up the longest cached full-block prefix of `prompt[:-1]` at admission and computes only
+   the rest: the last prompt token is always computed, since its logits give the first sampled
+   token. The prompt is prefilled once per request; when its last chunk is done its `num_samples`
+   sequences share the prompt's full blocks by reference and each gets a copy of the partial last
+   block. A request whose uncached prefix starts with blocks another request is still computing
+   waits, then hits them.
 3. One decode forward: every running sequence of every request (any mix of adapters) advances by
    one token. The samples of one request attend as one packed row (`KVContext.query_index`), so
    the prompt KV they share is gathered once per step, not once per sample.
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -62,6 +72,10 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _average(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 def sample_seed(seed: int, index: int) -> int:
     """The generator seed of sample `index` of a request seeded with `seed` (stable everywhere)."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 1
@@ -77,6 +91,7 @@ class _Request:
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks during prefill
     copies: list[int] = field(default_factory=list)  # partial-block copies for samples 1..n-1
     cached: int = 0  # prompt tokens served from the cache
+    done: int = 0  # prompt tokens whose KV is computed or cached (prefill progress)
     shared: int = 0  # full prompt blocks, shared by reference by all its sequences
     seqs: list["_Seq"] = field(default_factory=list)
     running: int = 0
@@ -105,9 +120,16 @@ class Sampler:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 2048, max_running: int = 64,
-                 enable_prefix_cache: bool = True):
+                 enable_prefix_cache: bool = True, prefill_share: float = 1.0,
+                 prefill_step_seconds: float = 0.25):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
+        if not (prefill_share > 0 and prefill_step_seconds > 0):
+            raise ValueError("prefill_share and prefill_step_seconds must be > 0")
+        self.prefill_share = prefill_share
+        self.prefill_step_seconds = prefill_step_seconds
+        self._decode_seconds: float | None = None  # moving average of one decode step
+        self._last_prefill: tuple[int, float] | None = None  # (positions, seconds) of the last prefill
         self.model = model
         self.tokenizer = tokenizer
         cfg = model.cfg
@@ -122,6 +144,7 @@ class Sampler:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, model.dtype, self.device)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         self._waiting: deque[_Request] = deque()
+        self._prefilling: list[_Request] = []  # admitted, prompt KV not complete yet
         self._running: list[_Seq] = []
         self._live: set[str] = set()
         self._reserved = 0  # blocks promised to admitted requests, not yet allocated
@@ -141,7 +164,7 @@ class Sampler:
         self._waiting.append(_Request(req, SampleUsage(), stop_ids, full))
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._prefilling or self._running)
 
     def run(self, reqs: list[SampleRequest]) -> list[SampleResult]:
         """Add every request, step until they are done, return their results in input order."""
@@ -168,20 +191,40 @@ class Sampler:
         return dict(self._counters, cache_hit_blocks=kv.hit_blocks, cache_queried_blocks=kv.queried_blocks,
                     cache_evictions=kv.evictions, blocks_total=kv.num_blocks, blocks_used=kv.num_used,
                     blocks_free=kv.num_free, blocks_cached=kv.num_cached, block_size=self.block_size,
-                    waiting=len(self._waiting), running=len(self._running))
+                    waiting=len(self._waiting), prefilling=len(self._prefilling), running=len(self._running))
 
     @torch.inference_mode()
     def step(self) -> list[SampleResult]:
-        """One engine step: admit + prefill, then decode every running sequence by one token."""
+        """One engine step: admit, prefill one bounded chunk, then decode every running sequence by
+        one token."""
         self._counters["steps"] += 1
         decoding = list(self._running)
         finished, self._carry = self._carry, []
-        admitted = self._admit()
-        if admitted:
-            finished += self._prefill(admitted)
+        self._prefilling += self._admit()
+        if self._prefilling:
+            t = time.perf_counter()
+            rows = self._chunks(self._prefill_budget(bool(decoding)))
+            finished += self._prefill(rows)
+            self._last_prefill = (len(rows) * max(take for _, take in rows), time.perf_counter() - t)
         if decoding:
+            t = time.perf_counter()
             finished += self._decode(decoding)
+            self._decode_seconds = _average(self._decode_seconds, time.perf_counter() - t)
         return finished
+
+    def _prefill_budget(self, decoding: bool) -> int:
+        """Prefill positions for this step: what should take the target time (prefill_share x a
+        decode step while sequences decode, else prefill_step_seconds), scaled from the last
+        prefill step; between one block and max_batch_tokens."""
+        low = min(self.block_size, self.max_batch_tokens)
+        if self._last_prefill is None:
+            return min(self.max_batch_tokens, 4 * self.block_size)
+        target = self.prefill_step_seconds
+        if decoding and self._decode_seconds is not None:
+            target = min(target, self.prefill_share * self._decode_seconds)
+        tokens, seconds = self._last_prefill
+        scaled = int(tokens * min(2.0, target / max(seconds, 1e-6)))
+        return max(low, min(scaled, self.max_batch_tokens))
 
     # ------------------------------------------------------------------ validation
     def _validate(self, req: SampleRequest) -> None:
@@ -214,6 +257,7 @@ class Sampler:
                 raise ValueError(f"stop_token_ids: must be ints in [0, {cfg.vocab_size})")
             if any(not isinstance(s, str) or not s for s in opts.stop_strings):
                 raise ValueError("stop_strings: must be non-empty strings")
+            opts.check_stops()
         if n + max_new > cfg.max_position_embeddings:
             raise ValueError(f"prompt + max_tokens: {n} + {max_new} tokens exceed the model context "
                              f"of {cfg.max_position_embeddings}; shorten the prompt or lower max_tokens")
@@ -233,43 +277,55 @@ class Sampler:
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> list[_Request]:
+        """Waiting requests (FIFO) whose KV blocks fit, with their blocks allocated."""
         bs, kv = self.block_size, self.kv
         admitted: list[_Request] = []
-        pending: set[int] = set()  # keys being computed by this step's prefill
-        running = len(self._running)
-        max_suffix = 0
+        # keys of blocks still being prefilled: a request whose uncached prefix starts there waits
+        pending = {k for r in self._prefilling for k in r.keys[r.done // bs:]}
+        running = len(self._running) + sum(r.req.num_samples for r in self._prefilling if r.req.generate)
         while self._waiting:
             r = self._waiting[0]
             req, n = r.req, len(r.req.prompt)
             k = req.num_samples if req.generate else 0
-            if (admitted or self._running) and running + k > self.max_running:
+            if (admitted or self._running or self._prefilling) and running + k > self.max_running:
                 break
             if self.enable_prefix_cache:
                 r.keys = chain_hashes(req.weights, req.prompt, bs)
             matched = [] if r.full or not self.enable_prefix_cache else \
                 kv.match(req.weights, req.prompt[:n - 1], r.keys[:(n - 1) // bs])
-            if admitted and r.keys[len(matched):len(matched) + 1] and r.keys[len(matched)] in pending:
-                kv.release(matched)  # the next block is being computed now: hit it next step
+            if not r.full and r.keys[len(matched):len(matched) + 1] and r.keys[len(matched)] in pending:
+                kv.release(matched)  # the next block is being computed now: hit it when it is done
                 break
-            suffix = n - len(matched) * bs
-            cost = (len(admitted) + 1) * max(max_suffix, suffix)
             max_new = req.options.max_tokens if req.generate else 0
             partial = int(n % bs != 0)
             now = -(-n // bs) - len(matched) + (max(k - 1, 0) * partial)
             later = self._blocks_needed(n, max_new, k) - n // bs - k * partial if k else 0
-            if admitted and cost > self.max_batch_tokens or kv.num_free - self._reserved < now + later:
+            if kv.num_free - self._reserved < now + later:
                 kv.release(matched)
                 break
             self._waiting.popleft()
             r.blocks = matched + kv.allocate(-(-n // bs) - len(matched))
             r.copies = kv.allocate(max(k - 1, 0) * partial)
             self._reserved += later
-            r.cached = len(matched) * bs
+            r.cached = r.done = len(matched) * bs
             pending.update(r.keys[len(matched):])
             running += k
-            max_suffix = max(max_suffix, suffix)
             admitted.append(r)
         return admitted
+
+    def _chunks(self, budget: int) -> list[tuple[_Request, int]]:
+        """This step's prefill rows (request, tokens to compute): fewest tokens left first, while
+        rows x the longest chunk <= budget; the last row may take a partial chunk."""
+        rows: list[tuple[_Request, int]] = []
+        for r in sorted(self._prefilling, key=lambda r: len(r.req.prompt) - r.done):  # stable: FIFO ties
+            cap = budget // (len(rows) + 1)
+            if cap < 1:
+                break
+            left = len(r.req.prompt) - r.done
+            rows.append((r, min(left, cap)))
+            if left > cap:
+                break
+        return rows
 
     # ------------------------------------------------------------------ forwards
     def _slots(self, block_lists: list[list[int]], length: int) -> torch.Tensor:
@@ -280,31 +336,43 @@ class Sampler:
         slots = (table[:, :, None] * self.block_size + self._arange).view(len(block_lists), -1)
         return slots[:, :length]
 
-    def _prefill(self, batch: list[_Request]) -> list[SampleResult]:
+    def _prefill(self, rows: list[tuple[_Request, int]]) -> list[SampleResult]:
+        """One forward over the next `take` prompt tokens of each row's request; requests whose
+        prompt is then complete fork their samples (or finish, for compute_logprobs)."""
         dev, bs = self.device, self.block_size
+        batch = [r for r, _ in rows]
         B = len(batch)
-        starts = [r.cached for r in batch]
-        lens = [len(r.req.prompt) for r in batch]
-        T, L = max(n - s for n, s in zip(lens, starts)), max(lens)
+        starts = [r.done for r in batch]
+        ends = [r.done + take for r, take in rows]
+        T, L = max(take for _, take in rows), max(ends)
         tokens = torch.zeros(B, T, dtype=torch.long)
         for i, r in enumerate(batch):
-            tokens[i, :lens[i] - starts[i]] = torch.tensor(r.req.prompt[starts[i]:])
+            tokens[i, :ends[i] - starts[i]] = torch.tensor(r.req.prompt[starts[i]:ends[i]])
         start = torch.tensor(starts)[:, None]
         positions = (start + torch.arange(T)[None]).to(dev)  # padded queries: past the end
         read = self._slots([r.blocks for r in batch], L)
-        real = torch.arange(T)[None] < (torch.tensor(lens)[:, None] - start)
+        real = torch.arange(T)[None] < (torch.tensor(ends)[:, None] - start)
         write = torch.where(real.to(dev), read.gather(1, positions.clamp(max=L - 1)), -1)
         mask = (torch.arange(L, device=dev)[None, None] <= positions[:, :, None])[:, None]
         adapters = AdapterBatch.from_rows([r.req.adapter for r in batch], dev)
         kvc = KVContext(self.kv.k_pool, self.kv.v_pool, write, read, mask)
         hidden = self.model.hidden_states(tokens.to(dev), positions, adapters, kv=kvc)
-        last = torch.tensor([n - s - 1 for n, s in zip(lens, starts)], device=dev)
-        last_logits = self.model.logits(hidden[torch.arange(B, device=dev), last], adapters)
         self._counters["prefill_forwards"] += 1
 
-        finished, forked, rows = [], [], []
+        finished, forked, last = [], [], []
         for i, r in enumerate(batch):
-            req, n = r.req, lens[i]
+            req, n = r.req, len(r.req.prompt)
+            if r.full:
+                self._prompt_logprobs(r, hidden[i:i + 1, :ends[i] - starts[i]], starts[i],
+                                      AdapterBatch.single(req.adapter))
+            if self.enable_prefix_cache:
+                for b in range(starts[i] // bs, ends[i] // bs):
+                    self.kv.register(r.blocks[b], r.keys[b], r.keys[b - 1] if b else req.weights,
+                                     req.weights, req.prompt[b * bs:(b + 1) * bs])
+            r.done = ends[i]
+            if r.done < n:
+                continue
+            self._prefilling.remove(r)
             r.usage.prompt_tokens, r.usage.cached_tokens = n, r.cached
             r.usage.prefill_tokens = n - r.cached
             c = self._counters
@@ -312,21 +380,21 @@ class Sampler:
             c["prompt_tokens"] += n
             c["cached_tokens"] += r.cached
             c["prefill_tokens"] += n - r.cached
-            if r.full:
-                self._prompt_logprobs(r, hidden[i:i + 1, :n], AdapterBatch.single(req.adapter))
-            if self.enable_prefix_cache:
-                for b in range(r.cached // bs, n // bs):
-                    self.kv.register(r.blocks[b], r.keys[b], r.keys[b - 1] if b else req.weights,
-                                     req.weights, req.prompt[b * bs:(b + 1) * bs])
             if not req.generate:
                 self.kv.release(r.blocks)
                 finished.append(self._result(r))
                 continue
-            forked += self._fork(r)
-            rows += [i] * req.num_samples
+            seqs = self._fork(r)
+            forked += seqs
+            last.append((i, ends[i] - starts[i] - 1, req, len(seqs)))
         if forked:
-            rows = torch.tensor(rows, device=dev)
-            finished += self._advance(forked, last_logits.index_select(0, rows))
+            idx = torch.tensor([p for _, p, _, _ in last], device=dev)
+            rows_ = torch.tensor([i for i, _, _, _ in last], device=dev)
+            last_adapters = AdapterBatch.from_rows([req.adapter for _, _, req, _ in last], dev)
+            logits = self.model.logits(hidden[rows_, idx], last_adapters)
+            per_seq = torch.repeat_interleave(torch.arange(len(last), device=dev),
+                                              torch.tensor([k for _, _, _, k in last], device=dev))
+            finished += self._advance(forked, logits.index_select(0, per_seq))
             self._running += [s for s in forked if s.stop_reason is None]
         return finished
 
@@ -477,11 +545,12 @@ class Sampler:
         logits = logits.float()
         logp = torch.log_softmax(logits, dim=-1)
         opts = [s.req.req.options for s in seqs]
-        greedy = [o.temperature == 0 for o in opts]
+        greedy = [o.greedy for o in opts]
         if all(greedy):
             tok = logits.argmax(-1)
         else:
-            x = logits / torch.tensor([o.temperature or 1.0 for o in opts], device=logits.device)[:, None]
+            x = logits / torch.tensor([1.0 if g else o.temperature for o, g in zip(opts, greedy)],
+                                      device=logits.device)[:, None]
             ks = [o.top_k if o.top_k > 0 else 0 for o in opts]
             if any(ks):
                 kmax = min(max(ks), x.shape[-1])
@@ -507,24 +576,30 @@ class Sampler:
         lp = logp.gather(1, tok[:, None])[:, 0]
         return tok.tolist(), lp.tolist()
 
-    def _prompt_logprobs(self, r: _Request, hidden: torch.Tensor, adapters: AdapterBatch) -> None:
-        """Entry i = log p(prompt[i] | prompt[:i]) from a full forward; entry 0 is None."""
+    def _prompt_logprobs(self, r: _Request, hidden: torch.Tensor, start: int, adapters: AdapterBatch) -> None:
+        """Extend the prompt logprobs with this chunk's positions `start`.. (hidden [1, len, H]):
+        entry i = log p(prompt[i] | prompt[:i]) from a full forward; entry 0 is None."""
         prompt, k = r.req.prompt, r.req.topk_prompt_logprobs
         n = len(prompt)
-        targets = torch.tensor(prompt[1:], device=hidden.device)
-        lps: list[float | None] = [None]
-        topk: list[list[tuple[int, float]] | None] = [None]
-        for a in range(0, n - 1, LOGITS_CHUNK):
-            b = min(a + LOGITS_CHUNK, n - 1)
-            logp = torch.log_softmax(self.model.logits(hidden[:, a:b], adapters)[0], dim=-1)
-            lps += logp.gather(1, targets[a:b, None])[:, 0].tolist()
+        if start == 0:
+            r.prompt_logprobs = [None]
+            r.topk_prompt_logprobs = [None]
+        stop = min(start + hidden.shape[1], n - 1)  # the last prompt position predicts no prompt token
+        targets = torch.tensor(prompt[start + 1:stop + 1], device=hidden.device)
+        for a in range(start, stop, LOGITS_CHUNK):
+            b = min(a + LOGITS_CHUNK, stop)
+            logp = torch.log_softmax(self.model.logits(hidden[:, a - start:b - start], adapters)[0], dim=-1)
+            r.prompt_logprobs += logp.gather(1, targets[a - start:b - start, None])[:, 0].tolist()
             if k:
                 v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
-                topk += [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
-        r.prompt_logprobs = lps if (r.req.prompt_logprobs or not r.req.generate) else None
-        r.topk_prompt_logprobs = topk if k else None
+                r.topk_prompt_logprobs += [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
 
     def _result(self, r: _Request) -> SampleResult:
         self._live.discard(r.req.request_id)
+        if r.full:  # computed for every full forward; returned only when asked for
+            if not (r.req.prompt_logprobs or not r.req.generate):
+                r.prompt_logprobs = None
+            if not r.req.topk_prompt_logprobs:
+                r.topk_prompt_logprobs = None
         seqs = [SampledSequence(s.out, s.logprobs, s.text, s.stop_reason) for s in r.seqs]
         return SampleResult(r.req.request_id, seqs, r.prompt_logprobs, r.usage, r.topk_prompt_logprobs)

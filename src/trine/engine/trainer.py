@@ -4,6 +4,11 @@ A run is a LoRA `Adapter` with its own AdamW state; many runs share the base mod
 `forward_backward` call packs the data of many runs into the same micro-batches (each row uses its
 run's adapter), so each run's gradient lands only in its own adapter.
 
+Normalisation: an entry may carry a `denominator` (the PyTRIO planes pass the whole logical batch's
+token count, so chunks of one batch add up to its gradient); its gradient is the gradient of its
+summed loss divided by that number. Without one the loss is the plain sum (the Tinker API). The
+reported `loss_sum`, per-token losses and logprobs never depend on it.
+
 How a micro-batch is computed
 1. Rows are sorted by length and grouped so rows x longest row <= `micro_batch_tokens` (padding
    included); a longer sequence runs alone. Within a micro-batch the rows of one run are adjacent,
@@ -27,6 +32,8 @@ Invariants
 from __future__ import annotations
 
 import copy
+import ctypes
+import gc
 import itertools
 import math
 from dataclasses import dataclass
@@ -35,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from ..limits import check_lora_rank
+from ..limits import ADAM_BOUNDS, check_adam_value, check_lora_rank
 from . import checkpoint
 from .losses import Loss, LossInputs, PreparedDatum, prepare_datum
 from .model import Adapter, AdapterBatch, LoRAConfig, Transformer
@@ -58,6 +65,7 @@ class _Row:
     datum: PreparedDatum
     adapter: Adapter
     loss: Loss
+    grad_scale: float = 1.0  # 1 / the entry's denominator
 
 
 class Trainer:
@@ -82,8 +90,10 @@ class Trainer:
         self._install(run_id, lora, Adapter(self.model, _check_lora(lora), device=self.model.device))
 
     def delete_run(self, run_id: str) -> None:
+        """Drop the run's adapter, gradients and optimizer state, and hand the memory back."""
         self._run(run_id)
         del self._runs[run_id]
+        return_freed_memory()
 
     @property
     def num_runs(self) -> int:
@@ -124,9 +134,10 @@ class Trainer:
     # ------------------------------------------------------------------ forward / backward
     def forward_backward(self, batch: list[tuple[str, list[TrainDatum], str, dict]], *, backward: bool = True,
                          between_microbatches: Callable[[], None] | None = None) -> list[ForwardResult]:
-        """One ForwardResult per (run_id, data, loss_fn, loss_config) entry, in order.
+        """One ForwardResult per (run_id, data, loss_fn, loss_config[, denominator]) entry, in order.
 
-        The data of all entries are packed together. backward=False is `forward`: no gradient
+        The data of all entries are packed together. `denominator` (a number >= 1, or None for the
+        plain sum) divides that entry's gradient. backward=False is `forward`: no gradient
         changes. `between_microbatches` is called after each micro-batch.
         """
         rows = self._prepare(batch)
@@ -150,17 +161,20 @@ class Trainer:
 
     def _prepare(self, batch) -> list[_Row]:
         if not isinstance(batch, (list, tuple)) or not batch:
-            raise ValueError("batch must be a non-empty list of (run_id, data, loss_fn, loss_config)")
+            raise ValueError("batch must be a non-empty list of (run_id, data, loss_fn, loss_config"
+                             "[, denominator])")
         vocab = self.model.cfg.vocab_size
         rows = []
         for e, entry in enumerate(batch):
-            run_id, data, loss_fn, loss_config = entry
+            run_id, data, loss_fn, loss_config, *rest = entry
+            scale = _grad_scale(rest[0] if rest else None, f"batch[{e}]")
             adapter = self._run(run_id).adapter
             loss = Loss.parse(loss_fn, loss_config)
             if not isinstance(data, (list, tuple)) or not data:
                 raise ValueError(f"batch[{e}] data must be a non-empty list of TrainDatum")
             for i, datum in enumerate(data):
-                rows.append(_Row(e, prepare_datum(datum, loss, vocab, f"batch[{e}].data[{i}]"), adapter, loss))
+                rows.append(_Row(e, prepare_datum(datum, loss, vocab, f"batch[{e}].data[{i}]"), adapter, loss,
+                                 scale))
         return rows
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[int]]:
@@ -198,6 +212,8 @@ class Trainer:
         loss_of = torch.tensor([losses_in_mb.index(row.loss) for row in rows])[row_of].to(device)
         inputs = LossInputs.cat([row.datum.inputs.select(row.datum.active) for row in rows]).to(device)
         tgt = targets.reshape(-1)[active].to(device)
+        scales = None if all(row.grad_scale == 1.0 for row in rows) else \
+            torch.tensor([row.grad_scale for row in rows])[row_of].to(device)
 
         adapters = AdapterBatch.from_rows([row.adapter for row in rows], device=device)
         positions = torch.arange(T).expand(B, T)
@@ -222,6 +238,8 @@ class Trainer:
             loss_t, g = _losses_and_grads(losses_in_mb, loss_of[i:j], logp, inputs.select(slice(i, j)),
                                           need_grad=backward)
             logp_all[i:j], loss_all[i:j] = logp, loss_t
+            if scales is not None and g is not None:
+                g = g * scales[i:j]
             if backward and logits.requires_grad:
                 grad = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # in place: z becomes dLoss/dlogits
                 grad.scatter_add_(1, tgt[i:j, None], g[:, None])
@@ -330,6 +348,26 @@ def _losses_and_grads(losses: list[Loss], loss_of: torch.Tensor, logp: torch.Ten
     return out.detach(), grad
 
 
+def return_freed_memory() -> None:
+    """Freed CPU tensors go back to glibc's heap, which keeps them unless trimmed: collect cycles and
+    trim, so the memory of a deleted run is returned to the operating system."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _grad_scale(denominator, where: str) -> float:
+    if denominator is None:
+        return 1.0
+    if isinstance(denominator, bool) or not isinstance(denominator, (int, float)) \
+            or not math.isfinite(denominator) or denominator < 1:
+        raise ValueError(f"{where} denominator must be a finite number >= 1 (or None for the plain sum), "
+                         f"got {denominator!r}")
+    return 1.0 / float(denominator)
+
+
 def _check_lora(lora: LoRAConfig) -> LoRAConfig:
     check_lora_rank(lora.rank, "lora rank")
     if not (isinstance(lora.alpha, (int, float)) and math.isfinite(lora.alpha) and lora.alpha > 0):
@@ -340,15 +378,5 @@ def _check_lora(lora: LoRAConfig) -> LoRAConfig:
 
 
 def _check_adam(adam: AdamConfig) -> None:
-    def finite(name, lo, hi=math.inf, hi_open=False):
-        v = getattr(adam, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo \
-                or v > hi or (hi_open and v >= hi):
-            rng = f"[{lo}, {hi})" if hi_open else f">= {lo}"
-            raise ValueError(f"adam_params.{name} must be a finite number in {rng}, got {v!r}")
-    finite("learning_rate", 0.0)
-    finite("beta1", 0.0, 1.0, hi_open=True)
-    finite("beta2", 0.0, 1.0, hi_open=True)
-    finite("eps", 0.0)
-    finite("weight_decay", 0.0)
-    finite("grad_clip_norm", 0.0)
+    for name in ADAM_BOUNDS:
+        check_adam_value(name, getattr(adam, name))

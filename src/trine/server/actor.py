@@ -65,13 +65,14 @@ def envelope(svc: Service, rec: EventRecord) -> bytes:
 async def submit_event(request: Request):
     key, run_id = _caller(request, "training")
     body = await read_body(request, MAX_EVENT_BYTES)
-    env, op = await asyncio.get_running_loop().run_in_executor(None, parse_event, body)
+    env, op, fingerprint = await asyncio.get_running_loop().run_in_executor(None, parse_event, body)
     if env.metadata.run_id and env.metadata.run_id != run_id:
         raise NotFound(f"training run {env.metadata.run_id} not found (this token is for {run_id})",
                        code="training_run_not_found")
     svc = service_of(request)
     rec = await svc.submit_event(key, run_id, event_id=env.event_id, type=env.type,
-                           index=env.metadata.index, step=env.metadata.step, op=op)
+                           index=env.metadata.index, step=env.metadata.step, op=op,
+                           fingerprint=fingerprint)
     return Response(envelope(svc, rec), status_code=200 if rec.response else 202, media_type=MSGPACK)
 
 

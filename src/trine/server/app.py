@@ -4,11 +4,12 @@
 (url, api_key, stop()); `trine serve`, `trine demo` and the tests use it.
 
 Every error leaves as `{"code", "message"}` with a 4xx status for anything the caller can fix;
-a 500 (`internal_error`) means a bug in trine, and the server keeps serving.
+a 500 (`internal_error`) means a bug in trine, and the server keeps serving (the connection too).
+Body limits count the bytes actually read; connection limits are in `connections.py`.
 """
 from __future__ import annotations
 
-import logging
+import asyncio
 import os
 import socket
 import threading
@@ -24,15 +25,22 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..home import trine_home
-from ..limits import MAX_CONTROL_BYTES  # control-plane JSON bodies; the actor plane checks its own
+from ..limits import MAX_BODY_BYTES, MAX_CONTROL_BYTES
 from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
 from . import actor, control
 from .auth import TokenSigner
+from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, quiet_accept_errors, uvicorn_config
+from .middleware import BodyLimit, InternalErrors
 
-log = logging.getLogger("trine.server")
 EMBEDDED_KEY_FILE = "embedded.key"
+
+
+def body_limit(path: str) -> int:
+    """The most bytes a request body to `path` may have (the actor plane checks smaller per-route
+    limits itself)."""
+    return MAX_CONTROL_BYTES if path.startswith("/api/") else MAX_BODY_BYTES
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -46,6 +54,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        quiet_accept_errors(asyncio.get_running_loop())
         await service.start()
         try:
             yield
@@ -74,19 +83,8 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
         return _error(e.status_code, code, f"{request.method} {request.url.path}: {e.detail}")
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _error(500, "internal_error", f"{type(e).__name__}: {e}")
-
-    @app.middleware("http")
-    async def limit_control_bodies(request: Request, call_next):
-        declared = request.headers.get("content-length", "")
-        if (request.url.path.startswith("/api/") and declared.isdigit()
-                and int(declared) > MAX_CONTROL_BYTES):
-            return _error(413, "request_too_large", f"body: {declared} bytes exceeds the control-plane "
-                                                    f"limit of {MAX_CONTROL_BYTES} bytes")
-        return await call_next(request)
+    app.add_middleware(InternalErrors)  # innermost: what no exception handler takes
+    app.add_middleware(BodyLimit, limit_for=body_limit)
 
     @app.head("/")
     @app.get("/")
@@ -166,6 +164,7 @@ class ServerHandle:
 def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
                  cycle_seconds: float = 0.0, routers: tuple[APIRouter, ...] = (),
                  log_level: str = "warning", startup_timeout: float = 600.0,
+                 max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT,
                  **service_options) -> ServerHandle:
     """Serve `models` in a background thread; returns once the models are loaded and the port is open.
 
@@ -183,9 +182,8 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_keep_alive=75,
-                            access_log=False)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, log_level=log_level, max_connections=max_connections,
+                                           header_timeout=header_timeout))
     errors: list[BaseException] = []
 
     def run():
@@ -208,10 +206,11 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
     return ServerHandle(f"http://{url_host}:{bound}", key, home, service, server, thread)
 
 
-def run_forever(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+def run_forever(app: FastAPI, host: str, port: int, log_level: str = "info", *,
+                max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT) -> None:
     """Serve in the foreground (the `trine serve` command) until interrupted."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=75,
-                access_log=False)
+    uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level,
+                                  max_connections=max_connections, header_timeout=header_timeout)).run()
 
 
 __all__ = ["create_app", "start_server", "ServerHandle", "resolve_models", "embedded_key", "run_forever"]

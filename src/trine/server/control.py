@@ -17,6 +17,7 @@ from ..service import Service
 from ..service.errors import InvalidRequest, NotFound
 from ..store import ApiKey, Checkpoint, SamplingRun, Session, TrainingRun
 from .auth import TokenSigner, bearer, iso
+from .bounds import INT64_MAX, Int64, Seed
 from .wire import validation_message
 
 SDK_VERSION = "0.2.9"
@@ -31,8 +32,10 @@ def signer_of(request: Request) -> TokenSigner:
     return request.app.state.signer
 
 
-def api_key(request: Request) -> ApiKey:
-    """Dependency: the caller's API key (`X-API-Key` or `Authorization: Bearer`)."""
+async def api_key(request: Request) -> ApiKey:
+    """Dependency: the caller's API key (`X-API-Key` or `Authorization: Bearer`). Every route and
+    dependency here is `async`: it runs on the event loop, where every change of service state
+    happens (FastAPI would run a plain `def` in a thread pool)."""
     secret = request.headers.get("x-api-key") or bearer(request.headers.get("authorization"))
     return service_of(request).authenticate(secret)
 
@@ -55,13 +58,13 @@ class SessionClose(_Body):
 
 class TrainingRunCreate(_Body):
     base_model: str = ""
-    lora_rank: int = 32
+    lora_rank: Int64 = 32
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
     source_checkpoint_uri: str = ""
     restore_optimizer: bool = False
-    seed: int | None = None
+    seed: Seed | None = None
 
 
 class TrainingRunUpdate(_Body):
@@ -139,14 +142,14 @@ def cursor(offset: int, limit: int, total: int) -> dict:
 
 # ---------------------------------------------------------------------------- identity, platform
 @router.get("/openapi/v1/api-key/verify")
-def verify(key: ApiKey = Depends(api_key)):
+async def verify(key: ApiKey = Depends(api_key)):
     return {"api_key_tid": key.id, "api_key_name": key.name, "user_cuid": key.id, "username": key.name,
             "display_name": key.name, "workspace_cuid": key.id, "workspace_name": key.name,
             "workspace_type": "PERSONAL", "expires_at": None}
 
 
 @router.get("/sdk/bootstrap")
-def bootstrap(sdk_version: str = SDK_VERSION):
+async def bootstrap(sdk_version: str = SDK_VERSION):
     return {"compatibility": {"status": "compatible", "sdk_version": sdk_version}, "notices": []}
 
 
@@ -157,8 +160,8 @@ async def telemetry(request: Request):
 
 
 @router.get("/models")
-def models(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX), offset: int = Query(0, ge=0),
-           key: ApiKey = Depends(api_key)):
+async def models(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX),
+           offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     items = []
     for m in svc.models.values():
@@ -175,19 +178,19 @@ def models(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX), offset:
 
 # ---------------------------------------------------------------------------- sessions
 @router.post("/openapi/v1/service-sessions")
-def create_session(body: SessionCreate, request: Request, key: ApiKey = Depends(api_key)):
+async def create_session(body: SessionCreate, request: Request, key: ApiKey = Depends(api_key)):
     return session_json(service_of(request).create_session(key, body.sdk_version))
 
 
 @router.get("/openapi/v1/service-sessions")
-def list_sessions(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
-                  offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
+                  offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     rows, total = service_of(request).store.sessions(key.id, limit, offset)
     return {"service_sessions": [session_json(s) for s in rows], "cursor": cursor(offset, limit, total)}
 
 
 @router.get("/openapi/v1/service-sessions/{session_id}")
-def get_session(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
+async def get_session(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     s = svc.session(key, session_id)
     trs, _ = svc.store.training_runs(key.id, session_id=s.id)
@@ -207,7 +210,7 @@ async def close_session(session_id: str, request: Request, key: ApiKey = Depends
 
 
 @router.post("/openapi/v1/service-sessions/{session_id}/renew")
-def renew_session(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
+async def renew_session(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
     s = service_of(request).session(key, session_id)
     return {"service_session_cuid": s.id, "workspace_cuid": s.api_key_id, "status": s.status,
             "updated_at": iso(time.time())}
@@ -226,7 +229,7 @@ async def _json_or_empty(request: Request) -> dict:
 
 # ---------------------------------------------------------------------------- training runs
 @router.post("/openapi/v1/service-sessions/{session_id}/training-runs")
-def create_training_run(session_id: str, body: TrainingRunCreate, request: Request,
+async def create_training_run(session_id: str, body: TrainingRunCreate, request: Request,
                         key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     r = svc.create_training_run(key, session_id, base_model=body.base_model, lora_rank=body.lora_rank,
@@ -240,7 +243,7 @@ def create_training_run(session_id: str, body: TrainingRunCreate, request: Reque
 
 
 @router.patch("/openapi/v1/service-sessions/{session_id}/training-runs/{run_id}")
-def update_training_run(session_id: str, run_id: str, body: TrainingRunUpdate, request: Request,
+async def update_training_run(session_id: str, run_id: str, body: TrainingRunUpdate, request: Request,
                         key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     r = svc.update_training_run(key, session_id, run_id, source_checkpoint_uri=body.source_checkpoint_uri,
@@ -250,7 +253,7 @@ def update_training_run(session_id: str, run_id: str, body: TrainingRunUpdate, r
 
 
 @router.get("/openapi/v1/training-runs/by-checkpoint-uri")
-def by_checkpoint_uri(request: Request, checkpoint_uri: str = Query(min_length=1),
+async def by_checkpoint_uri(request: Request, checkpoint_uri: str = Query(min_length=1),
                       key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     c = svc.checkpoint_by_uri(key, checkpoint_uri)
@@ -261,8 +264,8 @@ def by_checkpoint_uri(request: Request, checkpoint_uri: str = Query(min_length=1
 
 
 @router.get("/openapi/v1/training-runs")
-def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
-                       offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
+                       offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     rows, total = svc.list_training_runs(key, limit, offset)
     return {"training_runs": [training_run_json(svc, r) for r in rows],
@@ -270,19 +273,19 @@ def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=PAGE_MA
 
 
 @router.get("/openapi/v1/training-runs/{run_id}")
-def get_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
+async def get_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     return training_run_json(svc, svc.training_run(key, run_id))
 
 
 @router.post("/openapi/v1/training-runs/{run_id}/renew")
-def renew_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
+async def renew_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
     return _renewal(request, key, service_of(request).training_run(key, run_id), "training")
 
 
 @router.get("/openapi/v1/training-runs/{run_id}/checkpoints")
-def run_checkpoints(run_id: str, request: Request, limit: int = Query(200, ge=1, le=PAGE_MAX),
-                    offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+async def run_checkpoints(run_id: str, request: Request, limit: int = Query(200, ge=1, le=PAGE_MAX),
+                    offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     rows, total = svc.list_checkpoints(key, training_run_id=run_id, limit=limit, offset=offset)
     return {"checkpoints": [checkpoint_json(svc, c) for c in rows],
@@ -291,7 +294,7 @@ def run_checkpoints(run_id: str, request: Request, limit: int = Query(200, ge=1,
 
 # ---------------------------------------------------------------------------- sampling runs
 @router.post("/openapi/v1/service-sessions/{session_id}/sampling-runs")
-def create_sampling_run(session_id: str, body: SamplingRunCreate, request: Request,
+async def create_sampling_run(session_id: str, body: SamplingRunCreate, request: Request,
                         key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     r = svc.create_sampling_run(key, session_id, base_model=body.base_model,
@@ -301,13 +304,13 @@ def create_sampling_run(session_id: str, body: SamplingRunCreate, request: Reque
 
 
 @router.get("/openapi/v1/sampling-runs/{run_id}")
-def get_sampling_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
+async def get_sampling_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     return sampling_run_json(svc, svc.sampling_run(key, run_id))
 
 
 @router.post("/openapi/v1/sampling-runs/{run_id}/renew")
-def renew_sampling_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
+async def renew_sampling_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
     return _renewal(request, key, service_of(request).sampling_run(key, run_id), "sampling")
 
 
@@ -319,8 +322,8 @@ def _renewal(request: Request, key: ApiKey, run, kind: str) -> dict:
 
 # ---------------------------------------------------------------------------- checkpoints
 @router.get("/openapi/v1/checkpoints")
-def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX),
-                     offset: int = Query(0, ge=0), key: ApiKey = Depends(api_key)):
+async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX),
+                     offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     rows, total = svc.list_checkpoints(key, limit=limit, offset=offset)
     return {"checkpoints": [checkpoint_json(svc, c) for c in rows],
@@ -328,13 +331,13 @@ def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX
 
 
 @router.delete("/openapi/v1/checkpoints/{checkpoint_id}")
-def delete_checkpoint(checkpoint_id: str, request: Request, key: ApiKey = Depends(api_key)):
+async def delete_checkpoint(checkpoint_id: str, request: Request, key: ApiKey = Depends(api_key)):
     service_of(request).delete_checkpoint(key, checkpoint_id)
     return {"checkpoint_cuid": checkpoint_id, "deleted": True}
 
 
 @router.get("/openapi/v1/checkpoints/{checkpoint_id}/download-url")
-def download_url(checkpoint_id: str, request: Request, key: ApiKey = Depends(api_key)):
+async def download_url(checkpoint_id: str, request: Request, key: ApiKey = Depends(api_key)):
     c = service_of(request).checkpoint(key, checkpoint_id)
     token, exp = signer_of(request).issue(key_id=key.id, subject=c.id, kind="download")
     return {"url": f"{request.base_url}files/{c.id}?token={token}", "expires_at": iso(exp),
@@ -360,14 +363,14 @@ async def download(checkpoint_id: str, request: Request, token: str = Query(""))
 
 # ---------------------------------------------------------------------------- trine extras
 @router.get("/trine/v1/models/{name}/tokenizer")
-def tokenizer_files(name: str, request: Request, key: ApiKey = Depends(api_key)):
+async def tokenizer_files(name: str, request: Request, key: ApiKey = Depends(api_key)):
     """The tokenizer files of a served model, for clients that build the tokenizer locally."""
     m = service_of(request).model(name)
     return {"model": m.name, "files": [f.name for f in m.tokenizer.files()]}
 
 
 @router.get("/trine/v1/models/{name}/tokenizer/{filename}")
-def tokenizer_file(name: str, filename: str, request: Request, key: ApiKey = Depends(api_key)):
+async def tokenizer_file(name: str, filename: str, request: Request, key: ApiKey = Depends(api_key)):
     m = service_of(request).model(name)
     for f in m.tokenizer.files():
         if f.name == filename:
@@ -376,10 +379,10 @@ def tokenizer_file(name: str, filename: str, request: Request, key: ApiKey = Dep
 
 
 @router.get("/trine/v1/events/{event_id}")
-def event_info(event_id: str, request: Request, key: ApiKey = Depends(api_key)):
+async def event_info(event_id: str, request: Request, key: ApiKey = Depends(api_key)):
     """An event's status and the clock cycle it ran in."""
     rec = service_of(request).store.event(event_id)
     if rec is None or rec.api_key_id != key.id:
         raise NotFound(f"event {event_id} not found", code="event_not_found")
-    return JSONResponse({"event_id": rec.id, "run_id": rec.run_id, "index": rec.idx, "type": rec.type,
+    return JSONResponse({"event_id": rec.event_id, "run_id": rec.run_id, "index": rec.idx, "type": rec.type,
                          "status": rec.status, "cycle": rec.cycle})

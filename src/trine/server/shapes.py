@@ -37,7 +37,7 @@ def wire_tensor(values, dtype: str = "<f4") -> dict:
 def event_envelope(rec: EventRecord, res: EventResult | None, model_id: Callable[[str], str]) -> bytes:
     """The msgpack event response a client gets for `rec` now. `model_id` maps a base model name
     to the model_id PyTRIO clients see."""
-    env = {"version": 1, "event_id": rec.id, "type": rec.type, "status": rec.status}
+    env = {"version": 1, "event_id": rec.event_id, "type": rec.type, "status": rec.status}
     if res is None:
         return msgpack.packb(env, use_bin_type=True)
     env["status"] = res.status

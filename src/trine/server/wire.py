@@ -5,6 +5,8 @@ message names the field (`payload.data.0.target_ids: ...`).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -19,6 +21,8 @@ from ..limits import (END_RUN, EVENT_TYPES, FORWARD, FORWARD_BACKWARD, INIT_RUN,
 from ..service import SampleSpec
 from ..service.errors import InvalidRequest
 from ..types import AdamParams
+from .bounds import Count, FiniteFloat, Int64, Positive, Seed, TtlSeconds
+from .normalisation import GradientAccumulation, denominator
 from .shapes import SampleShape
 
 
@@ -28,7 +32,7 @@ class _Model(BaseModel):
 
 class TextChunk(_Model):
     type: Literal["encoded_text"] = "encoded_text"
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class ImageChunk(_Model):
@@ -47,13 +51,13 @@ class ModelInput(_Model):
 
 
 class Metadata(_Model):
-    index: int = Field(ge=1)
-    step: int = 0
+    index: Positive
+    step: Count = 0
     run_id: str = ""
 
 
 class Envelope(_Model):
-    version: int = 1
+    version: Int64 = 1
     event_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     type: str
     metadata: Metadata
@@ -61,8 +65,8 @@ class Envelope(_Model):
 
 
 class Lora(_Model):
-    rank: int
-    seed: int | None = None
+    rank: Positive
+    seed: Seed | None = None
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
@@ -77,7 +81,7 @@ class InitRunPayload(_Model):
 
 class Datum(_Model):
     model_input: ModelInput
-    target_ids: list[int] = Field(min_length=1)
+    target_ids: list[Int64] = Field(min_length=1)
     weights: list[float] | None = None
     logprobs: list[float] | None = None
     advantages: list[float] | None = None
@@ -92,6 +96,7 @@ class ForwardPayload(_Model):
     data: list[Datum] = Field(min_length=1)
     auto_shift: bool = False
     loss: LossSpec
+    gradient_accumulation: GradientAccumulation | None = None
 
 
 class OptimPayload(_Model):
@@ -100,7 +105,7 @@ class OptimPayload(_Model):
 
 class SavePayload(_Model):
     name: str
-    ttl_seconds: int | None = None
+    ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
     visibility: str = "WORKSPACE"
 
@@ -110,13 +115,13 @@ class EndRunPayload(_Model):
 
 
 class SamplingParams(_Model):
-    max_tokens: int = Field(gt=0)
-    temperature: float = Field(default=1.0, ge=0)
-    top_k: int = -1
+    max_tokens: Positive
+    temperature: FiniteFloat = Field(default=1.0, ge=0)
+    top_k: Int64 = -1
     top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: Seed | None = None
     stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
 
 
 class SampleBody(_Model):
@@ -157,12 +162,16 @@ def decode_msgpack(body: bytes) -> dict:
     return obj
 
 
-def parse_event(body: bytes) -> tuple[Envelope, Op]:
+def parse_event(body: bytes) -> tuple[Envelope, Op, str]:
+    """The envelope, the operation, and the request's fingerprint (type, index, step and payload:
+    what a retry must repeat; the timestamp and SDK fields may differ)."""
     env = _parse(Envelope, decode_msgpack(body), "")
     if env.type not in EVENT_TYPES:
         raise InvalidRequest(f"type {env.type!r} is not an event type; use one of "
                              f"{', '.join(EVENT_TYPES)}")
-    return env, parse_op(env.type, env.payload)
+    op = parse_op(env.type, env.payload)
+    packed = msgpack.packb([env.type, env.metadata.index, env.metadata.step, env.payload], use_bin_type=True)
+    return env, op, hashlib.sha256(packed).hexdigest()
 
 
 def parse_op(type_: str, payload: dict) -> Op:
@@ -176,7 +185,8 @@ def parse_op(type_: str, payload: dict) -> Op:
         p = _parse(ForwardPayload, payload, "payload")
         data = [_datum(d, i, p.auto_shift) for i, d in enumerate(p.data)]
         return Forward(data, p.loss.type, dict(p.loss.config), backward=type_ == FORWARD_BACKWARD,
-                       auto_shift=p.auto_shift)
+                       auto_shift=p.auto_shift,
+                       denominator=denominator(p.loss.type, p.gradient_accumulation, data))
     if type_ == OPTIMIZE_STEP:
         a = _parse(OptimPayload, payload, "payload").adam_params  # validated by trine.types.AdamParams
         return OptimStep(AdamConfig(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay,
@@ -220,7 +230,12 @@ def parse_sample(body: dict) -> tuple[SampleSpec, SampleShape]:
     opts = SamplingOptions(max_tokens=p.max_tokens, temperature=float(p.temperature),
                            top_p=float(p.top_p), top_k=p.top_k, seed=p.seed, stop_strings=tuple(stop),
                            stop_token_ids=tuple(p.stop_token_ids or ()))
+    try:
+        opts.check_stops()
+    except ValueError as e:
+        raise InvalidRequest(f"sampling_params.{e}") from None
     compute_logprobs = b.return_prompt_logprobs and not b.return_token_logprobs
     spec = SampleSpec(b.request_id, b.prompt.tokens("prompt"), opts, b.num_samples,
-                      b.return_prompt_logprobs, b.topk_prompt_logprobs, not compute_logprobs)
+                      b.return_prompt_logprobs, b.topk_prompt_logprobs, not compute_logprobs,
+                      fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest())
     return spec, SampleShape(b.return_text, b.return_token_logprobs)

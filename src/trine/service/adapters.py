@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from ..engine.checkpoint import by_uri
 from ..engine.interface import EngineLost
 from ..engine.model import LoRAConfig
 from ..store import Checkpoint, Store
@@ -77,7 +78,7 @@ class AdapterCache:
             raise
         except Exception as e:
             fut.set_result(False)
-            raise Conflict(f"checkpoint {ck.uri} could not be loaded: {e}",
+            raise Conflict(f"checkpoint {ck.uri} could not be loaded: {by_uri(str(e), ck.path, ck.uri)}",
                            code="checkpoint_invalid") from None
         finally:
             rep.loading.pop(checkpoint_id, None)

@@ -2,6 +2,10 @@
 
 Files are written by the engine (atomically, under the data dir or the cluster's shared checkpoint
 dir, so every replica can read them); this module owns their database records and their removal.
+
+Download archives live apart from the checkpoint directories, named by checkpoint id
+(`$TRINE_HOME/archives/<id>.tar`): an overwrite creates a new checkpoint id, so a download never
+serves the old weights, and no checkpoint name (`w` and `w.tar`) can collide with an archive.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class Checkpoints:
         if old is not None:  # overwrite: the new record replaces it (the files already did)
             self.store.delete_checkpoint(old.id)
             self.adapters.forget(m.replicas, old.id)
+            self.archive_path(old.id).unlink(missing_ok=True)
         now = time.time()
         ttl = op.ttl_seconds or (TEMPORARY_CHECKPOINT_TTL_SECONDS if op.visibility == "TEMPORARY" else None)
         ck = Checkpoint(op.checkpoint_id, run.api_key_id, run.id, op.name,
@@ -53,7 +58,7 @@ class Checkpoints:
             self.adapters.forget(m.replicas, ck.id)
         if ck.path:
             shutil.rmtree(ck.path, ignore_errors=True)
-            Path(ck.path + ".tar").unlink(missing_ok=True)
+        self.archive_path(ck.id).unlink(missing_ok=True)
 
     def forget_temporary(self, run: TrainingRun) -> None:
         cks, _ = self.store.checkpoints(run.api_key_id, training_run_id=run.id, visibility="TEMPORARY")
@@ -75,13 +80,17 @@ class Checkpoints:
         if not ck.path or not Path(ck.path).is_dir():
             raise Conflict(f"checkpoint {ck.uri} has no files to download (a temporary snapshot held in "
                            "memory)", code="checkpoint_not_downloadable")
-        tar = Path(ck.path + ".tar")
+        tar = self.archive_path(ck.id)
         if not tar.is_file():
             await asyncio.get_running_loop().run_in_executor(None, _write_tar, Path(ck.path), tar)
         return tar
 
+    def archive_path(self, checkpoint_id: str) -> Path:
+        return self.store.home / "archives" / f"{checkpoint_id}.tar"
+
 
 def _write_tar(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex}")
     with tarfile.open(tmp, "w") as tf:
         tf.add(src, arcname=src.name)

@@ -27,6 +27,7 @@ from typing import AsyncIterator, Callable
 
 from ..engine.interface import Engine, EngineStats
 from ..engine.ops import Op
+from ..limits import KeyLimits
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
 from ..store import ApiKey, Checkpoint, EventRecord, Store
@@ -37,6 +38,7 @@ from .faults import Faults
 from .gc import GarbageCollector
 from .models import Replica, ServedModel, resolve_model
 from .ownership import Ownership
+from .quotas import KeyQuotas
 from .routing import Router
 from .runs import Activity, Runs
 from .sampling import SampleOutcome, SampleSpec, Sampling
@@ -52,7 +54,7 @@ class Service:
                  trainer_options: dict | None = None, max_adapters: int = 32,
                  run_idle_seconds: float = 3600.0, gc_interval: float = 60.0,
                  rate_card: RateCard | None = None, engines: EngineFactory | None = None,
-                 router: Router | None = None):
+                 router: Router | None = None, key_limits: KeyLimits | None = None):
         if not models:
             raise ValueError("models: serve at least one base model")
         self.store = store
@@ -80,11 +82,12 @@ class Service:
         self.activity = Activity()
         self.adapters = AdapterCache(store, max_adapters, self._spawn, self._on_loop)
         self.checkpoints = Checkpoints(store, self.ownership, self.models, self.adapters)
+        self.quotas = KeyQuotas(store, self.models, key_limits)
         self.events = Events(store, self.ownership, self.models, self.checkpoints, self.activity,
-                             self.rate_card, self._replica_lost)
+                             self.rate_card, self._replica_lost, self.quotas)
         self.faults = Faults(store, self.events)
         self.runs = Runs(store, self.ownership, self.models, self.checkpoints, self.activity,
-                         self.events)
+                         self.events, self.quotas)
         self.sampling = Sampling(store, self.ownership, self.models, self.adapters, self.rate_card,
                                  self._spawn, self._replica_lost, router or Router())
         self.gc = GarbageCollector(store, self.models, self.checkpoints, self.runs, self.events,
@@ -206,10 +209,11 @@ class Service:
 
     # ================================================================== events
     async def submit_event(self, key: ApiKey, run_id: str, *, event_id: str, type: str, index: int,
-                           step: int, op: Op) -> EventRecord:
-        """Accept a training event (idempotent by event_id); see events.py."""
+                           step: int, op: Op, fingerprint: str = "") -> EventRecord:
+        """Accept a training event (idempotent by event_id; `fingerprint` identifies its body, so
+        the same id with another body is refused); see events.py."""
         return await self.events.submit(key, run_id, event_id=event_id, type=type, index=index,
-                                        step=step, op=op)
+                                        step=step, op=op, fingerprint=fingerprint)
 
     async def event(self, key: ApiKey, run_id: str, event_id: str, wait: float = 0.0) -> EventRecord:
         return await self.events.event(key, run_id, event_id, wait)

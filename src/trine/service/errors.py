@@ -41,3 +41,4 @@ class TooLarge(ServiceError):
 
 class TooManyRequests(ServiceError):
     status, code = 429, "too_many_requests"
+

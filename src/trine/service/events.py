@@ -2,8 +2,12 @@
 
 Invariants
 - Events of a run execute in index order, exactly once: a retried event id returns the event's
-  current state and never enqueues it again (`ordering.RunQueue` keeps the order).
-- An accepted event is in the database before the client hears "accepted"; its terminal result
+  current state and never enqueues it again (`ordering.RunQueue` keeps the order). A retry must
+  carry the same request (its `fingerprint`, from the front end): the same id with another body
+  is a 409 naming both. Event ids are per run: an id another run used first is stored scoped
+  (`EventRecord.event_id`), so it neither collides nor reveals that the other run exists.
+- An accepted event is stored before it is queued (a failed write leaves nothing queued) and is in
+  the database before the client hears "accepted"; its terminal result
   (a protocol-neutral `EventResult`, msgpack) is stored before any waiter is woken, so a retry or
   long-poll always finds it. Front ends shape it on read.
 - Usage is metered once per succeeded forward / forward_backward / optim_step, when it settles.
@@ -21,7 +25,7 @@ import msgpack
 from ..engine.interface import EngineLost
 from ..engine.losses import Loss, prepare_datum
 from ..engine.ops import CycleEvent, EventOutcome, Forward, InitRun, Op, RunShare, Save, TrainingCycle
-from ..limits import (CHECKPOINT_VISIBILITIES, FORWARD, FORWARD_BACKWARD, OPTIMIZE_STEP,
+from ..limits import (CHECKPOINT_VISIBILITIES, FORWARD, FORWARD_BACKWARD, MAX_TTL_SECONDS, OPTIMIZE_STEP,
                       check_checkpoint_name, check_lora_rank)
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
@@ -32,6 +36,7 @@ from .errors import Conflict, InvalidRequest, NotFound
 from .models import Replica, ServedModel, resolve_model
 from .ordering import CyclePlan, Pending, split_phases
 from .ownership import Ownership
+from .quotas import KeyQuotas
 from .runs import Activity
 
 log = logging.getLogger("trine.service")
@@ -76,7 +81,9 @@ class LiveEvent:
 
 class Events:
     def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
-                 checkpoints: Checkpoints, activity: Activity, rate_card: RateCard, on_lost):
+                 checkpoints: Checkpoints, activity: Activity, rate_card: RateCard, on_lost,
+                 quotas: "KeyQuotas | None" = None):
+        self.quotas = quotas  # per-key limits on queued work
         self.store = store
         self.ownership = ownership
         self.models = models
@@ -85,48 +92,66 @@ class Events:
         self.rate_card = rate_card
         self.on_lost = on_lost  # (model, replica, reason): a replica died (faults.py)
         self.live: dict[str, LiveEvent] = {}
-        self._submitting: dict[str, asyncio.Future] = {}  # event id -> its submission in progress
+        self._submitting: dict[str, tuple[asyncio.Future, str]] = {}  # event id -> (its acceptance, fingerprint)
 
     # ------------------------------------------------------------------ accepting
     async def submit(self, key: ApiKey, run_id: str, *, event_id: str, type: str, index: int,
-                     step: int, op: Op) -> EventRecord:
+                     step: int, op: Op, fingerprint: str = "") -> EventRecord:
         """Accept an event (or return the state of the one already accepted with this id).
 
-        Checking a large batch runs in a thread; a retry that arrives meanwhile joins this call."""
-        known = self.record(event_id)
+        Checking a large batch runs in a thread; a retry that arrives meanwhile joins this call.
+        `fingerprint` identifies the request body ("" = not checked)."""
+        stored_id = self._stored_id(run_id, event_id)
+        known = self.record(stored_id)
         if known is not None:
-            if known.run_id != run_id or known.api_key_id != key.id:
-                raise Conflict(f"event_id {event_id} belongs to another run; generate a new id",
-                               code="event_id_conflict")
+            self.ownership.event(key, run_id, known)
+            _same_request(event_id, known.fingerprint, fingerprint, f"{known.type} #{known.idx}")
             return known
-        if event_id in self._submitting:
-            return await asyncio.shield(self._submitting[event_id])
-        fut = self._submitting[event_id] = asyncio.get_running_loop().create_future()
+        if stored_id in self._submitting:
+            joined, their_fingerprint = self._submitting[stored_id]
+            _same_request(event_id, their_fingerprint, fingerprint, "an event being accepted")
+            return await asyncio.shield(joined)
+        fut = asyncio.get_running_loop().create_future()
+        self._submitting[stored_id] = (fut, fingerprint)
         try:
-            rec = await self._accept(key, run_id, event_id, type, index, step, op)
+            rec = await self._accept(key, run_id, stored_id, type, index, step, op, fingerprint)
         except BaseException as e:
             fut.set_exception(e)
             fut.exception()  # retrieved: joiners re-raise it
             raise
         finally:
-            self._submitting.pop(event_id, None)
+            self._submitting.pop(stored_id, None)
         fut.set_result(rec)
         return rec
 
+    def _stored_id(self, run_id: str, event_id: str) -> str:
+        """`event_id`, or `event_id~run_id` when another run used that id first."""
+        rec = self.record(event_id)
+        if rec is None or rec.run_id == run_id:
+            return event_id
+        return f"{event_id}~{run_id}"
+
     async def _accept(self, key: ApiKey, run_id: str, event_id: str, type: str, index: int, step: int,
-                      op: Op) -> EventRecord:
+                      op: Op, fingerprint: str) -> EventRecord:
         r = self.ownership.active_run(key, run_id)
         m = self.models[r.base_model]
         if isinstance(op, Forward):
             await asyncio.get_running_loop().run_in_executor(None, _check_forward, m, op)
             r = self.ownership.active_run(key, run_id)  # it may have ended meanwhile
         op = self._resolve(key, r, m, op)
+        if self.quotas is not None:
+            self.quotas.check_queue(key, op, self.queued_tokens(key.id))
         rep = m.place(run_id)
         pend = Pending(event_id, run_id, index, type, op)
-        rep.scheduler.queue(run_id).add(pend)
         now = time.time()
-        rec = EventRecord(event_id, run_id, key.id, index, type, step, "accepted", now, now)
-        self.store.add_event(rec)
+        rec = EventRecord(event_id, run_id, key.id, index, type, step, "accepted", now, now,
+                          fingerprint=fingerprint)
+        self.store.add_event(rec)  # stored first: a failed write leaves nothing queued
+        try:
+            rep.scheduler.queue(run_id).add(pend)
+        except BaseException:
+            self.store.delete_event(rec.id)
+            raise
         if not r.started:
             self.store.update_training_run(r.id, started=True)
         self.live[event_id] = LiveEvent(rec, pend, rep)
@@ -160,8 +185,8 @@ class Events:
         _invalid_unless(check_checkpoint_name, op.name)
         if op.visibility not in CHECKPOINT_VISIBILITIES:
             raise InvalidRequest(f"visibility {op.visibility!r}: use {' or '.join(CHECKPOINT_VISIBILITIES)}")
-        if op.ttl_seconds is not None and op.ttl_seconds <= 0:
-            raise InvalidRequest("ttl_seconds must be > 0 (or omitted)")
+        if op.ttl_seconds is not None and not 0 < op.ttl_seconds <= MAX_TTL_SECONDS:
+            raise InvalidRequest(f"ttl_seconds must be in [1, {MAX_TTL_SECONDS}] (100 years), or omitted")
         part = "state" if op.kind == "state" else "weights"
         uri = f"trio://{r.id}/{part}/{op.name}"
         existing = self.store.checkpoint_by_uri(uri)
@@ -181,6 +206,7 @@ class Events:
     # ------------------------------------------------------------------ reading
     async def event(self, key: ApiKey, run_id: str, event_id: str, wait: float = 0.0) -> EventRecord:
         """The event's state, after waiting up to `wait` seconds for it to finish."""
+        event_id = self._stored_id(run_id, event_id)
         live = self.live.get(event_id)
         if live is not None and wait > 0 and not live.done.is_set():
             self.ownership.event(key, run_id, live.record)
@@ -201,6 +227,12 @@ class Events:
     def result(rec: EventRecord) -> EventResult | None:
         """The terminal result of `rec`, or None while it is accepted or running."""
         return EventResult.unpack(rec.response) if rec.response is not None else None
+
+    def queued_tokens(self, api_key_id: str) -> int:
+        """Tokens of the key's forward events accepted and not yet running."""
+        return sum(live.pending.op.tokens for live in self.live.values()
+                   if live.record.api_key_id == api_key_id and live.record.status == "accepted"
+                   and isinstance(live.pending.op, Forward))
 
     def busy(self, run_id: str) -> bool:
         return any(live.record.run_id == run_id for live in self.live.values())
@@ -307,6 +339,13 @@ def _share(ph) -> RunShare:
 
 def _all_failed(plan: CyclePlan, code: str, message: str) -> dict[str, EventOutcome]:
     return {ev.event_id: EventOutcome(error=(code, message)) for evs in plan.runs.values() for ev in evs}
+
+
+def _same_request(event_id: str, first: str | None, again: str, what: str) -> None:
+    """A reused event id must carry the request it was first used for."""
+    if first and again and first != again:
+        raise Conflict(f"event_id {event_id} was already used for a different request ({what}); a retry "
+                       "must resend the same body: give a new event its own id", code="event_id_reused")
 
 
 def _invalid_unless(check, value) -> None:

@@ -56,7 +56,7 @@ class Ownership:
 
     def event(self, key: ApiKey, run_id: str | None, rec: EventRecord) -> EventRecord:
         if rec.api_key_id != key.id or (run_id is not None and rec.run_id != run_id):
-            raise NotFound(f"event {rec.id} not found", code="event_not_found")
+            raise NotFound(f"event {rec.event_id} not found", code="event_not_found")
         return rec
 
     # ------------------------------------------------------------------ states

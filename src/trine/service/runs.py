@@ -21,6 +21,7 @@ from .models import ServedModel, resolve_model
 from .ownership import Ownership
 
 if TYPE_CHECKING:
+    from .quotas import KeyQuotas
     from .events import Events
 
 log = logging.getLogger("trine.service")
@@ -44,13 +45,15 @@ class Activity:
 
 class Runs:
     def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
-                 checkpoints: Checkpoints, activity: Activity, events: "Events"):
+                 checkpoints: Checkpoints, activity: Activity, events: "Events",
+                 quotas: "KeyQuotas | None" = None):
         self.store = store
         self.ownership = ownership
         self.models = models
         self.checkpoints = checkpoints
         self.activity = activity
         self.events = events
+        self.quotas = quotas  # per-key limits on new runs
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, key: ApiKey, sdk_version: str = "") -> Session:
@@ -98,6 +101,8 @@ class Runs:
             check_lora_rank(lora_rank)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        if self.quotas is not None:
+            self.quotas.check_new_run(key, m, lora_rank, train_mlp, train_attn, train_unembed)
         now = time.time()
         r = TrainingRun(new_id("tr"), key.id, s.id, self.store.count_runs(s.id) + 1, m.name,
                         lora_rank, train_mlp, train_attn, train_unembed, seed,

@@ -2,7 +2,8 @@
 
 Invariants
 - A request id is served once per sampling run: a retry joins the request still running or gets
-  the stored outcome; nothing is metered twice.
+  the stored outcome; nothing is metered twice. The same id with a different request (another
+  fingerprint) is a 409.
 - Metered tokens add up: prompt = prefill computed + cached, from the engine's usage.
 - The stored outcome is protocol-neutral (`SampleOutcome`); each front end shapes it on read.
 - A sampler made from a TEMPORARY snapshot that only one replica holds in memory is served there.
@@ -44,6 +45,7 @@ class SampleSpec:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     generate: bool = True  # False: compute_logprobs
+    fingerprint: str = ""  # identifies the request body: a retry must match it ("" = unchecked)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class Sampling:
     router: Router = field(default_factory=Router)
     diagnostics: PrefixDiagnostics = field(default_factory=PrefixDiagnostics)
     _running: dict[tuple[str, str], asyncio.Future] = field(default_factory=dict)
+    _fingerprints: dict[tuple[str, str], str] = field(default_factory=dict)  # of the running requests
     _serving: dict[tuple[str, str], Replica] = field(default_factory=dict)  # request -> its replica
 
     async def sample(self, key: ApiKey, sampling_run_id: str, spec: SampleSpec) -> SampleOutcome:
@@ -99,14 +102,17 @@ class Sampling:
         r = self.ownership.sampling_run(key, sampling_run_id)
         dedup = (r.id, spec.request_id)
         if dedup in self._running:
+            _same_request(spec, self._fingerprints.get(dedup))
             return await asyncio.shield(self._running[dedup])
         stored = self.store.sample_result(*dedup)
         if stored is not None:
+            _same_request(spec, self.store.sample_fingerprint(*dedup))
             return SampleOutcome.from_json(stored)
         if r.status != "ACTIVE":
             raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
                            code="run_ended")
         fut = self._running[dedup] = asyncio.get_running_loop().create_future()
+        self._fingerprints[dedup] = spec.fingerprint
         try:
             out = await self._sample(key, r, spec)
         except BaseException as e:
@@ -115,6 +121,7 @@ class Sampling:
             raise
         finally:
             self._running.pop(dedup, None)
+            self._fingerprints.pop(dedup, None)
         fut.set_result(out)
         return out
 
@@ -216,7 +223,7 @@ class Sampling:
             {"prompt_tokens": u.prompt_tokens, "prefill_tokens": u.prefill_tokens,
              "cached_tokens": u.cached_tokens, "sample_tokens": u.sample_tokens},
             self.rate_card.cost(event)["total"], rep.index)
-        self.store.add_sample_result(r.id, spec.request_id, out.to_json())
+        self.store.add_sample_result(r.id, spec.request_id, out.to_json(), spec.fingerprint)
         self.store.add_usage(event)
         if spec.generate:
             self.spawn(self._diagnose(key, r, m, spec, res))
@@ -258,3 +265,11 @@ def _check_prompt(spec: SampleSpec, m: ServedModel) -> None:
                             m.max_seq_len, m.name)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
+
+
+def _same_request(spec: SampleSpec, first: str | None) -> None:
+    """A reused request id must carry the request it was first used for."""
+    if first and spec.fingerprint and first != spec.fingerprint:
+        raise Conflict(f"request_id {spec.request_id} was already used for a different sample request; a "
+                       "retry must resend the same body: give a new request its own id",
+                       code="request_id_reused")

@@ -61,11 +61,20 @@ class Store:
                 for f in dataclasses.fields(cls):
                     cols.append(f"{f.name} {_column_type(f)}" + (" PRIMARY KEY" if f.name == pk else ""))
                 self._db.execute(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(cols)})")
+                self._add_missing_columns(table, [(f.name, _column_type(f)) for f in dataclasses.fields(cls)])
                 for col in indexes:
                     self._db.execute(f"CREATE INDEX IF NOT EXISTS ix_{table}_{col} ON {table}({col})")
             self._db.execute("CREATE TABLE IF NOT EXISTS sample_results (sampling_run_id TEXT, "
                              "request_id TEXT, response BLOB, created_at REAL, "
                              "PRIMARY KEY (sampling_run_id, request_id))")
+            self._add_missing_columns("sample_results", [("fingerprint", "TEXT")])
+
+    def _add_missing_columns(self, table: str, columns: list[tuple[str, str]]) -> None:
+        """A data dir written by an older trine lacks newer columns: add them (NULL in old rows)."""
+        have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+        for name, sql_type in columns:
+            if name not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sql_type}")
 
     def close(self) -> None:
         with self._lock:
@@ -205,6 +214,9 @@ class Store:
     def events(self, run_id: str) -> list[EventRecord]:
         return self._select("events", "run_id = ?", (run_id,), order="idx")
 
+    def delete_event(self, event_id: str) -> None:
+        self._exec("DELETE FROM events WHERE id = ?", (event_id,))
+
     def update_event(self, event_id: str, **fields) -> None:
         self._update("events", event_id, updated_at=time.time(), **fields)
 
@@ -220,9 +232,17 @@ class Store:
                           "request_id = ?", (sampling_run_id, request_id))
         return rows[0][0] if rows else None
 
-    def add_sample_result(self, sampling_run_id: str, request_id: str, response: bytes) -> None:
-        self._exec("INSERT OR REPLACE INTO sample_results VALUES (?, ?, ?, ?)",
-                   (sampling_run_id, request_id, response, time.time()))
+    def sample_fingerprint(self, sampling_run_id: str, request_id: str) -> str | None:
+        """The fingerprint of the request whose result is stored ("" or None: not recorded)."""
+        rows = self._exec("SELECT fingerprint FROM sample_results WHERE sampling_run_id = ? AND "
+                          "request_id = ?", (sampling_run_id, request_id))
+        return rows[0][0] if rows else None
+
+    def add_sample_result(self, sampling_run_id: str, request_id: str, response: bytes,
+                          fingerprint: str = "") -> None:
+        self._exec("INSERT OR REPLACE INTO sample_results (sampling_run_id, request_id, response, created_at, "
+                   "fingerprint) VALUES (?, ?, ?, ?, ?)",
+                   (sampling_run_id, request_id, response, time.time(), fingerprint))
 
     # ------------------------------------------------------------------ checkpoints
     def add_checkpoint(self, c: Checkpoint) -> None:

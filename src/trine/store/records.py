@@ -73,6 +73,13 @@ class EventRecord:
     updated_at: float
     cycle: int | None = None
     response: bytes | None = None
+    fingerprint: str | None = None  # of the request body: a retry must match it
+
+    @property
+    def event_id(self) -> str:
+        """The client's event id. `id` is scoped (`<event_id>~<run_id>`) when another run used the
+        same event id first, so one run's ids never reveal or collide with another's."""
+        return self.id.split("~", 1)[0]
 
 
 @dataclass

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pydantic import field_validator, model_validator
 
+from ..limits import ADAM_BOUNDS, check_adam_value
 from .base import BaseModel
 
 
@@ -64,13 +65,8 @@ class AdamParams(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> AdamParams:
-        for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
-            v = getattr(self, name)
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(f"AdamParams.{name} must be a finite number >= 0, got {v}")
-        for name in ("beta1", "beta2"):
-            if getattr(self, name) >= 1:
-                raise ValueError(f"AdamParams.{name} must be < 1, got {getattr(self, name)}")
+        for name in ADAM_BOUNDS:
+            check_adam_value(name, getattr(self, name))
         return self
 
 

@@ -1,0 +1,212 @@
+"""Bad input that used to get a 500 (or a half-done write) gets a 4xx before anything is queued;
+body limits count the bytes actually read; a 500 keeps the connection; no error names a server
+file path; public routes answer nothing per key."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+from fastapi import APIRouter
+
+from serverutil import ADAM, RawClient, ce_payload, event, init_payload, serve
+
+MODEL = "tiny-llama"
+BIG = 2**64 - 1  # fits MessagePack's uint64, not a 64-bit SQLite integer
+
+
+boom = APIRouter()
+
+
+@boom.get("/test/boom")
+def _boom():
+    raise RuntimeError("/very/secret/server/path exploded")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    with serve(tiny_model_dir, tmp_path_factory.mktemp("home"), routers=(boom,)) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def client(server):
+    c = RawClient(server.url, server.api_key)
+    yield c
+    c.close()
+
+
+def new_run(client: RawClient):
+    run = client.training_run(client.session(), MODEL)
+    rid = run["training_run_cuid"]
+    assert client.submit(run, event(f"event_init{rid[-6:]}", "init_run", 1, init_payload(run["model_id"]),
+                                    rid)).status_code < 300
+    return run, rid
+
+
+def assert_4xx(r: httpx.Response, *words: str):
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) >= {"code", "message"}
+    for w in words:
+        assert w in body["message"], body["message"]
+
+
+@pytest.mark.parametrize("field, value", [("index", BIG), ("index", 2**63), ("step", BIG), ("step", -1)])
+def test_out_of_range_event_metadata_is_refused_and_leaves_no_trace(server, client, field, value):
+    run, rid = new_run(client)
+    eid = f"event_range{rid[-6:]}"
+    ev = event(eid, "forward_backward", 2, ce_payload([5, 6, 7]), rid)
+    ev["metadata"][field] = value
+    assert_4xx(client.submit(run, ev), f"metadata.{field}")
+    assert server.service.store.event(eid) is None
+    ok = event(eid, "forward_backward", 2, ce_payload([5, 6, 7]), rid)
+    assert client.submit(run, ok).status_code in (200, 202)  # the index and the id are still free
+    assert client.wait(run, eid)["status"] == "succeeded"
+
+
+@pytest.mark.parametrize("payload, words", [
+    ({"name": "w", "ttl_seconds": 10**15}, ["ttl_seconds"]),
+    ({"name": "w", "ttl_seconds": 0}, ["ttl_seconds"]),
+])
+def test_save_ttl_is_range_checked_and_listing_keeps_working(client, payload, words):
+    run, rid = new_run(client)
+    assert_4xx(client.submit(run, event("event_save00000001", "save_weights", 2, payload, rid)), *words)
+    r = client.control("GET", "checkpoints")
+    assert r.status_code == 200
+
+
+def test_adam_params_must_be_finite_and_sane(client):
+    run, rid = new_run(client)
+    for name, value in (("learning_rate", 1e300), ("eps", 2.0), ("beta1", 1.0), ("weight_decay", -1.0)):
+        adam = {"adam_params": {**ADAM["adam_params"], name: value}}
+        assert_4xx(client.submit(run, event("event_adam00000001", "optimize_step", 2, adam, rid)), name)
+
+
+def test_wire_integers_and_floats_are_range_checked(client):
+    run, rid = new_run(client)
+    bad_tokens = ce_payload([5, 6, 7])
+    bad_tokens["data"][0]["target_ids"] = [6, 7, BIG]
+    assert_4xx(client.submit(run, event("event_tok000000001", "forward_backward", 2, bad_tokens, rid)),
+               "target_ids")
+    lora = init_payload(run["model_id"])
+    lora["lora_config"]["seed"] = BIG
+    run2 = client.training_run(client.session(), MODEL)
+    assert_4xx(client.submit(run2, event("event_seed00000001", "init_run", 1, lora)), "seed")
+    srun = client.sampling_run(client.session(), MODEL)
+    base = {"request_id": "r1", "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+            "num_samples": 1}
+    for params, word in (({"max_tokens": BIG}, "max_tokens"), ({"max_tokens": 2, "seed": BIG}, "seed"),
+                         ({"max_tokens": 2, "stop_token_ids": [BIG]}, "stop_token_ids"),
+                         ({"max_tokens": 2, "top_k": BIG}, "top_k"),
+                         ({"max_tokens": 2, "stop": ["x"] * 100_000}, "stop strings")):
+        assert_4xx(client.sample(srun, {**base, "sampling_params": params}), word)
+    body = json.dumps({**base, "sampling_params": {"max_tokens": 2, "temperature": float("inf")}})
+    r = client.http.post(f"{srun['actor']['endpoint']}/v1/sampling-runs/{srun['sampling_run_cuid']}/sample",
+                         content=body, headers={"Authorization": f"Bearer {srun['actor_jwt']['token']}"})
+    assert_4xx(r, "temperature")
+    tiny = client.sample(srun, {**base, "sampling_params": {"max_tokens": 3, "temperature": 1e-300}})
+    greedy = client.sample(srun, {**base, "request_id": "r2", "sampling_params": {"max_tokens": 3,
+                                                                                  "temperature": 0.0}})
+    assert tiny.json()["sequences"][0]["tokens"] == greedy.json()["sequences"][0]["tokens"]
+
+
+def test_control_plane_integers_are_range_checked(client):
+    for path in ("checkpoints", "training-runs", "service-sessions"):
+        assert_4xx(client.control("GET", f"{path}?offset={BIG}"), "offset")
+        assert client.control("GET", f"{path}?offset={2**63 - 1}").status_code == 200
+    session = client.session()
+    for field, value in (("seed", BIG), ("lora_rank", BIG), ("seed", -1)):
+        r = client.control("POST", f"service-sessions/{session}/training-runs",
+                           json={"base_model": MODEL, "lora_rank": 4, field: value})
+        assert_4xx(r, field)
+
+
+def test_deeply_nested_json_gets_400(client):
+    nested = ("[" * 100_000 + "]" * 100_000).encode()
+    session = client.session()
+    r = client.control("POST", f"service-sessions/{session}/close", content=b'{"status": ' + nested + b"}",
+                       headers={"Content-Type": "application/json"})
+    assert_4xx(r)
+    r = client.control("POST", "service-sessions", content=b'{"user_metadata": ' + nested + b"}",
+                       headers={"Content-Type": "application/json"})
+    assert_4xx(r)
+    srun = client.sampling_run(client.session(), MODEL)
+    r = client.http.post(f"{srun['actor']['endpoint']}/v1/sampling-runs/{srun['sampling_run_cuid']}/sample",
+                         content=nested, headers={"Authorization": f"Bearer {srun['actor_jwt']['token']}"})
+    assert_4xx(r)
+    run, rid = new_run(client)
+    deep = msgpack.packb({"a": 1})
+    for _ in range(5000):
+        deep = b"\x91" + deep  # a one-element array around it
+    assert_4xx(client.submit(run, deep))
+
+
+def test_chunked_control_bodies_obey_the_limit(server, client):
+    before = server.service.store.sessions(server.service.store.key_by_secret(server.api_key).id, 1000, 0)[1]
+
+    def chunks():
+        yield b'{"sdk_version": "'
+        for _ in range(3):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+    r = client.control("POST", "service-sessions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["code"] == "request_too_large"
+    after = server.service.store.sessions(server.service.store.key_by_secret(server.api_key).id, 1000, 0)[1]
+    assert after == before
+    assert client.control("GET", "checkpoints").status_code == 200  # the server keeps serving
+
+
+def _raw_requests(url: str, paths: list[str]) -> list[bytes]:
+    """Send the requests one after another on ONE connection; return each raw response."""
+    host, port = url.removeprefix("http://").split(":")
+    out = []
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        f = sock.makefile("rb")
+        for path in paths:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            status = f.readline()
+            length = 0
+            while (line := f.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            out.append(status + f.read(length))
+    return out
+
+
+def test_a_500_keeps_the_connection_and_names_no_path(server):
+    first, second, third = _raw_requests(server.url, ["/test/boom", "/", "/test/boom"])
+    assert first.startswith(b"HTTP/1.1 500") and b"internal_error" in first
+    assert b"/very/secret" not in first
+    assert second.startswith(b"HTTP/1.1 200") and third.startswith(b"HTTP/1.1 500")
+
+
+def test_checkpoint_errors_name_the_uri_not_the_file(server, client):
+    run, rid = new_run(client)
+    assert client.submit(run, event("event_ckpt00000001", "save_state", 2, {"name": "gone"}, rid)).status_code < 300
+    uri = client.wait(run, "event_ckpt00000001")["result"]["checkpoint"]["uri"]
+    path = Path(server.service.store.checkpoint_by_uri(uri).path)
+    shutil.rmtree(path)  # the files vanished behind the server's back
+    path.mkdir()
+    restored = client.training_run(client.session(), MODEL)
+    init = init_payload(restored["model_id"])
+    init["checkpoint_uri"] = uri
+    assert client.submit(restored, event("event_ckpt00000002", "init_run", 1, init)).status_code < 300
+    failed = client.wait(restored, "event_ckpt00000002")
+    assert failed["status"] == "failed" and uri in failed["error"]["message"], failed
+    assert str(server.home) not in failed["error"]["message"]
+
+
+def test_public_routes_answer_nothing_per_key(server):
+    with httpx.Client(base_url=server.url, trust_env=False) as anon:
+        root = anon.get("/").json()
+        assert set(root) == {"service", "models"}
+        assert anon.get("/api/sdk/bootstrap").status_code == 200
+        assert anon.post("/api/telemetry/event", json={"x": 1}).status_code == 204
+        for path in ("/api/openapi/v1/checkpoints", "/api/openapi/v1/training-runs", "/api/trine/v1/usage",
+                     "/api/models"):
+            assert anon.get(path).status_code == 401
