@@ -33,7 +33,7 @@ def sft(url: str, api_key: str, steps: int = 4, save: str | None = "ck-console")
         run = SftRun(trainer.training_run_id)
         for _ in range(steps):
             fb = trainer.forward_backward(data, "cross_entropy")
-            opt = trainer.optim_step(trio.AdamParams(learning_rate=5e-2))
+            opt = trainer.optim_step(trio.AdamParams(learning_rate=2e-2))
             out, step = fb.result(), opt.result()
             run.losses.append(out.metrics["loss_mean"])
             run.grad_norms.append(step.metrics["grad_norm"])

@@ -2,7 +2,7 @@
 selenium) against a real server: sign-in, a short SFT's loss curve, live updates, usage totals equal
 to `trine usage --json`, checkpoints, the server page, key isolation and a refused key.
 
-Screenshots of every page (1280x800 and a narrow 420x860 window) go to $TRINE_CONSOLE_SHOTS
+Screenshots of every page (1280x800, a narrow 420x860 window, and the whole page) go to $TRINE_CONSOLE_SHOTS
 (default benchmarks/out/console/, git-ignored).
 """
 from __future__ import annotations
@@ -84,13 +84,18 @@ def sign_in(driver, url: str, key: str) -> None:
 
 
 def shoot(driver, name: str) -> None:
-    """Screenshots at 1280x800 and in a narrow window, after the page has re-laid out."""
-    for (w, h), suffix in ((WIDE, ""), (NARROW, "-narrow")):
-        driver.set_window_size(w, h)
-        driver.execute_script("window.dispatchEvent(new Event('resize'))")
+    """Screenshots with a 1280x800 and a narrow 420x860 viewport, and the whole page at 1280 wide."""
+    for (w, h), suffix in ((WIDE, ""), (NARROW, "-narrow"), ((WIDE[0], 0), "-full")):
+        if not h:  # lay out at full width first, then measure the page
+            driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                   {"width": w, "height": WIDE[1], "deviceScaleFactor": 1, "mobile": False})
+            wait(driver, "new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
+            h = driver.execute_script("return document.documentElement.scrollHeight")
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                               {"width": w, "height": h, "deviceScaleFactor": 1, "mobile": False})
         wait(driver, "new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
         driver.save_screenshot(str(SHOTS / f"{name}{suffix}.png"))
-    driver.set_window_size(*WIDE)
+    driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 def chart(driver, canvas: str) -> dict:

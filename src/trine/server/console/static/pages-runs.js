@@ -34,7 +34,7 @@
           <div class="card"><h3>Loss per step</h3><div class="chart"><canvas id="chart-loss"></canvas></div></div>
           <div class="card"><h3>Gradient norm per optim step</h3><div class="chart"><canvas id="chart-grad"></canvas></div></div>
           <div class="card"><h3>Train tokens per step: computed vs in the loss</h3><div class="chart"><canvas id="chart-tokens"></canvas></div></div>
-          <div class="card"><h3>Clock cycle of each step</h3><div class="chart"><canvas id="chart-cycles"></canvas></div></div>
+          <div class="card"><h3>Clock cycle of each step <span class="muted">(a dot in a ring: one cycle per step)</span></h3><div class="chart"><canvas id="chart-cycles"></canvas></div></div>
         </div>
         <div id="run-failures"></div>
         <h2>Checkpoints</h2><div id="run-checkpoints"></div>
@@ -64,10 +64,10 @@
          { label: "in the loss", data: steps.map((s) => s.loss_tokens), backgroundColor: "#9fd18f" }],
         { scales: T.axes("step", "tokens") });
       T.chart("chart-cycles", "line", labels,
-        [{ label: "forward_backward", data: steps.map((s) => s.cycle), borderColor: "#4e79a7", backgroundColor: "#4e79a7",
-           pointRadius: 3, showLine: false },
-         { label: "optim_step", data: steps.map((s) => s.optim_cycle), borderColor: "#f28e2b", backgroundColor: "#f28e2b",
-           pointRadius: 5, pointStyle: "crossRot", showLine: false }],
+        [{ label: "forward_backward", data: steps.map((s) => s.cycle), borderColor: "#4e79a7",
+           backgroundColor: "rgba(0,0,0,0)", pointRadius: 6, pointBorderWidth: 2, showLine: false },
+         { label: "optim_step", data: steps.map((s) => s.optim_cycle), borderColor: "#f28e2b",
+           backgroundColor: "#f28e2b", pointRadius: 3, showLine: false }],
         { scales: T.axes("step", "clock cycle", { y: { ticks: { precision: 0 } } }) });
       const rows = steps.slice().reverse().slice(0, 500).map((s) => `<tr>
         <td class="num">${s.step}</td><td class="num">${T.num(s.loss, 5)}</td><td class="num">${T.num(s.grad_norm, 4)}</td>

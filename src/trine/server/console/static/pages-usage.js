@@ -83,7 +83,7 @@
       document.getElementById("usage-chart-title").textContent =
         `${cost ? `Cost (${cur})` : "Tokens"} by phase per ${bucket} (UTC), stacked`;
       T.chart("chart-usage", "bar", rows.map((r) => r.key),
-        PHASES.map(([ph, label]) => ({ label, phase: ph, backgroundColor: T.PHASE_COLORS[ph],
+        PHASES.map(([ph, label]) => ({ label, phase: ph, backgroundColor: T.PHASE_COLORS[ph], maxBarThickness: 48,
           data: rows.map((r) => (cost ? r.cost[ph] : r.tokens[ph]) || 0) })),
         { scales: { x: { stacked: true }, y: { stacked: true, beginAtZero: true,
                     title: { display: true, text: cost ? cur : "tokens" } } } });
