@@ -1,10 +1,12 @@
-"""Shared by the console tests: a server with two keys, and a short SFT through the trine SDK whose
-results (losses, gradient norms, cycles, tokens) the console must show exactly."""
+"""Shared by the console tests (and docs/console_screenshots.py): a server with two keys, a short SFT
+through the trine SDK whose results (losses, gradient norms, cycles, tokens) the console must show
+exactly, and a headless Chromium driven by selenium with its sign-in and screenshot helpers."""
 from __future__ import annotations
 
 import contextlib
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trine as trio
 from serverutil import serve
@@ -59,3 +61,60 @@ def console_server(model_dir, home):
             os.environ.pop("TRINE_HOME", None)
         else:
             os.environ["TRINE_HOME"] = old
+
+
+# ---------------------------------------------------------------------------- the browser
+WIDE, NARROW = (1280, 800), (420, 860)
+
+
+@contextlib.contextmanager
+def chromium(binary: str, driver_path: str):
+    """A headless Chromium (selenium) with a 1280x800 window."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = binary
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+              "--hide-scrollbars", f"--window-size={WIDE[0]},{WIDE[1]}"):
+        opts.add_argument(a)
+    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait(driver, script: str, timeout: float = 20):
+    """Poll a JS expression until it is truthy; returns its value."""
+    from selenium.webdriver.support.ui import WebDriverWait
+    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: d.execute_script(f"return {script}"))
+
+
+def sign_in(driver, url: str, key: str) -> None:
+    driver.get(f"{url}/console")
+    driver.execute_script("sessionStorage.clear()")
+    driver.get(f"{url}/console")
+    wait(driver, "document.getElementById('apikey')")
+    driver.find_element("id", "apikey").send_keys(key)
+    driver.find_element("id", "signin-submit").click()
+
+
+def _viewport(driver, width: int, height: int) -> None:
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+    wait(driver, "new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
+
+
+def screenshots(driver, stem: Path) -> None:
+    """`stem`.png with a 1280x800 viewport, `stem`-narrow.png at 420x860, `stem`-full.png: the whole
+    page 1280 wide."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for (w, h), suffix in ((WIDE, ""), (NARROW, "-narrow"), ((WIDE[0], 0), "-full")):
+        if not h:  # lay out at full width first, then measure the page
+            _viewport(driver, w, WIDE[1])
+            h = driver.execute_script("return document.documentElement.scrollHeight")
+        _viewport(driver, w, h)
+        driver.save_screenshot(str(stem.parent / f"{stem.name}{suffix}.png"))
+    driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})

@@ -2,8 +2,8 @@
 selenium) against a real server: sign-in, a short SFT's loss curve, live updates, usage totals equal
 to `trine usage --json`, checkpoints, the server page, key isolation and a refused key.
 
-Screenshots of every page (1280x800, a narrow 420x860 window, and the whole page) go to $TRINE_CONSOLE_SHOTS
-(default benchmarks/out/console/, git-ignored).
+Screenshots of every page (1280x800, a narrow 420x860 window, and the whole page) go to
+$TRINE_CONSOLE_SHOTS (default benchmarks/out/console/, git-ignored).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 import trine as trio
-from consoleutil import MODEL, SEQS, console_server, sft
+from consoleutil import MODEL, SEQS, chromium, console_server, screenshots, sft, sign_in, wait
 from trine.cli.main import main as trine_cli
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -33,7 +33,6 @@ pytestmark = pytest.mark.skipif(
                           "chromium-driver when run as root (or: apt-get install chromium chromium-driver)")
 
 SHOTS = Path(os.environ.get("TRINE_CONSOLE_SHOTS", Path(__file__).parent.parent / "benchmarks/out/console"))
-WIDE, NARROW = (1280, 800), (420, 860)
 
 
 @pytest.fixture(scope="module")
@@ -51,51 +50,12 @@ def env(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-              "--hide-scrollbars", f"--window-size={WIDE[0]},{WIDE[1]}"):
-        opts.add_argument(a)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    try:
+    with chromium(CHROMIUM, CHROMEDRIVER) as driver:
         yield driver
-    finally:
-        driver.quit()
-
-
-def wait(driver, script: str, timeout: float = 20):
-    """Poll a JS expression until it is truthy; returns its value."""
-    from selenium.webdriver.support.ui import WebDriverWait
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: d.execute_script(f"return {script}"))
-
-
-def sign_in(driver, url: str, key: str) -> None:
-    driver.get(f"{url}/console")
-    driver.execute_script("sessionStorage.clear()")
-    driver.get(f"{url}/console")
-    wait(driver, "document.getElementById('apikey')")
-    driver.find_element("id", "apikey").send_keys(key)
-    driver.find_element("id", "signin-submit").click()
 
 
 def shoot(driver, name: str) -> None:
-    """Screenshots with a 1280x800 and a narrow 420x860 viewport, and the whole page at 1280 wide."""
-    for (w, h), suffix in ((WIDE, ""), (NARROW, "-narrow"), ((WIDE[0], 0), "-full")):
-        if not h:  # lay out at full width first, then measure the page
-            driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                                   {"width": w, "height": WIDE[1], "deviceScaleFactor": 1, "mobile": False})
-            wait(driver, "new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
-            h = driver.execute_script("return document.documentElement.scrollHeight")
-        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                               {"width": w, "height": h, "deviceScaleFactor": 1, "mobile": False})
-        wait(driver, "new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
-        driver.save_screenshot(str(SHOTS / f"{name}{suffix}.png"))
-    driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    screenshots(driver, SHOTS / name)
 
 
 def chart(driver, canvas: str) -> dict:
