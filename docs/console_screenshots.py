@@ -1,6 +1,6 @@
 """Regenerate the console screenshots in docs/ from a real job: the demo's SFT + GRPO stages (through
-the SDK) on SmolLM2-135M-Instruct or --model DIR, then the run and usage pages in headless Chromium
-at 1280x800.
+the SDK) on SmolLM2-135M-Instruct or --model DIR, then the run page (1280x800) and the whole usage
+page (1280 wide) in headless Chromium.
 
     .venv/bin/python docs/console_screenshots.py [--model DIR] [--out docs] [--keep DIR]
 """
@@ -57,8 +57,8 @@ def main() -> None:
                 wait(driver, "document.querySelector('main table, main .empty')")
                 screenshots(driver, shots / page)
         args.out.mkdir(parents=True, exist_ok=True)
-        for page in ("run", "usage"):
-            shutil.copy(shots / f"{page}.png", args.out / f"console-{page}.png")
+        for page, shot in (("run", "run.png"), ("usage", "usage-full.png")):  # 1280x800; the whole page
+            shutil.copy(shots / shot, args.out / f"console-{page}.png")
             print(f"wrote {args.out / f'console-{page}.png'}")
     finally:
         server.stop()
