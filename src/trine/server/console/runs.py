@@ -9,15 +9,17 @@ sum(loss_sum) / sum(token_count), which for a single chunk is that event's `loss
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 import msgpack
 
 from ...service import Service
-from ...store import ApiKey, EventRecord, TrainingRun
+from ...store import ApiKey, EventRecord, Store, TrainingRun
 
 FORWARD_BACKWARD = "trainer.forward_backward"
 OPTIMIZE_STEP = "trainer.optimize_step"
+FINISHED = ("succeeded", "failed")
 
 
 @dataclass
@@ -33,12 +35,12 @@ class EventOutcome:
     error: str | None = None
 
 
-def event_outcome(rec: EventRecord) -> EventOutcome:
+def event_outcome(rec: EventRecord, response: bytes | None) -> EventOutcome:
     """The one place that reads a stored event result (today: the PyTRIO msgpack envelope)."""
     out = EventOutcome(rec.status, cycle=rec.cycle)
-    if rec.response is None:
+    if response is None:
         return out
-    env = msgpack.unpackb(rec.response, raw=False)
+    env = msgpack.unpackb(response, raw=False)
     usage = env.get("usage") or {}
     out.metrics = dict((env.get("result") or {}).get("metrics") or {})
     out.train_tokens = int(usage.get("train_tokens") or 0)
@@ -46,6 +48,28 @@ def event_outcome(rec: EventRecord) -> EventOutcome:
     out.cost = float(usage.get("cost") or 0.0)
     if env.get("error"):
         out.error = f"{env['error'].get('code')}: {env['error'].get('message')}"
+    return out
+
+
+# Decoded results of finished events by event id. A finished event's result never changes and
+# event ids are unique, so a page that polls a long run reads and decodes each result once.
+_OUTCOMES: OrderedDict[str, EventOutcome] = OrderedDict()
+MAX_CACHED_OUTCOMES = 50_000
+
+
+def outcomes(store: Store, events: list[EventRecord]) -> dict[str, EventOutcome]:
+    """The outcomes of the finished events among `events` (listed without their responses)."""
+    done = [e for e in events if e.status in FINISHED]
+    missing = [e for e in done if e.id not in _OUTCOMES]
+    blobs = store.event_responses([e.id for e in missing]) if missing else {}
+    for e in missing:
+        _OUTCOMES[e.id] = event_outcome(e, blobs.get(e.id))
+    out = {}
+    for e in done:
+        _OUTCOMES.move_to_end(e.id)
+        out[e.id] = _OUTCOMES[e.id]
+    while len(_OUTCOMES) > MAX_CACHED_OUTCOMES:
+        _OUTCOMES.popitem(last=False)
     return out
 
 
@@ -69,15 +93,15 @@ class Step:
     failed: int = 0  # events of this step that failed
 
 
-def run_steps(events: list[EventRecord]) -> list[Step]:
+def run_steps(events: list[EventRecord], results: dict[str, EventOutcome]) -> list[Step]:
     """Fold a run's events (in index order) into steps; only finished events count."""
     steps: list[Step] = []
     cur: Step | None = None
     group = None  # the `step` field of the current forward_backward group
     for rec in events:
-        if rec.type not in (FORWARD_BACKWARD, OPTIMIZE_STEP) or rec.status not in ("succeeded", "failed"):
+        out = results.get(rec.id)
+        if rec.type not in (FORWARD_BACKWARD, OPTIMIZE_STEP) or out is None:
             continue
-        out = event_outcome(rec)
         if rec.type == FORWARD_BACKWARD:
             if cur is None or cur.optim_cycle is not None or cur.grad_norm is not None or rec.step != group:
                 cur = Step(len(steps) + 1)
@@ -117,7 +141,7 @@ def _float(x) -> float | None:
 
 def run_json(svc: Service, r: TrainingRun, events: list[EventRecord] | None = None) -> dict:
     """A run's row in the run list: `steps` = optim steps done; last activity from its events."""
-    events = svc.store.events(r.id) if events is None else events
+    events = svc.store.events(r.id, responses=False) if events is None else events
     last = max([r.updated_at, *(e.updated_at for e in events)])
     return {"id": r.id, "model": r.base_model, "rank": r.lora_rank, "state": r.status,
             "session_id": r.session_id,
@@ -138,12 +162,12 @@ def list_runs(svc: Service, key: ApiKey, limit: int = 200) -> list[dict]:
 def run_detail(svc: Service, key: ApiKey, run_id: str) -> dict:
     """One run (NotFound if the key does not own it): its row, its steps and its checkpoints."""
     r = svc.training_run(key, run_id)
-    events = svc.store.events(r.id)
-    steps = run_steps(events)
+    events = svc.store.events(r.id, responses=False)
+    results = outcomes(svc.store, events)
     cks, _ = svc.list_checkpoints(key, training_run_id=r.id)
-    return {"run": run_json(svc, r, events), "steps": [asdict(s) for s in steps],
+    return {"run": run_json(svc, r, events), "steps": [asdict(s) for s in run_steps(events, results)],
             "checkpoints": [checkpoint_row(c) for c in cks],
-            "failures": [{"index": e.idx, "type": e.type, "error": event_outcome(e).error}
+            "failures": [{"index": e.idx, "type": e.type, "error": results[e.id].error}
                          for e in events if e.status == "failed"][-20:]}
 
 
