@@ -121,9 +121,9 @@ function showNotFound(message) {
 
 async function show() {
   const [name, params] = route(location.pathname);
-  document.querySelectorAll("#nav a").forEach((a) =>
-    a.classList.toggle("active", a.dataset.page === (name === "run" ? "runs" : name)));
   const signedIn = !!T.key();
+  document.querySelectorAll("#nav a").forEach((a) =>
+    a.classList.toggle("active", signedIn && a.dataset.page === (name === "run" ? "runs" : name)));
   document.getElementById("signout").hidden = !signedIn;
   document.getElementById("who").textContent = signedIn ? `key: ${sessionStorage.getItem(NAME_SLOT) || "?"}` : "";
   if (!signedIn) return showSignIn();
