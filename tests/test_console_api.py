@@ -51,10 +51,11 @@ def test_another_keys_run_is_not_found_and_not_listed(env):
     assert r.status_code == 404 and r.json()["code"] == "training_run_not_found"
     assert get(http, bob, "/console/api/runs").json()["runs"] == []
     assert get(http, bob, "/console/api/checkpoints").json()["checkpoints"] == []
-    cycles = get(http, bob, "/console/api/server").json()["cycles"]
-    assert cycles and all(c["runs"] == [] and c["other_runs"] >= 1 for c in cycles)
-    mine = get(http, srv.api_key, "/console/api/server").json()["cycles"]
-    ran = {c["cycle"] for c in mine if run.run_id in c["runs"]}
+    (engine,) = get(http, bob, "/console/api/server").json()["engines"]
+    cycles = engine["cycles"]
+    assert cycles and all(c["runs"] == [] and c["other_runs"] == 1 for c in cycles)
+    (engine,) = get(http, srv.api_key, "/console/api/server").json()["engines"]
+    ran = {c["cycle"] for c in engine["cycles"] if c["runs"] == [run.run_id] and c["other_runs"] == 0}
     assert ran >= {c for pair in run.cycles for c in pair}  # and init_run's, save_state's
     assert ran == {c["cycle"] for c in cycles}  # bob sees the same cycles, without the run's id
 
@@ -73,9 +74,11 @@ def test_server_stats_show_models_prices_and_engines(env):
     d = get(http, srv.api_key, "/console/api/server").json()
     (m,) = d["models"]
     assert m["name"] == "tiny-llama" and m["pricing"]["prefill"] > 0 and m["context_length"] == 4096
+    assert m["architecture"] == "llama" and m["replicas"] == 1
     (e,) = d["engines"]
-    assert e["model"] == "tiny-llama" and e["kv"]["blocks_total"] > 0 and e["cycle"] >= 3
-    assert e["queues"]["train_events_waiting"] == 0
+    assert e["model"] == "tiny-llama" and e["alive"] and e["kv"]["blocks_total"] > 0 and e["cycle"] >= 3
+    assert e["queues"]["train_events_waiting"] == 0 and e["queues"]["sample_waiting"] == 0
+    assert e["cycles"][0]["cycle"] == e["cycle"] and e["cycles"][0]["seconds"] > 0
 
 
 def test_pages_share_one_shell_and_assets_ship_in_the_package(env):

@@ -26,7 +26,7 @@ TABLES: dict[str, tuple[type, str | None, tuple[str, ...]]] = {
     "sessions": (Session, "id", ("api_key_id",)),
     "training_runs": (TrainingRun, "id", ("api_key_id", "session_id")),
     "sampling_runs": (SamplingRun, "id", ("api_key_id", "session_id")),
-    "events": (EventRecord, "id", ("run_id", "status", "cycle")),
+    "events": (EventRecord, "id", ("run_id", "status")),
     "checkpoints": (Checkpoint, "id", ("api_key_id", "training_run_id", "uri")),
     "usage_events": (UsageEvent, None, ("api_key_id", "time")),
     "diagnostics": (CacheDiagnostic, None, ("api_key_id", "time")),
@@ -224,14 +224,6 @@ class Store:
 
     def max_cycle(self) -> int:
         return self._exec("SELECT COALESCE(MAX(cycle), 0) FROM events")[0][0]
-
-    def recent_cycles(self, limit: int = 20) -> list[tuple[int, str, str, int, float]]:
-        """The last `limit` clock cycles, newest first, one row per run each batched:
-        (cycle, run_id, api_key_id, number of that run's events, when the last one finished)."""
-        return [tuple(r) for r in self._exec(
-            "SELECT cycle, run_id, api_key_id, COUNT(*), MAX(updated_at) FROM events "
-            "WHERE cycle > (SELECT COALESCE(MAX(cycle), 0) FROM events) - ? "
-            "GROUP BY cycle, run_id ORDER BY cycle DESC, run_id", (limit,))]
 
     def unfinished_events(self) -> list[EventRecord]:
         return self._select("events", "status IN (?, ?)", UNFINISHED)

@@ -7,7 +7,8 @@
     GET /console/api/runs                   the key's training runs
     GET /console/api/runs/{run_id}          one run: steps (loss, grad norm, tokens, cycles), checkpoints
     GET /console/api/checkpoints            the key's checkpoints and samplers
-    GET /console/api/server                 models with prices, engine stats, recent clock cycles
+    GET /console/api/server                 models with prices; per engine replica: KV pool, cache
+                                            counters, queue depths, recent clock cycles
 
 The pages also call the API the SDK and `trine usage` use: api-key/verify (sign-in), the usage
 report (`/api/trine/v1/usage`), checkpoint delete and download-url. Every JSON route takes the
@@ -64,7 +65,7 @@ def checkpoints(request: Request, key: ApiKey = Depends(api_key)):
 
 @api.get("/server")
 async def server(request: Request, key: ApiKey = Depends(api_key)):
-    return server_stats(service_of(request), key)
+    return await server_stats(service_of(request), key)
 
 
 router.include_router(api)

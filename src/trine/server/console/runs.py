@@ -12,9 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
-import msgpack
-
-from ...service import Service
+from ...service import EventResult, Service
 from ...store import ApiKey, EventRecord, Store, TrainingRun
 
 FORWARD_BACKWARD = "trainer.forward_backward"
@@ -36,19 +34,14 @@ class EventOutcome:
 
 
 def event_outcome(rec: EventRecord, response: bytes | None) -> EventOutcome:
-    """The one place that reads a stored event result (today: the PyTRIO msgpack envelope)."""
-    out = EventOutcome(rec.status, cycle=rec.cycle)
+    """The one place that reads a stored event result (the service's protocol-neutral EventResult),
+    keeping what the console shows and dropping the per-token lists."""
     if response is None:
-        return out
-    env = msgpack.unpackb(response, raw=False)
-    usage = env.get("usage") or {}
-    out.metrics = dict((env.get("result") or {}).get("metrics") or {})
-    out.train_tokens = int(usage.get("train_tokens") or 0)
-    out.loss_tokens = int(usage.get("loss_tokens") or 0)
-    out.cost = float(usage.get("cost") or 0.0)
-    if env.get("error"):
-        out.error = f"{env['error'].get('code')}: {env['error'].get('message')}"
-    return out
+        return EventOutcome(rec.status, cycle=rec.cycle)
+    res = EventResult.unpack(response)
+    error = f"{res.error.get('code')}: {res.error.get('message')}" if res.error else None
+    return EventOutcome(res.status, dict(res.metrics or {}), res.train_tokens, res.loss_tokens,
+                        res.cost, rec.cycle if res.cycle is None else res.cycle, error)
 
 
 # Decoded results of finished events by event id. A finished event's result never changes and

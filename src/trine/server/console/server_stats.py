@@ -1,58 +1,66 @@
-"""What the console's Server page shows: served models with prices, each engine's KV pool, prefix
-cache counters and queue depths, and the recent clock cycles with the runs each one batched.
+"""What the console's Server page shows: served models with prices, each engine replica's KV pool,
+prefix-cache counters and queue depths, and its recent clock cycles with the runs each one batched.
 
-Key isolation: engine counters are server-wide numbers and name nobody; in the cycle list the
-caller's own runs are named, other keys' runs are only counted.
+Engine figures come from the engine interface (`Engine.stats()`); training queue depths from each
+replica's clock-cycle scheduler. Key isolation: engine counters are server-wide numbers and name
+nobody; in the cycle lists the caller's own runs are named, other keys' runs are only counted.
 """
 from __future__ import annotations
 
+import asyncio
+
+from ...engine.interface import EngineStats
 from ...service import Service
 from ...store import ApiKey
 
+RECENT_CYCLES = 20
 
-def engine_stats(svc: Service) -> list[dict]:
-    """One entry per engine (per base model; per replica with an engine pool). The one place that
-    reads engine internals; a snapshot read from the event loop without stopping the engine."""
-    out = []
-    for m in svc.models.values():
-        s = dict(getattr(m.worker.sampler, "stats", None) or {})
-        queues = list(m.scheduler.queues.values()) if m.scheduler else []
-        out.append({
-            "model": m.name, "replica": 0,
-            "kv": {k: s.get(k, 0) for k in ("blocks_total", "blocks_used", "blocks_cached",
-                                            "blocks_free", "block_size")},
-            "cache": {"hit_blocks": s.get("cache_hit_blocks", 0),
-                      "queried_blocks": s.get("cache_queried_blocks", 0),
-                      "evictions": s.get("cache_evictions", 0),
-                      **{k: s.get(k, 0) for k in ("requests", "prompt_tokens", "prefill_tokens",
-                                                  "cached_tokens", "sample_tokens")}},
-            "queues": {"sample_waiting": s.get("waiting", 0), "sample_running": s.get("running", 0),
-                       "train_runs_waiting": sum(1 for q in queues if q.waiting),
-                       "train_events_waiting": sum(len(q.waiting) for q in queues)},
-            "cycle": m.scheduler.cycle if m.scheduler else 0,
-        })
+
+def _engine_json(m, rep, st: EngineStats | BaseException, own_runs: set[str]) -> dict:
+    queues = list(rep.scheduler.queues.values()) if rep.scheduler else []
+    out = {"model": m.name, "replica": rep.index, "alive": rep.alive and not isinstance(st, BaseException),
+           "cycle": rep.scheduler.cycle if rep.scheduler else 0,
+           "queues": {"train_runs_waiting": sum(1 for q in queues if q.waiting),
+                      "train_events_waiting": sum(len(q.waiting) for q in queues)}}
+    if isinstance(st, BaseException):
+        out["error"] = f"{type(st).__name__}: {st}"
+        return out
+    s = st.sampler
+    out["where"] = st.replica
+    out["kv"] = {k: s.get(k, 0) for k in ("blocks_total", "blocks_used", "blocks_cached", "blocks_free",
+                                          "block_size")}
+    out["cache"] = {"hit_blocks": s.get("cache_hit_blocks", 0), "queried_blocks": s.get("cache_queried_blocks", 0),
+                    "evictions": s.get("cache_evictions", 0),
+                    **{k: s.get(k, 0) for k in ("requests", "prompt_tokens", "prefill_tokens", "cached_tokens",
+                                                "sample_tokens")}}
+    out["queues"].update(sample_waiting=s.get("waiting", 0), sample_running=s.get("running", 0),
+                         engine_jobs=st.queued_jobs)
+    out["held"] = {"training_runs": st.runs, "sampler_adapters": st.adapters}
+    out["cycles"] = [{"cycle": c.number, "seconds": c.seconds, "events": c.events,
+                      "runs": [r for r in c.runs if r in own_runs],
+                      "other_runs": sum(r not in own_runs for r in c.runs)}
+                     for c in reversed(st.recent_cycles[-RECENT_CYCLES:])]
     return out
 
 
-def recent_cycles(svc: Service, key: ApiKey, limit: int = 20) -> list[dict]:
-    """The last `limit` clock cycles, newest first: when, the caller's runs, how many others."""
-    cycles: dict[int, dict] = {}
-    for cycle, run_id, key_id, n_events, finished in svc.store.recent_cycles(limit):
-        c = cycles.setdefault(cycle, {"cycle": cycle, "finished_at": finished, "runs": [],
-                                      "other_runs": 0, "events": 0})
-        c["finished_at"] = max(c["finished_at"], finished)
-        c["events"] += n_events
-        if key_id == key.id:
-            c["runs"].append(run_id)
-        else:
-            c["other_runs"] += 1
-    return sorted(cycles.values(), key=lambda c: -c["cycle"])
+async def engines(svc: Service, key: ApiKey) -> list[dict]:
+    """One entry per replica of every served model (a lost replica says so)."""
+    runs, _ = svc.store.training_runs(key.id)
+    own = {r.id for r in runs}
+    out = []
+    for m in svc.models.values():
+        live = [rep for rep in m.replicas if rep.alive]
+        stats = dict(zip(map(id, live), await asyncio.gather(*(rep.engine.stats() for rep in live),
+                                                             return_exceptions=True)))
+        for rep in m.replicas:
+            out.append(_engine_json(m, rep, stats.get(id(rep), RuntimeError("replica lost")), own))
+    return out
 
 
-def server_stats(svc: Service, key: ApiKey) -> dict:
+async def server_stats(svc: Service, key: ApiKey) -> dict:
     card = svc.rate_card
     models = [{"name": m.name, "model_id": m.model_id, "context_length": m.max_seq_len,
-               "architecture": m.worker.model.cfg.model_type if m.worker.model else None,
+               "architecture": m.info.architecture if m.info else None, "replicas": len(m.replicas),
                "pricing": card.pricing(m.name)} for m in svc.models.values()]
-    return {"currency": card.currency, "models": models, "engines": engine_stats(svc),
-            "cycles": recent_cycles(svc, key), "cycle_seconds": svc.cycle_seconds}
+    return {"currency": card.currency, "models": models, "engines": await engines(svc, key),
+            "cycle_seconds": svc.cycle_seconds}

@@ -114,47 +114,54 @@
   };
 
   // ---------------------------------------------------------------- server
+  const cycleTable = (cycles) => T.table(
+    [["cycle", "num"], ["seconds", "num"], ["your runs"], ["other keys' runs", "num"], ["events", "num"]],
+    cycles.map((c) => `<tr><td class="num">${c.cycle}</td><td class="num">${T.num(c.seconds, 3)}</td>
+      <td>${c.runs.map(T.runLink).join(" ") || "–"}</td><td class="num">${c.other_runs}</td>
+      <td class="num">${c.events}</td></tr>`),
+    "No training cycle has run on this replica yet.");
+
+  function engineCard(e) {
+    const title = `<h3>${esc(e.model)} · replica ${e.replica}${e.where ? ` <span class="muted">(${esc(e.where)})</span>` : ""}</h3>`;
+    if (!e.alive) return `<div class="card engine" data-model="${esc(e.model)}">${title}<div class="error">lost: ${esc(e.error || "")}</div></div>`;
+    const kv = e.kv, c = e.cache, q = e.queues;
+    const used = kv.blocks_total ? kv.blocks_used / kv.blocks_total : 0;
+    return `<div class="card engine" data-model="${esc(e.model)}" data-replica="${e.replica}">${title}
+      <div class="muted">KV pool: ${T.int(kv.blocks_used)} of ${T.int(kv.blocks_total)} blocks in use (${T.pct(used)}),
+        ${T.int(kv.blocks_cached)} hold cached prefixes, ${T.int(kv.blocks_free)} free or evictable; ${kv.block_size} tokens a block</div>
+      <div class="meter"><span style="width:${100 * used}%;background:${T.PHASE_COLORS.prefill}"></span></div>
+      <dl class="facts">${T.facts([
+        ["cache hit blocks", `${T.int(c.hit_blocks)} / ${T.int(c.queried_blocks)}`],
+        ["token hit rate", T.pct(c.prompt_tokens ? c.cached_tokens / c.prompt_tokens : null)],
+        ["evictions", T.int(c.evictions)], ["sample requests", T.int(c.requests)],
+        ["samples waiting", T.int(q.sample_waiting)], ["sequences running", T.int(q.sample_running)],
+        ["runs with queued events", T.int(q.train_runs_waiting)], ["queued training events", T.int(q.train_events_waiting)],
+        ["engine jobs queued", T.int(q.engine_jobs)], ["training runs held", T.int(e.held.training_runs)],
+        ["sampler adapters held", T.int(e.held.sampler_adapters)], ["current cycle", T.int(e.cycle)]])}</dl>
+      <h3>Recent clock cycles</h3><div class="cycles">${cycleTable(e.cycles)}</div></div>`;
+  }
+
   T.pages.server = {
     title: () => "Server",
     mount(main) {
       main.innerHTML = `<h1>Server</h1><h2>Served models and prices</h2><div id="server-models"></div>
-        <h2>Engines</h2><div class="grid" id="server-engines"></div>
-        <h2>Recent clock cycles</h2><p class="muted" id="server-cycle-note"></p><div id="server-cycles"></div>`;
+        <h2>Engines</h2><p class="muted" id="server-cycle-note"></p><div id="server-engines"></div>`;
     },
     load: () => T.api("/console/api/server"),
     fill(data) {
       const unit = `${data.currency} / 1M tokens`;
       document.getElementById("server-models").innerHTML = T.table(
-        [["model"], ["architecture"], ["context", "num"], [`prefill (${unit})`, "num"], ["prefill cached", "num"],
-         ["sample", "num"], ["train", "num"], [`storage (${data.currency} / GB-month)`, "num"]],
+        [["model"], ["architecture"], ["context", "num"], ["replicas", "num"], [`prefill (${unit})`, "num"],
+         ["prefill cached", "num"], ["sample", "num"], ["train", "num"], [`storage (${data.currency} / GB-month)`, "num"]],
         data.models.map((m) => `<tr><td title="${esc(m.model_id)}">${esc(m.name)}</td><td>${esc(m.architecture || "–")}</td>
-          <td class="num">${T.int(m.context_length)}</td><td class="num">${m.pricing.prefill}</td>
+          <td class="num">${T.int(m.context_length)}</td><td class="num">${m.replicas}</td><td class="num">${m.pricing.prefill}</td>
           <td class="num">${m.pricing.prefill_cached}</td><td class="num">${m.pricing.sample}</td>
           <td class="num">${m.pricing.train}</td><td class="num">${m.pricing.storage_gb_month}</td></tr>`), "No models.");
-      document.getElementById("server-engines").innerHTML = data.engines.map((e) => {
-        const kv = e.kv, c = e.cache, q = e.queues;
-        const used = kv.blocks_total ? kv.blocks_used / kv.blocks_total : 0;
-        return `<div class="card engine" data-model="${esc(e.model)}"><h3>${esc(e.model)} · replica ${e.replica}</h3>
-          <div class="muted">KV pool: ${T.int(kv.blocks_used)} of ${T.int(kv.blocks_total)} blocks in use (${T.pct(used)}),
-            ${T.int(kv.blocks_cached)} hold cached prefixes, ${T.int(kv.blocks_free)} free or evictable; ${kv.block_size} tokens a block</div>
-          <div class="meter"><span style="width:${100 * used}%;background:${T.PHASE_COLORS.prefill}"></span></div>
-          <dl class="facts">${T.facts([
-            ["cache hit blocks", `${T.int(c.hit_blocks)} / ${T.int(c.queried_blocks)}`],
-            ["token hit rate", T.pct(c.prompt_tokens ? c.cached_tokens / c.prompt_tokens : null)],
-            ["evictions", T.int(c.evictions)], ["sample requests", T.int(c.requests)],
-            ["samples waiting", T.int(q.sample_waiting)], ["sequences running", T.int(q.sample_running)],
-            ["runs with queued events", T.int(q.train_runs_waiting)], ["queued training events", T.int(q.train_events_waiting)],
-            ["current cycle", T.int(e.cycle)]])}</dl></div>`;
-      }).join("");
-      document.getElementById("server-cycle-note").textContent = data.cycle_seconds > 0
-        ? `A cycle starts every ${data.cycle_seconds} s with whatever is queued.`
-        : "A cycle starts as soon as work is queued (after a short gather window).";
-      document.getElementById("server-cycles").innerHTML = T.table(
-        [["cycle", "num"], ["finished"], ["your runs"], ["other keys' runs", "num"], ["events", "num"]],
-        data.cycles.map((c) => `<tr><td class="num">${c.cycle}</td><td>${T.time(c.finished_at)}</td>
-          <td>${c.runs.map(T.runLink).join(" ") || "–"}</td><td class="num">${c.other_runs}</td>
-          <td class="num">${c.events}</td></tr>`),
-        "No training cycle has run yet.");
+      document.getElementById("server-cycle-note").textContent = (data.cycle_seconds > 0
+        ? `A clock cycle starts every ${data.cycle_seconds} s with whatever is queued`
+        : "A clock cycle starts as soon as training work is queued (after a short gather window)") +
+        "; each replica runs its own cycles and batches every run placed on it.";
+      document.getElementById("server-engines").innerHTML = data.engines.map(engineCard).join("");
     },
   };
 })();
