@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/trainer.py
 	$(PY) benchmarks/service.py
+	$(PY) benchmarks/console.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
