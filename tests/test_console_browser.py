@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -143,12 +145,20 @@ def test_server_page_shows_models_engines_and_cycles(env, browser):
     shoot(browser, "server")
 
 
-def test_checkpoints_page_lists_and_deletes(env, browser):
+def test_checkpoints_page_lists_downloads_and_deletes(env, browser, tmp_path):
     srv, _, run = env
     browser.get(f"{srv.url}/console/checkpoints")
     row = wait(browser, "document.querySelector('tr[data-checkpoint]')")
     assert run.checkpoint_uri in row.text
     shoot(browser, "checkpoints")
+    browser.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(tmp_path)})
+    browser.find_element("css selector", "tr[data-checkpoint] button[data-action=download]").click()
+    tar = tmp_path / "ck-console.tar"
+    deadline = time.monotonic() + 20
+    while not (tar.is_file() and tarfile.is_tarfile(tar)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with tarfile.open(tar) as tf:
+        assert any(n.endswith("adapter_model.safetensors") for n in tf.getnames())
     button = "tr[data-checkpoint] button[data-action=delete]"
     browser.find_element("css selector", button).click()
     wait(browser, "document.querySelector('button.armed')")

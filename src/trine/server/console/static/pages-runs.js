@@ -31,10 +31,10 @@
         <h1>Run <span class="mono">${esc(p.id)}</span></h1>
         <dl class="facts" id="run-facts"></dl>
         <div class="grid">
-          <div class="card"><h3>Loss per step</h3><div class="chart"><canvas id="chart-loss"></canvas></div></div>
-          <div class="card"><h3>Gradient norm per optim step</h3><div class="chart"><canvas id="chart-grad"></canvas></div></div>
-          <div class="card"><h3>Train tokens per step: computed vs in the loss</h3><div class="chart"><canvas id="chart-tokens"></canvas></div></div>
-          <div class="card"><h3>Clock cycle of each step <span class="muted">(a dot in a ring: one cycle per step)</span></h3><div class="chart"><canvas id="chart-cycles"></canvas></div></div>
+          <div class="card"><h3>Loss per step</h3><div class="chart"><canvas id="chart-loss" role="img" aria-label="Loss per step (the table below has the numbers)"></canvas></div></div>
+          <div class="card"><h3>Gradient norm per optim step</h3><div class="chart"><canvas id="chart-grad" role="img" aria-label="Gradient norm per optim step (the table below has the numbers)"></canvas></div></div>
+          <div class="card"><h3>Train tokens per step: computed vs in the loss</h3><div class="chart"><canvas id="chart-tokens" role="img" aria-label="Train tokens per step: computed vs in the loss (the table below has the numbers)"></canvas></div></div>
+          <div class="card"><h3>Clock cycle of each step <span class="muted">(a dot in a ring: one cycle per step)</span></h3><div class="chart"><canvas id="chart-cycles" role="img" aria-label="Clock cycle of each step (the table below has the numbers)"></canvas></div></div>
         </div>
         <div id="run-failures"></div>
         <h2>Checkpoints</h2><div id="run-checkpoints"></div>

@@ -56,7 +56,7 @@
         </div>
         <dl class="facts" id="usage-facts"></dl>
         <div class="card"><h3 id="usage-chart-title">Tokens by phase over time</h3>
-          <div class="chart" style="height:280px"><canvas id="chart-usage"></canvas></div></div>
+          <div class="chart" style="height:280px"><canvas id="chart-usage" role="img" aria-label="Tokens or cost by phase over time, stacked (the table below has the totals)"></canvas></div></div>
         <h2>Cost by phase</h2><div class="card" id="usage-cost"></div>
         <h2 id="usage-groups-title">By run</h2><div id="usage-groups"></div>
         <h2>Prefix-cache diagnostics</h2><div id="usage-diagnostics"></div>`;
