@@ -6,6 +6,8 @@ import httpx
 import pytest
 
 from consoleutil import console_server, sft
+from trine.server.console.runs import FORWARD_BACKWARD, OPTIMIZE_STEP, EventOutcome, run_steps
+from trine.store import EventRecord
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +108,20 @@ def test_usage_over_time_adds_up_to_the_total(env):
         rows = get(http, srv.api_key, "/api/trine/v1/usage", params={"by": by}).json()["rows"]
         assert sum(r["tokens"]["train"] for r in rows) == total["tokens"]["train"] > 0
         assert sum(r["requests"] for r in rows) == total["requests"]
+
+
+def test_chunks_of_one_step_fold_into_one_point_weighted_by_tokens():
+    def ev(i, typ, step, cycle):
+        return EventRecord(f"e{i}", "tr", "k", i, typ, step, "succeeded", 0.0, float(i), cycle)
+    events = [ev(1, FORWARD_BACKWARD, 0, 1), ev(2, FORWARD_BACKWARD, 0, 1), ev(3, OPTIMIZE_STEP, 1, 1),
+              ev(4, FORWARD_BACKWARD, 1, 2), ev(5, FORWARD_BACKWARD, 2, 3), ev(6, OPTIMIZE_STEP, 3, 4),
+              ev(7, FORWARD_BACKWARD, 3, None)]
+    fb = lambda mean, n: EventOutcome("succeeded", {"loss_mean": mean, "token_count": n}, n, n // 2)
+    results = {"e1": fb(1.0, 10), "e2": fb(3.0, 30), "e3": EventOutcome("succeeded", {"grad_norm": 0.5}),
+               "e4": fb(2.0, 4), "e5": fb(4.0, 4), "e6": EventOutcome("succeeded", {"grad_norm": 0.25})}
+    steps = run_steps(events, results)  # e7 has not finished: no outcome yet
+    assert [(s.step, s.chunks, s.loss, s.grad_norm, s.cycle, s.optim_cycle) for s in steps] == [
+        (1, 2, 2.5, 0.5, 1, 1),  # two chunks, (1*10 + 3*30) / 40
+        (2, 1, 2.0, None, 2, None),  # a forward_backward group with no optim_step after it
+        (3, 1, 4.0, 0.25, 3, 4)]  # optim_step in the next cycle: the step took two
+    assert [(s.train_tokens, s.loss_tokens) for s in steps] == [(40, 20), (4, 2), (4, 2)]

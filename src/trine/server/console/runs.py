@@ -4,8 +4,8 @@ Everything is read through the key-isolated service calls (`Service.training_run
 `list_training_runs`, `list_checkpoints`), so another key's run is a NotFound exactly as on the API.
 
 A *step* is one forward_backward group (the chunks the SDK sends with the same `step` number)
-closed by the optim_step that follows it. A step's loss is the token-weighted mean over its chunks,
-sum(loss_sum) / sum(token_count), which for a single chunk is that event's `loss_mean`.
+closed by the optim_step that follows it. A step's loss is its chunks' `loss_mean` weighted by their
+`token_count`, which for a single chunk is that event's `loss_mean`.
 """
 from __future__ import annotations
 
@@ -90,21 +90,20 @@ def run_steps(events: list[EventRecord], results: dict[str, EventOutcome]) -> li
     """Fold a run's events (in index order) into steps; only finished events count."""
     steps: list[Step] = []
     cur: Step | None = None
+    closed = True  # the current step has had its optim_step
     group = None  # the `step` field of the current forward_backward group
     for rec in events:
         out = results.get(rec.id)
         if rec.type not in (FORWARD_BACKWARD, OPTIMIZE_STEP) or out is None:
             continue
+        if closed or (rec.type == FORWARD_BACKWARD and rec.step != group):
+            cur = Step(len(steps) + 1)  # (an optim_step with no gradient before it is a step too)
+            steps.append(cur)
+            closed, group = False, rec.step
         if rec.type == FORWARD_BACKWARD:
-            if cur is None or cur.optim_cycle is not None or cur.grad_norm is not None or rec.step != group:
-                cur = Step(len(steps) + 1)
-                steps.append(cur)
-                group = rec.step
             _add_chunk(cur, rec, out)
         else:
-            if cur is None or cur.optim_cycle is not None:  # an optim step with no gradient before it
-                cur = Step(len(steps) + 1)
-                steps.append(cur)
+            closed = True
             cur.optim_cycle = rec.cycle
             cur.grad_norm = _float(out.metrics.get("grad_norm"))
             cur.learning_rate = _float(out.metrics.get("learning_rate"))
@@ -119,9 +118,13 @@ def _add_chunk(step: Step, rec: EventRecord, out: EventOutcome) -> None:
     if out.error is not None:
         step.failed += 1
         return
+    n, mean = int(out.metrics.get("token_count", 0)), _float(out.metrics.get("loss_mean"))
     step.loss_sum += float(out.metrics.get("loss_sum", 0.0))
-    step.token_count += int(out.metrics.get("token_count", 0))
-    step.loss = step.loss_sum / step.token_count if step.token_count else _float(out.metrics.get("loss_mean"))
+    if step.loss is None:
+        step.loss = mean
+    elif mean is not None and step.token_count + n:  # the token-weighted mean of the chunks' loss_mean
+        step.loss = (step.loss * step.token_count + mean * n) / (step.token_count + n)
+    step.token_count += n
     step.train_tokens += out.train_tokens
     step.loss_tokens += out.loss_tokens
     step.cost += out.cost
