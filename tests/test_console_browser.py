@@ -120,6 +120,7 @@ def test_the_run_page_updates_live_while_the_run_trains(env, browser):
 
 
 def test_usage_chart_totals_equal_trine_usage_json(env, browser):
+    from selenium.webdriver.support.ui import Select
     srv, _, _ = env
     browser.get(f"{srv.url}/console/usage")
     wait(browser, "Chart.getChart('chart-usage') && document.querySelector('#usage-groups table')")
@@ -134,6 +135,10 @@ def test_usage_chart_totals_equal_trine_usage_json(env, browser):
     facts = browser.find_element("id", "usage-facts").text
     assert f"{total['train']:,}" in facts and f"{total['sample']:,}" in facts
     shoot(browser, "usage")
+    Select(browser.find_element("css selector", "select[data-ui=by]")).select_by_value("model")
+    wait(browser, "document.getElementById('usage-groups-title').textContent === 'By model'")
+    rows = browser.find_elements("css selector", "#usage-groups tbody tr")
+    assert [r.find_element("tag name", "td").text for r in rows] == ["tiny-llama", "total"]
 
 
 def test_server_page_shows_models_engines_and_cycles(env, browser):
