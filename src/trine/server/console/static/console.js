@@ -1,7 +1,8 @@
 // trine console, core: sign-in, the API helper, the router, live refresh, charts and formatting.
 // Pages register themselves in trine.pages (pages-runs.js, pages-usage.js) as
-//   {title, mount(main, params), load(params) -> data, fill(data, params)}
-// mount() builds the page once; load() + fill() run on every refresh (every POLL_MS while shown).
+//   {title, mount(main, params), load(params) -> data, fill(data, params), pollMs?}
+// mount() builds the page once; load() + fill() run on every refresh: every pollMs (default
+// POLL_MS) while the tab is shown, and at once when a control changes.
 "use strict";
 
 const T = (window.trine = { pages: {} });
@@ -102,6 +103,7 @@ T.axes = (x, y, extra = {}) => ({
 const main = () => document.getElementById("main");
 let current = null;
 let busy = false;
+let lastRefresh = 0;
 
 function route(path) {
   const p = path.replace(/\/+$/, "");
@@ -140,6 +142,7 @@ async function refresh() {
   const c = current;
   if (!c || busy) return;
   busy = true;
+  lastRefresh = Date.now();
   try {
     const data = await c.page.load(c.params);
     if (c !== current) return;
@@ -212,5 +215,8 @@ window.addEventListener("popstate", show);
 document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("signout").addEventListener("click", () => signOut());
   show();
-  setInterval(() => { if (document.visibilityState === "visible") refresh(); }, POLL_MS);
+  setInterval(() => {
+    const every = (current && current.page.pollMs) || POLL_MS;
+    if (document.visibilityState === "visible" && Date.now() - lastRefresh >= every - 100) refresh();
+  }, 500);
 });

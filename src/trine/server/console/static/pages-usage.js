@@ -46,6 +46,7 @@
 
   T.pages.usage = {
     title: () => "Usage",
+    pollMs: 10000, // a report aggregates the key's whole history: refreshed less often than runs
     mount(main) {
       main.innerHTML = `<h1>Usage and cost by phase</h1>
         <div class="controls" id="usage-controls">
