@@ -1,4 +1,5 @@
-"""Usage reports: tokens and cost by phase, per group (minute, hour, day, run, model or session) and in total.
+"""Usage reports: tokens and cost by phase, per group (minute, hour, day, run, model or session) and
+in total.
 
 Invariants: a report's total tokens are exactly the sums of its events' tokens, and every row's tokens
 are the sums of the events in that row (rows partition the events). Costs are priced per event's
