@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.trine-installed
 
-.PHONY: demo test test-slow bench install clean
+.PHONY: demo test test-slow bench install browser clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/trine demo
 
-test: $(STAMP)
+# Debian's chromium + chromium-driver for the web console's browser tests (they skip, saying why, without them).
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing chromium and chromium-driver (apt-get) for the console's browser tests"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
+	  || echo "note: apt-get could not install chromium: the console's browser tests will be skipped"; \
+	else echo "note: no chromium/chromedriver and not root: the console's browser tests will be skipped"; fi
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q -x --durations=15
 
 test-slow: $(STAMP)
@@ -31,6 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/trainer.py
 	$(PY) benchmarks/service.py
+	$(PY) benchmarks/console.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

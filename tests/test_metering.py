@@ -116,8 +116,12 @@ def test_report_totals_and_groups(card):
     d = json.loads(r.to_json())
     assert d["total"]["tokens"]["prompt"] == 500 and len(d["rows"]) == 2
     assert Report.from_dict(d).to_dict() == d
+    assert [row.key for row in build_report(events, "day", card).rows] == ["2026-01-05"]
+    minutes = build_report(events, "minute", card).rows
+    assert len(minutes) >= 2 and all(row.key[-1] == "Z" and len(row.key) == 17 for row in minutes)
+    assert sum(row.requests for row in minutes) == len(events)
     with pytest.raises(ValueError, match="by"):
-        build_report(events, "day", card)
+        build_report(events, "week", card)
 
 
 def test_report_renders(card, capsys):

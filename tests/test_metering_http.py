@@ -72,7 +72,7 @@ def test_filters_and_errors(client, home):
     r = get(client, alice, "/usage", since=str(T0 + 1000), by="hour").json()
     assert r["total"]["requests"] == 2 and len(r["rows"]) == 2
     assert get(client, alice, "/usage", session_id="sb").json()["total"]["requests"] == 0
-    for params in ({"by": "day"}, {"since": "yesterday-ish"}):
+    for params in ({"by": "week"}, {"since": "yesterday-ish"}):
         bad = get(client, alice, "/usage", **params)
         assert bad.status_code == 400 and set(bad.json()) == {"code", "message"}
     rates = get(client, alice, "/rates").json()

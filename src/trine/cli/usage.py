@@ -15,7 +15,7 @@ from ..metering.since import parse_since
 @click.option("--session", "session_id", help="Only this session.")
 @click.option("--run", "run_id", help="Only this training or sampling run.")
 @click.option("--since", help="Only events since: unix seconds, an age (30m, 2h, 1d) or an ISO time (UTC).")
-@click.option("--by", type=click.Choice(GROUPINGS), help="One row per hour, run, model or session.")
+@click.option("--by", type=click.Choice(GROUPINGS), help="One row per minute, hour, day, run, model or session.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--home", type=click.Path(file_okay=False, path_type=Path),
               help="Data dir to read directly (default $TRINE_HOME or ~/.trine) when no server is given.")

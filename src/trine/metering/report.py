@@ -1,4 +1,5 @@
-"""Usage reports: tokens and cost by phase, per group (hour, run, model or session) and in total.
+"""Usage reports: tokens and cost by phase, per group (minute, hour, day, run, model or session) and
+in total.
 
 Invariants: a report's total tokens are exactly the sums of its events' tokens, and every row's tokens
 are the sums of the events in that row (rows partition the events). Costs are priced per event's
@@ -16,7 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 from .events import PATTERNS, PHASES, CacheDiagnostic, UsageEvent
 from .rates import BILLED_PHASES, RateCard
 
-GROUPINGS = ("hour", "run", "model", "session")
+GROUPINGS = ("minute", "hour", "day", "run", "model", "session")
+TIME_FORMATS = {"minute": "%Y-%m-%d %H:%MZ", "hour": "%Y-%m-%d %H:00Z", "day": "%Y-%m-%d"}
 
 FIXES = {
     "retokenized_history": "build each turn by appending to the sampler's returned tokens; "
@@ -59,7 +61,7 @@ class PhaseTokens:
 
 @dataclass
 class ReportRow:
-    key: str  # the group: an hour ("2026-01-05 13:00Z"), run id, model or session; "total" for the total
+    key: str  # the group: a minute, hour ("2026-01-05 13:00Z") or day, run id, model or session; or "total"
     requests: int = 0
     tokens: PhaseTokens = field(default_factory=PhaseTokens)
     cost: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*BILLED_PHASES, "total"), 0.0))
@@ -130,8 +132,8 @@ class Report:
 
 
 def group_key(e: UsageEvent, by: str) -> str:
-    if by == "hour":
-        return _time.strftime("%Y-%m-%d %H:00Z", _time.gmtime(e.time))
+    if by in TIME_FORMATS:
+        return _time.strftime(TIME_FORMATS[by], _time.gmtime(e.time))
     return {"run": e.run_id, "model": e.base_model, "session": e.session_id}[by]
 
 

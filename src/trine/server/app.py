@@ -21,7 +21,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..home import trine_home
@@ -29,7 +29,7 @@ from ..limits import MAX_BODY_BYTES, MAX_CONTROL_BYTES
 from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
-from . import actor, control
+from . import actor, console, control
 from .auth import TokenSigner
 from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, quiet_accept_errors, uvicorn_config
 from .middleware import BodyLimit, InternalErrors
@@ -48,9 +48,9 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 
 
 def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRouter, ...] = ()) -> FastAPI:
-    """The app: control plane, actor plane, downloads and the metering usage API. Extra `routers`
-    are mounted next to them; they reach the service as `request.app.state.service` and the
-    caller's key through the `control.api_key` dependency."""
+    """The app: control plane, actor plane, downloads, the metering usage API and the web console.
+    Extra `routers` are mounted next to them; they reach the service as
+    `request.app.state.service` and the caller's key through the `control.api_key` dependency."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,8 +88,10 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
 
     @app.head("/")
     @app.get("/")
-    async def root():
-        return {"service": "trine", "models": list(service.models)}
+    async def root(request: Request):
+        if "text/html" in request.headers.get("accept", ""):  # a browser: the web console
+            return RedirectResponse("/console", status_code=307)
+        return {"service": "trine", "models": list(service.models), "console": "/console"}
 
     app.include_router(control.router)
     app.include_router(control.files_router)
@@ -97,6 +99,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     # metering: usage by phase with cost, for the caller's key only (GET /api/trine/v1/usage, /rates)
     app.state.rate_card = service.rate_card
     app.include_router(make_usage_router(_store, control.api_key, app.state.rate_card))
+    app.include_router(console.router)  # the web console at /console (pages and their JSON)
     for r in routers:
         app.include_router(r)
     return app

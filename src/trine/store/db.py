@@ -98,10 +98,12 @@ class Store:
         self._exec(f"UPDATE {table} SET {sets} WHERE id = ?", (*fields.values(), pk))
 
     def _select(self, table: str, where: str = "1", args: tuple = (), *, order: str = "",
-                limit: int | None = None, offset: int = 0) -> list:
+                limit: int | None = None, offset: int = 0, skip: tuple[str, ...] = ()) -> list:
+        """Rows as dataclasses; columns named in `skip` are not read (their fields are None)."""
         cls = TABLES[table][0]
         fields = dataclasses.fields(cls)
-        sql = f"SELECT {', '.join(f.name for f in fields)} FROM {table} WHERE {where}"
+        cols = ", ".join("NULL" if f.name in skip else f.name for f in fields)
+        sql = f"SELECT {cols} FROM {table} WHERE {where}"
         if order:
             sql += f" ORDER BY {order}"
         if limit is not None:
@@ -211,8 +213,20 @@ class Store:
     def event(self, event_id: str) -> EventRecord | None:
         return self._one("events", "id = ?", (event_id,))
 
-    def events(self, run_id: str) -> list[EventRecord]:
-        return self._select("events", "run_id = ?", (run_id,), order="idx")
+    def events(self, run_id: str, *, responses: bool = True) -> list[EventRecord]:
+        """A run's events in index order; `responses=False` leaves `response` None (a cheap listing)."""
+        return self._select("events", "run_id = ?", (run_id,), order="idx",
+                            skip=() if responses else ("response",))
+
+    def event_responses(self, event_ids: list[str]) -> dict[str, bytes]:
+        """The stored responses of these events (those that have one)."""
+        out: dict[str, bytes] = {}
+        for i in range(0, len(event_ids), 500):
+            part = event_ids[i:i + 500]
+            rows = self._exec(f"SELECT id, response FROM events WHERE response IS NOT NULL AND id IN "
+                              f"({', '.join('?' for _ in part)})", tuple(part))
+            out.update((r[0], r[1]) for r in rows)
+        return out
 
     def delete_event(self, event_id: str) -> None:
         self._exec("DELETE FROM events WHERE id = ?", (event_id,))

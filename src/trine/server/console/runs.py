@@ -1,0 +1,174 @@
+"""What the console shows of training runs: the run list and one run's curves, step by step.
+
+Everything is read through the key-isolated service calls (`Service.training_run`,
+`list_training_runs`, `list_checkpoints`), so another key's run is a NotFound exactly as on the API.
+
+A *step* is one forward_backward group (the chunks the SDK sends with the same `step` number)
+closed by the optim_step that follows it. A step's loss is its chunks' `loss_mean` weighted by their
+`token_count`, which for a single chunk is that event's `loss_mean`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+
+from ...service import EventResult, Service
+from ...store import ApiKey, EventRecord, Store, TrainingRun
+
+FORWARD_BACKWARD = "trainer.forward_backward"
+OPTIMIZE_STEP = "trainer.optimize_step"
+FINISHED = ("succeeded", "failed")
+
+
+@dataclass
+class EventOutcome:
+    """An event's result as the console reads it: protocol-neutral fields only."""
+
+    status: str
+    metrics: dict = field(default_factory=dict)
+    train_tokens: int = 0
+    loss_tokens: int = 0
+    cost: float = 0.0
+    cycle: int | None = None
+    error: str | None = None
+
+
+def event_outcome(rec: EventRecord, response: bytes | None) -> EventOutcome:
+    """The one place that reads a stored event result (the service's protocol-neutral EventResult),
+    keeping what the console shows and dropping the per-token lists."""
+    if response is None:
+        return EventOutcome(rec.status, cycle=rec.cycle)
+    res = EventResult.unpack(response)
+    error = f"{res.error.get('code')}: {res.error.get('message')}" if res.error else None
+    return EventOutcome(res.status, dict(res.metrics or {}), res.train_tokens, res.loss_tokens,
+                        res.cost, rec.cycle if res.cycle is None else res.cycle, error)
+
+
+# Decoded results of finished events by event id. A finished event's result never changes and
+# event ids are unique, so a page that polls a long run reads and decodes each result once.
+_OUTCOMES: OrderedDict[str, EventOutcome] = OrderedDict()
+MAX_CACHED_OUTCOMES = 50_000
+
+
+def outcomes(store: Store, events: list[EventRecord]) -> dict[str, EventOutcome]:
+    """The outcomes of the finished events among `events` (listed without their responses)."""
+    done = [e for e in events if e.status in FINISHED]
+    missing = [e for e in done if e.id not in _OUTCOMES]
+    blobs = store.event_responses([e.id for e in missing]) if missing else {}
+    for e in missing:
+        _OUTCOMES[e.id] = event_outcome(e, blobs.get(e.id))
+    out = {}
+    for e in done:
+        _OUTCOMES.move_to_end(e.id)
+        out[e.id] = _OUTCOMES[e.id]
+    while len(_OUTCOMES) > MAX_CACHED_OUTCOMES:
+        _OUTCOMES.popitem(last=False)
+    return out
+
+
+@dataclass
+class Step:
+    """One training step of a run (see the module docstring)."""
+
+    step: int  # 1-based position among the run's steps
+    loss: float | None = None
+    loss_sum: float = 0.0
+    token_count: int = 0
+    train_tokens: int = 0  # computed positions (the whole sequences)
+    loss_tokens: int = 0  # positions in the loss
+    chunks: int = 0
+    cycle: int | None = None  # the clock cycle that ran the step's last forward_backward
+    optim_cycle: int | None = None
+    grad_norm: float | None = None
+    learning_rate: float | None = None
+    cost: float = 0.0
+    finished_at: float | None = None
+    failed: int = 0  # events of this step that failed
+
+
+def run_steps(events: list[EventRecord], results: dict[str, EventOutcome]) -> list[Step]:
+    """Fold a run's events (in index order) into steps; only finished events count."""
+    steps: list[Step] = []
+    cur: Step | None = None
+    closed = True  # the current step has had its optim_step
+    group = None  # the `step` field of the current forward_backward group
+    for rec in events:
+        out = results.get(rec.id)
+        if rec.type not in (FORWARD_BACKWARD, OPTIMIZE_STEP) or out is None:
+            continue
+        if closed or (rec.type == FORWARD_BACKWARD and rec.step != group):
+            cur = Step(len(steps) + 1)  # (an optim_step with no gradient before it is a step too)
+            steps.append(cur)
+            closed, group = False, rec.step
+        if rec.type == FORWARD_BACKWARD:
+            _add_chunk(cur, rec, out)
+        else:
+            closed = True
+            cur.optim_cycle = rec.cycle
+            cur.grad_norm = _float(out.metrics.get("grad_norm"))
+            cur.learning_rate = _float(out.metrics.get("learning_rate"))
+            cur.failed += out.error is not None
+            cur.finished_at = rec.updated_at
+    return steps
+
+
+def _add_chunk(step: Step, rec: EventRecord, out: EventOutcome) -> None:
+    step.chunks += 1
+    step.finished_at = rec.updated_at
+    if out.error is not None:
+        step.failed += 1
+        return
+    n, mean = int(out.metrics.get("token_count", 0)), _float(out.metrics.get("loss_mean"))
+    step.loss_sum += float(out.metrics.get("loss_sum", 0.0))
+    if step.loss is None:
+        step.loss = mean
+    elif mean is not None and step.token_count + n:  # the token-weighted mean of the chunks' loss_mean
+        step.loss = (step.loss * step.token_count + mean * n) / (step.token_count + n)
+    step.token_count += n
+    step.train_tokens += out.train_tokens
+    step.loss_tokens += out.loss_tokens
+    step.cost += out.cost
+    step.cycle = rec.cycle
+
+
+def _float(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def run_json(svc: Service, r: TrainingRun, events: list[EventRecord] | None = None) -> dict:
+    """A run's row in the run list: `steps` = optim steps done; last activity from its events."""
+    events = svc.store.events(r.id, responses=False) if events is None else events
+    last = max([r.updated_at, *(e.updated_at for e in events)])
+    return {"id": r.id, "model": r.base_model, "rank": r.lora_rank, "state": r.status,
+            "session_id": r.session_id,
+            "steps": sum(e.type == OPTIMIZE_STEP and e.status == "succeeded" for e in events),
+            "last_cycle": r.last_cycle, "created_at": r.created_at, "last_active": last,
+            "events": len(events),
+            "pending": sum(e.status in ("accepted", "running") for e in events),
+            "source_checkpoint_uri": r.source_checkpoint_uri or None}
+
+
+def list_runs(svc: Service, key: ApiKey, limit: int = 200) -> list[dict]:
+    """The key's training runs, newest first."""
+    runs, _ = svc.list_training_runs(key, limit=10_000, offset=0)
+    runs = sorted(runs, key=lambda r: r.created_at, reverse=True)[:limit]
+    return [run_json(svc, r) for r in runs]
+
+
+def run_detail(svc: Service, key: ApiKey, run_id: str) -> dict:
+    """One run (NotFound if the key does not own it): its row, its steps and its checkpoints."""
+    r = svc.training_run(key, run_id)
+    events = svc.store.events(r.id, responses=False)
+    results = outcomes(svc.store, events)
+    cks, _ = svc.list_checkpoints(key, training_run_id=r.id)
+    return {"run": run_json(svc, r, events), "steps": [asdict(s) for s in run_steps(events, results)],
+            "checkpoints": [checkpoint_row(c) for c in cks],
+            "failures": [{"index": e.idx, "type": e.type, "error": results[e.id].error}
+                         for e in events if e.status == "failed"][-20:]}
+
+
+def checkpoint_row(c) -> dict:
+    return {"id": c.id, "run_id": c.training_run_id, "name": c.name, "kind": c.kind, "uri": c.uri,
+            "size_bytes": c.size_bytes, "visibility": c.visibility, "model": c.base_model,
+            "rank": c.lora_rank, "step": c.step, "created_at": c.created_at,
+            "expires_at": c.expires_at, "downloadable": bool(c.path)}
