@@ -92,7 +92,6 @@ async def run(args, model: Path, home: Path) -> dict:
     configs = {
         "one": Config("one", model, home, ray_engines(1, **opts)),
         "routed": Config("routed", model, home, ray_engines(2, **opts), Router()),
-        "random": Config("random", model, home, ray_engines(2, **opts), Router("random", seed=0)),
         "inproc": Config("inproc", model, home,
                          lambda name, path: [LocalEngine(name, path, num_threads=1, **ENGINE)]),
     }
@@ -102,10 +101,14 @@ async def run(args, model: Path, home: Path) -> dict:
         await asyncio.gather(*(c.latency(-1 - i, args) for i in range(4)))
     res = {k: [] for k in ("one", "routed", "random")}
     lat = {"one": [], "inproc": []}
+    pool = configs["routed"].svc.sampling  # "random": the same two replicas, routed at random
     for rnd in range(args.rounds):
         order = ["one", "routed", "random"] if rnd % 2 == 0 else ["random", "routed", "one"]
         for name in order:
-            res[name].append(await configs[name].workload(rnd, args))
+            pool.router = Router("random", seed=rnd) if name == "random" else Router()
+            config = configs["routed" if name == "random" else name]
+            seed = rnd + 1000 if name == "random" else rnd  # its own system prompts: a cold cache
+            res[name].append(await config.workload(seed, args))
             log(f"round {rnd} {name}: {res[name][-1]}")
         for name in (["one", "inproc"] if rnd % 2 == 0 else ["inproc", "one"]):
             for rep in range(args.latency_repeats):
@@ -150,8 +153,8 @@ def main() -> None:
     if args.model is None:
         from trine.engine.default_model import ensure_default_model
         args.model = ensure_default_model()
-    # 5 actors (1 + 2 + 2 replicas), 1 torch thread each; only one configuration works at a time
-    connect(None, num_cpus=5)
+    # 3 actors (1 + 2 replicas), 1 torch thread each; only one configuration works at a time
+    connect(None, num_cpus=3)
     import ray
     try:
         with tempfile.TemporaryDirectory() as home:

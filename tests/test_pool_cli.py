@@ -28,7 +28,7 @@ def test_serve_with_two_ray_replicas(tiny_model_dir, tmp_path):
                                      str(tmp_path), "--ray", "--replicas", "2"], timeout=300)
     try:
         assert "2 Ray replica(s) per model" in text, text
-        r = wait_http(f"http://127.0.0.1:{port}/api/openapi/v1/models", key, tries=1200)
+        r = wait_http(f"http://127.0.0.1:{port}/api/models", key, tries=1200)
         assert r.status_code == 200 and r.json()["items"][0]["name"] == "tiny-llama"
     finally:
         proc.terminate()

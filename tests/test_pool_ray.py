@@ -19,7 +19,8 @@ from trine.service import SampleSpec
 from trine.service.routing import Router
 
 ray = pytest.importorskip("ray")
-from trine.engine.ray_backend import connect, ray_engines  # noqa: E402
+from trine.engine.interface import EngineLost  # noqa: E402
+from trine.engine.ray_backend import RayEngine, connect, ray_engines  # noqa: E402
 
 MODEL = "tiny-llama"
 ENGINE_OPTIONS = {k: TEST_OPTIONS[k] for k in ("device", "sampler_options", "trainer_options")}
@@ -35,6 +36,37 @@ def ray_server(tiny_model_dir, tmp_path_factory):
     finally:
         srv.stop()
         ray.shutdown()
+
+
+class _FailingActor:
+    """Stands in for an actor handle whose every call raises `exc`."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def __getattr__(self, method):
+        exc = self.exc
+
+        class Method:
+            def remote(self, *args):
+                async def call():
+                    raise exc
+                return call()
+        return Method()
+
+
+def test_any_ray_failure_is_a_lost_replica_but_engine_errors_keep_their_type():
+    engine = RayEngine.__new__(RayEngine)  # no actor: the handle is replaced below
+    engine.name, engine.index = MODEL, 0
+    for exc in (ray.exceptions.OutOfMemoryError("killed for memory"), ray.exceptions.ActorDiedError()):
+        engine.actor = _FailingActor(exc)
+        with pytest.raises(EngineLost, match="replica 0"):
+            asyncio.run(engine.stats())
+        assert "replica 0" in asyncio.run(engine.lost())
+    own = ray.exceptions.RayTaskError("sample", "traceback", ValueError("prompt: too long")).as_instanceof_cause()
+    engine.actor = _FailingActor(own)
+    with pytest.raises(ValueError, match="too long"):
+        asyncio.run(engine.stats())
 
 
 def _sft_batch(tokenizer_ids: list[list[int]]) -> list[trio.Datum]:

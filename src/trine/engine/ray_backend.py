@@ -10,10 +10,11 @@ actor takes one GPU when the cluster has GPUs, otherwise `num_threads` CPUs (tor
 threads). Calls and results are the interface's dataclasses, pickled by Ray.
 
 Invariants
-- A dead actor turns every call in flight, and every later call, into `EngineLost` (Ray fails the
-  pending object refs as soon as it learns of the death; `lost()` returns then).
-- Errors the caller caused keep their type across the process boundary (Ray's task errors subclass
-  the original exception), so a ValueError is still a ValueError.
+- A dead actor (killed, out of memory, its node gone) turns every call in flight, and every later
+  call, into `EngineLost` (Ray fails the pending object refs as soon as it learns of the death;
+  `lost()` returns then).
+- Errors the engine raises reach the caller as the engine raised them (Ray's wrapper is removed), so
+  a ValueError is still a ValueError with the engine's message.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import RayError, RayTaskError
 
 from .interface import Engine, EngineInfo, EngineLost, EngineStats, SampleDelta
 from .local import LocalEngine
@@ -30,7 +31,16 @@ from .model import LoRAConfig
 from .ops import CycleResult, TrainingCycle
 from .requests import SampleRequest, SampleResult
 
-_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+def _lost(index: int, name: str, e: RayError) -> EngineLost:
+    """Any Ray failure that is not the engine's own exception (actor died, killed for memory, node
+    lost, ...) means the replica is gone."""
+    return EngineLost(f"replica {index} of {name}: {type(e).__name__}")
+
+
+def _cause(e: RayTaskError) -> BaseException:
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, Exception) else e
 
 
 @ray.remote
@@ -97,8 +107,10 @@ class RayEngine(Engine):
     async def _call(self, method: str, *args):
         try:
             return await getattr(self.actor, method).remote(*args)
-        except _LOST as e:
-            raise EngineLost(f"replica {self.index} of {self.name}: {type(e).__name__}") from None
+        except RayTaskError as e:  # the engine's own exception, as the engine raised it
+            raise _cause(e) from None
+        except RayError as e:
+            raise _lost(self.index, self.name, e) from None
 
     async def start(self) -> EngineInfo:
         self.info = await self._call("start")
@@ -124,8 +136,10 @@ class RayEngine(Engine):
                 item = await ref
                 done = isinstance(item, SampleResult)
                 yield item
-        except _LOST as e:
-            raise EngineLost(f"replica {self.index} of {self.name}: {type(e).__name__}") from None
+        except RayTaskError as e:
+            raise _cause(e) from None
+        except RayError as e:
+            raise _lost(self.index, self.name, e) from None
         finally:
             if not done:
                 try:

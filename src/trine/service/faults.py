@@ -28,7 +28,10 @@ class Faults:
         self.stopping = False  # set by Service.stop: replicas going away then are not faults
 
     async def watch(self, m: ServedModel, rep: Replica) -> None:
-        reason = await rep.engine.lost()
+        try:
+            reason = await rep.engine.lost()
+        except Exception as e:  # the watch itself failed: the engine cannot be reached
+            reason = f"{type(e).__name__}: {e}"
         if not self.stopping:
             self.lost(m, rep, reason)
 
