@@ -1,4 +1,5 @@
-"""The HTTP server: one FastAPI app (control plane, actor plane, downloads) over one `Service`.
+"""The HTTP server: one FastAPI app (control plane, actor plane, downloads, the Tinker API) over one
+`Service`.
 
 `start_server(...)` runs it with uvicorn in a background thread and returns a `ServerHandle`
 (url, api_key, stop()); `trine serve`, `trine demo` and the tests use it.
@@ -27,7 +28,7 @@ from ..home import trine_home
 from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
-from . import actor, control
+from . import actor, control, tinker
 from .auth import TokenSigner
 
 log = logging.getLogger("trine.server")
@@ -82,8 +83,8 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     @app.middleware("http")
     async def limit_control_bodies(request: Request, call_next):
         declared = request.headers.get("content-length", "")
-        if (request.url.path.startswith("/api/") and declared.isdigit()
-                and int(declared) > MAX_CONTROL_BYTES):
+        if (request.url.path.startswith("/api/") and request.url.path not in tinker.LARGE_BODY_PATHS
+                and declared.isdigit() and int(declared) > MAX_CONTROL_BYTES):
             return _error(413, "request_too_large", f"body: {declared} bytes exceeds the control-plane "
                                                     f"limit of {MAX_CONTROL_BYTES} bytes")
         return await call_next(request)
@@ -96,6 +97,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     app.include_router(control.router)
     app.include_router(control.files_router)
     app.include_router(actor.router)
+    app.include_router(tinker.make_router())  # the Tinker API (/api/v1/...), same service and keys
     # metering: usage by phase with cost, for the caller's key only (GET /api/trine/v1/usage, /rates)
     app.state.rate_card = service.rate_card
     app.include_router(make_usage_router(_store, control.api_key, app.state.rate_card))

@@ -1,0 +1,334 @@
+"""Tinker training calls -> service events: create_model, get_info, forward(_backward), optim_step,
+save_weights, save_weights_for_sampler, load_weights.
+
+Every call of one model becomes one event of its training run with index `seq_id + 1` (the run's
+init is index 1, the SDK's seq 0), and event id `tk-<run>-<seq_id>`. So the service runs a model's
+calls in seq_id order exactly once, however the SDK's parallel chunks arrive, and a retried call
+(same seq_id) joins the first. Losses are summed per token (no normalisation: Tinker's contract);
+metric keys are `name:reduction` so the SDK can combine chunks (`loss:sum`, `clock_cycle:unique`).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable
+
+import msgpack
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...engine.model import LoRAConfig
+from ...engine.requests import AdamConfig
+from ...service import Service
+from ...service.errors import InvalidRequest
+from ...service.ops import (FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_STATE, SAVE_WEIGHTS,
+                            Forward, InitRun, Op, OptimStep, Save)
+from ...store import ApiKey
+from ..actor import read_body
+from ..wire import validation_message
+from . import proto
+from .futures import Failure, Reply
+from .state import Model, TinkerState, caller, model_id_of, to_tinker_path, to_trio_uri
+
+MAX_FORWARD_BACKWARD_BYTES = 64 << 20
+router = APIRouter(prefix="/api/v1")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class LoraBody(_Body):
+    rank: int = 32
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModelBody(_Body):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    lora_config: LoraBody | None = None
+    optimizer_config: dict | None = None
+
+
+class ModelCall(_Body):
+    model_id: str
+    seq_id: int | None = Field(default=None, ge=1)
+
+
+class AdamBody(_Body):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class OptimStepBody(ModelCall):
+    adam_params: AdamBody | None = None
+    optimizer_params: dict | None = None
+
+
+class SaveBody(ModelCall):
+    path: str | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    sampling_session_seq_id: int | None = None
+
+
+class LoadBody(_Body):
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    path: str
+    optimizer: bool = False
+
+
+def _parse(cls, raw: Any):
+    from pydantic import ValidationError
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        raise InvalidRequest(validation_message(e)) from None
+
+
+async def _json(request: Request, cls):
+    import json
+    try:
+        raw = json.loads(await request.body() or b"{}")
+    except ValueError:
+        raise InvalidRequest("body: not valid JSON", code="invalid_request_body") from None
+    return _parse(cls, raw)
+
+
+def _check_optimizer(config: dict | None) -> None:
+    kind = (config or {}).get("type", "adam")
+    if kind not in ("adam", "adamw"):
+        raise InvalidRequest(f"optimizer_config.type {kind!r}: trine trains with AdamW only; use "
+                             "AdamParams")
+
+
+# ---------------------------------------------------------------------------- event plumbing
+def _outcome(rec) -> tuple[dict, int | None]:
+    """A settled event's result map and cycle; raises Failure for a failed event."""
+    env = msgpack.unpackb(rec.response, raw=False) if rec.response else {}
+    err = env.get("error")
+    if err or rec.status == "failed":
+        err = err or {"code": "failed", "message": "the request failed"}
+        category = "server" if err.get("code") == "internal_error" else "user"
+        raise Failure(f"{err.get('message')} ({err.get('code')})", category)
+    return env.get("result") or {}, env.get("cycle")
+
+
+async def _settled(svc: Service, key: ApiKey, run_id: str, event_id: str):
+    while True:
+        rec = await svc.event(key, run_id, event_id, 30.0)
+        if rec.status in ("succeeded", "failed"):
+            return rec
+
+
+Shape = Callable[[dict, int | None], Awaitable[Reply]]
+
+
+async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: Model, seq_id: int,
+                  type_: str, op: Op, shape: Shape) -> dict:
+    event_id = f"tk-{m.run_id}-{seq_id}"
+    await svc.submit_event(key, m.run_id, event_id=event_id, type=type_, index=seq_id + 1, step=0, op=op)
+
+    async def finish() -> Reply:
+        result, cycle = _outcome(await _settled(svc, key, m.run_id, event_id))
+        return await shape(result, cycle)
+    st.futures.start(key.id, event_id, finish)
+    return {"request_id": event_id, "model_id": model_id}
+
+
+def _json_reply(obj) -> Shape:
+    async def shape(result, cycle):
+        return Reply.json(obj)
+    return shape
+
+
+def _lora(run) -> LoRAConfig:
+    return LoRAConfig(rank=run.lora_rank, train_attn=run.train_attn, train_mlp=run.train_mlp,
+                      train_unembed=run.train_unembed, seed=run.seed or 0)
+
+
+# ---------------------------------------------------------------------------- models
+async def _create(svc: Service, st: TinkerState, key: ApiKey, session_id: str, model_seq_id: int,
+                  make_run, op_of, reply: dict) -> dict:
+    """Create the training run behind model `<session>:train:<seq>` once (a retry joins), and queue
+    its init as event index 1."""
+    model_id = model_id_of(session_id, model_seq_id)
+    if model_id in st.creating:
+        await asyncio.shield(st.creating[model_id])
+    if model_id not in st.models:
+        st.creating[model_id] = done = asyncio.get_running_loop().create_future()
+        try:
+            run = make_run()
+            st.models[model_id] = Model(run.id, key.id, session_id)
+        finally:
+            done.set_result(None)
+            st.creating.pop(model_id, None)
+    m = st.model(key, model_id)
+    run = svc.training_run(key, m.run_id)
+    return await _submit(svc, st, key, model_id, m, 0, INIT_RUN, op_of(run),
+                         _json_reply({**reply, "model_id": model_id}))
+
+
+@router.post("/create_model")
+async def create_model(request: Request):
+    svc, st, key = caller(request)
+    b = await _json(request, CreateModelBody)
+    _check_optimizer(b.optimizer_config)
+    lora = b.lora_config or LoraBody()
+    return await _create(
+        svc, st, key, b.session_id, b.model_seq_id,
+        lambda: svc.create_training_run(key, b.session_id, base_model=b.base_model, lora_rank=lora.rank,
+                                        train_mlp=lora.train_mlp, train_attn=lora.train_attn,
+                                        train_unembed=lora.train_unembed, seed=lora.seed),
+        lambda run: InitRun(_lora(run), run.base_model), {"type": "create_model"})
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request):
+    svc, st, key = caller(request)
+    b = await _json(request, LoadBody)
+    uri = to_trio_uri(b.path)
+    reply = {"type": "load_weights", "path": b.path}
+    if b.session_id is not None:  # create-from-state: the model's seq 0, no create_model first
+        if b.model_seq_id is None:
+            raise InvalidRequest("model_seq_id: required with session_id (create-from-state)")
+        return await _create(
+            svc, st, key, b.session_id, b.model_seq_id,
+            lambda: svc.create_training_run(key, b.session_id, base_model=b.base_model or "", lora_rank=1,
+                                            source_checkpoint_uri=uri, restore_optimizer=b.optimizer),
+            lambda run: InitRun(_lora(run), "", uri, b.optimizer), reply)
+    if b.model_id is None or b.seq_id is None:
+        raise InvalidRequest("load_weights: send model_id and seq_id, or session_id and model_seq_id")
+    m = st.model(key, b.model_id)
+    run = svc.training_run(key, m.run_id)
+    return await _submit(svc, st, key, b.model_id, m, b.seq_id, INIT_RUN,
+                         InitRun(_lora(run), "", uri, b.optimizer), _json_reply({**reply, "model_id": b.model_id}))
+
+
+@router.post("/get_info")
+async def get_info(request: Request):
+    svc, st, key = caller(request)
+    b = await _json(request, ModelCall)
+    run = svc.training_run(key, st.model(key, b.model_id).run_id)
+    served = svc.models[run.base_model]
+    return {"type": "get_info", "model_id": b.model_id, "model_name": run.base_model, "is_lora": True,
+            "lora_rank": run.lora_rank, "optimizer_config": {"type": "adam"},
+            "model_data": {"arch": served.worker.model.cfg.model_type, "model_name": run.base_model,
+                           "tokenizer_id": served.model_id}}
+
+
+# ---------------------------------------------------------------------------- training
+def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: proto.ForwardBackwardBody) -> None:
+    """stable_reinforce: the behaviour logprobs of sampled positions come from the server's records."""
+    for i, (d, spans) in enumerate(zip(body.data, body.spans)):
+        pos = 0
+        q = list(d.logprobs) if d.logprobs is not None else [0.0] * len(d.tokens)
+        for k, s in enumerate(spans):
+            if s.sampled and s.length:
+                try:
+                    q[pos:pos + s.length] = st.stability.sampled_logprobs(
+                        key.id, s.sequence_id, s.offset, s.length, d.target_tokens[pos:pos + s.length],
+                        f"data[{i}].loss_fn_input_spans[{k}]")
+                except ValueError as e:
+                    raise InvalidRequest(str(e), code="stability_info_missing") from None
+            pos += s.length
+        d.logprobs = q
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request):
+    svc, st, key = caller(request)
+    raw = proto.decompress(await read_body(request, MAX_FORWARD_BACKWARD_BYTES),
+                           request.headers.get("content-encoding"))
+    body = await asyncio.get_running_loop().run_in_executor(None, proto.parse_forward_backward, raw)
+    m = st.model(key, body.model_id)
+    if body.seq_id < 1:
+        raise InvalidRequest(f"seq_id {body.seq_id}: training calls start at 1")
+    if body.loss_fn.lower() == "stable_reinforce":
+        _with_recorded_logprobs(st, key, body)
+    op = Forward(body.data, body.loss_fn, body.loss_config, backward=not body.forward_only)
+
+    async def shape(result, cycle):
+        logprobs = [np.frombuffer(o["logprobs"]["data"], dtype=o["logprobs"]["dtype"]).tolist()
+                    for o in result.get("loss_fn_outputs", [])]
+        metrics = {"loss:sum": float(result.get("metrics", {}).get("loss_sum", 0.0))}
+        if cycle is not None:
+            metrics["clock_cycle:unique"] = float(cycle)
+        return Reply(proto.forward_backward_output(logprobs, metrics), proto.PROTOBUF)
+    return await _submit(svc, st, key, body.model_id, m, body.seq_id,
+                         FORWARD if body.forward_only else FORWARD_BACKWARD, op, shape)
+
+
+def _seq(b: ModelCall) -> int:
+    if b.seq_id is None:
+        raise InvalidRequest("seq_id: required (the SDK numbers a model's calls from 1)")
+    return b.seq_id
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request):
+    svc, st, key = caller(request)
+    b = await _json(request, OptimStepBody)
+    m = st.model(key, b.model_id)
+    if b.adam_params is None:
+        raise InvalidRequest("adam_params: required; trine trains with AdamW (AdamParams)")
+    a = b.adam_params
+    op = OptimStep(AdamConfig(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm))
+
+    async def shape(result, cycle):
+        return Reply.json({"type": "optim_step", "metrics": result.get("metrics") or {}})
+    return await _submit(svc, st, key, b.model_id, m, _seq(b), OPTIMIZE_STEP, op, shape)
+
+
+def _saved_uri(result: dict, op: Save) -> str:
+    return (result.get("checkpoint") or {}).get("uri") or op.uri
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request):
+    svc, st, key = caller(request)
+    b = await _json(request, SaveBody)
+    m = st.model(key, b.model_id)
+    seq = _seq(b)
+    op = Save("state", b.path or f"state-{seq}", "WORKSPACE", b.ttl_seconds, b.overwrite)
+
+    async def shape(result, cycle):
+        return Reply.json({"type": "save_weights", "path": to_tinker_path(_saved_uri(result, op))})
+    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_STATE, op, shape)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request):
+    svc, st, key = caller(request)
+    b = await _json(request, SaveBody)
+    m = st.model(key, b.model_id)
+    seq = _seq(b)
+    if b.path:  # named, persistent sampler weights
+        op = Save("weights", b.path, "WORKSPACE", b.ttl_seconds, b.overwrite)
+
+        async def shape(result, cycle):
+            return Reply.json({"type": "save_weights_for_sampler",
+                               "path": to_tinker_path(_saved_uri(result, op))})
+    else:  # ephemeral: an in-memory snapshot plus a sampling session on it
+        if b.sampling_session_seq_id is None:
+            raise InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
+        op = Save("weights", f"sampler-{seq}", "TEMPORARY", b.ttl_seconds, True)
+        sampler_seq = b.sampling_session_seq_id
+
+        async def shape(result, cycle):
+            from .sampling import sampling_session
+            sid = sampling_session(svc, st, key, m.session_id, sampler_seq, "", _saved_uri(result, op))
+            return Reply.json({"type": "save_weights_for_sampler", "sampling_session_id": sid})
+    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_WEIGHTS, op, shape)
