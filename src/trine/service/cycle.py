@@ -25,7 +25,7 @@ import numpy as np
 from ..engine.checkpoint import load_peft_adapter
 from ..engine.model import Adapter
 from ..engine.requests import ForwardResult
-from .ops import EndRun, Forward, InitRun, OptimStep, Save
+from .ops import EndRun, Forward, InitRun, OptimStep, Refused, Save
 from .ordering import CyclePlan, Pending
 
 log = logging.getLogger("trine.cycle")
@@ -165,6 +165,8 @@ class CycleRunner:
     def _single(self, run_id: str, ev: Pending) -> Outcome:
         op = ev.op
         try:
+            if isinstance(op, Refused):
+                return Outcome(error=(op.code, op.message))
             if isinstance(op, InitRun):
                 return self._init(run_id, op)
             if isinstance(op, EndRun):

@@ -6,6 +6,7 @@ Invariants
 - An index is used once: a second event id for a taken or waiting index is a Conflict.
 - One cycle takes, per run, the longest head of its queue of the form
       (init | save)*  (forward | forward_backward)*  optimize_step?  save*
+  (init, end and refused placeholders stand alone)
   so a loop that submits forward_backward and optimize_step before waiting needs one cycle per step,
   and gradients of all chunks of one step are accumulated before the step is applied.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import Conflict, TooManyRequests
-from .ops import END_RUN, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_STATE, SAVE_WEIGHTS
+from .ops import END_RUN, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, REFUSED, SAVE_STATE, SAVE_WEIGHTS
 
 _PRE, _FWD, _OPT, _POST = 0, 1, 2, 3
 _FWD_TYPES = (FORWARD, FORWARD_BACKWARD)
@@ -72,7 +73,7 @@ class RunQueue:
                 state = _OPT
             elif t in _SAVE_TYPES:
                 state = _PRE if state == _PRE else _POST
-            elif t in (INIT_RUN, END_RUN) and state == _PRE and not taken:
+            elif t in (INIT_RUN, END_RUN, REFUSED) and state == _PRE and not taken:
                 taken.append(self.waiting.pop(self.next_index))
                 self.next_index += 1
                 break  # init and end stand alone: later events depend on their outcome

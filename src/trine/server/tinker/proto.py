@@ -137,8 +137,8 @@ def _loss_config(msg) -> dict:
     return config
 
 
-def parse_forward_backward(body: bytes) -> ForwardBackwardBody:
-    """Decode a ForwardBackwardRequest; validates shapes (one value per input token) and dtypes."""
+def decode_forward_backward(body: bytes):
+    """The ForwardBackwardRequest message (its model_id and seq_id are then known)."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -147,6 +147,11 @@ def parse_forward_backward(body: bytes) -> ForwardBackwardBody:
                              code="invalid_request_body") from None
     if not msg.model_id:
         raise InvalidRequest("model_id: empty; send the id create_model returned")
+    return msg
+
+
+def forward_backward_body(msg) -> ForwardBackwardBody:
+    """The request's content as plain values; validates shapes (one value per input token) and dtypes."""
     if not msg.data:
         raise InvalidRequest("data: the batch is empty; send at least one Datum")
     data, spans = [], []

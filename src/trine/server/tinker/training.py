@@ -21,8 +21,8 @@ from ...engine.model import LoRAConfig
 from ...engine.requests import AdamConfig
 from ...service import Service
 from ...service.errors import InvalidRequest
-from ...service.ops import (FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_STATE, SAVE_WEIGHTS,
-                            Forward, InitRun, Op, OptimStep, Save)
+from ...service.ops import (FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, REFUSED, SAVE_STATE,
+                            SAVE_WEIGHTS, Forward, InitRun, Op, OptimStep, Refused, Save)
 from ...store import ApiKey
 from ..actor import read_body
 from ..wire import validation_message
@@ -137,9 +137,19 @@ Shape = Callable[[dict, int | None], Awaitable[Reply]]
 
 
 async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: Model, seq_id: int,
-                  type_: str, op: Op, shape: Shape) -> dict:
+                  type_: str, op: Op | InvalidRequest, shape: Shape) -> dict:
+    """Queue `op` as the model's call `seq_id`. Invalid input (`op` already an InvalidRequest, or
+    refused by the service) still takes its index, as a placeholder that fails with the message:
+    the SDK has numbered the call, and its later calls must not wait for it."""
     event_id = f"tk-{m.run_id}-{seq_id}"
-    await svc.submit_event(key, m.run_id, event_id=event_id, type=type_, index=seq_id + 1, step=0, op=op)
+    submit = lambda type_, op: svc.submit_event(key, m.run_id, event_id=event_id, type=type_,  # noqa: E731
+                                                index=seq_id + 1, step=0, op=op)
+    try:
+        if isinstance(op, InvalidRequest):
+            raise op
+        await submit(type_, op)
+    except InvalidRequest as e:
+        await submit(REFUSED, Refused(e.code, e.message))
 
     async def finish() -> Reply:
         result, cycle = _outcome(await _settled(svc, key, m.run_id, event_id))
@@ -252,13 +262,17 @@ async def forward_backward(request: Request):
     svc, st, key = caller(request)
     raw = proto.decompress(await read_body(request, MAX_FORWARD_BACKWARD_BYTES),
                            request.headers.get("content-encoding"))
-    body = await asyncio.get_running_loop().run_in_executor(None, proto.parse_forward_backward, raw)
-    m = st.model(key, body.model_id)
-    if body.seq_id < 1:
-        raise InvalidRequest(f"seq_id {body.seq_id}: training calls start at 1")
-    if body.loss_fn.lower() == "stable_reinforce":
-        _with_recorded_logprobs(st, key, body)
-    op = Forward(body.data, body.loss_fn, body.loss_config, backward=not body.forward_only)
+    msg = await asyncio.get_running_loop().run_in_executor(None, proto.decode_forward_backward, raw)
+    m = st.model(key, msg.model_id)
+    if msg.seq_id < 1:
+        raise InvalidRequest(f"seq_id {msg.seq_id}: training calls start at 1")
+    try:
+        body = await asyncio.get_running_loop().run_in_executor(None, proto.forward_backward_body, msg)
+        if body.loss_fn.lower() == "stable_reinforce":
+            _with_recorded_logprobs(st, key, body)
+        op = Forward(body.data, body.loss_fn, body.loss_config, backward=not body.forward_only)
+    except InvalidRequest as e:
+        op = e
 
     async def shape(result, cycle):
         logprobs = [np.frombuffer(o["logprobs"]["data"], dtype=o["logprobs"]["dtype"]).tolist()
@@ -267,8 +281,8 @@ async def forward_backward(request: Request):
         if cycle is not None:
             metrics["clock_cycle:unique"] = float(cycle)
         return Reply(proto.forward_backward_output(logprobs, metrics), proto.PROTOBUF)
-    return await _submit(svc, st, key, body.model_id, m, body.seq_id,
-                         FORWARD if body.forward_only else FORWARD_BACKWARD, op, shape)
+    return await _submit(svc, st, key, msg.model_id, m, msg.seq_id,
+                         FORWARD if msg.forward_only else FORWARD_BACKWARD, op, shape)
 
 
 def _seq(b: ModelCall) -> int:
