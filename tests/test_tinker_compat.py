@@ -281,3 +281,19 @@ def test_bad_input_fails_its_future_and_the_client_goes_on(sc):
     # the refused calls kept their places: the next ones run
     assert tc.forward_backward([datum()], "cross_entropy").result().metrics["loss:sum"] > 0
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+
+def test_every_key_has_a_tml_form_that_is_the_same_key(tmp_path):
+    from trine.store import Store
+    from trine.store.keys import tinker_form
+    store = Store(tmp_path)
+    try:
+        rec, secret = store.create_key("k")
+        assert tinker_form(secret) == "tml-" + secret
+        assert store.key_by_secret(tinker_form(secret)).id == store.key_by_secret(secret).id == rec.id
+        assert store.key_by_secret("tml-" + secret[:-1] + "x") is None
+        assert store.key_by_secret(secret[len("trine-"):]) is None  # the prefix is not optional
+        store.revoke_key(rec.id)
+        assert store.key_by_secret(tinker_form(secret)) is None
+    finally:
+        store.close()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from ...service import Service
-from ...service.errors import InvalidRequest, NotFound
+from ...service.errors import InvalidRequest, NotFound, ServiceError
 from ...service.stability import StabilityRecords
 from ...store import ApiKey
 from ..control import api_key, service_of
@@ -78,6 +78,10 @@ def state_of(request: Request) -> TinkerState:
 
 def caller(request: Request) -> tuple[Service, TinkerState, ApiKey]:
     """The service, the Tinker state and the authenticated key of a request."""
+    from .proto import pb
+    if pb is None:
+        raise ServiceError("the Tinker API needs the `tinker` package (Python >= 3.11): "
+                           "pip install tinker==0.38.0", code="tinker_unavailable", status=501)
     return service_of(request), state_of(request), api_key(request)
 
 

@@ -18,14 +18,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.model import LoRAConfig
-from ...engine.requests import AdamConfig
 from ...service import Service
 from ...service.errors import InvalidRequest
 from ...service.ops import (FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, REFUSED, SAVE_STATE,
-                            SAVE_WEIGHTS, Forward, InitRun, Op, OptimStep, Refused, Save)
+                            SAVE_WEIGHTS, Forward, InitRun, Op, Refused, Save)
 from ...store import ApiKey
 from ..actor import read_body
-from ..wire import validation_message
+from ..wire import parse_op, validation_message
 from . import proto
 from .futures import Failure, Reply
 from .state import Model, TinkerState, caller, model_id_of, to_tinker_path, to_trio_uri
@@ -59,17 +58,8 @@ class ModelCall(_Body):
     seq_id: int | None = Field(default=None, ge=1)
 
 
-class AdamBody(_Body):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-
 class OptimStepBody(ModelCall):
-    adam_params: AdamBody | None = None
+    adam_params: dict | None = None  # validated as trine.types.AdamParams (same fields and defaults)
     optimizer_params: dict | None = None
 
 
@@ -158,6 +148,14 @@ async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: 
     return {"request_id": event_id, "model_id": model_id}
 
 
+def _op_or_refusal(build: Callable[[], Op]) -> Op | InvalidRequest:
+    """The op, or the error that refuses it (queued in its place by `_submit`)."""
+    try:
+        return build()
+    except InvalidRequest as e:
+        return e
+
+
 def _json_reply(obj) -> Shape:
     async def shape(result, cycle):
         return Reply.json(obj)
@@ -209,9 +207,9 @@ async def create_model(request: Request):
 async def load_weights(request: Request):
     svc, st, key = caller(request)
     b = await _json(request, LoadBody)
-    uri = to_trio_uri(b.path)
     reply = {"type": "load_weights", "path": b.path}
     if b.session_id is not None:  # create-from-state: the model's seq 0, no create_model first
+        uri = to_trio_uri(b.path)
         if b.model_seq_id is None:
             raise InvalidRequest("model_seq_id: required with session_id (create-from-state)")
         return await _create(
@@ -223,8 +221,9 @@ async def load_weights(request: Request):
         raise InvalidRequest("load_weights: send model_id and seq_id, or session_id and model_seq_id")
     m = st.model(key, b.model_id)
     run = svc.training_run(key, m.run_id)
-    return await _submit(svc, st, key, b.model_id, m, b.seq_id, INIT_RUN,
-                         InitRun(_lora(run), "", uri, b.optimizer), _json_reply({**reply, "model_id": b.model_id}))
+    op = _op_or_refusal(lambda: InitRun(_lora(run), "", to_trio_uri(b.path), b.optimizer))
+    return await _submit(svc, st, key, b.model_id, m, b.seq_id, INIT_RUN, op,
+                         _json_reply({**reply, "model_id": b.model_id}))
 
 
 @router.post("/get_info")
@@ -296,10 +295,7 @@ async def optim_step(request: Request):
     svc, st, key = caller(request)
     b = await _json(request, OptimStepBody)
     m = st.model(key, b.model_id)
-    if b.adam_params is None:
-        raise InvalidRequest("adam_params: required; trine trains with AdamW (AdamParams)")
-    a = b.adam_params
-    op = OptimStep(AdamConfig(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm))
+    op = _op_or_refusal(lambda: parse_op(OPTIMIZE_STEP, {"adam_params": b.adam_params}))
 
     async def shape(result, cycle):
         return Reply.json({"type": "optim_step", "metrics": result.get("metrics") or {}})
@@ -310,6 +306,12 @@ def _saved_uri(result: dict, op: Save) -> str:
     return (result.get("checkpoint") or {}).get("uri") or op.uri
 
 
+def _path_reply(type_: str, op: Save) -> Shape:
+    async def shape(result, cycle):
+        return Reply.json({"type": type_, "path": to_tinker_path(_saved_uri(result, op))})
+    return shape
+
+
 @router.post("/save_weights")
 async def save_weights(request: Request):
     svc, st, key = caller(request)
@@ -317,10 +319,7 @@ async def save_weights(request: Request):
     m = st.model(key, b.model_id)
     seq = _seq(b)
     op = Save("state", b.path or f"state-{seq}", "WORKSPACE", b.ttl_seconds, b.overwrite)
-
-    async def shape(result, cycle):
-        return Reply.json({"type": "save_weights", "path": to_tinker_path(_saved_uri(result, op))})
-    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_STATE, op, shape)
+    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_STATE, op, _path_reply("save_weights", op))
 
 
 @router.post("/save_weights_for_sampler")
@@ -331,10 +330,7 @@ async def save_weights_for_sampler(request: Request):
     seq = _seq(b)
     if b.path:  # named, persistent sampler weights
         op = Save("weights", b.path, "WORKSPACE", b.ttl_seconds, b.overwrite)
-
-        async def shape(result, cycle):
-            return Reply.json({"type": "save_weights_for_sampler",
-                               "path": to_tinker_path(_saved_uri(result, op))})
+        shape = _path_reply("save_weights_for_sampler", op)
     else:  # ephemeral: an in-memory snapshot plus a sampling session on it
         if b.sampling_session_seq_id is None:
             raise InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
