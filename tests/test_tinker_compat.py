@@ -297,3 +297,33 @@ def test_every_key_has_a_tml_form_that_is_the_same_key(tmp_path):
         assert store.key_by_secret(tinker_form(secret)) is None
     finally:
         store.close()
+
+
+def test_retrieve_future_long_polls_then_answers_try_again(srv, monkeypatch):
+    import asyncio
+    from trine.server.tinker import futures
+    from trine.server.tinker.state import state_of
+    monkeypatch.setattr(futures, "LONG_POLL_SECONDS", 0.2)
+    key = srv.service.store.key_by_secret(srv.api_key)
+    table = state_of(type("R", (), {"app": srv._server.config.app})()).futures
+    release = asyncio.Event()
+
+    async def work():
+        await release.wait()
+        return futures.Reply.json({"done": True})
+
+    async def start():
+        table.start(key.id, "tk-slow", work)
+    asyncio.run_coroutine_threadsafe(start(), srv.service.loop).result()
+    headers = {"X-API-Key": "tml-" + srv.api_key}
+    poll = lambda rid: httpx.post(f"{srv.url}/api/v1/retrieve_future", json={"request_id": rid},  # noqa: E731
+                                  headers=headers)
+    r = poll("tk-slow")
+    assert r.status_code == 408 and r.json() == {"type": "try_again", "request_id": "tk-slow",
+                                                 "queue_state": "active"}
+    srv.service.loop.call_soon_threadsafe(release.set)
+    assert poll("tk-slow").json() == {"done": True}
+    assert poll("tk-unknown").status_code == 410  # never submitted (or forgotten): the SDK resubmits
+    other = {"X-API-Key": "tml-" + srv.service.store.create_key("o")[1]}
+    assert httpx.post(f"{srv.url}/api/v1/retrieve_future", json={"request_id": "tk-slow"},
+                      headers=other).status_code == 410  # another key's future does not exist for it

@@ -6,7 +6,8 @@ the run and the SDK's seq_id; sampling: the sampling session and its seq_id), so
 finds the future already running and never starts the work twice.
 
 Answers of `retrieve_future`, as SDK 0.38 reads them:
-- pending after `LONG_POLL_SECONDS`: `{"type": "try_again", "queue_state": "active"}` (poll again);
+- pending after `LONG_POLL_SECONDS`: HTTP 408 `{"type": "try_again", "queue_state": "active"}` (the
+  SDK polls again at once; the same body with 200 works too but makes the SDK log a warning);
 - failed: `{"error": message, "category": "user" | "server"}` (the SDK raises RequestFailedError);
 - done: the result, protobuf for ForwardBackwardOutput and SampleResponse, JSON otherwise;
 - unknown id (never submitted by this key, or forgotten `KEEP_SECONDS` after it finished, or lost
@@ -110,8 +111,9 @@ def make_router(state_of, api_key) -> APIRouter:
                                  "message": f"request {rid} is unknown here or expired; submit it again"},
                                 status_code=410)
         await asyncio.wait({task}, timeout=LONG_POLL_SECONDS)
-        if not task.done():
-            return {"type": "try_again", "request_id": rid, "queue_state": "active"}
+        if not task.done():  # 408 + try_again body: the SDK polls again (a 200 try_again would log a warning)
+            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"},
+                                status_code=408)
         if task.cancelled():
             return {"error": "the request was cancelled by a server shutdown", "category": "server"}
         if task.exception() is not None:

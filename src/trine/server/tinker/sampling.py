@@ -58,7 +58,7 @@ async def create_sampling_session(request: Request):
 async def get_sampler(sampler_id: str, request: Request):
     svc, st, key = caller(request)
     r = svc.sampling_run(key, sampler_id)
-    return {"sampler_id": r.id, "base_model": r.base_model,
+    return {"sampler_id": r.id, "base_model": svc.models[r.base_model].model_id,  # a tokenizer dir
             "model_path": to_tinker_path(r.source_checkpoint_uri) if r.source_checkpoint_uri else None}
 
 

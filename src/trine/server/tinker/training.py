@@ -234,7 +234,9 @@ async def get_info(request: Request):
     served = svc.models[run.base_model]
     return {"type": "get_info", "model_id": b.model_id, "model_name": run.base_model, "is_lora": True,
             "lora_rank": run.lora_rank, "optimizer_config": {"type": "adam"},
-            "model_data": {"arch": served.worker.model.cfg.model_type, "model_name": run.base_model,
+            # the directory, not the name: samplers made from this client take model_data.model_name
+            # as their base model and load their tokenizer from it (offline)
+            "model_data": {"arch": served.worker.model.cfg.model_type, "model_name": served.model_id,
                            "tokenizer_id": served.model_id}}
 
 
