@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 from fastapi import APIRouter, Request
 
@@ -91,7 +90,7 @@ async def asample(request: Request):
     elif stop:
         p["stop"] = stop
     with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
-    spec = parse_sample({"request_id": f"tk-{seq}", "prompt": b.get("prompt"), "sampling_params": p,
+    spec, _ = parse_sample({"request_id": f"tk-{seq}", "prompt": b.get("prompt"), "sampling_params": p,
                          "num_samples": n, "return_prompt_logprobs": with_prompt_logprobs,
                          "topk_prompt_logprobs": b.get("topk_prompt_logprobs") or 0})
     if no_stop:  # Tinker: [] disables every stop, EOS included
@@ -103,21 +102,17 @@ async def asample(request: Request):
     sequence_ids = [f"{request_id}:{i}" for i in range(spec.num_samples)]
 
     async def finish() -> Reply:
-        out = json.loads(await svc.sample(key, run.id, spec))
-        seqs = out["sequences"]
+        out = await svc.sample(key, run.id, spec)
         if record:
-            for seq_id, s in zip(sequence_ids, seqs):
-                st.stability.record(key.id, seq_id, s["tokens"], s["logprobs"])
-        plp = out.get("prompt_logprobs") if b.get("prompt_logprobs") else None
-        if plp is not None:
-            plp = [None if x is None or x <= -1e29 else x for x in plp]
-            if last_n is not None:
-                plp = [None] * (len(plp) - last_n) + plp[-last_n:]
-        topk = out.get("topk_prompt_logprobs")
+            for seq_id, s in zip(sequence_ids, out.sequences):
+                st.stability.record(key.id, seq_id, s.tokens, s.logprobs)
+        plp = out.prompt_logprobs if b.get("prompt_logprobs") else None
+        if plp is not None and last_n is not None:
+            plp = [None] * (len(plp) - last_n) + list(plp[-last_n:])
         return Reply(proto.sample_response(
-            [(s["tokens"], [x if x > -1e29 else -math.inf for x in s["logprobs"]], s["stop_reason"])
-             for s in seqs], plp, topk, spec.topk_prompt_logprobs,
-            out["usage"]["cached_tokens"]), proto.PROTOBUF)
+            [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences], plp,
+            out.topk_prompt_logprobs, spec.topk_prompt_logprobs, out.usage["cached_tokens"]),
+            proto.PROTOBUF)
     st.futures.start(key.id, request_id, finish)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 

@@ -12,16 +12,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-import msgpack
-import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.model import LoRAConfig
 from ...service import Service
+from ...service.events import EventResult
 from ...service.errors import InvalidRequest
-from ...service.ops import (FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, REFUSED, SAVE_STATE,
-                            SAVE_WEIGHTS, Forward, InitRun, Op, Refused, Save)
+from ...engine.ops import Forward, InitRun, Op, Refused, Save
+from ...limits import FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, REFUSED, SAVE_STATE, SAVE_WEIGHTS
 from ...store import ApiKey
 from ..actor import read_body
 from ..wire import parse_op, validation_message
@@ -105,15 +104,14 @@ def _check_optimizer(config: dict | None) -> None:
 
 
 # ---------------------------------------------------------------------------- event plumbing
-def _outcome(rec) -> tuple[dict, int | None]:
-    """A settled event's result map and cycle; raises Failure for a failed event."""
-    env = msgpack.unpackb(rec.response, raw=False) if rec.response else {}
-    err = env.get("error")
-    if err or rec.status == "failed":
-        err = err or {"code": "failed", "message": "the request failed"}
-        category = "server" if err.get("code") == "internal_error" else "user"
+def _outcome(rec) -> EventResult:
+    """A settled event's protocol-neutral result; raises Failure for a failed event."""
+    res = Service.event_result(rec)
+    if res.status != "succeeded":
+        err = res.error or {"code": "failed", "message": "the request failed"}
+        category = "server" if err.get("code") in ("internal_error", "worker_lost") else "user"
         raise Failure(f"{err.get('message')} ({err.get('code')})", category)
-    return env.get("result") or {}, env.get("cycle")
+    return res
 
 
 async def _settled(svc: Service, key: ApiKey, run_id: str, event_id: str):
@@ -123,7 +121,7 @@ async def _settled(svc: Service, key: ApiKey, run_id: str, event_id: str):
             return rec
 
 
-Shape = Callable[[dict, int | None], Awaitable[Reply]]
+Shape = Callable[[EventResult], Awaitable[Reply]]
 
 
 async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: Model, seq_id: int,
@@ -142,8 +140,7 @@ async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: 
         await submit(REFUSED, Refused(e.code, e.message))
 
     async def finish() -> Reply:
-        result, cycle = _outcome(await _settled(svc, key, m.run_id, event_id))
-        return await shape(result, cycle)
+        return await shape(_outcome(await _settled(svc, key, m.run_id, event_id)))
     st.futures.start(key.id, event_id, finish)
     return {"request_id": event_id, "model_id": model_id}
 
@@ -157,7 +154,7 @@ def _op_or_refusal(build: Callable[[], Op]) -> Op | InvalidRequest:
 
 
 def _json_reply(obj) -> Shape:
-    async def shape(result, cycle):
+    async def shape(res):
         return Reply.json(obj)
     return shape
 
@@ -236,7 +233,7 @@ async def get_info(request: Request):
             "lora_rank": run.lora_rank, "optimizer_config": {"type": "adam"},
             # the directory, not the name: samplers made from this client take model_data.model_name
             # as their base model and load their tokenizer from it (offline)
-            "model_data": {"arch": served.worker.model.cfg.model_type, "model_name": served.model_id,
+            "model_data": {"arch": served.info.architecture, "model_name": served.model_id,
                            "tokenizer_id": served.model_id}}
 
 
@@ -275,13 +272,11 @@ async def forward_backward(request: Request):
     except InvalidRequest as e:
         op = e
 
-    async def shape(result, cycle):
-        logprobs = [np.frombuffer(o["logprobs"]["data"], dtype=o["logprobs"]["dtype"]).tolist()
-                    for o in result.get("loss_fn_outputs", [])]
-        metrics = {"loss:sum": float(result.get("metrics", {}).get("loss_sum", 0.0))}
-        if cycle is not None:
-            metrics["clock_cycle:unique"] = float(cycle)
-        return Reply(proto.forward_backward_output(logprobs, metrics), proto.PROTOBUF)
+    async def shape(res):
+        metrics = {"loss:sum": float(res.metrics.get("loss_sum", 0.0))}
+        if res.cycle is not None:
+            metrics["clock_cycle:unique"] = float(res.cycle)
+        return Reply(proto.forward_backward_output(res.logprobs or [], metrics), proto.PROTOBUF)
     return await _submit(svc, st, key, msg.model_id, m, msg.seq_id,
                          FORWARD if msg.forward_only else FORWARD_BACKWARD, op, shape)
 
@@ -299,18 +294,14 @@ async def optim_step(request: Request):
     m = st.model(key, b.model_id)
     op = _op_or_refusal(lambda: parse_op(OPTIMIZE_STEP, {"adam_params": b.adam_params}))
 
-    async def shape(result, cycle):
-        return Reply.json({"type": "optim_step", "metrics": result.get("metrics") or {}})
+    async def shape(res):
+        return Reply.json({"type": "optim_step", "metrics": res.metrics})
     return await _submit(svc, st, key, b.model_id, m, _seq(b), OPTIMIZE_STEP, op, shape)
 
 
-def _saved_uri(result: dict, op: Save) -> str:
-    return (result.get("checkpoint") or {}).get("uri") or op.uri
-
-
-def _path_reply(type_: str, op: Save) -> Shape:
-    async def shape(result, cycle):
-        return Reply.json({"type": type_, "path": to_tinker_path(_saved_uri(result, op))})
+def _path_reply(type_: str) -> Shape:
+    async def shape(res):
+        return Reply.json({"type": type_, "path": to_tinker_path(res.checkpoint["uri"])})
     return shape
 
 
@@ -321,7 +312,7 @@ async def save_weights(request: Request):
     m = st.model(key, b.model_id)
     seq = _seq(b)
     op = Save("state", b.path or f"state-{seq}", "WORKSPACE", b.ttl_seconds, b.overwrite)
-    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_STATE, op, _path_reply("save_weights", op))
+    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_STATE, op, _path_reply("save_weights"))
 
 
 @router.post("/save_weights_for_sampler")
@@ -332,15 +323,15 @@ async def save_weights_for_sampler(request: Request):
     seq = _seq(b)
     if b.path:  # named, persistent sampler weights
         op = Save("weights", b.path, "WORKSPACE", b.ttl_seconds, b.overwrite)
-        shape = _path_reply("save_weights_for_sampler", op)
+        shape = _path_reply("save_weights_for_sampler")
     else:  # ephemeral: an in-memory snapshot plus a sampling session on it
         if b.sampling_session_seq_id is None:
             raise InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
         op = Save("weights", f"sampler-{seq}", "TEMPORARY", b.ttl_seconds, True)
         sampler_seq = b.sampling_session_seq_id
 
-        async def shape(result, cycle):
+        async def shape(res):
             from .sampling import sampling_session
-            sid = sampling_session(svc, st, key, m.session_id, sampler_seq, "", _saved_uri(result, op))
+            sid = sampling_session(svc, st, key, m.session_id, sampler_seq, "", res.checkpoint["uri"])
             return Reply.json({"type": "save_weights_for_sampler", "sampling_session_id": sid})
     return await _submit(svc, st, key, b.model_id, m, seq, SAVE_WEIGHTS, op, shape)
