@@ -85,7 +85,7 @@ def math_rl(sc, model: str, loss_fn: str, steps: int = 6, groups: int = 8, group
                                              add_generation_prompt=True, tokenize=True, return_dict=False)
             futures.append((x + y, prompt, sampler.sample(
                 types.ModelInput.from_ints(prompt), group_size,
-                types.SamplingParams(max_tokens=5, temperature=1.0))))
+                types.SamplingParams(max_tokens=5, temperature=1.0, seed=rng.randrange(1 << 30)))))
         data, all_rewards = [], []
         for answer, prompt, fut in futures:
             seqs = fut.result().sequences

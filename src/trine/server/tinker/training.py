@@ -305,33 +305,38 @@ def _path_reply(type_: str) -> Shape:
     return shape
 
 
-@router.post("/save_weights")
-async def save_weights(request: Request):
+async def _save(request: Request, sampler: bool) -> dict:
+    """save_weights (a training state) or save_weights_for_sampler: named and persistent, or (no
+    path) an in-memory snapshot plus a sampling session on it."""
     svc, st, key = caller(request)
     b = await _json(request, SaveBody)
     m = st.model(key, b.model_id)
     seq = _seq(b)
-    op = Save("state", b.path or f"state-{seq}", "WORKSPACE", b.ttl_seconds, b.overwrite)
-    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_STATE, op, _path_reply("save_weights"))
-
-
-@router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(request: Request):
-    svc, st, key = caller(request)
-    b = await _json(request, SaveBody)
-    m = st.model(key, b.model_id)
-    seq = _seq(b)
-    if b.path:  # named, persistent sampler weights
+    type_ = "save_weights_for_sampler" if sampler else "save_weights"
+    shape = _path_reply(type_)
+    if not sampler:
+        op = Save("state", b.path or f"state-{seq}", "WORKSPACE", b.ttl_seconds, b.overwrite)
+    elif b.path:
         op = Save("weights", b.path, "WORKSPACE", b.ttl_seconds, b.overwrite)
-        shape = _path_reply("save_weights_for_sampler")
-    else:  # ephemeral: an in-memory snapshot plus a sampling session on it
-        if b.sampling_session_seq_id is None:
-            raise InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
+    elif b.sampling_session_seq_id is None:
+        op = InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
+    else:
         op = Save("weights", f"sampler-{seq}", "TEMPORARY", b.ttl_seconds, True)
         sampler_seq = b.sampling_session_seq_id
 
         async def shape(res):
             from .sampling import sampling_session
             sid = sampling_session(svc, st, key, m.session_id, sampler_seq, "", res.checkpoint["uri"])
-            return Reply.json({"type": "save_weights_for_sampler", "sampling_session_id": sid})
-    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_WEIGHTS, op, shape)
+            return Reply.json({"type": type_, "sampling_session_id": sid})
+    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_WEIGHTS if sampler else SAVE_STATE, op,
+                         shape)
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request):
+    return await _save(request, sampler=False)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request):
+    return await _save(request, sampler=True)
