@@ -12,7 +12,6 @@ Invariants
 """
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -56,7 +55,6 @@ class Model:
 class TinkerState:
     models: dict[str, Model] = field(default_factory=dict)  # tinker model id -> its training run
     samplers: dict[tuple[str, int], str] = field(default_factory=dict)  # (session, seq) -> sampling run
-    creating: dict[str, asyncio.Future] = field(default_factory=dict)  # model id -> creation under way
     futures: FutureTable = field(default_factory=FutureTable)
     stability: StabilityRecords = field(default_factory=StabilityRecords)
 

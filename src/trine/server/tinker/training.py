@@ -10,16 +10,17 @@ metric keys are `name:reduction` so the SDK can combine chunks (`loss:sum`, `clo
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...engine.model import LoRAConfig
-from ...service import Service
-from ...service.events import EventResult
-from ...service.errors import InvalidRequest
 from ...engine.ops import Forward, InitRun, Op, Refused, Save
+from ...service import Service
+from ...service.errors import InvalidRequest
+from ...service.events import EventResult
 from ...limits import FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, REFUSED, SAVE_STATE, SAVE_WEIGHTS
 from ...store import ApiKey
 from ..actor import read_body
@@ -80,7 +81,6 @@ class LoadBody(_Body):
 
 
 def _parse(cls, raw: Any):
-    from pydantic import ValidationError
     try:
         return cls.model_validate(raw)
     except ValidationError as e:
@@ -88,7 +88,6 @@ def _parse(cls, raw: Any):
 
 
 async def _json(request: Request, cls):
-    import json
     try:
         raw = json.loads(await request.body() or b"{}")
     except ValueError:
@@ -170,16 +169,8 @@ async def _create(svc: Service, st: TinkerState, key: ApiKey, session_id: str, m
     """Create the training run behind model `<session>:train:<seq>` once (a retry joins), and queue
     its init as event index 1."""
     model_id = model_id_of(session_id, model_seq_id)
-    if model_id in st.creating:
-        await asyncio.shield(st.creating[model_id])
-    if model_id not in st.models:
-        st.creating[model_id] = done = asyncio.get_running_loop().create_future()
-        try:
-            run = make_run()
-            st.models[model_id] = Model(run.id, key.id, session_id)
-        finally:
-            done.set_result(None)
-            st.creating.pop(model_id, None)
+    if model_id not in st.models:  # no await in between: a concurrent retry finds the model made
+        st.models[model_id] = Model(make_run().id, key.id, session_id)
     m = st.model(key, model_id)
     run = svc.training_run(key, m.run_id)
     return await _submit(svc, st, key, model_id, m, 0, INIT_RUN, op_of(run),
