@@ -260,14 +260,20 @@ def test_gspo_and_usage_of_tinker_traffic(srv, sc):
                                     "advantages": [1.0] * n, "sequence_ratio_mask": [0.0] * 4 + [1.0] * (n - 4)})
     out = tc.forward_backward([d], "gspo").result()
     assert out.metrics["loss:sum"] == pytest.approx(-n, rel=1e-4)  # on-policy: ratio 1 for every token
-    ops = {e.operation for e in usage(srv, run_id=srv.service.store.training_runs(
-        srv.service.store.key_by_secret(srv.api_key).id)[0][-1].id)}
-    assert {"forward", "forward_backward"} <= ops or ops  # metered like any other front end
-    billing = httpx.get(f"{srv.url}/api/v1/billing/usage/events",
-                        headers={"X-API-Key": "tml-" + srv.api_key}).json()["data"]
-    kinds = {e["event_info"]["type"] for e in billing}
-    assert {"training", "sampling_prefill", "sampling_sample"} <= kinds
-    assert all(e["estimated_cost_usd"] is not None for e in billing)
+    rest = tinker.RestClient(base_url=srv.url, api_key="tml-" + srv.api_key)
+    run_id = rest.get_training_run(tc.get_info().model_id).result().training_run_id  # model ids work too
+    assert [e.operation for e in usage(srv, run_id=run_id)] == ["forward", "forward_backward"]
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    for _ in range(2):  # the second group hits the cache
+        sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=2)).result()
+    admin = tinker.AdminClient(base_url=srv.url, api_key="tml-" + srv.api_key)
+    billing = admin.get_billing_usage("2020-01-01T00:00:00Z", "2100-01-01T00:00:00Z").result().data
+    kinds = {(e.event_info.type, getattr(e.event_info, "cached", None)) for e in billing}
+    assert {("training", None), ("sampling_prefill", False), ("sampling_prefill", True),
+            ("sampling_sample", None)} <= kinds
+    assert all(e.estimated_cost_usd is not None and e.bucket_end > e.bucket_start for e in billing)
+    trained = sum(e.event_info.token_count for e in billing if e.event_info.type == "training")
+    assert trained == sum(e.train for e in usage(srv))  # answered from trine's metering
 
 
 def test_bad_input_fails_its_future_and_the_client_goes_on(sc):
@@ -327,3 +333,37 @@ def test_retrieve_future_long_polls_then_answers_try_again(srv, monkeypatch):
     other = {"X-API-Key": "tml-" + srv.service.store.create_key("o")[1]}
     assert httpx.post(f"{srv.url}/api/v1/retrieve_future", json={"request_id": "tk-slow"},
                       headers=other).status_code == 410  # another key's future does not exist for it
+
+
+def test_weights_only_restore_prompt_logprobs_and_rest_routes(srv, sc):
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=7).result()
+    tc.forward_backward([datum()], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = tc.save_state("w").result().path
+    before = tc.forward([datum()], "cross_entropy").result().metrics["loss:sum"]
+    fresh = sc.create_training_client_from_state(path).result()  # weights only: a new optimizer
+    assert fresh.forward([datum()], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(before, rel=1e-6)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    out = sampler.sample(types.ModelInput.from_ints(TEXT), 1, types.SamplingParams(max_tokens=1),
+                         include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(TEXT)
+    assert out.topk_prompt_logprobs[0] is None or out.topk_prompt_logprobs[0] == []
+    for lp, top in zip(out.prompt_logprobs[1:], out.topk_prompt_logprobs[1:]):
+        assert len(top) == 3 and top[0][1] >= lp - 1e-5 and top[0][1] >= top[1][1] >= top[2][1]
+    last = sampler.compute_logprobs(types.ModelInput.from_ints(TEXT), prompt_logprobs_last_n=4).result()
+    assert last[:-4] == [None] * (len(TEXT) - 4) and last[-4:] == pytest.approx(out.prompt_logprobs[-4:], abs=1e-5)
+    rest = tinker.RestClient(base_url=srv.url, api_key="tml-" + srv.api_key)
+    run_id = path.split("/")[2]
+    run = rest.get_training_run(run_id).result()
+    assert run.training_run_id == run_id and run.lora_rank == 4 and run.last_checkpoint.tinker_path == path
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert info.base_model == MODEL and info.lora_rank == 4 and info.is_lora
+    headers = {"X-API-Key": "tml-" + srv.api_key}
+    assert httpx.post(f"{srv.url}/api/v1/telemetry", json={"events": []}, headers=headers).json() == \
+        {"status": "accepted"}
+    sid = httpx.post(f"{srv.url}/api/v1/create_session", json={"sdk_version": "t"}, headers=headers).json()["session_id"]
+    beat = lambda: httpx.post(f"{srv.url}/api/v1/session_heartbeat", json={"session_id": sid},  # noqa: E731
+                              headers=headers)
+    assert beat().json() == {"type": "session_heartbeat"}
+    httpx.post(f"{srv.url}/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}}, headers=headers)
+    assert beat().status_code == 410  # a finished session: the SDK stops its heartbeat loop
