@@ -367,3 +367,24 @@ def test_weights_only_restore_prompt_logprobs_and_rest_routes(srv, sc):
     assert beat().json() == {"type": "session_heartbeat"}
     httpx.post(f"{srv.url}/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}}, headers=headers)
     assert beat().status_code == 410  # a finished session: the SDK stops its heartbeat loop
+
+
+def test_custom_loss_and_legacy_load_state(srv, sc):
+    import torch
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=8).result()
+
+    def mean_nll(data, logprobs_list):  # runs on the client; the server gets a linearised cross_entropy
+        loss = -torch.stack([lp.mean() for lp in logprobs_list]).mean()
+        return loss, {"custom:mean": float(loss.detach())}
+
+    out = tc.forward_backward_custom([datum(), datum(TEXT[3:])], mean_nll).result()
+    expected = -np.mean([logprobs(tc.forward([d], "cross_entropy").result()).mean()
+                         for d in (datum(), datum(TEXT[3:]))])
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = tc.save_state("custom").result().path
+    later = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
+    with pytest.warns(FutureWarning):  # deprecated in the SDK, still sent: the legacy load_weights form
+        later.load_state_with_optimizer(path).result()
+    assert later.forward([datum()], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+        tc.forward([datum()], "cross_entropy").result().metrics["loss:sum"], rel=1e-6)
