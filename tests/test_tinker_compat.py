@@ -388,3 +388,23 @@ def test_custom_loss_and_legacy_load_state(srv, sc):
         later.load_state_with_optimizer(path).result()
     assert later.forward([datum()], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
         tc.forward([datum()], "cross_entropy").result().metrics["loss:sum"], rel=1e-6)
+
+
+def test_raw_protobuf_bodies_zstd_and_garbage(srv, sc):
+    import zstandard
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
+    model_id = tc.get_info().model_id
+    headers = {"X-API-Key": "tml-" + srv.api_key, "Content-Type": "application/x-protobuf"}
+    req = types.ForwardBackwardRequest(model_id=model_id, seq_id=1, forward_backward_input=types.ForwardBackwardInput(
+        data=[datum()], loss_fn="cross_entropy"))
+    body = zstandard.ZstdCompressor().compress(forward_backward_request_to_proto(req).SerializeToString())
+    r = httpx.post(f"{srv.url}/api/v1/forward_backward", content=body,
+                   headers={**headers, "Content-Encoding": "zstd"})
+    assert r.status_code == 200 and r.json()["request_id"].endswith("-1")
+    for bad, encoding, what in ((b"\xff\xfe garbage", "identity", "ForwardBackwardRequest"),
+                                (body, "identity", "ForwardBackwardRequest"),  # compressed, undeclared
+                                (b"not zstd", "zstd", "zstd"), (body, "br", "Content-Encoding")):
+        r = httpx.post(f"{srv.url}/api/v1/forward_backward", content=bad,
+                       headers={**headers, "Content-Encoding": encoding})
+        assert r.status_code == 400 and what in r.json()["message"], r.text

@@ -22,9 +22,8 @@ except ImportError:  # pragma: no cover - the Tinker front end is then unavailab
 PROTOBUF = "application/x-protobuf"
 MAX_DECOMPRESSED_BYTES = 256 << 20
 _NUMPY = {1: np.float32, 2: np.int64, 3: np.int32}  # proto DType -> numpy (bf16 handled apart)
-FLOAT_INPUTS = ("weights", "advantages", "logprobs", "clip_low_threshold", "clip_high_threshold",
-                "sequence_ratio_mask")
-KNOWN_INPUTS = ("target_tokens",) + FLOAT_INPUTS
+FLOAT_INPUTS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")
+KNOWN_INPUTS = ("target_tokens",) + FLOAT_INPUTS  # anything else is refused, never dropped silently
 
 
 @dataclass
@@ -164,8 +163,9 @@ def forward_backward_body(msg) -> ForwardBackwardBody:
         inputs = {}
         for name, t in d.loss_fn_inputs.items():
             if name not in KNOWN_INPUTS:
-                raise InvalidRequest(f"{where}.loss_fn_inputs[{name!r}] is not a loss input trine knows "
-                                     f"({', '.join(KNOWN_INPUTS)})")
+                hint = "; give clip thresholds in loss_fn_config" if "threshold" in name else ""
+                raise InvalidRequest(f"{where}.loss_fn_inputs[{name!r}] is not a loss input trine uses "
+                                     f"({', '.join(KNOWN_INPUTS)}){hint}")
             arr = _tensor(t, f"{where}.loss_fn_inputs[{name!r}]")
             if arr.size != n:
                 raise InvalidRequest(f"{where}.loss_fn_inputs[{name!r}] has {arr.size} values; it needs one "
