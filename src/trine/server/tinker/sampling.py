@@ -91,8 +91,8 @@ async def asample(request: Request):
         p["stop"] = stop
     with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
     spec, _ = parse_sample({"request_id": f"tk-{seq}", "prompt": b.get("prompt"), "sampling_params": p,
-                         "num_samples": n, "return_prompt_logprobs": with_prompt_logprobs,
-                         "topk_prompt_logprobs": b.get("topk_prompt_logprobs") or 0})
+                            "num_samples": n, "return_prompt_logprobs": with_prompt_logprobs,
+                            "topk_prompt_logprobs": b.get("topk_prompt_logprobs") or 0})
     if no_stop:  # Tinker: [] disables every stop, EOS included
         spec.options = dataclasses.replace(spec.options, stop_at_eos=False)
     last_n = b.get("prompt_logprobs_last_n")
