@@ -408,3 +408,16 @@ def test_raw_protobuf_bodies_zstd_and_garbage(srv, sc):
         r = httpx.post(f"{srv.url}/api/v1/forward_backward", content=bad,
                        headers={**headers, "Content-Encoding": encoding})
         assert r.status_code == 400 and what in r.json()["message"], r.text
+
+
+def test_checkpoints_are_shared_with_the_pytrio_front_end(srv, sc):
+    import trine as trio
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=9).result()
+    tc.forward_backward([datum()], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    path = tc.save_weights_for_sampler("shared").result().path
+    uri = path.replace("tinker://", "trio://").replace("/sampler_weights/", "/weights/")
+    with trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as svc:
+        theirs = svc.create_sampling_client(model_path=uri).compute_logprobs(trio.ModelInput.from_ints(TEXT)).result()
+    ours = sc.create_sampling_client(model_path=path).result().compute_logprobs(types.ModelInput.from_ints(TEXT)).result()
+    assert theirs[1:] == pytest.approx(ours[1:], abs=1e-5)
