@@ -20,12 +20,20 @@ def model(tiny_model_dir):
     return load_model(tiny_model_dir, "cpu")
 
 
-def reference_token_losses(name: str, logp, q, adv, w, cfg):
-    """Textbook formulas, written independently of trine.engine.losses."""
+def reference_token_losses(name: str, logp, q, adv, w, cfg, seq_mask=None):
+    """Textbook formulas, written independently of trine.engine.losses (one datum at a time)."""
     if name == "cross_entropy":
         return -w * logp
     ratio = (logp - q).exp()
     lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+    if name == "gspo":  # GSPO-token: s_t = sg(s) * p_t / sg(p_t), s = exp(mean log-ratio over the mask)
+        s = torch.exp(((logp - q) * seq_mask).sum() / seq_mask.sum()).detach()
+        s_t = s * logp.exp() / logp.exp().detach()
+        return torch.max(-adv * s_t, -adv * torch.clamp(s_t, lo, hi))
+    if name == "stable_reinforce":  # truncated, detached IS weight; k3 KL(pi || sampler)
+        w_is = torch.clamp(ratio, max=cfg.get("clip_high_threshold", 2.0)).detach()
+        k3 = (q - logp).exp() - (q - logp) - 1
+        return -w_is * adv * logp + cfg.get("kl_coeff", 0.0) * k3
     if name == "importance_sampling":
         return -ratio * adv
     if name == "ppo":
@@ -60,7 +68,9 @@ def randomize(adapter, seed: int, std: float = 0.05) -> None:
 
 CASES = [("cross_entropy", {}), ("importance_sampling", {}), ("ppo", {}),
          ("ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.01}), ("cispo", {}),
-         ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}), ("dro", {}), ("dro", {"beta": 0.5})]
+         ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}), ("dro", {}), ("dro", {"beta": 0.5}),
+         ("gspo", {}), ("gspo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.02}),
+         ("stable_reinforce", {}), ("stable_reinforce", {"clip_high_threshold": 1.05, "kl_coeff": 0.3})]
 
 
 @pytest.mark.parametrize("name,cfg", CASES)
@@ -73,8 +83,10 @@ def test_loss_matches_reference_in_value_and_gradient(model, name, cfg):
     # Old logprobs close to the current ones, so that PPO/CISPO clipping is active on some tokens.
     fwd = trainer.forward_backward([("r", data, name, cfg)], backward=False)[0]
     g = torch.Generator().manual_seed(2)
-    for d, lp in zip(data, fwd.logprobs):
+    for k, (d, lp) in enumerate(zip(data, fwd.logprobs)):
         d.logprobs = [x + 0.1 * float(torch.randn(1, generator=g)) for x in lp]
+        if name == "gspo" and k == 1:  # an explicit mask on one datum; the others use the default
+            d.sequence_ratio_mask = [float(i % 2) for i in range(len(d.tokens))]
     out = trainer.forward_backward([("r", data, name, cfg)])[0]
     got = {n: p.grad.clone() for n, p in adapter.named_parameters()}
 
@@ -87,8 +99,10 @@ def test_loss_matches_reference_in_value_and_gradient(model, name, cfg):
         tgt = torch.tensor(d.target_tokens)
         mask = tgt != -100
         logp = torch.log_softmax(logits, -1).gather(1, tgt.clamp(min=0)[:, None]).squeeze(1)
+        seq_mask = (torch.tensor(d.sequence_ratio_mask) if d.sequence_ratio_mask is not None
+                    else torch.ones(len(tgt))) * mask
         per_tok = reference_token_losses(name, logp, torch.tensor(d.logprobs), torch.tensor(d.advantages),
-                                         torch.tensor(d.weights), cfg) * mask
+                                         torch.tensor(d.weights), cfg, seq_mask) * mask
         per_tok.sum().backward()
         for n, p in adapter.named_parameters():
             ref[n] += p.grad

@@ -27,6 +27,9 @@ SAVE_STATE = "trainer.save_state"
 SAVE_WEIGHTS = "trainer.save_weights"
 END_RUN = "trainer.end_run"
 EVENT_TYPES = (INIT_RUN, FORWARD, FORWARD_BACKWARD, OPTIMIZE_STEP, SAVE_STATE, SAVE_WEIGHTS, END_RUN)
+# Not a wire type: a front end whose client has already numbered a request it then refused (Tinker's
+# seq_ids) queues this in its place, so later indexes still run; it fails with the refusal.
+REFUSED = "trine.refused"
 MAX_WAITING_EVENTS_PER_RUN = 64  # accepted, not yet executed
 
 # ---------------------------------------------------------------------------- checkpoints

@@ -6,6 +6,7 @@ import datetime
 import click
 
 from trine.home import trine_home
+from trine.store.keys import tinker_form
 
 
 def _store(home):
@@ -28,7 +29,8 @@ def create(name, home):
     except ValueError as e:
         raise click.UsageError(str(e))
     click.echo(secret)
-    click.echo(f"(key id {rec.id}, name {rec.name!r}; store it now, it cannot be shown again)", err=True)
+    click.echo(f"(key id {rec.id}, name {rec.name!r}; store it now, it cannot be shown again; "
+               f"the tinker client takes the same key as {tinker_form(secret)})", err=True)
 
 
 @keys.command("list")

@@ -20,6 +20,8 @@ LOSS_INPUTS = {
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages"),  # + optional sequence_ratio_mask
+    "stable_reinforce": ("target_tokens", "logprobs", "advantages"),
 }
 
 
@@ -138,6 +140,8 @@ def plan_batch(data: list[Datum], *, loss_fn: str, auto_shift: bool, limits: Lim
             wire["logprobs"] = _floats(datum, "logprobs", n, i)
             adv = _floats(datum, "advantages", n, i)
             wire["advantages"] = adv
+            if loss == "gspo" and "sequence_ratio_mask" in datum.loss_fn_inputs:
+                wire["sequence_ratio_mask"] = _floats(datum, "sequence_ratio_mask", n, i)
             for k in range(start, n):
                 if targets[k] != -100:
                     active += 1

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from .checkpoint import by_uri, load_peft_adapter, save_peft_adapter
 from .model import Adapter, LoRAConfig
-from .ops import CycleEvent, CycleResult, EndRun, EventOutcome, Forward, InitRun, OptimStep, Save, TrainingCycle
+from .ops import (CycleEvent, CycleResult, EndRun, EventOutcome, Forward, InitRun, OptimStep, Refused, Save,
+                  TrainingCycle)
 from .requests import ForwardResult
 
 log = logging.getLogger("trine.cycle")
@@ -148,6 +149,8 @@ class CycleRunner:
     def _single(self, run_id: str, ev: CycleEvent) -> EventOutcome:
         op = ev.op
         try:
+            if isinstance(op, Refused):
+                return EventOutcome(error=(op.code, op.message))
             if isinstance(op, InitRun):
                 return self._init(run_id, op)
             if isinstance(op, EndRun):

@@ -12,6 +12,20 @@ otherwise normalisation is the user's, folded into `weights` or `advantages` (Ti
 | ppo | q, A | -min(r * A, clip(r, lo, hi) * A), r = exp(logp - q) |
 | cispo | q, A | -sg(clip(r, lo, hi)) * logp * A |
 | dro | q, A | -(logp * A - beta/2 * (logp - q)^2) |
+| gspo | q, A, sequence_ratio_mask m | -min(s * A, clip(s, lo, hi) * A), s = exp(sg(M) + logp - sg(logp)) |
+| stable_reinforce | q, A | -sg(min(r, hi)) * logp * A + kl_coeff * (exp(q - logp) - (q - logp) - 1) |
+
+`gspo` is token-level GSPO: M is the datum's mean log-ratio `logp - q` over the positions where
+`sequence_ratio_mask` is non-zero (default: the active positions with a non-zero advantage), so
+every token's ratio has the sequence's value and its own gradient `s * dlogp`, then PPO-style
+clipping. It is the one loss that is not elementwise: the trainer computes every logp of a datum
+before its gradients (`Loss.sequence_level`).
+
+`stable_reinforce` is REINFORCE with a truncated, detached importance weight against the sampler
+(`r = exp(logp - q)` capped at `clip_high_threshold`, default 2) and an optional k3 estimate of
+KL(pi || sampler) weighted by `kl_coeff` (default 0). Tinker's own objective is unpublished (alpha);
+this is trine's reading of it. Through the Tinker API, q comes from what the server recorded when it
+sampled the sequence (`record_stability_info`, provenance spans), not from the client.
 
 PPO / CISPO thresholds follow Tinker's code: `clip_low_threshold` and `clip_high_threshold` are
 **bounds on the ratio r** (`torch.clamp(r, clip_low_threshold, clip_high_threshold)`), not epsilons.
@@ -33,7 +47,7 @@ import torch
 from .requests import TrainDatum
 
 IGNORE_INDEX = -100
-POLICY_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
+POLICY_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 LOSS_NAMES = ("cross_entropy",) + POLICY_LOSSES
 _CONFIG_KEYS = {
     "cross_entropy": (),
@@ -41,7 +55,10 @@ _CONFIG_KEYS = {
     "ppo": ("clip_low_threshold", "clip_high_threshold"),
     "cispo": ("clip_low_threshold", "clip_high_threshold"),
     "dro": ("beta",),
+    "gspo": ("clip_low_threshold", "clip_high_threshold"),
+    "stable_reinforce": ("clip_high_threshold", "kl_coeff"),
 }
+_DEFAULT_CLIP_HIGH = {"stable_reinforce": 2.0}
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,7 @@ class Loss:
     clip_low: float = 0.8
     clip_high: float = 1.2
     beta: float = 0.05
+    kl_coeff: float = 0.0
 
     @classmethod
     def parse(cls, name: str, config: dict | None = None) -> "Loss":
@@ -69,7 +87,8 @@ class Loss:
                 raise ValueError(f"loss_fn_config.{key} must be a finite number, got {value!r}")
             values[key] = float(value)
         loss = cls(name, clip_low=values.get("clip_low_threshold", 0.8),
-                   clip_high=values.get("clip_high_threshold", 1.2), beta=values.get("beta", 0.05))
+                   clip_high=values.get("clip_high_threshold", _DEFAULT_CLIP_HIGH.get(name, 1.2)),
+                   beta=values.get("beta", 0.05), kl_coeff=values.get("kl_coeff", 0.0))
         if not 0.0 <= loss.clip_low <= 1.0:
             raise ValueError(f"loss_fn_config.clip_low_threshold is a lower bound on the ratio p/q and must be "
                              f"in [0, 1] (0.8 clips at 1 - 0.2), got {loss.clip_low}")
@@ -78,11 +97,19 @@ class Loss:
                              f">= 1 (1.2 clips at 1 + 0.2), got {loss.clip_high}")
         if loss.beta < 0:
             raise ValueError(f"loss_fn_config.beta must be >= 0, got {loss.beta}")
+        if loss.kl_coeff < 0:
+            raise ValueError(f"loss_fn_config.kl_coeff must be >= 0, got {loss.kl_coeff}")
         return loss
 
     @property
     def is_policy(self) -> bool:
         return self.name in POLICY_LOSSES
+
+    @property
+    def sequence_level(self) -> bool:
+        """True when a token's loss depends on the other tokens of its datum (needs
+        `LossInputs.seq_log_ratio`, see `sequence_log_ratios`)."""
+        return self.name == "gspo"
 
     def __call__(self, logp: torch.Tensor, inputs: "LossInputs") -> torch.Tensor:
         """Per-token losses for the active positions; `inputs` holds the same positions."""
@@ -91,9 +118,18 @@ class Loss:
         q, adv = inputs.logprobs, inputs.advantages
         if self.name == "dro":
             return -(logp * adv - 0.5 * self.beta * (logp - q) ** 2)
+        if self.name == "gspo":
+            ratio = torch.exp(inputs.seq_log_ratio + logp - logp.detach())
+            return -torch.minimum(ratio * adv, ratio.clamp(self.clip_low, self.clip_high) * adv)
         ratio = torch.exp(logp - q)
         if self.name == "importance_sampling":
             return -ratio * adv
+        if self.name == "stable_reinforce":
+            loss = -ratio.clamp(max=self.clip_high).detach() * logp * adv
+            if self.kl_coeff:
+                d = q - logp
+                loss = loss + self.kl_coeff * (torch.exp(d) - d - 1)
+            return loss
         clipped = ratio.clamp(self.clip_low, self.clip_high)
         if self.name == "ppo":
             return -torch.minimum(ratio * adv, clipped * adv)
@@ -103,23 +139,46 @@ class Loss:
 @dataclass
 class LossInputs:
     """Float tensors aligned with some positions of data. A loss reads only its own fields; the
-    others hold neutral values (weights 1, logprobs and advantages 0) so data of different losses
-    concatenate."""
+    others hold neutral values (weights 1, logprobs and advantages 0, ratio_mask 0) so data of
+    different losses concatenate. `seq_log_ratio` (gspo) is filled in by the trainer once every
+    logp of the datum is known."""
 
     weights: torch.Tensor
     logprobs: torch.Tensor
     advantages: torch.Tensor
+    ratio_mask: torch.Tensor | None = None
+    seq_log_ratio: torch.Tensor | None = None
 
-    def select(self, index: torch.Tensor) -> "LossInputs":
-        return LossInputs(self.weights[index], self.logprobs[index], self.advantages[index])
+    def __post_init__(self):
+        if self.ratio_mask is None:
+            self.ratio_mask = torch.zeros_like(self.weights)
+        if self.seq_log_ratio is None:
+            self.seq_log_ratio = torch.zeros_like(self.weights)
+
+    def _fields(self) -> tuple[torch.Tensor, ...]:
+        return self.weights, self.logprobs, self.advantages, self.ratio_mask, self.seq_log_ratio
+
+    def select(self, index) -> "LossInputs":
+        return LossInputs(*(t[index] for t in self._fields()))
 
     def to(self, device) -> "LossInputs":
-        return LossInputs(self.weights.to(device), self.logprobs.to(device), self.advantages.to(device))
+        return LossInputs(*(t.to(device) for t in self._fields()))
 
     @staticmethod
     def cat(parts: list["LossInputs"]) -> "LossInputs":
-        return LossInputs(torch.cat([p.weights for p in parts]), torch.cat([p.logprobs for p in parts]),
-                          torch.cat([p.advantages for p in parts]))
+        return LossInputs(*(torch.cat(ts) for ts in zip(*(p._fields() for p in parts))))
+
+
+def sequence_log_ratios(logp: torch.Tensor, inputs: LossInputs, segments: torch.Tensor,
+                        num_segments: int) -> torch.Tensor:
+    """For each position, the mean of `logp - q` over the masked positions of its segment (datum):
+    GSPO's sequence log-ratio, as a constant (no gradient). 0 for a segment with no masked position."""
+    mask = inputs.ratio_mask.to(logp.dtype)
+    num = torch.zeros(num_segments, dtype=logp.dtype, device=logp.device)
+    den = torch.zeros_like(num)
+    num.index_add_(0, segments, (logp.detach() - inputs.logprobs) * mask)
+    den.index_add_(0, segments, mask)
+    return (num / den.clamp(min=1.0))[segments]
 
 
 @dataclass
@@ -184,6 +243,11 @@ def prepare_datum(datum: TrainDatum, loss: Loss, vocab_size: int, where: str = "
                 raise ValueError(f"{where}.{field} is required by the {loss.name} loss")
         inputs = LossInputs(torch.ones(n), _floats(datum.logprobs, "logprobs", where, n),
                             _floats(datum.advantages, "advantages", where, n))
+        if loss.name == "gspo":
+            if datum.sequence_ratio_mask is not None:
+                inputs.ratio_mask = _floats(datum.sequence_ratio_mask, "sequence_ratio_mask", where, n) * mask
+            else:
+                inputs.ratio_mask = (mask & (inputs.advantages != 0)).float()
         counted = mask
         nonzero = mask & (inputs.advantages != 0)
     else:

@@ -70,7 +70,15 @@ class EndRun:
     reason: str = ""
 
 
-Op = InitRun | Forward | OptimStep | Save | EndRun
+@dataclass
+class Refused:
+    """Holds the index of a request its front end refused (see limits.REFUSED): fails with this."""
+
+    code: str
+    message: str
+
+
+Op = InitRun | Forward | OptimStep | Save | EndRun | Refused
 
 
 @dataclass

@@ -95,7 +95,8 @@ class TrainDatum:
     """One training sequence. Targets are pre-shifted: position i predicts target_tokens[i].
 
     target_tokens entries are -100 (ignored) or a vocabulary id. weights (cross_entropy) or
-    logprobs + advantages (policy losses) have the same length as tokens.
+    logprobs + advantages (policy losses) have the same length as tokens; so does
+    sequence_ratio_mask (gspo: the positions whose log-ratios make the sequence ratio).
     """
 
     tokens: list[int]
@@ -103,6 +104,7 @@ class TrainDatum:
     weights: list[float] | None = None
     logprobs: list[float] | None = None
     advantages: list[float] | None = None
+    sequence_ratio_mask: list[float] | None = None
 
 
 @dataclass

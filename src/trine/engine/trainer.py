@@ -44,7 +44,7 @@ import torch
 
 from ..limits import ADAM_BOUNDS, check_adam_value, check_lora_rank
 from . import checkpoint
-from .losses import Loss, LossInputs, PreparedDatum, prepare_datum
+from .losses import Loss, LossInputs, PreparedDatum, prepare_datum, sequence_log_ratios
 from .model import Adapter, AdapterBatch, LoRAConfig, Transformer
 from .requests import AdamConfig, ForwardResult, TrainDatum, TrainUsage, WeightsIdentity
 
@@ -225,6 +225,11 @@ class Trainer:
         pieces = [p.requires_grad_(train) for p in sel.detach().split(self.logits_chunk_tokens)] \
             if active.numel() else []
         token_spans = _token_spans(adapters, counts)
+        if active.numel() and any(loss.sequence_level for loss in losses_in_mb):
+            # gspo: every token's ratio needs its datum's mean log-ratio first (values only)
+            inputs.seq_log_ratio = sequence_log_ratios(
+                self._target_logprobs(sel.detach(), tgt, adapters, token_spans), inputs,
+                row_of.to(device), B)
         logp_all = torch.empty(active.numel(), device=device)
         loss_all = torch.empty(active.numel(), device=device)
         for i, hs in zip(range(0, active.numel(), self.logits_chunk_tokens), pieces):
@@ -251,6 +256,19 @@ class Trainer:
             idx = rows[r].datum.active
             logps[r][idx] = part_logp.detach().float().cpu()
             losses[r][idx] = part_loss.detach().float().cpu()
+
+    def _target_logprobs(self, sel: torch.Tensor, tgt: torch.Tensor, adapters: AdapterBatch,
+                         token_spans) -> torch.Tensor:
+        """log p(target) for hidden states `sel`, LM-head chunk by chunk, without gradients."""
+        out = []
+        with torch.no_grad():
+            for i in range(0, sel.shape[0], self.logits_chunk_tokens):
+                j = min(i + self.logits_chunk_tokens, sel.shape[0])
+                chunk_adapters = adapters if token_spans is None else \
+                    _chunk_adapters(token_spans, i, j, sel.device)
+                z = self.model.lm_head(sel[i:j], chunk_adapters).float()
+                out.append(z.gather(1, tgt[i:j, None]).squeeze(1) - torch.logsumexp(z, dim=-1))
+        return torch.cat(out)
 
     # ------------------------------------------------------------------ optimizer
     def optim_step(self, run_id: str, adam: AdamConfig) -> dict[str, float]:

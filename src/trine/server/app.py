@@ -1,4 +1,5 @@
-"""The HTTP server: one FastAPI app (control plane, actor plane, downloads) over one `Service`.
+"""The HTTP server: one FastAPI app (control plane, actor plane, downloads, the Tinker API) over one
+`Service`.
 
 `start_server(...)` runs it with uvicorn in a background thread and returns a `ServerHandle`
 (url, api_key, stop()); `trine serve`, `trine demo` and the tests use it.
@@ -29,7 +30,7 @@ from ..limits import MAX_BODY_BYTES, MAX_CONTROL_BYTES
 from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
-from . import actor, console, control
+from . import actor, console, control, tinker
 from .auth import TokenSigner
 from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, quiet_accept_errors, uvicorn_config
 from .middleware import BodyLimit, InternalErrors
@@ -40,7 +41,9 @@ EMBEDDED_KEY_FILE = "embedded.key"
 def body_limit(path: str) -> int:
     """The most bytes a request body to `path` may have (the actor plane checks smaller per-route
     limits itself)."""
-    return MAX_CONTROL_BYTES if path.startswith("/api/") else MAX_BODY_BYTES
+    if path.startswith("/api/") and path not in tinker.LARGE_BODY_PATHS:
+        return MAX_CONTROL_BYTES
+    return MAX_BODY_BYTES
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -96,6 +99,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     app.include_router(control.router)
     app.include_router(control.files_router)
     app.include_router(actor.router)
+    app.include_router(tinker.make_router())  # the Tinker API (/api/v1/...), same service and keys
     # metering: usage by phase with cost, for the caller's key only (GET /api/trine/v1/usage, /rates)
     app.state.rate_card = service.rate_card
     app.include_router(make_usage_router(_store, control.api_key, app.state.rate_card))

@@ -85,6 +85,7 @@ class Datum(_Model):
     weights: list[float] | None = None
     logprobs: list[float] | None = None
     advantages: list[float] | None = None
+    sequence_ratio_mask: list[float] | None = None  # gspo (trine extension; pytrio never sends it)
 
 
 class LossSpec(_Model):
@@ -204,18 +205,19 @@ def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
     tokens = d.model_input.tokens(f"{where}.model_input")
     n = len(tokens)
     fields = {"target_ids": d.target_ids, "weights": d.weights, "logprobs": d.logprobs,
-              "advantages": d.advantages}
+              "advantages": d.advantages, "sequence_ratio_mask": d.sequence_ratio_mask}
     for name, values in fields.items():
         if values is not None and len(values) != n:
             raise InvalidRequest(f"{where}.{name} has {len(values)} values; model_input has {n} tokens "
                                  "and every per-token field needs exactly one value per token")
-    targets, weights, logprobs, advantages = d.target_ids, d.weights, d.logprobs, d.advantages
+    targets, weights, logprobs, advantages, ratio_mask = (d.target_ids, d.weights, d.logprobs,
+                                                          d.advantages, d.sequence_ratio_mask)
     if auto_shift:  # wire targets are labels of their own position: score target j from j-1
         targets = list(targets[1:]) + [-100]
-        weights = None if weights is None else list(weights[1:]) + [0.0]
-        logprobs = None if logprobs is None else list(logprobs[1:]) + [0.0]
-        advantages = None if advantages is None else list(advantages[1:]) + [0.0]
-    return TrainDatum(tokens, list(targets), weights, logprobs, advantages)
+        weights, logprobs, advantages, ratio_mask = (
+            None if v is None else list(v[1:]) + [0.0]
+            for v in (weights, logprobs, advantages, ratio_mask))
+    return TrainDatum(tokens, list(targets), weights, logprobs, advantages, ratio_mask)
 
 
 # ---------------------------------------------------------------------------- sampling

@@ -6,6 +6,7 @@ Invariants
 - An index is used once: a second event id for a taken or waiting index is a Conflict.
 - One cycle takes, per run, the longest head of its queue of the form
       (init | save)*  (forward | forward_backward)*  optimize_step?  save*
+  (init, end and refused placeholders stand alone)
   so a loop that submits forward_backward and optimize_step before waiting needs one cycle per step,
   and gradients of all chunks of one step are accumulated before the step is applied.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 from .errors import Conflict, TooManyRequests
 from ..limits import (END_RUN, FORWARD, FORWARD_BACKWARD, INIT_RUN, MAX_WAITING_EVENTS_PER_RUN, OPTIMIZE_STEP,
-                      SAVE_STATE, SAVE_WEIGHTS)
+                      REFUSED, SAVE_STATE, SAVE_WEIGHTS)
 
 _PRE, _FWD, _OPT, _POST = 0, 1, 2, 3
 _FWD_TYPES = (FORWARD, FORWARD_BACKWARD)
@@ -73,7 +74,7 @@ class RunQueue:
                 state = _OPT
             elif t in _SAVE_TYPES:
                 state = _PRE if state == _PRE else _POST
-            elif t in (INIT_RUN, END_RUN) and state == _PRE and not taken:
+            elif t in (INIT_RUN, END_RUN, REFUSED) and state == _PRE and not taken:
                 taken.append(self.waiting.pop(self.next_index))
                 self.next_index += 1
                 break  # init and end stand alone: later events depend on their outcome

@@ -1,10 +1,16 @@
-"""API key strings: `trine-<43 base62 chars>` from 32 random bytes; only their sha256 is stored."""
+"""API key strings: `trine-<43 base62 chars>` from 32 random bytes; only their sha256 is stored.
+
+Every key also has a Tinker form, `tml-` + the key (`tml-trine-...`), because the official `tinker`
+client refuses keys that do not start with `tml-`. Both forms carry the same secret and name the
+same key: the prefix is stripped before hashing, so it adds nothing an attacker could guess.
+"""
 from __future__ import annotations
 
 import hashlib
 import secrets
 
 KEY_PREFIX = "trine-"
+TINKER_PREFIX = "tml-"
 _ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
@@ -22,8 +28,19 @@ def generate_key() -> str:
     return KEY_PREFIX + base62(secrets.token_bytes(32)).rjust(43, "0")
 
 
+def tinker_form(key: str) -> str:
+    """The form of `key` the tinker SDK accepts (`TINKER_API_KEY`)."""
+    return key if key.startswith(TINKER_PREFIX) else TINKER_PREFIX + key
+
+
+def canonical_key(key: str) -> str:
+    """The trine form of a key given in either form."""
+    return key[len(TINKER_PREFIX):] if key.startswith(TINKER_PREFIX + KEY_PREFIX) else key
+
+
 def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    """The stored hash; equal for both forms of a key."""
+    return hashlib.sha256(canonical_key(key).encode()).hexdigest()
 
 
 def new_id(prefix: str, nbytes: int = 9) -> str:

@@ -1,0 +1,47 @@
+"""The Tinker front end (`/api/v1/...`): the official `tinker` SDK, unmodified, against trine.
+
+Same server, port, keys (in their `tml-` form) and service as the PyTRIO planes: runs, events,
+ordering, the prefix cache and metering are the service's; this package only translates. See
+`reference/tinker-notes.md` for the protocol and README "Tinker users" for the user's view.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from ...service.errors import ServiceError
+from ..control import api_key
+from . import futures, rest, sampling, training
+from .state import state_of
+
+LARGE_BODY_PATHS = ("/api/v1/forward_backward", "/api/v1/asample")  # each route checks its own limit
+
+
+class TinkerRoute(APIRoute):
+    """Errors as `{code, message}` like the other planes, except that a 409 leaves as 400: the SDK
+    retries every 409 for minutes, and trine's conflicts (a closed session, an index taken by
+    another request) do not go away by retrying."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request):
+            try:
+                return await handler(request)
+            except ServiceError as e:
+                return JSONResponse({"code": e.code, "message": e.message},
+                                    status_code=400 if e.status == 409 else e.status)
+        return route
+
+
+def make_router() -> APIRouter:
+    router = APIRouter(route_class=TinkerRoute)
+    for r in (rest.router, training.router, sampling.router, futures.make_router(state_of, api_key)):
+        for route in r.routes:
+            router.add_api_route(route.path, route.endpoint, methods=list(route.methods),
+                                 response_model=None)
+    return router
+
+
+__all__ = ["make_router", "LARGE_BODY_PATHS"]

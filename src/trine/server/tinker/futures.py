@@ -1,0 +1,124 @@
+"""Tinker futures: every mutating call answers `{request_id}` at once; `retrieve_future` long-polls.
+
+A future is a task on the event loop that waits for the service (an event to settle, a sample to
+finish) and shapes the answer. Request ids are deterministic (training: the event id built from
+the run and the SDK's seq_id; sampling: the sampling session and its seq_id), so a retried submit
+finds the future already running and never starts the work twice.
+
+Answers of `retrieve_future`, as SDK 0.38 reads them:
+- pending after `LONG_POLL_SECONDS`: HTTP 408 `{"type": "try_again", "queue_state": "active"}` (the
+  SDK polls again at once; the same body with 200 works too but makes the SDK log a warning);
+- failed: `{"error": message, "category": "user" | "server"}` (the SDK raises RequestFailedError);
+- done: the result, protobuf for ForwardBackwardOutput and SampleResponse, JSON otherwise;
+- unknown id (never submitted by this key, or forgotten `KEEP_SECONDS` after it finished, or lost
+  in a restart): HTTP 410, on which the SDK resubmits a sample.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ...service.errors import ServiceError
+
+LONG_POLL_SECONDS = 25.0  # the SDK's read timeout is 45 s
+KEEP_SECONDS = 3600.0
+
+
+@dataclass
+class Reply:
+    body: bytes
+    media_type: str = "application/json"
+
+    @classmethod
+    def json(cls, obj) -> "Reply":
+        return cls(json.dumps(obj).encode())
+
+
+class Failure(Exception):
+    """A request that ran and failed: reported to the SDK as `{"error", "category"}`."""
+
+    def __init__(self, message: str, category: str = "user"):
+        super().__init__(message)
+        self.message, self.category = message, category
+
+
+@dataclass
+class _Entry:
+    api_key_id: str
+    task: asyncio.Task
+    done_at: float | None = None
+
+
+@dataclass
+class FutureTable:
+    entries: dict[str, _Entry] = field(default_factory=dict)
+
+    def start(self, api_key_id: str, request_id: str, make: Callable[[], Awaitable[Reply]]) -> None:
+        """Start `make()` as the future `request_id`, unless that future exists already."""
+        self._purge()
+        if request_id in self.entries:
+            return
+        entry = _Entry(api_key_id, asyncio.get_running_loop().create_task(make()))
+
+        def finished(task: asyncio.Task) -> None:
+            entry.done_at = time.monotonic()
+            if not task.cancelled():
+                task.exception()  # retrieved: a future nobody polls must not log "never retrieved"
+        entry.task.add_done_callback(finished)
+        self.entries[request_id] = entry
+
+    def get(self, api_key_id: str, request_id: str) -> asyncio.Task | None:
+        entry = self.entries.get(request_id)
+        return entry.task if entry is not None and entry.api_key_id == api_key_id else None
+
+    def _purge(self) -> None:
+        old = time.monotonic() - KEEP_SECONDS
+        for rid in [rid for rid, e in self.entries.items() if e.done_at is not None and e.done_at < old]:
+            del self.entries[rid]
+
+
+def failure_body(e: BaseException) -> dict:
+    if isinstance(e, Failure):
+        return {"error": e.message, "category": e.category}
+    if isinstance(e, ServiceError):
+        return {"error": e.message, "category": "user" if e.status < 500 else "server"}
+    return {"error": f"{type(e).__name__}: {e}", "category": "server"}
+
+
+def make_router(state_of, api_key) -> APIRouter:
+    router = APIRouter(prefix="/api/v1")
+
+    @router.post("/retrieve_future")
+    async def retrieve_future(request: Request):
+        key = api_key(request)
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
+            return JSONResponse({"code": "invalid_request_body",
+                                 "message": "body: send {\"request_id\": \"...\"}"}, status_code=400)
+        rid = body["request_id"]
+        task = state_of(request).futures.get(key.id, rid)
+        if task is None:
+            return JSONResponse({"code": "future_not_found",
+                                 "message": f"request {rid} is unknown here or expired; submit it again"},
+                                status_code=410)
+        await asyncio.wait({task}, timeout=LONG_POLL_SECONDS)
+        if not task.done():  # 408 + try_again body: the SDK polls again (a 200 try_again would log a warning)
+            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"},
+                                status_code=408)
+        if task.cancelled():
+            return {"error": "the request was cancelled by a server shutdown", "category": "server"}
+        if task.exception() is not None:
+            return failure_body(task.exception())
+        reply: Reply = task.result()
+        return Response(reply.body, media_type=reply.media_type)
+
+    return router

@@ -1,0 +1,333 @@
+"""Tinker training calls -> service events: create_model, get_info, forward(_backward), optim_step,
+save_weights, save_weights_for_sampler, load_weights.
+
+Every call of one model becomes one event of its training run with index `seq_id + 1` (the run's
+init is index 1, the SDK's seq 0), and event id `tk-<run>-<seq_id>`. So the service runs a model's
+calls in seq_id order exactly once, however the SDK's parallel chunks arrive, and a retried call
+(same seq_id) joins the first. Losses are summed per token (no normalisation: Tinker's contract);
+metric keys are `name:reduction` so the SDK can combine chunks (`loss:sum`, `clock_cycle:unique`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ...engine.model import LoRAConfig
+from ...engine.ops import Forward, InitRun, Op, Refused, Save
+from ...service import Service
+from ...service.errors import InvalidRequest
+from ...service.events import EventResult
+from ...limits import FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, REFUSED, SAVE_STATE, SAVE_WEIGHTS
+from ...store import ApiKey
+from ..actor import read_body
+from ..wire import parse_op, validation_message
+from . import proto
+from .futures import Failure, Reply
+from .state import Model, TinkerState, caller, model_id_of, to_tinker_path, to_trio_uri
+
+MAX_FORWARD_BACKWARD_BYTES = 64 << 20
+router = APIRouter(prefix="/api/v1")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class LoraBody(_Body):
+    rank: int = 32
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModelBody(_Body):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    lora_config: LoraBody | None = None
+    optimizer_config: dict | None = None
+
+
+class ModelCall(_Body):
+    model_id: str
+    seq_id: int | None = Field(default=None, ge=1)
+
+
+class OptimStepBody(ModelCall):
+    adam_params: dict | None = None  # validated as trine.types.AdamParams (same fields and defaults)
+    optimizer_params: dict | None = None
+
+
+class SaveBody(ModelCall):
+    path: str | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    sampling_session_seq_id: int | None = None
+
+
+class LoadBody(_Body):
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    path: str
+    optimizer: bool = False
+
+
+def _parse(cls, raw: Any):
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        raise InvalidRequest(validation_message(e)) from None
+
+
+async def _json(request: Request, cls):
+    try:
+        raw = json.loads(await request.body() or b"{}")
+    except ValueError:
+        raise InvalidRequest("body: not valid JSON", code="invalid_request_body") from None
+    return _parse(cls, raw)
+
+
+def _check_optimizer(config: dict | None) -> None:
+    kind = (config or {}).get("type", "adam")
+    if kind not in ("adam", "adamw"):
+        raise InvalidRequest(f"optimizer_config.type {kind!r}: trine trains with AdamW only; use "
+                             "AdamParams")
+
+
+# ---------------------------------------------------------------------------- event plumbing
+def _outcome(rec) -> EventResult:
+    """A settled event's protocol-neutral result; raises Failure for a failed event."""
+    res = Service.event_result(rec)
+    if res.status != "succeeded":
+        err = res.error or {"code": "failed", "message": "the request failed"}
+        category = "server" if err.get("code") in ("internal_error", "worker_lost") else "user"
+        raise Failure(f"{err.get('message')} ({err.get('code')})", category)
+    return res
+
+
+async def _settled(svc: Service, key: ApiKey, run_id: str, event_id: str):
+    while True:
+        rec = await svc.event(key, run_id, event_id, 30.0)
+        if rec.status in ("succeeded", "failed"):
+            return rec
+
+
+Shape = Callable[[EventResult], Awaitable[Reply]]
+
+
+async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: Model, seq_id: int,
+                  type_: str, op: Op | InvalidRequest, shape: Shape) -> dict:
+    """Queue `op` as the model's call `seq_id`. Invalid input (`op` already an InvalidRequest, or
+    refused by the service) still takes its index, as a placeholder that fails with the message:
+    the SDK has numbered the call, and its later calls must not wait for it."""
+    event_id = f"tk-{m.run_id}-{seq_id}"
+    submit = lambda type_, op: svc.submit_event(key, m.run_id, event_id=event_id, type=type_,  # noqa: E731
+                                                index=seq_id + 1, step=0, op=op)
+    try:
+        if isinstance(op, InvalidRequest):
+            raise op
+        await submit(type_, op)
+    except InvalidRequest as e:
+        await submit(REFUSED, Refused(e.code, e.message))
+
+    async def finish() -> Reply:
+        return await shape(_outcome(await _settled(svc, key, m.run_id, event_id)))
+    st.futures.start(key.id, event_id, finish)
+    return {"request_id": event_id, "model_id": model_id}
+
+
+def _op_or_refusal(build: Callable[[], Op]) -> Op | InvalidRequest:
+    """The op, or the error that refuses it (queued in its place by `_submit`)."""
+    try:
+        return build()
+    except InvalidRequest as e:
+        return e
+
+
+def _json_reply(obj) -> Shape:
+    async def shape(res):
+        return Reply.json(obj)
+    return shape
+
+
+def _lora(run) -> LoRAConfig:
+    return LoRAConfig(rank=run.lora_rank, train_attn=run.train_attn, train_mlp=run.train_mlp,
+                      train_unembed=run.train_unembed, seed=run.seed or 0)
+
+
+# ---------------------------------------------------------------------------- models
+async def _create(svc: Service, st: TinkerState, key: ApiKey, session_id: str, model_seq_id: int,
+                  make_run, op_of, reply: dict) -> dict:
+    """Create the training run behind model `<session>:train:<seq>` once (a retry joins), and queue
+    its init as event index 1."""
+    model_id = model_id_of(session_id, model_seq_id)
+    if model_id not in st.models:  # no await in between: a concurrent retry finds the model made
+        st.models[model_id] = Model(make_run().id, key.id, session_id)
+    m = st.model(key, model_id)
+    run = svc.training_run(key, m.run_id)
+    return await _submit(svc, st, key, model_id, m, 0, INIT_RUN, op_of(run),
+                         _json_reply({**reply, "model_id": model_id}))
+
+
+@router.post("/create_model")
+async def create_model(request: Request):
+    svc, st, key = caller(request)
+    b = await _json(request, CreateModelBody)
+    _check_optimizer(b.optimizer_config)
+    lora = b.lora_config or LoraBody()
+    return await _create(
+        svc, st, key, b.session_id, b.model_seq_id,
+        lambda: svc.create_training_run(key, b.session_id, base_model=b.base_model, lora_rank=lora.rank,
+                                        train_mlp=lora.train_mlp, train_attn=lora.train_attn,
+                                        train_unembed=lora.train_unembed, seed=lora.seed),
+        lambda run: InitRun(_lora(run), run.base_model), {"type": "create_model"})
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request):
+    svc, st, key = caller(request)
+    b = await _json(request, LoadBody)
+    reply = {"type": "load_weights", "path": b.path}
+    if b.session_id is not None:  # create-from-state: the model's seq 0, no create_model first
+        uri = to_trio_uri(b.path)
+        if b.model_seq_id is None:
+            raise InvalidRequest("model_seq_id: required with session_id (create-from-state)")
+        return await _create(
+            svc, st, key, b.session_id, b.model_seq_id,
+            lambda: svc.create_training_run(key, b.session_id, base_model=b.base_model or "", lora_rank=1,
+                                            source_checkpoint_uri=uri, restore_optimizer=b.optimizer),
+            lambda run: InitRun(_lora(run), "", uri, b.optimizer), reply)
+    if b.model_id is None or b.seq_id is None:
+        raise InvalidRequest("load_weights: send model_id and seq_id, or session_id and model_seq_id")
+    m = st.model(key, b.model_id)
+    run = svc.training_run(key, m.run_id)
+    op = _op_or_refusal(lambda: InitRun(_lora(run), "", to_trio_uri(b.path), b.optimizer))
+    return await _submit(svc, st, key, b.model_id, m, b.seq_id, INIT_RUN, op,
+                         _json_reply({**reply, "model_id": b.model_id}))
+
+
+@router.post("/get_info")
+async def get_info(request: Request):
+    svc, st, key = caller(request)
+    b = await _json(request, ModelCall)
+    run = svc.training_run(key, st.model(key, b.model_id).run_id)
+    served = svc.models[run.base_model]
+    return {"type": "get_info", "model_id": b.model_id, "model_name": run.base_model, "is_lora": True,
+            "lora_rank": run.lora_rank, "optimizer_config": {"type": "adam"},
+            # the directory, not the name: samplers made from this client take model_data.model_name
+            # as their base model and load their tokenizer from it (offline)
+            "model_data": {"arch": served.info.architecture, "model_name": served.model_id,
+                           "tokenizer_id": served.model_id}}
+
+
+# ---------------------------------------------------------------------------- training
+def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: proto.ForwardBackwardBody) -> None:
+    """stable_reinforce: the behaviour logprobs of sampled positions come from the server's records."""
+    for i, (d, spans) in enumerate(zip(body.data, body.spans)):
+        pos = 0
+        q = list(d.logprobs) if d.logprobs is not None else [0.0] * len(d.tokens)
+        for k, s in enumerate(spans):
+            if s.sampled and s.length:
+                try:
+                    q[pos:pos + s.length] = st.stability.sampled_logprobs(
+                        key.id, s.sequence_id, s.offset, s.length, d.target_tokens[pos:pos + s.length],
+                        f"data[{i}].loss_fn_input_spans[{k}]")
+                except ValueError as e:
+                    raise InvalidRequest(str(e), code="stability_info_missing") from None
+            pos += s.length
+        d.logprobs = q
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request):
+    svc, st, key = caller(request)
+    raw = proto.decompress(await read_body(request, MAX_FORWARD_BACKWARD_BYTES),
+                           request.headers.get("content-encoding"))
+    msg = await asyncio.get_running_loop().run_in_executor(None, proto.decode_forward_backward, raw)
+    m = st.model(key, msg.model_id)
+    if msg.seq_id < 1:
+        raise InvalidRequest(f"seq_id {msg.seq_id}: training calls start at 1")
+    try:
+        body = await asyncio.get_running_loop().run_in_executor(None, proto.forward_backward_body, msg)
+        if body.loss_fn.lower() == "stable_reinforce":
+            _with_recorded_logprobs(st, key, body)
+        op = Forward(body.data, body.loss_fn, body.loss_config, backward=not body.forward_only)
+    except InvalidRequest as e:
+        op = e
+
+    async def shape(res):
+        metrics = {"loss:sum": float(res.metrics.get("loss_sum", 0.0))}
+        if res.cycle is not None:
+            metrics["clock_cycle:unique"] = float(res.cycle)
+        return Reply(proto.forward_backward_output(res.logprobs or [], metrics), proto.PROTOBUF)
+    return await _submit(svc, st, key, msg.model_id, m, msg.seq_id,
+                         FORWARD if msg.forward_only else FORWARD_BACKWARD, op, shape)
+
+
+def _seq(b: ModelCall) -> int:
+    if b.seq_id is None:
+        raise InvalidRequest("seq_id: required (the SDK numbers a model's calls from 1)")
+    return b.seq_id
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request):
+    svc, st, key = caller(request)
+    b = await _json(request, OptimStepBody)
+    m = st.model(key, b.model_id)
+    op = _op_or_refusal(lambda: parse_op(OPTIMIZE_STEP, {"adam_params": b.adam_params}))
+
+    async def shape(res):
+        return Reply.json({"type": "optim_step", "metrics": res.metrics})
+    return await _submit(svc, st, key, b.model_id, m, _seq(b), OPTIMIZE_STEP, op, shape)
+
+
+def _path_reply(type_: str) -> Shape:
+    async def shape(res):
+        return Reply.json({"type": type_, "path": to_tinker_path(res.checkpoint["uri"])})
+    return shape
+
+
+async def _save(request: Request, sampler: bool) -> dict:
+    """save_weights (a training state) or save_weights_for_sampler: named and persistent, or (no
+    path) an in-memory snapshot plus a sampling session on it."""
+    svc, st, key = caller(request)
+    b = await _json(request, SaveBody)
+    m = st.model(key, b.model_id)
+    seq = _seq(b)
+    type_ = "save_weights_for_sampler" if sampler else "save_weights"
+    shape = _path_reply(type_)
+    if not sampler:
+        op = Save("state", b.path or f"state-{seq}", "WORKSPACE", b.ttl_seconds, b.overwrite)
+    elif b.path:
+        op = Save("weights", b.path, "WORKSPACE", b.ttl_seconds, b.overwrite)
+    elif b.sampling_session_seq_id is None:
+        op = InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
+    else:
+        op = Save("weights", f"sampler-{seq}", "TEMPORARY", b.ttl_seconds, True)
+        sampler_seq = b.sampling_session_seq_id
+
+        async def shape(res):
+            from .sampling import sampling_session
+            sid = sampling_session(svc, st, key, m.session_id, sampler_seq, "", res.checkpoint["uri"])
+            return Reply.json({"type": type_, "sampling_session_id": sid})
+    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_WEIGHTS if sampler else SAVE_STATE, op,
+                         shape)
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request):
+    return await _save(request, sampler=False)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request):
+    return await _save(request, sampler=True)
