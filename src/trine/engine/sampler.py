@@ -121,7 +121,7 @@ class Sampler:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 2048, max_running: int = 64,
                  enable_prefix_cache: bool = True, prefill_share: float = 1.0,
-                 prefill_step_seconds: float = 0.25):
+                 prefill_step_seconds: float = 0.1):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         if not (prefill_share > 0 and prefill_step_seconds > 0):
