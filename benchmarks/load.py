@@ -197,11 +197,9 @@ def run(url: str, key: str, model: str, args) -> dict:
     alone = threading.Thread(target=load.long_request, args=(long_client, long_run, "long-alone"), daemon=True)
     alone.start()
     n = 500
-    while alone.is_alive():
+    while alone.is_alive():  # each probe is sent while the long request runs
         n += 1
-        dt = load.probe_once(probe_client, probe_run, n)
-        if alone.is_alive():
-            load.record("probe", dt, during_long=True)
+        load.record("probe", load.probe_once(probe_client, probe_run, n), during_long=True)
     log(f"long request alone: {load.records['long'][-1][1] if load.records['long'] else float('nan'):.1f} s")
     threads = [threading.Thread(target=load.sampling_client, args=(i,), daemon=True) for i in range(args.clients)]
     threads += [threading.Thread(target=load.training_run, args=(i,), daemon=True) for i in range(args.train_runs)]

@@ -9,7 +9,7 @@ One `step()` does, in order:
    by a decode step: no request stalls the others. The chunk is also sized by time, scaled from
    the last prefill step's tokens and seconds (at least one block, at most twice as many as the
    last step): while sequences decode it aims at `prefill_share` x a decode step's time (a moving
-   average), so a long prompt at most about doubles everyone's per-token latency; otherwise at
+   average), so a long prompt adds about half to everyone's per-token latency; otherwise at
    `prefill_step_seconds`, which bounds how long a request arriving meanwhile waits for the step
    in progress. Prompts with the fewest tokens left go first
    (they start decoding at once); the longest one takes what is left of the budget. A request
@@ -120,8 +120,8 @@ class Sampler:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 2048, max_running: int = 64,
-                 enable_prefix_cache: bool = True, prefill_share: float = 1.0,
-                 prefill_step_seconds: float = 0.25):
+                 enable_prefix_cache: bool = True, prefill_share: float = 0.5,
+                 prefill_step_seconds: float = 0.05):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         if not (prefill_share > 0 and prefill_step_seconds > 0):
