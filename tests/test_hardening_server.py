@@ -204,9 +204,48 @@ def test_checkpoint_errors_name_the_uri_not_the_file(server, client):
 def test_public_routes_answer_nothing_per_key(server):
     with httpx.Client(base_url=server.url, trust_env=False) as anon:
         root = anon.get("/").json()
-        assert set(root) == {"service", "models"}
+        assert set(root) == {"service", "models", "console"}
         assert anon.get("/api/sdk/bootstrap").status_code == 200
         assert anon.post("/api/telemetry/event", json={"x": 1}).status_code == 204
         for path in ("/api/openapi/v1/checkpoints", "/api/openapi/v1/training-runs", "/api/trine/v1/usage",
                      "/api/models"):
             assert anon.get(path).status_code == 401
+
+
+def _routes(routes, prefix=""):
+    """(path, methods, param names) of every endpoint, through included routers at any depth."""
+    from starlette.routing import Route
+    for r in routes:
+        inner = getattr(r, "original_router", None)  # fastapi's included router
+        if inner is not None:
+            yield from _routes(inner.routes, prefix + (r.include_context.prefix or ""))
+        elif isinstance(r, Route):
+            yield prefix + r.path, set(r.methods or ()) - {"HEAD"}, list(r.param_convertors)
+
+
+def test_every_route_but_the_listed_public_ones_needs_a_key(server):
+    """Walk every route the app serves: without a key, only the public ones (README, "Serve and
+    connect") answer anything but 401 — and they return nothing of any key's."""
+    app = server._server.config.app
+    seen = {}
+    with httpx.Client(base_url=server.url, trust_env=False) as anon:
+        for path, methods, params in _routes(app.routes):
+            url = path
+            for name in params:
+                url = url.replace("{" + name + ":path}", "x").replace("{" + name + "}", "x")
+            for method in sorted(methods):
+                r = anon.request(method, url, content=b"{}", headers={"content-type": "application/json"})
+                seen[(method, path)] = r.status_code
+    assert len(seen) > 60  # the walk reached the included routers
+    public = sorted((m, p, st) for (m, p), st in seen.items()
+                    if st != 401 and not p.startswith("/test/"))  # /test/: this module's own router
+    assert public == PUBLIC, "\n".join(map(str, public))
+
+
+# The public routes (no key; nothing per key). The console's pages are a static shell; its data
+# routes need the key like every other, and so does every Tinker route (the SDK always sends it).
+PUBLIC = sorted([
+    ("GET", "/", 200), ("GET", "/api/sdk/bootstrap", 200), ("POST", "/api/telemetry/event", 204),
+    ("GET", "/console", 200), ("GET", "/console/{page:path}", 200),
+    ("GET", "/console/static/{name}", 404),  # the shipped assets (no asset is named "x")
+])

@@ -36,6 +36,12 @@ async def api_key(request: Request) -> ApiKey:
     """Dependency: the caller's API key (`X-API-Key` or `Authorization: Bearer`). Every route and
     dependency here is `async`: it runs on the event loop, where every change of service state
     happens (FastAPI would run a plain `def` in a thread pool)."""
+    return caller_key(request)
+
+
+def caller_key(request: Request) -> ApiKey:
+    """The caller's API key, for code already on the event loop (front ends that authenticate
+    inside an async route rather than through the `api_key` dependency)."""
     secret = request.headers.get("x-api-key") or bearer(request.headers.get("authorization"))
     return service_of(request).authenticate(secret)
 

@@ -41,17 +41,17 @@ api = APIRouter(prefix="/console/api")
 
 
 @api.get("/runs")
-def runs(request: Request, key: ApiKey = Depends(api_key)):
+async def runs(request: Request, key: ApiKey = Depends(api_key)):
     return {"runs": list_runs(service_of(request), key)}
 
 
 @api.get("/runs/{run_id}")
-def run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
+async def run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
     return run_detail(service_of(request), key, run_id)
 
 
 @api.get("/checkpoints")
-def checkpoints(request: Request, key: ApiKey = Depends(api_key)):
+async def checkpoints(request: Request, key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     cks, _ = svc.list_checkpoints(key)
     samplers = svc.store.sampling_runs(key.id)

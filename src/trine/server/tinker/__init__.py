@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from ...service.errors import ServiceError
-from ..control import api_key
+from ..control import caller_key as api_key
 from . import futures, rest, sampling, training
 from .state import state_of
 

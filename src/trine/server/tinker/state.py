@@ -20,7 +20,7 @@ from ...service import Service
 from ...service.errors import InvalidRequest, NotFound, ServiceError
 from ...service.stability import StabilityRecords
 from ...store import ApiKey
-from ..control import api_key, service_of
+from ..control import caller_key as api_key, service_of
 from .futures import FutureTable
 
 TINKER_SCHEME = "tinker://"
