@@ -33,6 +33,7 @@ class SamplingOptions:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     stop_at_eos: bool = True
+    top_logprobs: int = 0  # also return the k most likely tokens at each sampled position
 
 
 @dataclass
@@ -46,6 +47,7 @@ class SampleRequest:
     prompt_logprobs: bool = False  # full forward, never reads the prefix cache
     topk_prompt_logprobs: int = 0
     generate: bool = True  # False: compute_logprobs (prompt logprobs only, no decoding)
+    stream: bool = False  # report each decode step's new tokens as a SampleDelta
 
 
 @dataclass
@@ -61,7 +63,33 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     text: str | None
-    stop_reason: str  # "stop" or "length"
+    stop_reason: str  # "stop", "length", or "cancelled" (the request was cancelled while running)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when options.top_logprobs
+
+
+@dataclass
+class SequenceDelta:
+    """What one sequence of a streaming request gained in one engine step.
+
+    `stop_reason` is set on the sequence's last delta, with `text`: the sequence's whole final text
+    (cut before a stop string, without a stop token), the same as SampledSequence.text."""
+
+    index: int  # sample index within the request
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_reason: str | None = None
+    text: str | None = None
+
+
+@dataclass
+class SampleDelta:
+    """The new tokens of one streaming request after one engine step. Concatenating a sequence's
+    deltas in order gives exactly its SampledSequence tokens and logprobs; the request's SampleResult
+    comes after its last delta."""
+
+    request_id: str
+    sequences: list[SequenceDelta]
 
 
 @dataclass

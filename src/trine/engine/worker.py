@@ -3,6 +3,9 @@
 The asyncio side never touches those objects. It hands work to the thread through an inbox and gets
 asyncio futures back, settled with `loop.call_soon_threadsafe`:
 - `sample(req)`: the request joins the Sampler's continuous batch; the future gets its SampleResult.
+- `sample_stream(req)`: the same, plus the request's SampleDeltas after every engine step, as an
+  async iterator (`SampleStream`); `cancel(request_id)` (or `SampleStream.cancel()`) stops a
+  request and frees its KV blocks at the worker's next turn, settling it with its partial result.
 - `submit(fn)`: `fn(worker)` runs in the thread (a training cycle, a checkpoint load, ...).
 
 Between jobs, and between training micro-batches (`tick`, passed as the Trainer's
@@ -22,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from .requests import SampleRequest, SampleResult
+from .requests import SampleDelta, SampleRequest, SampleResult
 from .tokenizer import Tokenizer
 from .weights import load_model
 
@@ -36,6 +39,35 @@ def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None =
         fut.set_exception(exc)
     else:
         fut.set_result(result)
+
+
+class SampleStream:
+    """A streaming sample request, on the asyncio side: `async for delta in stream` yields its
+    SampleDeltas in order and ends when the request is settled; `result` is then its SampleResult
+    (or raises its error). `cancel()` stops the request; `result` gets the partial result."""
+
+    _END = object()
+
+    def __init__(self, worker: "EngineWorker", request_id: str):
+        self.worker = worker
+        self.request_id = request_id
+        self.result: asyncio.Future = worker.loop.create_future()
+        self._deltas: asyncio.Queue = asyncio.Queue()
+        self.result.add_done_callback(lambda _: self._deltas.put_nowait(self._END))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> SampleDelta:
+        item = await self._deltas.get()
+        if item is self._END:
+            self._deltas.put_nowait(self._END)  # iterating again ends at once
+            raise StopAsyncIteration
+        return item
+
+    def cancel(self) -> None:
+        if not self.result.done():
+            self.worker.cancel(self.request_id)
 
 
 class EngineWorker:
@@ -55,6 +87,7 @@ class EngineWorker:
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque = deque()
         self._pending: dict[str, asyncio.Future] = {}  # sampler request id -> future
+        self._streams: dict[str, SampleStream] = {}  # streaming request id -> its stream
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -81,6 +114,20 @@ class EngineWorker:
         fut = self.loop.create_future()
         self._inbox.put(("sample", req, fut))
         return fut
+
+    def sample_stream(self, req: SampleRequest) -> SampleStream:
+        """Queue a sample request whose per-step deltas are streamed (sets `req.stream`)."""
+        req.stream = True
+        stream = SampleStream(self, req.request_id)
+        self._streams[req.request_id] = stream  # read by the worker thread when it reports deltas
+        stream.result.add_done_callback(lambda _: self._streams.pop(req.request_id, None))
+        self._inbox.put(("sample", req, stream.result))
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a queued or running sample request and free its sequences' KV blocks; its future
+        gets the partial result (sequences cut short have stop_reason "cancelled")."""
+        self._inbox.put(("cancel", request_id, None))
 
     def submit(self, fn: Callable[["EngineWorker"], Any]) -> asyncio.Future:
         """Run `fn(self)` in the worker thread; jobs run one at a time, in submission order."""
@@ -152,6 +199,9 @@ class EngineWorker:
             if kind == "job":
                 self._jobs.append((obj, fut))
                 continue
+            if kind == "cancel":
+                self._cancel(obj)
+                continue
             try:
                 self.sampler.add(obj)
             except ValueError as e:
@@ -169,7 +219,20 @@ class EngineWorker:
             self._pending.clear()
             self.sampler = self._new_sampler()
             return
+        for d in self.sampler.take_deltas():
+            stream = self._streams.get(d.request_id)
+            if stream is not None:
+                self.loop.call_soon_threadsafe(stream._deltas.put_nowait, d)
         for r in results:
             fut = self._pending.pop(r.request_id, None)
             if fut is not None:
                 self._post(fut, r)
+
+    def _cancel(self, request_id: str) -> None:
+        fut = self._pending.get(request_id)
+        if fut is None:  # finished (or refused) already
+            return
+        result = self.sampler.cancel(request_id)
+        if result is not None:
+            del self._pending[request_id]
+            self._post(fut, result)

@@ -1,0 +1,101 @@
+"""The engine pieces streaming needs: per-step deltas, top logprobs, and cancellation that frees KV."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.sampler import Sampler
+from trine.engine.tokenizer import Tokenizer
+from trine.engine.weights import load_model
+from trine.engine.worker import EngineWorker
+
+W = WeightsIdentity("tiny")
+PROMPT = list(range(300, 340))  # 40 tokens: two full blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def model_tok(tiny_model_dir):
+    return load_model(tiny_model_dir, "cpu"), Tokenizer(tiny_model_dir)
+
+
+def request(rid: str, n: int = 3, max_tokens: int = 8, **opts) -> SampleRequest:
+    opts = {"temperature": 1.0, "seed": 7, "stop_at_eos": False, **opts}
+    return SampleRequest(rid, list(PROMPT), SamplingOptions(max_tokens=max_tokens, **opts), W,
+                         num_samples=n)
+
+
+def test_deltas_concatenate_to_the_result_with_top_logprobs(model_tok):
+    sampler = Sampler(*model_tok, kv_cache_bytes=16 << 20)
+    req = request("a", top_logprobs=3)
+    req.stream = True
+    sampler.add(req)
+    deltas, result = [], None
+    while result is None:
+        done = sampler.step()
+        step_deltas = sampler.take_deltas()
+        assert len(step_deltas) <= 1  # one delta per request per step
+        deltas += step_deltas
+        result = done[0] if done else None
+    assert len(deltas) == 8  # one per step: the prefill's first token, then 7 decode steps
+    for i, seq in enumerate(result.sequences):
+        parts = [d for delta in deltas for d in delta.sequences if d.index == i]
+        assert [t for d in parts for t in d.tokens] == seq.tokens
+        assert [x for d in parts for x in d.logprobs] == seq.logprobs
+        assert [x for d in parts for x in d.top_logprobs] == seq.top_logprobs
+        assert parts[-1].stop_reason == "length" and parts[-1].text == seq.text
+        assert all(p.stop_reason is None for p in parts[:-1])
+        for tok, lp, top in zip(seq.tokens, seq.logprobs, seq.top_logprobs):
+            assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and top[0][1] >= lp
+            assert dict(top).get(tok, lp) == pytest.approx(lp)
+
+
+def test_cancel_frees_sequences_and_blocks_at_once(model_tok):
+    sampler = Sampler(*model_tok, kv_cache_bytes=16 << 20)
+    free = sampler.kv.num_free
+    sampler.add(request("a", n=4, max_tokens=200))
+    sampler.add(request("b", n=1, max_tokens=3))
+    for _ in range(3):
+        sampler.step()
+    assert sampler.kv.num_used > 0
+    partial = sampler.cancel("a")
+    assert [s.stop_reason for s in partial.sequences] == ["cancelled"] * 4
+    assert all(len(s.tokens) == 3 for s in partial.sequences)
+    assert partial.usage.prompt_tokens == len(PROMPT) and partial.usage.sample_tokens == 12
+    results = []
+    while sampler.has_work():
+        results += sampler.step()
+    assert [r.request_id for r in results] == ["b"]  # the cancelled request never comes back
+    assert sampler.cancel("a") is None and sampler.cancel("b") is None
+    assert sampler.kv.num_used == 0 and sampler._reserved == 0
+    assert sampler.kv.num_free == free  # every block is free again (cached ones are evictable)
+    sampler.add(request("w", n=2))  # cancelled before admission: holds nothing, reports no usage
+    assert sampler.cancel("w").usage.prompt_tokens == 0 and not sampler.has_work()
+
+
+def test_worker_stream_yields_deltas_and_cancel_settles_with_the_partial_result(tiny_model_dir):
+    async def main():
+        worker = EngineWorker("tiny", tiny_model_dir, device="cpu", num_threads=1,
+                              sampler_options={"kv_cache_bytes": 16 << 20})
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, worker.start, loop)
+        try:
+            stream = worker.sample_stream(request("s", n=2, max_tokens=4))
+            got = [d async for d in stream]
+            res = stream.result.result()
+            assert [t for d in got for s in d.sequences if s.index == 1 for t in s.tokens] \
+                == res.sequences[1].tokens
+            long = worker.sample_stream(request("long", n=2, max_tokens=3000))
+            await anext(long)
+            long.cancel()
+            rest = [d async for d in long]  # ends soon after the cancel
+            res = await long.result
+            assert {s.stop_reason for s in res.sequences} == {"cancelled"}
+            assert len(res.sequences[0].tokens) <= 1 + len(rest) + 2
+            used = await worker.submit(lambda w: w.sampler.kv.num_used)
+            assert used == 0
+        finally:
+            await loop.run_in_executor(None, worker.stop)
+
+    asyncio.run(main())
