@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 
-from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.requests import SampleRequest, SampleResult, SamplingOptions, WeightsIdentity
 from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.weights import load_model
-from trine.engine.worker import EngineWorker
+from trine.engine.worker import EngineWorker, SampleCancelled
 
 W = WeightsIdentity("tiny")
 PROMPT = list(range(300, 340))  # 40 tokens: two full blocks and a partial one
@@ -31,21 +31,22 @@ def test_deltas_concatenate_to_the_result_with_top_logprobs(model_tok):
     req = request("a", top_logprobs=3)
     req.stream = True
     sampler.add(req)
-    deltas, result = [], None
+    deltas, result, steps = [], None, 0
     while result is None:
         done = sampler.step()
+        steps += 1
         step_deltas = sampler.take_deltas()
-        assert len(step_deltas) <= 1  # one delta per request per step
+        assert sorted(d.sequence for d in step_deltas) == [0, 1, 2]  # one per sequence per step
         deltas += step_deltas
         result = done[0] if done else None
-    assert len(deltas) == 8  # one per step: the prefill's first token, then 7 decode steps
+    assert steps == 8  # the prefill's first token, then 7 decode steps
     for i, seq in enumerate(result.sequences):
-        parts = [d for delta in deltas for d in delta.sequences if d.index == i]
+        parts = [d for d in deltas if d.sequence == i]
         assert [t for d in parts for t in d.tokens] == seq.tokens
         assert [x for d in parts for x in d.logprobs] == seq.logprobs
         assert [x for d in parts for x in d.top_logprobs] == seq.top_logprobs
         assert parts[-1].stop_reason == "length" and parts[-1].text == seq.text
-        assert all(p.stop_reason is None for p in parts[:-1])
+        assert all(p.stop_reason is None and p.text is None for p in parts[:-1])
         for tok, lp, top in zip(seq.tokens, seq.logprobs, seq.top_logprobs):
             assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and top[0][1] >= lp
             assert dict(top).get(tok, lp) == pytest.approx(lp)
@@ -74,27 +75,35 @@ def test_cancel_frees_sequences_and_blocks_at_once(model_tok):
     assert sampler.cancel("w").usage.prompt_tokens == 0 and not sampler.has_work()
 
 
-def test_worker_stream_yields_deltas_and_cancel_settles_with_the_partial_result(tiny_model_dir):
+def test_worker_stream_yields_deltas_then_result_and_closing_it_cancels(tiny_model_dir):
     async def main():
         worker = EngineWorker("tiny", tiny_model_dir, device="cpu", num_threads=1,
                               sampler_options={"kv_cache_bytes": 16 << 20})
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, worker.start, loop)
         try:
-            stream = worker.sample_stream(request("s", n=2, max_tokens=4))
-            got = [d async for d in stream]
-            res = stream.result.result()
-            assert [t for d in got for s in d.sequences if s.index == 1 for t in s.tokens] \
-                == res.sequences[1].tokens
-            long = worker.sample_stream(request("long", n=2, max_tokens=3000))
-            await anext(long)
-            long.cancel()
-            rest = [d async for d in long]  # ends soon after the cancel
-            res = await long.result
-            assert {s.stop_reason for s in res.sequences} == {"cancelled"}
-            assert len(res.sequences[0].tokens) <= 1 + len(rest) + 2
-            used = await worker.submit(lambda w: w.sampler.kv.num_used)
-            assert used == 0
+            items = [x async for x in worker.sample_stream(request("s", n=2, max_tokens=4))]
+            res = items[-1]
+            assert isinstance(res, SampleResult) and len(items) == 1 + 2 * 4
+            assert [t for d in items[:-1] if d.sequence == 1 for t in d.tokens] == res.sequences[1].tokens
+            # a consumer that stops early: the request is cancelled and its KV freed
+            stream = worker.sample_stream(request("long", n=2, max_tokens=3000))
+            await anext(stream)
+            waiter = worker.sample(request("other", n=1, max_tokens=2))
+            await stream.aclose()
+            await waiter
+            stats = await worker.submit(lambda w: w.sampler.stats)
+            assert stats["running"] == 0 and stats["waiting"] == 0 and stats["blocks_used"] == 0
+            assert stats["sample_tokens"] < 100  # stopped long before its 3000 tokens
+            # cancel() by id: the waiter gets SampleCancelled with what was computed
+            fut = worker.sample(request("c", n=1, max_tokens=3000))
+            while (await worker.submit(lambda w: w.sampler.stats))["running"] == 0:
+                await asyncio.sleep(0.01)
+            worker.cancel("c")
+            with pytest.raises(SampleCancelled) as e:
+                await fut
+            assert e.value.result.sequences[0].stop_reason == "cancelled"
+            assert e.value.result.usage.prompt_tokens == len(PROMPT)
         finally:
             await loop.run_in_executor(None, worker.stop)
 

@@ -68,28 +68,20 @@ class SampledSequence:
 
 
 @dataclass
-class SequenceDelta:
-    """What one sequence of a streaming request gained in one engine step.
+class SampleDelta:
+    """What sample `sequence` of a streaming request gained in one engine step.
 
-    `stop_reason` is set on the sequence's last delta, with `text`: the sequence's whole final text
-    (cut before a stop string, without a stop token), the same as SampledSequence.text."""
+    Concatenating a sequence's deltas in order gives exactly its SampledSequence tokens, logprobs
+    and top_logprobs. Its last delta has `stop_reason` and `text`: the sequence's whole final text
+    (cut before a stop string, without a stop token), as in SampledSequence.text."""
 
-    index: int  # sample index within the request
+    request_id: str
+    sequence: int  # sample index within the request
     tokens: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None = None
     stop_reason: str | None = None
     text: str | None = None
-
-
-@dataclass
-class SampleDelta:
-    """The new tokens of one streaming request after one engine step. Concatenating a sequence's
-    deltas in order gives exactly its SampledSequence tokens and logprobs; the request's SampleResult
-    comes after its last delta."""
-
-    request_id: str
-    sequences: list[SequenceDelta]
 
 
 @dataclass

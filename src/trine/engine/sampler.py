@@ -27,8 +27,8 @@ Invariants
   model's own log-probability of the token, which importance-sampling losses compare against.
 - Returned tokens include the token that stopped a sequence (EOS, a stop token, or the token that
   completed a stop string); the text excludes a stop token and is cut before a stop string.
-- Streaming (`SampleRequest.stream`): every step that gives a request's sequences new tokens leaves
-  one SampleDelta for it in `take_deltas()`; a sequence's deltas concatenate to its result.
+- Streaming (`SampleRequest.stream`): every step that gives a sequence a token leaves one
+  SampleDelta for it in `take_deltas()`; a sequence's deltas concatenate to its result.
 - `cancel(request_id)` frees the request's sequences, KV blocks and reservations at once and
   returns its partial result (stop_reason "cancelled" on the sequences it cut short).
 """
@@ -43,8 +43,7 @@ import torch
 
 from .kv_cache import BlockManager, block_key, chain_hashes
 from .model import AdapterBatch, KVContext, Transformer
-from .requests import (SampleDelta, SampledSequence, SampleRequest, SampleResult, SampleUsage,
-                       SequenceDelta)
+from .requests import SampleDelta, SampledSequence, SampleRequest, SampleResult, SampleUsage
 from .tokenizer import Tokenizer
 
 CPU_KV_CACHE_BYTES = 512 * 2**20
@@ -131,7 +130,7 @@ class Sampler:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Seq] = []
         self._live: dict[str, _Request] = {}  # queued or running, by request id
-        self._deltas: dict[str, SampleDelta] = {}  # streaming requests' new tokens this step
+        self._deltas: list[SampleDelta] = []  # streaming requests' new tokens this step
         self._reserved = 0  # blocks promised to admitted requests, not yet allocated
         self._carry: list[SampleResult] = []  # finished during run() but not run()'s own
         self._counters = dict(requests=0, prompt_tokens=0, prefill_tokens=0, cached_tokens=0,
@@ -153,7 +152,7 @@ class Sampler:
 
     def take_deltas(self) -> list[SampleDelta]:
         """The streaming requests' new tokens since the last call (call after each step())."""
-        out, self._deltas = list(self._deltas.values()), {}
+        out, self._deltas = self._deltas, []
         return out
 
     def cancel(self, request_id: str) -> SampleResult | None:
@@ -173,7 +172,7 @@ class Sampler:
                 s.stop_reason = "cancelled"
                 self._retire(s)
         self._running = [s for s in self._running if s.stop_reason is None]
-        self._deltas.pop(request_id, None)
+        self._deltas = [d for d in self._deltas if d.request_id != request_id]
         return self._result(r)
 
     def run(self, reqs: list[SampleRequest]) -> list[SampleResult]:
@@ -483,18 +482,12 @@ class Sampler:
             if s.stop_reason is not None:
                 self._retire(s)
             if r.req.stream:
-                self._add_delta(s, tok, lp, top)
+                self._deltas.append(SampleDelta(r.req.request_id, s.index, [tok], [lp],
+                                                None if top is None else [top], s.stop_reason,
+                                                s.text if s.stop_reason else None))
             if r.running == 0:
                 finished.append(self._result(r))
         return finished
-
-    def _add_delta(self, s: _Seq, tok: int, lp: float, top: list[tuple[int, float]] | None) -> None:
-        rid = s.req.req.request_id
-        delta = self._deltas.get(rid)
-        if delta is None:
-            delta = self._deltas[rid] = SampleDelta(rid, [])
-        delta.sequences.append(SequenceDelta(s.index, [tok], [lp], None if top is None else [top],
-                                             s.stop_reason, s.text if s.stop_reason else None))
 
     def _hit_stop_string(self, s: _Seq, stops: tuple[str, ...]) -> bool:
         """Did the newest token complete a stop string? Decodes only a window of recent tokens

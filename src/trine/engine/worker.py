@@ -3,9 +3,10 @@
 The asyncio side never touches those objects. It hands work to the thread through an inbox and gets
 asyncio futures back, settled with `loop.call_soon_threadsafe`:
 - `sample(req)`: the request joins the Sampler's continuous batch; the future gets its SampleResult.
-- `sample_stream(req)`: the same, plus the request's SampleDeltas after every engine step, as an
-  async iterator (`SampleStream`); `cancel(request_id)` (or `SampleStream.cancel()`) stops a
-  request and frees its KV blocks at the worker's next turn, settling it with its partial result.
+- `sample_stream(req)`: an async iterator of the request's SampleDeltas, one per sequence per
+  engine step, then its SampleResult; closing it early cancels the request.
+- `cancel(request_id)`: the request stops and frees its sequences' KV blocks at the thread's next
+  turn; its waiter gets `SampleCancelled`.
 - `submit(fn)`: `fn(worker)` runs in the thread (a training cycle, a checkpoint load, ...).
 
 Between jobs, and between training micro-batches (`tick`, passed as the Trainer's
@@ -21,7 +22,7 @@ import threading
 import traceback
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
@@ -41,33 +42,16 @@ def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None =
         fut.set_result(result)
 
 
-class SampleStream:
-    """A streaming sample request, on the asyncio side: `async for delta in stream` yields its
-    SampleDeltas in order and ends when the request is settled; `result` is then its SampleResult
-    (or raises its error). `cancel()` stops the request; `result` gets the partial result."""
+class SampleCancelled(Exception):
+    """The caller cancelled this sample request (e.g. its client disconnected). `result` is what it
+    had computed by then (usage included), or None if it was never admitted."""
 
-    _END = object()
+    def __init__(self, message: str, result: SampleResult | None = None):
+        super().__init__(message)
+        self.result = result
 
-    def __init__(self, worker: "EngineWorker", request_id: str):
-        self.worker = worker
-        self.request_id = request_id
-        self.result: asyncio.Future = worker.loop.create_future()
-        self._deltas: asyncio.Queue = asyncio.Queue()
-        self.result.add_done_callback(lambda _: self._deltas.put_nowait(self._END))
 
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> SampleDelta:
-        item = await self._deltas.get()
-        if item is self._END:
-            self._deltas.put_nowait(self._END)  # iterating again ends at once
-            raise StopAsyncIteration
-        return item
-
-    def cancel(self) -> None:
-        if not self.result.done():
-            self.worker.cancel(self.request_id)
+_END = object()
 
 
 class EngineWorker:
@@ -87,7 +71,7 @@ class EngineWorker:
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque = deque()
         self._pending: dict[str, asyncio.Future] = {}  # sampler request id -> future
-        self._streams: dict[str, SampleStream] = {}  # streaming request id -> its stream
+        self._streams: dict[str, asyncio.Queue] = {}  # streaming request id -> its deltas
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -115,18 +99,31 @@ class EngineWorker:
         self._inbox.put(("sample", req, fut))
         return fut
 
-    def sample_stream(self, req: SampleRequest) -> SampleStream:
-        """Queue a sample request whose per-step deltas are streamed (sets `req.stream`)."""
+    async def sample_stream(self, req: SampleRequest) -> AsyncIterator[SampleDelta | SampleResult]:
+        """Queue a streaming sample request (sets `req.stream`): yields its SampleDeltas as the
+        engine steps, then its SampleResult (or raises its error). Closing the iterator before the
+        result (the consumer went away) cancels the request."""
         req.stream = True
-        stream = SampleStream(self, req.request_id)
-        self._streams[req.request_id] = stream  # read by the worker thread when it reports deltas
-        stream.result.add_done_callback(lambda _: self._streams.pop(req.request_id, None))
-        self._inbox.put(("sample", req, stream.result))
-        return stream
+        deltas: asyncio.Queue = asyncio.Queue()
+        fut = self.loop.create_future()
+        fut.add_done_callback(lambda f: deltas.put_nowait(_END))  # after every delta posted before
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if unawaited
+        self._streams[req.request_id] = deltas  # read by the worker thread after each step
+        self._inbox.put(("sample", req, fut))
+        settled = False
+        try:
+            while (item := await deltas.get()) is not _END:
+                yield item
+            settled = True
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not settled:
+                self.cancel(req.request_id)
+        yield fut.result()
 
     def cancel(self, request_id: str) -> None:
-        """Stop a queued or running sample request and free its sequences' KV blocks; its future
-        gets the partial result (sequences cut short have stop_reason "cancelled")."""
+        """Stop a queued or running sample request and free its sequences' KV blocks; its waiter
+        gets SampleCancelled (carrying the partial result)."""
         self._inbox.put(("cancel", request_id, None))
 
     def submit(self, fn: Callable[["EngineWorker"], Any]) -> asyncio.Future:
@@ -220,19 +217,17 @@ class EngineWorker:
             self.sampler = self._new_sampler()
             return
         for d in self.sampler.take_deltas():
-            stream = self._streams.get(d.request_id)
-            if stream is not None:
-                self.loop.call_soon_threadsafe(stream._deltas.put_nowait, d)
+            deltas = self._streams.get(d.request_id)
+            if deltas is not None:
+                self.loop.call_soon_threadsafe(deltas.put_nowait, d)
         for r in results:
             fut = self._pending.pop(r.request_id, None)
             if fut is not None:
                 self._post(fut, r)
 
     def _cancel(self, request_id: str) -> None:
-        fut = self._pending.get(request_id)
+        fut = self._pending.pop(request_id, None)
         if fut is None:  # finished (or refused) already
             return
-        result = self.sampler.cancel(request_id)
-        if result is not None:
-            del self._pending[request_id]
-            self._post(fut, result)
+        partial = self.sampler.cancel(request_id)
+        self._post(fut, exc=SampleCancelled(f"sample request {request_id} was cancelled", partial))
