@@ -1,4 +1,5 @@
-"""The HTTP server: one FastAPI app (control plane, actor plane, downloads) over one `Service`.
+"""The HTTP server: one FastAPI app (control plane, actor plane, downloads, the OpenAI-compatible
+API) over one `Service`.
 
 `start_server(...)` runs it with uvicorn in a background thread and returns a `ServerHandle`
 (url, api_key, stop()); `trine serve`, `trine demo` and the tests use it.
@@ -27,7 +28,7 @@ from ..home import trine_home
 from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
-from . import actor, control
+from . import actor, control, openai
 from .auth import TokenSigner
 
 log = logging.getLogger("trine.server")
@@ -99,6 +100,8 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     # metering: usage by phase with cost, for the caller's key only (GET /api/trine/v1/usage, /rates)
     app.state.rate_card = service.rate_card
     app.include_router(make_usage_router(_store, control.api_key, app.state.rate_card))
+    # the OpenAI-compatible API: /v1/..., /api/openai/v1/..., /oai/api/v1/... (its own error shape)
+    app.include_router(openai.router)
     for r in routers:
         app.include_router(r)
     return app

@@ -15,6 +15,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -665,31 +666,65 @@ class Service:
         return body
 
     async def _sample(self, key: ApiKey, r: SamplingRun, spec: SampleSpec) -> bytes:
+        m, req = await self._engine_request(r, spec)
+        try:
+            res: SampleResult = await m.worker.sample(req)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        cost = self._metered(key, r, m, spec, res)
+        body = json.dumps(self._sample_response(r, spec, res, m, cost)).encode()
+        self.store.add_sample_result(r.id, spec.request_id, body)
+        return body
+
+    async def sample_stream(self, key: ApiKey, sampling_run_id: str, spec: SampleSpec, *,
+                            deltas: bool = True):
+        """Sample for a front end that answers as tokens arrive (the OpenAI API): yields the
+        engine's SampleDeltas (if `deltas`), then `(SampleResult, cost)`. Metered like `sample`;
+        not stored for retries. Closing the iterator early cancels the request in the engine,
+        which frees its KV blocks at once (nothing is metered then)."""
+        r = self.sampling_run(key, sampling_run_id)
+        if r.status != "ACTIVE":
+            raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
+                           code="run_ended")
+        m, req = await self._engine_request(r, spec)
+        try:
+            if deltas:
+                async with contextlib.aclosing(m.worker.sample_stream(req)) as stream:
+                    async for item in stream:  # closing us closes it: the engine cancels
+                        if isinstance(item, SampleResult):
+                            res = item
+                        else:
+                            yield item
+            else:
+                res = await m.worker.sample(req)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        yield res, self._metered(key, r, m, spec, res)
+
+    async def _engine_request(self, r: SamplingRun, spec: SampleSpec) -> tuple[ServedModel, SampleRequest]:
         m = self.models[r.base_model]
         _check_prompt(spec, m)
         adapter, weights = None, WeightsIdentity(m.name)
         if r.checkpoint_id:
             adapter = await self._adapter(m, r.checkpoint_id)
             weights = WeightsIdentity(m.name, r.checkpoint_id, 0)
-        req = SampleRequest(f"{r.id}/{spec.request_id}", list(spec.prompt), spec.options, weights,
-                            adapter, spec.num_samples, spec.prompt_logprobs, spec.topk_prompt_logprobs,
-                            spec.generate)
-        try:
-            res: SampleResult = await m.worker.sample(req)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
+        return m, SampleRequest(f"{r.id}/{spec.request_id}", list(spec.prompt), spec.options, weights,
+                                adapter, spec.num_samples, spec.prompt_logprobs,
+                                spec.topk_prompt_logprobs, spec.generate)
+
+    def _metered(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec,
+                 res: SampleResult) -> float:
+        """Record the request's usage event (and look for cache diagnostics); returns its cost."""
         u = res.usage
         event = UsageEvent.from_counts(
             prompt_tokens=u.prompt_tokens, prefill=u.prefill_tokens, prefill_cached=u.cached_tokens,
             time=time.time(), api_key_id=key.id, session_id=r.session_id, run_id=r.id,
             base_model=m.name, operation="sample" if spec.generate else "compute_logprobs",
             request_id=spec.request_id, sample=u.sample_tokens)
-        body = json.dumps(self._sample_response(r, spec, res, m, self.rate_card.cost(event)["total"])).encode()
-        self.store.add_sample_result(r.id, spec.request_id, body)
         self.store.add_usage(event)
         if spec.generate:
             self._spawn(self._diagnose(key, r, m, spec, res))
-        return body
+        return self.rate_card.cost(event)["total"]
 
     def _sample_response(self, r: SamplingRun, spec: SampleSpec, res: SampleResult,
                          m: ServedModel, cost: float) -> dict:
