@@ -1,6 +1,7 @@
 """OpenAI request bodies -> a validated `Generation`: what to sample and how to answer.
 
-Parameters trine honours are checked here with OpenAI's ranges; parameters it cannot honour
+Parameters trine honours are checked here with OpenAI's ranges (plus the extensions `top_k`,
+`stop_token_ids` and `return_token_ids`, named as vLLM names them); parameters it cannot honour
 (tools, response_format, penalties, ...) and unknown keys get a 400 naming every one of them, so no
 request is silently served differently from what it asked for. Values that ask for the default
 (`tools: []`, `presence_penalty: 0`, `response_format: {"type": "text"}`, ...) are accepted.
@@ -19,7 +20,7 @@ MAX_STOP_CHARS = 256
 ROLES = ("system", "developer", "user", "assistant")
 
 COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-          "stop_token_ids", "logprobs", "stream", "stream_options", "user"}
+          "stop_token_ids", "logprobs", "stream", "stream_options", "user", "return_token_ids"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION = COMMON | {"prompt"}
 # parameter -> the values that mean "not used", which are accepted
@@ -56,6 +57,7 @@ class Generation:
     top_logprobs: int = 0
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False  # extension (vLLM's name): prompt_token_ids and each choice's token_ids
 
 
 def parse_chat(body: Any) -> Generation:
@@ -134,6 +136,7 @@ def _common(body: dict, g: Generation) -> None:
                                             for t in ids):
             raise bad_param("stop_token_ids", "must be a list of token ids (non-negative integers)")
         g.stop_token_ids = tuple(ids)
+    g.return_token_ids = _bool(body, "return_token_ids")
     g.stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None:

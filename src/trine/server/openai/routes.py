@@ -107,8 +107,7 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     target = targets.resolve(st.service, key, g.model)
     text = st.text(target.base)
     prompt = await text.prompt_ids(g.messages, g.prompt)
-    context = st.service.models[target.base].max_seq_len
-    max_tokens = g.max_tokens if g.max_tokens is not None else max(context - len(prompt), 1)
+    max_tokens = _max_tokens(g, len(prompt), st.service.models[target.base].max_seq_len, target.base)
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
     options = SamplingOptions(max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p,
                               top_k=g.top_k, seed=g.seed, stop_strings=g.stop,
@@ -120,10 +119,22 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     if not g.stream:
         await items.aclose()
         res, cost = first
-        return JSONResponse(shapes.response(g, rid, created, res, cost, text.token_text))
+        return JSONResponse(shapes.response(g, rid, created, prompt, res, cost, text.token_text))
     return StreamingResponse(_events(g, rid, created, first, items, text),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _max_tokens(g: Generation, prompt: int, context: int, model: str) -> int:
+    """The tokens to generate: as asked, or (unset) up to the end of the model's context."""
+    if prompt >= context or (g.max_tokens is not None and prompt + g.max_tokens > context):
+        param = "max_tokens" if g.max_tokens is not None and prompt < context else \
+            ("messages" if g.chat else "prompt")
+        raise OpenAIError(400, f"{param}: this model's maximum context length is {context} tokens; the "
+                          f"prompt has {prompt} tokens and max_tokens is {g.max_tokens or 'unset'}. "
+                          "Shorten the prompt or lower max_tokens.", param=param,
+                          code="context_length_exceeded")
+    return g.max_tokens if g.max_tokens is not None else context - prompt
 
 
 async def _start(st: OpenAIState, key: ApiKey, target: targets.Target, spec: SampleSpec,
@@ -185,7 +196,8 @@ def _delta_chunk(g: Generation, rid: str, created: int, d: SampleDelta, stream: 
                                             offsets[d.sequence])
             offsets[d.sequence] += sum(len(t) for t in lp["tokens"])
     finish = shapes.FINISH.get(d.stop_reason, "stop") if d.stop_reason else None
-    return shapes.chunk(g, rid, created, d.sequence, text=piece, logprobs=lp, finish=finish)
+    return shapes.chunk(g, rid, created, d.sequence, text=piece, logprobs=lp, finish=finish,
+                        token_ids=d.tokens)
 
 
 def _sse(obj: dict) -> str:

@@ -53,8 +53,8 @@ def completion_logprobs(token_text, tokens, logprobs, tops, offset: int = 0) -> 
             else None, "text_offset": offsets}
 
 
-def response(g: Generation, rid: str, created: int, res: SampleResult, cost: float,
-             token_text) -> dict:
+def response(g: Generation, rid: str, created: int, prompt: list[int], res: SampleResult,
+             cost: float, token_text) -> dict:
     choices = []
     for i, s in enumerate(res.sequences):
         lp = None
@@ -68,13 +68,19 @@ def response(g: Generation, rid: str, created: int, res: SampleResult, cost: flo
         else:
             choices.append({"index": i, "text": s.text, "logprobs": lp,
                             "finish_reason": FINISH.get(s.stop_reason, "stop")})
-    return {"id": rid, "object": "chat.completion" if g.chat else "text_completion",
-            "created": created, "model": g.model, "choices": choices,
-            "usage": usage(res, cost), "system_fingerprint": None}
+        if g.return_token_ids:
+            choices[-1]["token_ids"] = list(s.tokens)
+    out = {"id": rid, "object": "chat.completion" if g.chat else "text_completion",
+           "created": created, "model": g.model, "choices": choices,
+           "usage": usage(res, cost), "system_fingerprint": None}
+    if g.return_token_ids:
+        out["prompt_token_ids"] = list(prompt)
+    return out
 
 
 def chunk(g: Generation, rid: str, created: int, index: int, *, text: str | None = None,
-          role: bool = False, logprobs: dict | None = None, finish: str | None = None) -> dict:
+          role: bool = False, logprobs: dict | None = None, finish: str | None = None,
+          token_ids: list[int] | None = None) -> dict:
     """One stream chunk for choice `index`."""
     if g.chat:
         delta = {"role": "assistant", "content": ""} if role else \
@@ -82,6 +88,8 @@ def chunk(g: Generation, rid: str, created: int, index: int, *, text: str | None
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    if g.return_token_ids and token_ids is not None:
+        choice["token_ids"] = token_ids
     out = {"id": rid, "object": "chat.completion.chunk" if g.chat else "text_completion",
            "created": created, "model": g.model, "choices": [choice], "system_fingerprint": None}
     if g.include_usage:
