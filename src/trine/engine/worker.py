@@ -6,7 +6,7 @@ asyncio futures back, settled with `loop.call_soon_threadsafe`:
 - `sample_stream(req)`: an async iterator of the request's SampleDeltas, one per sequence per
   engine step, then its SampleResult; closing it early cancels the request.
 - `cancel(request_id)`: the request stops and frees its sequences' KV blocks at the thread's next
-  turn; its waiter gets `SampleCancelled`.
+  turn; its waiter gets `SampleCancelled`, the caller of cancel() its partial result.
 - `submit(fn)`: `fn(worker)` runs in the thread (a training cycle, a checkpoint load, ...).
 
 Between jobs, and between training micro-batches (`tick`, passed as the Trainer's
@@ -72,6 +72,7 @@ class EngineWorker:
         self._jobs: deque = deque()
         self._pending: dict[str, asyncio.Future] = {}  # sampler request id -> future
         self._streams: dict[str, asyncio.Queue] = {}  # streaming request id -> its deltas
+        self._cancels: dict[str, asyncio.Future] = {}  # request id -> its cancel() in flight
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -121,10 +122,16 @@ class EngineWorker:
                 self.cancel(req.request_id)
         yield fut.result()
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> asyncio.Future:
         """Stop a queued or running sample request and free its sequences' KV blocks; its waiter
-        gets SampleCancelled (carrying the partial result)."""
-        self._inbox.put(("cancel", request_id, None))
+        gets SampleCancelled. The returned future gets the request's partial result (what it
+        computed: usage included), or None if it had already finished or never existed."""
+        fut = self._cancels.get(request_id)  # one in flight already: share its answer
+        if fut is None:
+            fut = self._cancels[request_id] = self.loop.create_future()
+            fut.add_done_callback(lambda _: self._cancels.pop(request_id, None))
+            self._inbox.put(("cancel", request_id, fut))
+        return fut
 
     def submit(self, fn: Callable[["EngineWorker"], Any]) -> asyncio.Future:
         """Run `fn(self)` in the worker thread; jobs run one at a time, in submission order."""
@@ -197,7 +204,7 @@ class EngineWorker:
                 self._jobs.append((obj, fut))
                 continue
             if kind == "cancel":
-                self._cancel(obj)
+                self._cancel(obj, fut)
                 continue
             try:
                 self.sampler.add(obj)
@@ -225,9 +232,9 @@ class EngineWorker:
             if fut is not None:
                 self._post(fut, r)
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, request_id: str, done: asyncio.Future) -> None:
         fut = self._pending.pop(request_id, None)
-        if fut is None:  # finished (or refused) already
-            return
-        partial = self.sampler.cancel(request_id)
-        self._post(fut, exc=SampleCancelled(f"sample request {request_id} was cancelled", partial))
+        partial = self.sampler.cancel(request_id) if fut is not None else None
+        if fut is not None:  # else finished (or refused) already
+            self._post(fut, exc=SampleCancelled(f"sample request {request_id} was cancelled", partial))
+        self._post(done, partial)

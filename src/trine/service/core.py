@@ -15,7 +15,6 @@ Invariants
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -680,26 +679,42 @@ class Service:
                             deltas: bool = True):
         """Sample for a front end that answers as tokens arrive (the OpenAI API): yields the
         engine's SampleDeltas (if `deltas`), then `(SampleResult, cost)`. Metered like `sample`;
-        not stored for retries. Closing the iterator early cancels the request in the engine,
-        which frees its KV blocks at once (nothing is metered then)."""
+        not stored for retries. Closing the iterator early (the client went away) cancels the
+        request in the engine, which frees its KV blocks at once; what it computed until then is
+        metered."""
         r = self.sampling_run(key, sampling_run_id)
         if r.status != "ACTIVE":
             raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
                            code="run_ended")
         m, req = await self._engine_request(r, spec)
+        res = None
+        stream = m.worker.sample_stream(req) if deltas else None
         try:
-            if deltas:
-                async with contextlib.aclosing(m.worker.sample_stream(req)) as stream:
-                    async for item in stream:  # closing us closes it: the engine cancels
-                        if isinstance(item, SampleResult):
-                            res = item
-                        else:
-                            yield item
-            else:
+            if stream is None:
                 res = await m.worker.sample(req)
+            else:
+                async for item in stream:
+                    if isinstance(item, SampleResult):
+                        res = item
+                    else:
+                        yield item
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        finally:
+            if res is None:  # cancelled or failed: stop the engine's work, meter what it did
+                self._spawn(self._meter_cancelled(key, r, m, spec, m.worker.cancel(req.request_id)))
+                if stream is not None:
+                    await stream.aclose()
         yield res, self._metered(key, r, m, spec, res)
+
+    async def _meter_cancelled(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec,
+                               partial: asyncio.Future) -> None:
+        try:
+            res = await partial
+        except Exception:  # the engine stopped
+            return
+        if res is not None and res.usage.prompt_tokens:
+            self._metered(key, r, m, spec, res)
 
     async def _engine_request(self, r: SamplingRun, spec: SampleSpec) -> tuple[ServedModel, SampleRequest]:
         m = self.models[r.base_model]

@@ -9,6 +9,7 @@ sequences and KV blocks at once. Every failure answers in OpenAI's error shape.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -114,7 +115,7 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
                               stop_token_ids=g.stop_token_ids, stop_at_eos=True,
                               top_logprobs=g.top_logprobs)
     spec = SampleSpec(rid, prompt, options, num_samples=g.n)
-    first, items = await _start(st, key, target, spec, g.stream)
+    first, items = await _unless_disconnected(request, _start(st, key, target, spec, g.stream))
     created = int(time.time())
     if not g.stream:
         await items.aclose()
@@ -123,6 +124,28 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     return StreamingResponse(_events(g, rid, created, first, items, text),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, cancelling it if the client goes away first (its sampling is then cancelled
+    too, which frees the engine at once)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            raise OpenAIError(499, "the client closed the connection", code="client_closed_request")
+        return task.result()
+    finally:
+        gone.cancel()
+        task.cancel()  # no-op once done; this handler itself may have been cancelled
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _max_tokens(g: Generation, prompt: int, context: int, model: str) -> int:
