@@ -23,18 +23,27 @@ COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "
           "stop_token_ids", "logprobs", "stream", "stream_options", "user", "return_token_ids"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION = COMMON | {"prompt"}
-# parameter -> the values that mean "not used", which are accepted
-NEUTRAL: dict[str, tuple] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
-    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
-    "reasoning_effort": (None,), "web_search_options": (None,), "store": (None, False),
-    "metadata": (None, {}), "service_tier": (None, "auto", "default"), "echo": (None, False),
-    "suffix": (None, ""), "best_of": (None, 1), "min_p": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
+TOOLS = "tool and function calling is not supported"
+SAMPLER = "trine's sampler does not implement it"
+TEXT_ONLY = "the served models generate text only"
+NOT_STORED = "responses are not stored"
+LEGACY = "not supported on /v1/completions here"
+# parameter -> (the values that mean "not used", which are accepted; why other values are refused)
+NEUTRAL: dict[str, tuple[tuple, str]] = {
+    "tools": ((None, []), TOOLS), "tool_choice": ((None, "none"), TOOLS),
+    "functions": ((None, []), TOOLS), "function_call": ((None, "none"), TOOLS),
+    "parallel_tool_calls": ((None, False, True), TOOLS),
+    "response_format": ((None, {"type": "text"}), 'structured output is not supported; only {"type": "text"}'),
+    "logit_bias": ((None, {}), SAMPLER), "presence_penalty": ((None, 0), SAMPLER),
+    "frequency_penalty": ((None, 0), SAMPLER), "repetition_penalty": ((None, 1), SAMPLER),
+    "min_p": ((None, 0), SAMPLER), "modalities": ((None, ["text"]), TEXT_ONLY),
+    "audio": ((None,), TEXT_ONLY), "prediction": ((None,), TEXT_ONLY),
+    "reasoning_effort": ((None,), TEXT_ONLY), "web_search_options": ((None,), TEXT_ONLY),
+    "store": ((None, False), NOT_STORED), "metadata": ((None, {}), NOT_STORED),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "echo": ((None, False), LEGACY), "suffix": ((None, ""), LEGACY), "best_of": ((None, 1), LEGACY),
 }
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's legacy API
 
 
 @dataclass
@@ -46,7 +55,7 @@ class Generation:
     messages: list[dict] | None  # chat: [{"role", "content": str}], roles as the template knows them
     prompt: str | list[int] | None  # completions: text or token ids
     n: int = 1
-    max_tokens: int | None = None  # None: up to the model's context
+    max_tokens: int | None = None  # None (chat): up to the model's context
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -78,7 +87,8 @@ def parse_chat(body: Any) -> Generation:
 def parse_completion(body: Any) -> Generation:
     body = _object(body)
     _refuse_unsupported(body, COMPLETION)
-    g = Generation(False, _model(body), None, _prompt(body.get("prompt")))
+    g = Generation(False, _model(body), None, _prompt(body.get("prompt")),
+                   max_tokens=DEFAULT_COMPLETION_TOKENS)
     _common(body, g)
     if body.get("logprobs") is not None:  # completions: an int, the number of top logprobs
         g.top_logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
@@ -98,11 +108,11 @@ def _refuse_unsupported(body: dict, known: set[str]) -> None:
     if unknown:
         raise OpenAIError(400, f"unrecognized request argument(s): {', '.join(unknown)}",
                           param=unknown[0], code="unknown_parameter")
-    refused = sorted(k for k in body if k in NEUTRAL and body[k] not in NEUTRAL[k])
+    refused = sorted(k for k in body if k in NEUTRAL and body[k] not in NEUTRAL[k][0])
     if refused:
-        raise OpenAIError(400, f"unsupported parameter(s): {', '.join(refused)}. This server generates "
-                          "plain text (no tools, function calling, structured output, penalties or "
-                          "logit bias); remove them", param=refused[0], code="unsupported_parameter")
+        why = "; ".join(f"{k}: {NEUTRAL[k][1]}" for k in refused)
+        raise OpenAIError(400, f"unsupported parameter(s): {why}. Remove {'it' if len(refused) == 1 else 'them'}.",
+                          param=refused[0], code="unsupported_parameter")
 
 
 def _model(body: dict) -> str:
