@@ -4,7 +4,6 @@ One server per module; the prompts of each test differ, so no test's prefix cach
 """
 from __future__ import annotations
 
-import os
 import time
 
 import httpx
@@ -23,17 +22,8 @@ SYSTEM = ("You are a careful assistant for a test suite. Answer briefly, state y
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    home = tmp_path_factory.mktemp("openai-home")
-    old = os.environ.get("TRINE_HOME")
-    os.environ["TRINE_HOME"] = str(home)  # the SDK's tokenizer cache goes here too
-    try:
-        with serve(tiny_model_dir, home) as srv:
-            yield srv
-    finally:
-        if old is None:
-            os.environ.pop("TRINE_HOME", None)
-        else:
-            os.environ["TRINE_HOME"] = old
+    with serve(tiny_model_dir, tmp_path_factory.mktemp("openai-home")) as srv:
+        yield srv
 
 
 def client(server, key: str | None = None, prefix: str = "/v1") -> openai.OpenAI:
@@ -287,7 +277,7 @@ def test_a_disconnect_mid_stream_frees_its_kv_blocks_at_once(server, oai):
     while not (events := usage_events(server, chunk.id)) and time.monotonic() < deadline:
         time.sleep(0.05)
     (event,) = events  # what it computed until then is metered
-    assert event["prefill"] + event["prefill_cached"] > 0 and 6 <= event["sample"] <= generated
+    assert event["prefill"] + event["prefill_cached"] > 0 and got <= event["sample"] <= generated
 
     # a client that stops waiting for a whole (non-streamed) answer frees the engine as well
     before = sampler.stats["sample_tokens"]
