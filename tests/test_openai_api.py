@@ -258,7 +258,7 @@ def wait_until_idle(sampler, seconds: float = 5.0) -> dict:
 
 
 def test_a_disconnect_mid_stream_frees_its_kv_blocks_at_once(server, oai):
-    sampler = server.service.models[MODEL].worker.sampler
+    sampler = server.service.models[MODEL].replicas[0].engine.worker.sampler  # the in-process engine
     before = sampler.stats["sample_tokens"]
     stream = oai.chat.completions.create(model=MODEL, max_tokens=4000, n=2, stream=True,
                                          messages=[{"role": "user", "content": "Tell me a very long story."}])

@@ -95,15 +95,17 @@ def test_worker_stream_yields_deltas_then_result_and_closing_it_cancels(tiny_mod
             stats = await worker.submit(lambda w: w.sampler.stats)
             assert stats["running"] == 0 and stats["waiting"] == 0 and stats["blocks_used"] == 0
             assert stats["sample_tokens"] < 100  # stopped long before its 3000 tokens
-            # cancel() by id: the waiter gets SampleCancelled with what was computed
+            # cancel() by id: the waiter gets SampleCancelled, the canceller what was computed
             fut = worker.sample(request("c", n=1, max_tokens=3000))
             while (await worker.submit(lambda w: w.sampler.stats))["running"] == 0:
                 await asyncio.sleep(0.01)
-            worker.cancel("c")
-            with pytest.raises(SampleCancelled) as e:
+            partial = await worker.cancel("c")
+            with pytest.raises(SampleCancelled):
                 await fut
-            assert e.value.result.sequences[0].stop_reason == "cancelled"
-            assert e.value.result.usage.prompt_tokens == len(PROMPT)
+            assert partial.sequences[0].stop_reason == "cancelled"
+            assert partial.usage.prompt_tokens == len(PROMPT) and partial.usage.sample_tokens >= 1
+            assert await worker.cancel("c") is partial  # asked again: the same answer, once
+            assert await worker.cancel("never-sent") is None
         finally:
             await loop.run_in_executor(None, worker.stop)
 

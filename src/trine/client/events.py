@@ -18,12 +18,12 @@ import asyncio
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from ..limits import FORWARD_BACKWARD
 from .errors import ActorAPIError, EventFailedError, RunBrokenError, TrineError
 from .futures import settle
 from .http import ActorConnection, Settings
 from .wire import event_envelope, new_event_id
 
-FORWARD_BACKWARD = "trainer.forward_backward"
 TERMINAL = ("succeeded", "failed")
 MSGPACK = "application/msgpack"
 

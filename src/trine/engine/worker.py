@@ -3,11 +3,15 @@
 The asyncio side never touches those objects. It hands work to the thread through an inbox and gets
 asyncio futures back, settled with `loop.call_soon_threadsafe`:
 - `sample(req)`: the request joins the Sampler's continuous batch; the future gets its SampleResult.
+- `submit(fn)`: `fn(worker)` runs in the thread (a training cycle, a checkpoint load, ...).
 - `sample_stream(req)`: an async iterator of the request's SampleDeltas, one per sequence per
   engine step, then its SampleResult; closing it early cancels the request.
 - `cancel(request_id)`: the request stops and frees its sequences' KV blocks at the thread's next
-  turn; its waiter gets `SampleCancelled`, the caller of cancel() its partial result.
-- `submit(fn)`: `fn(worker)` runs in the thread (a training cycle, a checkpoint load, ...).
+  turn; its waiter gets `SampleCancelled`, and the future cancel() returns gets the partial result.
+
+The thread also owns the adapter table (`adapters`: checkpoint id -> sampler weights); a sample
+request names its adapter by `weights.adapter` and the thread resolves it when the request arrives.
+This class is the machinery; `engine.local.LocalEngine` is the interface the service uses.
 
 Between jobs, and between training micro-batches (`tick`, passed as the Trainer's
 `between_microbatches`), the thread admits newly arrived sample requests and runs one sampler step,
@@ -16,21 +20,33 @@ so sampling never waits for a whole training cycle.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import traceback
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import torch
 
+from .model import Adapter
 from .requests import SampleDelta, SampleRequest, SampleResult
 from .tokenizer import Tokenizer
 from .weights import load_model
 
 log = logging.getLogger("trine.worker")
+
+
+RECENT_CANCELS = 256  # cancel() answers kept, so a second cancel of a request gets the same one
+
+
+class SampleCancelled(Exception):
+    """The caller cancelled this sample request (e.g. its client disconnected)."""
+
+
+_END = object()
 
 
 def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -40,18 +56,6 @@ def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None =
         fut.set_exception(exc)
     else:
         fut.set_result(result)
-
-
-class SampleCancelled(Exception):
-    """The caller cancelled this sample request (e.g. its client disconnected). `result` is what it
-    had computed by then (usage included), or None if it was never admitted."""
-
-    def __init__(self, message: str, result: SampleResult | None = None):
-        super().__init__(message)
-        self.result = result
-
-
-_END = object()
 
 
 class EngineWorker:
@@ -67,12 +71,13 @@ class EngineWorker:
         self.sampler_options = dict(sampler_options or {})
         self.trainer_options = dict(trainer_options or {})
         self.model = self.tokenizer = self.sampler = self.trainer = None
+        self.adapters: dict[str, Adapter] = {}  # checkpoint id -> sampler weights (worker thread only)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque = deque()
         self._pending: dict[str, asyncio.Future] = {}  # sampler request id -> future
         self._streams: dict[str, asyncio.Queue] = {}  # streaming request id -> its deltas
-        self._cancels: dict[str, asyncio.Future] = {}  # request id -> its cancel() in flight
+        self._cancels: OrderedDict[str, asyncio.Future] = OrderedDict()  # request id -> partial result
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -81,6 +86,7 @@ class EngineWorker:
     # ------------------------------------------------------------------ asyncio side
     def start(self, loop: asyncio.AbstractEventLoop, timeout: float | None = None) -> None:
         self.loop = loop
+        self.exited = loop.create_future()  # set to the reason when the thread ends
         self._thread = threading.Thread(target=self._main, name=f"trine-engine-{self.name}",
                                         daemon=True)
         self._thread.start()
@@ -124,12 +130,14 @@ class EngineWorker:
 
     def cancel(self, request_id: str) -> asyncio.Future:
         """Stop a queued or running sample request and free its sequences' KV blocks; its waiter
-        gets SampleCancelled. The returned future gets the request's partial result (what it
-        computed: usage included), or None if it had already finished or never existed."""
-        fut = self._cancels.get(request_id)  # one in flight already: share its answer
+        gets SampleCancelled. The returned future gets the request's partial result (what it had
+        computed, usage included), or None if it was not running. Cancelling a request again
+        returns the same future."""
+        fut = self._cancels.get(request_id)
         if fut is None:
             fut = self._cancels[request_id] = self.loop.create_future()
-            fut.add_done_callback(lambda _: self._cancels.pop(request_id, None))
+            while len(self._cancels) > RECENT_CANCELS:
+                self._cancels.popitem(last=False)
             self._inbox.put(("cancel", request_id, fut))
         return fut
 
@@ -138,6 +146,14 @@ class EngineWorker:
         fut = self.loop.create_future()
         self._inbox.put(("job", fn, fut))
         return fut
+
+    @property
+    def queued_jobs(self) -> int:
+        return len(self._jobs) + sum(1 for item in list(self._inbox.queue) if item and item[0] == "job")
+
+    @property
+    def pending_samples(self) -> int:
+        return len(self._pending)
 
     @property
     def vocab_size(self) -> int:
@@ -164,6 +180,20 @@ class EngineWorker:
             self._ready.set()
             return
         self._ready.set()
+        reason = "stopped"
+        try:
+            self._serve()
+        except BaseException as e:  # a bug in the loop itself: report it as the engine lost
+            log.error("engine thread died:\n%s", traceback.format_exc())
+            reason = f"engine thread died: {type(e).__name__}: {e}"
+        try:
+            for fut in list(self._pending.values()) + [f for _, f in self._jobs]:
+                self._post(fut, exc=RuntimeError(f"the engine worker {reason}"))
+            self._post(self.exited, reason)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+    def _serve(self) -> None:
         while not self._stopping:
             self._drain(block=not (self._jobs or self.sampler.has_work()))
             if self._jobs:
@@ -178,8 +208,6 @@ class EngineWorker:
                     self._post(fut, result)
             elif self.sampler.has_work():
                 self._step()
-        for fut in list(self._pending.values()) + [f for _, f in self._jobs]:
-            self._post(fut, exc=RuntimeError("the engine worker stopped"))
 
     def tick(self) -> None:
         """Admit new sample requests and run one sampler step. Worker thread only."""
@@ -207,11 +235,30 @@ class EngineWorker:
                 self._cancel(obj, fut)
                 continue
             try:
+                obj = self._with_adapter(obj)
                 self.sampler.add(obj)
             except ValueError as e:
                 self._post(fut, exc=e)
             else:
                 self._pending[obj.request_id] = fut
+
+    def _with_adapter(self, req: SampleRequest) -> SampleRequest:
+        """The request with its adapter resolved from the table (a copy: the caller's is untouched)."""
+        if req.weights.adapter is None or req.adapter is not None:
+            return req
+        adapter = self.adapters.get(req.weights.adapter)
+        if adapter is None:
+            raise ValueError(f"adapter {req.weights.adapter!r} is not loaded on this engine; load it "
+                             "(load_adapter) before sampling from it")
+        return dataclasses.replace(req, adapter=adapter)
+
+    def _cancel(self, request_id: str, done: asyncio.Future) -> None:
+        fut = self._pending.pop(request_id, None)
+        partial = None
+        if fut is not None:  # else finished (or refused) already
+            partial = self.sampler.cancel(request_id)  # frees its sequences and KV blocks now
+            self._post(fut, exc=SampleCancelled(f"sample request {request_id} was cancelled"))
+        self._post(done, partial)
 
     def _step(self) -> None:
         try:
@@ -231,10 +278,3 @@ class EngineWorker:
             fut = self._pending.pop(r.request_id, None)
             if fut is not None:
                 self._post(fut, r)
-
-    def _cancel(self, request_id: str, done: asyncio.Future) -> None:
-        fut = self._pending.pop(request_id, None)
-        partial = self.sampler.cancel(request_id) if fut is not None else None
-        if fut is not None:  # else finished (or refused) already
-            self._post(fut, exc=SampleCancelled(f"sample request {request_id} was cancelled", partial))
-        self._post(done, partial)

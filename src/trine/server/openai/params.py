@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire import MAX_SAMPLES_PER_REQUEST
+from ...limits import MAX_SAMPLES_PER_REQUEST
 from .errors import OpenAIError, bad_param
 
 MAX_TOP_LOGPROBS = 20

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ...engine.requests import SampleDelta, SamplingOptions
+from ...limits import MAX_SAMPLE_BYTES
 from ...service import SampleSpec, Service
 from ...service.errors import ServiceError
 from ...store import ApiKey
@@ -31,7 +32,6 @@ from .params import Generation, parse_chat, parse_completion
 from .text import ModelText, TextStream
 
 PREFIXES = ("/v1", "/api/openai/v1", "/oai/api/v1")
-MAX_BODY_BYTES = 4 << 20
 PARAMS = ("model", "messages", "prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stop_token_ids", "top_logprobs", "logprobs")
 ENDED = ("run_ended", "service_session_closed")  # the remembered sampling run is gone: make another
@@ -47,7 +47,8 @@ class OpenAIState:
 
     def text(self, base: str) -> ModelText:
         if base not in self.texts:
-            self.texts[base] = ModelText(base, self.service.models[base].dir)
+            m = self.service.models[base]
+            self.texts[base] = ModelText(base, m.dir, m.tokenizer)
         return self.texts[base]
 
 
@@ -73,7 +74,7 @@ def _guard(handler):
 
 
 async def _body(request: Request) -> dict:
-    raw = await read_body(request, MAX_BODY_BYTES)
+    raw = await read_body(request, MAX_SAMPLE_BYTES)
     try:
         return json.loads(raw)
     except (ValueError, RecursionError):
@@ -118,9 +119,7 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     first, items = await _unless_disconnected(request, _start(st, key, target, spec, g.stream))
     created = int(time.time())
     if not g.stream:
-        await items.aclose()
-        res, cost = first
-        return JSONResponse(shapes.response(g, rid, created, prompt, res, cost, text.token_text))
+        return JSONResponse(shapes.response(g, rid, created, prompt, first, text.token_text))
     return StreamingResponse(_events(g, rid, created, first, items, text),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -162,19 +161,26 @@ def _max_tokens(g: Generation, prompt: int, context: int, model: str) -> int:
 
 async def _start(st: OpenAIState, key: ApiKey, target: targets.Target, spec: SampleSpec,
                  stream: bool):
-    """Start sampling and wait for its first item (a delta when streaming, else the result), so
-    a refused request is a plain HTTP error. Returns (first item, the iterator of the rest)."""
+    """Start sampling. Streaming: wait for the first delta, so that a refused request is a plain
+    HTTP error; returns (that delta, the iterator of the rest). Otherwise: returns (the
+    SampleOutcome, None)."""
     for attempt in (0, 1):
         run_id = st.runs.run_id(key, target, fresh=attempt > 0)
-        items = st.service.sample_stream(key, run_id, spec, deltas=stream)
+        items = st.service.sample_stream(key, run_id, spec)
         try:
-            return await anext(items), items
+            item = await anext(items)
+            if stream:
+                return item, items
+            while isinstance(item, SampleDelta):
+                item = await anext(items)
+            await items.aclose()
+            return item, None
         except ServiceError as e:
             await items.aclose()
             if e.code not in ENDED or attempt:
                 raise
         except BaseException:
-            await items.aclose()  # e.g. this handler was cancelled: cancel the sampling too
+            await items.aclose()  # e.g. the client went away: cancels the sampling too
             raise
     raise AssertionError("unreachable")
 
@@ -197,8 +203,7 @@ async def _events(g: Generation, rid: str, created: int, first, items, text: Mod
             if isinstance(item, SampleDelta):
                 yield _sse(_delta_chunk(g, rid, created, item, streams[item.sequence], offsets, text))
             elif g.include_usage:
-                res, cost = item
-                yield _sse(shapes.usage_chunk(g, rid, created, res, cost))
+                yield _sse(shapes.usage_chunk(g, rid, created, item))
         yield "data: [DONE]\n\n"
     except ServiceError as e:
         yield _sse(from_service(e, PARAMS).body())

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ...engine.requests import SampleResult
+from ...service import SampleOutcome
 from .params import Generation
 
 FINISH = {"stop": "stop", "length": "length"}
 
 
-def usage(res: SampleResult, cost: float) -> dict:
-    u = res.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.sample_tokens,
-            "total_tokens": u.prompt_tokens + u.sample_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "cost": cost}
+def usage(out: SampleOutcome) -> dict:
+    u = out.usage
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["sample_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["sample_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
+            "cost": out.cost}
 
 
 def _finite(x: float) -> float:
@@ -53,10 +53,10 @@ def completion_logprobs(token_text, tokens, logprobs, tops, offset: int = 0) -> 
             else None, "text_offset": offsets}
 
 
-def response(g: Generation, rid: str, created: int, prompt: list[int], res: SampleResult,
-             cost: float, token_text) -> dict:
+def response(g: Generation, rid: str, created: int, prompt: list[int], out: SampleOutcome,
+             token_text) -> dict:
     choices = []
-    for i, s in enumerate(res.sequences):
+    for i, s in enumerate(out.sequences):
         lp = None
         if g.logprobs:
             tops = s.top_logprobs if g.top_logprobs else None
@@ -70,12 +70,12 @@ def response(g: Generation, rid: str, created: int, prompt: list[int], res: Samp
                             "finish_reason": FINISH.get(s.stop_reason, "stop")})
         if g.return_token_ids:
             choices[-1]["token_ids"] = list(s.tokens)
-    out = {"id": rid, "object": "chat.completion" if g.chat else "text_completion",
-           "created": created, "model": g.model, "choices": choices,
-           "usage": usage(res, cost), "system_fingerprint": None}
+    body = {"id": rid, "object": "chat.completion" if g.chat else "text_completion",
+            "created": created, "model": g.model, "choices": choices,
+            "usage": usage(out), "system_fingerprint": None}
     if g.return_token_ids:
-        out["prompt_token_ids"] = list(prompt)
-    return out
+        body["prompt_token_ids"] = list(prompt)
+    return body
 
 
 def chunk(g: Generation, rid: str, created: int, index: int, *, text: str | None = None,
@@ -97,7 +97,7 @@ def chunk(g: Generation, rid: str, created: int, index: int, *, text: str | None
     return out
 
 
-def usage_chunk(g: Generation, rid: str, created: int, res: SampleResult, cost: float) -> dict:
+def usage_chunk(g: Generation, rid: str, created: int, out: SampleOutcome) -> dict:
     return {"id": rid, "object": "chat.completion.chunk" if g.chat else "text_completion",
-            "created": created, "model": g.model, "choices": [], "usage": usage(res, cost),
+            "created": created, "model": g.model, "choices": [], "usage": usage(out),
             "system_fingerprint": None}

@@ -2,8 +2,8 @@
 `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` does), prompt encoding, and
 incremental decoding for streams.
 
-`ModelText` loads from the model directory on first use, in a thread (transformers takes about
-2 s to import); nothing is fetched from a hub.
+`ModelText` loads the chat template from the model directory on first use, in a thread
+(transformers takes about 2 s to import); nothing is fetched from a hub.
 """
 from __future__ import annotations
 
@@ -16,19 +16,12 @@ from .errors import OpenAIError
 
 
 class ModelText:
-    def __init__(self, name: str, model_dir: Path):
+    def __init__(self, name: str, model_dir: Path, tokenizer: Tokenizer):
         self.name = name
         self.dir = Path(model_dir)
-        self._tokenizer: Tokenizer | None = None
+        self.tokenizer = tokenizer  # the served model's (encode, decode)
         self._chat = None  # the transformers tokenizer, for its chat template
         self._lock = threading.Lock()
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = Tokenizer(self.dir)
-            return self._tokenizer
 
     def _chat_tokenizer(self):
         with self._lock:
