@@ -177,6 +177,7 @@ def test_trained_adapter_answers_through_its_checkpoint(server, oai, hf_tok):
     listed = {m.id: m for m in oai.models.list()}
     assert uri in listed and listed[uri].root == MODEL
     ck_id = listed[uri].model_extra["checkpoint_id"]
+    assert oai.models.retrieve(uri).id == uri and oai.models.retrieve(MODEL).id == MODEL
     for model in (uri, ck_id):
         r = oai.chat.completions.create(model=model, messages=question, max_tokens=len(target),
                                         temperature=0, extra_body={"return_token_ids": True})
