@@ -4,8 +4,9 @@ API) over one `Service`.
 `start_server(...)` runs it with uvicorn in a background thread and returns a `ServerHandle`
 (url, api_key, stop()); `trine serve`, `trine demo` and the tests use it.
 
-Every error leaves as `{"code", "message"}` with a 4xx status for anything the caller can fix;
-a 500 (`internal_error`) means a bug in trine, and the server keeps serving.
+Every error leaves as `{"code", "message"}` with a 4xx status for anything the caller can fix
+(the OpenAI-compatible routes answer in OpenAI's shape instead, see server/openai/); a 500
+(`internal_error`) means a bug in trine, and the server keeps serving.
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     @app.middleware("http")
     async def limit_control_bodies(request: Request, call_next):
         declared = request.headers.get("content-length", "")
-        if (request.url.path.startswith("/api/") and declared.isdigit()
+        path = request.url.path
+        if (path.startswith("/api/") and not path.startswith(openai.API_PREFIX) and declared.isdigit()
                 and int(declared) > MAX_CONTROL_BYTES):
             return _error(413, "request_too_large", f"body: {declared} bytes exceeds the control-plane "
                                                     f"limit of {MAX_CONTROL_BYTES} bytes")

@@ -31,7 +31,8 @@ from .errors import OpenAIError, from_service
 from .params import Generation, parse_chat, parse_completion
 from .text import ModelText, TextStream
 
-PREFIXES = ("/v1", "/api/openai/v1", "/oai/api/v1")
+API_PREFIX = "/api/openai/v1"  # PyTRIO's path for it (checks its own body limit, in OpenAI's shape)
+PREFIXES = ("/v1", API_PREFIX, "/oai/api/v1")
 PARAMS = ("model", "messages", "prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stop_token_ids", "top_logprobs", "logprobs")
 ENDED = ("run_ended", "service_session_closed")  # the remembered sampling run is gone: make another
