@@ -72,5 +72,7 @@ def serve(models, host, port, home, cycle_seconds, threads, log_level):
     click.echo(f"\nConnect with the trine SDK:\n"
                f"  import trine as trio; trio.ServiceClient(base_url=\"{url}\", api_key=\"{key}\")\n"
                f"or the official pytrio client:\n"
-               f"  PYTRIO_BASE_URL={url} PYTRIO_API_KEY={key} python your_script.py\n")
+               f"  PYTRIO_BASE_URL={url} PYTRIO_API_KEY={key} python your_script.py\n"
+               f"or any OpenAI client (chat and completions on the models and your checkpoints):\n"
+               f"  OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\")\n")
     run_forever(app, host, port, log_level)
