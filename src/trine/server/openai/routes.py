@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from .errors import OpenAIError, from_service
 from .params import Generation, parse_chat, parse_completion
 from .text import ModelText, TextStream
 
+log = logging.getLogger("trine.server.openai")
 API_PREFIX = "/api/openai/v1"  # PyTRIO's path for it (checks its own body limit, in OpenAI's shape)
 PREFIXES = ("/v1", API_PREFIX, "/oai/api/v1")
 PARAMS = ("model", "messages", "prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "seed",
@@ -70,6 +72,9 @@ def _guard(handler):
             return e.response()
         except ServiceError as e:
             return from_service(e, PARAMS).response()
+        except Exception as e:  # a bug in trine: say so in OpenAI's shape, keep serving
+            log.exception("unhandled error on %s %s", request.method, request.url.path)
+            return _internal(e).response()
     route.__name__ = handler.__name__
     return route
 
@@ -110,7 +115,7 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     target = targets.resolve(st.service, key, g.model)
     text = st.text(target.base)
     prompt = await text.prompt_ids(g.messages, g.prompt)
-    max_tokens = _max_tokens(g, len(prompt), st.service.models[target.base].max_seq_len, target.base)
+    max_tokens = _max_tokens(g, len(prompt), st.service.models[target.base].max_seq_len)
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
     options = SamplingOptions(max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p,
                               top_k=g.top_k, seed=g.seed, stop_strings=g.stop,
@@ -148,7 +153,7 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _max_tokens(g: Generation, prompt: int, context: int, model: str) -> int:
+def _max_tokens(g: Generation, prompt: int, context: int) -> int:
     """The tokens to generate: as asked, or (unset) up to the end of the model's context."""
     if prompt >= context or (g.max_tokens is not None and prompt + g.max_tokens > context):
         param = "max_tokens" if g.max_tokens is not None and prompt < context else \
@@ -208,8 +213,15 @@ async def _events(g: Generation, rid: str, created: int, first, items, text: Mod
         yield "data: [DONE]\n\n"
     except ServiceError as e:
         yield _sse(from_service(e, PARAMS).body())
+    except Exception as e:  # a bug in trine: end the stream with an error event
+        log.exception("stream %s failed", rid)
+        yield _sse(_internal(e).body())
     finally:
         await items.aclose()
+
+
+def _internal(e: Exception) -> OpenAIError:
+    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
 def _delta_chunk(g: Generation, rid: str, created: int, d: SampleDelta, stream: TextStream,
