@@ -110,5 +110,7 @@ def serve(models, host, port, home, cycle_seconds, threads, ray_address, replica
                f"  PYTRIO_BASE_URL={url} PYTRIO_API_KEY={key} python your_script.py\n"
                f"or the official tinker client (the same key with a tml- prefix):\n"
                f"  TINKER_BASE_URL={url} TINKER_API_KEY=tml-{key} python your_script.py\n"
+               f"or any OpenAI client (chat and completions on the models and your checkpoints):\n"
+               f"  OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\")\n"
                f"or look at runs, curves and cost by phase in the web console:\n  {url}/console\n")
     run_forever(app, host, port, log_level, max_connections=max_connections, header_timeout=header_timeout)

@@ -14,8 +14,8 @@ ints, floats, strings and lists, so it pickles across a process boundary unchang
 |---|---|---|
 | `start()` | | `EngineInfo` (vocab size, context, ...) |
 | `sample(req)` | `SampleRequest` | `SampleResult` with its `SampleUsage` |
-| `sample_stream(req)` | `SampleRequest` | async iterator: `SampleDelta`s, then the `SampleResult` |
-| `cancel(request_id)` | | frees the request's sequences; its waiter gets `SampleCancelled` |
+| `sample_stream(req)` | `SampleRequest` | async iterator: a `SampleDelta` per sequence per engine step, then the `SampleResult`; closing it early cancels the request |
+| `cancel(request_id)` | | frees the request's sequences and KV blocks at once; its waiter gets `SampleCancelled`; returns its partial `SampleResult` (None if it was not running) |
 | `run_cycle(cycle)` | `TrainingCycle` (init/forward/forward_backward/optim/save/end of many runs) | `CycleResult` |
 | `drop_run(run_id)` | | the run's adapter and optimizer state are freed |
 | `load_adapter(checkpoint_id, path)` | a PEFT directory every replica can read | bytes held |
@@ -36,7 +36,8 @@ Invariants
   engine-internal: callers leave it None and name the adapter by `weights.adapter` (a checkpoint
   id that was loaded or published first; otherwise the request fails with ValueError).
 - Usage is exact: `prompt_tokens == prefill_tokens + cached_tokens` for every SampleResult; a
-  cancelled or failed request reports none.
+  failed request reports none, a cancelled one reports what it computed only through `cancel()`
+  (asking again returns the same answer), so the service meters it exactly once.
 - Errors a caller caused raise ValueError (the service turns them into 400s); an engine that died
   raises `EngineLost` from every call, including calls in flight, promptly (no call hangs).
 - `run_cycle` returns an outcome for every event of the cycle; events fail one by one, never the
@@ -52,7 +53,7 @@ from typing import AsyncIterator
 
 from .model import LoRAConfig
 from .ops import CycleResult, TrainingCycle
-from .requests import SampleRequest, SampleResult
+from .requests import SampleDelta, SampleRequest, SampleResult  # noqa: F401  (part of the interface)
 from .worker import SampleCancelled  # noqa: F401  (part of the interface)
 
 
@@ -73,16 +74,6 @@ class EngineInfo:
     device: str = "cpu"
     replica: str = "local"  # where it runs: "local" or the Ray actor's node / id
     lora_features: dict[str, int] = field(default_factory=dict)  # model.lora_features: sizes adapters
-
-
-@dataclass
-class SampleDelta:
-    """Tokens that sample `sequence` of a request gained since the last delta."""
-
-    request_id: str
-    sequence: int
-    tokens: list[int]
-    logprobs: list[float]
 
 
 @dataclass
@@ -127,7 +118,7 @@ class Engine(abc.ABC):
     def sample_stream(self, req: SampleRequest) -> AsyncIterator[SampleDelta | SampleResult]: ...
 
     @abc.abstractmethod
-    async def cancel(self, request_id: str) -> None: ...
+    async def cancel(self, request_id: str) -> SampleResult | None: ...
 
     @abc.abstractmethod
     async def run_cycle(self, cycle: TrainingCycle) -> CycleResult: ...

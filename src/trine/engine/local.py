@@ -6,15 +6,16 @@ futures on the caller's loop. The Ray backend runs one of these inside each repl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from pathlib import Path
 from typing import AsyncIterator
 
 from .cycle import CycleRunner, load_adapter, spill_adapter
-from .interface import CycleStats, Engine, EngineInfo, EngineStats, SampleDelta
+from .interface import CycleStats, Engine, EngineInfo, EngineStats
 from .model import LoRAConfig, lora_features
 from .ops import CycleResult, TrainingCycle
-from .requests import SampleRequest, SampleResult
+from .requests import SampleDelta, SampleRequest, SampleResult
 from .worker import EngineWorker
 
 RECENT_CYCLES = 32
@@ -49,21 +50,17 @@ class LocalEngine(Engine):
         return await self.worker.sample(req)
 
     async def sample_stream(self, req: SampleRequest) -> AsyncIterator[SampleDelta | SampleResult]:
-        """Deltas, then the result. Until the sampler reports tokens per decode step, each sequence
-        arrives as one delta when the request finishes. Closing the iterator early cancels it."""
-        done = False
-        try:
-            res = await self.sample(req)
-            done = True
-        finally:
-            if not done:
-                await self.cancel(req.request_id)
-        for i, s in enumerate(res.sequences):
-            yield SampleDelta(req.request_id, i, list(s.tokens), list(s.logprobs))
-        yield res
+        """A SampleDelta per sequence per engine step, then the result. Closing the iterator early
+        cancels the request."""
+        if req.adapter is not None:
+            raise ValueError("SampleRequest.adapter is engine-internal: name the adapter by "
+                             "weights.adapter (a loaded checkpoint id)")
+        async with contextlib.aclosing(self.worker.sample_stream(req)) as items:
+            async for item in items:
+                yield item
 
-    async def cancel(self, request_id: str) -> None:
-        self.worker.cancel(request_id)
+    async def cancel(self, request_id: str) -> SampleResult | None:
+        return await self.worker.cancel(request_id)
 
     async def run_cycle(self, cycle: TrainingCycle) -> CycleResult:
         res = await self.worker.submit(lambda w: self._runner.run(cycle))

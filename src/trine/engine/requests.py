@@ -34,6 +34,7 @@ class SamplingOptions:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     stop_at_eos: bool = True
+    top_logprobs: int = 0  # also return the k most likely tokens at each sampled position
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +64,7 @@ class SampleRequest:
     prompt_logprobs: bool = False  # full forward, never reads the prefix cache
     topk_prompt_logprobs: int = 0
     generate: bool = True  # False: compute_logprobs (prompt logprobs only, no decoding)
+    stream: bool = False  # report each decode step's new tokens as a SampleDelta
 
 
 @dataclass
@@ -78,7 +80,25 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     text: str | None
-    stop_reason: str  # "stop" or "length"
+    stop_reason: str  # "stop", "length", or "cancelled" (the request was cancelled while running)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when options.top_logprobs
+
+
+@dataclass
+class SampleDelta:
+    """What sample `sequence` of a streaming request gained in one engine step.
+
+    Concatenating a sequence's deltas in order gives exactly its SampledSequence tokens, logprobs
+    and top_logprobs. Its last delta has `stop_reason` and `text`: the sequence's whole final text
+    (cut before a stop string, without a stop token), as in SampledSequence.text."""
+
+    request_id: str
+    sequence: int  # sample index within the request
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_reason: str | None = None
+    text: str | None = None
 
 
 @dataclass

@@ -36,6 +36,10 @@ Invariants
   model's own log-probability of the token, which importance-sampling losses compare against.
 - Returned tokens include the token that stopped a sequence (EOS, a stop token, or the token that
   completed a stop string); the text excludes a stop token and is cut before a stop string.
+- Streaming (`SampleRequest.stream`): every step that gives a sequence a token leaves one
+  SampleDelta for it in `take_deltas()`; a sequence's deltas concatenate to its result.
+- `cancel(request_id)` frees the request's sequences, KV blocks and reservations at once and
+  returns its partial result (stop_reason "cancelled" on the sequences it cut short).
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ import torch
 
 from .kv_cache import BlockManager, block_key, chain_hashes
 from .model import AdapterBatch, KVContext, Transformer
-from .requests import SampledSequence, SampleRequest, SampleResult, SampleUsage
+from .requests import SampleDelta, SampledSequence, SampleRequest, SampleResult, SampleUsage
 from .tokenizer import Tokenizer
 
 CPU_KV_CACHE_BYTES = 512 * 2**20
@@ -92,6 +96,7 @@ class _Request:
     copies: list[int] = field(default_factory=list)  # partial-block copies for samples 1..n-1
     cached: int = 0  # prompt tokens served from the cache
     done: int = 0  # prompt tokens whose KV is computed or cached (prefill progress)
+    reserved: int = 0  # blocks reserved for its samples' decoding until they fork
     shared: int = 0  # full prompt blocks, shared by reference by all its sequences
     seqs: list["_Seq"] = field(default_factory=list)
     running: int = 0
@@ -109,8 +114,10 @@ class _Seq:
     keys: list[int]
     gen: torch.Generator
     reserve: int  # blocks it may still allocate
+    index: int = 0  # sample index within its request
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # when options.top_logprobs
     stop_reason: str | None = None
     text: str | None = None
 
@@ -146,7 +153,8 @@ class Sampler:
         self._waiting: deque[_Request] = deque()
         self._prefilling: list[_Request] = []  # admitted, prompt KV not complete yet
         self._running: list[_Seq] = []
-        self._live: set[str] = set()
+        self._live: dict[str, _Request] = {}  # queued or running, by request id
+        self._deltas: list[SampleDelta] = []  # streaming requests' new tokens this step
         self._reserved = 0  # blocks promised to admitted requests, not yet allocated
         self._carry: list[SampleResult] = []  # finished during run() but not run()'s own
         self._counters = dict(requests=0, prompt_tokens=0, prefill_tokens=0, cached_tokens=0,
@@ -160,11 +168,43 @@ class Sampler:
         opts = req.options
         stop_ids = frozenset(opts.stop_token_ids) | (self.eos_ids if opts.stop_at_eos else frozenset())
         full = req.prompt_logprobs or req.topk_prompt_logprobs > 0 or not req.generate
-        self._live.add(req.request_id)
-        self._waiting.append(_Request(req, SampleUsage(), stop_ids, full))
+        r = self._live[req.request_id] = _Request(req, SampleUsage(), stop_ids, full)
+        self._waiting.append(r)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._prefilling or self._running)
+        return bool(self._waiting or self._prefilling or self._running or self._carry)
+
+    def take_deltas(self) -> list[SampleDelta]:
+        """The streaming requests' new tokens since the last call (call after each step())."""
+        out, self._deltas = self._deltas, []
+        return out
+
+    def cancel(self, request_id: str) -> SampleResult | None:
+        """Stop a request now: its sequences end with stop_reason "cancelled" and release their KV
+        blocks and reservations. Returns its (partial) result, which no later step() returns; None if
+        the request is unknown or its result was already returned."""
+        for i, res in enumerate(self._carry):
+            if res.request_id == request_id:
+                return self._carry.pop(i)
+        r = self._live.get(request_id)
+        if r is None:
+            return None
+        if r in self._waiting:  # not admitted: holds nothing yet
+            self._waiting.remove(r)
+        elif r in self._prefilling:  # admitted: its prompt blocks, copies and reservation go back
+            self._prefilling.remove(r)
+            self.kv.release(r.blocks + r.copies)
+            r.blocks, r.copies = [], []
+            self._reserved -= r.reserved
+            r.usage.prompt_tokens, r.usage.cached_tokens = r.done, r.cached  # what was computed
+            r.usage.prefill_tokens = r.done - r.cached
+        for s in r.seqs:
+            if s.stop_reason is None:
+                s.stop_reason = "cancelled"
+                self._retire(s)
+        self._running = [s for s in self._running if s.stop_reason is None]
+        self._deltas = [d for d in self._deltas if d.request_id != request_id]
+        return self._result(r)
 
     def run(self, reqs: list[SampleRequest]) -> list[SampleResult]:
         """Add every request, step until they are done, return their results in input order."""
@@ -253,6 +293,8 @@ class Sampler:
                 raise ValueError(f"top_p: must be in (0, 1], got {opts.top_p}")
             if opts.top_k < -1:
                 raise ValueError(f"top_k: must be -1 (off) or >= 1, got {opts.top_k}")
+            if not 0 <= opts.top_logprobs <= cfg.vocab_size:
+                raise ValueError(f"top_logprobs: must be in [0, {cfg.vocab_size}], got {opts.top_logprobs}")
             if any(not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in opts.stop_token_ids):
                 raise ValueError(f"stop_token_ids: must be ints in [0, {cfg.vocab_size})")
             if any(not isinstance(s, str) or not s for s in opts.stop_strings):
@@ -307,6 +349,7 @@ class Sampler:
             r.blocks = matched + kv.allocate(-(-n // bs) - len(matched))
             r.copies = kv.allocate(max(k - 1, 0) * partial)
             self._reserved += later
+            r.reserved = later
             r.cached = r.done = len(matched) * bs
             pending.update(r.keys[len(matched):])
             running += k
@@ -417,7 +460,7 @@ class Sampler:
                     self.kv.copy_tokens(r.blocks[full], [r.copies[j - 1]], partial)
                     blocks = blocks + [r.copies[j - 1]]
             gen = torch.Generator().manual_seed(sample_seed(seed, j))
-            seqs.append(_Seq(r, list(req.prompt), blocks, list(r.keys[:full]), gen, reserve))
+            seqs.append(_Seq(r, list(req.prompt), blocks, list(r.keys[:full]), gen, reserve, j))
         r.seqs, r.running, r.shared = seqs, len(seqs), full
         return seqs
 
@@ -495,13 +538,15 @@ class Sampler:
     # ------------------------------------------------------------------ sampling
     def _advance(self, seqs: list[_Seq], logits: torch.Tensor) -> list[SampleResult]:
         """Sample one token per sequence from `logits` [B, V], apply stops, retire finished ones."""
-        tokens, logprobs = self._sample(seqs, logits)
+        tokens, logprobs, tops = self._sample(seqs, logits)
         finished = []
-        for s, tok, lp in zip(seqs, tokens, logprobs):
+        for s, tok, lp, top in zip(seqs, tokens, logprobs, tops):
             r = s.req
             s.tokens.append(tok)
             s.out.append(tok)
             s.logprobs.append(lp)
+            if top is not None:
+                s.top.append(top)
             r.usage.sample_tokens += 1
             self._counters["sample_tokens"] += 1
             opts = r.req.options
@@ -511,9 +556,12 @@ class Sampler:
                 s.stop_reason = "stop"
             elif len(s.out) >= opts.max_tokens:
                 s.stop_reason = "length"
-            if s.stop_reason is None:
-                continue
-            self._retire(s)
+            if s.stop_reason is not None:
+                self._retire(s)
+            if r.req.stream:
+                self._deltas.append(SampleDelta(r.req.request_id, s.index, [tok], [lp],
+                                                None if top is None else [top], s.stop_reason,
+                                                s.text if s.stop_reason else None))
             if r.running == 0:
                 finished.append(self._result(r))
         return finished
@@ -541,7 +589,8 @@ class Sampler:
             out = s.out[:-1] if s.stop_reason == "stop" else s.out
             s.text = self.tokenizer.decode(out)
 
-    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor):
+        """(tokens, their logprobs, each row's top-k (token, logprob) list or None)."""
         logits = logits.float()
         logp = torch.log_softmax(logits, dim=-1)
         opts = [s.req.req.options for s in seqs]
@@ -574,7 +623,13 @@ class Sampler:
             if any(greedy):
                 tok = torch.where(torch.tensor(greedy, device=x.device), logits.argmax(-1), tok)
         lp = logp.gather(1, tok[:, None])[:, 0]
-        return tok.tolist(), lp.tolist()
+        ks = [o.top_logprobs for o in opts]
+        tops: list[list[tuple[int, float]] | None] = [None] * len(seqs)
+        if any(ks):
+            v, i = logp.topk(max(ks), dim=-1)
+            v, i = v.tolist(), i.tolist()
+            tops = [list(zip(i[b][:k], v[b][:k])) if k else None for b, k in enumerate(ks)]
+        return tok.tolist(), lp.tolist(), tops
 
     def _prompt_logprobs(self, r: _Request, hidden: torch.Tensor, start: int, adapters: AdapterBatch) -> None:
         """Extend the prompt logprobs with this chunk's positions `start`.. (hidden [1, len, H]):
@@ -595,11 +650,13 @@ class Sampler:
                 r.topk_prompt_logprobs += [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
 
     def _result(self, r: _Request) -> SampleResult:
-        self._live.discard(r.req.request_id)
+        self._live.pop(r.req.request_id, None)
         if r.full:  # computed for every full forward; returned only when asked for
             if not (r.req.prompt_logprobs or not r.req.generate):
                 r.prompt_logprobs = None
             if not r.req.topk_prompt_logprobs:
                 r.topk_prompt_logprobs = None
-        seqs = [SampledSequence(s.out, s.logprobs, s.text, s.stop_reason) for s in r.seqs]
+        k = r.req.options.top_logprobs
+        seqs = [SampledSequence(s.out, s.logprobs, s.text, s.stop_reason, s.top if k else None)
+                for s in r.seqs]
         return SampleResult(r.req.request_id, seqs, r.prompt_logprobs, r.usage, r.topk_prompt_logprobs)

@@ -4,7 +4,10 @@ The asyncio side never touches those objects. It hands work to the thread throug
 asyncio futures back, settled with `loop.call_soon_threadsafe`:
 - `sample(req)`: the request joins the Sampler's continuous batch; the future gets its SampleResult.
 - `submit(fn)`: `fn(worker)` runs in the thread (a training cycle, a checkpoint load, ...).
-- `cancel(request_id)`: the request's future fails with `SampleCancelled` at once.
+- `sample_stream(req)`: an async iterator of the request's SampleDeltas, one per sequence per
+  engine step, then its SampleResult; closing it early cancels the request.
+- `cancel(request_id)`: the request stops and frees its sequences' KV blocks at the thread's next
+  turn; its waiter gets `SampleCancelled`, and the future cancel() returns gets the partial result.
 
 The thread also owns the adapter table (`adapters`: checkpoint id -> sampler weights); a sample
 request names its adapter by `weights.adapter` and the thread resolves it when the request arrives.
@@ -22,22 +25,28 @@ import logging
 import queue
 import threading
 import traceback
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
 from .model import Adapter
-from .requests import SampleRequest, SampleResult
+from .requests import SampleDelta, SampleRequest, SampleResult
 from .tokenizer import Tokenizer
 from .weights import load_model
 
 log = logging.getLogger("trine.worker")
 
 
+RECENT_CANCELS = 256  # cancel() answers kept, so a second cancel of a request gets the same one
+
+
 class SampleCancelled(Exception):
     """The caller cancelled this sample request (e.g. its client disconnected)."""
+
+
+_END = object()
 
 
 def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -67,6 +76,8 @@ class EngineWorker:
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque = deque()
         self._pending: dict[str, asyncio.Future] = {}  # sampler request id -> future
+        self._streams: dict[str, asyncio.Queue] = {}  # streaming request id -> its deltas
+        self._cancels: OrderedDict[str, asyncio.Future] = OrderedDict()  # request id -> partial result
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -95,10 +106,40 @@ class EngineWorker:
         self._inbox.put(("sample", req, fut))
         return fut
 
-    def cancel(self, request_id: str) -> None:
-        """Stop waiting for a sample request: its future fails with SampleCancelled. Its sequences
-        are dropped by the sampler when it offers `cancel`, otherwise they finish unseen."""
-        self._inbox.put(("cancel", request_id, None))
+    async def sample_stream(self, req: SampleRequest) -> AsyncIterator[SampleDelta | SampleResult]:
+        """Queue a streaming sample request (sets `req.stream`): yields its SampleDeltas as the
+        engine steps, then its SampleResult (or raises its error). Closing the iterator before the
+        result (the consumer went away) cancels the request."""
+        req.stream = True
+        deltas: asyncio.Queue = asyncio.Queue()
+        fut = self.loop.create_future()
+        fut.add_done_callback(lambda f: deltas.put_nowait(_END))  # after every delta posted before
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if unawaited
+        self._streams[req.request_id] = deltas  # read by the worker thread after each step
+        self._inbox.put(("sample", req, fut))
+        settled = False
+        try:
+            while (item := await deltas.get()) is not _END:
+                yield item
+            settled = True
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not settled:
+                self.cancel(req.request_id)
+        yield fut.result()
+
+    def cancel(self, request_id: str) -> asyncio.Future:
+        """Stop a queued or running sample request and free its sequences' KV blocks; its waiter
+        gets SampleCancelled. The returned future gets the request's partial result (what it had
+        computed, usage included), or None if it was not running. Cancelling a request again
+        returns the same future."""
+        fut = self._cancels.get(request_id)
+        if fut is None:
+            fut = self._cancels[request_id] = self.loop.create_future()
+            while len(self._cancels) > RECENT_CANCELS:
+                self._cancels.popitem(last=False)
+            self._inbox.put(("cancel", request_id, fut))
+        return fut
 
     def submit(self, fn: Callable[["EngineWorker"], Any]) -> asyncio.Future:
         """Run `fn(self)` in the worker thread; jobs run one at a time, in submission order."""
@@ -191,7 +232,7 @@ class EngineWorker:
                 self._jobs.append((obj, fut))
                 continue
             if kind == "cancel":
-                self._cancel(obj)
+                self._cancel(obj, fut)
                 continue
             try:
                 obj = self._with_adapter(obj)
@@ -211,14 +252,13 @@ class EngineWorker:
                              "(load_adapter) before sampling from it")
         return dataclasses.replace(req, adapter=adapter)
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, request_id: str, done: asyncio.Future) -> None:
         fut = self._pending.pop(request_id, None)
-        if fut is None:
-            return
-        cancel = getattr(self.sampler, "cancel", None)  # frees its KV at once where the sampler can
-        if cancel is not None:
-            cancel(request_id)
-        self._post(fut, exc=SampleCancelled(f"sample request {request_id} was cancelled"))
+        partial = None
+        if fut is not None:  # else finished (or refused) already
+            partial = self.sampler.cancel(request_id)  # frees its sequences and KV blocks now
+            self._post(fut, exc=SampleCancelled(f"sample request {request_id} was cancelled"))
+        self._post(done, partial)
 
     def _step(self) -> None:
         try:
@@ -230,6 +270,10 @@ class EngineWorker:
             self._pending.clear()
             self.sampler = self._new_sampler()
             return
+        for d in self.sampler.take_deltas():
+            deltas = self._streams.get(d.request_id)
+            if deltas is not None:
+                self.loop.call_soon_threadsafe(deltas.put_nowait, d)
         for r in results:
             fut = self._pending.pop(r.request_id, None)
             if fut is not None:

@@ -1,11 +1,12 @@
-"""The HTTP server: one FastAPI app (control plane, actor plane, downloads, the Tinker API) over one
-`Service`.
+"""The HTTP server: one FastAPI app (control plane, actor plane, downloads, the Tinker API, the
+OpenAI-compatible API, the web console) over one `Service`.
 
 `start_server(...)` runs it with uvicorn in a background thread and returns a `ServerHandle`
 (url, api_key, stop()); `trine serve`, `trine demo` and the tests use it.
 
-Every error leaves as `{"code", "message"}` with a 4xx status for anything the caller can fix;
-a 500 (`internal_error`) means a bug in trine, and the server keeps serving (the connection too).
+Every error leaves as `{"code", "message"}` with a 4xx status for anything the caller can fix
+(the OpenAI-compatible routes answer in OpenAI's shape instead, see server/openai/); a 500
+(`internal_error`) means a bug in trine, and the server keeps serving (the connection too).
 Body limits count the bytes actually read; connection limits are in `connections.py`.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..limits import MAX_BODY_BYTES, MAX_CONTROL_BYTES
 from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
-from . import actor, console, control, tinker
+from . import actor, console, control, openai, tinker
 from .auth import TokenSigner
 from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, quiet_accept_errors, uvicorn_config
 from .middleware import BodyLimit, InternalErrors
@@ -41,7 +42,8 @@ EMBEDDED_KEY_FILE = "embedded.key"
 def body_limit(path: str) -> int:
     """The most bytes a request body to `path` may have (the actor plane checks smaller per-route
     limits itself)."""
-    if path.startswith("/api/") and path not in tinker.LARGE_BODY_PATHS:
+    if (path.startswith("/api/") and path not in tinker.LARGE_BODY_PATHS
+            and not path.startswith(openai.API_PREFIX)):  # these routes check their own limits
         return MAX_CONTROL_BYTES
     return MAX_BODY_BYTES
 
@@ -104,6 +106,8 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     app.state.rate_card = service.rate_card
     app.include_router(make_usage_router(_store, control.api_key, app.state.rate_card))
     app.include_router(console.router)  # the web console at /console (pages and their JSON)
+    # the OpenAI-compatible API: /v1/..., /api/openai/v1/..., /oai/api/v1/... (its own error shape)
+    app.include_router(openai.router)
     for r in routers:
         app.include_router(r)
     return app

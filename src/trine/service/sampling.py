@@ -7,6 +7,8 @@ Invariants
 - Metered tokens add up: prompt = prefill computed + cached, from the engine's usage.
 - The stored outcome is protocol-neutral (`SampleOutcome`); each front end shapes it on read.
 - A sampler made from a TEMPORARY snapshot that only one replica holds in memory is served there.
+- A stream its consumer closes early (a client that went away) is cancelled in the engine at once
+  and metered for what it computed: its client may already hold every token but the last.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class SequenceOutcome:
     logprobs: list[float]
     text: str | None
     stop_reason: str  # "stop" or "length"
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when options.top_logprobs
 
 
 @dataclass
@@ -145,8 +148,9 @@ class Sampling:
 
     async def sample_stream(self, key: ApiKey, sampling_run_id: str,
                             spec: SampleSpec) -> AsyncIterator[SampleDelta | SampleOutcome]:
-        """Token deltas as the engine produces them, then the SampleOutcome (stored and metered
-        like `sample`). Closing the iterator early cancels the request: nothing is metered."""
+        """Token deltas as the engine produces them (one per sequence per engine step), then the
+        SampleOutcome (stored and metered like `sample`). Closing the iterator early cancels the
+        request, which frees its KV blocks at once; what it computed until then is metered."""
         r = self.ownership.sampling_run(key, sampling_run_id)
         stored = self.store.sample_result(r.id, spec.request_id)
         if stored is not None or (r.id, spec.request_id) in self._running:
@@ -163,16 +167,31 @@ class Sampling:
             async with self._serving_on(rep, r, spec):
                 if r.checkpoint_id:
                     await self.adapters.ensure(rep, r.checkpoint_id)
-                async for item in rep.engine.sample_stream(req):
-                    if isinstance(item, SampleResult):
-                        res = item
-                    else:
-                        yield item
+                async with contextlib.aclosing(rep.engine.sample_stream(req)) as items:
+                    async for item in items:  # closing this iterator closes the engine's: it cancels
+                        if isinstance(item, SampleResult):
+                            res = item
+                        else:
+                            yield item
         except EngineLost as e:
             self.on_lost(m, rep, str(e))
             raise Conflict("the engine replica serving this request was lost; send it again",
                            code="worker_lost", status=503) from None
+        finally:
+            if res is None:  # closed early, or failed: meter what the engine computed (if anything)
+                self.spawn(self._record_cancelled(key, r, m, spec, rep, req.request_id))
         yield self._record(key, r, m, spec, res, rep)
+
+    async def _record_cancelled(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec,
+                                rep: Replica, engine_request_id: str) -> None:
+        """Meter a cancelled request's partial work; engine.cancel() answers it once per request
+        (a refused or already-finished request answers None)."""
+        try:
+            partial = await rep.engine.cancel(engine_request_id)
+        except Exception:  # the replica is gone: it has nothing to report
+            return
+        if partial is not None and partial.usage.prompt_tokens:
+            self.store.add_usage(self._usage_event(key, r, m, spec, partial))
 
     @contextlib.asynccontextmanager
     async def _serving_on(self, rep: Replica, r: SamplingRun, spec: SampleSpec):
@@ -210,15 +229,11 @@ class Sampling:
                 rep: Replica) -> SampleOutcome:
         """Meter a finished request and store its outcome (for retries)."""
         u = res.usage
-        event = UsageEvent.from_counts(
-            prompt_tokens=u.prompt_tokens, prefill=u.prefill_tokens, prefill_cached=u.cached_tokens,
-            time=time.time(), api_key_id=key.id, session_id=r.session_id, run_id=r.id,
-            base_model=m.name, operation="sample" if spec.generate else "compute_logprobs",
-            request_id=spec.request_id, sample=u.sample_tokens)
+        event = self._usage_event(key, r, m, spec, res)
         out = SampleOutcome(
             spec.request_id, r.id, m.name,
-            [SequenceOutcome(list(s.tokens), [float(x) for x in s.logprobs], s.text, s.stop_reason)
-             for s in res.sequences],
+            [SequenceOutcome(list(s.tokens), [float(x) for x in s.logprobs], s.text, s.stop_reason,
+                             s.top_logprobs) for s in res.sequences],
             res.prompt_logprobs, res.topk_prompt_logprobs,
             {"prompt_tokens": u.prompt_tokens, "prefill_tokens": u.prefill_tokens,
              "cached_tokens": u.cached_tokens, "sample_tokens": u.sample_tokens},
@@ -228,6 +243,16 @@ class Sampling:
         if spec.generate:
             self.spawn(self._diagnose(key, r, m, spec, res))
         return out
+
+    @staticmethod
+    def _usage_event(key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec,
+                     res: SampleResult) -> UsageEvent:
+        u = res.usage
+        return UsageEvent.from_counts(
+            prompt_tokens=u.prompt_tokens, prefill=u.prefill_tokens, prefill_cached=u.cached_tokens,
+            time=time.time(), api_key_id=key.id, session_id=r.session_id, run_id=r.id,
+            base_model=m.name, operation="sample" if spec.generate else "compute_logprobs",
+            request_id=spec.request_id, sample=u.sample_tokens)
 
     def _route(self, m: ServedModel, r: SamplingRun, spec: SampleSpec) -> Replica:
         live = m.live_replicas()

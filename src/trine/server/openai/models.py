@@ -1,0 +1,119 @@
+"""What a request's `model` names, the `/v1/models` listing, and the sampling runs requests run in.
+
+`model` is a served base model (its name, as `trine serve` prints it) or a sampler checkpoint the
+caller's key owns: its id (`ck_...`), its `trio://` URI, or a `tinker://` URI. Another key's
+checkpoint answers exactly like a missing one (404).
+
+Every OpenAI request samples through the service's ordinary sampling path, in a sampling run of
+the caller's "openai" session (one run per key and model, created on first use), so it is metered,
+priced and reported by `trine usage` like any other sampling request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...service import Service
+from ...service.errors import NotFound
+from ...store import ApiKey, Checkpoint
+from .errors import OpenAIError
+
+SESSION_SDK = "openai"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A resolved `model`: the served base model, and the sampler checkpoint on it (if any)."""
+
+    model: str  # as the caller named it; responses echo it
+    base: str  # served model name
+    checkpoint: Checkpoint | None = None
+
+    @property
+    def uri(self) -> str:
+        return self.checkpoint.uri if self.checkpoint else ""
+
+
+def tinker_to_trio(uri: str) -> str:
+    """`tinker://<run>/sampler_weights/<name>` -> `trio://<run>/weights/<name>` and
+    `tinker://<run>/weights/<name>` (Tinker's saved state) -> `trio://<run>/state/<name>`."""
+    parts = uri[len("tinker://"):].split("/")
+    if len(parts) == 3:
+        kind = {"sampler_weights": "weights", "weights": "state"}.get(parts[1])
+        if kind:
+            return f"trio://{parts[0]}/{kind}/{parts[2]}"
+    return uri
+
+
+def _not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it. "
+                       "GET /v1/models lists the served models and your sampler checkpoints.",
+                       param="model", code="model_not_found")
+
+
+def resolve(service: Service, key: ApiKey, model: str) -> Target:
+    """The target `model` names for `key`; 404 (model_not_found) for anything else."""
+    ck = None
+    try:
+        if model.startswith("trio://"):
+            ck = service.checkpoint_by_uri(key, model)
+        elif model.startswith("tinker://"):
+            ck = service.store.checkpoint_by_uri(model)  # stored under its tinker:// URI, or not
+            ck = ck if ck is not None and ck.api_key_id == key.id else \
+                service.checkpoint_by_uri(key, tinker_to_trio(model))
+        else:
+            try:
+                return Target(model, service.model(model).name)
+            except NotFound:
+                ck = service.checkpoint(key, model)
+        base = service.model(ck.base_model).name
+    except NotFound:
+        raise _not_found(model) from None
+    return Target(model, base, ck)
+
+
+def listing(service: Service, key: ApiKey) -> list[dict]:
+    """The served base models, then the key's sampler checkpoints (newest last)."""
+    created = int(service.started_at)
+    out = [{"id": name, "object": "model", "created": created, "owned_by": "trine",
+            "root": name, "parent": None} for name in service.models]
+    cks, _ = service.list_checkpoints(key)
+    for ck in cks:
+        if ck.kind == "SAMPLER" and ck.base_model in service.models:
+            out.append(card(ck))
+    return out
+
+
+def card(ck: Checkpoint) -> dict:
+    return {"id": ck.uri, "object": "model", "created": int(ck.created_at), "owned_by": ck.api_key_id,
+            "root": ck.base_model, "parent": ck.base_model, "checkpoint_id": ck.id}
+
+
+def model_card(service: Service, key: ApiKey, target: Target) -> dict:
+    if target.checkpoint is not None:
+        return card(target.checkpoint)
+    return {"id": target.base, "object": "model", "created": int(service.started_at),
+            "owned_by": "trine", "root": target.base, "parent": None}
+
+
+class SamplingRuns:
+    """The caller's sampling run for a target, created on first use and remembered per server."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        self._sessions: dict[str, str] = {}  # api key id -> its "openai" session
+        self._runs: dict[tuple[str, str, str], str] = {}  # (key, base, checkpoint uri) -> run id
+
+    def run_id(self, key: ApiKey, target: Target, *, fresh: bool = False) -> str:
+        """The run to sample `target` in; `fresh` replaces one that was ended (e.g. its session was
+        closed through the control plane). Synchronous: no two callers can race to create one."""
+        slot = (key.id, target.base, target.uri)
+        if slot in self._runs and not fresh:
+            return self._runs[slot]
+        svc = self.service
+        session = self._sessions.get(key.id)
+        if session is None or fresh:
+            session = self._sessions[key.id] = svc.create_session(key, SESSION_SDK).id
+        run = svc.create_sampling_run(key, session, base_model=target.base,
+                                      source_checkpoint_uri=target.uri)
+        self._runs[slot] = run.id
+        return run.id

@@ -1,0 +1,255 @@
+"""OpenAI request bodies -> a validated `Generation`: what to sample and how to answer.
+
+Parameters trine honours are checked here with OpenAI's ranges (plus the extensions `top_k`,
+`stop_token_ids` and `return_token_ids`, named as vLLM names them); parameters it cannot honour
+(tools, response_format, penalties, ...) and unknown keys get a 400 naming every one of them, so no
+request is silently served differently from what it asked for. Values that ask for the default
+(`tools: []`, `presence_penalty: 0`, `response_format: {"type": "text"}`, ...) are accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...limits import MAX_SAMPLES_PER_REQUEST
+from .errors import OpenAIError, bad_param
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+ROLES = ("system", "developer", "user", "assistant")
+
+COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+          "stop_token_ids", "logprobs", "stream", "stream_options", "user", "return_token_ids"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION = COMMON | {"prompt"}
+TOOLS = "tool and function calling is not supported"
+SAMPLER = "trine's sampler does not implement it"
+TEXT_ONLY = "the served models generate text only"
+NOT_STORED = "responses are not stored"
+LEGACY = "not supported on /v1/completions here"
+# parameter -> (the values that mean "not used", which are accepted; why other values are refused)
+NEUTRAL: dict[str, tuple[tuple, str]] = {
+    "tools": ((None, []), TOOLS), "tool_choice": ((None, "none"), TOOLS),
+    "functions": ((None, []), TOOLS), "function_call": ((None, "none"), TOOLS),
+    "parallel_tool_calls": ((None, False, True), TOOLS),
+    "response_format": ((None, {"type": "text"}), 'structured output is not supported; only {"type": "text"}'),
+    "logit_bias": ((None, {}), SAMPLER), "presence_penalty": ((None, 0), SAMPLER),
+    "frequency_penalty": ((None, 0), SAMPLER), "repetition_penalty": ((None, 1), SAMPLER),
+    "min_p": ((None, 0), SAMPLER), "modalities": ((None, ["text"]), TEXT_ONLY),
+    "audio": ((None,), TEXT_ONLY), "prediction": ((None,), TEXT_ONLY),
+    "reasoning_effort": ((None,), TEXT_ONLY), "web_search_options": ((None,), TEXT_ONLY),
+    "store": ((None, False), NOT_STORED), "metadata": ((None, {}), NOT_STORED),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "echo": ((None, False), LEGACY), "suffix": ((None, ""), LEGACY), "best_of": ((None, 1), LEGACY),
+}
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's legacy API
+
+
+@dataclass
+class Generation:
+    """One validated request of either endpoint."""
+
+    chat: bool
+    model: str
+    messages: list[dict] | None  # chat: [{"role", "content": str}], roles as the template knows them
+    prompt: str | list[int] | None  # completions: text or token ids
+    n: int = 1
+    max_tokens: int | None = None  # None (chat): up to the model's context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False  # extension (vLLM's name): prompt_token_ids and each choice's token_ids
+
+
+def parse_chat(body: Any) -> Generation:
+    body = _object(body)
+    _refuse_unsupported(body, CHAT)
+    g = Generation(True, _model(body), _messages(body.get("messages")), None)
+    _common(body, g)
+    if body.get("max_completion_tokens") is not None:
+        g.max_tokens = _int(body, "max_completion_tokens", 1)
+    g.logprobs = _bool(body, "logprobs")
+    if body.get("top_logprobs") is not None:
+        g.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if g.top_logprobs and not g.logprobs:
+            raise bad_param("top_logprobs", "needs logprobs: true")
+    return g
+
+
+def parse_completion(body: Any) -> Generation:
+    body = _object(body)
+    _refuse_unsupported(body, COMPLETION)
+    g = Generation(False, _model(body), None, _prompt(body.get("prompt")),
+                   max_tokens=DEFAULT_COMPLETION_TOKENS)
+    _common(body, g)
+    if body.get("logprobs") is not None:  # completions: an int, the number of top logprobs
+        g.top_logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        g.logprobs = True
+    return g
+
+
+# ---------------------------------------------------------------------------- checks
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _refuse_unsupported(body: dict, known: set[str]) -> None:
+    unknown = sorted(k for k in body if k not in known and k not in NEUTRAL)
+    if unknown:
+        raise OpenAIError(400, f"unrecognized request argument(s): {', '.join(unknown)}",
+                          param=unknown[0], code="unknown_parameter")
+    refused = sorted(k for k in body if k in NEUTRAL and body[k] not in NEUTRAL[k][0])
+    if refused:
+        why = "; ".join(f"{k}: {NEUTRAL[k][1]}" for k in refused)
+        raise OpenAIError(400, f"unsupported parameter(s): {why}. Remove {'it' if len(refused) == 1 else 'them'}.",
+                          param=refused[0], code="unsupported_parameter")
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise bad_param("model", "name a served model or one of your sampler checkpoints "
+                        "(GET /v1/models lists them)", "missing_required_parameter")
+    return model.strip()
+
+
+def _common(body: dict, g: Generation) -> None:
+    if body.get("n") is not None:
+        g.n = _int(body, "n", 1, MAX_SAMPLES_PER_REQUEST)
+    if body.get("max_tokens") is not None:
+        g.max_tokens = _int(body, "max_tokens", 1)
+    if body.get("temperature") is not None:
+        g.temperature = _number(body, "temperature", 0, 2)
+    if body.get("top_p") is not None:
+        g.top_p = _number(body, "top_p", 0, 1)
+        if g.top_p == 0:
+            raise bad_param("top_p", "must be > 0 (use temperature 0 for greedy decoding)")
+    if body.get("top_k") is not None:
+        g.top_k = _int(body, "top_k", -1)
+        g.top_k = -1 if g.top_k == 0 else g.top_k  # 0 and -1 both mean off
+    if body.get("seed") is not None:
+        g.seed = _int(body, "seed", -2**63, 2**63 - 1)
+    g.stop = _stop(body.get("stop"))
+    if body.get("stop_token_ids") is not None:
+        ids = body["stop_token_ids"]
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                            for t in ids):
+            raise bad_param("stop_token_ids", "must be a list of token ids (non-negative integers)")
+        g.stop_token_ids = tuple(ids)
+    g.return_token_ids = _bool(body, "return_token_ids")
+    g.stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not g.stream:
+            raise bad_param("stream_options", "is only allowed when stream is true")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+            raise bad_param("stream_options", 'must be an object {"include_usage": true|false}')
+        g.include_usage = _bool(opts, "include_usage", "stream_options.include_usage")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad_param("user", "must be a string")
+
+
+def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    v = body[name]
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_param(name, f"must be an integer, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        where = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
+        raise bad_param(name, f"must be {where}, got {v}")
+    return v
+
+
+def _number(body: dict, name: str, lo: float, hi: float) -> float:
+    v = body[name]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise bad_param(name, f"must be a number from {lo} to {hi}, got {v!r}")
+    return float(v)
+
+
+def _bool(body: dict, name: str, param: str | None = None) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad_param(param or name, f"must be true or false, got {v!r}")
+    return v
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_param("stop", "must be a non-empty string or a list of non-empty strings")
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_param("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                        "characters each")
+    return tuple(stops)
+
+
+def _text(content: Any, where: str) -> str:
+    """Message content: a string, or a list of text parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad_param(f"{where}.content", f"part {i} is {kind!r}; only text parts "
+                                '({"type": "text", "text": ...}) are supported: the served models are text-only')
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_param(f"{where}.content", "must be a string or a list of text parts")
+
+
+def _messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_param("messages", "must be a non-empty list of {role, content} objects",
+                        "missing_required_parameter" if messages is None else "invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_param(where, "must be an object with role and content")
+        role = m.get("role")
+        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
+            raise OpenAIError(400, f"{where}: tool and function messages are not supported (this server "
+                              "generates plain text)", param=where, code="unsupported_parameter")
+        if role not in ROLES:
+            raise bad_param(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+        if m.get("content") is None:
+            raise bad_param(f"{where}.content", "is missing")
+        # "developer" is OpenAI's newer name for the system message; chat templates know "system"
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _text(m["content"], where)})
+    return out
+
+
+def _prompt(prompt: Any) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_param("prompt", "is empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_param("prompt", f"a batch of {len(prompt)} prompts; send one prompt per request "
+                        "(use n for several completions of one prompt)", "unsupported_value")
+    raise bad_param("prompt", "must be a string or a non-empty list of token ids",
+                    "missing_required_parameter" if prompt is None else "invalid_value")

@@ -1,0 +1,260 @@
+"""The OpenAI-compatible routes: `GET /v1/models[/{model}]`, `POST /v1/chat/completions` and
+`POST /v1/completions`, also under `/api/openai/v1/...` (PyTRIO's path) and `/oai/api/v1/...`
+(Tinker's). Auth is the API key as `Authorization: Bearer`.
+
+A request becomes one sampling request of the service (all `n` choices share one prefill). With
+`stream: true` the answer is server-sent events, one chunk per choice per engine step, then
+`data: [DONE]`; a client that disconnects mid-stream cancels the request, which frees its
+sequences and KV blocks at once. Every failure answers in OpenAI's error shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ...engine.requests import SampleDelta, SamplingOptions
+from ...limits import MAX_SAMPLE_BYTES
+from ...service import SampleSpec, Service
+from ...service.errors import ServiceError
+from ...store import ApiKey
+from ..actor import read_body
+from ..control import caller_key as api_key, service_of
+from . import models as targets
+from . import shapes
+from .errors import OpenAIError, from_service
+from .params import Generation, parse_chat, parse_completion
+from .text import ModelText, TextStream
+
+log = logging.getLogger("trine.server.openai")
+API_PREFIX = "/api/openai/v1"  # PyTRIO's path for it (checks its own body limit, in OpenAI's shape)
+PREFIXES = ("/v1", API_PREFIX, "/oai/api/v1")
+PARAMS = ("model", "messages", "prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "seed",
+          "stop", "stop_token_ids", "top_logprobs", "logprobs")
+ENDED = ("run_ended", "service_session_closed")  # the remembered sampling run is gone: make another
+
+
+@dataclass
+class OpenAIState:
+    """Per server: each model's text handling and the callers' sampling runs."""
+
+    service: Service
+    runs: targets.SamplingRuns
+    texts: dict[str, ModelText] = field(default_factory=dict)
+
+    def text(self, base: str) -> ModelText:
+        if base not in self.texts:
+            m = self.service.models[base]
+            self.texts[base] = ModelText(base, m.dir, m.tokenizer)
+        return self.texts[base]
+
+
+def state_of(request: Request) -> OpenAIState:
+    st = getattr(request.app.state, "openai", None)
+    if st is None:
+        svc = service_of(request)
+        st = request.app.state.openai = OpenAIState(svc, targets.SamplingRuns(svc))
+    return st
+
+
+def _guard(handler):
+    """Run a route; any error leaves in OpenAI's shape (and the server keeps serving)."""
+    async def route(request: Request):
+        try:
+            return await handler(request)
+        except OpenAIError as e:
+            return e.response()
+        except ServiceError as e:
+            return from_service(e, PARAMS).response()
+        except Exception as e:  # a bug in trine: say so in OpenAI's shape, keep serving
+            log.exception("unhandled error on %s %s", request.method, request.url.path)
+            return _internal(e).response()
+    route.__name__ = handler.__name__
+    return route
+
+
+async def _body(request: Request) -> dict:
+    raw = await read_body(request, MAX_SAMPLE_BYTES)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from None
+
+
+# ---------------------------------------------------------------------------- models
+async def list_models(request: Request):
+    key = api_key(request)
+    return {"object": "list", "data": targets.listing(service_of(request), key)}
+
+
+async def get_model(request: Request):
+    key = api_key(request)
+    svc = service_of(request)
+    return targets.model_card(svc, key, targets.resolve(svc, key, request.path_params["model"]))
+
+
+# ---------------------------------------------------------------------------- generation
+async def chat_completions(request: Request):
+    key = api_key(request)
+    return await _generate(request, key, parse_chat(await _body(request)))
+
+
+async def completions(request: Request):
+    key = api_key(request)
+    return await _generate(request, key, parse_completion(await _body(request)))
+
+
+async def _generate(request: Request, key: ApiKey, g: Generation):
+    st = state_of(request)
+    target = targets.resolve(st.service, key, g.model)
+    text = st.text(target.base)
+    prompt = await text.prompt_ids(g.messages, g.prompt)
+    max_tokens = _max_tokens(g, len(prompt), st.service.models[target.base].max_seq_len)
+    rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
+    options = SamplingOptions(max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p,
+                              top_k=g.top_k, seed=g.seed, stop_strings=g.stop,
+                              stop_token_ids=g.stop_token_ids, stop_at_eos=True,
+                              top_logprobs=g.top_logprobs)
+    spec = SampleSpec(rid, prompt, options, num_samples=g.n)
+    first, items = await _unless_disconnected(request, _start(st, key, target, spec, g.stream))
+    created = int(time.time())
+    if not g.stream:
+        return JSONResponse(shapes.response(g, rid, created, prompt, first, text.token_text))
+    return StreamingResponse(_events(g, rid, created, first, items, text),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, cancelling it if the client goes away first (its sampling is then cancelled
+    too, which frees the engine at once)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            raise OpenAIError(499, "the client closed the connection", code="client_closed_request")
+        return task.result()
+    finally:
+        gone.cancel()
+        task.cancel()  # no-op once done; this handler itself may have been cancelled
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _max_tokens(g: Generation, prompt: int, context: int) -> int:
+    """The tokens to generate: as asked, or (unset) up to the end of the model's context."""
+    if prompt >= context or (g.max_tokens is not None and prompt + g.max_tokens > context):
+        param = "max_tokens" if g.max_tokens is not None and prompt < context else \
+            ("messages" if g.chat else "prompt")
+        raise OpenAIError(400, f"{param}: this model's maximum context length is {context} tokens; the "
+                          f"prompt has {prompt} tokens and max_tokens is {g.max_tokens or 'unset'}. "
+                          "Shorten the prompt or lower max_tokens.", param=param,
+                          code="context_length_exceeded")
+    return g.max_tokens if g.max_tokens is not None else context - prompt
+
+
+async def _start(st: OpenAIState, key: ApiKey, target: targets.Target, spec: SampleSpec,
+                 stream: bool):
+    """Start sampling. Streaming: wait for the first delta, so that a refused request is a plain
+    HTTP error; returns (that delta, the iterator of the rest). Otherwise: returns (the
+    SampleOutcome, None)."""
+    for attempt in (0, 1):
+        run_id = st.runs.run_id(key, target, fresh=attempt > 0)
+        items = st.service.sample_stream(key, run_id, spec)
+        try:
+            item = await anext(items)
+            if stream:
+                return item, items
+            while isinstance(item, SampleDelta):
+                item = await anext(items)
+            await items.aclose()
+            return item, None
+        except ServiceError as e:
+            await items.aclose()
+            if e.code not in ENDED or attempt:
+                raise
+        except BaseException:
+            await items.aclose()  # e.g. the client went away: cancels the sampling too
+            raise
+    raise AssertionError("unreachable")
+
+
+async def _events(g: Generation, rid: str, created: int, first, items, text: ModelText):
+    """The server-sent events of a streaming request. If the client goes away, the framework
+    cancels this generator; closing `items` then cancels the request in the engine."""
+    streams = [TextStream(text.tokenizer, g.stop) for _ in range(g.n)]
+    offsets = [0] * g.n
+
+    async def all_items():
+        yield first
+        async for item in items:
+            yield item
+    try:
+        if g.chat:
+            for i in range(g.n):
+                yield _sse(shapes.chunk(g, rid, created, i, role=True))
+        async for item in all_items():
+            if isinstance(item, SampleDelta):
+                yield _sse(_delta_chunk(g, rid, created, item, streams[item.sequence], offsets, text))
+            elif g.include_usage:
+                yield _sse(shapes.usage_chunk(g, rid, created, item))
+        yield "data: [DONE]\n\n"
+    except ServiceError as e:
+        yield _sse(from_service(e, PARAMS).body())
+    except Exception as e:  # a bug in trine: end the stream with an error event
+        log.exception("stream %s failed", rid)
+        yield _sse(_internal(e).body())
+    finally:
+        await items.aclose()
+
+
+def _internal(e: Exception) -> OpenAIError:
+    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+
+
+def _delta_chunk(g: Generation, rid: str, created: int, d: SampleDelta, stream: TextStream,
+                 offsets: list[int], text: ModelText) -> dict:
+    piece = stream.finish(d.text) if d.stop_reason else stream.add(d.tokens)
+    lp = None
+    if g.logprobs:
+        tops = d.top_logprobs if g.top_logprobs else None
+        if g.chat:
+            lp = shapes.chat_logprobs(text.token_text, d.tokens, d.logprobs, tops)
+        else:
+            lp = shapes.completion_logprobs(text.token_text, d.tokens, d.logprobs, tops,
+                                            offsets[d.sequence])
+            offsets[d.sequence] += sum(len(t) for t in lp["tokens"])
+    finish = shapes.FINISH.get(d.stop_reason, "stop") if d.stop_reason else None
+    return shapes.chunk(g, rid, created, d.sequence, text=piece, logprobs=lp, finish=finish,
+                        token_ids=d.tokens)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def unknown_route(request: Request):
+    raise OpenAIError(404, f"Invalid URL ({request.method} {request.url.path}): this server serves "
+                      "/v1/models, /v1/chat/completions and /v1/completions", code="unknown_url")
+
+
+router = APIRouter()
+for _prefix in PREFIXES:
+    router.add_api_route(f"{_prefix}/models", _guard(list_models), methods=["GET"])
+    router.add_api_route(f"{_prefix}/models/{{model:path}}", _guard(get_model), methods=["GET"])
+    router.add_api_route(f"{_prefix}/chat/completions", _guard(chat_completions), methods=["POST"])
+    router.add_api_route(f"{_prefix}/completions", _guard(completions), methods=["POST"])
+    router.add_api_route(f"{_prefix}/{{path:path}}", _guard(unknown_route),
+                         methods=["GET", "POST", "PUT", "PATCH", "DELETE"])

@@ -1,0 +1,104 @@
+"""Text <-> tokens for one served model: its chat template (applied by `transformers`, exactly as
+`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` does), prompt encoding, and
+incremental decoding for streams.
+
+`ModelText` loads the chat template from the model directory on first use, in a thread
+(transformers takes about 2 s to import); nothing is fetched from a hub.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+from ...engine.tokenizer import Tokenizer
+from .errors import OpenAIError
+
+
+class ModelText:
+    def __init__(self, name: str, model_dir: Path, tokenizer: Tokenizer):
+        self.name = name
+        self.dir = Path(model_dir)
+        self.tokenizer = tokenizer  # the served model's (encode, decode)
+        self._chat = None  # the transformers tokenizer, for its chat template
+        self._lock = threading.Lock()
+
+    def _chat_tokenizer(self):
+        with self._lock:
+            if self._chat is None:
+                from transformers import AutoTokenizer
+                self._chat = AutoTokenizer.from_pretrained(str(self.dir), local_files_only=True)
+            return self._chat
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The token ids of `messages` under the model's chat template, ending with the assistant's
+        generation prompt. Blocking: call it in a thread."""
+        tok = self._chat_tokenizer()
+        if not tok.chat_template:
+            raise OpenAIError(400, f"model {self.name} has no chat template; use /v1/completions",
+                              param="model", code="model_without_chat_template")
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False)
+        except Exception as e:  # the template refused the conversation (e.g. role order)
+            raise OpenAIError(400, f"messages: the chat template of {self.name} refused them: {e}",
+                              param="messages", code="invalid_messages") from None
+        return list(ids)
+
+    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids are used as they are; text is encoded as the tokenizer does by default
+        (with the special tokens its post-processor adds, e.g. a BOS token)."""
+        if isinstance(prompt, list):
+            return prompt
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    async def prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+        fn = (lambda: self.chat_prompt(messages)) if messages is not None else \
+            (lambda: self.completion_prompt(prompt))
+        return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+
+class TextStream:
+    """Turns one sequence's tokens, arriving a few at a time, into text pieces.
+
+    Invariant: the pieces concatenate to a prefix of the sequence's final text, and `finish(text)`
+    returns the rest. Text is held back while it ends in an incomplete UTF-8 character, or could
+    be the start of a stop string (the engine cuts the final text before a stop string)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+        self.tok = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.prefix = 0  # tokens[prefix:read] decode to text already accounted for
+        self.read = 0
+        self.text = ""  # decoded so far
+        self.sent = 0  # characters of `text` handed out
+        self.stopped = False
+
+    def add(self, tokens: list[int]) -> str:
+        self.tokens += tokens
+        before = self.tok.decode(self.tokens[self.prefix:self.read])
+        now = self.tok.decode(self.tokens[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(self.tokens)
+        if self.stopped:
+            return ""
+        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            end = cut
+        else:
+            end = len(self.text) - self.hold
+        piece = self.text[self.sent:end] if end > self.sent else ""
+        self.sent += len(piece)
+        return piece
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the final text (the engine's, cut at the stop string, without a stop token)."""
+        sent = self.text[:self.sent]
+        return final_text[len(sent):] if final_text.startswith(sent) else ""
