@@ -114,3 +114,25 @@ def test_while_others_decode_a_prefill_chunk_costs_about_one_decode_step(model_t
             done_at[res.request_id] = steps
     assert done_at[short.request_id] == 11  # one token per step, never held up
     assert done_at[long.request_id] > 2  # split into chunks while the short one decoded
+
+
+def test_cancel_while_the_prompt_prefills_in_chunks_frees_everything(model_tok):
+    """A client that goes away while its long prompt is still being prefilled (chunk by chunk)
+    gets its blocks, partial-block copies and decode reservation back at once; the part already
+    computed is reported as its usage (prompt = prefill + cached), and others go on."""
+    s = Sampler(*model_tok, kv_cache_bytes=16 << 20, max_batch_tokens=48)
+    free = s.kv.num_free
+    long = req(prompt(300, 7), max_tokens=8, n=3, seed=1)
+    other = req(prompt(20, 8), max_tokens=4, temperature=0.0)
+    s.add(long)
+    s.step()  # admitted: its blocks are allocated, a first chunk computed
+    assert s.stats["prefilling"] == 1 and s.kv.num_free < free
+    partial = s.cancel(long.request_id)
+    assert partial is not None and partial.sequences == []
+    u = partial.usage
+    assert 0 < u.prompt_tokens < 300 and u.prompt_tokens == u.prefill_tokens + u.cached_tokens
+    assert s.stats["prefilling"] == 0 and s._reserved == 0
+    assert s.kv.num_used == 0  # what it computed stays only as free cached blocks
+    (res,) = s.run([other])
+    assert res.request_id == other.request_id and len(res.sequences[0].tokens) == 4
+    assert s.kv.num_used == 0 and s._reserved == 0
