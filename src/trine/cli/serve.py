@@ -1,6 +1,13 @@
-"""`trine serve`: serve base models over the PyTRIO protocol (control + actor planes)."""
+"""`trine serve`: serve base models over the PyTRIO protocol (control + actor planes).
+
+Everything a user can get wrong is checked before any weights load, and reported as one line with
+a non-zero exit: an unsupported model family, a missing model directory, a port already in use.
+"""
 from __future__ import annotations
 
+import errno
+import socket
+import sys
 from pathlib import Path
 
 import click
@@ -33,6 +40,45 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
         raise click.BadParameter(str(e), param_hint="--model")
 
 
+def check_model_family(served: dict[str, Path]) -> None:
+    """Read each config.json (no weights) and refuse a family trine cannot run."""
+    from trine.engine.weights import read_config
+    for name, path in served.items():
+        try:
+            read_config(path)
+        except (ValueError, KeyError, OSError) as e:
+            detail = str(e) if not isinstance(e, KeyError) else f"config.json has no {e}"
+            raise click.ClickException(f"--model {name} ({path}): {detail}") from None
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind the address once, as the server will, so a port in use fails now and not after loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise click.ClickException(f"--port {port}: {host}:{port} is already in use (another "
+                                           "`trine serve`?); stop it or pick another port with --port") from None
+            raise click.ClickException(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+
+
+def key_hint(store, home: Path, new_key: str | None) -> str:
+    """How to get an API key: the one just created, else where existing ones are."""
+    if new_key:
+        return (f"A new API key was created (shown once; `trine keys create --name NAME` for more):\n"
+                f"  {new_key}")
+    from trine.server.app import EMBEDDED_KEY_FILE
+    active = [k for k in store.keys() if not k.revoked_at]
+    lines = [f"API keys: {len(active)} active in {home / 'trine.db'} (`trine keys list`); keys are stored "
+             "hashed, so make one to connect with: `trine keys create --name NAME`"]
+    if (home / EMBEDDED_KEY_FILE).is_file():
+        lines.append(f"  `trine demo`'s key is in {home / EMBEDDED_KEY_FILE}")
+    return "\n".join(lines)
+
+
 @click.command()
 @click.option("--model", "models", multiple=True, metavar="DIR|NAME=DIR",
               help="A Hugging Face checkpoint directory to serve (repeatable). Default: "
@@ -44,8 +90,10 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
               help="Clock-cycle length; 0 = start a cycle as soon as training work waits.")
 @click.option("--threads", default=None, type=int, help="CPU threads per model (default: torch's).")
 @click.option("--log-level", default="info", show_default=True)
-def serve(models, host, port, home, cycle_seconds, threads, log_level):
+@click.option("--quiet", is_flag=True, help="No access log (one line per request, on by default).")
+def serve(models, host, port, home, cycle_seconds, threads, log_level, quiet):
     """Serve base models for training and sampling over the PyTRIO protocol."""
+    from trine.server import access_log
     from trine.server.app import create_app, run_forever
     from trine.server.auth import TokenSigner
     from trine.service import Service
@@ -54,7 +102,9 @@ def serve(models, host, port, home, cycle_seconds, threads, log_level):
     home = trine_home(home)
     if cycle_seconds < 0:
         raise click.BadParameter("must be >= 0", param_hint="--cycle-seconds")
+    check_port(host, port)
     served = _model_specs(models, home)
+    check_model_family(served)
     store = Store(home)
     new_key = None
     if not store.keys():
@@ -65,12 +115,12 @@ def serve(models, host, port, home, cycle_seconds, threads, log_level):
     click.echo(f"trine serving {', '.join(served)} at {url}  (data: {home})")
     for name, path in served.items():
         click.echo(f"  {name}: {path}")
-    if new_key:
-        click.echo(f"\nA new API key was created (shown once; `trine keys create --name NAME` for more):\n"
-                   f"  {new_key}")
+    click.echo("\n" + key_hint(store, home, new_key))
     key = new_key or "<your key>"
     click.echo(f"\nConnect with the trine SDK:\n"
                f"  import trine as trio; trio.ServiceClient(base_url=\"{url}\", api_key=\"{key}\")\n"
                f"or the official pytrio client:\n"
                f"  PYTRIO_BASE_URL={url} PYTRIO_API_KEY={key} python your_script.py\n")
+    access_log.configure(quiet)
+    sys.stdout.flush()
     run_forever(app, host, port, log_level)

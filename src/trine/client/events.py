@@ -18,7 +18,7 @@ import asyncio
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .errors import ActorAPIError, EventFailedError, RunBrokenError, TrineError
+from ..errors import ActorAPIError, EventFailedError, RunBrokenError, TrineError
 from .futures import settle
 from .http import ActorConnection, Settings
 from .wire import event_envelope, new_event_id

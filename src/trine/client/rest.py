@@ -18,7 +18,7 @@ from ..types import (
     TrainingRun,
     TrainingRunsResponse,
 )
-from .errors import TrineError, ValidationError
+from ..errors import TrineError, ValidationError
 from .futures import APIFuture
 
 if TYPE_CHECKING:

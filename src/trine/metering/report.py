@@ -209,5 +209,6 @@ def fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def fmt_money(x: float) -> str:
-    return f"{x:,.4f}" if x >= 0.01 or x == 0 else f"{x:.2g}"
+def fmt_money(x: float | None, decimals: int = 6) -> str:
+    """Fixed-point money, never scientific: 0.000005 -> '0.000005', 12.5 -> '12.500000'; None -> '-'."""
+    return "-" if x is None else f"{x:,.{decimals}f}"

@@ -28,6 +28,7 @@ from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
 from . import actor, control
+from .access_log import AccessLog
 from .auth import TokenSigner
 
 log = logging.getLogger("trine.server")
@@ -93,6 +94,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     async def root():
         return {"service": "trine", "models": list(service.models)}
 
+    app.add_middleware(AccessLog)  # one INFO line per request on `trine.access`
     app.include_router(control.router)
     app.include_router(control.files_router)
     app.include_router(actor.router)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..service import Service
 from ..service.errors import InvalidRequest, NotFound
 from ..store import ApiKey, Checkpoint, SamplingRun, Session, TrainingRun
+from .access_log import note_key
 from .auth import TokenSigner, bearer, iso
 from .wire import validation_message
 
@@ -34,7 +35,9 @@ def signer_of(request: Request) -> TokenSigner:
 def api_key(request: Request) -> ApiKey:
     """Dependency: the caller's API key (`X-API-Key` or `Authorization: Bearer`)."""
     secret = request.headers.get("x-api-key") or bearer(request.headers.get("authorization"))
-    return service_of(request).authenticate(secret)
+    key = service_of(request).authenticate(secret)
+    note_key(request, key.name)
+    return key
 
 
 router = APIRouter(prefix="/api")
