@@ -218,4 +218,5 @@ def load_adapter(worker, path: str) -> Adapter:
 def spill_adapter(worker, adapter: Adapter, lora, path: str, base_model: str) -> int:
     """Write an in-memory snapshot to disk so it can leave memory (worker thread)."""
     from ..engine.checkpoint import save_peft_adapter
-    return save_dir(Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, base_model))
+    return save_dir(Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, base_model,
+                                                              worker.model.source_dir))
