@@ -8,6 +8,7 @@ import socket
 import time
 
 import httpx
+import pytest
 from click.testing import CliRunner
 
 from trine.cli.main import main
@@ -79,13 +80,41 @@ def test_serve_says_how_to_get_a_key_when_keys_exist(tmp_path):
     assert "trine-abc" in key_hint(store, tmp_path, "trine-abc")
 
 
-def test_access_log_names_method_route_status_key_and_latency(tiny_model_dir, tmp_path, caplog):
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
     from serverutil import serve
+    with serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as srv:
+        yield srv
 
+
+def test_usage_by_run_names_each_run_with_its_model_and_creation_time(server):
+    import trine as trio
+
+    with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as service:
+        trainer = service.create_lora_training_client("tiny-llama", rank=4)
+        datum = trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7, 8]),
+                           loss_fn_inputs={"target_tokens": [6, 7, 8, 9]})
+        trainer.forward_backward([datum], "cross_entropy").result()
+        sampler = service.create_sampling_client(base_model="tiny-llama")
+        sampler.sample(trio.ModelInput.from_ints([5, 6, 7]), 1, trio.SamplingParams(max_tokens=2)).result()
+    runner = CliRunner()
+    for args in (["--url", server.url, "--api-key", server.api_key], ["--home", str(server.home)]):
+        rows = json.loads(runner.invoke(main, ["usage", "--by", "run", "--json", *args]).stdout)["rows"]
+        info = {r["key"]: r["info"] for r in rows}
+        assert info[trainer.training_run_id]["name"] == "training #1"
+        assert info[sampler.sampling_run_id]["name"] == "base model"
+        assert {i["model"] for i in info.values()} == {"tiny-llama"}
+        assert all(abs(i["created_at"] - time.time()) < 600 for i in info.values())
+    table = runner.invoke(main, ["usage", "--by", "run", "--home", str(server.home)]).stdout
+    assert "training #1" in table and "base model" in table and "e-0" not in table
+
+
+def test_access_log_names_method_route_status_key_and_latency(server, caplog):
     from trine.server import access_log
 
     caplog.set_level(logging.INFO, logger="trine.access")
-    with serve(tiny_model_dir, tmp_path / "home") as srv:
+    if True:
+        srv = server
         ok = httpx.get(srv.url + "/api/openapi/v1/api-key/verify?x=secret", headers={"X-API-Key": srv.api_key},
                        trust_env=False)
         bad = httpx.get(srv.url + "/api/openapi/v1/api-key/verify", headers={"X-API-Key": "trine-no"},
