@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from trine.service.errors import Conflict
-from trine.service.ops import FORWARD_BACKWARD as FB, INIT_RUN, OPTIMIZE_STEP as OPT, SAVE_STATE as SAVE
+from trine.limits import FORWARD_BACKWARD as FB, INIT_RUN, OPTIMIZE_STEP as OPT, SAVE_STATE as SAVE
 from trine.service.ordering import Pending, RunQueue, plan_cycle, split_phases
 from trine.service.scheduler import ClockScheduler
 

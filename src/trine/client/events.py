@@ -19,11 +19,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..errors import ActorAPIError, EventFailedError, RunBrokenError, TrineError
+from ..limits import FORWARD_BACKWARD
 from .futures import settle
 from .http import ActorConnection, Settings
 from .wire import event_envelope, new_event_id
 
-FORWARD_BACKWARD = "trainer.forward_backward"
 TERMINAL = ("succeeded", "failed")
 MSGPACK = "application/msgpack"
 

@@ -12,11 +12,12 @@ import functools
 import hashlib
 import inspect
 import logging
-import re
 import uuid
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from ..limits import (CHECKPOINT_NAME, CHECKPOINT_NAME_MAX, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP,
+                      SAVE_STATE, SAVE_WEIGHTS, TEMPORARY_CHECKPOINT_TTL_SECONDS)
 from .. import __version__
 from ..types import (
     AdamParams,
@@ -44,8 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trine")
 
-CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
-TEMP_SAMPLING_TTL_S = 6 * 3600
+TEMP_SAMPLING_TTL_S = TEMPORARY_CHECKPOINT_TTL_SECONDS
 
 
 def normalize_checkpoint_name(name: str) -> str:
@@ -57,8 +57,8 @@ def normalize_checkpoint_name(name: str) -> str:
     if not CHECKPOINT_NAME.fullmatch(normalized):
         raise ValidationError(f"checkpoint name {name!r} is invalid: use letters, digits, '.', '_' and '-', "
                               "starting with a letter or digit", code="validation.invalid_checkpoint_name")
-    if len(normalized) > 200:
-        normalized = normalized[:180] + hashlib.sha256(normalized.encode()).hexdigest()[:20]
+    if len(normalized) > CHECKPOINT_NAME_MAX:
+        normalized = normalized[:CHECKPOINT_NAME_MAX - 20] + hashlib.sha256(normalized.encode()).hexdigest()[:20]
     return normalized
 
 
@@ -122,7 +122,7 @@ class TrainingClient:
                     "train_attn": self.lora.train_attn, "train_unembed": self.lora.train_unembed}
             payload = {"base_model": self.model_id, "lora_config": lora, "load_optimizer": self._load_optimizer,
                        "checkpoint_uri": self._source_checkpoint}
-            (future,) = self._queue.submit("trainer.init_run", [payload])
+            (future,) = self._queue.submit(INIT_RUN, [payload])
             await asyncio.wrap_future(future)
             self._initialized = True
             return self._queue
@@ -171,26 +171,26 @@ class TrainingClient:
                 auto_shift: bool = False) -> APIFuture[ForwardBackwardOutput]:
         """Losses and per-token logprobs without touching gradients."""
         plan = self._plan(data, loss_fn, auto_shift)
-        return self._rt.run_sync(self._submit_forward("trainer.forward", plan, loss_fn_config, auto_shift))
+        return self._rt.run_sync(self._submit_forward(FORWARD, plan, loss_fn_config, auto_shift))
 
     async def forward_async(self, data: list[Datum], loss_fn: str = "cross_entropy",
                             loss_fn_config: dict | None = None, auto_shift: bool = False) -> APIFuture[ForwardBackwardOutput]:
         plan = await asyncio.to_thread(self._plan, data, loss_fn, auto_shift)
-        return await self._rt.run_async(self._submit_forward("trainer.forward", plan, loss_fn_config, auto_shift))
+        return await self._rt.run_async(self._submit_forward(FORWARD, plan, loss_fn_config, auto_shift))
 
     def forward_backward(self, data: list[Datum], loss_fn: str = "cross_entropy",
                          loss_fn_config: dict | None = None, auto_shift: bool = False) -> APIFuture[ForwardBackwardOutput]:
         """Accumulate the gradient of the summed per-token loss over `data` (split into chunks that
         share the whole batch's totals when the run's limits require it)."""
         plan = self._plan(data, loss_fn, auto_shift)
-        return self._rt.run_sync(self._submit_forward("trainer.forward_backward", plan, loss_fn_config, auto_shift))
+        return self._rt.run_sync(self._submit_forward(FORWARD_BACKWARD, plan, loss_fn_config, auto_shift))
 
     async def forward_backward_async(self, data: list[Datum], loss_fn: str = "cross_entropy",
                                      loss_fn_config: dict | None = None,
                                      auto_shift: bool = False) -> APIFuture[ForwardBackwardOutput]:
         plan = await asyncio.to_thread(self._plan, data, loss_fn, auto_shift)
         return await self._rt.run_async(
-            self._submit_forward("trainer.forward_backward", plan, loss_fn_config, auto_shift))
+            self._submit_forward(FORWARD_BACKWARD, plan, loss_fn_config, auto_shift))
 
     def _custom_linearization(self, data: list[Datum], forward: ForwardBackwardOutput, loss_fn,
                               loss_fn_config: dict | None) -> tuple[list[Datum], dict[str, float]]:
@@ -239,7 +239,7 @@ class TrainingClient:
     async def _optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         if not isinstance(adam_params, AdamParams):
             raise ValidationError(f"adam_params must be a trine.AdamParams, got {type(adam_params).__name__}")
-        (future,) = await self._submit("trainer.optimize_step", [{"adam_params": adam_params.model_dump()}])
+        (future,) = await self._submit(OPTIMIZE_STEP, [{"adam_params": adam_params.model_dump()}])
         return future.map(self._parse_optim)
 
     def _parse_optim(self, response: dict) -> OptimStepResponse:
@@ -265,7 +265,7 @@ class TrainingClient:
         return future.map(lambda r: (r.get("result") or {}).get("checkpoint") or {})
 
     async def _save_state(self, name, ttl_seconds, overwrite) -> APIFuture[SaveWeightsResponse]:
-        future = await self._save("trainer.save_state", name, ttl_seconds, overwrite, "WORKSPACE")
+        future = await self._save(SAVE_STATE, name, ttl_seconds, overwrite, "WORKSPACE")
         return future.map(lambda c: SaveWeightsResponse(path=c["uri"], model=c.get("model_id") or self.model_id,
                                                         size=int(c.get("size_bytes") or 0)))
 
@@ -280,7 +280,7 @@ class TrainingClient:
 
     async def _save_weights_for_sampler(self, name, ttl_seconds, visibility="WORKSPACE"
                                         ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        future = await self._save("trainer.save_weights", name, ttl_seconds, False, visibility)
+        future = await self._save(SAVE_WEIGHTS, name, ttl_seconds, False, visibility)
         return future.map(lambda c: SaveWeightsForSamplerResponse(
             path=c["uri"], model=c.get("model_id") or self.model_id, size=int(c.get("size_bytes") or 0)))
 

@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from ..limits import check_lora_rank
 from . import checkpoint
 from .losses import Loss, LossInputs, PreparedDatum, prepare_datum
 from .model import Adapter, AdapterBatch, LoRAConfig, Transformer
@@ -83,6 +84,10 @@ class Trainer:
     def delete_run(self, run_id: str) -> None:
         self._run(run_id)
         del self._runs[run_id]
+
+    @property
+    def num_runs(self) -> int:
+        return len(self._runs)
 
     def has_run(self, run_id: str) -> bool:
         return run_id in self._runs
@@ -328,8 +333,7 @@ def _losses_and_grads(losses: list[Loss], loss_of: torch.Tensor, logp: torch.Ten
 
 
 def _check_lora(lora: LoRAConfig) -> LoRAConfig:
-    if not isinstance(lora.rank, int) or not 1 <= lora.rank <= 1024:
-        raise ValueError(f"lora rank must be an integer in [1, 1024], got {lora.rank!r}")
+    check_lora_rank(lora.rank, "lora rank")
     if not (isinstance(lora.alpha, (int, float)) and math.isfinite(lora.alpha) and lora.alpha > 0):
         raise ValueError(f"lora alpha must be a positive number, got {lora.alpha!r}")
     if not lora.target_names():

@@ -4,6 +4,11 @@ The asyncio side never touches those objects. It hands work to the thread throug
 asyncio futures back, settled with `loop.call_soon_threadsafe`:
 - `sample(req)`: the request joins the Sampler's continuous batch; the future gets its SampleResult.
 - `submit(fn)`: `fn(worker)` runs in the thread (a training cycle, a checkpoint load, ...).
+- `cancel(request_id)`: the request's future fails with `SampleCancelled` at once.
+
+The thread also owns the adapter table (`adapters`: checkpoint id -> sampler weights); a sample
+request names its adapter by `weights.adapter` and the thread resolves it when the request arrives.
+This class is the machinery; `engine.local.LocalEngine` is the interface the service uses.
 
 Between jobs, and between training micro-batches (`tick`, passed as the Trainer's
 `between_microbatches`), the thread admits newly arrived sample requests and runs one sampler step,
@@ -12,6 +17,7 @@ so sampling never waits for a whole training cycle.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,11 +28,16 @@ from typing import Any, Callable
 
 import torch
 
+from .model import Adapter
 from .requests import SampleRequest, SampleResult
 from .tokenizer import Tokenizer
 from .weights import load_model
 
 log = logging.getLogger("trine.worker")
+
+
+class SampleCancelled(Exception):
+    """The caller cancelled this sample request (e.g. its client disconnected)."""
 
 
 def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -51,6 +62,7 @@ class EngineWorker:
         self.sampler_options = dict(sampler_options or {})
         self.trainer_options = dict(trainer_options or {})
         self.model = self.tokenizer = self.sampler = self.trainer = None
+        self.adapters: dict[str, Adapter] = {}  # checkpoint id -> sampler weights (worker thread only)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque = deque()
@@ -63,6 +75,7 @@ class EngineWorker:
     # ------------------------------------------------------------------ asyncio side
     def start(self, loop: asyncio.AbstractEventLoop, timeout: float | None = None) -> None:
         self.loop = loop
+        self.exited = loop.create_future()  # set to the reason when the thread ends
         self._thread = threading.Thread(target=self._main, name=f"trine-engine-{self.name}",
                                         daemon=True)
         self._thread.start()
@@ -82,11 +95,24 @@ class EngineWorker:
         self._inbox.put(("sample", req, fut))
         return fut
 
+    def cancel(self, request_id: str) -> None:
+        """Stop waiting for a sample request: its future fails with SampleCancelled. Its sequences
+        are dropped by the sampler when it offers `cancel`, otherwise they finish unseen."""
+        self._inbox.put(("cancel", request_id, None))
+
     def submit(self, fn: Callable[["EngineWorker"], Any]) -> asyncio.Future:
         """Run `fn(self)` in the worker thread; jobs run one at a time, in submission order."""
         fut = self.loop.create_future()
         self._inbox.put(("job", fn, fut))
         return fut
+
+    @property
+    def queued_jobs(self) -> int:
+        return len(self._jobs) + sum(1 for item in list(self._inbox.queue) if item and item[0] == "job")
+
+    @property
+    def pending_samples(self) -> int:
+        return len(self._pending)
 
     @property
     def vocab_size(self) -> int:
@@ -113,6 +139,20 @@ class EngineWorker:
             self._ready.set()
             return
         self._ready.set()
+        reason = "stopped"
+        try:
+            self._serve()
+        except BaseException as e:  # a bug in the loop itself: report it as the engine lost
+            log.error("engine thread died:\n%s", traceback.format_exc())
+            reason = f"engine thread died: {type(e).__name__}: {e}"
+        try:
+            for fut in list(self._pending.values()) + [f for _, f in self._jobs]:
+                self._post(fut, exc=RuntimeError(f"the engine worker {reason}"))
+            self._post(self.exited, reason)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+    def _serve(self) -> None:
         while not self._stopping:
             self._drain(block=not (self._jobs or self.sampler.has_work()))
             if self._jobs:
@@ -127,8 +167,6 @@ class EngineWorker:
                     self._post(fut, result)
             elif self.sampler.has_work():
                 self._step()
-        for fut in list(self._pending.values()) + [f for _, f in self._jobs]:
-            self._post(fut, exc=RuntimeError("the engine worker stopped"))
 
     def tick(self) -> None:
         """Admit new sample requests and run one sampler step. Worker thread only."""
@@ -152,12 +190,35 @@ class EngineWorker:
             if kind == "job":
                 self._jobs.append((obj, fut))
                 continue
+            if kind == "cancel":
+                self._cancel(obj)
+                continue
             try:
+                obj = self._with_adapter(obj)
                 self.sampler.add(obj)
             except ValueError as e:
                 self._post(fut, exc=e)
             else:
                 self._pending[obj.request_id] = fut
+
+    def _with_adapter(self, req: SampleRequest) -> SampleRequest:
+        """The request with its adapter resolved from the table (a copy: the caller's is untouched)."""
+        if req.weights.adapter is None or req.adapter is not None:
+            return req
+        adapter = self.adapters.get(req.weights.adapter)
+        if adapter is None:
+            raise ValueError(f"adapter {req.weights.adapter!r} is not loaded on this engine; load it "
+                             "(load_adapter) before sampling from it")
+        return dataclasses.replace(req, adapter=adapter)
+
+    def _cancel(self, request_id: str) -> None:
+        fut = self._pending.pop(request_id, None)
+        if fut is None:
+            return
+        cancel = getattr(self.sampler, "cancel", None)  # frees its KV at once where the sampler can
+        if cancel is not None:
+            cancel(request_id)
+        self._post(fut, exc=SampleCancelled(f"sample request {request_id} was cancelled"))
 
     def _step(self) -> None:
         try:

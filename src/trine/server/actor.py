@@ -10,15 +10,16 @@ import re
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from ..limits import MAX_EVENT_BYTES, MAX_SAMPLE_BYTES
+from ..service import Service
 from ..service.errors import InvalidRequest, NotFound, ServiceError, TooLarge
-from ..store import ApiKey
+from ..store import ApiKey, EventRecord
 from .access_log import note_key
 from .auth import bearer
 from .control import service_of, signer_of
+from .shapes import event_envelope, sample_response
 from .wire import parse_event, parse_sample
 
-MAX_EVENT_BYTES = 64 << 20
-MAX_SAMPLE_BYTES = 16 << 20
 MAX_POLL_SECONDS = 55.0
 KEEPALIVE_AFTER = 20.0  # a sample still running after this streams whitespace until it is done
 KEEPALIVE_EVERY = 20.0
@@ -56,6 +57,13 @@ def _wait_seconds(prefer: str | None) -> float:
     return min(float(m.group(1)) * 0.9, MAX_POLL_SECONDS) if m else 0.0
 
 
+def envelope(svc: Service, rec: EventRecord) -> bytes:
+    def model_id(name: str) -> str:
+        m = svc.models.get(name)
+        return m.model_id if m else name
+    return event_envelope(rec, svc.event_result(rec), model_id)
+
+
 @router.post("/events")
 async def submit_event(request: Request):
     key, run_id = _caller(request, "training")
@@ -67,7 +75,7 @@ async def submit_event(request: Request):
     svc = service_of(request)
     rec = await svc.submit_event(key, run_id, event_id=env.event_id, type=env.type,
                            index=env.metadata.index, step=env.metadata.step, op=op)
-    return Response(svc.envelope(rec), status_code=200 if rec.response else 202, media_type=MSGPACK)
+    return Response(envelope(svc, rec), status_code=200 if rec.response else 202, media_type=MSGPACK)
 
 
 @router.get("/events/{event_id}")
@@ -75,7 +83,7 @@ async def get_event(event_id: str, request: Request):
     key, run_id = _caller(request, "training")
     svc = service_of(request)
     rec = await svc.event(key, run_id, event_id, _wait_seconds(request.headers.get("prefer")))
-    return Response(svc.envelope(rec), media_type=MSGPACK)
+    return Response(envelope(svc, rec), media_type=MSGPACK)
 
 
 @router.post("/client/heartbeat")
@@ -98,12 +106,12 @@ async def sample(sampling_run_id: str, request: Request):
     if not isinstance(body, dict):
         raise InvalidRequest("body: the sample request must be a JSON object",
                              code="invalid_request_body")
-    spec = parse_sample(body)
+    spec, shape = parse_sample(body)
     task = asyncio.ensure_future(service_of(request).sample(key, sampling_run_id, spec))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if unawaited
     await asyncio.wait({task}, timeout=KEEPALIVE_AFTER)
     if task.done():
-        return Response(task.result(), media_type="application/json")
+        return Response(sample_response(task.result(), shape), media_type="application/json")
 
     async def keepalive():
         """Leading whitespace keeps the client's idle watchdog fed; JSON parsers skip it."""
@@ -112,7 +120,7 @@ async def sample(sampling_run_id: str, request: Request):
             if not task.done():
                 yield b" "
         try:
-            yield task.result()
+            yield sample_response(task.result(), shape)
         except ServiceError as e:
             yield json.dumps({"code": e.code, "message": e.message, "sequences": []}).encode()
 

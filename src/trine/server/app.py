@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..home import trine_home
+from ..limits import MAX_CONTROL_BYTES  # control-plane JSON bodies; the actor plane checks its own
 from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
@@ -33,7 +34,6 @@ from .auth import TokenSigner
 
 log = logging.getLogger("trine.server")
 EMBEDDED_KEY_FILE = "embedded.key"
-MAX_CONTROL_BYTES = 1 << 20  # control-plane JSON bodies; the actor plane checks its own limits
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:

@@ -166,7 +166,7 @@ def models(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX), offset:
     for m in svc.models.values():
         cap = _capability(svc, m.name)
         items.append({"cuid": m.name, "alias": m.name, "model_id": m.model_id, "display_name": m.name,
-                      "model_type": "llm", "architecture": m.worker.model.cfg.model_type,
+                      "model_type": "llm", "architecture": m.info.architecture,
                       "context_length": m.max_seq_len, "train_available": True,
                       "sample_available": True, "trainer": cap, "sampler": cap,
                       "created_at": iso(svc.started_at), "updated_at": iso(svc.started_at),
@@ -365,13 +365,13 @@ async def download(checkpoint_id: str, request: Request, token: str = Query(""))
 def tokenizer_files(name: str, request: Request, key: ApiKey = Depends(api_key)):
     """The tokenizer files of a served model, for clients that build the tokenizer locally."""
     m = service_of(request).model(name)
-    return {"model": m.name, "files": [f.name for f in m.worker.tokenizer.files()]}
+    return {"model": m.name, "files": [f.name for f in m.tokenizer.files()]}
 
 
 @router.get("/trine/v1/models/{name}/tokenizer/{filename}")
 def tokenizer_file(name: str, filename: str, request: Request, key: ApiKey = Depends(api_key)):
     m = service_of(request).model(name)
-    for f in m.worker.tokenizer.files():
+    for f in m.tokenizer.files():
         if f.name == filename:
             return FileResponse(f)
     raise NotFound(f"{name} has no tokenizer file {filename!r}", code="not_found")

@@ -11,15 +11,15 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.model import LoRAConfig
+from ..engine.ops import EndRun, Forward, InitRun, Op, OptimStep, Save
 from ..engine.requests import AdamConfig, SamplingOptions, TrainDatum
-from ..service.core import SampleSpec
+from ..limits import (END_RUN, EVENT_TYPES, FORWARD, FORWARD_BACKWARD, INIT_RUN, MAX_REQUEST_ID_CHARS,
+                      MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS, OPTIMIZE_STEP, SAVE_STATE,
+                      SAVE_WEIGHTS)
+from ..service import SampleSpec
 from ..service.errors import InvalidRequest
 from ..types import AdamParams
-from ..service.ops import (END_RUN, EVENT_TYPES, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP,
-                           SAVE_STATE, SAVE_WEIGHTS, EndRun, Forward, InitRun, Op, OptimStep, Save)
-
-MAX_SAMPLES_PER_REQUEST = 256
-MAX_TOPK_PROMPT_LOGPROBS = 64
+from .shapes import SampleShape
 
 
 class _Model(BaseModel):
@@ -120,7 +120,7 @@ class SamplingParams(_Model):
 
 
 class SampleBody(_Model):
-    request_id: str = Field(min_length=1, max_length=200)
+    request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     prompt: ModelInput
     sampling_params: SamplingParams
     num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
@@ -209,7 +209,7 @@ def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
 
 
 # ---------------------------------------------------------------------------- sampling
-def parse_sample(body: dict) -> SampleSpec:
+def parse_sample(body: dict) -> tuple[SampleSpec, SampleShape]:
     b = _parse(SampleBody, body, "")
     p = b.sampling_params
     if p.top_k != -1 and p.top_k < 1:
@@ -221,6 +221,6 @@ def parse_sample(body: dict) -> SampleSpec:
                            top_p=float(p.top_p), top_k=p.top_k, seed=p.seed, stop_strings=tuple(stop),
                            stop_token_ids=tuple(p.stop_token_ids or ()))
     compute_logprobs = b.return_prompt_logprobs and not b.return_token_logprobs
-    return SampleSpec(b.request_id, b.prompt.tokens("prompt"), opts, b.num_samples,
-                      b.return_prompt_logprobs, b.topk_prompt_logprobs, not compute_logprobs,
-                      b.return_text, b.return_token_logprobs)
+    spec = SampleSpec(b.request_id, b.prompt.tokens("prompt"), opts, b.num_samples,
+                      b.return_prompt_logprobs, b.topk_prompt_logprobs, not compute_logprobs)
+    return spec, SampleShape(b.return_text, b.return_token_logprobs)

@@ -1,6 +1,10 @@
-"""The protocol-free service core: sessions, runs, events, ordering and the clock-cycle scheduler."""
-from .core import SampleSpec, ServedModel, Service
+"""The protocol-free service core, one module per concept (see core.py for the map)."""
+from .core import Service
 from .errors import Conflict, InvalidRequest, NotFound, ServiceError, TooLarge, TooManyRequests, Unauthorized
+from .events import EventResult
+from .models import Replica, ServedModel
+from .sampling import SampleOutcome, SampleSpec, SequenceOutcome
 
-__all__ = ["Service", "ServedModel", "SampleSpec", "ServiceError", "InvalidRequest", "NotFound",
-           "Conflict", "Unauthorized", "TooLarge", "TooManyRequests"]
+__all__ = ["Service", "ServedModel", "Replica", "SampleSpec", "SampleOutcome", "SequenceOutcome",
+           "EventResult", "ServiceError", "InvalidRequest", "NotFound", "Conflict", "Unauthorized",
+           "TooLarge", "TooManyRequests"]

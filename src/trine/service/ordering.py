@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import Conflict, TooManyRequests
-from .ops import END_RUN, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_STATE, SAVE_WEIGHTS
+from ..limits import (END_RUN, FORWARD, FORWARD_BACKWARD, INIT_RUN, MAX_WAITING_EVENTS_PER_RUN, OPTIMIZE_STEP,
+                      SAVE_STATE, SAVE_WEIGHTS)
 
 _PRE, _FWD, _OPT, _POST = 0, 1, 2, 3
 _FWD_TYPES = (FORWARD, FORWARD_BACKWARD)
@@ -37,7 +38,7 @@ class Pending:
 class RunQueue:
     """The not-yet-executed events of one training run, released in index order."""
 
-    def __init__(self, run_id: str, next_index: int = 1, max_waiting: int = 64):
+    def __init__(self, run_id: str, next_index: int = 1, max_waiting: int = MAX_WAITING_EVENTS_PER_RUN):
         self.run_id = run_id
         self.next_index = next_index
         self.max_waiting = max_waiting

@@ -1,6 +1,6 @@
 """Executing one clock cycle inside the engine worker thread.
 
-Phases, across all runs of the plan: pre (init_run, saves queued before any training), one batched
+Phases, across all runs of the cycle: pre (init_run, saves queued before any training), one batched
 `Trainer.forward_backward(backward=False)` for every `forward`, one batched call for every
 `forward_backward`, each run's optim step, then post saves. The sampler steps between micro-batches
 and between phases (`worker.tick`).
@@ -15,61 +15,40 @@ import logging
 import math
 import os
 import shutil
+import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from ..engine.checkpoint import load_peft_adapter
-from ..engine.model import Adapter
-from ..engine.requests import ForwardResult
-from .ops import EndRun, Forward, InitRun, OptimStep, Save
-from .ordering import CyclePlan, Pending
+from .checkpoint import load_peft_adapter, save_peft_adapter
+from .model import Adapter, LoRAConfig
+from .ops import CycleEvent, CycleResult, EndRun, EventOutcome, Forward, InitRun, OptimStep, Save, TrainingCycle
+from .requests import ForwardResult
 
 log = logging.getLogger("trine.cycle")
 
 
-@dataclass
-class Outcome:
-    """What one event produced. `result` is the event's result map (PyTRIO shapes)."""
-
-    result: dict = field(default_factory=dict)
-    error: tuple[str, str] | None = None  # (code, message)
-    train_tokens: int = 0
-    loss_tokens: int = 0
-    snapshot: Adapter | None = None  # save_weights: the saved weights, for samplers
-    size_bytes: int = 0
-
-
-def wire_tensor(values, dtype: str = "<f4") -> dict:
-    """A PyTRIO WireTensor map: raw little-endian bytes, shape [N] (N >= 1)."""
-    arr = np.ascontiguousarray(np.asarray(values, dtype=dtype))
-    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "encoding": "raw_le",
-            "data": arr.tobytes()}
-
-
-def forward_outcome(op: Forward, res: ForwardResult) -> Outcome:
+def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
     if not math.isfinite(res.loss_sum):
-        return Outcome(error=("non_finite_loss", f"the loss is {res.loss_sum}: check the logprobs and "
-                              "advantages (policy losses) or weights you sent"))
-    outputs = []
-    for lp in res.logprobs:
+        return EventOutcome(error=("non_finite_loss", f"the loss is {res.loss_sum}: check the logprobs "
+                                   "and advantages (policy losses) or weights you sent"))
+    logprobs, losses = [], []
+    for lp, loss in zip(res.logprobs, res.losses):
         if op.auto_shift:  # target j was scored from position j-1; position 0 has no score
-            lp = [0.0] + list(lp[:-1])
-        outputs.append({"logprobs": wire_tensor(lp)})
+            lp, loss = [0.0] + list(lp[:-1]), [0.0] + list(loss[:-1])
+        logprobs.append([float(x) for x in lp])
+        losses.append([float(x) for x in loss])
     metrics = {"loss_sum": float(res.loss_sum), "loss_mean": float(res.loss_mean),
                "token_count": int(res.token_count)}
-    return Outcome({"loss_fn_outputs": outputs, "metrics": metrics},
-                   train_tokens=res.usage.train_tokens, loss_tokens=res.usage.loss_tokens)
+    return EventOutcome(logprobs=logprobs, losses=losses, metrics=metrics,
+                        train_tokens=res.usage.train_tokens, loss_tokens=res.usage.loss_tokens)
 
 
-def _failed(e: BaseException) -> Outcome:
+def _failed(e: BaseException) -> EventOutcome:
     if isinstance(e, ValueError):
-        return Outcome(error=(getattr(e, "code", "validation_failed"), str(e)))
+        return EventOutcome(error=(getattr(e, "code", "validation_failed"), str(e)))
     log.error("engine error:\n%s", traceback.format_exc())
-    return Outcome(error=("internal_error", f"{type(e).__name__}: {e}"))
+    return EventOutcome(error=("internal_error", f"{type(e).__name__}: {e}"))
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
@@ -101,7 +80,9 @@ def adapter_bytes(adapter: Adapter) -> int:
 
 
 class CycleRunner:
-    """Runs plans on one worker's trainer. Lives in the worker thread (no asyncio, no store)."""
+    """Runs cycles on one worker's trainer. Lives in the worker thread (no asyncio, no store).
+
+    A weights save publishes its snapshot into `worker.adapters` under the checkpoint id."""
 
     def __init__(self, worker):
         self.w = worker
@@ -110,27 +91,27 @@ class CycleRunner:
     def trainer(self):
         return self.w.trainer
 
-    def run(self, plan: CyclePlan) -> dict[str, Outcome]:
-        out: dict[str, Outcome] = {}
-        phases = plan.phases()
-        for run_id, ph in phases.items():
-            for ev in ph.pre:
+    def run(self, cycle: TrainingCycle) -> CycleResult:
+        t0 = time.perf_counter()
+        out: dict[str, EventOutcome] = {}
+        for run_id, share in cycle.runs.items():
+            for ev in share.pre:
                 out[ev.event_id] = self._single(run_id, ev)
                 self.w.tick()
         for backward in (False, True):
-            entries = [(run_id, ev) for run_id, ph in phases.items() for ev in ph.forward
+            entries = [(run_id, ev) for run_id, share in cycle.runs.items() for ev in share.forward
                        if ev.op.backward == backward]
             if entries:
                 out.update(self._forward(entries, backward))
                 self.w.tick()
-        for run_id, ph in phases.items():
-            for ev in ph.optim + ph.post:
+        for run_id, share in cycle.runs.items():
+            for ev in share.optim + share.post:
                 out[ev.event_id] = self._single(run_id, ev)
                 self.w.tick()
-        return out
+        return CycleResult(cycle.number, out, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ phases
-    def _forward(self, entries: list[tuple[str, Pending]], backward: bool) -> dict[str, Outcome]:
+    def _forward(self, entries: list[tuple[str, CycleEvent]], backward: bool) -> dict[str, EventOutcome]:
         out = {}
         live = []
         for run_id, ev in entries:
@@ -162,7 +143,7 @@ class CycleRunner:
         return self.trainer.forward_backward(batch, backward=backward,
                                              between_microbatches=self.w.tick)
 
-    def _single(self, run_id: str, ev: Pending) -> Outcome:
+    def _single(self, run_id: str, ev: CycleEvent) -> EventOutcome:
         op = ev.op
         try:
             if isinstance(op, InitRun):
@@ -170,53 +151,58 @@ class CycleRunner:
             if isinstance(op, EndRun):
                 if self.trainer.has_run(run_id):
                     self.trainer.delete_run(run_id)
-                return Outcome()
+                return EventOutcome()
             if not self.trainer.has_run(run_id):
                 return _not_initialized(run_id)
             if isinstance(op, OptimStep):
                 metrics = self.trainer.optim_step(run_id, op.adam)
-                return Outcome({"metrics": {k: float(v) for k, v in metrics.items()}})
+                return EventOutcome(metrics={k: float(v) for k, v in metrics.items()})
             if isinstance(op, Save):
                 return self._save(run_id, op)
         except Exception as e:
             return _failed(e)
-        return Outcome(error=("invalid_event", f"{ev.type} cannot run in a training cycle"))
+        return EventOutcome(error=("invalid_event", f"{ev.type} cannot run in a training cycle"))
 
-    def _init(self, run_id: str, op: InitRun) -> Outcome:
+    def _init(self, run_id: str, op: InitRun) -> EventOutcome:
         if self.trainer.has_run(run_id):
             self.trainer.delete_run(run_id)
         if op.checkpoint_path:
             self.trainer.load_state(run_id, Path(op.checkpoint_path), with_optimizer=op.load_optimizer)
         else:
             self.trainer.create_run(run_id, op.lora)
-        return Outcome()
+        return EventOutcome()
 
-    def _save(self, run_id: str, op: Save) -> Outcome:
+    def _save(self, run_id: str, op: Save) -> EventOutcome:
         if op.kind == "state":
             size = save_dir(Path(op.path), lambda tmp: self.trainer.save_state(run_id, tmp))
-            return Outcome(size_bytes=size)
+            return EventOutcome(size_bytes=size)
         snap = self.trainer.snapshot(run_id)
         if op.path:
             size = save_dir(Path(op.path), lambda tmp: self.trainer.save_weights(run_id, tmp))
         else:
             size = adapter_bytes(snap)
-        return Outcome(snapshot=snap, size_bytes=size)
+        if op.checkpoint_id:
+            self.w.adapters[op.checkpoint_id] = snap
+        return EventOutcome(size_bytes=size)
 
 
-def _not_initialized(run_id: str) -> Outcome:
-    return Outcome(error=("run_not_initialized", f"training run {run_id} has no weights: its init_run "
-                          "event did not succeed; create a new training client"))
+def _not_initialized(run_id: str) -> EventOutcome:
+    return EventOutcome(error=("run_not_initialized", f"training run {run_id} has no weights: its "
+                               "init_run event did not succeed; create a new training client"))
 
 
-def load_adapter(worker, path: str) -> Adapter:
-    """Load a saved PEFT adapter directory onto the worker's model (worker thread)."""
+def load_adapter(worker, checkpoint_id: str, path: str) -> int:
+    """Load a saved PEFT adapter directory into the worker's adapter table (worker thread)."""
     adapter, _ = load_peft_adapter(worker.model, path)
     adapter.requires_grad_(False)
-    return adapter
+    worker.adapters[checkpoint_id] = adapter
+    return adapter_bytes(adapter)
 
 
-def spill_adapter(worker, adapter: Adapter, lora, path: str, base_model: str) -> int:
+def spill_adapter(worker, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
     """Write an in-memory snapshot to disk so it can leave memory (worker thread)."""
-    from ..engine.checkpoint import save_peft_adapter
-    return save_dir(Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, base_model,
+    adapter = worker.adapters.get(checkpoint_id)
+    if adapter is None:
+        raise ValueError(f"checkpoint {checkpoint_id} is not held by this engine")
+    return save_dir(Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, worker.name,
                                                               worker.model.source_dir))

@@ -1,0 +1,96 @@
+"""The in-process backend of the engine interface: one `EngineWorker` thread per base model.
+
+Every call becomes a job or a sample request in the worker's inbox; results come back as asyncio
+futures on the caller's loop. The Ray backend runs one of these inside each replica actor.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from pathlib import Path
+from typing import AsyncIterator
+
+from .cycle import CycleRunner, load_adapter, spill_adapter
+from .interface import CycleStats, Engine, EngineInfo, EngineStats, SampleDelta
+from .model import LoRAConfig
+from .ops import CycleResult, TrainingCycle
+from .requests import SampleRequest, SampleResult
+from .worker import EngineWorker
+
+RECENT_CYCLES = 32
+
+
+class LocalEngine(Engine):
+    def __init__(self, name: str, model_dir: str | Path, *, device: str | None = None,
+                 num_threads: int | None = None, sampler_options: dict | None = None,
+                 trainer_options: dict | None = None, replica: str = "local"):
+        self.worker = EngineWorker(name, model_dir, device=device, num_threads=num_threads,
+                                   sampler_options=sampler_options, trainer_options=trainer_options)
+        self.replica = replica
+        self.recent_cycles: deque[CycleStats] = deque(maxlen=RECENT_CYCLES)
+        self._runner = CycleRunner(self.worker)
+
+    async def start(self) -> EngineInfo:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.worker.start, loop)
+        w = self.worker
+        self.info = EngineInfo(w.name, str(w.model_dir), w.vocab_size, w.max_seq_len,
+                               w.model.cfg.model_type, w.sampler.block_size, str(w.model.device), self.replica)
+        return self.info
+
+    async def stop(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+
+    async def sample(self, req: SampleRequest) -> SampleResult:
+        if req.adapter is not None:
+            raise ValueError("SampleRequest.adapter is engine-internal: name the adapter by "
+                             "weights.adapter (a loaded checkpoint id)")
+        return await self.worker.sample(req)
+
+    async def sample_stream(self, req: SampleRequest) -> AsyncIterator[SampleDelta | SampleResult]:
+        """Deltas, then the result. Until the sampler reports tokens per decode step, each sequence
+        arrives as one delta when the request finishes. Closing the iterator early cancels it."""
+        done = False
+        try:
+            res = await self.sample(req)
+            done = True
+        finally:
+            if not done:
+                await self.cancel(req.request_id)
+        for i, s in enumerate(res.sequences):
+            yield SampleDelta(req.request_id, i, list(s.tokens), list(s.logprobs))
+        yield res
+
+    async def cancel(self, request_id: str) -> None:
+        self.worker.cancel(request_id)
+
+    async def run_cycle(self, cycle: TrainingCycle) -> CycleResult:
+        res = await self.worker.submit(lambda w: self._runner.run(cycle))
+        self.recent_cycles.append(CycleStats(cycle.number, list(cycle.runs),
+                                             len(res.outcomes), res.seconds))
+        return res
+
+    async def drop_run(self, run_id: str) -> None:
+        def drop(w):
+            if w.trainer.has_run(run_id):
+                w.trainer.delete_run(run_id)
+        await self.worker.submit(drop)
+
+    async def load_adapter(self, checkpoint_id: str, path: str) -> int:
+        return await self.worker.submit(lambda w: load_adapter(w, checkpoint_id, path))
+
+    async def evict_adapter(self, checkpoint_id: str) -> None:
+        await self.worker.submit(lambda w: w.adapters.pop(checkpoint_id, None) and None)
+
+    async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
+        return await self.worker.submit(lambda w: spill_adapter(w, checkpoint_id, lora, path))
+
+    async def lost(self) -> str:
+        return await asyncio.shield(self.worker.exited)
+
+    async def stats(self) -> EngineStats:
+        """Read without queueing behind a cycle (counters may be one step apart)."""
+        w = self.worker
+        return EngineStats(w.name, self.replica, dict(w.sampler.stats), queued_jobs=w.queued_jobs,
+                           pending_samples=w.pending_samples, runs=w.trainer.num_runs,
+                           adapters=len(w.adapters), recent_cycles=list(self.recent_cycles))

@@ -1,0 +1,119 @@
+"""Training operations and one clock cycle of them, as they cross the engine interface.
+
+Plain dataclasses (ints, floats, strings, lists, LoRA/Adam configs): no wire format, no live
+objects, so a cycle pickles to another process (a Ray replica) unchanged.
+
+A `TrainingCycle` holds, per training run, its events of this cycle split by phase (`RunShare`);
+the engine answers with one `EventOutcome` per event id (`CycleResult`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..limits import (END_RUN, EVENT_TYPES, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP,  # noqa: F401
+                      SAVE_STATE, SAVE_WEIGHTS)
+from .model import LoRAConfig
+from .requests import AdamConfig, TrainDatum
+
+
+@dataclass
+class InitRun:
+    lora: LoRAConfig
+    base_model: str = ""  # as the client names it (a model name or model_id); "" = the run's model
+    checkpoint_uri: str = ""
+    load_optimizer: bool = False
+    checkpoint_path: str = ""  # resolved by the service from checkpoint_uri
+
+
+@dataclass
+class Forward:
+    """forward (backward=False) or forward_backward. `data` targets are pre-shifted; with
+    `auto_shift` the wire targets were labels and results are shifted back by one position."""
+
+    data: list[TrainDatum]
+    loss_fn: str
+    loss_config: dict = field(default_factory=dict)
+    backward: bool = True
+    auto_shift: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(d.tokens) for d in self.data)
+
+
+@dataclass
+class OptimStep:
+    adam: AdamConfig
+
+
+@dataclass
+class Save:
+    """save_state (kind "state": weights + optimizer) or save_weights (kind "weights": a sampler).
+
+    A weights save also publishes the snapshot to the engine's adapter table under `checkpoint_id`,
+    so samplers can use it at once (TEMPORARY ones never touch the disk)."""
+
+    kind: str
+    name: str
+    visibility: str = "WORKSPACE"  # or TEMPORARY: kept in memory, no file written
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    # assigned by the service when it accepts the event:
+    uri: str = ""
+    checkpoint_id: str = ""
+    path: str = ""  # target directory ("" for TEMPORARY weights: kept in memory)
+
+
+@dataclass
+class EndRun:
+    reason: str = ""
+
+
+Op = InitRun | Forward | OptimStep | Save | EndRun
+
+
+@dataclass
+class CycleEvent:
+    event_id: str
+    type: str  # one of EVENT_TYPES
+    op: Op
+
+
+@dataclass
+class RunShare:
+    """One run's events of a cycle by phase: pre (init/save before training), forward (forward and
+    forward_backward), optim, post (saves after the step)."""
+
+    pre: list[CycleEvent] = field(default_factory=list)
+    forward: list[CycleEvent] = field(default_factory=list)
+    optim: list[CycleEvent] = field(default_factory=list)
+    post: list[CycleEvent] = field(default_factory=list)
+
+    def events(self) -> list[CycleEvent]:
+        return self.pre + self.forward + self.optim + self.post
+
+
+@dataclass
+class TrainingCycle:
+    number: int
+    runs: dict[str, RunShare]  # training run id -> its share of this cycle
+
+
+@dataclass
+class EventOutcome:
+    """What one event produced, protocol-neutral. Failed: `error` is (code, message)."""
+
+    error: tuple[str, str] | None = None
+    logprobs: list[list[float]] | None = None  # forward: per datum, per position (target logprob)
+    losses: list[list[float]] | None = None  # forward: per datum, per position (elementwise loss)
+    metrics: dict[str, float] = field(default_factory=dict)
+    train_tokens: int = 0
+    loss_tokens: int = 0
+    size_bytes: int = 0  # saves: bytes written (or held in memory for a TEMPORARY snapshot)
+
+
+@dataclass
+class CycleResult:
+    number: int
+    outcomes: dict[str, EventOutcome]  # event id -> outcome; every event of the cycle has one
+    seconds: float = 0.0

@@ -1,0 +1,172 @@
+"""Sessions, training runs and sampling runs: creating, binding a checkpoint, ending.
+
+Invariants
+- A run belongs to its session's API key; a session that ends ends its runs.
+- Ending a training run fails its waiting events (`run_ended`), frees its weights on its replica
+  and deletes its TEMPORARY checkpoints.
+- A run restored from a checkpoint takes the checkpoint's LoRA shape; its base model must match.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ..limits import check_lora_rank
+from ..store import ApiKey, SamplingRun, Session, Store, TrainingRun
+from ..store.keys import new_id
+from .checkpoints import Checkpoints
+from .errors import Conflict, InvalidRequest, NotFound
+from .models import ServedModel, resolve_model
+from .ownership import Ownership
+
+if TYPE_CHECKING:
+    from .events import Events
+
+log = logging.getLogger("trine.service")
+
+
+class Activity:
+    """When each training run last showed life (an event or a heartbeat), for idle collection."""
+
+    def __init__(self):
+        self._last: dict[str, float] = {}
+
+    def touch(self, run_id: str) -> None:
+        self._last[run_id] = time.monotonic()
+
+    def last(self, run_id: str) -> float:
+        return self._last.get(run_id, 0.0)
+
+    def forget(self, run_id: str) -> None:
+        self._last.pop(run_id, None)
+
+
+class Runs:
+    def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
+                 checkpoints: Checkpoints, activity: Activity, events: "Events"):
+        self.store = store
+        self.ownership = ownership
+        self.models = models
+        self.checkpoints = checkpoints
+        self.activity = activity
+        self.events = events
+
+    # ------------------------------------------------------------------ sessions
+    def create_session(self, key: ApiKey, sdk_version: str = "") -> Session:
+        now = time.time()
+        s = Session(new_id("ss"), key.id, "ACTIVE", sdk_version or "", now, now)
+        self.store.add_session(s)
+        return s
+
+    async def close_session(self, key: ApiKey, session_id: str, status: str = "ENDED") -> Session:
+        s = self.ownership.session(key, session_id)
+        if s.status != "ACTIVE":
+            return s
+        self.store.update_session(s.id, status=status)
+        runs, _ = self.store.training_runs(key.id, session_id=s.id)
+        for r in runs:
+            if r.status == "ACTIVE":
+                await self.end_training_run(r, status)
+        for sr in self.store.sampling_runs(key.id, session_id=s.id, status="ACTIVE"):
+            self.store.update_sampling_run(sr.id, status=status)
+        return self.store.session(s.id)
+
+    # ------------------------------------------------------------------ training runs
+    def create_training_run(self, key: ApiKey, session_id: str, *, base_model: str, lora_rank: int,
+                            train_mlp: bool = True, train_attn: bool = True,
+                            train_unembed: bool = True, seed: int | None = None,
+                            source_checkpoint_uri: str = "",
+                            restore_optimizer: bool = False) -> TrainingRun:
+        s = self.ownership.active_session(key, session_id)
+        source = None
+        if source_checkpoint_uri:
+            source = self.ownership.restorable(key, source_checkpoint_uri, restore_optimizer)
+            m = resolve_model(self.models, source.base_model)
+            if base_model and resolve_model(self.models, base_model) is not m:
+                raise InvalidRequest(f"base_model {base_model!r} differs from the checkpoint's base model "
+                                     f"{source.base_model!r}; leave base_model empty to use it")
+            lora_rank, train_mlp, train_attn, train_unembed = (
+                source.lora_rank, source.train_mlp, source.train_attn, source.train_unembed)
+            seed = source.seed if seed is None else seed
+        else:
+            if not base_model:
+                raise InvalidRequest("base_model is empty: name a served model or give "
+                                     "source_checkpoint_uri")
+            m = resolve_model(self.models, base_model)
+        try:
+            check_lora_rank(lora_rank)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        now = time.time()
+        r = TrainingRun(new_id("tr"), key.id, s.id, self.store.count_runs(s.id) + 1, m.name,
+                        lora_rank, train_mlp, train_attn, train_unembed, seed,
+                        source.uri if source else "", bool(restore_optimizer), "ACTIVE", now, now)
+        m.place(r.id)  # by load, now: refuses at once when no replica runs
+        self.store.add_training_run(r)
+        self.activity.touch(r.id)
+        return r
+
+    def update_training_run(self, key: ApiKey, session_id: str, run_id: str, *,
+                            source_checkpoint_uri: str, restore_optimizer: bool) -> TrainingRun:
+        """Bind a checkpoint to a run before its first event (PyTRIO `load_state`)."""
+        self.ownership.session(key, session_id)
+        r = self.ownership.active_run(key, run_id)
+        if r.session_id != session_id:
+            raise NotFound(f"training run {run_id} is not in session {session_id}",
+                           code="training_run_not_found")
+        if r.started:
+            raise Conflict(f"training run {run_id} has already started; load a checkpoint into a new "
+                           "training client instead", code="training_run_started")
+        ck = self.ownership.restorable(key, source_checkpoint_uri, restore_optimizer)
+        if resolve_model(self.models, ck.base_model).name != r.base_model:
+            raise InvalidRequest(f"checkpoint {ck.uri} was trained on {ck.base_model}, this run uses "
+                                 f"{r.base_model}")
+        self.store.update_training_run(r.id, source_checkpoint_uri=ck.uri,
+                                       restore_optimizer=bool(restore_optimizer),
+                                       lora_rank=ck.lora_rank, train_mlp=ck.train_mlp,
+                                       train_attn=ck.train_attn, train_unembed=ck.train_unembed)
+        return self.store.training_run(r.id)
+
+    def list_training_runs(self, key: ApiKey, limit: int, offset: int):
+        return self.store.training_runs(key.id, limit=limit, offset=offset)
+
+    def heartbeat(self, key: ApiKey, run_id: str) -> None:
+        self.ownership.training_run(key, run_id)
+        self.activity.touch(run_id)
+
+    async def end_training_run(self, r: TrainingRun, status: str) -> None:
+        self.store.update_training_run(r.id, status=status)
+        self.activity.forget(r.id)
+        m = self.models.get(r.base_model)
+        if m is None:
+            return
+        rep = m.unplace(r.id)
+        if rep is not None:
+            self.events.fail_waiting(rep, r.id, "run_ended",
+                                     f"training run {r.id} ended ({status}) before this event ran")
+            if rep.alive:
+                try:
+                    await rep.engine.drop_run(r.id)
+                except Exception:  # the worker is stopping or lost
+                    log.debug("could not free run %s", r.id)
+        self.checkpoints.forget_temporary(r)
+
+    # ------------------------------------------------------------------ sampling runs
+    def create_sampling_run(self, key: ApiKey, session_id: str, *, base_model: str,
+                            source_checkpoint_uri: str = "") -> SamplingRun:
+        s = self.ownership.active_session(key, session_id)
+        ck = None
+        if source_checkpoint_uri:
+            ck = self.ownership.checkpoint_by_uri(key, source_checkpoint_uri)
+            m = resolve_model(self.models, ck.base_model)
+            if base_model and resolve_model(self.models, base_model) is not m:
+                raise InvalidRequest(f"base_model {base_model!r} differs from the checkpoint's base "
+                                     f"model {ck.base_model!r}")
+        else:
+            m = resolve_model(self.models, base_model)
+        now = time.time()
+        r = SamplingRun(new_id("sr"), key.id, s.id, self.store.count_runs(s.id) + 1, m.name,
+                        ck.uri if ck else "", ck.id if ck else "", "ACTIVE", now, now)
+        self.store.add_sampling_run(r)
+        return r

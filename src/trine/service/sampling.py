@@ -1,0 +1,260 @@
+"""Sampling: validate a request, pick a replica, run it, meter it, store the outcome for retries.
+
+Invariants
+- A request id is served once per sampling run: a retry joins the request still running or gets
+  the stored outcome; nothing is metered twice.
+- Metered tokens add up: prompt = prefill computed + cached, from the engine's usage.
+- The stored outcome is protocol-neutral (`SampleOutcome`); each front end shapes it on read.
+- A sampler made from a TEMPORARY snapshot that only one replica holds in memory is served there.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import AsyncIterator
+
+from ..engine.interface import EngineLost, SampleDelta
+from ..engine.requests import SampleRequest, SampleResult, SamplingOptions, WeightsIdentity
+from ..limits import check_prompt_length
+from ..metering.diagnostics import PrefixDiagnostics
+from ..metering.events import UsageEvent
+from ..metering.rates import RateCard
+from ..store import ApiKey, SamplingRun, Store
+from .adapters import AdapterCache
+from .errors import Conflict, InvalidRequest, ServiceError
+from .models import Replica, ServedModel
+from .ownership import Ownership
+from .routing import Router
+
+log = logging.getLogger("trine.service")
+
+
+@dataclass
+class SampleSpec:
+    """A sampling request, validated for shape by the front end."""
+
+    request_id: str
+    prompt: list[int]
+    options: SamplingOptions
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    generate: bool = True  # False: compute_logprobs
+
+
+@dataclass
+class SequenceOutcome:
+    tokens: list[int]
+    logprobs: list[float]
+    text: str | None
+    stop_reason: str  # "stop" or "length"
+
+
+@dataclass
+class SampleOutcome:
+    """A finished sample request, protocol-neutral. usage: prompt_tokens, prefill_tokens,
+    cached_tokens, sample_tokens (prompt_tokens == prefill_tokens + cached_tokens)."""
+
+    request_id: str
+    sampling_run: str
+    model: str
+    sequences: list[SequenceOutcome]
+    prompt_logprobs: list[float | None] | None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
+    usage: dict[str, int]
+    cost: float
+    replica: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "SampleOutcome":
+        d = json.loads(data)
+        d["sequences"] = [SequenceOutcome(**s) for s in d["sequences"]]
+        return cls(**d)
+
+
+@dataclass
+class Sampling:
+    store: Store
+    ownership: Ownership
+    models: dict[str, ServedModel]
+    adapters: AdapterCache
+    rate_card: RateCard
+    spawn: object  # runs a coroutine in the background
+    on_lost: object  # (model, replica, reason): a replica died (faults.py)
+    router: Router = field(default_factory=Router)
+    diagnostics: PrefixDiagnostics = field(default_factory=PrefixDiagnostics)
+    _running: dict[tuple[str, str], asyncio.Future] = field(default_factory=dict)
+    _serving: dict[tuple[str, str], Replica] = field(default_factory=dict)  # request -> its replica
+
+    async def sample(self, key: ApiKey, sampling_run_id: str, spec: SampleSpec) -> SampleOutcome:
+        """Run one sampling request. Retries (same request_id) get the stored outcome, or join the
+        request still running."""
+        r = self.ownership.sampling_run(key, sampling_run_id)
+        dedup = (r.id, spec.request_id)
+        if dedup in self._running:
+            return await asyncio.shield(self._running[dedup])
+        stored = self.store.sample_result(*dedup)
+        if stored is not None:
+            return SampleOutcome.from_json(stored)
+        if r.status != "ACTIVE":
+            raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
+                           code="run_ended")
+        fut = self._running[dedup] = asyncio.get_running_loop().create_future()
+        try:
+            out = await self._sample(key, r, spec)
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: joiners re-raise it, nobody else needs to
+            raise
+        finally:
+            self._running.pop(dedup, None)
+        fut.set_result(out)
+        return out
+
+    async def _sample(self, key: ApiKey, r: SamplingRun, spec: SampleSpec) -> SampleOutcome:
+        m = self.models[r.base_model]
+        req = self._request(m, r, spec)
+        for attempt in range(len(m.replicas)):  # a lost replica: reroute to another one
+            rep = self._route(m, r, spec)
+            try:
+                async with self._serving_on(rep, r, spec):
+                    if r.checkpoint_id:
+                        await self.adapters.ensure(rep, r.checkpoint_id)
+                    res: SampleResult = await rep.engine.sample(req)
+                break
+            except EngineLost as e:
+                self.on_lost(m, rep, str(e))
+                if attempt == len(m.replicas) - 1:
+                    raise Conflict(f"every engine replica of {m.name} was lost; try again later",
+                                   code="worker_lost", status=503) from None
+        return self._record(key, r, m, spec, res, rep)
+
+    async def sample_stream(self, key: ApiKey, sampling_run_id: str,
+                            spec: SampleSpec) -> AsyncIterator[SampleDelta | SampleOutcome]:
+        """Token deltas as the engine produces them, then the SampleOutcome (stored and metered
+        like `sample`). Closing the iterator early cancels the request: nothing is metered."""
+        r = self.ownership.sampling_run(key, sampling_run_id)
+        stored = self.store.sample_result(r.id, spec.request_id)
+        if stored is not None or (r.id, spec.request_id) in self._running:
+            raise Conflict(f"request_id {spec.request_id!r} was already used in sampling run {r.id}; "
+                           "send a new id", code="request_id_conflict")
+        if r.status != "ACTIVE":
+            raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
+                           code="run_ended")
+        m = self.models[r.base_model]
+        req = self._request(m, r, spec)
+        rep = self._route(m, r, spec)
+        res = None
+        try:
+            async with self._serving_on(rep, r, spec):
+                if r.checkpoint_id:
+                    await self.adapters.ensure(rep, r.checkpoint_id)
+                async for item in rep.engine.sample_stream(req):
+                    if isinstance(item, SampleResult):
+                        res = item
+                    else:
+                        yield item
+        except EngineLost as e:
+            self.on_lost(m, rep, str(e))
+            raise Conflict("the engine replica serving this request was lost; send it again",
+                           code="worker_lost", status=503) from None
+        yield self._record(key, r, m, spec, res, rep)
+
+    @contextlib.asynccontextmanager
+    async def _serving_on(self, rep: Replica, r: SamplingRun, spec: SampleSpec):
+        """Count the request against `rep`'s load while it runs; engine ValueErrors become 400s."""
+        rep.inflight_samples += 1
+        self._serving[(r.id, spec.request_id)] = rep
+        try:
+            yield
+        except ServiceError:
+            raise
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        finally:
+            rep.inflight_samples -= 1
+            self._serving.pop((r.id, spec.request_id), None)
+
+    async def cancel(self, key: ApiKey, sampling_run_id: str, request_id: str) -> bool:
+        """Cancel a running request (its client went away): the engine frees its sequences, its
+        waiters get SampleCancelled, nothing is metered. False if it is not running."""
+        r = self.ownership.sampling_run(key, sampling_run_id)
+        rep = self._serving.get((r.id, request_id))
+        if rep is None:
+            return False
+        await rep.engine.cancel(f"{r.id}/{request_id}")
+        return True
+
+    def _request(self, m: ServedModel, r: SamplingRun, spec: SampleSpec) -> SampleRequest:
+        _check_prompt(spec, m)
+        weights = WeightsIdentity(m.name, r.checkpoint_id or None, 0)
+        return SampleRequest(f"{r.id}/{spec.request_id}", list(spec.prompt), spec.options, weights,
+                             None, spec.num_samples, spec.prompt_logprobs, spec.topk_prompt_logprobs,
+                             spec.generate)
+
+    def _record(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec, res: SampleResult,
+                rep: Replica) -> SampleOutcome:
+        """Meter a finished request and store its outcome (for retries)."""
+        u = res.usage
+        event = UsageEvent.from_counts(
+            prompt_tokens=u.prompt_tokens, prefill=u.prefill_tokens, prefill_cached=u.cached_tokens,
+            time=time.time(), api_key_id=key.id, session_id=r.session_id, run_id=r.id,
+            base_model=m.name, operation="sample" if spec.generate else "compute_logprobs",
+            request_id=spec.request_id, sample=u.sample_tokens)
+        out = SampleOutcome(
+            spec.request_id, r.id, m.name,
+            [SequenceOutcome(list(s.tokens), [float(x) for x in s.logprobs], s.text, s.stop_reason)
+             for s in res.sequences],
+            res.prompt_logprobs, res.topk_prompt_logprobs,
+            {"prompt_tokens": u.prompt_tokens, "prefill_tokens": u.prefill_tokens,
+             "cached_tokens": u.cached_tokens, "sample_tokens": u.sample_tokens},
+            self.rate_card.cost(event)["total"], rep.index)
+        self.store.add_sample_result(r.id, spec.request_id, out.to_json())
+        self.store.add_usage(event)
+        if spec.generate:
+            self.spawn(self._diagnose(key, r, m, spec, res))
+        return out
+
+    def _route(self, m: ServedModel, r: SamplingRun, spec: SampleSpec) -> Replica:
+        live = m.live_replicas()
+        if not live:
+            raise Conflict(f"no engine replica of {m.name} is running; try again later",
+                           code="worker_lost", status=503)
+        if r.checkpoint_id:
+            ck = self.store.checkpoint(r.checkpoint_id)
+            if ck is not None and not ck.path:  # held in memory by the replica that trained it
+                holders = self.adapters.holders(live, r.checkpoint_id)
+                if holders:
+                    return holders[0]
+        identity = f"{m.name}\0{r.checkpoint_id}"
+        return self.router.route(m.replicas, identity, spec.prompt, m.info.block_size)
+
+    async def _diagnose(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec,
+                        res: SampleResult) -> None:
+        try:
+            found = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.diagnostics.observe(
+                    key.id, r.session_id, r.id, m.name, spec.request_id, spec.prompt,
+                    res.usage.cached_tokens, [s.tokens for s in res.sequences], m.tokenizer.decode))
+            for d in found:
+                self.store.add_diagnostic(d)
+        except Exception:  # diagnostics are advisory; never fail a request over them
+            log.exception("prefix diagnostics failed")
+
+
+def _check_prompt(spec: SampleSpec, m: ServedModel) -> None:
+    bad = [t for t in spec.prompt if not 0 <= t < m.vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary [0, {m.vocab_size})")
+    try:
+        check_prompt_length(len(spec.prompt), spec.options.max_tokens if spec.generate else 0,
+                            m.max_seq_len, m.name)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None

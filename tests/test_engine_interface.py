@@ -1,0 +1,109 @@
+"""The engine interface through its in-process backend: plain serialisable calls only."""
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from trine.engine.interface import SampleCancelled, SampleDelta
+from trine.engine.local import LocalEngine
+from trine.engine.model import LoRAConfig
+from trine.engine.ops import (FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_WEIGHTS, CycleEvent, Forward,
+                              InitRun, OptimStep, RunShare, Save, TrainingCycle)
+from trine.engine.requests import (AdamConfig, SampleRequest, SampleResult, SamplingOptions, TrainDatum,
+                                   WeightsIdentity)
+
+
+def _engine(model_dir) -> LocalEngine:
+    return LocalEngine("tiny", model_dir, device="cpu", num_threads=1,
+                       sampler_options={"kv_cache_bytes": 8 << 20},
+                       trainer_options={"micro_batch_tokens": 256})
+
+
+def _cycle(n: int, run_id: str, *events: tuple[str, str, object]) -> TrainingCycle:
+    share = RunShare()
+    for ev_id, type_, op in events:
+        phase = {INIT_RUN: share.pre, FORWARD_BACKWARD: share.forward, OPTIMIZE_STEP: share.optim,
+                 SAVE_WEIGHTS: share.post}[type_]
+        phase.append(CycleEvent(ev_id, type_, op))
+    return TrainingCycle(n, {run_id: share})
+
+
+def test_train_publish_sample_spill_and_reload_by_checkpoint_id(tiny_model_dir, tmp_path):
+    async def main():
+        eng = _engine(tiny_model_dir)
+        info = await eng.start()
+        try:
+            tokens = list(range(100, 132))
+            data = [TrainDatum(tokens, tokens[1:] + [-100], [1.0] * 32)]
+            cycle = _cycle(1, "run",
+                           ("e1", INIT_RUN, InitRun(LoRAConfig(rank=4, seed=3))),
+                           ("e2", FORWARD_BACKWARD, Forward(data, "cross_entropy")),
+                           ("e3", OPTIMIZE_STEP, OptimStep(AdamConfig(learning_rate=1e-2))),
+                           ("e4", SAVE_WEIGHTS, Save("weights", "snap", "TEMPORARY", checkpoint_id="ck1")))
+            cycle = pickle.loads(pickle.dumps(cycle))  # what crosses is plain data
+            res = await eng.run_cycle(cycle)
+            res = pickle.loads(pickle.dumps(res))
+            assert [res.outcomes[e].error for e in ("e1", "e2", "e3", "e4")] == [None] * 4
+            fb = res.outcomes["e2"]
+            assert len(fb.logprobs) == 1 and len(fb.logprobs[0]) == 32 and fb.train_tokens == 32
+            assert all(isinstance(x, float) for x in fb.logprobs[0] + fb.losses[0])
+
+            opts = SamplingOptions(max_tokens=4, temperature=0.0)
+            tuned = SampleRequest("a", [5, 6, 7, 8], opts, WeightsIdentity("tiny", "ck1"))
+            base = SampleRequest("b", [5, 6, 7, 8], opts, WeightsIdentity("tiny"))
+            out_tuned, out_base = await asyncio.gather(eng.sample(tuned), eng.sample(base))
+            assert out_tuned.usage.prompt_tokens == 4 and out_tuned.sequences[0].tokens
+            stats = await eng.stats()
+            assert stats.adapters == 1 and stats.runs == 1
+            assert [(c.number, c.runs, c.events) for c in stats.recent_cycles] == [(1, ["run"], 4)]
+            assert stats.sampler["blocks_total"] > 0
+
+            # spill to disk, evict, and load it back under another id: same greedy tokens
+            path = str(tmp_path / "snap")
+            assert await eng.spill_adapter("ck1", LoRAConfig(rank=4, seed=3), path) > 0
+            await eng.evict_adapter("ck1")
+            with pytest.raises(ValueError, match="not loaded"):
+                await eng.sample(SampleRequest("c", [5, 6, 7, 8], opts, WeightsIdentity("tiny", "ck1")))
+            assert await eng.load_adapter("ck2", path) > 0
+            again = await eng.sample(SampleRequest("d", [5, 6, 7, 8], opts, WeightsIdentity("tiny", "ck2")))
+            assert again.sequences[0].tokens == out_tuned.sequences[0].tokens
+
+            await eng.drop_run("run")
+            assert (await eng.stats()).runs == 0
+            return info
+        finally:
+            await eng.stop()
+
+    info = asyncio.run(main())
+    assert info.vocab_size == 49152 and info.max_seq_len == 4096 and info.architecture == "llama"
+
+
+def test_stream_cancel_and_no_live_modules_across(tiny_model_dir):
+    async def main():
+        eng = _engine(tiny_model_dir)
+        await eng.start()
+        try:
+            opts = SamplingOptions(max_tokens=5, temperature=1.0, seed=7)
+            items = [x async for x in eng.sample_stream(
+                SampleRequest("s", [9, 10, 11], opts, WeightsIdentity("tiny"), num_samples=2))]
+            deltas, final = items[:-1], items[-1]
+            assert isinstance(final, SampleResult) and all(isinstance(d, SampleDelta) for d in deltas)
+            for i, seq in enumerate(final.sequences):
+                assert [t for d in deltas if d.sequence == i for t in d.tokens] == seq.tokens
+
+            long = asyncio.ensure_future(eng.sample(SampleRequest(
+                "long", [9, 10, 11], SamplingOptions(max_tokens=1000, stop_at_eos=False),
+                WeightsIdentity("tiny"))))
+            await asyncio.sleep(0.2)
+            await eng.cancel("long")
+            with pytest.raises(SampleCancelled):
+                await asyncio.wait_for(long, 10)
+
+            with pytest.raises(ValueError, match="engine-internal"):
+                await eng.sample(SampleRequest("m", [1, 2], opts, WeightsIdentity("tiny"), adapter=object()))
+        finally:
+            await eng.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,65 @@
+"""Prefix-aware routing: stable block keys, affinity for growing prompts, bounded loads."""
+from __future__ import annotations
+
+import random
+
+from trine.service.models import Replica
+from trine.service.routing import Router, block_keys
+
+
+def _replicas(n: int) -> list[Replica]:
+    return [Replica(i, engine=None) for i in range(n)]
+
+
+def test_block_keys_are_stable_across_processes_and_depend_on_weights():
+    prompt = list(range(1000, 1040))
+    keys = block_keys("m\0ck", prompt, 16)
+    # full blocks only; fixed values (blake2b), the same in every process, unlike salted hash()
+    assert keys == [4867572638503693814, 4469386065086479619]
+    assert block_keys("m\0other", prompt, 16)[0] != keys[0]
+    assert block_keys("m\0ck", prompt[:20], 16) == keys[:1]  # a block's key depends only on its prefix
+
+
+def test_conversations_and_groups_stick_to_one_replica_while_loads_stay_bounded():
+    reps = _replicas(2)
+    router = Router()
+    rng = random.Random(0)
+    homes = set()
+    for conv in range(20):  # each conversation grows turn by turn: its turns share one replica
+        prompt = [rng.randrange(50000) for _ in range(40)]
+        seen = set()
+        for _turn in range(4):
+            seen.add(router.route(reps, "m\0", prompt, 16).index)
+            prompt = prompt + [rng.randrange(50000) for _ in range(30)]
+        assert len(seen) == 1
+        homes |= seen
+    assert homes == {0, 1}  # different conversations spread over both replicas
+
+    group = [5] * 80  # a group of 8 sent at once stays on one replica (within the slack)
+    picks = []
+    for _ in range(8):
+        rep = router.route(reps, "m\0", group, 16)
+        rep.inflight_samples += 1
+        picks.append(rep.index)
+    assert len(set(picks)) == 1
+    for r in reps:
+        r.inflight_samples = 0
+
+    hot = [7] * 64  # one hot prefix; replica loads are in flight counts
+    first = router.route(reps, "m\0", hot, 16)
+    first.inflight_samples = 10
+    other = router.route(reps, "m\0", hot, 16)
+    assert other is not first  # over the load bound: spill to the other replica
+    first.inflight_samples = 0
+
+
+def test_dead_replicas_are_skipped_and_random_policy_ignores_prompts():
+    reps = _replicas(3)
+    router = Router()
+    prompt = list(range(64))
+    home = router.route(reps, "m\0", prompt, 16)
+    home.alive = False
+    assert router.route(reps, "m\0", prompt, 16) is not home
+    rand = Router("random", seed=1)
+    picks = {rand.route(reps, "m\0", prompt, 16).index for _ in range(30)}
+    assert picks == {r.index for r in reps if r.alive}
