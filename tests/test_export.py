@@ -75,6 +75,9 @@ def test_adapter_export_loads_with_peft_from_its_own_config(saved, tmp_path):
 def test_export_refuses_unknown_checkpoint(tmp_path):
     r = CliRunner().invoke(main, ["export", "trio://nope", str(tmp_path / "o"), "--home", str(tmp_path)])
     assert r.exit_code == 2 and "trine checkpoints" in r.output
+    (tmp_path / "not-a-checkpoint").mkdir()
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "not-a-checkpoint"), str(tmp_path / "o")])
+    assert r.exit_code == 1 and "is not a LoRA checkpoint" in r.output and not (tmp_path / "o").exists()
 
 
 def test_download_checkpoint_into_a_directory_extracts_a_peft_adapter(tiny_model_dir, tmp_path):

@@ -29,6 +29,17 @@ def checkpoint_dir(checkpoint: str, home: Path) -> Path:
     return Path(ck.path)
 
 
+def named_model_dir(adapter_dir: Path, home: Path) -> Path | None:
+    """For a checkpoint that records only its base model's name: that model under `home`/models."""
+    import json
+
+    from trine.engine.checkpoint import ADAPTER_CONFIG, BASE_MODEL_NAME
+    cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    name = cfg.get(BASE_MODEL_NAME) or cfg.get("base_model_name_or_path") or ""
+    candidate = home / "models" / Path(str(name)).name
+    return candidate if name and (candidate / "config.json").is_file() else None
+
+
 @click.command()
 @click.argument("checkpoint")
 @click.argument("out", type=click.Path(path_type=Path))
@@ -44,15 +55,20 @@ def export(checkpoint, out, merged, base_dir, home):
     Without --merged, OUT is a PEFT adapter directory that `peft` loads
     (AutoPeftModelForCausalLM.from_pretrained(OUT)); with --merged, a model directory that
     `transformers` and vLLM load on their own."""
-    from trine.engine.export import export_adapter, export_merged
+    from trine.engine.checkpoint import read_lora_config
+    from trine.engine.export import base_model_dir, export_adapter, export_merged
 
-    src = checkpoint_dir(checkpoint, trine_home(home))
+    home = trine_home(home)
+    src = checkpoint_dir(checkpoint, home)
     try:
+        read_lora_config(src)  # refuses a directory that is not a LoRA checkpoint, naming what it lacks
+        if base_dir is None and base_model_dir(src) is None:
+            base_dir = named_model_dir(src, home)
         if merged:
             export_merged(src, out, base_dir)
         else:
             export_adapter(src, out, base_dir)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # not a checkpoint, unknown base, OUT not empty, disk full
         raise click.ClickException(str(e)) from None
     what = "merged model" if merged else "PEFT adapter"
     click.echo(f"wrote the {what} of {checkpoint} to {out}")
