@@ -61,10 +61,10 @@ class PhaseTokens:
 class ReportRow:
     key: str  # the group: an hour ("2026-01-05 13:00Z"), run id, model or session; "total" for the total
     requests: int = 0
-    # by run: what the id stands for ({kind, name, model, created_at}; see describe_runs); else empty
-    info: dict = field(default_factory=dict)
     tokens: PhaseTokens = field(default_factory=PhaseTokens)
     cost: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*BILLED_PHASES, "total"), 0.0))
+    # by run: what the id stands for ({kind, name, model, created_at}; see describe_runs); else empty
+    info: dict = field(default_factory=dict)
 
     def add(self, e: UsageEvent, cost: dict[str, float]) -> None:
         self.requests += 1
