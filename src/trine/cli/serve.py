@@ -107,7 +107,7 @@ def serve(models, host, port, home, cycle_seconds, threads, log_level, quiet):
     check_model_family(served)
     store = Store(home)
     new_key = None
-    if not store.keys():
+    if not any(k.revoked_at is None for k in store.keys()):  # first run, or every key revoked
         _, new_key = store.create_key("default")
     service = Service(store, served, cycle_seconds=cycle_seconds, num_threads=threads)
     app = create_app(service, TokenSigner(home))
