@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,16 +36,20 @@ def test_sampler_adapter_loads_into_peft_with_the_same_logits(model, tiny_model_
     size = trainer.save_weights("r", tmp_path / "ckpt")
     assert size == sum(f.stat().st_size for f in (tmp_path / "ckpt").iterdir())
     cfg = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
-    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16.0 and cfg["base_model_name_or_path"] == "tiny-llama"
+    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16.0 and cfg["trine_base_model"] == "tiny-llama"
+    assert cfg["base_model_name_or_path"] == str(Path(tiny_model_dir).resolve())  # loads with no hub
     from safetensors.torch import load_file
     keys = load_file(str(tmp_path / "ckpt" / "adapter_model.safetensors"))
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
     assert "base_model.model.lm_head.lora_B.weight" in keys
 
     peft_model = PeftModel.from_pretrained(hf_model(tiny_model_dir), str(tmp_path / "ckpt")).eval()
+    from peft import AutoPeftModelForCausalLM  # the adapter alone names its base model's directory
+    auto_model = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32).eval()
     tokens = torch.tensor([[5, 900, 17, 4000, 23, 8, 49000, 3]])
     with torch.no_grad():
         want = peft_model(tokens).logits
+        assert (auto_model(tokens).logits - want).abs().max() == 0
         got = model(tokens, adapters=AdapterBatch.single(trainer.adapter("r")))
         base = model(tokens)
     assert (got - base).abs().max() > 1e-2  # the adapter matters

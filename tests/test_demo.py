@@ -13,20 +13,24 @@ from trine.cli.main import main
 
 def test_demo_runs_end_to_end_and_prints_usage_by_phase(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TRINE_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setenv("COLUMNS", "80")
     result = CliRunner().invoke(main, ["demo", "--model", str(tiny_model_dir), "--sft-steps", "2",
                                        "--rl-steps", "1", "--home", str(tmp_path / "home")])
     assert result.exit_code == 0, result.output + repr(result.exception)
     out = result.output
     assert "SFT loss" in out and "held-out question" in out and "GRPO" in out
     assert "Usage by phase" in out
+    assert max(map(len, out.splitlines())) <= 80
+    header = out.splitlines().index(next(line for line in out.splitlines() if line.strip().startswith("step  reward")))
+    step = out.splitlines()[header + 1].split()  # one GRPO step: one line, under its header
+    assert step[0] == "1" and (step[-1].isdigit() or step[-1] == "update")
     for column in ("prefill computed", "prefill cached", "sample", "train computed", "train in loss"):
-        assert column in out
+        assert all(word in out for word in column.split())  # headers wrap onto two lines at 80 columns
     total = next(line for line in out.splitlines() if "total" in line)
     numbers = [int(x.replace(",", "")) for x in total.split("│")[2:7]]
     prefill, cached, sampled, train, in_loss = numbers
     assert prefill > 0 and sampled > 0 and train > 0 and 0 < in_loss < train
-    assert "cost (USD)" in out and float(total.split("│")[7]) > 0  # priced by the server's rate card
+    assert "(USD)" in out and float(total.split("│")[7]) > 0  # priced by the server's rate card
 
 
 def test_reward_checks_the_first_number():

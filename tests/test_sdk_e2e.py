@@ -503,7 +503,7 @@ def test_trine_checkpoints_lists_what_a_run_saved(server, service, tokenizer):
     saved = trainer.save_weights_for_sampler("listed-weights").result()
     out = CliRunner().invoke(checkpoints, ["--home", str(server.home), "--json"])
     assert out.exit_code == 0, out.output
-    rows = {r["uri"]: r for r in map(json.loads, out.stdout.splitlines())}
+    rows = {r["uri"]: r for r in json.loads(out.stdout)}
     assert rows[saved.path]["size_bytes"] > 0 and rows[saved.path]["visibility"] == "WORKSPACE"
     text = CliRunner().invoke(checkpoints, ["--home", str(server.home)]).stdout
     assert saved.path in text and "MB" in text

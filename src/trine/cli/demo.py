@@ -24,6 +24,9 @@ SFT_QUESTIONS = [
 SFT_ANSWER = "I was trained by trine, a self-hosted engine for LLM post-training."
 HELD_OUT_QUESTION = "Which engine did your training use?"
 RL_PROMPT = "Repeat this number exactly: {n}"
+# Per-step lines are columns under these headers, so each fits in 80 columns.
+SFT_HEADER = "  step      loss  train tokens  in the loss  cycle"
+GRPO_HEADER = "  step  reward  prefill  cached  sample      loss   train  cycle"
 
 
 def chat_prompt(tokenizer, question: str) -> list[int]:
@@ -103,6 +106,7 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
     adam = trio.AdamParams(learning_rate=2e-3)
     before = service.usage()
     losses = []
+    console.print(SFT_HEADER)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("SFT", total=sft_steps)
         for step in range(sft_steps):
@@ -110,9 +114,8 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
             opt = trainer.optim_step(adam)  # submitted before waiting: same clock cycle
             out, _ = fb.result(), opt.result()
             losses.append(out.metrics["loss_mean"])
-            console.print(f"  step {step + 1:>2}  loss {out.metrics['loss_mean']:.4f}  "
-                          f"train tokens {out.usage.train_tokens} (in loss {out.usage.loss_tokens})  "
-                          f"cycle {out.cycle}")
+            console.print(f"  {step + 1:>4}  {out.metrics['loss_mean']:>8.4f}  {out.usage.train_tokens:>12,}  "
+                          f"{out.usage.loss_tokens:>11,}  {out.cycle:>5}")
             progress.advance(task)
     stages.append(("SFT", service.usage() - before))
     if losses:
@@ -135,6 +138,7 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
     trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=seed)
     params = trio.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=["<|im_end|>", "\n"])
     mean_rewards = []
+    console.print(GRPO_HEADER)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("GRPO", total=rl_steps)
         for step in range(rl_steps):
@@ -150,16 +154,15 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
                 rewards += group
                 sample_usage = sample_usage + res.usage
                 data += grpo_datums(trio, prompt, res.sequences, group)
-            line = (f"  step {step + 1:>2}  reward {statistics.fmean(rewards):.2f}  "
-                    f"prefill {sample_usage.prefill_tokens} computed / {sample_usage.cached_tokens} cached  "
-                    f"sampled {sample_usage.sample_tokens}")
+            line = (f"  {step + 1:>4}  {statistics.fmean(rewards):>6.2f}  {sample_usage.prefill_tokens:>7,}  "
+                    f"{sample_usage.cached_tokens:>6,}  {sample_usage.sample_tokens:>6,}")
             if data:
                 fb = trainer.forward_backward(data, "importance_sampling")
                 opt = trainer.optim_step(trio.AdamParams(learning_rate=2e-3))
                 out, _ = fb.result(), opt.result()
-                line += f"  loss {out.metrics['loss_sum']:+.4f}  train {out.usage.train_tokens}  cycle {out.cycle}"
+                line += f"  {out.metrics['loss_sum']:>+8.4f}  {out.usage.train_tokens:>6,}  {out.cycle:>5}"
             else:
-                line += "  (no reward variance: nothing to learn this step)"
+                line += "  no reward variance: no update"
             console.print(line)
             progress.advance(task)
             mean_rewards.append(statistics.fmean(rewards))
@@ -201,8 +204,9 @@ def demo(model_dir: Path | None, sft_steps: int, rl_steps: int, home: Path | Non
             total = service.usage()
         console.print()
         console.print(usage_table(stages, total))
-        console.print("prompt tokens = prefill computed + prefill cached; train computed counts every position, "
-                      "train in loss only those with a non-zero weight or advantage.")
+        console.print("prompt tokens = prefill computed + prefill cached;\n"
+                      "train computed counts every position, train in loss only those with a\n"
+                      "non-zero weight or advantage.")
         console.print(f"demo finished in {time.monotonic() - started:.0f} s")
     finally:
         server.stop()

@@ -1,12 +1,12 @@
 """`trine keys`: create, list and revoke API keys of a data dir."""
 from __future__ import annotations
 
-import datetime
-
 import click
 
 from trine.home import trine_home
 from trine.store.keys import tinker_form
+
+from .output import Column, print_json, print_table, when
 
 
 def _store(home):
@@ -35,12 +35,17 @@ def create(name, home):
 
 @keys.command("list")
 @click.option("--home", default=None, help="Data dir (default $TRINE_HOME or ~/.trine).")
-def list_keys(home):
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
+def list_keys(home, as_json):
     """List key ids, names and creation times (never the keys themselves)."""
-    for k in _store(home).keys():
-        created = datetime.datetime.fromtimestamp(k.created_at).strftime("%Y-%m-%d %H:%M")
-        state = "revoked" if k.revoked_at else "active"
-        click.echo(f"{k.id}\t{k.name}\t{created}\t{state}")
+    records = [{"id": k.id, "name": k.name, "created_at": k.created_at, "revoked_at": k.revoked_at,
+                "status": "revoked" if k.revoked_at else "active"} for k in _store(home).keys()]
+    if as_json:
+        print_json(records)
+        return
+    print_table("API keys", [Column("id"), Column("name", fold=True), Column("created"), Column("status")],
+                [(r["id"], r["name"], when(r["created_at"]), r["status"]) for r in records],
+                empty="no API keys (`trine keys create --name NAME` makes one)")
 
 
 @keys.command("revoke")

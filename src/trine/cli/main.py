@@ -14,6 +14,7 @@ COMMANDS = {
     "estimate": ("trine.cli.estimate", "estimate"),
     "models": ("trine.cli.models", "models"),
     "checkpoints": ("trine.cli.checkpoints", "checkpoints"),
+    "export": ("trine.cli.export", "export"),
 }
 
 
@@ -33,7 +34,8 @@ class LazyGroup(click.Group):
             raise
 
 
-@click.group(cls=LazyGroup)
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="trine", prog_name="trine", message="%(prog)s %(version)s")
 def main():
     """trine: a self-hosted engine for LLM post-training (PyTRIO protocol)."""
 

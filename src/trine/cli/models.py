@@ -8,6 +8,7 @@ import click
 
 from ..metering import remote
 from ..metering.rates import RateCard, trine_home
+from .output import Column, price, print_table
 
 
 @click.command()
@@ -26,24 +27,20 @@ def models(url, api_key, home, rates, as_json):
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="models (USD per million tokens; storage per GB-month)", title_justify="left")
-    t.add_column("model", no_wrap=True)
-    t.add_column("status", no_wrap=True)
-    for name in ("prefill", "cached", "sample", "train", "GB-month"):
-        t.add_column(name, justify="right")
+    cols = [Column("model", fold=True), Column("status", fold=True)]
+    cols += [Column(name, numeric=True) for name in ("prefill", "cached", "sample", "train", "GB-month")]
+    table = []
     for r in rows:
         p = r["pricing"]
-        status = r["status"] + ("" if p["rate_row"] == r["model_id"] else f" (priced as {p['rate_row']})")
-        t.add_row(r["model_id"], status, *(f"{p[k]:g}" for k in
-                  ("prefill", "prefill_cached", "sample", "train", "storage_gb_month")))
-    Console().print(t)
+        status = r["status"] + ("" if p["rate_row"] == r["name"] else f" (priced as {p['rate_row']})")
+        table.append((r["name"], status, *(price(p[k]) for k in
+                      ("prefill", "prefill_cached", "sample", "train", "storage_gb_month"))))
+    print_table("models (USD per million tokens; storage per GB-month)", cols, table, empty="no models")
 
 
 def _rows(url, api_key, home, rates) -> list[dict]:
-    """One entry per model: model_id, status (served / downloaded / rate card), pricing."""
+    """One entry per model: name (what clients pass as base_model), model_id (a server's model
+    directory), status (served / downloaded / rate card), pricing."""
     url = remote.server_url(url)
     if url is not None:
         key = remote.api_key(api_key)
@@ -56,13 +53,14 @@ def _rows(url, api_key, home, rates) -> list[dict]:
                     d = remote.get_json(url, key, "/api/trine/v1/rates")
                     card = RateCard.from_models_list(d["models"], d["currency"])
                 pricing = card.pricing(item["model_id"])
-            out.append({"model_id": item["model_id"], "status": "served", "pricing": pricing})
+            out.append({"name": item.get("alias") or item["model_id"], "model_id": item["model_id"],
+                        "status": "served", "pricing": pricing})
         return out
     home = home or trine_home()
     card = RateCard.load(rates, home=home)
     local = sorted(p.name for p in (home / "models").glob("*") if (p / "config.json").is_file())
-    out = [{"model_id": m, "status": "downloaded", "pricing": card.pricing(m)} for m in local]
-    out += [{"model_id": m["model_id"], "status": "rate card", "pricing": m["pricing"]}
+    out = [{"name": m, "model_id": m, "status": "downloaded", "pricing": card.pricing(m)} for m in local]
+    out += [{"name": m["model_id"], "model_id": m["model_id"], "status": "rate card", "pricing": m["pricing"]}
             for m in card.as_models_list() if m["model_id"] not in local]
     return out
 

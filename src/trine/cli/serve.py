@@ -1,6 +1,13 @@
-"""`trine serve`: serve base models over the PyTRIO protocol (control + actor planes)."""
+"""`trine serve`: serve base models over the PyTRIO protocol (control + actor planes).
+
+Everything a user can get wrong is checked before any weights load, and reported as one line with
+a non-zero exit: an unsupported model family, a missing model directory, a port already in use.
+"""
 from __future__ import annotations
 
+import errno
+import socket
+import sys
 from pathlib import Path
 
 import click
@@ -43,6 +50,45 @@ def _ray_engines(address: str, replicas: int, threads: int | None):
     return ray_engines(replicas, num_threads=threads or 1)
 
 
+def check_model_family(served: dict[str, Path]) -> None:
+    """Read each config.json (no weights) and refuse a family trine cannot run."""
+    from trine.engine.weights import read_config
+    for name, path in served.items():
+        try:
+            read_config(path)
+        except (ValueError, KeyError, OSError) as e:
+            detail = str(e) if not isinstance(e, KeyError) else f"config.json has no {e}"
+            raise click.ClickException(f"--model {name} ({path}): {detail}") from None
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind the address once, as the server will, so a port in use fails now and not after loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise click.ClickException(f"--port {port}: {host}:{port} is already in use (another "
+                                           "`trine serve`?); stop it or pick another port with --port") from None
+            raise click.ClickException(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+
+
+def key_hint(store, home: Path, new_key: str | None) -> str:
+    """How to get an API key: the one just created, else where existing ones are."""
+    if new_key:
+        return (f"A new API key was created (shown once; `trine keys create --name NAME` for more):\n"
+                f"  {new_key}")
+    from trine.server.app import EMBEDDED_KEY_FILE
+    active = [k for k in store.keys() if not k.revoked_at]
+    lines = [f"API keys: {len(active)} active in {home / 'trine.db'} (`trine keys list`); keys are stored "
+             "hashed, so make one to connect with: `trine keys create --name NAME`"]
+    if (home / EMBEDDED_KEY_FILE).is_file():
+        lines.append(f"  `trine demo`'s key is in {home / EMBEDDED_KEY_FILE}")
+    return "\n".join(lines)
+
+
 @click.command()
 @click.option("--model", "models", multiple=True, metavar="DIR|NAME=DIR",
               help="A Hugging Face checkpoint directory to serve (repeatable). Default: "
@@ -68,9 +114,11 @@ def _ray_engines(address: str, replicas: int, threads: int | None):
               help="Open connections beyond this are closed at once.")
 @click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Seconds a connection may take to send complete request headers.")
+@click.option("--quiet", is_flag=True, help="No access log (one line per request, on by default).")
 def serve(models, host, port, home, cycle_seconds, threads, ray_address, replicas, checkpoint_dir,
-          log_level, max_connections, header_timeout):
+          log_level, max_connections, header_timeout, quiet):
     """Serve base models for training and sampling over the PyTRIO protocol."""
+    from trine.server import access_log
     from trine.server.app import create_app, run_forever
     from trine.server.auth import TokenSigner
     from trine.service import Service
@@ -81,7 +129,9 @@ def serve(models, host, port, home, cycle_seconds, threads, ray_address, replica
         raise click.BadParameter("must be >= 0", param_hint="--cycle-seconds")
     if replicas < 1 or (replicas > 1 and ray_address is None):
         raise click.BadParameter("use 1 or more, and more than 1 only with --ray", param_hint="--replicas")
+    check_port(host, port)
     served = _model_specs(models, home)
+    check_model_family(served)
     store = Store(home)
     if checkpoint_dir:
         store.checkpoint_dir = Path(checkpoint_dir).expanduser().resolve()
@@ -90,7 +140,7 @@ def serve(models, host, port, home, cycle_seconds, threads, ray_address, replica
     if ray_address is not None:
         engines = _ray_engines(ray_address, replicas, threads)
     new_key = None
-    if not store.keys():
+    if not any(k.revoked_at is None for k in store.keys()):  # first run, or every key revoked
         _, new_key = store.create_key("default")
     service = Service(store, served, cycle_seconds=cycle_seconds, num_threads=threads, engines=engines)
     app = create_app(service, TokenSigner(home))
@@ -100,9 +150,7 @@ def serve(models, host, port, home, cycle_seconds, threads, ray_address, replica
         click.echo(f"  {name}: {path}")
     if engines is not None:
         click.echo(f"  engines: {replicas} Ray replica(s) per model ({ray_address})")
-    if new_key:
-        click.echo(f"\nA new API key was created (shown once; `trine keys create --name NAME` for more):\n"
-                   f"  {new_key}")
+    click.echo("\n" + key_hint(store, home, new_key))
     key = new_key or "<your key>"
     click.echo(f"\nConnect with the trine SDK:\n"
                f"  import trine as trio; trio.ServiceClient(base_url=\"{url}\", api_key=\"{key}\")\n"
@@ -113,4 +161,6 @@ def serve(models, host, port, home, cycle_seconds, threads, ray_address, replica
                f"or any OpenAI client (chat and completions on the models and your checkpoints):\n"
                f"  OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\")\n"
                f"or look at runs, curves and cost by phase in the web console:\n  {url}/console\n")
+    access_log.configure(quiet)
+    sys.stdout.flush()
     run_forever(app, host, port, log_level, max_connections=max_connections, header_timeout=header_timeout)

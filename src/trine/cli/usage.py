@@ -7,8 +7,9 @@ import click
 
 from ..metering import remote
 from ..metering.rates import RateCard, trine_home
-from ..metering.report import GROUPINGS, Report, build_report, render
+from ..metering.report import GROUPINGS, Report, build_report, describe_runs, render
 from ..metering.since import parse_since
+from .output import console
 
 
 @click.command()
@@ -33,7 +34,7 @@ def usage(session_id, run_id, since, by, as_json, home, key_name, url, api_key, 
     if as_json:
         click.echo(report.to_json(indent=2))
     else:
-        render(report)
+        render(report, console())
 
 
 def _report(session_id, run_id, since, by, home, key_name, url, api_key, rates) -> Report:
@@ -64,6 +65,7 @@ def _report(session_id, run_id, since, by, home, key_name, url, api_key, rates) 
         kw = dict(session_id=session_id, run_id=run_id, since=t)
         events = [e for k in keys for e in store.usage_events(k.id, **kw)]
         diags = [d for k in keys for d in store.diagnostics(k.id, **kw)]
+        runs = describe_runs(store, {e.run_id for e in events}) if by == "run" else None
     finally:
         store.close()
-    return build_report(events, by, RateCard.load(rates, home=home), diags, filters)
+    return build_report(events, by, RateCard.load(rates, home=home), diags, filters, runs)

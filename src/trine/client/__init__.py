@@ -1,5 +1,5 @@
 """The trine SDK: ServiceClient, TrainingClient, SamplingClient, RestClient and their futures."""
-from .errors import (
+from ..errors import (
     ActorAPIError,
     AuthError,
     ControlAPIError,

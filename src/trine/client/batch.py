@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..types import Datum, ImageChunk, ModelInput
-from .errors import ValidationError
+from ..errors import ValidationError
 from .wire import model_input_to_wire
 
 LOSS_INPUTS = {

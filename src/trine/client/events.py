@@ -18,8 +18,8 @@ import asyncio
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from ..errors import ActorAPIError, EventFailedError, RunBrokenError, TrineError
 from ..limits import FORWARD_BACKWARD
-from .errors import ActorAPIError, EventFailedError, RunBrokenError, TrineError
 from .futures import settle
 from .http import ActorConnection, Settings
 from .wire import event_envelope, new_event_id

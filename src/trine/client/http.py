@@ -2,7 +2,13 @@
 
 Retryable: HTTP 408/429/500/502/503/504 and transport errors (connect, read, timeouts). After the
 first retryable failure, the *same* request (same body, same event or request id) is re-sent with
-exponential backoff until `retry_window_s` has passed; the server deduplicates by those ids.
+exponential backoff until `retry_window_s` has passed; the server deduplicates by those ids. Each
+request that needs retries logs one WARNING on `trine.client` when it starts retrying (and one INFO
+line if it then succeeds), never one line per attempt.
+
+A client's first request (creating the `ServiceClient`) retries only for `connect_check_s`, so a
+server that is not there fails in seconds; the long window is for a server that was reachable and
+is restarting.
 
 Control (`{root}/api/...`): JSON, authenticated with the API key (X-API-Key + Bearer).
 Actor (from the run's `actor.endpoint`): authenticated with the run's short-lived JWT, renewed
@@ -11,6 +17,7 @@ through control when within 300 s of expiry or after a 401 (once per failed toke
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -19,16 +26,18 @@ from datetime import datetime, timezone
 
 import httpx
 
-from .errors import ActorAPIError, AuthError, ControlAPIError, TrineError
+from ..errors import ActorAPIError, AuthError, ControlAPIError, TrineError
 from .wire import decode_body
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+log = logging.getLogger("trine.client")
 
 
 @dataclass
 class Settings:
     request_timeout_s: float = 30.0
     retry_window_s: float = 900.0  # retry a failing request this long after its first failure
+    connect_check_s: float = 5.0  # the first request of a new client: fail after this long unreachable
     retry_initial_delay_s: float = 0.5
     retry_max_delay_s: float = 10.0
     poll_wait_s: int = 30  # sent as `Prefer: wait=N` on event long-polls
@@ -44,25 +53,37 @@ def normalize_base_url(url: str) -> str:
     return url
 
 
-async def send_with_retry(send: Callable[[], Awaitable[httpx.Response]], settings: Settings) -> httpx.Response:
-    """Call `send` until it gives a non-retryable response or the retry window closes."""
+async def send_with_retry(send: Callable[[], Awaitable[httpx.Response]], settings: Settings, what: str = "request",
+                          window_s: float | None = None) -> httpx.Response:
+    """Call `send` until it gives a non-retryable response or the retry window closes
+    (`window_s`, default `settings.retry_window_s`). `what` names the request in the log."""
+    window = settings.retry_window_s if window_s is None else window_s
     first_failure: float | None = None
     delay = settings.retry_initial_delay_s
+    attempts = 0
     while True:
+        attempts += 1
         try:
             response = await send()
             if response.status_code not in RETRYABLE_STATUS:
+                if attempts > 1:
+                    log.info("%s succeeded after %d attempts", what, attempts)
                 return response
             error: Exception | None = None
         except httpx.TransportError as e:
             response, error = None, e
         now = time.monotonic()
-        first_failure = first_failure if first_failure is not None else now
-        if now - first_failure >= settings.retry_window_s:
+        if first_failure is None:
+            first_failure = now
+            if window > 0:
+                reason = f"{type(error).__name__}: {error}" if error is not None else f"HTTP {response.status_code}"
+                log.warning("%s failed (%s); retrying for up to %.0f s", what, reason, window)
+        if now - first_failure >= window:
             if error is not None:
                 raise error
             return response
-        await asyncio.sleep(delay * (1 + 0.1 * random.random()))
+        # the last wait ends when the window closes, so the window is the whole time spent retrying
+        await asyncio.sleep(min(delay * (1 + 0.1 * random.random()), first_failure + window - now))
         delay = min(delay * 2, settings.retry_max_delay_s)
 
 
@@ -87,11 +108,15 @@ class ControlHTTP:
             headers={"X-API-Key": api_key, "Authorization": f"Bearer {api_key}"})
 
     async def call(self, method: str, path: str, *, json: dict | None = None,
-                   params: dict | None = None, retry: bool = True) -> dict:
-        """The JSON object a control endpoint returns; `retry=False` tries once (used at exit)."""
-        send = lambda: self.client.request(method, path, json=json, params=params)  # noqa: E731
+                   params: dict | None = None, retry: bool = True, retry_window_s: float | None = None,
+                   timeout: float | None = None) -> dict:
+        """The JSON object a control endpoint returns; `retry=False` tries once (used at exit),
+        `retry_window_s` shortens the retry window, `timeout` the per-attempt timeout."""
+        kw = {"timeout": timeout} if timeout is not None else {}
+        send = lambda: self.client.request(method, path, json=json, params=params, **kw)  # noqa: E731
         try:
-            response = await (send_with_retry(send, self.settings) if retry else send())
+            response = await (send_with_retry(send, self.settings, f"{method} /api/{path}", retry_window_s)
+                              if retry else send())
         except httpx.TransportError as e:
             raise ControlAPIError(f"cannot reach the trine server at {self.root} ({type(e).__name__}: {e}); "
                                   "is `trine serve` running there?", code="network_error") from e
@@ -112,7 +137,7 @@ class ControlHTTP:
     async def get_bytes(self, path: str) -> bytes:
         """A control GET whose answer is a file, not JSON."""
         try:
-            response = await send_with_retry(lambda: self.client.get(path), self.settings)
+            response = await send_with_retry(lambda: self.client.get(path), self.settings, f"GET /api/{path}")
         except httpx.TransportError as e:
             raise ControlAPIError(f"cannot reach the trine server at {self.root} ({e})", code="network_error") from e
         if response.status_code >= 400:
@@ -178,7 +203,7 @@ class ActorConnection:
                 response = await send_with_retry(
                     lambda: self.client.request(method, self.endpoint + path, content=content, json=json,
                                                 headers=h, timeout=timeout or self.settings.request_timeout_s),
-                    self.settings)
+                    self.settings, f"{method} {self.endpoint}{path}")
             except httpx.TransportError as e:
                 raise ActorAPIError(f"cannot reach the actor at {self.endpoint} ({type(e).__name__}: {e})",
                                     code="network_error") from e

@@ -2,9 +2,14 @@
 Every method returns an APIFuture (`.result()` or `await`); `*_async` methods return the value."""
 from __future__ import annotations
 
+import asyncio
+import os
+import shutil
+import tarfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import TrineError, ValidationError
 from ..types import (
     Checkpoint,
     CheckpointArchiveUrlResponse,
@@ -18,7 +23,6 @@ from ..types import (
     TrainingRun,
     TrainingRunsResponse,
 )
-from .errors import TrineError, ValidationError
 from .futures import APIFuture
 
 if TYPE_CHECKING:
@@ -155,16 +159,36 @@ class RestClient:
         return CheckpointDownloadResult(checkpoint_id=checkpoint_id, path=str(path), bytes_written=written,
                                         file_size_bytes=path.stat().st_size, status_code=status, resumed=resumed)
 
+    async def _download_into(self, checkpoint_id: str, directory: Path) -> CheckpointDownloadResult:
+        """Download the archive next to `directory`'s files and extract them into it: the directory
+        then holds the checkpoint's files (a PEFT adapter: adapter_config.json, adapter_model.safetensors)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        archive = directory / f".{checkpoint_id}.tar.part"
+        result = await self._download(checkpoint_id, archive, resume=True)
+        try:
+            files = await asyncio.get_running_loop().run_in_executor(None, extract_checkpoint, archive, directory)
+        finally:
+            archive.unlink(missing_ok=True)
+        return result.model_copy(update={"path": str(directory),
+                                         "file_size_bytes": sum(f.stat().st_size for f in files)})
+
+    def _download_job(self, checkpoint_id: str, destination_path: str | Path, resume: bool):
+        if str(destination_path).endswith(("/", os.sep)) or Path(destination_path).is_dir():
+            return self._download_into(checkpoint_id, Path(destination_path))
+        return self._download(checkpoint_id, Path(destination_path), resume)
+
     async def download_checkpoint_async(self, checkpoint_id: str, destination_path: str | Path, *,
                                         resume: bool = True) -> CheckpointDownloadResult:
         _require("checkpoint_id", checkpoint_id)
-        return await self._rt.run_async(self._download(checkpoint_id, Path(destination_path), resume))
+        return await self._rt.run_async(self._download_job(checkpoint_id, destination_path, resume))
 
     def download_checkpoint(self, checkpoint_id: str, destination_path: str | Path, *,
                             resume: bool = True) -> APIFuture[CheckpointDownloadResult]:
-        """Download a checkpoint's archive to `destination_path` (resuming a partial file)."""
+        """Download a checkpoint. Into a directory (one that exists, or a path ending in `/`): its
+        files are extracted there, ready for `peft`. Otherwise `destination_path` is the tar archive
+        itself (resuming a partial file)."""
         _require("checkpoint_id", checkpoint_id)
-        return self._future(self._download(checkpoint_id, Path(destination_path), resume))
+        return self._future(self._download_job(checkpoint_id, destination_path, resume))
 
     async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
         _require("training_run_id", training_run_id)
@@ -207,3 +231,21 @@ class RestClient:
     def get_sampler(self, sampler_id: str) -> APIFuture[GetSamplerResponse]:
         _require("sampler_id", sampler_id)
         return self._future(self.get_sampler_async(sampler_id))
+
+
+def extract_checkpoint(archive: Path, directory: Path) -> list[Path]:
+    """Extract a checkpoint archive (one top-level folder of plain files) into `directory`, without
+    that folder level. Only regular files are taken, and only by their base names, so no member can
+    write outside `directory`. Returns the files written."""
+    written = []
+    with tarfile.open(archive) as tf:
+        for member in tf.getmembers():
+            if not member.isfile():
+                continue
+            target = directory / Path(member.name).name
+            with tf.extractfile(member) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            written.append(target)
+    if not written:
+        raise TrineError(f"the checkpoint archive {archive.name} holds no files", code="invalid_response")
+    return written

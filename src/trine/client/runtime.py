@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import httpx
 
 from ..types import Usage
-from .errors import TrineError
+from ..errors import TrineError
 from .http import ControlHTTP, Settings
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from ..types import ModelInput, PromptLogprobs, SampleResponse, SampleSequence, SamplingParams, Usage
-from .errors import ActorAPIError, ValidationError
+from ..errors import ActorAPIError, ValidationError
 from .futures import APIFuture
 from .http import ActorConnection
 from .runtime import UsageLedger

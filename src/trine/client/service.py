@@ -10,13 +10,12 @@ import os
 import weakref
 from typing import Any
 
-from pydantic import ValidationError as PydanticValidationError
-
 from .. import __version__
 from ..types import GetServerCapabilitiesResponse, LoraConfig, ModelOperationCapabilities, SupportedModel, Usage
 from . import tokenizer as tok
-from .errors import AuthError, ValidationError
+from ..errors import AuthError, ValidationError
 from .http import Settings
+from .profile import load_profile
 from .rest import RestClient
 from .runtime import Runtime
 from .sampling import SamplingClient
@@ -106,29 +105,45 @@ class ServiceClient:
                  settings: Settings | None = None):
         """Connect to a trine server at `base_url` with `api_key`. Unset, they come from
         `trine.configure(...)`, then $TRINE_BASE_URL / $TRINE_API_KEY, then $PYTRIO_BASE_URL /
-        $PYTRIO_API_KEY (so a PyTRIO setup pointed at trine works as is); the URL defaults to
-        http://127.0.0.1:8000. `trine serve` prints a key."""
+        $PYTRIO_API_KEY (so a PyTRIO setup pointed at trine works as is), then the profile that
+        `trio login` saved (~/.pytrio); the URL defaults to http://127.0.0.1:8000. `trine serve`
+        prints a key.
+
+        A server that cannot be reached fails here within `settings.connect_check_s` (5 s)."""
+        profile = None
+        if api_key is None and not (_configured.get("api_key") or _env("TRINE_API_KEY", "PYTRIO_API_KEY")):
+            profile = load_profile()
         base_url = (base_url or _configured.get("base_url") or _env("TRINE_BASE_URL", "PYTRIO_BASE_URL")
-                    or DEFAULT_BASE_URL)
+                    or (profile.base_url if profile else "") or DEFAULT_BASE_URL)
         if api_key is None:
-            api_key = _configured.get("api_key") or _env("TRINE_API_KEY", "PYTRIO_API_KEY")
+            api_key = (_configured.get("api_key") or _env("TRINE_API_KEY", "PYTRIO_API_KEY")
+                       or (profile.api_key if profile else ""))
         api_key = api_key.strip()
         if settings is None:
             settings = Settings(**_configured.get("settings", {}))
         if not api_key:
             raise AuthError("no API key: pass ServiceClient(api_key=...) or set TRINE_API_KEY "
-                            "(`trine serve` prints one; `trine keys create` makes more)", code="auth.missing_api_key")
+                            "(`trine serve` prints one; `trine keys create --name NAME` makes more)",
+                            code="auth.missing_api_key")
         self.base_url = base_url
         runtime = Runtime(base_url, api_key, settings)
 
         async def open_session():
-            identity = await runtime.control.call("GET", "openapi/v1/api-key/verify")
+            # the first contact: fail fast if nothing answers (the long retry window is for restarts)
+            identity = await runtime.control.call("GET", "openapi/v1/api-key/verify",
+                                                  retry_window_s=settings.connect_check_s,
+                                                  timeout=max(settings.connect_check_s, 1.0))
             session = await runtime.control.call("POST", "openapi/v1/service-sessions",
                                                  json={"sdk_version": __version__})
             return identity, session
 
         try:
             identity, session = runtime.run_sync(open_session())
+        except AuthError as e:
+            runtime.close()
+            if profile is not None:
+                e.message += f" (the key came from {profile.path}, saved by `trio login`)"
+            raise
         except BaseException:
             runtime.close()
             raise
@@ -169,21 +184,13 @@ class ServiceClient:
         return TrainingClient(self._session, run, lora, source_checkpoint=source or None,
                               load_optimizer=restore_optimizer)
 
-    @staticmethod
-    def _lora(**kw) -> LoraConfig:
-        try:
-            return LoraConfig(**kw)
-        except PydanticValidationError as e:
-            message = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
-            raise ValidationError(message, code="validation.invalid_lora_config") from None
-
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True,
                                     train_unembed: bool = True) -> TrainingClient:
         """A new training run: a fresh LoRA adapter of `rank` on `base_model`."""
         if not isinstance(base_model, str) or not base_model:
             raise ValidationError("base_model must be a model name, e.g. 'SmolLM2-135M-Instruct'")
-        lora = self._lora(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
+        lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
         return self._rt.run_sync(self._create_training_run(base_model, lora, "", False))
 
     async def create_lora_training_client_async(self, base_model: str, rank: int = 32, seed: int | None = None,
@@ -191,12 +198,12 @@ class ServiceClient:
                                                 train_unembed: bool = True) -> TrainingClient:
         if not isinstance(base_model, str) or not base_model:
             raise ValidationError("base_model must be a model name, e.g. 'SmolLM2-135M-Instruct'")
-        lora = self._lora(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
+        lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
         return await self._rt.run_async(self._create_training_run(base_model, lora, "", False))
 
     async def _from_state(self, path: str, restore_optimizer: bool) -> TrainingClient:
         info = await self._session.find_checkpoint(path)
-        lora = self._lora(rank=info["lora_rank"], seed=info.get("seed"), train_mlp=info["train_mlp"],
+        lora = LoraConfig(rank=info["lora_rank"], seed=info.get("seed"), train_mlp=info["train_mlp"],
                           train_attn=info["train_attn"], train_unembed=info["train_unembed"])
         return await self._create_training_run("", lora, path, restore_optimizer)
 

@@ -32,7 +32,7 @@ from ..types import (
     Usage,
 )
 from .batch import Limits, Plan, plan_batch
-from .errors import TrineError, ValidationError
+from ..errors import TrineError, ValidationError
 from .events import EventQueue
 from .futures import APIFuture, gather
 from .http import ActorConnection

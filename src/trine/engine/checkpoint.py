@@ -31,6 +31,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 OPTIMIZER_STATE = "optimizer.safetensors"
 _PREFIX = "base_model.model."
+BASE_MODEL_NAME = "trine_base_model"  # adapter_config.json: the served model's name
 
 
 def atomic_write(path: str | Path, data: bytes) -> int:
@@ -69,13 +70,19 @@ def adapter_state(adapter: Adapter) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_peft_adapter(adapter: Adapter, lora: LoRAConfig, path: str | Path,
-                      base_model_name_or_path: str) -> int:
-    """Write `adapter` as a PEFT LoRA adapter directory at `path`. Returns the bytes written."""
+def save_peft_adapter(adapter: Adapter, lora: LoRAConfig, path: str | Path, base_model: str,
+                      base_model_dir: str | Path | None = None) -> int:
+    """Write `adapter` as a PEFT LoRA adapter directory at `path`. Returns the bytes written.
+
+    `base_model_name_or_path` is the base model's directory when known (`base_model_dir`), so
+    `AutoPeftModelForCausalLM.from_pretrained(path)` loads it on this machine without a hub;
+    the served model's name is kept apart in `trine_base_model`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_model_dir) if base_model_dir else base_model,
+        BASE_MODEL_NAME: base_model,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
         "target_modules": sorted(lora.target_names()), "fan_in_fan_out": False, "use_rslora": False,
         "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,

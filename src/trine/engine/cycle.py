@@ -214,4 +214,5 @@ def spill_adapter(worker, checkpoint_id: str, lora: LoRAConfig, path: str) -> in
     adapter = worker.adapters.get(checkpoint_id)
     if adapter is None:
         raise ValueError(f"checkpoint {checkpoint_id} is not held by this engine")
-    return save_dir(Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, worker.name))
+    return save_dir(Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, worker.name,
+                                                              worker.model.source_dir))

@@ -303,12 +303,14 @@ class Trainer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         written = checkpoint.save_optimizer_state(run.adapter, run.optimizer, path)
-        return written + checkpoint.save_peft_adapter(run.adapter, run.lora, path, self.base_model)
+        return written + checkpoint.save_peft_adapter(run.adapter, run.lora, path, self.base_model,
+                                                        self.model.source_dir)
 
     def save_weights(self, run_id: str, path: Path) -> int:
         """Write the sampler weights only (a PEFT adapter directory); bytes written."""
         run = self._run(run_id)
-        return checkpoint.save_peft_adapter(run.adapter, run.lora, Path(path), self.base_model)
+        return checkpoint.save_peft_adapter(run.adapter, run.lora, Path(path), self.base_model,
+                                            self.model.source_dir)
 
     def load_state(self, run_id: str, path: Path, *, with_optimizer: bool) -> None:
         """(Re)build run `run_id` from a checkpoint directory: its adapter and LoRA config, and its

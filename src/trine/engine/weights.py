@@ -61,4 +61,5 @@ def load_model(path: str | Path, device: torch.device | str | None = None,
     model.inv_freq = rope_inv_freq(cfg).to(device)  # a non-persistent buffer: rebuilt, kept fp32
     model.requires_grad_(False)
     model.eval()
+    model.source_dir = path.resolve()
     return model

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from .rates import RateCard
-from .report import GROUPINGS, build_report
+from .report import GROUPINGS, build_report, describe_runs
 from .since import parse_since
 
 PREFIX = "/api/trine/v1"
@@ -51,7 +51,8 @@ def make_usage_router(get_store: Callable[..., Any], authenticate: Callable[...,
         except ValueError as e:
             return _bad(str(e))
         filters = {k: v for k, v in (("session", session_id), ("run", run_id), ("since", since)) if v}
-        return build_report(events, by, current_card(), diags, filters).to_dict()
+        runs = describe_runs(store, {e.run_id for e in events}) if by == "run" else None
+        return build_report(events, by, current_card(), diags, filters, runs).to_dict()
 
     @router.get("/usage/events")
     def usage_events(session_id: str | None = None, run_id: str | None = None, since: str | None = None,

@@ -65,6 +65,8 @@ class ReportRow:
     requests: int = 0
     tokens: PhaseTokens = field(default_factory=PhaseTokens)
     cost: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*BILLED_PHASES, "total"), 0.0))
+    # by run: what the id stands for ({kind, name, model, created_at}; see describe_runs); else empty
+    info: dict = field(default_factory=dict)
 
     def add(self, e: UsageEvent, cost: dict[str, float]) -> None:
         self.requests += 1
@@ -81,14 +83,15 @@ class ReportRow:
 
     def to_dict(self) -> dict:
         t = self.tokens
-        return {"key": self.key, "requests": self.requests, "tokens": {**t.to_dict(), "prompt": t.prompt},
+        return {"key": self.key, "info": self.info, "requests": self.requests,
+                "tokens": {**t.to_dict(), "prompt": t.prompt},
                 "cost": dict(self.cost), "cache_hit_rate": t.cache_hit_rate, "loss_fraction": t.loss_fraction,
                 "dominant_phase": self.dominant_phase}
 
     @classmethod
     def from_dict(cls, d: dict) -> ReportRow:
         tok = PhaseTokens(**{f.name: d["tokens"][f.name] for f in fields(PhaseTokens)})
-        return cls(key=d["key"], requests=d["requests"], tokens=tok, cost=dict(d["cost"]))
+        return cls(key=d["key"], requests=d["requests"], tokens=tok, cost=dict(d["cost"]), info=d.get("info") or {})
 
 
 @dataclass
@@ -137,9 +140,30 @@ def group_key(e: UsageEvent, by: str) -> str:
     return {"run": e.run_id, "model": e.base_model, "session": e.session_id}[by]
 
 
+def describe_runs(store, run_ids) -> dict[str, dict]:
+    """What each run id stands for, from a store with `training_run` / `sampling_run` / `checkpoint`
+    lookups: kind (training / sampling), a name (`training #N` by its index in its session; a
+    sampler by the checkpoint it serves, else `base model`), model and creation time."""
+    out = {}
+    for rid in run_ids:
+        tr = store.training_run(rid)
+        if tr is not None:
+            name = f"training #{tr.run_index}"
+            out[rid] = {"kind": "training", "name": name, "model": tr.base_model, "created_at": tr.created_at}
+            continue
+        sr = store.sampling_run(rid)
+        if sr is not None:
+            ck = store.checkpoint(sr.checkpoint_id) if sr.checkpoint_id else None
+            name = f"sampler of {ck.name}" if ck is not None else ("sampler" if sr.checkpoint_id else "base model")
+            out[rid] = {"kind": "sampling", "name": name, "model": sr.base_model, "created_at": sr.created_at}
+    return out
+
+
 def build_report(events: list[UsageEvent], by: str | None = None, rate_card: RateCard | None = None,
-                 diagnostics: list[CacheDiagnostic] = (), filters: dict | None = None) -> Report:
-    """Aggregate events into a total and, with `by`, one row per group (sorted by key)."""
+                 diagnostics: list[CacheDiagnostic] = (), filters: dict | None = None,
+                 run_info: dict[str, dict] | None = None) -> Report:
+    """Aggregate events into a total and, with `by`, one row per group (sorted by key; by run, the
+    rows carry `run_info[run_id]` as their `info`)."""
     if by is not None and by not in GROUPINGS:
         raise ValueError(f"by must be one of {GROUPINGS} or None, got {by!r}")
     rate_card = rate_card or RateCard.load()
@@ -149,7 +173,7 @@ def build_report(events: list[UsageEvent], by: str | None = None, rate_card: Rat
         total.add(e, c)
         if by is not None:
             k = group_key(e, by)
-            rows.setdefault(k, ReportRow(k)).add(e, c)
+            rows.setdefault(k, ReportRow(k, info=(run_info or {}).get(k, {}) if by == "run" else {})).add(e, c)
     return Report(by=by, rows=[rows[k] for k in sorted(rows)], total=total,
                   diagnostics=summarize_diagnostics(diagnostics, rate_card),
                   currency=rate_card.currency, filters=filters or {})
@@ -182,12 +206,17 @@ def render(report: Report, console=None) -> None:
         title += " (" + ", ".join(f"{k}={v}" for k, v in report.filters.items()) + ")"
     t = Table(title=title, title_justify="left")
     t.add_column(report.by or "", no_wrap=True)
+    by_run = report.by == "run" and any(r.info for r in report.rows)
+    if by_run:
+        for name in ("name", "model", "created"):
+            t.add_column(name, overflow="fold")
     for name in ("req", "prefill", "cached", "sample", "train", "loss", "hit"):
         t.add_column(name, justify="right")
     t.add_column(report.currency, justify="right", no_wrap=True)
     for r in report.rows + [report.total]:
         tk = r.tokens
-        t.add_row(r.key, f"{r.requests:,}", f"{tk.prefill:,}", f"{tk.prefill_cached:,}", f"{tk.sample:,}",
+        labels = [r.info.get("name", ""), r.info.get("model", ""), fmt_time(r.info.get("created_at"))] if by_run else []
+        t.add_row(r.key, *labels, f"{r.requests:,}", f"{tk.prefill:,}", f"{tk.prefill_cached:,}", f"{tk.sample:,}",
                   f"{tk.train:,}", f"{tk.train_loss:,}", fmt_pct(tk.cache_hit_rate), fmt_money(r.cost["total"]),
                   style="bold" if r is report.total else None,
                   end_section=r is not report.total and r is report.rows[-1])
@@ -207,9 +236,14 @@ def render(report: Report, console=None) -> None:
                       f"prompts diverge at token {p.diverge_position}\n    fix: {p.fix}")
 
 
+def fmt_time(ts: float | None) -> str:
+    return _time.strftime("%Y-%m-%d %H:%M", _time.localtime(ts)) if ts else ""
+
+
 def fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def fmt_money(x: float) -> str:
-    return f"{x:,.4f}" if x >= 0.01 or x == 0 else f"{x:.2g}"
+def fmt_money(x: float | None, decimals: int = 6) -> str:
+    """Fixed-point money, never scientific: 0.000005 -> '0.000005', 12.5 -> '12.500000'; None -> '-'."""
+    return "-" if x is None else f"{x:,.{decimals}f}"

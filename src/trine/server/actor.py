@@ -14,6 +14,7 @@ from ..limits import MAX_EVENT_BYTES, MAX_SAMPLE_BYTES
 from ..service import Service
 from ..service.errors import InvalidRequest, NotFound, ServiceError, TooLarge
 from ..store import ApiKey, EventRecord
+from .access_log import note_key
 from .auth import bearer
 from .control import service_of, signer_of
 from .shapes import event_envelope, sample_response
@@ -46,7 +47,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def _caller(request: Request, kind: str) -> tuple[ApiKey, str]:
     claims = signer_of(request).verify(bearer(request.headers.get("authorization")), kind)
-    return service_of(request).key(claims["key"]), claims["sub"]
+    key = service_of(request).key(claims["key"])
+    note_key(request, key.name)
+    return key, claims["sub"]
 
 
 def _wait_seconds(prefer: str | None) -> float:

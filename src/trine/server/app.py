@@ -32,6 +32,7 @@ from ..metering.http import make_usage_router
 from ..service import Service, ServiceError
 from ..store import Store
 from . import actor, console, control, openai, tinker
+from .access_log import AccessLog
 from .auth import TokenSigner
 from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, quiet_accept_errors, uvicorn_config
 from .middleware import BodyLimit, InternalErrors
@@ -98,6 +99,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
             return RedirectResponse("/console", status_code=307)
         return {"service": "trine", "models": list(service.models), "console": "/console"}
 
+    app.add_middleware(AccessLog)  # one INFO line per request on `trine.access`
     app.include_router(control.router)
     app.include_router(control.files_router)
     app.include_router(actor.router)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..service import Service
 from ..service.errors import InvalidRequest, NotFound
 from ..store import ApiKey, Checkpoint, SamplingRun, Session, TrainingRun
+from .access_log import note_key
 from .auth import TokenSigner, bearer, iso
 from .bounds import INT64_MAX, Int64, Seed
 from .wire import validation_message
@@ -43,7 +44,9 @@ def caller_key(request: Request) -> ApiKey:
     """The caller's API key, for code already on the event loop (front ends that authenticate
     inside an async route rather than through the `api_key` dependency)."""
     secret = request.headers.get("x-api-key") or bearer(request.headers.get("authorization"))
-    return service_of(request).authenticate(secret)
+    key = service_of(request).authenticate(secret)
+    note_key(request, key.name)
+    return key
 
 
 router = APIRouter(prefix="/api")

@@ -1,0 +1,74 @@
+"""`trine export CHECKPOINT OUT [--merged]`: a saved checkpoint as a PEFT adapter or a merged model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from trine.home import trine_home
+
+
+def checkpoint_dir(checkpoint: str, home: Path) -> Path:
+    """A checkpoint's directory: CHECKPOINT is a directory, a `trio://` URI or a checkpoint id of `home`."""
+    if Path(checkpoint).expanduser().is_dir():
+        return Path(checkpoint).expanduser()
+    from trine.store import Store
+
+    store = Store(home)
+    try:
+        ck = store.checkpoint_by_uri(checkpoint) or store.checkpoint(checkpoint)
+    finally:
+        store.close()
+    if ck is None:
+        raise click.BadParameter(f"{checkpoint!r} is not a directory, nor a checkpoint URI or id in {home} "
+                                 "(see `trine checkpoints`)", param_hint="CHECKPOINT")
+    if not ck.path:
+        raise click.BadParameter(f"{ck.uri} is a temporary snapshot held in the server's memory; save it with "
+                                 "`save_weights_for_sampler(name)` or `save_state(name)` and export that",
+                                 param_hint="CHECKPOINT")
+    return Path(ck.path)
+
+
+def named_model_dir(adapter_dir: Path, home: Path) -> Path | None:
+    """For a checkpoint that records only its base model's name: that model under `home`/models."""
+    import json
+
+    from trine.engine.checkpoint import ADAPTER_CONFIG, BASE_MODEL_NAME
+    cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    name = cfg.get(BASE_MODEL_NAME) or cfg.get("base_model_name_or_path") or ""
+    candidate = home / "models" / Path(str(name)).name
+    return candidate if name and (candidate / "config.json").is_file() else None
+
+
+@click.command()
+@click.argument("checkpoint")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--merged", is_flag=True,
+              help="Write a full Hugging Face model (weights merged, tokenizer and chat template copied) "
+                   "instead of a PEFT adapter.")
+@click.option("--base", "base_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The base model's directory (default: the one the checkpoint records).")
+@click.option("--home", default=None, help="Data dir whose checkpoints URIs refer to (default $TRINE_HOME or ~/.trine).")
+def export(checkpoint, out, merged, base_dir, home):
+    """Export CHECKPOINT (a trio:// URI, a checkpoint id or a checkpoint directory) to OUT.
+
+    Without --merged, OUT is a PEFT adapter directory that `peft` loads
+    (AutoPeftModelForCausalLM.from_pretrained(OUT)); with --merged, a model directory that
+    `transformers` and vLLM load on their own."""
+    from trine.engine.checkpoint import read_lora_config
+    from trine.engine.export import base_model_dir, export_adapter, export_merged
+
+    home = trine_home(home)
+    src = checkpoint_dir(checkpoint, home)
+    try:
+        read_lora_config(src)  # refuses a directory that is not a LoRA checkpoint, naming what it lacks
+        if base_dir is None and base_model_dir(src) is None:
+            base_dir = named_model_dir(src, home)
+        if merged:
+            export_merged(src, out, base_dir)
+        else:
+            export_adapter(src, out, base_dir)
+    except (ValueError, OSError) as e:  # not a checkpoint, unknown base, OUT not empty, disk full
+        raise click.ClickException(str(e)) from None
+    what = "merged model" if merged else "PEFT adapter"
+    click.echo(f"wrote the {what} of {checkpoint} to {out}")

@@ -1,0 +1,138 @@
+"""Exporting a LoRA checkpoint for use elsewhere: a PEFT adapter directory, or a merged model.
+
+`export_adapter`: the checkpoint's adapter files only (no optimizer state), with
+`base_model_name_or_path` pointing at the base model's directory, so `peft` loads it offline.
+
+`export_merged`: a full Hugging Face model directory with W' = W + (alpha / r) · B·A folded into
+every targeted linear, plus the base model's config, tokenizer, chat template and generation
+config, which `transformers` (and vLLM) load like any checkpoint.
+
+Invariants
+- The merged model computes trine's adapter logits (fp32: within 1e-4).
+- Tied embeddings are untied when the unembedding (`lm_head`) is adapted: the merged `lm_head`
+  gets its own weight (embedding + delta) and the config says `tie_word_embeddings: false`, so
+  the input embeddings stay the base model's. (Merging into a tied weight would change the
+  embeddings too; PEFT's `merge_and_unload` does that.)
+- The base directory is read shard by shard and written with the same shard names and index, so
+  memory holds one shard at a time; the merge runs in fp32 and is stored in each weight's dtype.
+- Every file is written under a temporary name and renamed; OUT must not exist yet or be empty.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_MODEL_NAME, read_lora_config
+
+_PEFT_PREFIX = "base_model.model."
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def base_model_dir(adapter_dir: str | Path) -> Path | None:
+    """The base model directory an adapter records (trine writes it), or None if it names none here."""
+    cfg = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    p = Path(str(cfg.get("base_model_name_or_path") or "")).expanduser()
+    return p if (p / "config.json").is_file() else None
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} already exists and is not an empty directory; choose a new OUT")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    tmp.replace(dst)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def export_adapter(adapter_dir: str | Path, out: str | Path, base_dir: str | Path | None = None) -> Path:
+    """Write the adapter of checkpoint `adapter_dir` as a PEFT adapter directory `out`."""
+    adapter_dir, out = Path(adapter_dir), Path(out)
+    read_lora_config(adapter_dir)  # refuses a directory that is not a LoRA checkpoint
+    _prepare_out(out)
+    _copy(adapter_dir / ADAPTER_WEIGHTS, out / ADAPTER_WEIGHTS)
+    cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    if base_dir is not None:
+        cfg["base_model_name_or_path"] = str(Path(base_dir).resolve())
+    _write_json(out / ADAPTER_CONFIG, cfg)
+    return out
+
+
+def lora_deltas(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Base weight name (`model.layers.0.self_attn.q_proj.weight`) -> (alpha / r) · B·A, fp32."""
+    adapter_dir = Path(adapter_dir)
+    lora = read_lora_config(adapter_dir)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), "pt") as f:
+        for key in f.keys():
+            module, _, which = key.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
+            pairs.setdefault(module + ".weight", {})[which.split(".")[0]] = f.get_tensor(key).float()
+    return {name: lora.scale * (p["B"] @ p["A"]) for name, p in pairs.items() if "A" in p and "B" in p}
+
+
+def export_merged(adapter_dir: str | Path, out: str | Path, base_dir: str | Path | None = None) -> Path:
+    """Write base model + adapter merged as a Hugging Face model directory `out`."""
+    adapter_dir, out = Path(adapter_dir), Path(out)
+    base = Path(base_dir) if base_dir is not None else base_model_dir(adapter_dir)
+    if base is None or not (base / "config.json").is_file():
+        raise ValueError(f"{adapter_dir}: the base model's directory is unknown here; pass it (--base DIR)")
+    deltas = lora_deltas(adapter_dir)
+    config = json.loads((base / "config.json").read_text())
+    tied = bool(config.get("tie_word_embeddings", True))  # transformers' default for these families
+    untie = tied and "lm_head.weight" in deltas
+    shards = sorted(base.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"{base} holds no *.safetensors weights")
+    _prepare_out(out)
+    weight_map: dict[str, str] = {}
+    merged = set()
+    for shard in shards:
+        tensors = {}
+        with safe_open(str(shard), "pt") as f:
+            metadata = f.metadata() or {}
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+        if untie and "model.embed_tokens.weight" in tensors:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        for name, delta in deltas.items():
+            if name in tensors:
+                w = tensors[name]
+                if tuple(w.shape) != tuple(delta.shape):
+                    raise ValueError(f"{adapter_dir}: the adapter for {name} has shape {tuple(delta.shape)}, "
+                                     f"the base model's weight is {tuple(w.shape)}")
+                tensors[name] = (w.float() + delta).to(w.dtype).contiguous()
+                merged.add(name)
+        tmp = out / f".{shard.name}.tmp"
+        save_file(tensors, str(tmp), metadata={**metadata, "format": "pt"})
+        tmp.replace(out / shard.name)
+        weight_map.update(dict.fromkeys(tensors, shard.name))
+    missing = sorted(set(deltas) - merged)
+    if missing:
+        raise ValueError(f"{adapter_dir}: adapted weights {missing[:3]} are not in {base}: "
+                         "is it the base model this adapter was trained on?")
+    if (base / SHARD_INDEX).is_file():
+        index = json.loads((base / SHARD_INDEX).read_text())
+        _write_json(out / SHARD_INDEX, {**index, "weight_map": weight_map})
+    for f in base.iterdir():  # tokenizer, chat template, generation config, licence, ...
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json", SHARD_INDEX):
+            _copy(f, out / f.name)
+    if untie:
+        config["tie_word_embeddings"] = False
+    lora_cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    config["trine_merged_from"] = {"base_model": lora_cfg.get(BASE_MODEL_NAME, base.name),
+                                   "adapter": str(adapter_dir)}
+    _write_json(out / "config.json", config)
+    return out
