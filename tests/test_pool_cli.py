@@ -8,11 +8,11 @@ import pytest
 from click.testing import CliRunner
 
 from serverutil import free_port, run_serve_cli, wait_http
-from trine.cli.serve import serve
+from trine.cli.main import main
 
 
 def test_replicas_need_ray_and_nothing_of_ray_loads_without_it(tmp_path):
-    out = CliRunner().invoke(serve, ["--replicas", "2", "--home", str(tmp_path)])
+    out = CliRunner().invoke(main, ["serve", "--replicas", "2", "--home", str(tmp_path)])
     assert out.exit_code != 0 and "--replicas" in out.output and "--ray" in out.output
     code = ("import sys; import trine.cli.main, trine.cli.serve, trine.server.app, trine.service, "
             "trine.engine.local; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
