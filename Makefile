@@ -41,6 +41,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/trainer.py
 	$(PY) benchmarks/service.py
 	$(PY) benchmarks/console.py
+	$(PY) benchmarks/pool.py
+	$(PY) benchmarks/load.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
