@@ -100,12 +100,12 @@ def math_rl(srv, model_dir: Path, log: Path, loss_fn: str | None, steps: int = 3
 
 
 def _serve_default(home: Path):
+    """The slow tier's SmolLM2 server (tests/test_tinker_recipes.py) and the model's directory."""
     sys.path.insert(0, str(HERE))
-    from serverutil import serve
+    from test_tinker_recipes import _serve_default as serve_smollm2
     from trine.engine.default_model import ensure_default_model
-    model_dir = ensure_default_model()
-    return serve(model_dir, home, sampler_options={"kv_cache_bytes": 256 << 20, "max_batch_tokens": 2048},
-                 trainer_options={"micro_batch_tokens": 4096}), model_dir
+    ctx, _ = serve_smollm2(home)
+    return ctx, ensure_default_model()
 
 
 @pytest.mark.slow
