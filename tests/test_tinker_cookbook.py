@@ -40,7 +40,10 @@ def cookbook_dir() -> Path:
 
 
 def sl_basic_main(argv: list[str]) -> None:
-    """sl_basic's blueprint values for a model outside the cookbook's table, then its own main."""
+    """sl_basic's blueprint values for a model outside the cookbook's table, then its own main.
+
+    argv: `KEY=VALUE` overrides of `supervised.train.Config` (model_name and renderer_name required),
+    plus `batch_size`, the conversations per step (sl_basic's 128 when absent)."""
     import chz
     from tinker_cookbook.recipes import sl_basic
     from tinker_cookbook.renderers import TrainOnWhat
