@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.trine-installed
+COOKBOOK := $(VENV)/.trine-cookbook
 
 .PHONY: demo test test-slow bench install browser clean
 
@@ -33,7 +34,15 @@ browser:
 test: $(STAMP) browser
 	$(PY) -m pytest -q -x --durations=15
 
-test-slow: $(STAMP)
+# The slow tier also runs tinker-cookbook's recipes: installed here only, not for `make test`.
+# --no-deps because it requires tml-renderers>=0.4.1, which the index lacks and which it imports only
+# for Inkling/Kimi models; its other dependencies come from the `cookbook` extra.
+$(COOKBOOK): $(STAMP)
+	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1
+	$(PY) -m pip install -q -e '.[test,cookbook]'
+	touch $(COOKBOOK)
+
+test-slow: $(STAMP) $(COOKBOOK)
 	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP)

@@ -1,7 +1,7 @@
 """Slow tier: cookbook-shaped loops with the official tinker client on the real SmolLM2 weights.
 
-tinker-cookbook 0.6.1 itself cannot be installed here (it requires tml-renderers>=0.4.1, which the
-package index does not carry), so these loops follow its two recipes with the client directly:
+tests/test_tinker_cookbook.py runs tinker-cookbook 0.6.1's recipes themselves; these loops are the
+same recipes written with the client directly, small enough to read line by line:
 - `sl_basic`: supervised learning on chat conversations, loss on the assistant tokens only,
   weights 1/N (Tinker sums), `submit_ahead` pipelining;
 - `math_rl` with the arithmetic environment ("What is x + y?", a few-shot prefix, max_tokens 5,
