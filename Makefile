@@ -39,7 +39,7 @@ test: $(STAMP) browser
 # for Inkling/Kimi models; its other dependencies come from the `cookbook` extra.
 $(COOKBOOK): $(STAMP)
 	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1
-	$(PY) -m pip install -q -e '.[test,cookbook]'
+	$(PY) -m pip install -q -e '.[test,ray,cookbook]'
 	touch $(COOKBOOK)
 
 test-slow: $(STAMP) $(COOKBOOK)
