@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...service import Service
-from ...service.errors import NotFound
+from ...service.errors import InvalidRequest, NotFound
 from ...store import ApiKey, Checkpoint
+from ..tinker.state import TINKER_SCHEME, to_trio_uri
 from .errors import OpenAIError
 
 SESSION_SDK = "openai"
@@ -33,17 +34,6 @@ class Target:
         return self.checkpoint.uri if self.checkpoint else ""
 
 
-def tinker_to_trio(uri: str) -> str:
-    """`tinker://<run>/sampler_weights/<name>` -> `trio://<run>/weights/<name>` and
-    `tinker://<run>/weights/<name>` (Tinker's saved state) -> `trio://<run>/state/<name>`."""
-    parts = uri[len("tinker://"):].split("/")
-    if len(parts) == 3:
-        kind = {"sampler_weights": "weights", "weights": "state"}.get(parts[1])
-        if kind:
-            return f"trio://{parts[0]}/{kind}/{parts[2]}"
-    return uri
-
-
 def _not_found(model: str) -> OpenAIError:
     return OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it. "
                        "GET /v1/models lists the served models and your sampler checkpoints.",
@@ -56,17 +46,15 @@ def resolve(service: Service, key: ApiKey, model: str) -> Target:
     try:
         if model.startswith("trio://"):
             ck = service.checkpoint_by_uri(key, model)
-        elif model.startswith("tinker://"):
-            ck = service.store.checkpoint_by_uri(model)  # stored under its tinker:// URI, or not
-            ck = ck if ck is not None and ck.api_key_id == key.id else \
-                service.checkpoint_by_uri(key, tinker_to_trio(model))
+        elif model.startswith(TINKER_SCHEME):  # the Tinker front end's name for a trio:// checkpoint
+            ck = service.checkpoint_by_uri(key, to_trio_uri(model))
         else:
             try:
                 return Target(model, service.model(model).name)
             except NotFound:
                 ck = service.checkpoint(key, model)
         base = service.model(ck.base_model).name
-    except NotFound:
+    except (NotFound, InvalidRequest):
         raise _not_found(model) from None
     return Target(model, base, ck)
 
