@@ -9,13 +9,15 @@ optim_step, small batches), plus a probe client sending a short sample (16-token
 16 new tokens, greedy) every `--probe-every` seconds.
 Phase 2: the same load, and one `--long-tokens`-token prompt-logprobs request sent after
 `--long-after` seconds; the phase ends `--after-long` seconds after the long request returns (or
-`--max-seconds` after it was sent).
+`--max-seconds` after it was sent). Then the load stops and the long request is given
+`--drain-seconds` to finish before anything is counted.
 
 Reported (`--json`):
 - sample_p50_s, sample_p99_s: sampling-client request latency, both phases;
 - train_step_p99_s: one training step (forward_backward + optim_step, submitted together);
 - lost: requests or events that never succeeded; doubled: requests or events metered twice
-  (both read from the server's usage store by request / event id); both must be 0;
+  (both read from the server's usage store by request / event id); both must be 0; unfinished:
+  the long request, if it was still running after the drain (neither lost nor counted);
 - probe_slowdown: median probe latency while the long request runs alone / median probe latency
   on the idle server (phase 0, before the load; goal <= 3), and probe_slowdown_under_load: median
   probe latency while the long request runs in phase 2 / median probe latency in phase 1 (the same
@@ -221,6 +223,8 @@ def run(url: str, key: str, model: str, args) -> dict:
     for t in threads:
         t.join(300)
     elapsed = time.monotonic() - t0
+    long_thread.join(args.drain_seconds)  # let it finish: a request still running is not lost
+    unfinished = [f"{long_run['sampling_run_cuid']}/long-load"] if long_thread.is_alive() else []
 
     # exactly-once, from the server's usage store
     store = None
@@ -231,7 +235,7 @@ def run(url: str, key: str, model: str, args) -> dict:
                                   else u.request_id for u in store.usage_events(key_id))
     store.close()
     sent = load.sent_samples + load.sent_events
-    lost = sum(1 for s in sent if metered[s] == 0)
+    lost = sum(1 for s in sent if metered[s] == 0 and s not in unfinished)
     doubled = sum(1 for s in sent if metered[s] > 1)
 
     rec = load.records
@@ -246,7 +250,7 @@ def run(url: str, key: str, model: str, args) -> dict:
         "sample_p50_s": statistics.median(samples) if samples else float("nan"),
         "sample_p99_s": pct(samples, 0.99),
         "train_step_p99_s": pct(steps, 0.99),
-        "lost": lost, "doubled": doubled,
+        "lost": lost, "doubled": doubled, "unfinished": len(unfinished),
         "probe_slowdown": med(probe_alone) / statistics.median(idle),
         "probe_slowdown_under_load": med(probe_long) / med(probe_load),
         "probe_idle_s": statistics.median(idle),
@@ -272,6 +276,8 @@ def main() -> None:
     ap.add_argument("--long-after", type=float, default=3.0)
     ap.add_argument("--max-seconds", type=float, default=120.0)
     ap.add_argument("--after-long", type=float, default=3.0)
+    ap.add_argument("--drain-seconds", type=float, default=900.0,
+                    help="after the load stops, how long to wait for the long request to finish")
     ap.add_argument("--long-tokens", type=int, default=8000)
     ap.add_argument("--system-tokens", type=int, default=64)
     ap.add_argument("--train-tokens", type=int, default=64)
