@@ -91,6 +91,17 @@ class RawClient:
         r.raise_for_status()
         return r.json()
 
+    def started_run(self, base_model: str = "tiny-llama", wait: bool = True) -> tuple[dict, str]:
+        """A new session's training run with its init_run event accepted (and, with `wait`,
+        succeeded): (the run, its id)."""
+        run = self.training_run(self.session(), base_model)
+        rid = run["training_run_cuid"]
+        init = f"event_init{rid[-6:]}"
+        assert self.submit(run, event(init, "init_run", 1, init_payload(run["model_id"]), rid)).status_code < 300
+        if wait:
+            assert self.wait(run, init)["status"] == "succeeded"
+        return run, rid
+
     def sampling_run(self, session: str, base_model: str, uri: str = "") -> dict:
         r = self.control("POST", f"service-sessions/{session}/sampling-runs",
                          json={"base_model": base_model, "source_checkpoint_uri": uri})

@@ -41,11 +41,7 @@ def client(server):
 
 
 def new_run(client: RawClient):
-    run = client.training_run(client.session(), MODEL)
-    rid = run["training_run_cuid"]
-    assert client.submit(run, event(f"event_init{rid[-6:]}", "init_run", 1, init_payload(run["model_id"]),
-                                    rid)).status_code < 300
-    return run, rid
+    return client.started_run(MODEL, wait=False)
 
 
 def assert_4xx(r: httpx.Response, *words: str):

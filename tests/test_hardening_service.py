@@ -10,7 +10,7 @@ import httpx
 import msgpack
 import pytest
 
-from serverutil import ADAM, RawClient, ce_payload, event, init_payload, serve
+from serverutil import ADAM, RawClient, ce_payload, event, serve
 from trine.limits import KeyLimits
 
 MODEL = "tiny-llama"
@@ -30,12 +30,7 @@ def client(server):
 
 
 def new_run(client: RawClient):
-    run = client.training_run(client.session(), MODEL)
-    rid = run["training_run_cuid"]
-    init = f"event_init{rid[-6:]}"
-    assert client.submit(run, event(init, "init_run", 1, init_payload(run["model_id"]), rid)).status_code < 300
-    assert client.wait(run, init)["status"] == "succeeded"
-    return run, rid
+    return client.started_run(MODEL)
 
 
 def test_a_reused_event_id_with_another_body_is_a_409(client):

@@ -30,13 +30,7 @@ def client(server):
 
 
 def new_run(client: RawClient, model: str = "tiny-llama"):
-    run = client.training_run(client.session(), model)
-    rid = run["training_run_cuid"]
-    r = client.submit(run, event(f"event_init{rid[-6:]}", "init_run", 1, init_payload(run["model_id"]),
-                                 rid))
-    assert r.status_code < 300
-    assert client.wait(run, f"event_init{rid[-6:]}")["status"] == "succeeded"
-    return run, rid
+    return client.started_run(model)
 
 
 def test_retried_event_runs_once_and_reports_its_result(server, client):
