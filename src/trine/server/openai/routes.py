@@ -25,7 +25,7 @@ from ...service import SampleSpec, Service
 from ...service.errors import ServiceError
 from ...store import ApiKey
 from ..actor import read_body
-from ..control import caller_key as api_key, service_of
+from ..control import caller_key, service_of
 from . import models as targets
 from . import shapes
 from .errors import OpenAIError, from_service
@@ -89,24 +89,24 @@ async def _body(request: Request) -> dict:
 
 # ---------------------------------------------------------------------------- models
 async def list_models(request: Request):
-    key = api_key(request)
+    key = caller_key(request)
     return {"object": "list", "data": targets.listing(service_of(request), key)}
 
 
 async def get_model(request: Request):
-    key = api_key(request)
+    key = caller_key(request)
     svc = service_of(request)
     return targets.model_card(svc, key, targets.resolve(svc, key, request.path_params["model"]))
 
 
 # ---------------------------------------------------------------------------- generation
 async def chat_completions(request: Request):
-    key = api_key(request)
+    key = caller_key(request)
     return await _generate(request, key, parse_chat(await _body(request)))
 
 
 async def completions(request: Request):
-    key = api_key(request)
+    key = caller_key(request)
     return await _generate(request, key, parse_completion(await _body(request)))
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from ...service.errors import ServiceError
-from ..control import caller_key as api_key
+from ..control import caller_key
 from . import futures, rest, sampling, training
 from .state import state_of
 
@@ -37,7 +37,7 @@ class TinkerRoute(APIRoute):
 
 def make_router() -> APIRouter:
     router = APIRouter(route_class=TinkerRoute)
-    for r in (rest.router, training.router, sampling.router, futures.make_router(state_of, api_key)):
+    for r in (rest.router, training.router, sampling.router, futures.make_router(state_of, caller_key)):
         for route in r.routes:
             router.add_api_route(route.path, route.endpoint, methods=list(route.methods),
                                  response_model=None)

@@ -20,7 +20,7 @@ from ...service import Service
 from ...service.errors import InvalidRequest, NotFound, ServiceError
 from ...service.stability import StabilityRecords
 from ...store import ApiKey
-from ..control import caller_key as api_key, service_of
+from ..control import caller_key, service_of
 from .futures import FutureTable
 
 TINKER_SCHEME = "tinker://"
@@ -80,7 +80,7 @@ def caller(request: Request) -> tuple[Service, TinkerState, ApiKey]:
     if pb is None:
         raise ServiceError("the Tinker API needs the `tinker` package (Python >= 3.11): "
                            "pip install tinker==0.38.0", code="tinker_unavailable", status=501)
-    return service_of(request), state_of(request), api_key(request)
+    return service_of(request), state_of(request), caller_key(request)
 
 
 def model_id_of(session_id: str, model_seq_id: int) -> str:
