@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...limits import MAX_SAMPLES_PER_REQUEST
+from ...limits import MAX_SAMPLES_PER_REQUEST, MAX_STOP_STRING_CHARS
 from .errors import OpenAIError, bad_param
 
 MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
+MAX_STOP_STRINGS = 16  # tighter than trine's own limit (limits.MAX_STOP_STRINGS): OpenAI allows a few
 ROLES = ("system", "developer", "user", "assistant")
 
 COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -193,8 +192,8 @@ def _stop(stop: Any) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad_param("stop", "must be a non-empty string or a list of non-empty strings")
-    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise bad_param("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise bad_param("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
                         "characters each")
     return tuple(stops)
 
