@@ -76,6 +76,7 @@ MAX_BODY_BYTES = MAX_EVENT_BYTES  # any route without a smaller limit of its own
 
 # ---------------------------------------------------------------------------- wire numbers
 INT64_MAX = 2**63 - 1  # indexes, steps, seeds, offsets, limits: what SQLite and torch hold
+MAX_PAGE_SIZE = 1000  # `limit` of every list route
 MAX_TTL_SECONDS = 100 * 365 * 86400  # a checkpoint's time to live: at most a century
 
 # ---------------------------------------------------------------------------- optimizer

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..limits import MAX_PAGE_SIZE
 from ..service import Service
 from ..service.errors import InvalidRequest, NotFound
 from ..store import ApiKey, Checkpoint, SamplingRun, Session, TrainingRun
@@ -22,7 +23,6 @@ from .bounds import INT64_MAX, Int64, Seed
 from .wire import validation_message
 
 SDK_VERSION = "0.2.9"
-PAGE_MAX = 1000
 
 
 def service_of(request: Request) -> Service:
@@ -169,7 +169,7 @@ async def telemetry(request: Request):
 
 
 @router.get("/models")
-async def models(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX),
+async def models(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZE),
            offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     items = []
@@ -192,7 +192,7 @@ async def create_session(body: SessionCreate, request: Request, key: ApiKey = De
 
 
 @router.get("/openapi/v1/service-sessions")
-async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
+async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
                   offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     rows, total = service_of(request).store.sessions(key.id, limit, offset)
     return {"service_sessions": [session_json(s) for s in rows], "cursor": cursor(offset, limit, total)}
@@ -273,7 +273,7 @@ async def by_checkpoint_uri(request: Request, checkpoint_uri: str = Query(min_le
 
 
 @router.get("/openapi/v1/training-runs")
-async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
+async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
                        offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     rows, total = svc.list_training_runs(key, limit, offset)
@@ -293,7 +293,7 @@ async def renew_training_run(run_id: str, request: Request, key: ApiKey = Depend
 
 
 @router.get("/openapi/v1/training-runs/{run_id}/checkpoints")
-async def run_checkpoints(run_id: str, request: Request, limit: int = Query(200, ge=1, le=PAGE_MAX),
+async def run_checkpoints(run_id: str, request: Request, limit: int = Query(200, ge=1, le=MAX_PAGE_SIZE),
                     offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     rows, total = svc.list_checkpoints(key, training_run_id=run_id, limit=limit, offset=offset)
@@ -331,7 +331,7 @@ def _renewal(request: Request, key: ApiKey, run, kind: str) -> dict:
 
 # ---------------------------------------------------------------------------- checkpoints
 @router.get("/openapi/v1/checkpoints")
-async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX),
+async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZE),
                      offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     rows, total = svc.list_checkpoints(key, limit=limit, offset=offset)

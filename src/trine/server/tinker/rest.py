@@ -15,12 +15,12 @@ from datetime import datetime, timezone
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
+from ...limits import MAX_PAGE_SIZE
 from ...service.errors import InvalidRequest
 from ...store import Checkpoint
 from .state import caller, to_tinker_path, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
-PAGE_MAX = 1000
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_key",
                  "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
                  "parallel_fwdbwd_chunks": True, "fwdbwd_max_chunk_len": 1024,
@@ -110,7 +110,7 @@ async def finish_session(session_id: str, request: Request):
 
 
 @router.get("/sessions")
-async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
+async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
                         offset: int = Query(0, ge=0)):
     svc, _, key = caller(request)
     rows, _ = svc.store.sessions(key.id, limit, offset)
@@ -152,7 +152,7 @@ def _run_id(st, key, id_: str) -> str:
 
 
 @router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=PAGE_MAX),
+async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
                              offset: int = Query(0, ge=0)):
     svc, _, key = caller(request)
     rows, total = svc.list_training_runs(key, limit, offset)
@@ -182,7 +182,7 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
 
 
 @router.get("/checkpoints")
-async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=PAGE_MAX),
+async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZE),
                            offset: int = Query(0, ge=0)):
     svc, _, key = caller(request)
     rows, total = svc.list_checkpoints(key, limit=limit, offset=offset)

@@ -21,7 +21,8 @@ from ...engine.ops import Forward, InitRun, Op, Refused, Save
 from ...service import Service
 from ...service.errors import InvalidRequest
 from ...service.events import EventResult
-from ...limits import FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, REFUSED, SAVE_STATE, SAVE_WEIGHTS
+from ...limits import (FORWARD, FORWARD_BACKWARD, INIT_RUN, MAX_EVENT_BYTES, OPTIMIZE_STEP, REFUSED, SAVE_STATE,
+                       SAVE_WEIGHTS)
 from ...store import ApiKey
 from ..actor import read_body
 from ..wire import parse_op, validation_message
@@ -29,7 +30,6 @@ from . import proto
 from .futures import Failure, Reply
 from .state import Model, TinkerState, caller, model_id_of, to_tinker_path, to_trio_uri
 
-MAX_FORWARD_BACKWARD_BYTES = 64 << 20
 router = APIRouter(prefix="/api/v1")
 
 
@@ -249,7 +249,7 @@ def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: proto.ForwardBac
 @router.post("/forward_backward")
 async def forward_backward(request: Request):
     svc, st, key = caller(request)
-    raw = proto.decompress(await read_body(request, MAX_FORWARD_BACKWARD_BYTES),
+    raw = proto.decompress(await read_body(request, MAX_EVENT_BYTES),
                            request.headers.get("content-encoding"))
     msg = await asyncio.get_running_loop().run_in_executor(None, proto.decode_forward_backward, raw)
     m = st.model(key, msg.model_id)
