@@ -136,3 +136,46 @@ def test_cancel_while_the_prompt_prefills_in_chunks_frees_everything(model_tok):
     (res,) = s.run([other])
     assert res.request_id == other.request_id and len(res.sequences[0].tokens) == 4
     assert s.kv.num_used == 0 and s._reserved == 0
+
+
+def test_while_others_decode_prefill_gets_its_share_of_time_however_costly_a_chunk_is(model_tok, monkeypatch):
+    """Deep into a long prompt even one block can cost several decode steps: a chunk's time is a
+    debt that the decode steps after it pay at `prefill_share` x their own time, so a decoding
+    sequence spends at most that share (plus one chunk) waiting on prefill."""
+    import trine.engine.sampler as sampler_module
+
+    clock = [0.0]
+    monkeypatch.setattr(sampler_module.time, "perf_counter", lambda: clock[0])
+    s = Sampler(*model_tok, kv_cache_bytes=32 << 20, max_batch_tokens=16, prefill_share=0.5)
+    real_prefill, real_decode = s._prefill, s._decode
+
+    def prefill(rows):  # every chunk "takes" 3 s
+        clock[0] += 3.0
+        return real_prefill(rows)
+
+    def decode(seqs):  # every decode step "takes" 1 s
+        clock[0] += 1.0
+        return real_decode(seqs)
+
+    monkeypatch.setattr(s, "_prefill", prefill)
+    monkeypatch.setattr(s, "_decode", decode)
+    short = req(prompt(10, 12), max_tokens=30, temperature=0.0)
+    s.add(short)
+    s.step()  # prefilled alone; decodes from now on
+    long = req(prompt(600, 13), generate=False)
+    s.add(long)
+    start = clock[0]
+    steps, prefills = 0, s.stats["prefill_forwards"]
+    while True:
+        steps += 1
+        if any(res.request_id == short.request_id for res in s.step()):
+            break
+    assert steps == 29  # one token per step
+    prefill_seconds = 3.0 * (s.stats["prefill_forwards"] - prefills)
+    decode_seconds = clock[0] - start - prefill_seconds
+    assert prefill_seconds <= 0.5 * decode_seconds + 3.0
+    assert s.stats["prefill_forwards"] - prefills >= 4  # the long prompt still moved on
+    done = []
+    while s.has_work():  # alone again, the long prompt runs chunk after chunk
+        done += [res.request_id for res in s.step()]
+    assert done == [long.request_id]

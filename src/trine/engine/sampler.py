@@ -4,15 +4,17 @@ One `step()` does, in order:
 1. Admission (FIFO): a waiting request is admitted when its worst-case KV blocks fit the pool
    (free + evictable, minus what running sequences have reserved), so a running sequence never
    runs out of blocks and nothing is ever preempted.
-2. One prefill forward over a bounded chunk of the admitted prompts (at most `max_batch_tokens`
-   positions, padding included), so a long prompt is prefilled over several steps, each followed
-   by a decode step: no request stalls the others. The chunk is also sized by time, scaled from
-   the last prefill step's tokens and seconds (at least one block, at most twice as many as the
-   last step): while sequences decode it aims at `prefill_share` x a decode step's time (a moving
-   average), so a long prompt adds about half to everyone's per-token latency; otherwise at
-   `prefill_step_seconds`, which bounds how long a request arriving meanwhile waits for the step
-   in progress. Prompts with the fewest tokens left go first
-   (they start decoding at once); the longest one takes what is left of the budget. A request
+2. At most one prefill forward over a bounded chunk of the admitted prompts (at most
+   `max_batch_tokens` positions, padding included), so a long prompt is prefilled over several
+   steps: no request stalls the others. The chunk is sized by time, scaled from the last prefill
+   step's tokens and seconds (at least one block, at most twice as many as the last step), to take
+   about `prefill_step_seconds`, which bounds how long a request arriving meanwhile waits for the
+   step in progress. While sequences decode, prefill is also held to `prefill_share` x the decode
+   time: a chunk's seconds are a debt that the following decode steps pay off at `prefill_share` x
+   their own seconds, and no chunk runs while the debt is positive. So a long prompt adds about
+   `prefill_share` to everyone's per-token latency however costly its chunks are (deep into a long
+   prompt, even one block costs several decode steps). Prompts with the fewest tokens left go
+   first (they start decoding at once); the longest one takes what is left of the budget. A request
    looks up the longest cached full-block prefix of `prompt[:-1]` at admission and computes only
    the rest: the last prompt token is always computed, since its logits give the first sampled
    token. The prompt is prefilled once per request; when its last chunk is done its `num_samples`
@@ -76,10 +78,6 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _average(old: float | None, new: float, weight: float = 0.3) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
-
-
 def sample_seed(seed: int, index: int) -> int:
     """The generator seed of sample `index` of a request seeded with `seed` (stable everywhere)."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 1
@@ -128,14 +126,14 @@ class Sampler:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 2048, max_running: int = 64,
                  enable_prefix_cache: bool = True, prefill_share: float = 0.5,
-                 prefill_step_seconds: float = 0.05):
+                 prefill_step_seconds: float = 0.25):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         if not (prefill_share > 0 and prefill_step_seconds > 0):
             raise ValueError("prefill_share and prefill_step_seconds must be > 0")
         self.prefill_share = prefill_share
         self.prefill_step_seconds = prefill_step_seconds
-        self._decode_seconds: float | None = None  # moving average of one decode step
+        self._prefill_debt = 0.0  # prefill seconds run while decoding, not yet paid by decode steps
         self._last_prefill: tuple[int, float] | None = None  # (positions, seconds) of the last prefill
         self.model = model
         self.tokenizer = tokenizer
@@ -241,29 +239,30 @@ class Sampler:
         decoding = list(self._running)
         finished, self._carry = self._carry, []
         self._prefilling += self._admit()
-        if self._prefilling:
+        if not decoding:
+            self._prefill_debt = 0.0  # nobody waits on decode steps: prefill takes the engine
+        if self._prefilling and self._prefill_debt <= 0:
             t = time.perf_counter()
-            rows = self._chunks(self._prefill_budget(bool(decoding)))
+            rows = self._chunks(self._prefill_budget())
             finished += self._prefill(rows)
-            self._last_prefill = (len(rows) * max(take for _, take in rows), time.perf_counter() - t)
+            seconds = time.perf_counter() - t
+            self._last_prefill = (len(rows) * max(take for _, take in rows), seconds)
+            if decoding:
+                self._prefill_debt += seconds
         if decoding:
             t = time.perf_counter()
             finished += self._decode(decoding)
-            self._decode_seconds = _average(self._decode_seconds, time.perf_counter() - t)
+            self._prefill_debt = max(0.0, self._prefill_debt - self.prefill_share * (time.perf_counter() - t))
         return finished
 
-    def _prefill_budget(self, decoding: bool) -> int:
-        """Prefill positions for this step: what should take the target time (prefill_share x a
-        decode step while sequences decode, else prefill_step_seconds), scaled from the last
-        prefill step; between one block and max_batch_tokens."""
+    def _prefill_budget(self) -> int:
+        """Prefill positions for this step: what should take `prefill_step_seconds`, scaled from the
+        last prefill step; between one block and max_batch_tokens."""
         low = min(self.block_size, self.max_batch_tokens)
         if self._last_prefill is None:
             return min(self.max_batch_tokens, 4 * self.block_size)
-        target = self.prefill_step_seconds
-        if decoding and self._decode_seconds is not None:
-            target = min(target, self.prefill_share * self._decode_seconds)
         tokens, seconds = self._last_prefill
-        scaled = int(tokens * min(2.0, target / max(seconds, 1e-6)))
+        scaled = int(tokens * min(2.0, self.prefill_step_seconds / max(seconds, 1e-6)))
         return max(low, min(scaled, self.max_batch_tokens))
 
     # ------------------------------------------------------------------ validation
