@@ -69,6 +69,28 @@ def test_retokenized_history_fires(tok):
         assert d.tokens_lost == len(prompts[turn - 1]) + len(sampled(tok, *ANSWERS[turn - 1])) - previous
 
 
+def test_history_rebuilt_with_trimmed_replies_fires(tok):
+    """Agent code that stores `reply.strip()` and re-renders the chat: the text reads the same up to
+    whitespace, the tokens leave the cache at the trimmed whitespace."""
+    diag = PrefixDiagnostics()
+    text = chat(("user", QUESTIONS[0]))
+    prompt = tok.encode(text)
+    reply = " The capital is Paris.\n\n"
+    completion = tok.encode(reply) + [tok.encode("<|im_end|>")[0]]
+    assert observe(diag, tok, prompt, [completion]) == []
+    rebuilt = tok.encode(chat(("user", QUESTIONS[0]), ("assistant", reply.strip()), ("user", QUESTIONS[1])))
+    (d,) = observe(diag, tok, rebuilt, [sampled(tok, " Berlin.")])
+    assert d.pattern == "retokenized_history"
+    assert d.diverge_position == len(prompt)  # the leading space was trimmed: the reply's first token differs
+    assert d.tokens_lost == len(completion)
+    # a different reply in its place is not the same history
+    other = tok.encode(chat(("user", QUESTIONS[0]), ("assistant", "Rome."), ("user", QUESTIONS[1])))
+    assert observe(PrefixDiagnostics(), tok, other, [[5]]) == []
+    diag2 = PrefixDiagnostics()
+    observe(diag2, tok, prompt, [completion])
+    assert observe(diag2, tok, other, [sampled(tok, " Berlin.")]) == []
+
+
 def test_appending_real_tokens_is_silent(tok):
     diag = PrefixDiagnostics()
     prompt = tok.encode(chat(("user", QUESTIONS[0])))

@@ -3,9 +3,10 @@
 The cache hits only on an exact token-level prefix. The seed names three practices that make it hit;
 each has a detector here that fires when a prompt breaks it:
 
-- "retokenized_history": the prompt's decoded text continues an earlier prompt + completion, but its
-  tokens diverge from those real tokens before their end (history was re-tokenized from text, and the
-  tokenizer merged tokens differently across a boundary). tokens_lost = real tokens after the divergence.
+- "retokenized_history": the prompt's decoded text continues an earlier prompt + completion (up to
+  whitespace), but its tokens diverge from those real tokens before their end: the history was
+  rebuilt from text, so the tokenizer merged a reply's tokens differently or a reply's whitespace
+  was trimmed. tokens_lost = real tokens after the divergence.
   Only earlier requests whose own prompt the new one repeats (to within RETOKENIZE_SLACK tokens) are
   decoded and compared, which keeps the check cheap when prompts are unrelated.
 - "varying_head": the prompt shares a short head with an earlier prompt, diverges right after it, and
@@ -36,7 +37,7 @@ RETOKENIZE_SLACK = 16  # re-tokenizing may merge this far back into the earlier 
 @dataclass
 class _Seen:
     """One earlier request: its prompt and each completion's full real token sequence (prompt + completion),
-    whose decoded texts are filled in the first time a later prompt needs them."""
+    whose decoded texts (without whitespace) are filled in the first time a later prompt needs them."""
 
     prompt: list[int]
     reals: list[list[int]]
@@ -47,7 +48,7 @@ class _Seen:
         if not self.texts:
             self.texts = [None] * len(self.reals)
         if self.texts[i] is None:
-            self.texts[i] = decode(self.reals[i])
+            self.texts[i] = _squash(decode(self.reals[i]))
         return self.texts[i]
 
 
@@ -101,7 +102,7 @@ class PrefixDiagnostics:
                 if not real_text:
                     continue
                 if text is None:
-                    text = decode(prompt)
+                    text = _squash(decode(prompt))
                 if text.startswith(real_text):
                     d = _common_prefix(prompt, real)
                     return "retokenized_history", d, len(real) - d
@@ -124,6 +125,12 @@ class PrefixDiagnostics:
         if any(s.single and s.prompt == prompt for s in past):
             return "split_group", len(prompt), len(prompt) - cached
         return None
+
+
+def _squash(text: str) -> str:
+    """The text without whitespace: a reply whose surrounding whitespace the client trimmed still
+    reads as the same history."""
+    return "".join(text.split())
 
 
 def _extends(a: list[int], b: list[int]) -> bool:
