@@ -64,7 +64,7 @@ def run(conn, tok, rng: random.Random, *, append: bool, conversations: int, turn
                 prompt_tokens += res.usage.prompt_tokens
                 cached += res.usage.cached_tokens
                 seq = res.sequences[0]
-                reply = seq.text or ""
+                reply = (seq.text or "").strip()  # as agent code keeps a message: trimmed text
                 history += [{"role": "assistant", "content": reply}, {"role": "user", "content": calculator(reply)}]
                 closed = seq.tokens if seq.tokens and seq.tokens[-1] == eot else seq.tokens + [eot]
                 real = prompt + closed  # the tokens the server holds for this conversation so far

@@ -69,6 +69,29 @@ def test_retokenized_history_fires(tok):
         assert d.tokens_lost == len(prompts[turn - 1]) + len(sampled(tok, *ANSWERS[turn - 1])) - previous
 
 
+def test_a_later_reply_that_re_tokenizes_differently_fires_though_earlier_ones_did_not(tok):
+    """The prompt still extends an older turn's real tokens (that reply re-tokenized the same); the
+    latest turn it continues is the one whose tokens it left."""
+    diag = PrefixDiagnostics()
+    text = chat(("user", QUESTIONS[0]))
+    prompt = tok.encode(text)
+    answers = [(" The capital is Paris.",), (" It is", " Ber", "lin."), (" Yes.",)]
+    found = []
+    for turn in range(3):
+        completion = sampled(tok, *answers[turn])
+        found.append(observe(diag, tok, prompt, [completion]))
+        if turn == 2:
+            break
+        real = prompt + completion
+        text = text + tok.decode(completion) + f"\n<|im_start|>user\n{QUESTIONS[turn + 1]}<|im_end|>\n" \
+                                               "<|im_start|>assistant\n"
+        prompt = tok.encode(text)
+        assert (prompt[:len(real)] == real) == (turn == 0)
+    assert found[0] == [] and found[1] == []
+    (d,) = found[2]
+    assert d.pattern == "retokenized_history"
+
+
 def test_history_rebuilt_with_trimmed_replies_fires(tok):
     """Agent code that stores `reply.strip()` and re-renders the chat: the text reads the same up to
     whitespace, the tokens leave the cache at the trimmed whitespace."""

@@ -89,12 +89,12 @@ class PrefixDiagnostics:
                                 tokens_lost=lost, request_id=request_id)]
 
     def _retokenized(self, prompt, past, decode):
-        if any(_extends(prompt, real) for s in past for real in s.reals):
-            return None  # appended to real tokens: the cache-friendly way
         text = None
-        for s in past:  # most recent first
+        for s in past:  # most recent first: the latest request this prompt continues decides
             if _common_prefix(prompt, s.prompt) < len(s.prompt) - RETOKENIZE_SLACK:
                 continue  # not a continuation of this request: its own prompt is not even there
+            if any(_extends(prompt, real) for real in s.reals):
+                return None  # appended to real tokens: the cache-friendly way
             for i, real in enumerate(s.reals):
                 if len(prompt) < 0.9 * len(real):
                     continue  # too short to hold that text: re-tokenizing merges only a few tokens
