@@ -70,9 +70,10 @@ def test_dpo_learns_the_held_out_preferences(smollm2):
 def test_multi_turn_appending_hits_the_cache_and_retokenizing_is_diagnosed(smollm2):
     out = example("multi_turn_agent").main(smollm2)
     assert out["append"]["diagnostics"] == [] and out["append"]["hit_rate"] > 0.6
-    # a turn whose re-tokenized history leaves the sampled tokens is what the diagnostic names
+    # each turn whose re-rendered history leaves the sampled tokens is named by the diagnostic
     retok = out["retokenize"]
-    assert ("retokenized_history" in retok["diagnostics"]) == (retok["diverged_turns"] > 0)
+    assert retok["diverged_turns"] > 0  # seeded: on SmolLM2 this run has several
+    assert retok["diagnosed_requests"] == retok["diverged_turns"]
 
 
 @pytest.mark.slow
