@@ -42,23 +42,28 @@ QUESTIONS = ["What is the capital of France?", "And of Germany?", "Which one is 
 ANSWERS = [(" The capital is", " Par", "is."), (" It is", " Ber", "lin."), (" Ber", "lin", " is larger.")]
 
 
-def test_retokenized_history_fires(tok):
+def rebuilt_conversation(tok, answers):
+    """Three turns whose prompts the user rebuilds from text and re-tokenizes each time: the
+    diagnostics of each turn, its prompt, and its real tokens (prompt + completion)."""
     diag = PrefixDiagnostics()
     text = chat(("user", QUESTIONS[0]))
     prompt = tok.encode(text)
-    found, prompts = [], []
+    found, prompts, reals = [], [], []
     for turn in range(3):
-        completion = sampled(tok, *ANSWERS[turn])
+        completion = sampled(tok, *answers[turn])
         prompts.append(prompt)
+        reals.append(prompt + completion)
         found.append(observe(diag, tok, prompt, [completion]))
-        if turn == 2:
-            break
-        # the user rebuilds the whole conversation from text and re-tokenizes it
-        real = prompt + completion
-        text = text + tok.decode(completion) + f"\n<|im_start|>user\n{QUESTIONS[turn + 1]}<|im_end|>\n" \
+        text = text + tok.decode(completion) + f"\n<|im_start|>user\n{QUESTIONS[(turn + 1) % 3]}<|im_end|>\n" \
                                                "<|im_start|>assistant\n"
         prompt = tok.encode(text)
-        assert tok.decode(prompt).startswith(tok.decode(real)) and prompt[:len(real)] != real
+        assert tok.decode(prompt).startswith(tok.decode(reals[-1]))
+    return found, prompts, reals
+
+
+def test_retokenized_history_fires(tok):
+    found, prompts, reals = rebuilt_conversation(tok, ANSWERS)
+    assert all(later[:len(real)] != real for later, real in zip(prompts[1:], reals))
     assert found[0] == []
     for turn in (1, 2):
         (d,) = found[turn]
@@ -66,27 +71,15 @@ def test_retokenized_history_fires(tok):
         # " Par" + "is." re-tokenizes as " Paris" + ".": the prompt diverges right after the answer's first piece
         previous = len(prompts[turn - 1]) + len(tok.encode(ANSWERS[turn - 1][0]))
         assert d.diverge_position == previous
-        assert d.tokens_lost == len(prompts[turn - 1]) + len(sampled(tok, *ANSWERS[turn - 1])) - previous
+        assert d.tokens_lost == len(reals[turn - 1]) - previous
 
 
 def test_a_later_reply_that_re_tokenizes_differently_fires_though_earlier_ones_did_not(tok):
     """The prompt still extends an older turn's real tokens (that reply re-tokenized the same); the
     latest turn it continues is the one whose tokens it left."""
-    diag = PrefixDiagnostics()
-    text = chat(("user", QUESTIONS[0]))
-    prompt = tok.encode(text)
-    answers = [(" The capital is Paris.",), (" It is", " Ber", "lin."), (" Yes.",)]
-    found = []
-    for turn in range(3):
-        completion = sampled(tok, *answers[turn])
-        found.append(observe(diag, tok, prompt, [completion]))
-        if turn == 2:
-            break
-        real = prompt + completion
-        text = text + tok.decode(completion) + f"\n<|im_start|>user\n{QUESTIONS[turn + 1]}<|im_end|>\n" \
-                                               "<|im_start|>assistant\n"
-        prompt = tok.encode(text)
-        assert (prompt[:len(real)] == real) == (turn == 0)
+    found, prompts, reals = rebuilt_conversation(tok, [(" The capital is Paris.",), (" It is", " Ber", "lin."),
+                                                       (" Yes.",)])
+    assert prompts[1][:len(reals[0])] == reals[0] and prompts[2][:len(reals[1])] != reals[1]
     assert found[0] == [] and found[1] == []
     (d,) = found[2]
     assert d.pattern == "retokenized_history"
