@@ -19,6 +19,7 @@ d. No sharing: 16 unrelated 256-token prompts, 16 new tokens: the prefix cache's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -132,13 +133,16 @@ class Bench:
                                                        "sample_tokens")})
 
     def _ttft(self, s: Sampler, req: SampleRequest):
-        """Time of the step that prefills `req` and samples its first token; then finish it."""
+        """Time from adding `req` (streamed) until the step that gives it its first token (its
+        prompt may be prefilled over several steps); then finish it."""
+        req = dataclasses.replace(req, stream=True)
         s.add(req)
         t = time.perf_counter()
-        done = s.step()
-        ttft = time.perf_counter() - t
+        done, ttft = [], None
         while s.has_work():
             done += s.step()
+            if ttft is None and (s.take_deltas() or done):
+                ttft = time.perf_counter() - t
         return ttft, done[0]
 
     def multiturn(self, p: dict) -> dict:

@@ -138,27 +138,39 @@ def test_cancel_while_the_prompt_prefills_in_chunks_frees_everything(model_tok):
     assert s.kv.num_used == 0 and s._reserved == 0
 
 
-def test_while_others_decode_prefill_gets_its_share_of_time_however_costly_a_chunk_is(model_tok, monkeypatch):
-    """Deep into a long prompt even one block can cost several decode steps: a chunk's time is a
-    debt that the decode steps after it pay at `prefill_share` x their own time, so a decoding
-    sequence spends at most that share (plus one chunk) waiting on prefill."""
+@pytest.fixture
+def costly_chunks(model_tok, monkeypatch):
+    """A sampler on a fake clock where every prefill chunk takes 3 s and every decode step 1 s."""
     import trine.engine.sampler as sampler_module
 
     clock = [0.0]
     monkeypatch.setattr(sampler_module.time, "perf_counter", lambda: clock[0])
-    s = Sampler(*model_tok, kv_cache_bytes=32 << 20, max_batch_tokens=16, prefill_share=0.5)
-    real_prefill, real_decode = s._prefill, s._decode
 
-    def prefill(rows):  # every chunk "takes" 3 s
-        clock[0] += 3.0
-        return real_prefill(rows)
+    def build(**kw) -> Sampler:
+        s = Sampler(*model_tok, kv_cache_bytes=32 << 20, prefill_share=0.5, **kw)
+        real_prefill, real_decode = s._prefill, s._decode
 
-    def decode(seqs):  # every decode step "takes" 1 s
-        clock[0] += 1.0
-        return real_decode(seqs)
+        def prefill(rows):
+            clock[0] += 3.0
+            return real_prefill(rows)
 
-    monkeypatch.setattr(s, "_prefill", prefill)
-    monkeypatch.setattr(s, "_decode", decode)
+        def decode(seqs):
+            clock[0] += 1.0
+            return real_decode(seqs)
+
+        monkeypatch.setattr(s, "_prefill", prefill)
+        monkeypatch.setattr(s, "_decode", decode)
+        s.clock = clock
+        return s
+    return build
+
+
+def test_while_others_decode_prefill_gets_its_share_of_time_however_costly_a_chunk_is(costly_chunks):
+    """Deep into a long prompt even one block can cost several decode steps: a chunk's time is a
+    debt that the decode steps after it pay at `prefill_share` x their own time, so a decoding
+    sequence spends at most that share (plus one chunk) waiting on prefill."""
+    s = costly_chunks(max_batch_tokens=16)
+    clock = s.clock
     short = req(prompt(10, 12), max_tokens=30, temperature=0.0)
     s.add(short)
     s.step()  # prefilled alone; decodes from now on
@@ -179,3 +191,34 @@ def test_while_others_decode_prefill_gets_its_share_of_time_however_costly_a_chu
     while s.has_work():  # alone again, the long prompt runs chunk after chunk
         done += [res.request_id for res in s.step()]
     assert done == [long.request_id]
+
+
+def test_an_older_prompt_is_held_back_for_a_newer_request_that_decodes(costly_chunks):
+    """The long request came first; the short one after it must not wait on its chunks."""
+    s = costly_chunks(max_batch_tokens=2048)
+    long = req(prompt(600, 14), generate=False)
+    s.add(long)
+    s.step()  # a first chunk, nobody decoding
+    short = req(prompt(10, 15), max_tokens=30, temperature=0.0)
+    s.add(short)
+    prefills = s.stats["prefill_forwards"]
+    while not any(res.request_id == short.request_id for res in s.step()):
+        pass
+    assert s.stats["prefill_forwards"] - prefills <= 30 // 6 + 2  # about one chunk per 6 decode steps
+
+
+def test_requests_sent_together_are_prefilled_ahead_of_decoding(costly_chunks):
+    """A GRPO step: prompts sent together, each newer than the samples already decoding and short,
+    are prefilled every step rather than at the decoders' pace, so they join the decode batch soon."""
+    s = costly_chunks(max_batch_tokens=2048)
+    reqs = [req(prompt(100, 20 + i), max_tokens=40, temperature=0.0) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    steps, most_running = 0, 0
+    while s.stats["prefilling"] or s.stats["waiting"]:
+        s.step()
+        steps += 1
+        most_running = max(most_running, s.stats["running"])
+    assert most_running == 3  # all three decode together
+    assert steps <= 3 * 7  # every step prefills (100 tokens at one 16-token block a step, each)
+    assert s.stats["prefill_forwards"] == steps

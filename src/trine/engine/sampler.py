@@ -9,12 +9,16 @@ One `step()` does, in order:
    steps: no request stalls the others. The chunk is sized by time, scaled from the last prefill
    step's tokens and seconds (at least one block, at most twice as many as the last step), to take
    about `prefill_step_seconds`, which bounds how long a request arriving meanwhile waits for the
-   step in progress. While sequences decode, prefill is also held to `prefill_share` x the decode
-   time: a chunk's seconds are a debt that the following decode steps pay off at `prefill_share` x
-   their own seconds, and no chunk runs while the debt is positive. So a long prompt adds about
-   `prefill_share` to everyone's per-token latency however costly its chunks are (deep into a long
-   prompt, even one block costs several decode steps). Prompts with the fewest tokens left go
-   first (they start decoding at once); the longest one takes what is left of the budget. A request
+   step in progress. While sequences decode, a prompt that arrived before one of them, or that has
+   more than `max_batch_tokens` tokens left, is held to `prefill_share` x the decode time: a chunk's
+   seconds are a debt that the following decode steps pay off at `prefill_share` x their own
+   seconds, and no such chunk runs while the debt is positive. So a long prompt adds about
+   `prefill_share` to the per-token latency of those who came after it however costly its chunks
+   are (deep into a long prompt, even one block costs several decode steps). Other prompts (newer
+   than every decoding request, and short) go ahead of decoding as soon as they arrive, so a batch
+   of requests sent together (a GRPO step) is prefilled at full speed and decodes as one batch.
+   Prompts with the fewest tokens left go first (they start decoding at once); the longest one
+   takes what is left of the budget. A request
    looks up the longest cached full-block prefix of `prompt[:-1]` at admission and computes only
    the rest: the last prompt token is always computed, since its logits give the first sampled
    token. The prompt is prefilled once per request; when its last chunk is done its `num_samples`
@@ -92,6 +96,7 @@ class _Request:
     keys: list[int] = field(default_factory=list)  # chain keys of the prompt's full blocks
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks during prefill
     copies: list[int] = field(default_factory=list)  # partial-block copies for samples 1..n-1
+    order: int = 0  # arrival: requests added earlier have smaller numbers
     cached: int = 0  # prompt tokens served from the cache
     done: int = 0  # prompt tokens whose KV is computed or cached (prefill progress)
     reserved: int = 0  # blocks reserved for its samples' decoding until they fork
@@ -133,7 +138,8 @@ class Sampler:
             raise ValueError("prefill_share and prefill_step_seconds must be > 0")
         self.prefill_share = prefill_share
         self.prefill_step_seconds = prefill_step_seconds
-        self._prefill_debt = 0.0  # prefill seconds run while decoding, not yet paid by decode steps
+        self._prefill_debt = 0.0  # held-back prefill seconds run while decoding, not yet paid by decode steps
+        self._arrivals = 0
         self._last_prefill: tuple[int, float] | None = None  # (positions, seconds) of the last prefill
         self.model = model
         self.tokenizer = tokenizer
@@ -166,7 +172,8 @@ class Sampler:
         opts = req.options
         stop_ids = frozenset(opts.stop_token_ids) | (self.eos_ids if opts.stop_at_eos else frozenset())
         full = req.prompt_logprobs or req.topk_prompt_logprobs > 0 or not req.generate
-        r = self._live[req.request_id] = _Request(req, SampleUsage(), stop_ids, full)
+        self._arrivals += 1
+        r = self._live[req.request_id] = _Request(req, SampleUsage(), stop_ids, full, order=self._arrivals)
         self._waiting.append(r)
 
     def has_work(self) -> bool:
@@ -241,13 +248,18 @@ class Sampler:
         self._prefilling += self._admit()
         if not decoding:
             self._prefill_debt = 0.0  # nobody waits on decode steps: prefill takes the engine
-        if self._prefilling and self._prefill_debt <= 0:
+        ready = self._prefilling
+        if decoding and self._prefill_debt > 0:  # only prompts that are not held back
+            newest = max(s.req.order for s in decoding)
+            ready = [r for r in ready if r.order > newest
+                     and len(r.req.prompt) - r.done <= self.max_batch_tokens]
+        if ready:
             t = time.perf_counter()
-            rows = self._chunks(self._prefill_budget())
+            rows = self._chunks(ready, self._prefill_budget())
             finished += self._prefill(rows)
             seconds = time.perf_counter() - t
             self._last_prefill = (len(rows) * max(take for _, take in rows), seconds)
-            if decoding:
+            if decoding and ready is self._prefilling:
                 self._prefill_debt += seconds
         if decoding:
             t = time.perf_counter()
@@ -355,11 +367,11 @@ class Sampler:
             admitted.append(r)
         return admitted
 
-    def _chunks(self, budget: int) -> list[tuple[_Request, int]]:
-        """This step's prefill rows (request, tokens to compute): fewest tokens left first, while
-        rows x the longest chunk <= budget; the last row may take a partial chunk."""
+    def _chunks(self, ready: list[_Request], budget: int) -> list[tuple[_Request, int]]:
+        """This step's prefill rows (request, tokens to compute) from `ready`: fewest tokens left
+        first, while rows x the longest chunk <= budget; the last row may take a partial chunk."""
         rows: list[tuple[_Request, int]] = []
-        for r in sorted(self._prefilling, key=lambda r: len(r.req.prompt) - r.done):  # stable: FIFO ties
+        for r in sorted(ready, key=lambda r: len(r.req.prompt) - r.done):  # stable: FIFO ties
             cap = budget // (len(rows) + 1)
             if cap < 1:
                 break
