@@ -141,7 +141,7 @@ class Bench:
         done, ttft = [], None
         while s.has_work():
             done += s.step()
-            if ttft is None and (s.take_deltas() or done):
+            if any(d.request_id == req.request_id for d in s.take_deltas()) and ttft is None:
                 ttft = time.perf_counter() - t
         return ttft, done[0]
 
