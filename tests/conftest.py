@@ -56,3 +56,13 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 def tiny_model_dir(tiny_model_dirs) -> Path:
     """The default tiny model for tests that need one model: Llama family, like SmolLM2."""
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture()
+def client(server):
+    """A raw PyTRIO wire client (serverutil.RawClient) on the test module's `server` fixture."""
+    from serverutil import RawClient
+
+    c = RawClient(server.url, server.api_key)
+    yield c
+    c.close()

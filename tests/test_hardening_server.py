@@ -33,13 +33,6 @@ def server(tiny_model_dir, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture()
-def client(server):
-    c = RawClient(server.url, server.api_key)
-    yield c
-    c.close()
-
-
 def new_run(client: RawClient):
     return client.started_run(MODEL, wait=False)
 

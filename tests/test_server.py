@@ -22,13 +22,6 @@ def server(tiny_model_dir, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture()
-def client(server):
-    c = RawClient(server.url, server.api_key)
-    yield c
-    c.close()
-
-
 def new_run(client: RawClient, model: str = "tiny-llama"):
     return client.started_run(model)
 
