@@ -248,8 +248,9 @@ class Sampler:
         self._prefilling += self._admit()
         if not decoding:
             self._prefill_debt = 0.0  # nobody waits on decode steps: prefill takes the engine
+        unpaid = bool(decoding) and self._prefill_debt > 0  # held-back prompts wait for it
         ready = self._prefilling
-        if decoding and self._prefill_debt > 0:  # only prompts that are not held back
+        if unpaid:  # only prompts newer than every decoding request, and short
             newest = max(s.req.order for s in decoding)
             ready = [r for r in ready if r.order > newest
                      and len(r.req.prompt) - r.done <= self.max_batch_tokens]
@@ -259,7 +260,7 @@ class Sampler:
             finished += self._prefill(rows)
             seconds = time.perf_counter() - t
             self._last_prefill = (len(rows) * max(take for _, take in rows), seconds)
-            if decoding and ready is self._prefilling:
+            if decoding and not unpaid:  # a chunk that may hold held-back prompts: they owe it
                 self._prefill_debt += seconds
         if decoding:
             t = time.perf_counter()
