@@ -26,6 +26,8 @@ import time
 
 from trine.server.console import runs as console_runs
 from trine.service import EventResult
+from trine.service.ownership import Ownership
+from trine.service.queries import Queries
 from trine.store import EventRecord, Store, TrainingRun
 
 FB, OPT = "trainer.forward_backward", "trainer.optimize_step"
@@ -55,13 +57,13 @@ def build(store: Store, steps: int, batch: int, seq: int) -> tuple[str, str]:
 
 def baseline(store: Store, run_id: str):
     events = store.events(run_id)
-    results = {e.id: console_runs.event_outcome(e, e.response) for e in events}
+    results = {e.id: console_runs.event_outcome(e, EventResult.of(e)) for e in events}
     return console_runs.run_steps(events, results)
 
 
-def console(store: Store, run_id: str):
+def console(store: Store, queries: Queries, key, run_id: str):
     events = store.events(run_id, responses=False)
-    return console_runs.run_steps(events, console_runs.outcomes(store, events))
+    return console_runs.run_steps(events, console_runs.outcomes(queries, key, events))
 
 
 def timed(fn) -> tuple[float, object]:
@@ -82,14 +84,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as home:
         store = Store(home)
         t0 = time.perf_counter()
-        run_id, _ = build(store, args.steps, args.batch, args.seq)
+        run_id, key_id = build(store, args.steps, args.batch, args.seq)
+        queries, key = Queries(store, Ownership(store), {}), store.key(key_id)
         print(f"built {2 * args.steps} events in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         base, warm, cold = [], [], []
         for _ in range(args.repeats):
             tb, steps_b = timed(lambda: baseline(store, run_id))
             console_runs._OUTCOMES.clear()
-            tc, steps_c = timed(lambda: console(store, run_id))
-            tw, steps_w = timed(lambda: console(store, run_id))
+            tc, steps_c = timed(lambda: console(store, queries, key, run_id))
+            tw, steps_w = timed(lambda: console(store, queries, key, run_id))
             assert steps_b == steps_c == steps_w and len(steps_b) == args.steps
             base.append(tb), cold.append(tc), warm.append(tw)
         store.close()

@@ -30,9 +30,8 @@ import time
 from pathlib import Path
 
 from trine.engine.local import LocalEngine
-from trine.engine.requests import SamplingOptions
 from trine.engine.ray_backend import connect, ray_engines
-from trine.service import SampleSpec, Service
+from trine.service import SampleSpec, SamplingRunSpec, Service
 from trine.service.routing import Router
 from trine.store import Store
 
@@ -56,8 +55,8 @@ class Config:
     async def start(self) -> None:
         await self.svc.start()
         self.key = self.svc.authenticate(self.secret)
-        session = self.svc.create_session(self.key, "bench")
-        self.run = self.svc.create_sampling_run(self.key, session.id, base_model=self.model)
+        session = self.svc.runs.create_session(self.key, "bench")
+        self.run = self.svc.runs.create_sampling_run(self.key, session.id, SamplingRunSpec(self.model))
 
     async def workload(self, rnd: int, args) -> dict:
         rng = random.Random(rnd)
@@ -65,12 +64,12 @@ class Config:
                    for _ in range(args.system_prompts)]
         prompts = [systems[i % len(systems)] + [rng.randrange(100, 40000) for _ in range(args.user_len)]
                    for i in range(args.requests)]
-        opts = SamplingOptions(max_tokens=args.new, temperature=1.0, seed=rnd, stop_at_eos=False)
+        opts = dict(max_tokens=args.new, temperature=1.0, seed=rnd, stop_at_eos=False)
         gate = asyncio.Semaphore(args.concurrency)
 
         async def one(i, prompt):
             async with gate:
-                return await self.svc.sample(self.key, self.run.id, SampleSpec(f"w{rnd}-{i}", prompt, opts))
+                return await self.svc.sampling.sample(self.key, self.run.id, SampleSpec(f"w{rnd}-{i}", prompt, **opts))
         t = time.perf_counter()
         outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         dt = time.perf_counter() - t
@@ -81,9 +80,9 @@ class Config:
     async def latency(self, rnd: int, args) -> float:
         rng = random.Random(10_000 + rnd)
         prompt = [rng.randrange(100, 40000) for _ in range(args.latency_prompt)]
-        opts = SamplingOptions(max_tokens=args.new, temperature=1.0, seed=1, stop_at_eos=False)
+        spec = SampleSpec(f"l{rnd}", prompt, args.new, temperature=1.0, seed=1, stop_at_eos=False, num_samples=4)
         t = time.perf_counter()
-        await self.svc.sample(self.key, self.run.id, SampleSpec(f"l{rnd}", prompt, opts, num_samples=4))
+        await self.svc.sampling.sample(self.key, self.run.id, spec)
         return time.perf_counter() - t
 
 

@@ -41,6 +41,7 @@ def make_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
 
 class TrineSide:
     def __init__(self, model_dir: str, tokens: torch.Tensor, rank: int, runs: int = 1):
+        from trine.engine.losses import Loss
         from trine.engine.model import LoRAConfig
         from trine.engine.requests import AdamConfig, TrainDatum
         from trine.engine.trainer import Trainer
@@ -52,7 +53,7 @@ class TrineSide:
             self.trainer.create_run(run, LoRAConfig(rank=rank, alpha=32.0, train_unembed=False, seed=i))
         rows = [TrainDatum(tokens=t.tolist(), target_tokens=t[1:].tolist() + [-100]) for t in tokens]
         per_run = len(rows) // runs
-        self.batch = [(run, rows[i * per_run:(i + 1) * per_run], "cross_entropy", {})
+        self.batch = [(run, rows[i * per_run:(i + 1) * per_run], Loss.parse("cross_entropy"))
                       for i, run in enumerate(self.runs)]
         self.adam = AdamConfig(learning_rate=1e-4)
 

@@ -10,6 +10,7 @@ import torch
 
 from trine.engine import checkpoint
 from trine.engine.checkpoint import atomic_write, load_peft_adapter, save_peft_adapter
+from trine.engine.losses import Loss
 from trine.engine.model import AdapterBatch, LoRAConfig
 from trine.engine.requests import AdamConfig
 from trine.engine.trainer import Trainer
@@ -88,7 +89,7 @@ def test_load_state_with_optimizer_resumes_exactly(model, tmp_path):
     batches = [random_data(s, lengths=(7, 5)) for s in range(4)]
 
     def step(trainer, run, data):
-        trainer.forward_backward([(run, data, "cross_entropy", {})])
+        trainer.forward_backward([(run, data, Loss.parse("cross_entropy"))])
         return trainer.optim_step(run, adam)
 
     a = Trainer(model, base_model="tiny")

@@ -144,9 +144,9 @@ def test_usage_chart_totals_equal_trine_usage_json(env, browser):
 def test_server_page_shows_models_engines_and_cycles(env, browser):
     srv, _, run = env
     browser.get(f"{srv.url}/console/server")
-    wait(browser, "document.querySelector('.engine[data-model=\"tiny-llama\"]')")
-    assert "KV pool" in browser.find_element("css selector", ".engine").text
-    assert run.run_id in browser.find_element("css selector", ".engine .cycles").text
+    wait(browser, "document.querySelector('.replica-card[data-model=\"tiny-llama\"]')")
+    assert "KV pool" in browser.find_element("css selector", ".replica-card").text
+    assert run.run_id in browser.find_element("css selector", ".replica-card .cycles").text
     shoot(browser, "server")
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from trine.engine.interface import SampleCancelled, SampleDelta
 from trine.engine.local import LocalEngine
+from trine.engine.losses import Loss
 from trine.engine.model import LoRAConfig
 from trine.engine.ops import (FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_WEIGHTS, CycleEvent, Forward,
                               InitRun, OptimStep, RunShare, Save, TrainingCycle)
@@ -39,9 +40,9 @@ def test_train_publish_sample_spill_and_reload_by_checkpoint_id(tiny_model_dir, 
             data = [TrainDatum(tokens, tokens[1:] + [-100], [1.0] * 32)]
             cycle = _cycle(1, "run",
                            ("e1", INIT_RUN, InitRun(LoRAConfig(rank=4, seed=3))),
-                           ("e2", FORWARD_BACKWARD, Forward(data, "cross_entropy")),
+                           ("e2", FORWARD_BACKWARD, Forward(data, Loss.parse("cross_entropy"))),
                            ("e3", OPTIMIZE_STEP, OptimStep(AdamConfig(learning_rate=1e-2))),
-                           ("e4", SAVE_WEIGHTS, Save("weights", "snap", "TEMPORARY", checkpoint_id="ck1")))
+                           ("e4", SAVE_WEIGHTS, Save("weights", checkpoint_id="ck1")))
             cycle = pickle.loads(pickle.dumps(cycle))  # what crosses is plain data
             res = await eng.run_cycle(cycle)
             res = pickle.loads(pickle.dumps(res))

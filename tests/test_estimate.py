@@ -78,6 +78,7 @@ def engine(tiny_model_dir):
 
 def test_estimate_matches_metered_multi_turn_rl(engine):
     """A multi-turn RL loop on the real engine (sampler + trainer), metered, vs the estimate of its shape."""
+    from trine.engine.losses import Loss
     from trine.engine.model import LoRAConfig
     from trine.engine.requests import AdamConfig, SampleRequest, SamplingOptions, TrainDatum
 
@@ -121,7 +122,7 @@ def test_estimate_matches_metered_multi_turn_rl(engine):
                 trajs[i] = p + res.sequences[0].tokens
         data = [TrainDatum(tokens=t[:-1], target_tokens=t[1:], weights=[float(m) for m in mask[1:]])
                 for t, mask in zip(trajs, masks)]
-        (res,) = trainer.forward_backward([("est", data, "cross_entropy", {})])
+        (res,) = trainer.forward_backward([("est", data, Loss.parse("cross_entropy"))])
         measured["train"] += res.usage.train_tokens
         measured["train_loss"] += res.usage.loss_tokens
         trainer.optim_step("est", AdamConfig(learning_rate=1e-3))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from serverutil import RawClient, event, init_payload, pytrio_env, serve
+from trine.engine.losses import Loss
 from trine.engine.model import LoRAConfig
 from trine.engine.requests import AdamConfig, TrainDatum
 from trine.engine.trainer import Trainer
@@ -96,12 +97,12 @@ def test_engine_keeps_the_plain_sum_without_a_denominator(tiny_model_dir):
     for denominator in (None, 7.0):
         trainer = Trainer(model, base_model="m")
         trainer.create_run("r", LoRAConfig(rank=4, seed=1))
-        (res,) = trainer.forward_backward([("r", data, "cross_entropy", {}, denominator)])
+        (res,) = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"), denominator)])
         norms[denominator] = trainer.optim_step("r", AdamConfig(learning_rate=1e-3))["grad_norm"]
         assert res.token_count == sum(len(t) - 1 for t in TEXTS)
     assert norms[None] == pytest.approx(7.0 * norms[7.0], rel=1e-5)
     with pytest.raises(ValueError, match="denominator"):
-        Trainer(model, base_model="m").forward_backward([("r", data, "cross_entropy", {}, 0.5)])
+        Trainer(model, base_model="m").forward_backward([("r", data, Loss.parse("cross_entropy"), 0.5)])
 
 
 def test_totals_smaller_than_the_chunk_are_refused_before_queueing(trio):

@@ -81,13 +81,13 @@ def test_loss_matches_reference_in_value_and_gradient(model, name, cfg):
     randomize(adapter, 0)
     data = random_data(1)
     # Old logprobs close to the current ones, so that PPO/CISPO clipping is active on some tokens.
-    fwd = trainer.forward_backward([("r", data, name, cfg)], backward=False)[0]
+    fwd = trainer.forward_backward([("r", data, Loss.parse(name, cfg))], backward=False)[0]
     g = torch.Generator().manual_seed(2)
     for k, (d, lp) in enumerate(zip(data, fwd.logprobs)):
         d.logprobs = [x + 0.1 * float(torch.randn(1, generator=g)) for x in lp]
         if name == "gspo" and k == 1:  # an explicit mask on one datum; the others use the default
             d.sequence_ratio_mask = [float(i % 2) for i in range(len(d.tokens))]
-    out = trainer.forward_backward([("r", data, name, cfg)])[0]
+    out = trainer.forward_backward([("r", data, Loss.parse(name, cfg))])[0]
     got = {n: p.grad.clone() for n, p in adapter.named_parameters()}
 
     ref = {n: torch.zeros_like(p) for n, p in adapter.named_parameters()}

@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 
 import trine as trio
 from serverutil import TEST_OPTIONS, pytrio_env, serve, start
-from trine.engine.requests import SamplingOptions
-from trine.service import SampleSpec
+from trine.service import SampleSpec, SamplingRunSpec
 from trine.service.routing import Router
 
 ray = pytest.importorskip("ray")
@@ -115,14 +114,13 @@ def _cached_fraction(srv, router: Router, seed: int) -> tuple[float, set[int]]:
     svc = srv.service
     svc.sampling.router = router
     key = svc.authenticate(srv.api_key)
-    run = svc.create_sampling_run(key, svc.create_session(key, "t").id, base_model=MODEL)
-    opts = SamplingOptions(max_tokens=4, temperature=1.0, seed=1)
+    run = svc.runs.create_sampling_run(key, svc.runs.create_session(key, "t").id, SamplingRunSpec(MODEL))
     g = torch.Generator().manual_seed(seed)
     n = [0]
 
     def spec(prompt):
         n[0] += 1
-        return SampleSpec(f"q{seed}-{n[0]}", prompt, opts)
+        return SampleSpec(f"q{seed}-{n[0]}", prompt, max_tokens=4, temperature=1.0, seed=1)
 
     async def workload():
         cached = prompt_tokens = 0
@@ -130,7 +128,7 @@ def _cached_fraction(srv, router: Router, seed: int) -> tuple[float, set[int]]:
         for _conv in range(3):
             prompt = torch.randint(100, 40000, (200,), generator=g).tolist()
             for turn in range(4):
-                out = await svc.sample(key, run.id, spec(prompt))
+                out = await svc.sampling.sample(key, run.id, spec(prompt))
                 replicas.add(out.replica)
                 if turn:
                     cached += out.usage["cached_tokens"]
@@ -138,9 +136,9 @@ def _cached_fraction(srv, router: Router, seed: int) -> tuple[float, set[int]]:
                 prompt = prompt + out.sequences[0].tokens + torch.randint(100, 40000, (12,), generator=g).tolist()
         for _group in range(2):
             prompt = torch.randint(100, 40000, (200,), generator=g).tolist()
-            first = await svc.sample(key, run.id, spec(prompt))
+            first = await svc.sampling.sample(key, run.id, spec(prompt))
             replicas.add(first.replica)
-            rest = await asyncio.gather(*(svc.sample(key, run.id, spec(prompt)) for _ in range(7)))
+            rest = await asyncio.gather(*(svc.sampling.sample(key, run.id, spec(prompt)) for _ in range(7)))
             cached += sum(o.usage["cached_tokens"] for o in rest)
             prompt_tokens += sum(o.usage["prompt_tokens"] for o in rest)
         return cached / prompt_tokens, replicas

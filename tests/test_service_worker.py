@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from trine.engine.losses import Loss
 from trine.engine.model import LoRAConfig
 from trine.engine.requests import SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
 from trine.engine.worker import EngineWorker
@@ -26,7 +27,7 @@ def test_sampling_is_served_between_training_micro_batches(tiny_model_dir):
             def tick():
                 ticks.append(w.sampler.has_work())
                 w.tick()
-            w.trainer.forward_backward([("r", data, "cross_entropy", {})], between_microbatches=tick)
+            w.trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))], between_microbatches=tick)
             return "train"
 
         finished = []

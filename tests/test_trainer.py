@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trine.engine.losses import Loss
 from trine.engine.model import AdapterBatch, LoRAConfig
 from trine.engine.requests import AdamConfig, TrainDatum
 from trine.engine.tokenizer import Tokenizer
@@ -46,9 +47,9 @@ def test_two_calls_then_step_equal_one_call_on_the_union(model):
     data = random_data(3, lengths=(9, 14, 5, 12))
     adam = AdamConfig(learning_rate=1e-3, weight_decay=0.1)
     split, whole = new_trainer(model, "r"), new_trainer(model, "r")
-    a = split.forward_backward([("r", data[:2], "cross_entropy", {})])[0]
-    b = split.forward_backward([("r", data[2:], "cross_entropy", {})])[0]
-    c = whole.forward_backward([("r", data, "cross_entropy", {})])[0]
+    a = split.forward_backward([("r", data[:2], Loss.parse("cross_entropy"))])[0]
+    b = split.forward_backward([("r", data[2:], Loss.parse("cross_entropy"))])[0]
+    c = whole.forward_backward([("r", data, Loss.parse("cross_entropy"))])[0]
     assert a.loss_sum + b.loss_sum == pytest.approx(c.loss_sum, rel=1e-6)
     for x, y in zip(a.logprobs + b.logprobs, c.logprobs):
         assert x == pytest.approx(y, abs=1e-5)
@@ -67,7 +68,7 @@ def test_optim_step_equals_torch_adamw(model, clip):
     adam = AdamConfig(learning_rate=2e-3, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.3,
                       grad_clip_norm=clip)
     for step in range(3):
-        trainer.forward_backward([("r", random_data(step, lengths=(8, 6)), "cross_entropy", {})])
+        trainer.forward_backward([("r", random_data(step, lengths=(8, 6)), Loss.parse("cross_entropy"))])
         for n, p in params.items():
             ref[n].grad = p.grad.clone()
         norm = float(torch.nn.utils.clip_grad_norm_(list(ref.values()), clip if clip else float("inf")))
@@ -84,11 +85,11 @@ def test_optim_step_equals_torch_adamw(model, clip):
 def test_runs_batched_together_get_the_gradients_each_gets_alone(model):
     data_a, data_b = random_data(4, lengths=(10, 6)), random_data(5, lengths=(13, 3, 8))
     mixed = new_trainer(model, "a", "b")
-    ra, rb = mixed.forward_backward([("a", data_a, "cross_entropy", {}), ("b", data_b, "importance_sampling", {})])
+    ra, rb = mixed.forward_backward([("a", data_a, Loss.parse("cross_entropy")), ("b", data_b, Loss.parse("importance_sampling"))])
     alone = new_trainer(model, "a", "b")
-    sa = alone.forward_backward([("a", data_a, "cross_entropy", {})])[0]
+    sa = alone.forward_backward([("a", data_a, Loss.parse("cross_entropy"))])[0]
     assert_dicts_close(grads(alone, "b"), {n: torch.zeros_like(g) for n, g in grads(alone, "b").items()})
-    sb = alone.forward_backward([("b", data_b, "importance_sampling", {})])[0]
+    sb = alone.forward_backward([("b", data_b, Loss.parse("importance_sampling"))])[0]
     for run in ("a", "b"):
         assert_dicts_close(grads(mixed, run), grads(alone, run))
     for x, y in ((ra, sa), (rb, sb)):
@@ -103,8 +104,8 @@ def test_micro_batching_does_not_change_results(model):
     big = new_trainer(model, "r")
     small = new_trainer(model, "r", micro_batch_tokens=20, logits_chunk_tokens=5)
     calls = []
-    rb = big.forward_backward([("r", data, "ppo", {})])[0]
-    rs = small.forward_backward([("r", data, "ppo", {})], between_microbatches=lambda: calls.append(1))[0]
+    rb = big.forward_backward([("r", data, Loss.parse("ppo"))])[0]
+    rs = small.forward_backward([("r", data, Loss.parse("ppo"))], between_microbatches=lambda: calls.append(1))[0]
     assert len(calls) == 4  # by length, padding counted: [17] [12] [9, 9] [3, 1 (padded to 3)]
     assert rb.loss_sum == pytest.approx(rs.loss_sum, rel=1e-5)
     for p, q in zip(rb.logprobs, rs.logprobs):
@@ -115,9 +116,9 @@ def test_micro_batching_does_not_change_results(model):
 def test_forward_changes_no_gradient_and_reports_what_forward_backward_does(model):
     data = random_data(7)
     trainer = new_trainer(model, "r")
-    fwd = trainer.forward_backward([("r", data, "cross_entropy", {})], backward=False)[0]
+    fwd = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0]
     assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
-    fb = trainer.forward_backward([("r", data, "cross_entropy", {})])[0]
+    fb = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))])[0]
     assert fwd.loss_sum == pytest.approx(fb.loss_sum, rel=1e-6)
     assert fwd.logprobs == fb.logprobs and fwd.usage == fb.usage
 
@@ -125,7 +126,7 @@ def test_forward_changes_no_gradient_and_reports_what_forward_backward_does(mode
 def test_outputs_metrics_and_usage(model):
     trainer = new_trainer(model, "r")
     d = TrainDatum(tokens=[5, 6, 7, 8, 9], target_tokens=[-100, -100, 7, 8, 9], weights=[1.0, 1.0, 0.0, 2.0, 1.0])
-    res = trainer.forward_backward([("r", [d, d], "cross_entropy", {})])[0]
+    res = trainer.forward_backward([("r", [d, d], Loss.parse("cross_entropy"))])[0]
     assert res.usage.train_tokens == 10 and res.usage.loss_tokens == 4 and res.token_count == 4
     for lp, loss in zip(res.logprobs, res.losses):
         assert len(lp) == len(loss) == 5
@@ -138,24 +139,24 @@ def test_outputs_metrics_and_usage(model):
 def test_data_without_targets_cost_compute_but_no_loss(model):
     trainer = new_trainer(model, "r")
     d = TrainDatum(tokens=[5, 6, 7], target_tokens=[-100, -100, -100])
-    res = trainer.forward_backward([("r", [d], "cross_entropy", {})])[0]
+    res = trainer.forward_backward([("r", [d], Loss.parse("cross_entropy"))])[0]
     assert (res.loss_sum, res.token_count, res.usage.train_tokens, res.usage.loss_tokens) == (0.0, 0, 3, 0)
     assert res.logprobs == [[0.0, 0.0, 0.0]]
     assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
 
 
 @pytest.mark.parametrize("entry,field", [
-    (("nope", None, "cross_entropy", {}), "run_id"),
-    (("r", None, "hinge", {}), "loss_fn"),
-    (("r", [], "cross_entropy", {}), "data"),
-    (("r", [TrainDatum([1, 2], [2, 3], weights=[1.0, float("nan")])], "cross_entropy", {}), "weights"),
-    (("r", [TrainDatum([1, 2], [2, 10**6])], "cross_entropy", {}), "target_tokens"),
+    (("nope", None, Loss.parse("cross_entropy")), "run_id"),
+    (("r", None, "hinge"), "loss_fn"),
+    (("r", [], Loss.parse("cross_entropy")), "data"),
+    (("r", [TrainDatum([1, 2], [2, 3], weights=[1.0, float("nan")])], Loss.parse("cross_entropy")), "weights"),
+    (("r", [TrainDatum([1, 2], [2, 10**6])], Loss.parse("cross_entropy")), "target_tokens"),
 ])
 def test_bad_input_fails_before_any_gradient_changes(model, entry, field):
     trainer = new_trainer(model, "r")
-    good = ("r", random_data(8, lengths=(6,)), "cross_entropy", {})
+    good = ("r", random_data(8, lengths=(6,)), Loss.parse("cross_entropy"))
     if entry[1] is None:
-        entry = (entry[0], good[1], entry[2], entry[3])
+        entry = (entry[0], good[1], entry[2])
     with pytest.raises(ValueError, match=field):
         trainer.forward_backward([good, entry])
     assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
@@ -168,7 +169,7 @@ def test_versions_snapshots_and_run_lifecycle(model):
     snap = trainer.snapshot("r")
     assert trainer.snapshot("r") is snap and not any(p.requires_grad for p in snap.parameters())
     before = {n: p.clone() for n, p in snap.named_parameters()}
-    trainer.forward_backward([("r", random_data(9), "cross_entropy", {})])
+    trainer.forward_backward([("r", random_data(9), Loss.parse("cross_entropy"))])
     assert trainer.weights_identity("r") == v0  # gradients alone change no weights
     trainer.optim_step("r", AdamConfig(learning_rate=1e-2))
     v1 = trainer.weights_identity("r")
@@ -213,7 +214,7 @@ def test_lora_sft_learns_a_string(model, tiny_model_dir):
     trainer.create_run("sft", LoRAConfig(rank=16))
     first = None
     for _ in range(30):
-        res = trainer.forward_backward([("sft", [datum] * 4, "cross_entropy", {})])[0]
+        res = trainer.forward_backward([("sft", [datum] * 4, Loss.parse("cross_entropy"))])[0]
         first = first if first is not None else res.loss_mean
         trainer.optim_step("sft", AdamConfig(learning_rate=2e-3))
     assert res.loss_mean < first / 5

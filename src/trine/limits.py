@@ -58,6 +58,19 @@ MAX_STOP_TOKEN_IDS = 256
 GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature samples as temperature 0 (argmax)
 
 
+def check_stops(stop_strings, stop_token_ids) -> None:
+    """Stop lists are bounded (every decode step checks them): ValueError naming the limit."""
+    if len(stop_strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: {len(stop_strings)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+    longest = max((len(s) for s in stop_strings if isinstance(s, str)), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"stop: a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} "
+                         "are allowed")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                         "are allowed")
+
+
 def check_prompt_length(prompt_tokens: int, max_tokens: int, context: int, model: str) -> None:
     """A prompt plus the tokens to generate must fit the model's context."""
     if prompt_tokens < 1:

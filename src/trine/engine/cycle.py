@@ -141,8 +141,7 @@ class CycleRunner:
         return out
 
     def _call(self, live, backward):
-        batch = [(run_id, ev.op.data, ev.op.loss_fn, ev.op.loss_config, ev.op.denominator)
-                 for run_id, ev in live]
+        batch = [(run_id, ev.op.data, ev.op.loss, ev.op.denominator) for run_id, ev in live]
         return self.trainer.forward_backward(batch, backward=backward,
                                              between_microbatches=self.w.tick)
 

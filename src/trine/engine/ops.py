@@ -1,7 +1,9 @@
 """Training operations and one clock cycle of them, as they cross the engine interface.
 
-Plain dataclasses (ints, floats, strings, lists, LoRA/Adam configs): no wire format, no live
-objects, so a cycle pickles to another process (a Ray replica) unchanged.
+Plain dataclasses (ints, floats, strings, lists, LoRA/Adam configs, a parsed `Loss`): no wire
+format, no live objects, so a cycle pickles to another process (a Ray replica) unchanged. The
+service builds them from its commands once every fact is resolved (checkpoint paths, URIs, the
+parsed loss, the gradient denominator); nothing changes an op after it is built.
 
 A `TrainingCycle` holds, per training run, its events of this cycle split by phase (`RunShare`);
 the engine answers with one `EventOutcome` per event id (`CycleResult`).
@@ -12,65 +14,62 @@ from dataclasses import dataclass, field
 
 from ..limits import (END_RUN, EVENT_TYPES, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP,  # noqa: F401
                       SAVE_STATE, SAVE_WEIGHTS)
+from .losses import Loss
 from .model import LoRAConfig
 from .requests import AdamConfig, TrainDatum
 
 
-@dataclass
+@dataclass(frozen=True)
 class InitRun:
+    """A fresh LoRA adapter (`checkpoint_path` empty) or a run's saved state loaded from a directory
+    (`checkpoint_uri` names it in error messages)."""
+
     lora: LoRAConfig
-    base_model: str = ""  # as the client names it (a model name or model_id); "" = the run's model
-    checkpoint_uri: str = ""
+    checkpoint_path: str = ""
     load_optimizer: bool = False
-    checkpoint_path: str = ""  # resolved by the service from checkpoint_uri
+    checkpoint_uri: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Forward:
     """forward (backward=False) or forward_backward. `data` targets are pre-shifted; with
-    `auto_shift` the wire targets were labels and results are shifted back by one position."""
+    `auto_shift` the client's targets were labels and results are shifted back by one position."""
 
     data: list[TrainDatum]
-    loss_fn: str
-    loss_config: dict = field(default_factory=dict)
+    loss: Loss
     backward: bool = True
     auto_shift: bool = False
-    denominator: float | None = None  # divides the gradient (PyTRIO normalisation); None = plain sum
+    denominator: float | None = None  # divides the gradient (engine/normalisation.py); None = plain sum
 
     @property
     def tokens(self) -> int:
         return sum(len(d.tokens) for d in self.data)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimStep:
     adam: AdamConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class Save:
     """save_state (kind "state": weights + optimizer) or save_weights (kind "weights": a sampler).
 
     A weights save also publishes the snapshot to the engine's adapter table under `checkpoint_id`,
-    so samplers can use it at once (TEMPORARY ones never touch the disk)."""
+    so samplers can use it at once (one kept in memory only, `path` "", never touches the disk)."""
 
     kind: str
-    name: str
-    visibility: str = "WORKSPACE"  # or TEMPORARY: kept in memory, no file written
-    ttl_seconds: int | None = None
-    overwrite: bool = False
-    # assigned by the service when it accepts the event:
-    uri: str = ""
     checkpoint_id: str = ""
-    path: str = ""  # target directory ("" for TEMPORARY weights: kept in memory)
+    path: str = ""  # target directory ("" for in-memory weights)
+    uri: str = ""  # the checkpoint's name for people (logs, errors)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EndRun:
     reason: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Refused:
     """Holds the index of a request its front end refused (see limits.REFUSED): fails with this."""
 

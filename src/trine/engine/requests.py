@@ -1,14 +1,15 @@
 """Plain dataclasses that cross the service <-> engine boundary.
 
-They are serialisable (ints, floats, strings, lists) except for the live `Adapter` handle, so the
-boundary can later become a transport (DESIGN §6). Usage counters always satisfy
+They are serialisable (ints, floats, strings, lists) except for the live `Adapter` handle, which
+stays inside the engine, so they cross a process boundary (a Ray replica) unchanged (see
+docs/architecture.md, "The engine interface"). Usage counters always satisfy
 `prompt_tokens == prefill_tokens + cached_tokens`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..limits import GREEDY_BELOW_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from ..limits import GREEDY_BELOW_TEMPERATURE, check_stops
 from .model import Adapter
 
 
@@ -42,15 +43,7 @@ class SamplingOptions:
 
     def check_stops(self) -> None:
         """Stop lists are bounded (every decode step checks them): ValueError naming the limit."""
-        if len(self.stop_strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: {len(self.stop_strings)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
-        longest = max((len(s) for s in self.stop_strings if isinstance(s, str)), default=0)
-        if longest > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop: a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} "
-                             "are allowed")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
-                             "are allowed")
+        check_stops(self.stop_strings, self.stop_token_ids)
 
 
 @dataclass

@@ -4,10 +4,11 @@ A run is a LoRA `Adapter` with its own AdamW state; many runs share the base mod
 `forward_backward` call packs the data of many runs into the same micro-batches (each row uses its
 run's adapter), so each run's gradient lands only in its own adapter.
 
-Normalisation: an entry may carry a `denominator` (the PyTRIO planes pass the whole logical batch's
-token count, so chunks of one batch add up to its gradient); its gradient is the gradient of its
-summed loss divided by that number. Without one the loss is the plain sum (the Tinker API). The
-reported `loss_sum`, per-token losses and logprobs never depend on it.
+Each entry of a `forward_backward` batch names its run, its data, its parsed `Loss` (the service
+parses it once, when it accepts the event) and optionally a `denominator` (engine/normalisation.py:
+the whole logical batch's token count, so chunks of one batch add up to its gradient); its gradient
+is the gradient of its summed loss divided by that number. Without one the loss is the plain sum
+(the Tinker API). The reported `loss_sum`, per-token losses and logprobs never depend on it.
 
 How a micro-batch is computed
 1. Rows are sorted by length and grouped so rows x longest row <= `micro_batch_tokens` (padding
@@ -132,9 +133,9 @@ class Trainer:
         self._runs[run_id] = _Run(lora, adapter, optimizer or _new_optimizer(adapter), next(self._versions))
 
     # ------------------------------------------------------------------ forward / backward
-    def forward_backward(self, batch: list[tuple[str, list[TrainDatum], str, dict]], *, backward: bool = True,
+    def forward_backward(self, batch: list[tuple], *, backward: bool = True,
                          between_microbatches: Callable[[], None] | None = None) -> list[ForwardResult]:
-        """One ForwardResult per (run_id, data, loss_fn, loss_config[, denominator]) entry, in order.
+        """One ForwardResult per (run_id, data, loss[, denominator]) entry, in order (`loss`: a `Loss`).
 
         The data of all entries are packed together. `denominator` (a number >= 1, or None for the
         plain sum) divides that entry's gradient. backward=False is `forward`: no gradient
@@ -161,15 +162,15 @@ class Trainer:
 
     def _prepare(self, batch) -> list[_Row]:
         if not isinstance(batch, (list, tuple)) or not batch:
-            raise ValueError("batch must be a non-empty list of (run_id, data, loss_fn, loss_config"
-                             "[, denominator])")
+            raise ValueError("batch must be a non-empty list of (run_id, data, loss[, denominator])")
         vocab = self.model.cfg.vocab_size
         rows = []
         for e, entry in enumerate(batch):
-            run_id, data, loss_fn, loss_config, *rest = entry
+            run_id, data, loss, *rest = entry
             scale = _grad_scale(rest[0] if rest else None, f"batch[{e}]")
             adapter = self._run(run_id).adapter
-            loss = Loss.parse(loss_fn, loss_config)
+            if not isinstance(loss, Loss):
+                raise ValueError(f"batch[{e}] loss_fn {loss!r}: pass a parsed Loss (Loss.parse(name, config))")
             if not isinstance(data, (list, tuple)) or not data:
                 raise ValueError(f"batch[{e}] data must be a non-empty list of TrainDatum")
             for i, datum in enumerate(data):

@@ -1,5 +1,6 @@
 """The actor plane (`/actor/v1/...`, bearer JWT): training events (MessagePack), their long-poll,
-heartbeats, and sampling (JSON). Shapes follow `reference/pytrio-protocol.md` §4.
+heartbeats, and sampling (JSON). Shapes follow the official `pytrio` 0.2.9 client
+(docs/architecture.md, "Front ends").
 """
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..limits import MAX_EVENT_BYTES, MAX_SAMPLE_BYTES
-from ..service import Service
-from ..service.errors import InvalidRequest, NotFound, ServiceError, TooLarge
-from ..store import ApiKey, EventRecord
+from ..service import ApiKey, EventRecord, EventResult, NotFound, Service, ServiceError
 from .access_log import note_key
 from .auth import bearer
-from .control import service_of, signer_of
+from .context import json_object, read_body, service_of, signer_of
+from .params import parse_sample
 from .shapes import event_envelope, sample_response
-from .wire import parse_event, parse_sample
+from .wire import parse_event
 
 MAX_POLL_SECONDS = 55.0
 KEEPALIVE_AFTER = 20.0  # a sample still running after this streams whitespace until it is done
@@ -29,25 +29,9 @@ MSGPACK = "application/msgpack"
 router = APIRouter(prefix="/actor/v1")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes (413) without reading it all first."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"body: {declared} bytes exceeds the limit of {limit} bytes; split the batch "
-                       "into smaller requests")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"body exceeds the limit of {limit} bytes; split the batch into smaller "
-                           "requests")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _caller(request: Request, kind: str) -> tuple[ApiKey, str]:
     claims = signer_of(request).verify(bearer(request.headers.get("authorization")), kind)
-    key = service_of(request).key(claims["key"])
+    key = service_of(request).ownership.key(claims["key"])
     note_key(request, key.name)
     return key, claims["sub"]
 
@@ -59,23 +43,22 @@ def _wait_seconds(prefer: str | None) -> float:
 
 def envelope(svc: Service, rec: EventRecord) -> bytes:
     def model_id(name: str) -> str:
-        m = svc.models.get(name)
+        m = svc.queries.find_model(name)
         return m.model_id if m else name
-    return event_envelope(rec, svc.event_result(rec), model_id)
+    return event_envelope(rec, EventResult.of(rec), model_id)
 
 
 @router.post("/events")
 async def submit_event(request: Request):
     key, run_id = _caller(request, "training")
     body = await read_body(request, MAX_EVENT_BYTES)
-    env, op, fingerprint = await asyncio.get_running_loop().run_in_executor(None, parse_event, body)
+    env, command, fingerprint = await asyncio.get_running_loop().run_in_executor(None, parse_event, body)
     if env.metadata.run_id and env.metadata.run_id != run_id:
         raise NotFound(f"training run {env.metadata.run_id} not found (this token is for {run_id})",
                        code="training_run_not_found")
     svc = service_of(request)
-    rec = await svc.submit_event(key, run_id, event_id=env.event_id, type=env.type,
-                           index=env.metadata.index, step=env.metadata.step, op=op,
-                           fingerprint=fingerprint)
+    rec = await svc.events.submit(key, run_id, event_id=env.event_id, index=env.metadata.index,
+                                  step=env.metadata.step, command=command, fingerprint=fingerprint)
     return Response(envelope(svc, rec), status_code=200 if rec.response else 202, media_type=MSGPACK)
 
 
@@ -83,14 +66,14 @@ async def submit_event(request: Request):
 async def get_event(event_id: str, request: Request):
     key, run_id = _caller(request, "training")
     svc = service_of(request)
-    rec = await svc.event(key, run_id, event_id, _wait_seconds(request.headers.get("prefer")))
+    rec = await svc.events.event(key, run_id, event_id, _wait_seconds(request.headers.get("prefer")))
     return Response(envelope(svc, rec), media_type=MSGPACK)
 
 
 @router.post("/client/heartbeat")
 async def heartbeat(request: Request):
     key, run_id = _caller(request, "training")
-    service_of(request).heartbeat(key, run_id)
+    service_of(request).runs.heartbeat(key, run_id)
     return {"heartbeat_ms": HEARTBEAT_MS}
 
 
@@ -99,16 +82,10 @@ async def sample(sampling_run_id: str, request: Request):
     key, run_id = _caller(request, "sampling")
     if run_id != sampling_run_id:
         raise NotFound(f"sampling run {sampling_run_id} not found", code="sampling_run_not_found")
-    raw = await read_body(request, MAX_SAMPLE_BYTES)
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise InvalidRequest("body: not valid JSON", code="invalid_request_body") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("body: the sample request must be a JSON object",
-                             code="invalid_request_body")
+    body = await json_object(request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object",
+                             empty_ok=False)
     spec, shape = parse_sample(body)
-    task = asyncio.ensure_future(service_of(request).sample(key, sampling_run_id, spec))
+    task = asyncio.ensure_future(service_of(request).sampling.sample(key, sampling_run_id, spec))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if unawaited
     await asyncio.wait({task}, timeout=KEEPALIVE_AFTER)
     if task.done():

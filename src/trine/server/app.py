@@ -29,9 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..home import trine_home
 from ..limits import MAX_BODY_BYTES, MAX_CONTROL_BYTES
 from ..metering.http import make_usage_router
-from ..service import Service, ServiceError
-from ..store import Store
-from . import actor, console, control, openai, tinker
+from ..service import Service, ServiceError, Unauthorized
+from ..service.ownership import Ownership
+from ..service.queries import UsageLedger
+from . import actor, console, context, control, openai, tinker
 from .access_log import AccessLog
 from .auth import TokenSigner
 from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, quiet_accept_errors, uvicorn_config
@@ -55,8 +56,8 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 
 def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRouter, ...] = ()) -> FastAPI:
     """The app: control plane, actor plane, downloads, the metering usage API and the web console.
-    Extra `routers` are mounted next to them; they reach the service as
-    `request.app.state.service` and the caller's key through the `control.api_key` dependency."""
+    Extra `routers` are mounted next to them; they reach the service with `context.service_of`
+    and the caller's key through the `context.api_key` dependency."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -97,7 +98,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     async def root(request: Request):
         if "text/html" in request.headers.get("accept", ""):  # a browser: the web console
             return RedirectResponse("/console", status_code=307)
-        return {"service": "trine", "models": list(service.models), "console": "/console"}
+        return {"service": "trine", "models": [m.name for m in service.queries.models()], "console": "/console"}
 
     app.add_middleware(AccessLog)  # one INFO line per request on `trine.access`
     app.include_router(control.router)
@@ -106,7 +107,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     app.include_router(tinker.make_router())  # the Tinker API (/api/v1/...), same service and keys
     # metering: usage by phase with cost, for the caller's key only (GET /api/trine/v1/usage, /rates)
     app.state.rate_card = service.rate_card
-    app.include_router(make_usage_router(_store, control.api_key, app.state.rate_card))
+    app.include_router(make_usage_router(_usage_ledger, context.api_key, app.state.rate_card))
     app.include_router(console.router)  # the web console at /console (pages and their JSON)
     # the OpenAI-compatible API: /v1/..., /api/openai/v1/..., /oai/api/v1/... (its own error shape)
     app.include_router(openai.router)
@@ -115,19 +116,22 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     return app
 
 
-def _store(request: Request) -> Store:
-    return request.app.state.service.store
+def _usage_ledger(request: Request) -> UsageLedger:
+    return context.service_of(request).queries.ledger
 
 
-def embedded_key(store: Store, home: Path) -> str:
+def embedded_key(keys: Ownership, home: Path) -> str:
     """The key an embedded server hands its caller: kept in `home/embedded.key` (0600), created
     once; a fresh one replaces it if the stored one was revoked."""
     path = home / EMBEDDED_KEY_FILE
     if path.is_file():
         secret = path.read_text().strip()
-        if store.key_by_secret(secret) is not None:
+        try:
+            keys.authenticate(secret)
             return secret
-    _, secret = store.create_key("embedded")
+        except Unauthorized:
+            pass
+    secret = keys.create_key("embedded")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret)
@@ -185,9 +189,8 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
     service_options go to `Service` (gather_seconds, num_threads, sampler_options, ...).
     """
     home = trine_home(home)
-    store = Store(home)
-    key = embedded_key(store, home)
-    service = Service(store, resolve_models(models), cycle_seconds=cycle_seconds, **service_options)
+    service = Service.open(home, resolve_models(models), cycle_seconds=cycle_seconds, **service_options)
+    key = embedded_key(service.ownership, home)
     app = create_app(service, TokenSigner(home), routers=routers)
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only when proto says TCP
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
@@ -205,7 +208,7 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
         except BaseException as e:  # reported to the caller below
             errors.append(e)
         finally:
-            store.close()
+            service.close()
 
     thread = threading.Thread(target=run, name="trine-server", daemon=True)
     thread.start()

@@ -1,52 +1,25 @@
 """The control plane (`/api/...`, JSON, API key): identity, sessions, runs, checkpoints, models.
 
-Response shapes follow `reference/pytrio-protocol.md` §3; PyTRIO ignores extra keys here, so trine
-adds a few of its own (e.g. `last_cycle` on training runs).
+Response shapes follow the official `pytrio` 0.2.9 client (docs/architecture.md, "Front ends");
+PyTRIO ignores extra keys here, so trine adds a few of its own (e.g. `last_cycle` on training runs).
 """
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..limits import MAX_PAGE_SIZE
-from ..service import Service
-from ..service.errors import InvalidRequest, NotFound
-from ..store import ApiKey, Checkpoint, SamplingRun, Session, TrainingRun
-from .access_log import note_key
-from .auth import TokenSigner, bearer, iso
+from ..service import (ApiKey, Checkpoint, LoraSpec, NotFound, SamplingRun, SamplingRunSpec, Service, Session,
+                       TrainingRun, TrainingRunSpec)
+from .auth import iso
 from .bounds import INT64_MAX, Int64, Seed
-from .wire import validation_message
+from .context import api_key, parse_json, parse_model, service_of, signer_of
 
 SDK_VERSION = "0.2.9"
-
-
-def service_of(request: Request) -> Service:
-    return request.app.state.service
-
-
-def signer_of(request: Request) -> TokenSigner:
-    return request.app.state.signer
-
-
-async def api_key(request: Request) -> ApiKey:
-    """Dependency: the caller's API key (`X-API-Key` or `Authorization: Bearer`). Every route and
-    dependency here is `async`: it runs on the event loop, where every change of service state
-    happens (FastAPI would run a plain `def` in a thread pool)."""
-    return caller_key(request)
-
-
-def caller_key(request: Request) -> ApiKey:
-    """The caller's API key, for code already on the event loop (front ends that authenticate
-    inside an async route rather than through the `api_key` dependency)."""
-    secret = request.headers.get("x-api-key") or bearer(request.headers.get("authorization"))
-    key = service_of(request).authenticate(secret)
-    note_key(request, key.name)
-    return key
 
 
 router = APIRouter(prefix="/api")
@@ -88,8 +61,14 @@ class SamplingRunCreate(_Body):
 
 # ---------------------------------------------------------------------------- shapes
 def _capability(svc: Service, model_name: str) -> dict:
-    m = svc.models[model_name]
+    m = svc.queries.model(model_name)
     return {"max_batch_size": None, "max_tokens_per_request": None, "max_seq_len": m.max_seq_len}
+
+
+def _model_id(svc: Service, name: str) -> str:
+    """The model_id PyTRIO clients see for a record's base model (its name if no longer served)."""
+    m = svc.queries.find_model(name)
+    return m.model_id if m else name
 
 
 def actor_binding(request: Request, key: ApiKey, subject: str, kind: str) -> dict:
@@ -107,10 +86,9 @@ def session_json(s: Session) -> dict:
 
 
 def training_run_json(svc: Service, r: TrainingRun) -> dict:
-    m = svc.models.get(r.base_model)
     params = {"restore_optimizer": r.restore_optimizer, "lora_rank": r.lora_rank, "seed": r.seed,
               "train_mlp": r.train_mlp, "train_attn": r.train_attn, "train_unembed": r.train_unembed}
-    return {"training_run_cuid": r.id, "base_model": m.model_id if m else r.base_model,
+    return {"training_run_cuid": r.id, "base_model": _model_id(svc, r.base_model),
             "model_alias": r.base_model, "service_session_cuid": r.session_id,
             "workspace_cuid": r.api_key_id, "status": r.status, "run_index": r.run_index,
             "model_spec_cuid": r.base_model, "is_lora": True,
@@ -123,8 +101,7 @@ def training_run_json(svc: Service, r: TrainingRun) -> dict:
 
 
 def checkpoint_json(svc: Service, c: Checkpoint) -> dict:
-    m = svc.models.get(c.base_model)
-    model_id = m.model_id if m else c.base_model
+    model_id = _model_id(svc, c.base_model)
     return {"cuid": c.id, "checkpoint_cuid": c.id, "training_run_cuid": c.training_run_id,
             "workspace_cuid": c.api_key_id, "name": c.name, "checkpoint_type": c.kind,
             "status": "READY", "checkpoint_uri": c.uri, "model": model_id, "base_model": model_id,
@@ -136,7 +113,7 @@ def checkpoint_json(svc: Service, c: Checkpoint) -> dict:
 
 
 def sampling_run_json(svc: Service, r: SamplingRun) -> dict:
-    m = svc.models[r.base_model]
+    m = svc.queries.model(r.base_model)
     return {"sampling_run_cuid": r.id, "service_session_cuid": r.session_id,
             "workspace_cuid": r.api_key_id, "status": r.status, "base_model": m.model_id,
             "model_id": m.model_id, "alias": m.name, "run_index": r.run_index,
@@ -173,10 +150,10 @@ async def models(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZ
            offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     items = []
-    for m in svc.models.values():
+    for m in svc.queries.models():
         cap = _capability(svc, m.name)
         items.append({"cuid": m.name, "alias": m.name, "model_id": m.model_id, "display_name": m.name,
-                      "model_type": "llm", "architecture": m.info.architecture,
+                      "model_type": "llm", "architecture": m.architecture,
                       "context_length": m.max_seq_len, "train_available": True,
                       "sample_available": True, "trainer": cap, "sampler": cap,
                       "created_at": iso(svc.started_at), "updated_at": iso(svc.started_at),
@@ -188,52 +165,36 @@ async def models(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZ
 # ---------------------------------------------------------------------------- sessions
 @router.post("/openapi/v1/service-sessions")
 async def create_session(body: SessionCreate, request: Request, key: ApiKey = Depends(api_key)):
-    return session_json(service_of(request).create_session(key, body.sdk_version))
+    return session_json(service_of(request).runs.create_session(key, body.sdk_version))
 
 
 @router.get("/openapi/v1/service-sessions")
 async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
                   offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
-    rows, total = service_of(request).store.sessions(key.id, limit, offset)
+    rows, total = service_of(request).queries.sessions(key, limit, offset)
     return {"service_sessions": [session_json(s) for s in rows], "cursor": cursor(offset, limit, total)}
 
 
 @router.get("/openapi/v1/service-sessions/{session_id}")
 async def get_session(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    svc = service_of(request)
-    s = svc.session(key, session_id)
-    trs, _ = svc.store.training_runs(key.id, session_id=s.id)
-    srs = svc.store.sampling_runs(key.id, session_id=s.id)
-    return {**session_json(s), "training_run_cuids": [r.id for r in trs],
-            "sampling_run_cuids": [r.id for r in srs]}
+    v = service_of(request).queries.session(key, session_id)
+    return {**session_json(v.session), "training_run_cuids": v.training_run_ids,
+            "sampling_run_cuids": v.sampling_run_ids}
 
 
 @router.post("/openapi/v1/service-sessions/{session_id}/close")
 async def close_session(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    try:
-        body = SessionClose.model_validate(await _json_or_empty(request))
-    except ValidationError as e:
-        raise InvalidRequest(validation_message(e)) from None
-    s = await service_of(request).close_session(key, session_id, body.status)
+    raw = parse_json(await request.body())  # a body that is not a map closes with ENDED
+    body = parse_model(SessionClose, raw if isinstance(raw, dict) else {})
+    s = await service_of(request).runs.close_session(key, session_id, body.status)
     return session_json(s)
 
 
 @router.post("/openapi/v1/service-sessions/{session_id}/renew")
 async def renew_session(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    s = service_of(request).session(key, session_id)
+    s = service_of(request).ownership.session(key, session_id)
     return {"service_session_cuid": s.id, "workspace_cuid": s.api_key_id, "status": s.status,
             "updated_at": iso(time.time())}
-
-
-async def _json_or_empty(request: Request) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        obj = json.loads(raw)
-    except ValueError:
-        raise InvalidRequest("body: not valid JSON", code="invalid_request_body") from None
-    return obj if isinstance(obj, dict) else {}
 
 
 # ---------------------------------------------------------------------------- training runs
@@ -241,12 +202,11 @@ async def _json_or_empty(request: Request) -> dict:
 async def create_training_run(session_id: str, body: TrainingRunCreate, request: Request,
                         key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    r = svc.create_training_run(key, session_id, base_model=body.base_model, lora_rank=body.lora_rank,
-                                train_mlp=body.train_mlp, train_attn=body.train_attn,
-                                train_unembed=body.train_unembed, seed=body.seed,
-                                source_checkpoint_uri=body.source_checkpoint_uri,
-                                restore_optimizer=body.restore_optimizer)
-    m = svc.models[r.base_model]
+    lora = LoraSpec(body.lora_rank, body.seed, body.train_mlp, body.train_attn, body.train_unembed)
+    r = svc.runs.create_training_run(key, session_id, TrainingRunSpec(body.base_model, lora,
+                                                                      body.source_checkpoint_uri,
+                                                                      body.restore_optimizer))
+    m = svc.queries.model(r.base_model)
     return {**training_run_json(svc, r), "model_alias": m.name, "model_id": m.model_id,
             "trainer": _capability(svc, m.name), **actor_binding(request, key, r.id, "training")}
 
@@ -255,8 +215,8 @@ async def create_training_run(session_id: str, body: TrainingRunCreate, request:
 async def update_training_run(session_id: str, run_id: str, body: TrainingRunUpdate, request: Request,
                         key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    r = svc.update_training_run(key, session_id, run_id, source_checkpoint_uri=body.source_checkpoint_uri,
-                                restore_optimizer=body.restore_optimizer)
+    r = svc.runs.update_training_run(key, session_id, run_id, source_checkpoint_uri=body.source_checkpoint_uri,
+                                     restore_optimizer=body.restore_optimizer)
     return {"source_checkpoint_uri": r.source_checkpoint_uri, "restore_optimizer": r.restore_optimizer,
             "trainer": _capability(svc, r.base_model), **actor_binding(request, key, r.id, "training")}
 
@@ -265,9 +225,8 @@ async def update_training_run(session_id: str, run_id: str, body: TrainingRunUpd
 async def by_checkpoint_uri(request: Request, checkpoint_uri: str = Query(min_length=1),
                       key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    c = svc.checkpoint_by_uri(key, checkpoint_uri)
-    m = svc.models.get(c.base_model)
-    return {"base_model": m.model_id if m else c.base_model, "lora_rank": c.lora_rank, "seed": c.seed,
+    c = svc.ownership.checkpoint_by_uri(key, checkpoint_uri)
+    return {"base_model": _model_id(svc, c.base_model), "lora_rank": c.lora_rank, "seed": c.seed,
             "train_mlp": c.train_mlp, "train_attn": c.train_attn, "train_unembed": c.train_unembed,
             "checkpoint_type": c.kind, "training_run_cuid": c.training_run_id}
 
@@ -276,7 +235,7 @@ async def by_checkpoint_uri(request: Request, checkpoint_uri: str = Query(min_le
 async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
                        offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    rows, total = svc.list_training_runs(key, limit, offset)
+    rows, total = svc.queries.training_runs(key, limit, offset)
     return {"training_runs": [training_run_json(svc, r) for r in rows],
             "cursor": cursor(offset, limit, total)}
 
@@ -284,19 +243,19 @@ async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=M
 @router.get("/openapi/v1/training-runs/{run_id}")
 async def get_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    return training_run_json(svc, svc.training_run(key, run_id))
+    return training_run_json(svc, svc.ownership.training_run(key, run_id))
 
 
 @router.post("/openapi/v1/training-runs/{run_id}/renew")
 async def renew_training_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    return _renewal(request, key, service_of(request).training_run(key, run_id), "training")
+    return _renewal(request, key, service_of(request).ownership.training_run(key, run_id), "training")
 
 
 @router.get("/openapi/v1/training-runs/{run_id}/checkpoints")
 async def run_checkpoints(run_id: str, request: Request, limit: int = Query(200, ge=1, le=MAX_PAGE_SIZE),
                     offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    rows, total = svc.list_checkpoints(key, training_run_id=run_id, limit=limit, offset=offset)
+    rows, total = svc.queries.checkpoints(key, training_run_id=run_id, limit=limit, offset=offset)
     return {"checkpoints": [checkpoint_json(svc, c) for c in rows],
             "cursor": cursor(offset, limit, total)}
 
@@ -306,8 +265,8 @@ async def run_checkpoints(run_id: str, request: Request, limit: int = Query(200,
 async def create_sampling_run(session_id: str, body: SamplingRunCreate, request: Request,
                         key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    r = svc.create_sampling_run(key, session_id, base_model=body.base_model,
-                                source_checkpoint_uri=body.source_checkpoint_uri)
+    r = svc.runs.create_sampling_run(key, session_id, SamplingRunSpec(body.base_model,
+                                                                      body.source_checkpoint_uri))
     return {**sampling_run_json(svc, r), "sampler": _capability(svc, r.base_model),
             **actor_binding(request, key, r.id, "sampling")}
 
@@ -315,12 +274,12 @@ async def create_sampling_run(session_id: str, body: SamplingRunCreate, request:
 @router.get("/openapi/v1/sampling-runs/{run_id}")
 async def get_sampling_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    return sampling_run_json(svc, svc.sampling_run(key, run_id))
+    return sampling_run_json(svc, svc.ownership.sampling_run(key, run_id))
 
 
 @router.post("/openapi/v1/sampling-runs/{run_id}/renew")
 async def renew_sampling_run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    return _renewal(request, key, service_of(request).sampling_run(key, run_id), "sampling")
+    return _renewal(request, key, service_of(request).ownership.sampling_run(key, run_id), "sampling")
 
 
 def _renewal(request: Request, key: ApiKey, run, kind: str) -> dict:
@@ -334,20 +293,20 @@ def _renewal(request: Request, key: ApiKey, run, kind: str) -> dict:
 async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZE),
                      offset: int = Query(0, ge=0, le=INT64_MAX), key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    rows, total = svc.list_checkpoints(key, limit=limit, offset=offset)
+    rows, total = svc.queries.checkpoints(key, limit=limit, offset=offset)
     return {"checkpoints": [checkpoint_json(svc, c) for c in rows],
             "cursor": cursor(offset, limit, total)}
 
 
 @router.delete("/openapi/v1/checkpoints/{checkpoint_id}")
 async def delete_checkpoint(checkpoint_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    service_of(request).delete_checkpoint(key, checkpoint_id)
+    service_of(request).checkpoints.delete(key, checkpoint_id)
     return {"checkpoint_cuid": checkpoint_id, "deleted": True}
 
 
 @router.get("/openapi/v1/checkpoints/{checkpoint_id}/download-url")
 async def download_url(checkpoint_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    c = service_of(request).checkpoint(key, checkpoint_id)
+    c = service_of(request).ownership.checkpoint(key, checkpoint_id)
     token, exp = signer_of(request).issue(key_id=key.id, subject=c.id, kind="download")
     return {"url": f"{request.base_url}files/{c.id}?token={token}", "expires_at": iso(exp),
             "source": "actor", "checkpoint_status": "READY", "tls_cert_pem": None,
@@ -365,8 +324,8 @@ async def download(checkpoint_id: str, request: Request, token: str = Query(""))
     svc = service_of(request)
     if claims["sub"] != checkpoint_id:
         raise NotFound(f"checkpoint {checkpoint_id} not found", code="checkpoint_not_found")
-    c = svc.checkpoint(svc.key(claims["key"]), checkpoint_id)
-    tar = await svc.checkpoint_archive(c)
+    c = svc.ownership.checkpoint(svc.ownership.key(claims["key"]), checkpoint_id)
+    tar = await svc.checkpoints.archive(c)
     return FileResponse(tar, media_type="application/x-tar", filename=f"{c.name}.tar")
 
 
@@ -374,14 +333,13 @@ async def download(checkpoint_id: str, request: Request, token: str = Query(""))
 @router.get("/trine/v1/models/{name}/tokenizer")
 async def tokenizer_files(name: str, request: Request, key: ApiKey = Depends(api_key)):
     """The tokenizer files of a served model, for clients that build the tokenizer locally."""
-    m = service_of(request).model(name)
-    return {"model": m.name, "files": [f.name for f in m.tokenizer.files()]}
+    m = service_of(request).queries.model(name)
+    return {"model": m.name, "files": [f.name for f in service_of(request).queries.tokenizer(name).files()]}
 
 
 @router.get("/trine/v1/models/{name}/tokenizer/{filename}")
 async def tokenizer_file(name: str, filename: str, request: Request, key: ApiKey = Depends(api_key)):
-    m = service_of(request).model(name)
-    for f in m.tokenizer.files():
+    for f in service_of(request).queries.tokenizer(name).files():
         if f.name == filename:
             return FileResponse(f)
     raise NotFound(f"{name} has no tokenizer file {filename!r}", code="not_found")
@@ -390,8 +348,6 @@ async def tokenizer_file(name: str, filename: str, request: Request, key: ApiKey
 @router.get("/trine/v1/events/{event_id}")
 async def event_info(event_id: str, request: Request, key: ApiKey = Depends(api_key)):
     """An event's status and the clock cycle it ran in."""
-    rec = service_of(request).store.event(event_id)
-    if rec is None or rec.api_key_id != key.id:
-        raise NotFound(f"event {event_id} not found", code="event_not_found")
+    rec = service_of(request).queries.event(key, event_id)
     return JSONResponse({"event_id": rec.event_id, "run_id": rec.run_id, "index": rec.idx, "type": rec.type,
                          "status": rec.status, "cycle": rec.cycle})

@@ -1,4 +1,4 @@
-"""PyTRIO response shapes (`reference/pytrio-protocol.md` §4) built from the service's
+"""PyTRIO actor-plane response shapes (docs/architecture.md, "Front ends") built from the service's
 protocol-neutral results: event envelopes (MessagePack) and sample responses (JSON).
 
 The service stores neutral results; these functions run on every read, so a retry or long-poll
@@ -15,8 +15,7 @@ import msgpack
 import numpy as np
 
 from ..limits import OPTIMIZE_STEP
-from ..service import EventResult, SampleOutcome
-from ..store import EventRecord
+from ..service import EventRecord, EventResult, SampleOutcome
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Checkpoint records: creating one when a save succeeds, listing, deleting, tar downloads.
+"""Checkpoint records: creating one when a save succeeds, deleting (records, weights, files), tar downloads.
 
 Files are written by the engine (atomically, under the data dir or the cluster's shared checkpoint
 dir, so every replica can read them); this module owns their database records and their removal.
@@ -16,9 +16,10 @@ import time
 import uuid
 from pathlib import Path
 
-from ..engine.ops import Save
+from ..engine import ops
 from ..limits import TEMPORARY_CHECKPOINT_TTL_SECONDS
 from ..store import ApiKey, Checkpoint, Store, TrainingRun
+from . import commands
 from .adapters import AdapterCache
 from .errors import Conflict
 from .models import ServedModel
@@ -33,18 +34,20 @@ class Checkpoints:
         self.models = models
         self.adapters = adapters
 
-    def record_saved(self, m: ServedModel, run: TrainingRun, op: Save, size_bytes: int) -> Checkpoint:
-        """The record of a save that just succeeded (replacing an overwritten one)."""
+    def record_saved(self, m: ServedModel, run: TrainingRun, save: commands.Save, op: ops.Save,
+                     size_bytes: int) -> Checkpoint:
+        """The record of a save that just succeeded (replacing an overwritten one): `save` as the
+        client asked it, `op` where it went."""
         old = self.store.checkpoint_by_uri(op.uri)
         if old is not None:  # overwrite: the new record replaces it (the files already did)
             self.store.delete_checkpoint(old.id)
             self.adapters.forget(m.replicas, old.id)
             self.archive_path(old.id).unlink(missing_ok=True)
         now = time.time()
-        ttl = op.ttl_seconds or (TEMPORARY_CHECKPOINT_TTL_SECONDS if op.visibility == "TEMPORARY" else None)
-        ck = Checkpoint(op.checkpoint_id, run.api_key_id, run.id, op.name,
+        ttl = save.ttl_seconds or (TEMPORARY_CHECKPOINT_TTL_SECONDS if save.visibility == "TEMPORARY" else None)
+        ck = Checkpoint(op.checkpoint_id, run.api_key_id, run.id, save.name,
                         "TRAINING" if op.kind == "state" else "SAMPLER", op.uri, op.path,
-                        size_bytes, op.visibility, m.name, run.lora_rank, run.train_mlp,
+                        size_bytes, save.visibility, m.name, run.lora_rank, run.train_mlp,
                         run.train_attn, run.train_unembed, run.seed, run.last_cycle, now,
                         now + ttl if ttl else None)
         self.store.add_checkpoint(ck)
@@ -64,13 +67,6 @@ class Checkpoints:
         cks, _ = self.store.checkpoints(run.api_key_id, training_run_id=run.id, visibility="TEMPORARY")
         for ck in cks:
             self.forget(ck)
-
-    def list(self, key: ApiKey, *, training_run_id: str | None = None, limit: int | None = None,
-             offset: int = 0):
-        if training_run_id is not None:
-            self.ownership.training_run(key, training_run_id)
-        return self.store.checkpoints(key.id, training_run_id=training_run_id, limit=limit,
-                                      offset=offset)
 
     def delete(self, key: ApiKey, checkpoint_id: str) -> None:
         self.forget(self.ownership.checkpoint(key, checkpoint_id))

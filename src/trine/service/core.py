@@ -1,48 +1,51 @@
-"""The `Service` facade: the one object front ends use. It wires the service's parts together and
-forwards each public call to the part that owns the concept:
+"""The `Service`: the one object front ends use. It wires the service's parts together; a front end
+calls the parts' public methods directly.
 
-| part | module | owns |
+| part | module | front ends call |
 |---|---|---|
-| `Ownership` | ownership.py | API keys; every lookup returns only the caller's objects |
-| `Runs` | runs.py | sessions, training runs, sampling runs |
-| `Events` | events.py | training events: ordering, idempotency, cycles, settling |
-| `Sampling` | sampling.py | sample requests: routing, dedup, metering, stored outcomes |
-| `AdapterCache` | adapters.py | sampler adapters per replica, spill to disk |
-| `Checkpoints` | checkpoints.py | checkpoint records, deletion, downloads |
-| `GarbageCollector` | gc.py | restart recovery, expiry, idle runs |
-| `Faults` | faults.py | lost engine replicas |
-| `Router` | routing.py | prefix-aware routing of samples across replicas |
-| `ServedModel`, `Replica` | models.py | base models, engine replicas, run placement |
+| `ownership` | ownership.py | `authenticate(secret)`, `key(key_id)`; one owned object by id: `session`, `training_run`, `sampling_run`, `checkpoint`, `checkpoint_by_uri` |
+| `runs` | runs.py | `create_session`, `close_session`, `create_training_run(key, session, TrainingRunSpec)`, `update_training_run`, `heartbeat`, `create_sampling_run(key, session, SamplingRunSpec)` |
+| `events` | events.py | `submit(key, run, event_id=, index=, step=, command=)` (ordered, idempotent), `event(key, run, event_id, wait)` |
+| `sampling` | sampling.py | `sample(key, run, SampleSpec)`, `sample_stream(...)` (SampleChunks, then the SampleOutcome), `cancel` |
+| `checkpoints` | checkpoints.py | `delete(key, id)`, `archive(checkpoint)` (a tar file for downloads) |
+| `queries` | queries.py | the read side: lists and views of sessions, runs, events, checkpoints, usage; models, tokenizers, replica stats |
+
+What they take is in commands.py, what they answer in results.py and views.py. Behind them:
+`AdapterCache` (adapters.py: sampler adapters per replica, spill to disk), `GarbageCollector`
+(gc.py: restart recovery, expiry, idle runs), `Faults` (faults.py: lost engine replicas), `Router`
+(routing.py: prefix-aware routing across replicas), `ServedModel` / `Replica` (models.py: base
+models, engine replicas, run placement), `ClockScheduler` (scheduler.py, ordering.py: clock
+cycles), `KeyQuotas` (quotas.py), `translate` (translate.py: commands -> engine requests and ops).
 
 Runs on the asyncio loop; the engines (one per replica) are reached only through
-`engine.interface.Engine`. Results are protocol-neutral (`SampleOutcome`, `EventResult`); the
-front ends in `server/` shape them.
+`engine.interface.Engine`, and only from the service.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import Callable
 
-from ..engine.interface import Engine, EngineStats
-from ..engine.ops import Op
+from ..engine.interface import Engine
 from ..limits import KeyLimits
-from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
-from ..store import ApiKey, Checkpoint, EventRecord, Store
+from ..store import Store
+from .activity import Activity
 from .adapters import AdapterCache
 from .checkpoints import Checkpoints
-from .events import EventResult, Events
+from .events import Events
 from .faults import Faults
 from .gc import GarbageCollector
-from .models import Replica, ServedModel, resolve_model
+from .models import Replica, ServedModel
 from .ownership import Ownership
+from .queries import Queries
 from .quotas import KeyQuotas
 from .routing import Router
-from .runs import Activity, Runs
-from .sampling import SampleOutcome, SampleSpec, Sampling
+from .runs import Runs
+from .sampling import Sampling
 from .scheduler import ClockScheduler
+from .tokenizers import ModelTokenizer
 
 EngineFactory = Callable[[str, Path], list[Engine]]  # (model name, dir) -> its replicas' engines
 
@@ -90,9 +93,21 @@ class Service:
                          self.events, self.quotas)
         self.sampling = Sampling(store, self.ownership, self.models, self.adapters, self.rate_card,
                                  self._spawn, self._replica_lost, router or Router())
+        self.queries = Queries(store, self.ownership, self.models)
         self.gc = GarbageCollector(store, self.models, self.checkpoints, self.runs, self.events,
                                    self.activity, run_idle_seconds)
-        self.diagnostics = self.sampling.diagnostics
+        # the calls embedders and tests reach for first
+        self.authenticate = self.ownership.authenticate
+        self.usage_events = self.queries.usage_events
+        self.collect_garbage = self.gc.collect
+
+    @classmethod
+    def open(cls, home: str | Path, models: dict[str, str | Path], **options) -> "Service":
+        """A service over the data dir `home` (its store is opened here; `close()` closes it)."""
+        return cls(Store(home), models, **options)
+
+    def close(self) -> None:
+        self.store.close()
 
     # ================================================================== lifecycle
     async def start(self) -> None:
@@ -102,8 +117,7 @@ class Service:
         for m in self.models.values():
             infos = await asyncio.gather(*(rep.engine.start() for rep in m.replicas))
             m.info = infos[0]
-            from ..engine.tokenizer import Tokenizer
-            m.tokenizer = await self.loop.run_in_executor(None, Tokenizer, m.dir)
+            m.tokenizer = await self.loop.run_in_executor(None, ModelTokenizer, m.name, m.dir)
             for rep in m.replicas:
                 rep.scheduler = ClockScheduler(self.events.executor(m, rep), cycle_seconds=self.cycle_seconds,
                                                gather_seconds=self.gather_seconds, first_cycle=first_cycle)
@@ -139,115 +153,3 @@ class Service:
             fn()
         elif self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(fn)
-
-    # ================================================================== models
-    def model(self, name_or_id: str) -> ServedModel:
-        """Resolve a model name, its model_id (directory) or that directory's name."""
-        return resolve_model(self.models, name_or_id)
-
-    async def engine_stats(self) -> dict[str, list[EngineStats]]:
-        """Per model, each live replica's stats (KV pool, cache counters, queues, recent cycles)."""
-        out = {}
-        for m in self.models.values():
-            out[m.name] = list(await asyncio.gather(*(r.engine.stats() for r in m.live_replicas())))
-        return out
-
-    # ================================================================== ownership
-    def authenticate(self, secret: str | None) -> ApiKey:
-        return self.ownership.authenticate(secret)
-
-    def key(self, key_id: str) -> ApiKey:
-        return self.ownership.key(key_id)
-
-    def session(self, key: ApiKey, session_id: str):
-        return self.ownership.session(key, session_id)
-
-    def training_run(self, key: ApiKey, run_id: str):
-        return self.ownership.training_run(key, run_id)
-
-    def sampling_run(self, key: ApiKey, run_id: str):
-        return self.ownership.sampling_run(key, run_id)
-
-    def checkpoint(self, key: ApiKey, checkpoint_id: str) -> Checkpoint:
-        return self.ownership.checkpoint(key, checkpoint_id)
-
-    def checkpoint_by_uri(self, key: ApiKey, uri: str) -> Checkpoint:
-        return self.ownership.checkpoint_by_uri(key, uri)
-
-    # ================================================================== sessions and runs
-    def create_session(self, key: ApiKey, sdk_version: str = ""):
-        return self.runs.create_session(key, sdk_version)
-
-    async def close_session(self, key: ApiKey, session_id: str, status: str = "ENDED"):
-        return await self.runs.close_session(key, session_id, status)
-
-    def create_training_run(self, key: ApiKey, session_id: str, *, base_model: str, lora_rank: int,
-                            train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
-                            seed: int | None = None, source_checkpoint_uri: str = "",
-                            restore_optimizer: bool = False):
-        return self.runs.create_training_run(
-            key, session_id, base_model=base_model, lora_rank=lora_rank, train_mlp=train_mlp,
-            train_attn=train_attn, train_unembed=train_unembed, seed=seed,
-            source_checkpoint_uri=source_checkpoint_uri, restore_optimizer=restore_optimizer)
-
-    def update_training_run(self, key: ApiKey, session_id: str, run_id: str, *,
-                            source_checkpoint_uri: str, restore_optimizer: bool):
-        return self.runs.update_training_run(key, session_id, run_id,
-                                             source_checkpoint_uri=source_checkpoint_uri,
-                                             restore_optimizer=restore_optimizer)
-
-    def list_training_runs(self, key: ApiKey, limit: int, offset: int):
-        return self.runs.list_training_runs(key, limit, offset)
-
-    def heartbeat(self, key: ApiKey, run_id: str) -> None:
-        self.runs.heartbeat(key, run_id)
-
-    def create_sampling_run(self, key: ApiKey, session_id: str, *, base_model: str,
-                            source_checkpoint_uri: str = ""):
-        return self.runs.create_sampling_run(key, session_id, base_model=base_model,
-                                             source_checkpoint_uri=source_checkpoint_uri)
-
-    # ================================================================== events
-    async def submit_event(self, key: ApiKey, run_id: str, *, event_id: str, type: str, index: int,
-                           step: int, op: Op, fingerprint: str = "") -> EventRecord:
-        """Accept a training event (idempotent by event_id; `fingerprint` identifies its body, so
-        the same id with another body is refused); see events.py."""
-        return await self.events.submit(key, run_id, event_id=event_id, type=type, index=index,
-                                        step=step, op=op, fingerprint=fingerprint)
-
-    async def event(self, key: ApiKey, run_id: str, event_id: str, wait: float = 0.0) -> EventRecord:
-        return await self.events.event(key, run_id, event_id, wait)
-
-    @staticmethod
-    def event_result(rec: EventRecord) -> EventResult | None:
-        """The protocol-neutral result of a terminal event (None while accepted or running)."""
-        return Events.result(rec)
-
-    # ================================================================== sampling
-    async def sample(self, key: ApiKey, sampling_run_id: str, spec: SampleSpec) -> SampleOutcome:
-        return await self.sampling.sample(key, sampling_run_id, spec)
-
-    def sample_stream(self, key: ApiKey, sampling_run_id: str, spec: SampleSpec) -> AsyncIterator:
-        return self.sampling.sample_stream(key, sampling_run_id, spec)
-
-    async def cancel_sample(self, key: ApiKey, sampling_run_id: str, request_id: str) -> bool:
-        return await self.sampling.cancel(key, sampling_run_id, request_id)
-
-    # ================================================================== checkpoints
-    def list_checkpoints(self, key: ApiKey, *, training_run_id: str | None = None,
-                         limit: int | None = None, offset: int = 0):
-        return self.checkpoints.list(key, training_run_id=training_run_id, limit=limit, offset=offset)
-
-    def delete_checkpoint(self, key: ApiKey, checkpoint_id: str) -> None:
-        self.checkpoints.delete(key, checkpoint_id)
-
-    async def checkpoint_archive(self, ck: Checkpoint) -> Path:
-        return await self.checkpoints.archive(ck)
-
-    # ================================================================== usage, gc
-    def usage_events(self, key: ApiKey, *, session_id: str | None = None, run_id: str | None = None,
-                     since: float | None = None) -> list[UsageEvent]:
-        return self.store.usage_events(key.id, session_id=session_id, run_id=run_id, since=since)
-
-    async def collect_garbage(self) -> None:
-        await self.gc.collect()

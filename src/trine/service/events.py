@@ -18,62 +18,37 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass, field
-
-import msgpack
+from dataclasses import dataclass, field
 
 from ..engine.interface import EngineLost
-from ..engine.losses import Loss, prepare_datum
-from ..engine.ops import CycleEvent, EventOutcome, Forward, InitRun, Op, RunShare, Save, TrainingCycle
+from ..engine.ops import CycleEvent, EventOutcome, Forward, Op, RunShare, Save, TrainingCycle
 from ..limits import (CHECKPOINT_VISIBILITIES, FORWARD, FORWARD_BACKWARD, MAX_TTL_SECONDS, OPTIMIZE_STEP,
                       check_checkpoint_name, check_lora_rank)
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
 from ..store import ApiKey, EventRecord, Store, TrainingRun
 from ..store.keys import new_id
+from . import commands, translate
+from .activity import Activity
 from .checkpoints import Checkpoints
 from .errors import Conflict, InvalidRequest, NotFound
 from .models import Replica, ServedModel, resolve_model
 from .ordering import CyclePlan, Pending, split_phases
 from .ownership import Ownership
 from .quotas import KeyQuotas
-from .runs import Activity
+from .results import EventResult
 
 log = logging.getLogger("trine.service")
 OPERATION = {FORWARD: "forward", FORWARD_BACKWARD: "forward_backward", OPTIMIZE_STEP: "optim_step"}
 
 
 @dataclass
-class EventResult:
-    """A terminal event's result, protocol-neutral. `checkpoint` (saves): uri, checkpoint_id, kind,
-    size_bytes, base_model."""
-
-    status: str  # "succeeded" or "failed"
-    error: dict | None = None  # {"code", "message"}
-    logprobs: list[list[float]] | None = None
-    losses: list[list[float]] | None = None
-    metrics: dict = field(default_factory=dict)
-    checkpoint: dict | None = None
-    train_tokens: int = 0
-    loss_tokens: int = 0
-    cost: float = 0.0
-    cycle: int | None = None
-
-    def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
-
-    @classmethod
-    def unpack(cls, data: bytes) -> "EventResult":
-        return cls(**msgpack.unpackb(data, raw=False))
-
-    @classmethod
-    def failure(cls, code: str, message: str, cycle: int | None = None) -> "EventResult":
-        return cls("failed", {"code": code, "message": message}, cycle=cycle)
-
-
-@dataclass
 class LiveEvent:
+    """An accepted event until it settles: its record, its command as the front end sent it and
+    its engine op (in `pending`), and the replica it runs on."""
+
     record: EventRecord
+    command: commands.TrainingCommand
     pending: Pending
     replica: Replica
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -95,9 +70,10 @@ class Events:
         self._submitting: dict[str, tuple[asyncio.Future, str]] = {}  # event id -> (its acceptance, fingerprint)
 
     # ------------------------------------------------------------------ accepting
-    async def submit(self, key: ApiKey, run_id: str, *, event_id: str, type: str, index: int,
-                     step: int, op: Op, fingerprint: str = "") -> EventRecord:
-        """Accept an event (or return the state of the one already accepted with this id).
+    async def submit(self, key: ApiKey, run_id: str, *, event_id: str, index: int, step: int,
+                     command: commands.TrainingCommand, fingerprint: str = "") -> EventRecord:
+        """Accept `command` as event `index` of the run (or return the state of the event already
+        accepted under `event_id`).
 
         Checking a large batch runs in a thread; a retry that arrives meanwhile joins this call.
         `fingerprint` identifies the request body ("" = not checked)."""
@@ -114,7 +90,7 @@ class Events:
         fut = asyncio.get_running_loop().create_future()
         self._submitting[stored_id] = (fut, fingerprint)
         try:
-            rec = await self._accept(key, run_id, stored_id, type, index, step, op, fingerprint)
+            rec = await self._accept(key, run_id, stored_id, index, step, command, fingerprint)
         except BaseException as e:
             fut.set_exception(e)
             fut.exception()  # retrieved: joiners re-raise it
@@ -131,20 +107,23 @@ class Events:
             return event_id
         return f"{event_id}~{run_id}"
 
-    async def _accept(self, key: ApiKey, run_id: str, event_id: str, type: str, index: int, step: int,
-                      op: Op, fingerprint: str) -> EventRecord:
+    async def _accept(self, key: ApiKey, run_id: str, event_id: str, index: int, step: int,
+                      command: commands.TrainingCommand, fingerprint: str) -> EventRecord:
         r = self.ownership.active_run(key, run_id)
         m = self.models[r.base_model]
-        if isinstance(op, Forward):
-            await asyncio.get_running_loop().run_in_executor(None, _check_forward, m, op)
+        if isinstance(command, commands.Forward):
+            op = await asyncio.get_running_loop().run_in_executor(
+                None, translate.forward_op, command, m.vocab_size, m.max_seq_len, m.name)
             r = self.ownership.active_run(key, run_id)  # it may have ended meanwhile
-        op = self._resolve(key, r, m, op)
+        else:
+            op = self._op(key, r, m, command)
         if self.quotas is not None:
             self.quotas.check_queue(key, op, self.queued_tokens(key.id))
         rep = m.place(run_id)
-        pend = Pending(event_id, run_id, index, type, op)
+        type_ = commands.event_type(command)
+        pend = Pending(event_id, run_id, index, type_, op)
         now = time.time()
-        rec = EventRecord(event_id, run_id, key.id, index, type, step, "accepted", now, now,
+        rec = EventRecord(event_id, run_id, key.id, index, type_, step, "accepted", now, now,
                           fingerprint=fingerprint)
         self.store.add_event(rec)  # stored first: a failed write leaves nothing queued
         try:
@@ -154,50 +133,48 @@ class Events:
             raise
         if not r.started:
             self.store.update_training_run(r.id, started=True)
-        self.live[event_id] = LiveEvent(rec, pend, rep)
+        self.live[event_id] = LiveEvent(rec, command, pend, rep)
         self.activity.touch(run_id)
         rep.scheduler.notify()
         return rec
 
-    def _resolve(self, key: ApiKey, r: TrainingRun, m: ServedModel, op: Op) -> Op:
-        """Check an op against the run and the model; fill in what the engine needs."""
-        if isinstance(op, InitRun):
-            return self._resolve_init(key, m, op)
-        if isinstance(op, Save):
-            return self._resolve_save(key, r, op)
-        return op
+    def _op(self, key: ApiKey, r: TrainingRun, m: ServedModel, command: commands.TrainingCommand) -> Op:
+        """Check a (non-forward) command against the run and the model; its engine op."""
+        if isinstance(command, commands.InitRun):
+            return translate.training_op(command, checkpoint_path=self._init_checkpoint(key, m, command))
+        if isinstance(command, commands.Save):
+            return translate.training_op(command, save=self._save_target(key, r, command))
+        return translate.training_op(command)
 
-    def _resolve_init(self, key: ApiKey, m: ServedModel, op: InitRun) -> InitRun:
-        if op.base_model and resolve_model(self.models, op.base_model) is not m:
+    def _init_checkpoint(self, key: ApiKey, m: ServedModel, c: commands.InitRun) -> str:
+        """The directory of the checkpoint an init loads ("" for a fresh adapter)."""
+        if c.base_model and resolve_model(self.models, c.base_model) is not m:
             raise InvalidRequest(f"init_run base_model differs from the run's model {m.name}")
-        uri = op.checkpoint_uri or ""
-        if uri:
-            ck = self.ownership.restorable(key, uri, op.load_optimizer)
-            if resolve_model(self.models, ck.base_model) is not m:
-                raise InvalidRequest(f"checkpoint {uri} was trained on {ck.base_model}, the run uses "
-                                     f"{m.name}")
-            op.checkpoint_path = ck.path
-        else:
-            _invalid_unless(check_lora_rank, op.lora.rank)
-        return op
+        if not c.checkpoint_uri:
+            _invalid_unless(check_lora_rank, c.lora.rank)
+            return ""
+        ck = self.ownership.restorable(key, c.checkpoint_uri, c.load_optimizer)
+        if resolve_model(self.models, ck.base_model) is not m:
+            raise InvalidRequest(f"checkpoint {c.checkpoint_uri} was trained on {ck.base_model}, the run uses "
+                                 f"{m.name}")
+        return ck.path
 
-    def _resolve_save(self, key: ApiKey, r: TrainingRun, op: Save) -> Save:
-        _invalid_unless(check_checkpoint_name, op.name)
-        if op.visibility not in CHECKPOINT_VISIBILITIES:
-            raise InvalidRequest(f"visibility {op.visibility!r}: use {' or '.join(CHECKPOINT_VISIBILITIES)}")
-        if op.ttl_seconds is not None and not 0 < op.ttl_seconds <= MAX_TTL_SECONDS:
+    def _save_target(self, key: ApiKey, r: TrainingRun, c: commands.Save) -> translate.SaveTarget:
+        _invalid_unless(check_checkpoint_name, c.name)
+        if c.visibility not in CHECKPOINT_VISIBILITIES:
+            raise InvalidRequest(f"visibility {c.visibility!r}: use {' or '.join(CHECKPOINT_VISIBILITIES)}")
+        if c.ttl_seconds is not None and not 0 < c.ttl_seconds <= MAX_TTL_SECONDS:
             raise InvalidRequest(f"ttl_seconds must be in [1, {MAX_TTL_SECONDS}] (100 years), or omitted")
-        part = "state" if op.kind == "state" else "weights"
-        uri = f"trio://{r.id}/{part}/{op.name}"
+        part = "state" if c.kind == "state" else "weights"
+        uri = f"trio://{r.id}/{part}/{c.name}"
         existing = self.store.checkpoint_by_uri(uri)
-        if (existing is not None or uri in self._reserved_uris()) and not op.overwrite:
+        if (existing is not None or uri in self._reserved_uris()) and not c.overwrite:
             raise Conflict(f"checkpoint {uri} already exists; pick another name or save with "
                            "overwrite=True", code="checkpoint_exists")
-        op.uri = uri
-        op.checkpoint_id = new_id("ck")
-        if op.kind == "state" or op.visibility == "WORKSPACE":
-            op.path = str(self.store.checkpoint_dir / key.id / r.id / part / op.name)
-        return op
+        path = ""
+        if c.kind == "state" or c.visibility == "WORKSPACE":
+            path = str(self.store.checkpoint_dir / key.id / r.id / part / c.name)
+        return translate.SaveTarget(uri, new_id("ck"), path)
 
     def _reserved_uris(self) -> set[str]:
         return {live.pending.op.uri for live in self.live.values()
@@ -222,11 +199,6 @@ class Events:
     def record(self, event_id: str) -> EventRecord | None:
         live = self.live.get(event_id)
         return live.record if live is not None else self.store.event(event_id)
-
-    @staticmethod
-    def result(rec: EventRecord) -> EventResult | None:
-        """The terminal result of `rec`, or None while it is accepted or running."""
-        return EventResult.unpack(rec.response) if rec.response is not None else None
 
     def queued_tokens(self, api_key_id: str) -> int:
         """Tokens of the key's forward events accepted and not yet running."""
@@ -275,7 +247,7 @@ class Events:
         else:
             res.logprobs, res.losses, res.metrics = out.logprobs, out.losses, out.metrics
             if isinstance(op, Save):
-                ck = self.checkpoints.record_saved(m, run, op, out.size_bytes)
+                ck = self.checkpoints.record_saved(m, run, live.command, op, out.size_bytes)
                 if op.kind == "weights":  # the cycle published the snapshot on this replica
                     self.checkpoints.adapters.remember(live.replica, ck.id)
                 res.checkpoint = {"uri": ck.uri, "checkpoint_id": ck.id, "kind": ck.kind,
@@ -314,21 +286,6 @@ class Events:
                                       "queued or running, and the run's in-memory weights were lost; "
                                       "restore the run from a saved state and send it again")
             self.store.update_event(rec.id, status="failed", response=res.pack())
-
-
-def _check_forward(m: ServedModel, op: Forward) -> None:
-    """Everything the trainer would reject, checked before the event is accepted (thread-safe)."""
-    try:
-        loss = Loss.parse(op.loss_fn, op.loss_config)
-        for i, d in enumerate(op.data):
-            prepare_datum(d, loss, m.vocab_size, f"data[{i}]")
-    except ValueError as e:
-        raise InvalidRequest(str(e)) from None
-    n = max(len(d.tokens) for d in op.data)
-    if n > m.max_seq_len:
-        raise InvalidRequest(f"data: a sequence has {n} tokens; {m.name} handles at most "
-                             f"{m.max_seq_len}")
-    op.loss_fn = loss.name
 
 
 def _share(ph) -> RunShare:

@@ -13,10 +13,11 @@ import logging
 import time
 
 from ..store import Store
+from .activity import Activity
 from .checkpoints import Checkpoints
 from .events import Events
 from .models import ServedModel
-from .runs import Activity, Runs
+from .runs import Runs
 
 log = logging.getLogger("trine.service")
 

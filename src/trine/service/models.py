@@ -40,7 +40,7 @@ class ServedModel:
     dir: Path
     replicas: list[Replica]
     info: EngineInfo | None = None  # set when the engines start
-    tokenizer: object | None = None  # trine.engine.tokenizer.Tokenizer, loaded at start
+    tokenizer: object | None = None  # tokenizers.ModelTokenizer, loaded at start
     placement: dict[str, Replica] = field(default_factory=dict)  # training run id -> its replica
 
     @property

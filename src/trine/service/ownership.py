@@ -29,6 +29,10 @@ class Ownership:
                                code="unauthorized")
         return key
 
+    def create_key(self, name: str) -> str:
+        """A new API key named `name`; returns its secret (shown once, never stored)."""
+        return self.store.create_key(name)[1]
+
     def key(self, key_id: str) -> ApiKey:
         key = self.store.key(key_id)
         if key is None or key.revoked_at is not None:

@@ -10,43 +10,26 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from ..limits import check_lora_rank
 from ..store import ApiKey, SamplingRun, Session, Store, TrainingRun
 from ..store.keys import new_id
+from .activity import Activity
 from .checkpoints import Checkpoints
+from .commands import SamplingRunSpec, TrainingRunSpec
 from .errors import Conflict, InvalidRequest, NotFound
+from .events import Events
 from .models import ServedModel, resolve_model
 from .ownership import Ownership
-
-if TYPE_CHECKING:
-    from .quotas import KeyQuotas
-    from .events import Events
+from .quotas import KeyQuotas
 
 log = logging.getLogger("trine.service")
 
 
-class Activity:
-    """When each training run last showed life (an event or a heartbeat), for idle collection."""
-
-    def __init__(self):
-        self._last: dict[str, float] = {}
-
-    def touch(self, run_id: str) -> None:
-        self._last[run_id] = time.monotonic()
-
-    def last(self, run_id: str) -> float:
-        return self._last.get(run_id, 0.0)
-
-    def forget(self, run_id: str) -> None:
-        self._last.pop(run_id, None)
-
-
 class Runs:
     def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
-                 checkpoints: Checkpoints, activity: Activity, events: "Events",
-                 quotas: "KeyQuotas | None" = None):
+                 checkpoints: Checkpoints, activity: Activity, events: Events,
+                 quotas: KeyQuotas | None = None):
         self.store = store
         self.ownership = ownership
         self.models = models
@@ -76,37 +59,35 @@ class Runs:
         return self.store.session(s.id)
 
     # ------------------------------------------------------------------ training runs
-    def create_training_run(self, key: ApiKey, session_id: str, *, base_model: str, lora_rank: int,
-                            train_mlp: bool = True, train_attn: bool = True,
-                            train_unembed: bool = True, seed: int | None = None,
-                            source_checkpoint_uri: str = "",
-                            restore_optimizer: bool = False) -> TrainingRun:
+    def create_training_run(self, key: ApiKey, session_id: str, spec: TrainingRunSpec) -> TrainingRun:
         s = self.ownership.active_session(key, session_id)
-        source = None
-        if source_checkpoint_uri:
-            source = self.ownership.restorable(key, source_checkpoint_uri, restore_optimizer)
+        lora, source = spec.lora, None
+        if spec.source_checkpoint_uri:
+            source = self.ownership.restorable(key, spec.source_checkpoint_uri, spec.restore_optimizer)
             m = resolve_model(self.models, source.base_model)
-            if base_model and resolve_model(self.models, base_model) is not m:
-                raise InvalidRequest(f"base_model {base_model!r} differs from the checkpoint's base model "
+            if spec.base_model and resolve_model(self.models, spec.base_model) is not m:
+                raise InvalidRequest(f"base_model {spec.base_model!r} differs from the checkpoint's base model "
                                      f"{source.base_model!r}; leave base_model empty to use it")
-            lora_rank, train_mlp, train_attn, train_unembed = (
+            rank, train_mlp, train_attn, train_unembed = (
                 source.lora_rank, source.train_mlp, source.train_attn, source.train_unembed)
-            seed = source.seed if seed is None else seed
+            seed = source.seed if lora.seed is None else lora.seed
         else:
-            if not base_model:
+            if not spec.base_model:
                 raise InvalidRequest("base_model is empty: name a served model or give "
                                      "source_checkpoint_uri")
-            m = resolve_model(self.models, base_model)
+            m = resolve_model(self.models, spec.base_model)
+            rank, train_mlp, train_attn, train_unembed, seed = (
+                lora.rank, lora.train_mlp, lora.train_attn, lora.train_unembed, lora.seed)
         try:
-            check_lora_rank(lora_rank)
+            check_lora_rank(rank)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         if self.quotas is not None:
-            self.quotas.check_new_run(key, m, lora_rank, train_mlp, train_attn, train_unembed)
+            self.quotas.check_new_run(key, m, rank, train_mlp, train_attn, train_unembed)
         now = time.time()
         r = TrainingRun(new_id("tr"), key.id, s.id, self.store.count_runs(s.id) + 1, m.name,
-                        lora_rank, train_mlp, train_attn, train_unembed, seed,
-                        source.uri if source else "", bool(restore_optimizer), "ACTIVE", now, now)
+                        rank, train_mlp, train_attn, train_unembed, seed,
+                        source.uri if source else "", bool(spec.restore_optimizer), "ACTIVE", now, now)
         m.place(r.id)  # by load, now: refuses at once when no replica runs
         self.store.add_training_run(r)
         self.activity.touch(r.id)
@@ -133,9 +114,6 @@ class Runs:
                                        train_attn=ck.train_attn, train_unembed=ck.train_unembed)
         return self.store.training_run(r.id)
 
-    def list_training_runs(self, key: ApiKey, limit: int, offset: int):
-        return self.store.training_runs(key.id, limit=limit, offset=offset)
-
     def heartbeat(self, key: ApiKey, run_id: str) -> None:
         self.ownership.training_run(key, run_id)
         self.activity.touch(run_id)
@@ -158,18 +136,17 @@ class Runs:
         self.checkpoints.forget_temporary(r)
 
     # ------------------------------------------------------------------ sampling runs
-    def create_sampling_run(self, key: ApiKey, session_id: str, *, base_model: str,
-                            source_checkpoint_uri: str = "") -> SamplingRun:
+    def create_sampling_run(self, key: ApiKey, session_id: str, spec: SamplingRunSpec) -> SamplingRun:
         s = self.ownership.active_session(key, session_id)
         ck = None
-        if source_checkpoint_uri:
-            ck = self.ownership.checkpoint_by_uri(key, source_checkpoint_uri)
+        if spec.source_checkpoint_uri:
+            ck = self.ownership.checkpoint_by_uri(key, spec.source_checkpoint_uri)
             m = resolve_model(self.models, ck.base_model)
-            if base_model and resolve_model(self.models, base_model) is not m:
-                raise InvalidRequest(f"base_model {base_model!r} differs from the checkpoint's base "
+            if spec.base_model and resolve_model(self.models, spec.base_model) is not m:
+                raise InvalidRequest(f"base_model {spec.base_model!r} differs from the checkpoint's base "
                                      f"model {ck.base_model!r}")
         else:
-            m = resolve_model(self.models, base_model)
+            m = resolve_model(self.models, spec.base_model)
         now = time.time()
         r = SamplingRun(new_id("sr"), key.id, s.id, self.store.count_runs(s.id) + 1, m.name,
                         ck.uri if ck else "", ck.id if ck else "", "ACTIVE", now, now)

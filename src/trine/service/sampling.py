@@ -14,74 +14,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from ..engine.interface import EngineLost, SampleDelta
-from ..engine.requests import SampleRequest, SampleResult, SamplingOptions, WeightsIdentity
+from ..engine.interface import EngineLost
+from ..engine.requests import SampleRequest, SampleResult, WeightsIdentity
 from ..limits import check_prompt_length
 from ..metering.diagnostics import PrefixDiagnostics
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
 from ..store import ApiKey, SamplingRun, Store
+from . import translate
 from .adapters import AdapterCache
+from .commands import SampleSpec
 from .errors import Conflict, InvalidRequest, ServiceError
 from .models import Replica, ServedModel
 from .ownership import Ownership
+from .results import SampleChunk, SampleOutcome, SequenceOutcome
 from .routing import Router
 
 log = logging.getLogger("trine.service")
-
-
-@dataclass
-class SampleSpec:
-    """A sampling request, validated for shape by the front end."""
-
-    request_id: str
-    prompt: list[int]
-    options: SamplingOptions
-    num_samples: int = 1
-    prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    generate: bool = True  # False: compute_logprobs
-    fingerprint: str = ""  # identifies the request body: a retry must match it ("" = unchecked)
-
-
-@dataclass
-class SequenceOutcome:
-    tokens: list[int]
-    logprobs: list[float]
-    text: str | None
-    stop_reason: str  # "stop" or "length"
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when options.top_logprobs
-
-
-@dataclass
-class SampleOutcome:
-    """A finished sample request, protocol-neutral. usage: prompt_tokens, prefill_tokens,
-    cached_tokens, sample_tokens (prompt_tokens == prefill_tokens + cached_tokens)."""
-
-    request_id: str
-    sampling_run: str
-    model: str
-    sequences: list[SequenceOutcome]
-    prompt_logprobs: list[float | None] | None
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
-    usage: dict[str, int]
-    cost: float
-    replica: int = 0
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> "SampleOutcome":
-        d = json.loads(data)
-        d["sequences"] = [SequenceOutcome(**s) for s in d["sequences"]]
-        return cls(**d)
 
 
 @dataclass
@@ -147,8 +101,8 @@ class Sampling:
         return self._record(key, r, m, spec, res, rep)
 
     async def sample_stream(self, key: ApiKey, sampling_run_id: str,
-                            spec: SampleSpec) -> AsyncIterator[SampleDelta | SampleOutcome]:
-        """Token deltas as the engine produces them (one per sequence per engine step), then the
+                            spec: SampleSpec) -> AsyncIterator[SampleChunk | SampleOutcome]:
+        """Token chunks as the engine produces them (one per sequence per engine step), then the
         SampleOutcome (stored and metered like `sample`). Closing the iterator early cancels the
         request, which frees its KV blocks at once; what it computed until then is metered."""
         r = self.ownership.sampling_run(key, sampling_run_id)
@@ -172,7 +126,7 @@ class Sampling:
                         if isinstance(item, SampleResult):
                             res = item
                         else:
-                            yield item
+                            yield translate.sample_chunk(spec, item)
         except EngineLost as e:
             self.on_lost(m, rep, str(e))
             raise Conflict("the engine replica serving this request was lost; send it again",
@@ -221,9 +175,7 @@ class Sampling:
     def _request(self, m: ServedModel, r: SamplingRun, spec: SampleSpec) -> SampleRequest:
         _check_prompt(spec, m)
         weights = WeightsIdentity(m.name, r.checkpoint_id or None, 0)
-        return SampleRequest(f"{r.id}/{spec.request_id}", list(spec.prompt), spec.options, weights,
-                             None, spec.num_samples, spec.prompt_logprobs, spec.topk_prompt_logprobs,
-                             spec.generate)
+        return translate.sample_request(f"{r.id}/{spec.request_id}", spec, weights)
 
     def _record(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec, res: SampleResult,
                 rep: Replica) -> SampleOutcome:
@@ -286,7 +238,7 @@ def _check_prompt(spec: SampleSpec, m: ServedModel) -> None:
     if bad:
         raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary [0, {m.vocab_size})")
     try:
-        check_prompt_length(len(spec.prompt), spec.options.max_tokens if spec.generate else 0,
+        check_prompt_length(len(spec.prompt), spec.max_tokens if spec.generate else 0,
                             m.max_seq_len, m.name)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None

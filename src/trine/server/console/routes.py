@@ -12,7 +12,7 @@
 
 The pages also call the API the SDK and `trine usage` use: api-key/verify (sign-in), the usage
 report (`/api/trine/v1/usage`), checkpoint delete and download-url. Every JSON route takes the
-key as `X-API-Key` (the SDK's header) through `control.api_key`, and reads only that key's data.
+key as `X-API-Key` (the SDK's header) through `context.api_key`, and reads only that key's data.
 """
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ from importlib.resources import files
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
-from ...service.errors import NotFound
-from ...store import ApiKey
-from ..control import api_key, service_of
+from ...service import ApiKey, NotFound
+from ..context import api_key, service_of
 from .runs import checkpoint_row, list_runs, run_detail
 from .server_stats import server_stats
 
@@ -53,8 +52,8 @@ async def run(run_id: str, request: Request, key: ApiKey = Depends(api_key)):
 @api.get("/checkpoints")
 async def checkpoints(request: Request, key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    cks, _ = svc.list_checkpoints(key)
-    samplers = svc.store.sampling_runs(key.id)
+    cks, _ = svc.queries.checkpoints(key)
+    samplers = svc.queries.sampling_runs(key)
     return {"checkpoints": [checkpoint_row(c) for c in reversed(cks)],
             "samplers": [{"id": s.id, "model": s.base_model, "state": s.status,
                           "session_id": s.session_id, "checkpoint_id": s.checkpoint_id or None,

@@ -1,7 +1,8 @@
 """What the console shows of training runs: the run list and one run's curves, step by step.
 
-Everything is read through the key-isolated service calls (`Service.training_run`,
-`list_training_runs`, `list_checkpoints`), so another key's run is a NotFound exactly as on the API.
+Everything is read through the key-isolated service queries (`svc.ownership.training_run`,
+`svc.queries.training_runs`, `run_events`, `event_results`, `checkpoints`), so another key's run is
+a NotFound exactly as on the API.
 
 A *step* is one forward_backward group (the chunks the SDK sends with the same `step` number)
 closed by the optim_step that follows it. A step's loss is its chunks' `loss_mean` weighted by their
@@ -12,8 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
-from ...service import EventResult, Service
-from ...store import ApiKey, EventRecord, Store, TrainingRun
+from ...service import ApiKey, EventRecord, EventResult, Service, TrainingRun
+from ...service.queries import Queries
 
 FORWARD_BACKWARD = "trainer.forward_backward"
 OPTIMIZE_STEP = "trainer.optimize_step"
@@ -33,12 +34,11 @@ class EventOutcome:
     error: str | None = None
 
 
-def event_outcome(rec: EventRecord, response: bytes | None) -> EventOutcome:
-    """The one place that reads a stored event result (the service's protocol-neutral EventResult),
+def event_outcome(rec: EventRecord, res: EventResult | None) -> EventOutcome:
+    """The one place that reads an event's result (the service's protocol-neutral EventResult),
     keeping what the console shows and dropping the per-token lists."""
-    if response is None:
+    if res is None:
         return EventOutcome(rec.status, cycle=rec.cycle)
-    res = EventResult.unpack(response)
     error = f"{res.error.get('code')}: {res.error.get('message')}" if res.error else None
     return EventOutcome(res.status, dict(res.metrics or {}), res.train_tokens, res.loss_tokens,
                         res.cost, rec.cycle if res.cycle is None else res.cycle, error)
@@ -50,13 +50,13 @@ _OUTCOMES: OrderedDict[str, EventOutcome] = OrderedDict()
 MAX_CACHED_OUTCOMES = 50_000
 
 
-def outcomes(store: Store, events: list[EventRecord]) -> dict[str, EventOutcome]:
-    """The outcomes of the finished events among `events` (listed without their responses)."""
+def outcomes(queries: Queries, key: ApiKey, events: list[EventRecord]) -> dict[str, EventOutcome]:
+    """The outcomes of the finished events among `events` (listed without their results)."""
     done = [e for e in events if e.status in FINISHED]
     missing = [e for e in done if e.id not in _OUTCOMES]
-    blobs = store.event_responses([e.id for e in missing]) if missing else {}
+    results = queries.event_results(key, missing) if missing else {}
     for e in missing:
-        _OUTCOMES[e.id] = event_outcome(e, blobs.get(e.id))
+        _OUTCOMES[e.id] = event_outcome(e, results.get(e.id))
     out = {}
     for e in done:
         _OUTCOMES.move_to_end(e.id)
@@ -135,9 +135,9 @@ def _float(x) -> float | None:
     return None if x is None else float(x)
 
 
-def run_json(svc: Service, r: TrainingRun, events: list[EventRecord] | None = None) -> dict:
+def run_json(svc: Service, key: ApiKey, r: TrainingRun, events: list[EventRecord] | None = None) -> dict:
     """A run's row in the run list: `steps` = optim steps done; last activity from its events."""
-    events = svc.store.events(r.id, responses=False) if events is None else events
+    events = svc.queries.run_events(key, r.id) if events is None else events
     last = max([r.updated_at, *(e.updated_at for e in events)])
     return {"id": r.id, "model": r.base_model, "rank": r.lora_rank, "state": r.status,
             "session_id": r.session_id,
@@ -150,18 +150,18 @@ def run_json(svc: Service, r: TrainingRun, events: list[EventRecord] | None = No
 
 def list_runs(svc: Service, key: ApiKey, limit: int = 200) -> list[dict]:
     """The key's training runs, newest first."""
-    runs, _ = svc.list_training_runs(key, limit=10_000, offset=0)
+    runs, _ = svc.queries.training_runs(key, limit=10_000, offset=0)
     runs = sorted(runs, key=lambda r: r.created_at, reverse=True)[:limit]
-    return [run_json(svc, r) for r in runs]
+    return [run_json(svc, key, r) for r in runs]
 
 
 def run_detail(svc: Service, key: ApiKey, run_id: str) -> dict:
     """One run (NotFound if the key does not own it): its row, its steps and its checkpoints."""
-    r = svc.training_run(key, run_id)
-    events = svc.store.events(r.id, responses=False)
-    results = outcomes(svc.store, events)
-    cks, _ = svc.list_checkpoints(key, training_run_id=r.id)
-    return {"run": run_json(svc, r, events), "steps": [asdict(s) for s in run_steps(events, results)],
+    r = svc.ownership.training_run(key, run_id)
+    events = svc.queries.run_events(key, r.id)
+    results = outcomes(svc.queries, key, events)
+    cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
+    return {"run": run_json(svc, key, r, events), "steps": [asdict(s) for s in run_steps(events, results)],
             "checkpoints": [checkpoint_row(c) for c in cks],
             "failures": [{"index": e.idx, "type": e.type, "error": results[e.id].error}
                          for e in events if e.status == "failed"][-20:]}

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...service import Service
-from ...service.errors import InvalidRequest, NotFound
-from ...store import ApiKey, Checkpoint
+from ...service import ApiKey, Checkpoint, InvalidRequest, NotFound, SamplingRunSpec, Service
 from ..tinker.state import TINKER_SCHEME, to_trio_uri
 from .errors import OpenAIError
 
@@ -45,15 +43,15 @@ def resolve(service: Service, key: ApiKey, model: str) -> Target:
     ck = None
     try:
         if model.startswith("trio://"):
-            ck = service.checkpoint_by_uri(key, model)
+            ck = service.ownership.checkpoint_by_uri(key, model)
         elif model.startswith(TINKER_SCHEME):  # the Tinker front end's name for a trio:// checkpoint
-            ck = service.checkpoint_by_uri(key, to_trio_uri(model))
+            ck = service.ownership.checkpoint_by_uri(key, to_trio_uri(model))
         else:
             try:
-                return Target(model, service.model(model).name)
+                return Target(model, service.queries.model(model).name)
             except NotFound:
-                ck = service.checkpoint(key, model)
-        base = service.model(ck.base_model).name
+                ck = service.ownership.checkpoint(key, model)
+        base = service.queries.model(ck.base_model).name
     except (NotFound, InvalidRequest):
         raise _not_found(model) from None
     return Target(model, base, ck)
@@ -62,11 +60,12 @@ def resolve(service: Service, key: ApiKey, model: str) -> Target:
 def listing(service: Service, key: ApiKey) -> list[dict]:
     """The served base models, then the key's sampler checkpoints (newest last)."""
     created = int(service.started_at)
+    served = [m.name for m in service.queries.models()]
     out = [{"id": name, "object": "model", "created": created, "owned_by": "trine",
-            "root": name, "parent": None} for name in service.models]
-    cks, _ = service.list_checkpoints(key)
+            "root": name, "parent": None} for name in served]
+    cks, _ = service.queries.checkpoints(key)
     for ck in cks:
-        if ck.kind == "SAMPLER" and ck.base_model in service.models:
+        if ck.kind == "SAMPLER" and ck.base_model in served:
             out.append(card(ck))
     return out
 
@@ -100,8 +99,7 @@ class SamplingRuns:
         svc = self.service
         session = self._sessions.get(key.id)
         if session is None or fresh:
-            session = self._sessions[key.id] = svc.create_session(key, SESSION_SDK).id
-        run = svc.create_sampling_run(key, session, base_model=target.base,
-                                      source_checkpoint_uri=target.uri)
+            session = self._sessions[key.id] = svc.runs.create_session(key, SESSION_SDK).id
+        run = svc.runs.create_sampling_run(key, session, SamplingRunSpec(target.base, target.uri))
         self._runs[slot] = run.id
         return run.id

@@ -19,13 +19,9 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ...engine.requests import SampleDelta, SamplingOptions
 from ...limits import MAX_SAMPLE_BYTES
-from ...service import SampleSpec, Service
-from ...service.errors import ServiceError
-from ...store import ApiKey
-from ..actor import read_body
-from ..control import caller_key, service_of
+from ...service import ApiKey, SampleChunk, SampleSpec, Service, ServiceError
+from ..context import caller_key, read_body, service_of
 from . import models as targets
 from . import shapes
 from .errors import OpenAIError, from_service
@@ -50,8 +46,7 @@ class OpenAIState:
 
     def text(self, base: str) -> ModelText:
         if base not in self.texts:
-            m = self.service.models[base]
-            self.texts[base] = ModelText(base, m.dir, m.tokenizer)
+            self.texts[base] = ModelText(self.service.queries.tokenizer(base))
         return self.texts[base]
 
 
@@ -115,13 +110,10 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     target = targets.resolve(st.service, key, g.model)
     text = st.text(target.base)
     prompt = await text.prompt_ids(g.messages, g.prompt)
-    max_tokens = _max_tokens(g, len(prompt), st.service.models[target.base].max_seq_len)
+    max_tokens = _max_tokens(g, len(prompt), st.service.queries.model(target.base).max_seq_len)
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
-    options = SamplingOptions(max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p,
-                              top_k=g.top_k, seed=g.seed, stop_strings=g.stop,
-                              stop_token_ids=g.stop_token_ids, stop_at_eos=True,
-                              top_logprobs=g.top_logprobs)
-    spec = SampleSpec(rid, prompt, options, num_samples=g.n)
+    spec = SampleSpec(rid, prompt, max_tokens, g.temperature, g.top_p, g.top_k, g.seed, g.stop,
+                      g.stop_token_ids, stop_at_eos=True, top_logprobs=g.top_logprobs, num_samples=g.n)
     first, items = await _unless_disconnected(request, _start(st, key, target, spec, g.stream))
     created = int(time.time())
     if not g.stream:
@@ -167,17 +159,17 @@ def _max_tokens(g: Generation, prompt: int, context: int) -> int:
 
 async def _start(st: OpenAIState, key: ApiKey, target: targets.Target, spec: SampleSpec,
                  stream: bool):
-    """Start sampling. Streaming: wait for the first delta, so that a refused request is a plain
-    HTTP error; returns (that delta, the iterator of the rest). Otherwise: returns (the
+    """Start sampling. Streaming: wait for the first chunk, so that a refused request is a plain
+    HTTP error; returns (that chunk, the iterator of the rest). Otherwise: returns (the
     SampleOutcome, None)."""
     for attempt in (0, 1):
         run_id = st.runs.run_id(key, target, fresh=attempt > 0)
-        items = st.service.sample_stream(key, run_id, spec)
+        items = st.service.sampling.sample_stream(key, run_id, spec)
         try:
             item = await anext(items)
             if stream:
                 return item, items
-            while isinstance(item, SampleDelta):
+            while isinstance(item, SampleChunk):
                 item = await anext(items)
             await items.aclose()
             return item, None
@@ -206,7 +198,7 @@ async def _events(g: Generation, rid: str, created: int, first, items, text: Mod
             for i in range(g.n):
                 yield _sse(shapes.chunk(g, rid, created, i, role=True))
         async for item in all_items():
-            if isinstance(item, SampleDelta):
+            if isinstance(item, SampleChunk):
                 yield _sse(_delta_chunk(g, rid, created, item, streams[item.sequence], offsets, text))
             elif g.include_usage:
                 yield _sse(shapes.usage_chunk(g, rid, created, item))
@@ -224,7 +216,7 @@ def _internal(e: Exception) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
-def _delta_chunk(g: Generation, rid: str, created: int, d: SampleDelta, stream: TextStream,
+def _delta_chunk(g: Generation, rid: str, created: int, d: SampleChunk, stream: TextStream,
                  offsets: list[int], text: ModelText) -> dict:
     piece = stream.finish(d.text) if d.stop_reason else stream.add(d.tokens)
     lp = None

@@ -1,49 +1,17 @@
-"""Text <-> tokens for one served model: its chat template (applied by `transformers`, exactly as
-`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` does), prompt encoding, and
-incremental decoding for streams.
-
-`ModelText` loads the chat template from the model directory on first use, in a thread
-(transformers takes about 2 s to import); nothing is fetched from a hub.
+"""Text <-> tokens for one served model, as the OpenAI routes need it: prompts (a chat under the
+model's chat template, or completion text) and incremental decoding for streams. The tokenizer and
+its chat template are the service's (`Queries.tokenizer`).
 """
 from __future__ import annotations
 
 import asyncio
-import threading
-from pathlib import Path
 
-from ...engine.tokenizer import Tokenizer
-from .errors import OpenAIError
+from ...service import ModelTokenizer
 
 
 class ModelText:
-    def __init__(self, name: str, model_dir: Path, tokenizer: Tokenizer):
-        self.name = name
-        self.dir = Path(model_dir)
-        self.tokenizer = tokenizer  # the served model's (encode, decode)
-        self._chat = None  # the transformers tokenizer, for its chat template
-        self._lock = threading.Lock()
-
-    def _chat_tokenizer(self):
-        with self._lock:
-            if self._chat is None:
-                from transformers import AutoTokenizer
-                self._chat = AutoTokenizer.from_pretrained(str(self.dir), local_files_only=True)
-            return self._chat
-
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """The token ids of `messages` under the model's chat template, ending with the assistant's
-        generation prompt. Blocking: call it in a thread."""
-        tok = self._chat_tokenizer()
-        if not tok.chat_template:
-            raise OpenAIError(400, f"model {self.name} has no chat template; use /v1/completions",
-                              param="model", code="model_without_chat_template")
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                          return_dict=False)
-        except Exception as e:  # the template refused the conversation (e.g. role order)
-            raise OpenAIError(400, f"messages: the chat template of {self.name} refused them: {e}",
-                              param="messages", code="invalid_messages") from None
-        return list(ids)
+    def __init__(self, tokenizer: ModelTokenizer):
+        self.tokenizer = tokenizer  # the served model's (encode, decode, chat_prompt)
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids are used as they are; text is encoded as the tokenizer does by default
@@ -53,7 +21,7 @@ class ModelText:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     async def prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
-        fn = (lambda: self.chat_prompt(messages)) if messages is not None else \
+        fn = (lambda: self.tokenizer.chat_prompt(messages)) if messages is not None else \
             (lambda: self.completion_prompt(prompt))
         return await asyncio.get_running_loop().run_in_executor(None, fn)
 
@@ -68,7 +36,7 @@ class TextStream:
     returns the rest. Text is held back while it ends in an incomplete UTF-8 character, or could
     be the start of a stop string (the engine cuts the final text before a stop string)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: ModelTokenizer, stop: tuple[str, ...] = ()):
         self.tok = tokenizer
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1

@@ -2,7 +2,7 @@
 
 Same server, port, keys (in their `tml-` form) and service as the PyTRIO planes: runs, events,
 ordering, the prefix cache and metering are the service's; this package only translates. See
-`reference/tinker-notes.md` for the protocol and README "Tinker users" for the user's view.
+docs/architecture.md ("Front ends") for the protocol and README "Tinker users" for the user's view.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from ...service.errors import ServiceError
-from ..control import caller_key
+from ...service import ServiceError
+from ..context import caller_key
 from . import futures, rest, sampling, training
 from .state import state_of
 

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...engine.requests import TrainDatum
-from ...service.errors import InvalidRequest
+from ...service import InvalidRequest, TrainingDatum
 
 try:  # the message classes ship with the official client (a dependency of trine's server)
     from tinker.proto import tinker_public_pb2 as pb
@@ -45,7 +44,7 @@ class ForwardBackwardBody:
     loss_fn: str
     loss_config: dict
     forward_only: bool
-    data: list[TrainDatum]
+    data: list[TrainingDatum]
     spans: list[list[Span]] = field(default_factory=list)  # per datum; [] = none sent
 
 
@@ -181,7 +180,7 @@ def forward_backward_body(msg) -> ForwardBackwardBody:
         for k, vs in floats.items():
             if not all(math.isfinite(x) for x in vs):
                 raise InvalidRequest(f"{where}.loss_fn_inputs[{k!r}] holds NaN or infinite values")
-        data.append(TrainDatum(tokens, [int(x) for x in targets.astype(np.int64)], floats.get("weights"),
+        data.append(TrainingDatum(tokens, [int(x) for x in targets.astype(np.int64)], floats.get("weights"),
                                floats.get("logprobs"), floats.get("advantages"),
                                floats.get("sequence_ratio_mask")))
         runs = _spans(d.loss_fn_input_spans, f"{where}.loss_fn_input_spans")

@@ -8,7 +8,6 @@ retrieve_futures poller, plain httpx transport, uncompressed forward_backward bo
 """
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from datetime import datetime, timezone
 
@@ -16,8 +15,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from ...limits import MAX_PAGE_SIZE
-from ...service.errors import InvalidRequest
-from ...store import Checkpoint
+from ...service import Checkpoint, InvalidRequest
+from ..context import json_object
 from .state import caller, to_tinker_path, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
@@ -32,16 +31,6 @@ FINISH_STATUS = {"success": "ENDED", "errored": "CANCELLED", "interrupted": "CAN
 
 def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
-
-
-async def _body(request: Request) -> dict:
-    try:
-        b = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise InvalidRequest("body: not valid JSON", code="invalid_request_body") from None
-    if not isinstance(b, dict):
-        raise InvalidRequest("body: send a JSON object", code="invalid_request_body")
-    return b
 
 
 # ---------------------------------------------------------------------------- handshake
@@ -74,38 +63,38 @@ async def telemetry(request: Request):
 async def capabilities(request: Request):
     svc, _, _ = caller(request)
     return {"supported_models": [{"model_name": m.name, "max_context_length": m.max_seq_len,
-                                  "trainable": True, "sampleable": True} for m in svc.models.values()]}
+                                  "trainable": True, "sampleable": True} for m in svc.queries.models()]}
 
 
 # ---------------------------------------------------------------------------- sessions
 @router.post("/create_session")
 async def create_session(request: Request):
     svc, _, key = caller(request)
-    b = await _body(request)
-    s = svc.create_session(key, str(b.get("sdk_version") or ""))
+    b = await json_object(request)
+    s = svc.runs.create_session(key, str(b.get("sdk_version") or ""))
     return {"type": "create_session", "session_id": s.id}
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(request: Request):
     svc, st, key = caller(request)
-    b = await _body(request)
-    s = svc.session(key, str(b.get("session_id") or ""))
+    b = await json_object(request)
+    s = svc.ownership.session(key, str(b.get("session_id") or ""))
     if s.status != "ACTIVE":
         return JSONResponse({"code": "session_finished", "message": f"session {s.id} is {s.status}"},
                             status_code=410)
     for m in st.models.values():  # keeps the session's training runs from being collected as idle
         if m.session_id == s.id and m.api_key_id == key.id:
-            svc.heartbeat(key, m.run_id)
+            svc.runs.heartbeat(key, m.run_id)
     return {"type": "session_heartbeat"}
 
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request):
     svc, _, key = caller(request)
-    b = await _body(request)
+    b = await json_object(request)
     reason = (b.get("reason") or {}).get("type", "success")
-    await svc.close_session(key, session_id, FINISH_STATUS.get(reason, "ENDED"))
+    await svc.runs.close_session(key, session_id, FINISH_STATUS.get(reason, "ENDED"))
     return {}
 
 
@@ -113,17 +102,16 @@ async def finish_session(session_id: str, request: Request):
 async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
                         offset: int = Query(0, ge=0)):
     svc, _, key = caller(request)
-    rows, _ = svc.store.sessions(key.id, limit, offset)
+    rows, _ = svc.queries.sessions(key, limit, offset)
     return {"sessions": [s.id for s in rows]}
 
 
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, request: Request):
     svc, st, key = caller(request)
-    s = svc.session(key, session_id)
-    models = [mid for mid, m in st.models.items() if m.session_id == s.id and m.api_key_id == key.id]
-    return {"training_run_ids": models,
-            "sampler_ids": [r.id for r in svc.store.sampling_runs(key.id, session_id=s.id)]}
+    v = svc.queries.session(key, session_id)
+    models = [mid for mid, m in st.models.items() if m.session_id == v.session.id and m.api_key_id == key.id]
+    return {"training_run_ids": models, "sampler_ids": v.sampling_run_ids}
 
 
 # ---------------------------------------------------------------------------- runs and checkpoints
@@ -135,7 +123,7 @@ def checkpoint_json(c: Checkpoint) -> dict:
 
 
 def training_run_json(svc, key, r) -> dict:
-    cks, _ = svc.list_checkpoints(key, training_run_id=r.id)
+    cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
     last = {kind: max((c for c in cks if c.kind == kind), key=lambda c: c.created_at, default=None)
             for kind in ("TRAINING", "SAMPLER")}
     return {"training_run_id": r.id, "base_model": r.base_model, "model_owner": key.name, "is_lora": True,
@@ -155,7 +143,7 @@ def _run_id(st, key, id_: str) -> str:
 async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
                              offset: int = Query(0, ge=0)):
     svc, _, key = caller(request)
-    rows, total = svc.list_training_runs(key, limit, offset)
+    rows, total = svc.queries.training_runs(key, limit, offset)
     return {"training_runs": [training_run_json(svc, key, r) for r in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
@@ -163,21 +151,21 @@ async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=M
 @router.get("/training_runs/{run_id}")
 async def get_training_run(run_id: str, request: Request):
     svc, st, key = caller(request)
-    return training_run_json(svc, key, svc.training_run(key, _run_id(st, key, run_id)))
+    return training_run_json(svc, key, svc.ownership.training_run(key, _run_id(st, key, run_id)))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
 async def run_checkpoints(run_id: str, request: Request):
     svc, st, key = caller(request)
-    rows, _ = svc.list_checkpoints(key, training_run_id=_run_id(st, key, run_id))
+    rows, _ = svc.queries.checkpoints(key, training_run_id=_run_id(st, key, run_id))
     return {"checkpoints": [checkpoint_json(c) for c in rows if c.path]}
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
     svc, st, key = caller(request)
-    ck = svc.checkpoint_by_uri(key, to_trio_uri(f"tinker://{_run_id(st, key, run_id)}/{checkpoint_id}"))
-    svc.delete_checkpoint(key, ck.id)
+    ck = svc.ownership.checkpoint_by_uri(key, to_trio_uri(f"tinker://{_run_id(st, key, run_id)}/{checkpoint_id}"))
+    svc.checkpoints.delete(key, ck.id)
     return JSONResponse(None)
 
 
@@ -185,7 +173,7 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
 async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZE),
                            offset: int = Query(0, ge=0)):
     svc, _, key = caller(request)
-    rows, total = svc.list_checkpoints(key, limit=limit, offset=offset)
+    rows, total = svc.queries.checkpoints(key, limit=limit, offset=offset)
     return {"checkpoints": [checkpoint_json(c) for c in rows if c.path],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
@@ -193,8 +181,8 @@ async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MA
 @router.post("/weights_info")
 async def weights_info(request: Request):
     svc, _, key = caller(request)
-    b = await _body(request)
-    c = svc.checkpoint_by_uri(key, to_trio_uri(b.get("tinker_path")))
+    b = await json_object(request)
+    c = svc.ownership.checkpoint_by_uri(key, to_trio_uri(b.get("tinker_path")))
     return {"base_model": c.base_model, "is_lora": True, "lora_rank": c.lora_rank,
             "train_unembed": c.train_unembed, "train_mlp": c.train_mlp, "train_attn": c.train_attn}
 
@@ -215,7 +203,7 @@ async def billing_usage(request: Request, starting_on: str | None = None, ending
     svc, _, key = caller(request)
     start, end = _parse_time(starting_on, "starting_on"), _parse_time(ending_before, "ending_before")
     buckets: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in svc.usage_events(key, since=start):
+    for e in svc.queries.usage_events(key, since=start):
         if end is not None and e.time >= end:
             continue
         hour = int(e.time // 3600) * 3600

@@ -10,16 +10,12 @@ request it never reads the prefix cache (0 hit tokens).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-
 from fastapi import APIRouter, Request
 
-from ...service import Service
-from ...service.errors import InvalidRequest
-from ...store import ApiKey
-from ..actor import MAX_SAMPLE_BYTES, read_body
-from ..wire import parse_sample
+from ...limits import MAX_SAMPLE_BYTES
+from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
+from ..context import json_object
+from ..params import parse_sample
 from . import proto
 from .futures import Reply
 from .state import TinkerState, caller, to_tinker_path, to_trio_uri
@@ -31,9 +27,9 @@ def sampling_session(svc: Service, st: TinkerState, key: ApiKey, session_id: str
                      base_model: str, source_uri: str) -> str:
     """The sampling run behind (session, sampling_session_seq_id), created once (retries reuse it)."""
     known = st.samplers.get((session_id, seq))
-    if known is not None and svc.sampling_run(key, known):
+    if known is not None and svc.ownership.sampling_run(key, known):
         return known
-    r = svc.create_sampling_run(key, session_id, base_model=base_model, source_checkpoint_uri=source_uri)
+    r = svc.runs.create_sampling_run(key, session_id, SamplingRunSpec(base_model, source_uri))
     st.samplers[(session_id, seq)] = r.id
     return r.id
 
@@ -41,9 +37,8 @@ def sampling_session(svc: Service, st: TinkerState, key: ApiKey, session_id: str
 @router.post("/create_sampling_session")
 async def create_sampling_session(request: Request):
     svc, st, key = caller(request)
-    b = json.loads(await request.body() or b"{}")
-    if not isinstance(b, dict) or not isinstance(b.get("session_id"), str) \
-            or not isinstance(b.get("sampling_session_seq_id"), int):
+    b = await json_object(request)
+    if not isinstance(b.get("session_id"), str) or not isinstance(b.get("sampling_session_seq_id"), int):
         raise InvalidRequest("body: send session_id and sampling_session_seq_id")
     uri = to_trio_uri(b["model_path"]) if b.get("model_path") else ""
     if not uri and not b.get("base_model"):
@@ -56,8 +51,8 @@ async def create_sampling_session(request: Request):
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(sampler_id: str, request: Request):
     svc, st, key = caller(request)
-    r = svc.sampling_run(key, sampler_id)
-    return {"sampler_id": r.id, "base_model": svc.models[r.base_model].model_id,  # a tokenizer dir
+    r = svc.ownership.sampling_run(key, sampler_id)
+    return {"sampler_id": r.id, "base_model": svc.queries.model(r.base_model).model_id,  # a tokenizer dir
             "model_path": to_tinker_path(r.source_checkpoint_uri) if r.source_checkpoint_uri else None}
 
 
@@ -67,19 +62,14 @@ _UNSUPPORTED = {"topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0, "target_pro
 @router.post("/asample")
 async def asample(request: Request):
     svc, st, key = caller(request)
-    try:
-        b = json.loads(await read_body(request, MAX_SAMPLE_BYTES))
-    except ValueError:
-        raise InvalidRequest("body: not valid JSON", code="invalid_request_body") from None
-    if not isinstance(b, dict):
-        raise InvalidRequest("body: the sample request must be a JSON object", code="invalid_request_body")
+    b = await json_object(request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object", empty_ok=False)
     for name, off in _UNSUPPORTED.items():
         if b.get(name, off) not in (off, None):
             raise InvalidRequest(f"{name}: not supported by trine; leave it unset")
     sid, seq = b.get("sampling_session_id"), b.get("seq_id")
     if not isinstance(sid, str) or not isinstance(seq, int):
         raise InvalidRequest("asample: send sampling_session_id and seq_id (create a sampling client first)")
-    run = svc.sampling_run(key, sid)
+    run = svc.ownership.sampling_run(key, sid)
     request_id = f"{sid}:{seq}"
     n = b.get("num_samples", 1)
     p = dict(b.get("sampling_params") or {})
@@ -92,9 +82,8 @@ async def asample(request: Request):
     with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
     spec, _ = parse_sample({"request_id": f"tk-{seq}", "prompt": b.get("prompt"), "sampling_params": p,
                             "num_samples": n, "return_prompt_logprobs": with_prompt_logprobs,
-                            "topk_prompt_logprobs": b.get("topk_prompt_logprobs") or 0})
-    if no_stop:  # Tinker: [] disables every stop, EOS included
-        spec.options = dataclasses.replace(spec.options, stop_at_eos=False)
+                            "topk_prompt_logprobs": b.get("topk_prompt_logprobs") or 0},
+                           stop_at_eos=not no_stop)  # Tinker: [] disables every stop, EOS included
     last_n = b.get("prompt_logprobs_last_n")
     if last_n is not None and not (isinstance(last_n, int) and 1 <= last_n <= len(spec.prompt) - 1):
         raise InvalidRequest(f"prompt_logprobs_last_n {last_n!r}: use 1 to len(prompt) - 1")
@@ -102,7 +91,7 @@ async def asample(request: Request):
     sequence_ids = [f"{request_id}:{i}" for i in range(spec.num_samples)]
 
     async def finish() -> Reply:
-        out = await svc.sample(key, run.id, spec)
+        out = await svc.sampling.sample(key, run.id, spec)
         if record:
             for seq_id, s in zip(sequence_ids, out.sequences):
                 st.stability.record(key.id, seq_id, s.tokens, s.logprobs)

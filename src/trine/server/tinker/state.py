@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from ...service import Service
-from ...service.errors import InvalidRequest, NotFound, ServiceError
+from ...service import ApiKey, InvalidRequest, NotFound, Service, ServiceError
 from ...service.stability import StabilityRecords
-from ...store import ApiKey
-from ..control import caller_key, service_of
+from ..context import caller_key, service_of
 from .futures import FutureTable
 
 TINKER_SCHEME = "tinker://"

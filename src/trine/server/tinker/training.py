@@ -10,22 +10,17 @@ metric keys are `name:reduction` so the SDK can combine chunks (`loss:sum`, `clo
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any, Awaitable, Callable
+import dataclasses
+from typing import Awaitable, Callable
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from ...engine.model import LoRAConfig
-from ...engine.ops import Forward, InitRun, Op, Refused, Save
-from ...service import Service
-from ...service.errors import InvalidRequest
-from ...service.events import EventResult
-from ...limits import (FORWARD, FORWARD_BACKWARD, INIT_RUN, MAX_EVENT_BYTES, OPTIMIZE_STEP, REFUSED, SAVE_STATE,
-                       SAVE_WEIGHTS)
-from ...store import ApiKey
-from ..actor import read_body
-from ..wire import parse_op, validation_message
+from ...limits import MAX_EVENT_BYTES
+from ...service import (ApiKey, EventResult, Forward, InitRun, InvalidRequest, LoraSpec, Refused, Save, Service,
+                        TrainingCommand, TrainingRunSpec)
+from ..context import json_object, parse_model, read_body
+from ..params import optim_step as parse_optim_step
 from . import proto
 from .futures import Failure, Reply
 from .state import Model, TinkerState, caller, model_id_of, to_tinker_path, to_trio_uri
@@ -80,19 +75,8 @@ class LoadBody(_Body):
     optimizer: bool = False
 
 
-def _parse(cls, raw: Any):
-    try:
-        return cls.model_validate(raw)
-    except ValidationError as e:
-        raise InvalidRequest(validation_message(e)) from None
-
-
 async def _json(request: Request, cls):
-    try:
-        raw = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise InvalidRequest("body: not valid JSON", code="invalid_request_body") from None
-    return _parse(cls, raw)
+    return parse_model(cls, await json_object(request))
 
 
 def _check_optimizer(config: dict | None) -> None:
@@ -105,7 +89,7 @@ def _check_optimizer(config: dict | None) -> None:
 # ---------------------------------------------------------------------------- event plumbing
 def _outcome(rec) -> EventResult:
     """A settled event's protocol-neutral result; raises Failure for a failed event."""
-    res = Service.event_result(rec)
+    res = EventResult.of(rec)
     if res.status != "succeeded":
         err = res.error or {"code": "failed", "message": "the request failed"}
         category = "server" if err.get("code") in ("internal_error", "worker_lost") else "user"
@@ -115,7 +99,7 @@ def _outcome(rec) -> EventResult:
 
 async def _settled(svc: Service, key: ApiKey, run_id: str, event_id: str):
     while True:
-        rec = await svc.event(key, run_id, event_id, 30.0)
+        rec = await svc.events.event(key, run_id, event_id, 30.0)
         if rec.status in ("succeeded", "failed"):
             return rec
 
@@ -124,19 +108,20 @@ Shape = Callable[[EventResult], Awaitable[Reply]]
 
 
 async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: Model, seq_id: int,
-                  type_: str, op: Op | InvalidRequest, shape: Shape) -> dict:
-    """Queue `op` as the model's call `seq_id`. Invalid input (`op` already an InvalidRequest, or
-    refused by the service) still takes its index, as a placeholder that fails with the message:
-    the SDK has numbered the call, and its later calls must not wait for it."""
+                  command: TrainingCommand | InvalidRequest, shape: Shape) -> dict:
+    """Queue `command` as the model's call `seq_id`. Invalid input (`command` already an
+    InvalidRequest, or refused by the service) still takes its index, as a placeholder that fails
+    with the message: the SDK has numbered the call, and its later calls must not wait for it."""
     event_id = f"tk-{m.run_id}-{seq_id}"
-    submit = lambda type_, op: svc.submit_event(key, m.run_id, event_id=event_id, type=type_,  # noqa: E731
-                                                index=seq_id + 1, step=0, op=op)
+
+    async def submit(command: TrainingCommand) -> None:
+        await svc.events.submit(key, m.run_id, event_id=event_id, index=seq_id + 1, step=0, command=command)
     try:
-        if isinstance(op, InvalidRequest):
-            raise op
-        await submit(type_, op)
+        if isinstance(command, InvalidRequest):
+            raise command
+        await submit(command)
     except InvalidRequest as e:
-        await submit(REFUSED, Refused(e.code, e.message))
+        await submit(Refused(e.code, e.message))
 
     async def finish() -> Reply:
         return await shape(_outcome(await _settled(svc, key, m.run_id, event_id)))
@@ -144,8 +129,8 @@ async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: 
     return {"request_id": event_id, "model_id": model_id}
 
 
-def _op_or_refusal(build: Callable[[], Op]) -> Op | InvalidRequest:
-    """The op, or the error that refuses it (queued in its place by `_submit`)."""
+def _command_or_refusal(build: Callable[[], TrainingCommand]) -> TrainingCommand | InvalidRequest:
+    """The command, or the error that refuses it (queued in its place by `_submit`)."""
     try:
         return build()
     except InvalidRequest as e:
@@ -158,23 +143,21 @@ def _json_reply(obj) -> Shape:
     return shape
 
 
-def _lora(run) -> LoRAConfig:
-    return LoRAConfig(rank=run.lora_rank, train_attn=run.train_attn, train_mlp=run.train_mlp,
-                      train_unembed=run.train_unembed, seed=run.seed or 0)
+def _lora(run) -> LoraSpec:
+    return LoraSpec(run.lora_rank, run.seed, run.train_mlp, run.train_attn, run.train_unembed)
 
 
 # ---------------------------------------------------------------------------- models
 async def _create(svc: Service, st: TinkerState, key: ApiKey, session_id: str, model_seq_id: int,
-                  make_run, op_of, reply: dict) -> dict:
+                  make_run, init_of, reply: dict) -> dict:
     """Create the training run behind model `<session>:train:<seq>` once (a retry joins), and queue
     its init as event index 1."""
     model_id = model_id_of(session_id, model_seq_id)
     if model_id not in st.models:  # no await in between: a concurrent retry finds the model made
         st.models[model_id] = Model(make_run().id, key.id, session_id)
     m = st.model(key, model_id)
-    run = svc.training_run(key, m.run_id)
-    return await _submit(svc, st, key, model_id, m, 0, INIT_RUN, op_of(run),
-                         _json_reply({**reply, "model_id": model_id}))
+    run = svc.ownership.training_run(key, m.run_id)
+    return await _submit(svc, st, key, model_id, m, 0, init_of(run), _json_reply({**reply, "model_id": model_id}))
 
 
 @router.post("/create_model")
@@ -185,9 +168,8 @@ async def create_model(request: Request):
     lora = b.lora_config or LoraBody()
     return await _create(
         svc, st, key, b.session_id, b.model_seq_id,
-        lambda: svc.create_training_run(key, b.session_id, base_model=b.base_model, lora_rank=lora.rank,
-                                        train_mlp=lora.train_mlp, train_attn=lora.train_attn,
-                                        train_unembed=lora.train_unembed, seed=lora.seed),
+        lambda: svc.runs.create_training_run(key, b.session_id, TrainingRunSpec(
+            b.base_model, LoraSpec(lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed))),
         lambda run: InitRun(_lora(run), run.base_model), {"type": "create_model"})
 
 
@@ -202,15 +184,15 @@ async def load_weights(request: Request):
             raise InvalidRequest("model_seq_id: required with session_id (create-from-state)")
         return await _create(
             svc, st, key, b.session_id, b.model_seq_id,
-            lambda: svc.create_training_run(key, b.session_id, base_model=b.base_model or "", lora_rank=1,
-                                            source_checkpoint_uri=uri, restore_optimizer=b.optimizer),
+            lambda: svc.runs.create_training_run(key, b.session_id, TrainingRunSpec(
+                b.base_model or "", LoraSpec(rank=1), uri, b.optimizer)),
             lambda run: InitRun(_lora(run), "", uri, b.optimizer), reply)
     if b.model_id is None or b.seq_id is None:
         raise InvalidRequest("load_weights: send model_id and seq_id, or session_id and model_seq_id")
     m = st.model(key, b.model_id)
-    run = svc.training_run(key, m.run_id)
-    op = _op_or_refusal(lambda: InitRun(_lora(run), "", to_trio_uri(b.path), b.optimizer))
-    return await _submit(svc, st, key, b.model_id, m, b.seq_id, INIT_RUN, op,
+    run = svc.ownership.training_run(key, m.run_id)
+    command = _command_or_refusal(lambda: InitRun(_lora(run), "", to_trio_uri(b.path), b.optimizer))
+    return await _submit(svc, st, key, b.model_id, m, b.seq_id, command,
                          _json_reply({**reply, "model_id": b.model_id}))
 
 
@@ -218,19 +200,21 @@ async def load_weights(request: Request):
 async def get_info(request: Request):
     svc, st, key = caller(request)
     b = await _json(request, ModelCall)
-    run = svc.training_run(key, st.model(key, b.model_id).run_id)
-    served = svc.models[run.base_model]
+    run = svc.ownership.training_run(key, st.model(key, b.model_id).run_id)
+    served = svc.queries.model(run.base_model)
     return {"type": "get_info", "model_id": b.model_id, "model_name": run.base_model, "is_lora": True,
             "lora_rank": run.lora_rank, "optimizer_config": {"type": "adam"},
             # the directory, not the name: samplers made from this client take model_data.model_name
             # as their base model and load their tokenizer from it (offline)
-            "model_data": {"arch": served.info.architecture, "model_name": served.model_id,
+            "model_data": {"arch": served.architecture, "model_name": served.model_id,
                            "tokenizer_id": served.model_id}}
 
 
 # ---------------------------------------------------------------------------- training
-def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: proto.ForwardBackwardBody) -> None:
-    """stable_reinforce: the behaviour logprobs of sampled positions come from the server's records."""
+def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: proto.ForwardBackwardBody) -> list:
+    """stable_reinforce: the data, with the behaviour logprobs of sampled positions taken from the
+    server's records."""
+    data = []
     for i, (d, spans) in enumerate(zip(body.data, body.spans)):
         pos = 0
         q = list(d.logprobs) if d.logprobs is not None else [0.0] * len(d.tokens)
@@ -243,7 +227,8 @@ def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: proto.ForwardBac
                 except ValueError as e:
                     raise InvalidRequest(str(e), code="stability_info_missing") from None
             pos += s.length
-        d.logprobs = q
+        data.append(dataclasses.replace(d, logprobs=q))
+    return data
 
 
 @router.post("/forward_backward")
@@ -257,19 +242,17 @@ async def forward_backward(request: Request):
         raise InvalidRequest(f"seq_id {msg.seq_id}: training calls start at 1")
     try:
         body = await asyncio.get_running_loop().run_in_executor(None, proto.forward_backward_body, msg)
-        if body.loss_fn.lower() == "stable_reinforce":
-            _with_recorded_logprobs(st, key, body)
-        op = Forward(body.data, body.loss_fn, body.loss_config, backward=not body.forward_only)
+        data = _with_recorded_logprobs(st, key, body) if body.loss_fn.lower() == "stable_reinforce" else body.data
+        command = Forward(data, body.loss_fn, body.loss_config, backward=not body.forward_only)  # plain sums
     except InvalidRequest as e:
-        op = e
+        command = e
 
     async def shape(res):
         metrics = {"loss:sum": float(res.metrics.get("loss_sum", 0.0))}
         if res.cycle is not None:
             metrics["clock_cycle:unique"] = float(res.cycle)
         return Reply(proto.forward_backward_output(res.logprobs or [], metrics), proto.PROTOBUF)
-    return await _submit(svc, st, key, msg.model_id, m, msg.seq_id,
-                         FORWARD if msg.forward_only else FORWARD_BACKWARD, op, shape)
+    return await _submit(svc, st, key, msg.model_id, m, msg.seq_id, command, shape)
 
 
 def _seq(b: ModelCall) -> int:
@@ -283,11 +266,11 @@ async def optim_step(request: Request):
     svc, st, key = caller(request)
     b = await _json(request, OptimStepBody)
     m = st.model(key, b.model_id)
-    op = _op_or_refusal(lambda: parse_op(OPTIMIZE_STEP, {"adam_params": b.adam_params}))
+    command = _command_or_refusal(lambda: parse_optim_step({"adam_params": b.adam_params}, "payload"))
 
     async def shape(res):
         return Reply.json({"type": "optim_step", "metrics": res.metrics})
-    return await _submit(svc, st, key, b.model_id, m, _seq(b), OPTIMIZE_STEP, op, shape)
+    return await _submit(svc, st, key, b.model_id, m, _seq(b), command, shape)
 
 
 def _path_reply(type_: str) -> Shape:
@@ -306,21 +289,20 @@ async def _save(request: Request, sampler: bool) -> dict:
     type_ = "save_weights_for_sampler" if sampler else "save_weights"
     shape = _path_reply(type_)
     if not sampler:
-        op = Save("state", b.path or f"state-{seq}", "WORKSPACE", b.ttl_seconds, b.overwrite)
+        command = Save("state", b.path or f"state-{seq}", "WORKSPACE", b.ttl_seconds, b.overwrite)
     elif b.path:
-        op = Save("weights", b.path, "WORKSPACE", b.ttl_seconds, b.overwrite)
+        command = Save("weights", b.path, "WORKSPACE", b.ttl_seconds, b.overwrite)
     elif b.sampling_session_seq_id is None:
-        op = InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
+        command = InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
     else:
-        op = Save("weights", f"sampler-{seq}", "TEMPORARY", b.ttl_seconds, True)
+        command = Save("weights", f"sampler-{seq}", "TEMPORARY", b.ttl_seconds, True)
         sampler_seq = b.sampling_session_seq_id
 
         async def shape(res):
             from .sampling import sampling_session
             sid = sampling_session(svc, st, key, m.session_id, sampler_seq, "", res.checkpoint["uri"])
             return Reply.json({"type": type_, "sampling_session_id": sid})
-    return await _submit(svc, st, key, b.model_id, m, seq, SAVE_WEIGHTS if sampler else SAVE_STATE, op,
-                         shape)
+    return await _submit(svc, st, key, b.model_id, m, seq, command, shape)
 
 
 @router.post("/save_weights")

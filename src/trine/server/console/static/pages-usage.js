@@ -124,10 +124,10 @@
 
   function engineCard(e) {
     const title = `<h3>${esc(e.model)} · replica ${e.replica}${e.where ? ` <span class="muted">(${esc(e.where)})</span>` : ""}</h3>`;
-    if (!e.alive) return `<div class="card engine" data-model="${esc(e.model)}">${title}<div class="error">lost: ${esc(e.error || "")}</div></div>`;
+    if (!e.alive) return `<div class="card replica-card" data-model="${esc(e.model)}">${title}<div class="error">lost: ${esc(e.error || "")}</div></div>`;
     const kv = e.kv, c = e.cache, q = e.queues;
     const used = kv.blocks_total ? kv.blocks_used / kv.blocks_total : 0;
-    return `<div class="card engine" data-model="${esc(e.model)}" data-replica="${e.replica}">${title}
+    return `<div class="card replica-card" data-model="${esc(e.model)}" data-replica="${e.replica}">${title}
       <div class="muted">KV pool: ${T.int(kv.blocks_used)} of ${T.int(kv.blocks_total)} blocks in use (${T.pct(used)}),
         ${T.int(kv.blocks_cached)} hold cached prefixes, ${T.int(kv.blocks_free)} free or evictable; ${kv.block_size} tokens a block</div>
       <div class="meter"><span style="width:${100 * used}%;background:${T.PHASE_COLORS.prefill}"></span></div>

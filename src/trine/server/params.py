@@ -1,0 +1,99 @@
+"""Request bodies the PyTRIO and Tinker front ends share, parsed into service commands: a sample
+request (PyTRIO's JSON shape; Tinker's `asample` maps its body onto it) and Adam parameters.
+
+Unknown keys are ignored; every error is an InvalidRequest whose message names the field
+(`sampling_params.top_k: ...`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..limits import MAX_REQUEST_ID_CHARS, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS, check_stops
+from ..service import InvalidRequest, OptimStep, SampleSpec
+from ..types import AdamParams
+from .bounds import FiniteFloat, Int64, Positive, Seed
+from .context import parse_model
+from .shapes import SampleShape
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextChunk(Body):
+    type: Literal["encoded_text"] = "encoded_text"
+    tokens: list[Int64]
+
+
+class ImageChunk(Body):
+    type: Literal["image"]
+    format: str = ""
+
+
+class ModelInput(Body):
+    chunks: list[Annotated[TextChunk | ImageChunk, Field(discriminator="type")]] = Field(min_length=1)
+
+    def tokens(self, field: str) -> list[int]:
+        if any(isinstance(c, ImageChunk) for c in self.chunks):
+            raise InvalidRequest(f"{field}: image chunks are not supported; the served models are "
+                                 "text-only")
+        return [t for c in self.chunks for t in c.tokens]
+
+
+class SamplingParams(Body):
+    max_tokens: Positive
+    temperature: FiniteFloat = Field(default=1.0, ge=0)
+    top_k: Int64 = -1
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: Seed | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[Int64] | None = None
+
+
+class SampleBody(Body):
+    request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    prompt: ModelInput
+    sampling_params: SamplingParams
+    num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
+    return_text: bool = True
+    return_token_logprobs: bool = True
+    return_prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
+
+
+def parse_sample(body: dict, *, stop_at_eos: bool = True) -> tuple[SampleSpec, SampleShape]:
+    """The sampling command of a sample body, and the shape its answer takes."""
+    b = parse_model(SampleBody, body)
+    p = b.sampling_params
+    if p.top_k != -1 and p.top_k < 1:
+        raise InvalidRequest(f"sampling_params.top_k {p.top_k}: use -1 (off) or a positive integer")
+    stop = tuple([p.stop] if isinstance(p.stop, str) else p.stop or ())
+    if any(s == "" for s in stop):
+        raise InvalidRequest("sampling_params.stop: stop strings must be non-empty")
+    stop_token_ids = tuple(p.stop_token_ids or ())
+    try:
+        check_stops(stop, stop_token_ids)
+    except ValueError as e:
+        raise InvalidRequest(f"sampling_params.{e}") from None
+    compute_logprobs = b.return_prompt_logprobs and not b.return_token_logprobs
+    spec = SampleSpec(b.request_id, b.prompt.tokens("prompt"), p.max_tokens, float(p.temperature),
+                      float(p.top_p), p.top_k, p.seed, stop, stop_token_ids, stop_at_eos,
+                      num_samples=b.num_samples, prompt_logprobs=b.return_prompt_logprobs,
+                      topk_prompt_logprobs=b.topk_prompt_logprobs, generate=not compute_logprobs,
+                      fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest())
+    return spec, SampleShape(b.return_text, b.return_token_logprobs)
+
+
+class _Optim(Body):
+    adam_params: AdamParams
+
+
+def optim_step(body: dict, prefix: str = "") -> OptimStep:
+    """The optim step of `{"adam_params": {...}}` (trine.types.AdamParams: its fields, defaults and
+    bounds)."""
+    a = parse_model(_Optim, body, prefix).adam_params
+    return OptimStep(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm)

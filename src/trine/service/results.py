@@ -1,0 +1,96 @@
+"""What the service answers, protocol-neutral: stored results of training events and sample
+requests, and the chunks a sample stream yields. Each front end shapes them on read, so a retry or
+long-poll gets the same answer as the first call.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import msgpack
+
+from ..store import EventRecord
+
+
+@dataclass
+class EventResult:
+    """A terminal event's result. `checkpoint` (saves): uri, checkpoint_id, kind, size_bytes,
+    base_model."""
+
+    status: str  # "succeeded" or "failed"
+    error: dict | None = None  # {"code", "message"}
+    logprobs: list[list[float]] | None = None
+    losses: list[list[float]] | None = None
+    metrics: dict = field(default_factory=dict)
+    checkpoint: dict | None = None
+    train_tokens: int = 0
+    loss_tokens: int = 0
+    cost: float = 0.0
+    cycle: int | None = None
+
+    def pack(self) -> bytes:
+        return msgpack.packb(asdict(self), use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "EventResult":
+        return cls(**msgpack.unpackb(data, raw=False))
+
+    @classmethod
+    def of(cls, rec: EventRecord) -> "EventResult | None":
+        """The terminal result of `rec`, or None while it is accepted or running."""
+        return cls.unpack(rec.response) if rec.response is not None else None
+
+    @classmethod
+    def failure(cls, code: str, message: str, cycle: int | None = None) -> "EventResult":
+        return cls("failed", {"code": code, "message": message}, cycle=cycle)
+
+
+@dataclass
+class SequenceOutcome:
+    tokens: list[int]
+    logprobs: list[float]
+    text: str | None
+    stop_reason: str  # "stop" or "length"
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when asked for
+
+
+@dataclass
+class SampleOutcome:
+    """A finished sample request. usage: prompt_tokens, prefill_tokens, cached_tokens,
+    sample_tokens (prompt_tokens == prefill_tokens + cached_tokens)."""
+
+    request_id: str
+    sampling_run: str
+    model: str
+    sequences: list[SequenceOutcome]
+    prompt_logprobs: list[float | None] | None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
+    usage: dict[str, int]
+    cost: float
+    replica: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "SampleOutcome":
+        d = json.loads(data)
+        d["sequences"] = [SequenceOutcome(**s) for s in d["sequences"]]
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class SampleChunk:
+    """What sample `sequence` of a streamed request gained in one engine step.
+
+    Concatenating a sequence's chunks in order gives exactly its SequenceOutcome tokens, logprobs
+    and top_logprobs. Its last chunk has `stop_reason` and `text`: the sequence's whole final text
+    (cut before a stop string, without a stop token), as in SequenceOutcome.text."""
+
+    request_id: str  # as the client named the request
+    sequence: int  # sample index within the request
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_reason: str | None = None
+    text: str | None = None

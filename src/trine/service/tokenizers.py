@@ -1,0 +1,57 @@
+"""A served model's text handling, as front ends use it: encode, decode, the chat template and the
+files a client needs to rebuild the tokenizer.
+
+The chat template is applied by `transformers` (exactly as `tokenizer.apply_chat_template(messages,
+add_generation_prompt=True)`), loaded from the model directory on first use (transformers takes
+about 2 s to import); nothing is fetched from a hub. Blocking calls: run them in a thread.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from ..engine.tokenizer import Tokenizer
+from .errors import InvalidRequest
+
+
+class ModelTokenizer:
+    def __init__(self, name: str, model_dir: Path):
+        self.name = name
+        self.dir = Path(model_dir)
+        self._tok = Tokenizer(model_dir)
+        self._chat = None  # the transformers tokenizer, for its chat template
+        self._lock = threading.Lock()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def files(self) -> list[Path]:
+        """The files a client needs to rebuild this tokenizer locally."""
+        return self._tok.files()
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The token ids of `messages` ([{"role", "content": str}]) under the model's chat template,
+        ending with the assistant's generation prompt. InvalidRequest naming `model` (no template)
+        or `messages` (the template refused them)."""
+        tok = self._chat_tokenizer()
+        if not tok.chat_template:
+            raise InvalidRequest(f"model {self.name} has no chat template; send a plain text prompt (a completion) "
+                                 "instead",
+                                 code="model_without_chat_template")
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False)
+        except Exception as e:  # the template refused the conversation (e.g. role order)
+            raise InvalidRequest(f"messages: the chat template of {self.name} refused them: {e}",
+                                 code="invalid_messages") from None
+        return list(ids)
+
+    def _chat_tokenizer(self):
+        with self._lock:
+            if self._chat is None:
+                from transformers import AutoTokenizer
+                self._chat = AutoTokenizer.from_pretrained(str(self.dir), local_files_only=True)
+            return self._chat

@@ -1,0 +1,120 @@
+"""One way down: server -> service -> engine (docs/architecture.md, "Layers").
+
+Front ends build service commands and read through service queries; they never import the engine
+or the store, nor reach a `.store` / `.engine` attribute. The engine never imports the layers
+above it. The service's modules import each other without cycles. Checked on the source (ast), so
+a violation fails here before it can hide behind a passing protocol test.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import trine
+
+SRC = Path(trine.__file__).parent
+REACH = re.compile(r"\.store\b|\.engine\b")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imports(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every module `source` (the text of `module`) imports, relative imports resolved; `from X
+    import y` counts as importing both X and X.y (y may be a submodule)."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            out.add(target)
+            out.update(f"{target}.{a.name}" for a in node.names)
+    return out
+
+
+def modules(package: str) -> dict[str, Path]:
+    root = SRC.joinpath(*package.split(".")[1:])
+    return {module_name(p): p for p in sorted(root.rglob("*.py"))}
+
+
+def imports_of(package: str) -> dict[str, set[str]]:
+    return {name: imports(p.read_text(), name, p.name == "__init__.py") for name, p in modules(package).items()}
+
+
+def names(targets: set[str], *packages: str) -> list[str]:
+    return sorted(t for t in targets if any(t == p or t.startswith(p + ".") for p in packages))
+
+
+def test_the_checker_resolves_relative_imports():
+    found = imports("from ...engine.ops import Forward\nfrom ... import store\nimport trine.engine.model",
+                    "trine.server.tinker.training")
+    assert {"trine.engine.ops", "trine.store", "trine.engine.model"} <= found
+    assert names(found, "trine.engine") == ["trine.engine.model", "trine.engine.ops", "trine.engine.ops.Forward"]
+    assert REACH.search("rows = svc.store.sessions(key.id)") and not REACH.search("svc.queries.sessions(key)")
+
+
+def test_front_ends_import_neither_the_engine_nor_the_store():
+    bad = {m: names(targets, "trine.engine", "trine.store") for m, targets in imports_of("trine.server").items()}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_front_ends_reach_no_store_or_engine_attribute():
+    server = SRC / "server"
+    hits = [f"{p.relative_to(SRC)}:{i}: {line.strip()}" for p in sorted(server.rglob("*"))
+            if p.is_file() and p.suffix in (".py", ".js", ".css", ".html")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if REACH.search(line)]
+    assert hits == []
+
+
+def test_tinker_and_openai_front_ends_do_not_import_the_pytrio_planes():
+    planes = ("trine.server.control", "trine.server.actor", "trine.server.wire")
+    bad = {m: names(t, *planes) for m, t in imports_of("trine.server").items()
+           if m.startswith(("trine.server.tinker", "trine.server.openai"))}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_the_engine_imports_nothing_above_it():
+    bad = {m: names(t, "trine.server", "trine.service", "trine.store", "trine.client")
+           for m, t in imports_of("trine.engine").items()}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+@pytest.mark.parametrize("package", ["trine.service", "trine.server", "trine.engine"])
+def test_no_import_cycle_inside_a_layer(package):
+    files = modules(package)
+    # a package's __init__ re-exports its modules and is imported before any of them: edges into an
+    # __init__ (`from . import x`) never make a cycle, so only edges between modules count
+    graph = {m: {t for t in targets if t in files and t != m and files[t].name != "__init__.py"}
+             for m, targets in imports_of(package).items()}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return path[path.index(t):] + [t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            cycle = visit(m)
+            assert cycle is None, " -> ".join(cycle)
