@@ -1,4 +1,4 @@
-"""The engine interface: the only calls the service makes on an engine (DESIGN §2, §6).
+"""The engine interface: the only calls the service makes on an engine (docs/architecture.md).
 
 One `Engine` serves one base model: its weights, KV block pool + prefix cache, sampler, trainer
 (training runs with their LoRA adapters and optimizer state) and a table of sampler adapters keyed

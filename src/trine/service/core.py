@@ -1,21 +1,24 @@
 """The `Service`: the one object front ends use. It wires the service's parts together; a front end
-calls the parts' public methods directly.
+calls the parts' public methods directly:
 
-| part | module | front ends call |
-|---|---|---|
-| `ownership` | ownership.py | `authenticate(secret)`, `key(key_id)`; one owned object by id: `session`, `training_run`, `sampling_run`, `checkpoint`, `checkpoint_by_uri` |
-| `runs` | runs.py | `create_session`, `close_session`, `create_training_run(key, session, TrainingRunSpec)`, `update_training_run`, `heartbeat`, `create_sampling_run(key, session, SamplingRunSpec)` |
-| `events` | events.py | `submit(key, run, event_id=, index=, step=, command=)` (ordered, idempotent), `event(key, run, event_id, wait)` |
-| `sampling` | sampling.py | `sample(key, run, SampleSpec)`, `sample_stream(...)` (SampleChunks, then the SampleOutcome), `cancel` |
-| `checkpoints` | checkpoints.py | `delete(key, id)`, `archive(checkpoint)` (a tar file for downloads) |
-| `queries` | queries.py | the read side: lists and views of sessions, runs, events, checkpoints, usage; models, tokenizers, replica stats |
+- `ownership` (ownership.py): `authenticate(secret)`, `key(key_id)`, and one owned object by id:
+  `session`, `training_run`, `sampling_run`, `checkpoint`, `checkpoint_by_uri`;
+- `runs` (runs.py): `create_session`, `close_session`, `create_training_run(key, session,
+  TrainingRunSpec)`, `update_training_run`, `heartbeat`, `create_sampling_run(key, session,
+  SamplingRunSpec)`;
+- `events` (events.py): `submit(key, run, event_id=, index=, step=, command=)` (ordered, idempotent)
+  and `event(key, run, event_id, wait)` (a long-poll);
+- `sampling` (sampling.py): `sample(key, run, SampleSpec)`, `sample_stream` (SampleChunks, then the
+  SampleOutcome), `cancel`;
+- `checkpoints` (checkpoints.py): `delete(key, checkpoint_id)`, `archive(checkpoint)` (a tar file);
+- `queries` (queries.py): the read side: sessions, runs, events, checkpoints and usage of a key;
+  served models, their tokenizers, engine replica stats.
 
 What they take is in commands.py, what they answer in results.py and views.py. Behind them:
-`AdapterCache` (adapters.py: sampler adapters per replica, spill to disk), `GarbageCollector`
-(gc.py: restart recovery, expiry, idle runs), `Faults` (faults.py: lost engine replicas), `Router`
-(routing.py: prefix-aware routing across replicas), `ServedModel` / `Replica` (models.py: base
-models, engine replicas, run placement), `ClockScheduler` (scheduler.py, ordering.py: clock
-cycles), `KeyQuotas` (quotas.py), `translate` (translate.py: commands -> engine requests and ops).
+adapters.py (sampler adapters per replica, spill to disk), gc.py (restart recovery, expiry, idle
+runs), faults.py (lost engine replicas), routing.py (prefix-aware routing across replicas),
+models.py (base models, engine replicas, run placement), scheduler.py and ordering.py (clock
+cycles), quotas.py (per-key limits), translate.py (commands -> engine requests and ops).
 
 Runs on the asyncio loop; the engines (one per replica) are reached only through
 `engine.interface.Engine`, and only from the service.

@@ -1,5 +1,10 @@
 """Training events: acceptance (idempotent, ordered), execution in clock cycles, settling.
 
+An event carries a training command (commands.py). Accepting it checks the command against the run
+and the model and builds its engine op (translate.py), with everything resolved that the engine
+needs (a checkpoint's directory, a save's target, the parsed loss, the gradient denominator); the
+command itself is kept as sent, for settling (a save's record takes its name and visibility).
+
 Invariants
 - Events of a run execute in index order, exactly once: a retried event id returns the event's
   current state and never enqueues it again (`ordering.RunQueue` keeps the order). A retry must

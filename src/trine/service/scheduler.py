@@ -1,4 +1,5 @@
-"""The clock-cycle scheduler of one base model (DESIGN "Train, step by step").
+"""The clock-cycle scheduler of one base model (README "What the server computes", "Train, step by
+step").
 
 Cycles run one after another. Each takes, for every run with work at the head of its queue, that
 run's share (`RunQueue.take_cycle`) and hands the whole plan to `execute` (which batches all runs'

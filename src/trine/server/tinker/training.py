@@ -266,7 +266,7 @@ async def optim_step(request: Request):
     svc, st, key = caller(request)
     b = await _json(request, OptimStepBody)
     m = st.model(key, b.model_id)
-    command = _command_or_refusal(lambda: parse_optim_step({"adam_params": b.adam_params}, "payload"))
+    command = _command_or_refusal(lambda: parse_optim_step({"adam_params": b.adam_params}))
 
     async def shape(res):
         return Reply.json({"type": "optim_step", "metrics": res.metrics})
