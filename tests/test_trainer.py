@@ -85,7 +85,8 @@ def test_optim_step_equals_torch_adamw(model, clip):
 def test_runs_batched_together_get_the_gradients_each_gets_alone(model):
     data_a, data_b = random_data(4, lengths=(10, 6)), random_data(5, lengths=(13, 3, 8))
     mixed = new_trainer(model, "a", "b")
-    ra, rb = mixed.forward_backward([("a", data_a, Loss.parse("cross_entropy")), ("b", data_b, Loss.parse("importance_sampling"))])
+    ra, rb = mixed.forward_backward([("a", data_a, Loss.parse("cross_entropy")),
+                                     ("b", data_b, Loss.parse("importance_sampling"))])
     alone = new_trainer(model, "a", "b")
     sa = alone.forward_backward([("a", data_a, Loss.parse("cross_entropy"))])[0]
     assert_dicts_close(grads(alone, "b"), {n: torch.zeros_like(g) for n, g in grads(alone, "b").items()})
