@@ -7,7 +7,7 @@ import pytest
 
 from serverutil import serve
 from trine.engine.interface import SampleCancelled, SampleDelta
-from trine.engine.model import LoRAConfig
+from trine.engine.lora import LoRAConfig
 from trine.engine.ops import Forward, InitRun
 from trine.engine.requests import SamplingOptions, TrainDatum
 from trine.limits import FORWARD_BACKWARD, INIT_RUN

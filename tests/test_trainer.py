@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trine.engine.model import AdapterBatch, LoRAConfig
+from trine.engine.lora import AdapterBatch, LoRAConfig
 from trine.engine.requests import AdamConfig, TrainDatum
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.trainer import Trainer

@@ -51,7 +51,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from .model import LoRAConfig
+from .lora import LoRAConfig
 from .ops import CycleResult, TrainingCycle
 from .requests import SampleDelta, SampleRequest, SampleResult  # noqa: F401  (part of the interface)
 from .worker import SampleCancelled  # noqa: F401  (part of the interface)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..limits import GREEDY_BELOW_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from .model import Adapter
+from .lora import Adapter
 
 
 @dataclass(frozen=True)

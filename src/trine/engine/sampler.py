@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import BlockManager, block_key, chain_hashes
-from .model import AdapterBatch, KVContext, Transformer
+from .lora import AdapterBatch
+from .model import KVContext, Transformer
 from .requests import SampleDelta, SampledSequence, SampleRequest, SampleResult, SampleUsage
 from .tokenizer import Tokenizer
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine.model import LoRAConfig
+from ..engine.lora import LoRAConfig
 from ..engine.ops import EndRun, Forward, InitRun, Op, OptimStep, Save
 from ..engine.requests import AdamConfig, SamplingOptions, TrainDatum
 from ..limits import (END_RUN, EVENT_TYPES, FORWARD, FORWARD_BACKWARD, INIT_RUN, MAX_REQUEST_ID_CHARS,

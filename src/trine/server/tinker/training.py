@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ...engine.model import LoRAConfig
+from ...engine.lora import LoRAConfig
 from ...engine.ops import Forward, InitRun, Op, Refused, Save
 from ...service import Service
 from ...service.errors import InvalidRequest
