@@ -30,14 +30,25 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from .kv_cache import BlockManager, chain_hashes
 from .sequence import Request, Sequence
 
 
+class AdmissionPolicy(Protocol):
+    """The order in which waiting requests are admitted. The scheduler tries `peek()` and, when it
+    fits, admits it with `pop()`; when it does not, admission stops for this step."""
+
+    def push(self, r: Request) -> None: ...
+    def peek(self) -> Request | None: ...
+    def pop(self) -> Request: ...
+    def remove(self, r: Request) -> bool: ...  # False if `r` is not waiting
+    def __len__(self) -> int: ...
+
+
 class FifoAdmission:
-    """The admission order: first come, first admitted. The scheduler tries `peek()` and admits it
-    with `pop()`; another policy (e.g. fair across API keys) implements the same five methods."""
+    """First come, first admitted."""
 
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
@@ -73,10 +84,24 @@ class StepPlan:
     charged: bool
 
 
+def chunk_rows(ready: list[Request], budget: int) -> list[tuple[Request, int]]:
+    """Prefill rows (request, tokens to compute) from `ready`: fewest tokens left first, each whole
+    but the last, which may take a partial chunk; rows x the longest chunk <= budget."""
+    rows: list[tuple[Request, int]] = []
+    for r in sorted(ready, key=lambda r: r.prompt_left):  # stable: arrival order on ties
+        cap = budget // (len(rows) + 1)
+        if cap < 1 or (rows and rows[-1][1] > cap):  # takes ascend: the last row is the longest
+            break
+        rows.append((r, min(r.prompt_left, cap)))
+        if r.prompt_left > cap:
+            break
+    return rows
+
+
 class Scheduler:
     def __init__(self, kv: BlockManager, *, max_batch_tokens: int = 2048, max_running: int = 64,
                  prefix_cache: bool = True, prefill_share: float = 0.5, prefill_step_seconds: float = 0.25,
-                 admission: FifoAdmission | None = None):
+                 admission: AdmissionPolicy | None = None):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         if not (prefill_share > 0 and prefill_step_seconds > 0):
@@ -88,7 +113,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.prefill_share = prefill_share
         self.prefill_step_seconds = prefill_step_seconds
-        self.waiting = admission if admission is not None else FifoAdmission()
+        self.waiting: AdmissionPolicy = admission if admission is not None else FifoAdmission()
         self.prefilling: list[Request] = []  # admitted, prompt KV not complete yet
         self.running: list[Sequence] = []
         self.reserved = 0  # blocks promised to admitted requests' samples, not yet allocated
@@ -176,7 +201,7 @@ class Scheduler:
         if unpaid:  # only prompts newer than every decoding request, and short
             newest = max(s.req.order for s in decoding)
             ready = [r for r in ready if r.order > newest and r.prompt_left <= self.max_batch_tokens]
-        rows = self._chunks(ready, self._prefill_budget()) if ready else []
+        rows = chunk_rows(ready, self._prefill_budget()) if ready else []
         return StepPlan(decoding, rows, charged=bool(decoding) and not unpaid)
 
     def prefilled(self, plan: StepPlan, seconds: float) -> None:
@@ -198,19 +223,6 @@ class Scheduler:
         tokens, seconds = self.last_prefill
         scaled = int(tokens * min(2.0, self.prefill_step_seconds / max(seconds, 1e-6)))
         return max(low, min(scaled, self.max_batch_tokens))
-
-    def _chunks(self, ready: list[Request], budget: int) -> list[tuple[Request, int]]:
-        """Prefill rows (request, tokens to compute) from `ready`: fewest tokens left first, while
-        rows x the longest chunk <= budget; the last row may take a partial chunk."""
-        rows: list[tuple[Request, int]] = []
-        for r in sorted(ready, key=lambda r: r.prompt_left):  # stable: arrival order on ties
-            cap = budget // (len(rows) + 1)
-            if cap < 1:
-                break
-            rows.append((r, min(r.prompt_left, cap)))
-            if r.prompt_left > cap:
-                break
-        return rows
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> list[Request]:
