@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .kv_cache import BlockManager
+from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .lora import Adapter, AdapterBatch
 from .model import Transformer
@@ -36,16 +36,6 @@ from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .stops import Stops, check_stop_options, final_text
 from .tokenizer import Tokenizer
-
-CPU_KV_CACHE_BYTES = 512 * 2**20
-GPU_KV_CACHE_FRACTION = 0.5  # of the memory free when the sampler is built
-
-
-def default_kv_cache_bytes(device: torch.device) -> int:
-    """512 MiB on CPU; on a GPU, half of its free memory."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0] * GPU_KV_CACHE_FRACTION)
-    return CPU_KV_CACHE_BYTES
 
 
 class Sampler:
