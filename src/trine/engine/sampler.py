@@ -70,8 +70,6 @@ class Sampler:
         self._validate(req)
         full = req.prompt_logprobs or req.topk_prompt_logprobs > 0 or not req.generate
         r = Request(req, Stops.of(req.options, self.eos_ids), full)
-        if full:
-            r.prompt_logprobs, r.topk_prompt_logprobs = [None], [None]
         self._live[req.request_id] = r
         self.scheduler.add(r)
 
@@ -166,20 +164,12 @@ class Sampler:
         for i, (r, take) in enumerate(rows):
             start = r.done
             if r.full:
-                single = AdapterBatch.single(adapters[i])
-                lps, tops = prompt_logprobs(lambda h: self.model.logits(h, single), hidden[i:i + 1, :take],
-                                            r.req.prompt, start, r.req.topk_prompt_logprobs)
-                r.prompt_logprobs += lps
-                r.topk_prompt_logprobs += tops
+                self._extend_prompt_logprobs(r, hidden[i:i + 1, :take], start, adapters[i])
             self.layout.cache_prompt(r, start, start + take)
             r.done = start + take
             if r.prompt_left:
                 continue
-            self.scheduler.prompt_done(r)
-            self._meter_prompt(r)
-            self._counters["requests"] += 1
-            for key in ("prompt_tokens", "prefill_tokens", "cached_tokens"):
-                self._counters[key] += getattr(r.usage, key)
+            self._prompt_done(r)
             if not r.req.generate:
                 finished.append(self._result(r))
                 continue
@@ -195,6 +185,23 @@ class Sampler:
             finished += self._advance(forked, logits.index_select(0, per_seq))
             self.scheduler.start([s for s in forked if s.stop_reason is None])
         return finished
+
+    def _extend_prompt_logprobs(self, r: Request, hidden: torch.Tensor, start: int, adapter: Adapter | None) -> None:
+        """Add the prompt logprobs of a chunk (hidden states [1, take, H] from position `start`)."""
+        if start == 0:
+            r.prompt_logprobs, r.topk_prompt_logprobs = [None], [None]
+        single = AdapterBatch.single(adapter)
+        lps, tops = prompt_logprobs(lambda h: self.model.logits(h, single), hidden, r.req.prompt, start,
+                                    r.req.topk_prompt_logprobs)
+        r.prompt_logprobs += lps
+        r.topk_prompt_logprobs += tops
+
+    def _prompt_done(self, r: Request) -> None:
+        self.scheduler.prompt_done(r)
+        self._meter_prompt(r)
+        self._counters["requests"] += 1
+        for key in ("prompt_tokens", "prefill_tokens", "cached_tokens"):
+            self._counters[key] += getattr(r.usage, key)
 
     def _fork(self, r: Request) -> list[Sequence]:
         """The request's sequences, one per sample, on the block tables the layout forks."""
