@@ -99,6 +99,12 @@ def chunk_rows(ready: list[Request], budget: int) -> list[tuple[Request, int]]:
 
 
 class Scheduler:
+    """The sampler's queues (waiting -> prefilling -> running) and its KV block accounting.
+
+    Invariant: `reserved` is the sum of the prefilling requests' `reserved` and the running
+    sequences' `reserve`, and never exceeds the pool's free + evictable blocks, so `grow` never
+    runs out of blocks."""
+
     def __init__(self, kv: BlockManager, *, max_batch_tokens: int = 2048, max_running: int = 64,
                  prefix_cache: bool = True, prefill_share: float = 0.5, prefill_step_seconds: float = 0.25,
                  admission: AdmissionPolicy | None = None):
