@@ -6,7 +6,7 @@ debt that decode steps pay."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trine.engine.kv_cache import BlockManager
@@ -39,19 +39,36 @@ def add(sch: Scheduler, *rs: Request) -> None:
 
 def prefill(sch: Scheduler, seconds: float = 0.0) -> list[tuple[Request, int]]:
     """Schedule a step, run its prefill rows as the step loop would (computed blocks are keyed in
-    the prefix cache; a prompt completed starts its sequences) and report `seconds` for it;
-    returns the rows."""
+    the prefix cache; a prompt completed forks its sequences, each with its first token) and report
+    `seconds` for it; returns the rows."""
     plan = sch.schedule()
     for r, take in plan.prefill:
         KVLayout(sch.kv).cache_prompt(r, r.done, r.done + take)
         r.done += take
         if not r.prompt_left:
             sch.prompt_done(r)
-            if r.samples:
-                sch.start([Sequence(r, list(r.req.prompt), list(r.blocks), [], None, sch.sample_reserve(r))])
+            for blocks in KVLayout(sch.kv).fork(r) if r.samples else []:
+                s = Sequence(r, r.req.prompt + [0], blocks, [], None, sch.sample_reserve(r))
+                stop(sch, s) if r.max_new == 1 else sch.start([s])
     if plan.prefill:
         sch.prefilled(plan, seconds)
     return plan.prefill
+
+
+def decode(sch: Scheduler, seqs: list[Sequence]) -> None:
+    """A decode step as the step loop runs it: blocks for the input tokens, then one new token each;
+    a sequence with max_tokens new tokens stops."""
+    sch.grow(seqs)
+    for s in seqs:
+        s.tokens.append(0)
+        if len(s.tokens) - len(s.req.req.prompt) == s.req.max_new:
+            stop(sch, s)
+    sch.drop_stopped()
+
+
+def stop(sch: Scheduler, s: Sequence, reason: str = "length") -> None:
+    s.stop_reason = reason
+    sch.release(s)
 
 
 def decoding(sch: Scheduler, *rs: Request) -> None:
@@ -96,17 +113,15 @@ def test_samples_share_the_full_prompt_blocks_and_reserve_their_own():
 
 def test_grow_and_release_keep_the_reservation_balanced():
     sch = Scheduler(pool(16), max_batch_tokens=64)
-    r = request(4, max_tokens=9)  # 12 KV positions (never the last token's): 1 prompt block + 2
+    r = request(4, max_tokens=9)  # KV of 4 + 9 - 1 positions (never the last token's): 1 + 2 blocks
     decoding(sch, r)
     (s,) = sch.running
-    assert s.reserve == sch.reserved == 2
-    for _ in range(5):  # tokens 5..9: the 5th and 9th token start new blocks
-        s.tokens.append(0)
-        sch.grow([s])
-    assert len(s.blocks) == 3 and s.reserve == sch.reserved == 0
-    s.stop_reason = "length"
-    sch.release(s)
-    sch.drop_stopped()
+    assert s.reserve == sch.reserved == 2 and len(s.blocks) == 1
+    for _ in range(7):  # tokens 2..8: the inputs at positions 4 and 8 start new blocks
+        decode(sch, [s])
+    assert len(s.blocks) == 3 and s.reserve == sch.reserved == 0 and s.stop_reason is None
+    decode(sch, [s])  # the 9th token: never computed, no block
+    assert s.stop_reason == "length" and len(s.tokens) == 13
     assert sch.reserved == 0 and sch.kv.num_used == 0 and not sch.has_work()
 
 
@@ -263,3 +278,32 @@ def test_without_decoders_the_debt_is_forgiven():
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         Scheduler(pool(4), **kw)
+
+
+# ----------------------------------------------------------------------------- invariants
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "cancel"]), st.integers(1, 40),
+                          st.integers(1, 12), st.integers(1, 3), st.booleans()), max_size=40))
+def test_reservations_always_balance_and_no_sequence_runs_out_of_blocks(ops):
+    """Random arrivals, steps (prefill as planned, then one token for every decoding sequence)
+    and cancels: the reservation is always what admitted requests still may allocate."""
+    sch = Scheduler(pool(24), max_batch_tokens=16, max_running=6)
+    live: list[Request] = []
+    for op, n, max_tokens, samples, generate in ops:
+        if op == "add" and sch.blocks_needed(n, max_tokens if generate else 0, samples if generate else 0) <= 24:
+            live.append(request(n, max_tokens=max_tokens, samples=samples, generate=generate, first=n * 100))
+            sch.add(live[-1])
+        elif op == "cancel" and live:
+            r = live.pop(n % len(live))
+            sch.cancel(r)
+            for s in sch.running:
+                if s.req is r:
+                    stop(sch, s, "cancelled")
+            sch.drop_stopped()
+        elif op == "step":
+            running = list(sch.running)
+            prefill(sch)
+            decode(sch, running)  # grow never raises NoFreeBlocks
+        sch.kv.check()
+        assert sch.reserved == sum(r.reserved for r in sch.prefilling) + sum(s.reserve for s in sch.running)
+        assert 0 <= sch.reserved <= sch.kv.num_free
