@@ -11,7 +11,7 @@ import torch
 from trine.engine import checkpoint
 from trine.engine.checkpoint import atomic_write, load_peft_adapter, save_peft_adapter
 from trine.engine.losses import Loss
-from trine.engine.model import AdapterBatch, LoRAConfig
+from trine.engine.lora import AdapterBatch, LoRAConfig
 from trine.engine.requests import AdamConfig
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model

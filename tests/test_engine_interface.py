@@ -9,7 +9,7 @@ import pytest
 from trine.engine.interface import SampleCancelled, SampleDelta
 from trine.engine.local import LocalEngine
 from trine.engine.losses import Loss
-from trine.engine.model import LoRAConfig
+from trine.engine.lora import LoRAConfig
 from trine.engine.ops import (FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_WEIGHTS, CycleEvent, Forward,
                               InitRun, OptimStep, RunShare, Save, TrainingCycle)
 from trine.engine.requests import (AdamConfig, SampleRequest, SampleResult, SamplingOptions, TrainDatum,

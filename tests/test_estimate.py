@@ -79,7 +79,7 @@ def engine(tiny_model_dir):
 def test_estimate_matches_metered_multi_turn_rl(engine):
     """A multi-turn RL loop on the real engine (sampler + trainer), metered, vs the estimate of its shape."""
     from trine.engine.losses import Loss
-    from trine.engine.model import LoRAConfig
+    from trine.engine.lora import LoRAConfig
     from trine.engine.requests import AdamConfig, SampleRequest, SamplingOptions, TrainDatum
 
     sampler, trainer = engine

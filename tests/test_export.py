@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from trine.cli.main import main
-from trine.engine.model import AdapterBatch, LoRAConfig
+from trine.engine.lora import AdapterBatch, LoRAConfig
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model
 

@@ -8,7 +8,7 @@ import pytest
 
 from serverutil import RawClient, event, init_payload, pytrio_env, serve
 from trine.engine.losses import Loss
-from trine.engine.model import LoRAConfig
+from trine.engine.lora import LoRAConfig
 from trine.engine.requests import AdamConfig, TrainDatum
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model

@@ -131,11 +131,11 @@ def test_cancel_while_the_prompt_prefills_in_chunks_frees_everything(model_tok):
     assert partial is not None and partial.sequences == []
     u = partial.usage
     assert 0 < u.prompt_tokens < 300 and u.prompt_tokens == u.prefill_tokens + u.cached_tokens
-    assert s.stats["prefilling"] == 0 and s._reserved == 0
+    assert s.stats["prefilling"] == 0 and s.stats["blocks_reserved"] == 0
     assert s.kv.num_used == 0  # what it computed stays only as free cached blocks
     (res,) = s.run([other])
     assert res.request_id == other.request_id and len(res.sequences[0].tokens) == 4
-    assert s.kv.num_used == 0 and s._reserved == 0
+    assert s.kv.num_used == 0 and s.stats["blocks_reserved"] == 0
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trine.engine.losses import Loss, prepare_datum
-from trine.engine.model import AdapterBatch, LoRAConfig
+from trine.engine.lora import AdapterBatch, LoRAConfig
 from trine.engine.requests import TrainDatum
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model

@@ -69,7 +69,7 @@ def test_cancel_frees_sequences_and_blocks_at_once(model_tok):
         results += sampler.step()
     assert [r.request_id for r in results] == ["b"]  # the cancelled request never comes back
     assert sampler.cancel("a") is None and sampler.cancel("b") is None
-    assert sampler.kv.num_used == 0 and sampler._reserved == 0
+    assert sampler.kv.num_used == 0 and sampler.stats["blocks_reserved"] == 0
     assert sampler.kv.num_free == free  # every block is free again (cached ones are evictable)
     sampler.add(request("w", n=2))  # cancelled before admission: holds nothing, reports no usage
     assert sampler.cancel("w").usage.prompt_tokens == 0 and not sampler.has_work()

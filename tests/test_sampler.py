@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from trine.engine.model import Adapter, LoRAConfig
+from trine.engine.lora import Adapter, LoRAConfig
 from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
@@ -44,7 +44,7 @@ def req(p, max_tokens=6, n=1, weights=W, adapter=None, **opts) -> SampleRequest:
 
 def full_logprobs(model, tokens, adapter=None):
     """log_softmax of a plain full forward (the training path, no KV pool): [len, vocab]."""
-    from trine.engine.model import AdapterBatch
+    from trine.engine.lora import AdapterBatch
     with torch.inference_mode():
         return torch.log_softmax(model(torch.tensor([tokens]), adapters=AdapterBatch.single(adapter))[0], -1)
 

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from trine.engine.losses import Loss
-from trine.engine.model import LoRAConfig
+from trine.engine.lora import LoRAConfig
 from trine.engine.requests import SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
 from trine.engine.worker import EngineWorker
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from trine.engine.losses import Loss
-from trine.engine.model import AdapterBatch, LoRAConfig
+from trine.engine.lora import AdapterBatch, LoRAConfig
 from trine.engine.requests import AdamConfig, TrainDatum
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.trainer import Trainer

@@ -25,7 +25,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from .model import LORA_ATTN, LORA_MLP, LORA_UNEMBED, Adapter, LoRAConfig, Transformer
+from .lora import LORA_ATTN, LORA_MLP, LORA_UNEMBED, Adapter, LoRAConfig
+from .model import Transformer
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

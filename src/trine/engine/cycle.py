@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from .checkpoint import by_uri, load_peft_adapter, save_peft_adapter
-from .model import Adapter, LoRAConfig
+from .lora import Adapter, LoRAConfig
 from .ops import (CycleEvent, CycleResult, EndRun, EventOutcome, Forward, InitRun, OptimStep, Refused, Save,
                   TrainingCycle)
 from .requests import ForwardResult

@@ -51,7 +51,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from .model import LoRAConfig
+from .lora import LoRAConfig
 from .ops import CycleResult, TrainingCycle
 from .requests import SampleDelta, SampleRequest, SampleResult  # noqa: F401  (part of the interface)
 from .worker import SampleCancelled  # noqa: F401  (part of the interface)
@@ -73,7 +73,7 @@ class EngineInfo:
     block_size: int = 16  # KV block size of its prefix cache (routing hashes whole blocks)
     device: str = "cpu"
     replica: str = "local"  # where it runs: "local" or the Ray actor's node / id
-    lora_features: dict[str, int] = field(default_factory=dict)  # model.lora_features: sizes adapters
+    lora_features: dict[str, int] = field(default_factory=dict)  # lora.lora_features: sizes adapters
 
 
 @dataclass

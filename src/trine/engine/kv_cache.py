@@ -29,6 +29,16 @@ import torch
 
 from .requests import WeightsIdentity
 
+CPU_KV_CACHE_BYTES = 512 * 2**20
+GPU_KV_CACHE_FRACTION = 0.5  # of the memory free when the pool is built
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """The pool's default size: 512 MiB on CPU; on a GPU, half of its free memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * GPU_KV_CACHE_FRACTION)
+    return CPU_KV_CACHE_BYTES
+
 
 def block_key(parent: object, tokens: list[int] | tuple[int, ...]) -> int:
     """The key of a full block: its parent's key (or the WeightsIdentity at the root) + its tokens."""

@@ -13,7 +13,7 @@ from typing import AsyncIterator
 
 from .cycle import CycleRunner, load_adapter, spill_adapter
 from .interface import CycleStats, Engine, EngineInfo, EngineStats
-from .model import LoRAConfig, lora_features
+from .lora import LoRAConfig, lora_features
 from .ops import CycleResult, TrainingCycle
 from .requests import SampleDelta, SampleRequest, SampleResult
 from .worker import EngineWorker

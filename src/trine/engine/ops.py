@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..limits import (END_RUN, EVENT_TYPES, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP,  # noqa: F401
                       SAVE_STATE, SAVE_WEIGHTS)
 from .losses import Loss
-from .model import LoRAConfig
+from .lora import LoRAConfig
 from .requests import AdamConfig, TrainDatum
 
 

@@ -27,7 +27,7 @@ from ray.exceptions import RayError, RayTaskError
 
 from .interface import Engine, EngineInfo, EngineLost, EngineStats, SampleDelta
 from .local import LocalEngine
-from .model import LoRAConfig
+from .lora import LoRAConfig
 from .ops import CycleResult, TrainingCycle
 from .requests import SampleRequest, SampleResult
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..limits import GREEDY_BELOW_TEMPERATURE, check_stops
-from .model import Adapter
+from .lora import Adapter
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ import torch
 from ..limits import ADAM_BOUNDS, check_adam_value, check_lora_rank
 from . import checkpoint
 from .losses import Loss, LossInputs, PreparedDatum, prepare_datum, sequence_log_ratios
-from .model import Adapter, AdapterBatch, LoRAConfig, Transformer
+from .lora import Adapter, AdapterBatch, LoRAConfig
+from .model import Transformer
 from .requests import AdamConfig, ForwardResult, TrainDatum, TrainUsage, WeightsIdentity
 
 

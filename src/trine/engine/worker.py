@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from .model import Adapter
+from .lora import Adapter
 from .requests import SampleDelta, SampleRequest, SampleResult
 from .tokenizer import Tokenizer
 from .weights import load_model

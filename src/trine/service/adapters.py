@@ -18,7 +18,7 @@ import logging
 
 from ..engine.checkpoint import by_uri
 from ..engine.interface import EngineLost
-from ..engine.model import LoRAConfig
+from ..engine.lora import LoRAConfig
 from ..store import Checkpoint, Store
 from .errors import Conflict
 from .models import Replica

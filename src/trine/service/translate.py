@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..engine import ops
 from ..engine.losses import Loss, prepare_datum
-from ..engine.model import LoRAConfig
+from ..engine.lora import LoRAConfig
 from ..engine.normalisation import BatchCounts, denominator
 from ..engine.requests import AdamConfig, SampleDelta, SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
 from .commands import EndRun, Forward, InitRun, LoraSpec, OptimStep, Refused, SampleSpec, Save, TrainingCommand

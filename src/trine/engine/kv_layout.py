@@ -1,0 +1,147 @@
+"""Where the sampler's tokens live in the paged KV pool: block tables -> pool slots, the attention
+context (`KVContext`) of a prefill chunk and of a decode step, forking a prompt's blocks for its
+samples, and keying computed blocks in the prefix cache.
+
+Invariants
+- Slot of position p of a sequence = blocks[p // block_size] * block_size + p % block_size.
+- A prompt's samples share its full blocks by reference; each gets its own copy of the partial last
+  block (sample 0 keeps the original). A decode step attends the samples of one request as one
+  packed row (`KVContext.query_index`): the prompt KV they share is gathered once per step, not
+  once per sample.
+- Only full blocks whose KV is computed are keyed; a block's key chains its parent's key (the
+  `WeightsIdentity` for block 0), so KV is only ever served to the same weights and tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import BlockManager, block_key
+from .model import KVContext
+from .sequence import Request, Sequence
+
+
+class KVLayout:
+    def __init__(self, kv: BlockManager, prefix_cache: bool = True):
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.device = kv.k.device
+        self.prefix_cache = prefix_cache
+        self._arange = torch.arange(self.block_size, device=self.device)
+
+    def slots(self, block_lists: list[list[int]], length: int) -> torch.Tensor:
+        """[B, length] pool slots of positions 0..length-1 of each row's blocks (padding: slot 0)."""
+        width = max(len(b) for b in block_lists)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in block_lists], dtype=torch.long,
+                             device=self.device).view(len(block_lists), width)
+        slots = (table[:, :, None] * self.block_size + self._arange).view(len(block_lists), -1)
+        return slots[:, :length]
+
+    # ------------------------------------------------------------------ attention contexts
+    def prefill(self, rows: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, KVContext]:
+        """Tokens and positions [B, T] of the next `take` prompt tokens of each row's request (right
+        padded) and their context: each attends its prompt up to itself, cached part included."""
+        dev = self.device
+        starts = [r.done for r, _ in rows]
+        ends = [r.done + take for r, take in rows]
+        T, L = max(take for _, take in rows), max(ends)
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, (r, _) in enumerate(rows):
+            tokens[i, :ends[i] - starts[i]] = torch.tensor(r.req.prompt[starts[i]:ends[i]])
+        start = torch.tensor(starts)[:, None]
+        positions = (start + torch.arange(T)[None]).to(dev)  # padded queries: past the end
+        read = self.slots([r.blocks for r, _ in rows], L)
+        real = torch.arange(T)[None] < (torch.tensor(ends)[:, None] - start)
+        write = torch.where(real.to(dev), read.gather(1, positions.clamp(max=L - 1)), -1)
+        mask = (torch.arange(L, device=dev)[None, None] <= positions[:, :, None])[:, None]
+        return tokens.to(dev), positions, KVContext(self.kv.k_pool, self.kv.v_pool, write, read, mask)
+
+    def decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, KVContext]:
+        """Tokens and positions [B, 1] of each sequence's last token and their context (packed by
+        request when a request has several sequences)."""
+        dev = self.device
+        lens = [len(s.tokens) for s in seqs]
+        pos = torch.tensor(lens, device=dev)[:, None] - 1
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            groups.setdefault(id(s.req), []).append(i)
+        if max(len(g) for g in groups.values()) == 1:
+            read = self.slots([s.blocks for s in seqs], max(lens))
+            write, packed = read.gather(1, pos), None
+            mask = (torch.arange(read.shape[1], device=dev)[None] <= pos)[:, None, None]
+        else:
+            write, read, mask, packed = self._packed(seqs, lens, list(groups.values()))
+        tokens = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
+        return tokens, pos, KVContext(self.kv.k_pool, self.kv.v_pool, write, read, mask, packed)
+
+    def _packed(self, seqs: list[Sequence], lens: list[int], groups: list[list[int]]):
+        """Decode attention packed by request: one row per request holds the prompt's shared full
+        blocks once, then each sample's own blocks; sample t's query sees the shared keys and
+        its own. Returns write [B, 1], read [P, L], mask [P, 1, Q, L], query_index [P, Q]."""
+        dev, bs = self.device, self.block_size
+        P, Q = len(groups), max(len(g) for g in groups)
+        shared = [seqs[g[0]].req.shared for g in groups]  # identical first blocks of the group
+        own = [seqs[i].req.shared for g in groups for i in g]
+        order = [i for g in groups for i in g]
+        own_len = torch.tensor([lens[i] - f * bs for i, f in zip(order, own)], device=dev)
+        own_slots = self.slots([seqs[i].blocks[f:] for i, f in zip(order, own)], int(own_len.max()))
+        S = own_slots.shape[1]
+        rows = torch.full((P, Q), -1, dtype=torch.long)  # packed query -> index into `order`
+        start = 0
+        for p, g in enumerate(groups):
+            rows[p, :len(g)] = torch.arange(start, start + len(g))
+            start += len(g)
+        rows = rows.to(dev)
+        k = rows.clamp(min=0)  # padding queries borrow a real sequence's keys: never all-masked
+        pre_len = max(shared) * bs
+        pre = self.slots([seqs[g[0]].blocks[:f] for g, f in zip(groups, shared)], pre_len)
+        read = torch.cat([pre, own_slots[k].view(P, Q * S)], 1)
+        pre_mask = torch.arange(pre_len, device=dev)[None] < torch.tensor(shared, device=dev)[:, None] * bs
+        own_mask = torch.arange(S, device=dev)[None] < own_len[:, None]  # [B, S] in `order`
+        eye = torch.eye(Q, dtype=torch.bool, device=dev)
+        own_mask = (eye[None, :, :, None] & own_mask[k][:, None]).view(P, Q, Q * S)
+        mask = torch.cat([pre_mask[:, None].expand(P, Q, pre_len), own_mask], -1)[:, None]
+        # query_index refers to the batch rows (the order of `seqs`), write slots likewise
+        inv = torch.tensor(order, device=dev)
+        query_index = torch.where(rows >= 0, inv[k], -1)
+        write = torch.empty(len(seqs), 1, dtype=torch.long, device=dev)
+        write[inv] = own_slots.gather(1, own_len[:, None] - 1)
+        return write, read, mask, query_index
+
+    # ------------------------------------------------------------------ forking and caching
+    def fork(self, r: Request) -> list[list[int]]:
+        """The block tables of `r`'s samples once its prompt is prefilled: sample 0 takes the prompt
+        blocks, the others share the full ones and get a copy of the partial last block."""
+        bs, n = self.block_size, len(r.req.prompt)
+        full, partial = n // bs, n % bs
+        tables = [list(r.blocks)]
+        for j in range(1, r.samples):
+            self.kv.incref(r.blocks[:full])
+            own = []
+            if partial:
+                self.kv.copy_tokens(r.blocks[full], [r.copies[j - 1]], partial)
+                own = [r.copies[j - 1]]
+            tables.append(r.blocks[:full] + own)
+        r.shared = full
+        return tables
+
+    def cache_prompt(self, r: Request, start: int, end: int) -> None:
+        """Key the prompt blocks that prompt tokens start..end completed."""
+        if not self.prefix_cache:
+            return
+        bs, w = self.block_size, r.req.weights
+        for b in range(start // bs, end // bs):
+            self.kv.register(r.blocks[b], r.keys[b], r.keys[b - 1] if b else w, w, r.req.prompt[b * bs:(b + 1) * bs])
+
+    def cache_decoded(self, seqs: list[Sequence]) -> None:
+        """Key each sequence's block that this decode step's input token (its last) filled."""
+        if not self.prefix_cache:
+            return
+        bs = self.block_size
+        for s in seqs:
+            if len(s.tokens) % bs == 0:
+                b = len(s.tokens) // bs - 1
+                w = s.req.req.weights
+                parent = s.keys[b - 1] if b else w
+                toks = s.tokens[b * bs:]
+                s.keys.append(block_key(parent, toks))
+                self.kv.register(s.blocks[b], s.keys[-1], parent, w, toks)

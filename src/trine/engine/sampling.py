@@ -1,0 +1,124 @@
+"""Token sampling, seeds and logprobs: from logits to the next token of each sequence.
+
+Invariants
+- Each sequence draws from its own `torch.Generator`, seeded from (seed, sample index) by
+  `sample_seed`, one uniform per sampled token, so a sample does not depend on the rest of the
+  batch or on whether its prefix came from the cache. Without a seed the generators are seeded at
+  random.
+- A temperature below `GREEDY_BELOW_TEMPERATURE` is greedy (argmax), and draws no uniform.
+- Token logprobs are log-softmax of the raw logits (temperature 1, before top-k / top-p): the
+  model's own log-probability of the token, which importance-sampling losses compare against.
+  Top logprobs and prompt logprobs are of the same distribution.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Callable
+
+import torch
+
+from .requests import SamplingOptions
+
+LOGITS_CHUNK = 256  # prompt positions per lm_head call when computing prompt logprobs
+_MASK64 = 2**64 - 1
+
+TopLogprobs = list[tuple[int, float]]  # (token, logprob), most likely first
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample `index` of a request seeded with `seed` (stable everywhere)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 1
+
+
+def generators(seed: int | None, n: int) -> list[torch.Generator]:
+    """One generator per sample of a request; `seed` None draws a random one."""
+    seed = seed if seed is not None else secrets.randbits(63)
+    return [torch.Generator().manual_seed(sample_seed(seed, j)) for j in range(n)]
+
+
+def sample(logits: torch.Tensor, options: list[SamplingOptions], gens: list[torch.Generator]
+           ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
+    """One token per row of `logits` [B, V] under its row's options: (tokens, their logprobs, each
+    row's top-logprobs list, or None where its options ask for none)."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    greedy = [o.greedy for o in options]
+    if all(greedy):
+        tok = logits.argmax(-1)
+    else:
+        x = _filtered(logits, options, greedy)
+        cdf = x.softmax(-1).double().cumsum(-1)
+        u = torch.tensor([float(torch.rand((), generator=g)) if not gr else 0.0 for g, gr in zip(gens, greedy)],
+                         dtype=torch.float64, device=x.device)
+        tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        tok = tok.clamp(max=x.shape[-1] - 1)
+        if any(greedy):
+            tok = torch.where(torch.tensor(greedy, device=x.device), logits.argmax(-1), tok)
+    lp = logp.gather(1, tok[:, None])[:, 0]
+    ks = [o.top_logprobs for o in options]
+    tops: list[TopLogprobs | None] = [None] * len(options)
+    if any(ks):
+        v, i = logp.topk(max(ks), dim=-1)
+        v, i = v.tolist(), i.tolist()
+        tops = [list(zip(i[b][:k], v[b][:k])) if k else None for b, k in enumerate(ks)]
+    return tok.tolist(), lp.tolist(), tops
+
+
+def _filtered(logits: torch.Tensor, options: list[SamplingOptions], greedy: list[bool]) -> torch.Tensor:
+    """Logits divided by each row's temperature, -inf outside its top-k and top-p."""
+    x = logits / torch.tensor([1.0 if g else o.temperature for o, g in zip(options, greedy)],
+                              device=logits.device)[:, None]
+    ks = [o.top_k if o.top_k > 0 else 0 for o in options]
+    if any(ks):
+        kmax = min(max(ks), x.shape[-1])
+        top = x.topk(kmax, dim=-1).values
+        idx = torch.tensor([min(k, kmax) - 1 if k else kmax - 1 for k in ks], device=x.device)
+        thr = top.gather(1, idx[:, None])
+        thr = torch.where(torch.tensor(ks, device=x.device)[:, None] > 0, thr, -math.inf)
+        x = x.masked_fill(x < thr, -math.inf)
+    if any(o.top_p < 1 for o in options):
+        top_p = torch.tensor([o.top_p if o.top_p < 1 else math.inf for o in options], device=x.device)[:, None]
+        sx, si = x.sort(dim=-1, descending=True)
+        sp = sx.softmax(-1)
+        drop = (sp.cumsum(-1) - sp) > top_p  # keep the smallest prefix reaching top_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, si, drop), -math.inf)
+    return x
+
+
+def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                    prompt: list[int], start: int, k: int) -> tuple[list[float], list[TopLogprobs]]:
+    """Prompt logprobs from the hidden states [1, T, H] of positions `start`..: entries `start + 1`
+    on (entry i is log p(prompt[i] | prompt[:i]); the caller holds entries 0..start), with each
+    entry's top `k` (none when k is 0). `logits_of` maps hidden states to logits."""
+    stop = min(start + hidden.shape[1], len(prompt) - 1)  # the last prompt position predicts no prompt token
+    targets = torch.tensor(prompt[start + 1:stop + 1], device=hidden.device)
+    lps: list[float] = []
+    tops: list[TopLogprobs] = []
+    for a in range(start, stop, LOGITS_CHUNK):
+        b = min(a + LOGITS_CHUNK, stop)
+        logp = torch.log_softmax(logits_of(hidden[:, a - start:b - start])[0], dim=-1)
+        lps += logp.gather(1, targets[a - start:b - start, None])[:, 0].tolist()
+        if k:
+            v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            tops += [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
+    return lps, tops
+
+
+def check_sampling_options(options: SamplingOptions, vocab_size: int) -> None:
+    """ValueError naming the field when a sampling option is out of range."""
+    if not (math.isfinite(options.temperature) and options.temperature >= 0):
+        raise ValueError(f"temperature: must be a finite number >= 0, got {options.temperature}")
+    if not (0 < options.top_p <= 1):
+        raise ValueError(f"top_p: must be in (0, 1], got {options.top_p}")
+    if options.top_k < -1:
+        raise ValueError(f"top_k: must be -1 (off) or >= 1, got {options.top_k}")
+    if not 0 <= options.top_logprobs <= vocab_size:
+        raise ValueError(f"top_logprobs: must be in [0, {vocab_size}], got {options.top_logprobs}")

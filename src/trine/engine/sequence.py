@@ -1,0 +1,78 @@
+"""The sampler's state of a request and of each of its samples (sequences): plain dataclasses that
+the scheduler, the KV layout, token sampling and the step loop read and update.
+
+Lifecycle of a `Request`: waiting (queued, holds nothing) -> prefilling (admitted: its prompt's
+blocks are allocated, `done` grows chunk by chunk) -> its `Sequence`s run (one per sample, forked
+from the prompt's blocks) -> finished when no sequence runs. A `compute_logprobs` request
+(`generate=False`) has no sequences: it finishes when its prompt is prefilled.
+
+Invariants
+- `cached <= done <= len(prompt)`; after prefill, usage.prompt_tokens == prefill_tokens + cached_tokens.
+- A sequence holds KV for every token but its last (`tokens[-1]` is the next forward's input);
+  `keys` are the prefix-cache keys of its full blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .requests import SampleRequest, SampleUsage
+from .stops import Stops
+
+if TYPE_CHECKING:
+    import torch
+
+    from .sampling import TopLogprobs
+
+
+@dataclass(eq=False)
+class Request:
+    req: SampleRequest
+    stops: Stops
+    full: bool  # full forward for prompt logprobs: never reads the cache
+    order: int = 0  # arrival: requests added earlier have smaller numbers
+    usage: SampleUsage = field(default_factory=SampleUsage)
+    keys: list[int] = field(default_factory=list)  # chain keys of the prompt's full blocks
+    blocks: list[int] = field(default_factory=list)  # the prompt's blocks during prefill
+    copies: list[int] = field(default_factory=list)  # partial-block copies for samples 1..n-1
+    cached: int = 0  # prompt tokens served from the cache
+    done: int = 0  # prompt tokens whose KV is computed or cached (prefill progress)
+    reserved: int = 0  # blocks reserved for its samples' decoding until they fork
+    shared: int = 0  # full prompt blocks, shared by reference by all its sequences
+    seqs: list["Sequence"] = field(default_factory=list)
+    running: int = 0  # sequences not stopped yet
+    prompt_logprobs: list[float | None] | None = None  # entry 0 is None; filled chunk by chunk
+    topk_prompt_logprobs: list["TopLogprobs | None"] | None = None
+
+    @property
+    def samples(self) -> int:
+        """Sequences it will run: num_samples, or 0 for compute_logprobs."""
+        return self.req.num_samples if self.req.generate else 0
+
+    @property
+    def max_new(self) -> int:
+        """Tokens each sample may generate."""
+        return self.req.options.max_tokens if self.req.generate else 0
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.req.prompt) - self.done
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request."""
+
+    req: Request
+    tokens: list[int]  # prompt + generated
+    blocks: list[int]
+    keys: list[int]
+    gen: "torch.Generator"
+    reserve: int  # blocks it may still allocate
+    index: int = 0  # sample index within its request
+    out: list[int] = field(default_factory=list)  # generated tokens
+    logprobs: list[float] = field(default_factory=list)
+    top: list["TopLogprobs"] = field(default_factory=list)  # when options.top_logprobs
+    stop_reason: str | None = None
+    text: str | None = None

@@ -1,0 +1,309 @@
+"""The sampler's scheduler with plain numbers: no model, no forward, a clock the test drives.
+
+Admission against the KV pool (worst-case reservations), the prefill budget sized by time, the
+order of prefill chunks, and the prefill share: prompts held back while others decode, and the
+debt that decode steps pay."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trine.engine.kv_cache import BlockManager
+from trine.engine.kv_layout import KVLayout
+from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.scheduler import FifoAdmission, Scheduler, chunk_rows
+from trine.engine.sequence import Request, Sequence
+from trine.engine.stops import Stops
+
+BS = 4
+W = WeightsIdentity("base")
+_ids = iter(range(10**9))
+
+
+def pool(num_blocks: int) -> BlockManager:
+    return BlockManager(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=num_blocks, block_size=BS)
+
+
+def request(n: int, max_tokens: int = 4, samples: int = 1, first: int = 0, **kw) -> Request:
+    """A request whose prompt is n distinct tokens starting at `first`."""
+    opts = SamplingOptions(max_tokens=max_tokens)
+    req = SampleRequest(f"r{next(_ids)}", list(range(first, first + n)), opts, W, num_samples=samples, **kw)
+    return Request(req, Stops.of(opts, frozenset()), full=not req.generate)
+
+
+def add(sch: Scheduler, *rs: Request) -> None:
+    for r in rs:
+        sch.add(r)
+
+
+def prefill(sch: Scheduler, seconds: float = 0.0) -> list[tuple[Request, int]]:
+    """Schedule a step, run its prefill rows as the step loop would (computed blocks are keyed in
+    the prefix cache; a prompt completed forks its sequences, each with its first token) and report
+    `seconds` for it; returns the rows."""
+    plan = sch.schedule()
+    for r, take in plan.prefill:
+        KVLayout(sch.kv).cache_prompt(r, r.done, r.done + take)
+        r.done += take
+        if not r.prompt_left:
+            sch.prompt_done(r)
+            for blocks in KVLayout(sch.kv).fork(r) if r.samples else []:
+                s = Sequence(r, r.req.prompt + [0], blocks, [], None, sch.sample_reserve(r))
+                stop(sch, s) if r.max_new == 1 else sch.start([s])
+    if plan.prefill:
+        sch.prefilled(plan, seconds)
+    return plan.prefill
+
+
+def decode(sch: Scheduler, seqs: list[Sequence]) -> None:
+    """A decode step as the step loop runs it: blocks for the input tokens, then one new token each;
+    a sequence with max_tokens new tokens stops."""
+    sch.grow(seqs)
+    for s in seqs:
+        s.tokens.append(0)
+        if len(s.tokens) - len(s.req.req.prompt) == s.req.max_new:
+            stop(sch, s)
+    sch.drop_stopped()
+
+
+def stop(sch: Scheduler, s: Sequence, reason: str = "length") -> None:
+    s.stop_reason = reason
+    sch.release(s)
+
+
+def decoding(sch: Scheduler, *rs: Request) -> None:
+    """Bring `rs` to the decoding state: admitted and wholly prefilled."""
+    add(sch, *rs)
+    while any(r.prompt_left for r in rs):
+        assert prefill(sch)
+
+
+# ----------------------------------------------------------------------------- admission
+def test_admission_reserves_worst_case_blocks_and_waits_when_they_are_short():
+    sch = Scheduler(pool(10), max_batch_tokens=64)
+    big = request(10, max_tokens=10)  # 3 prompt blocks (2 full + 1 partial) + 2 more while decoding
+    assert sch.blocks_needed(10, 10, 1) == 5
+    add(sch, big)
+    sch.schedule()
+    assert sch.prefilling == [big] and len(big.blocks) == 3 and sch.reserved == 2
+    # 7 blocks free, 2 of them promised to `big`: a request needing 6 must wait, though 7 are free
+    second = request(10, max_tokens=14, first=100)
+    assert sch.blocks_needed(10, 14, 1) == 6
+    add(sch, second)
+    sch.schedule()
+    assert sch.prefilling == [big] and len(sch.waiting) == 1 and second.blocks == []
+    assert sch.kv.num_free == 7  # refused: it holds nothing
+
+
+def test_a_request_that_does_not_fit_holds_back_the_ones_behind_it_in_arrival_order():
+    sch = Scheduler(pool(8), max_batch_tokens=64)
+    add(sch, request(16, max_tokens=8), request(16, max_tokens=8, first=100), request(2, max_tokens=2, first=200))
+    sch.schedule()
+    assert len(sch.prefilling) == 1 and len(sch.waiting) == 2  # the small third one waits its turn
+
+
+def test_samples_share_the_full_prompt_blocks_and_reserve_their_own():
+    sch = Scheduler(pool(32), max_batch_tokens=64)
+    r = request(10, max_tokens=7, samples=3)  # each sample: a copy of the partial block + 1 more block
+    add(sch, r)
+    sch.schedule()
+    assert len(r.blocks) == 3 and len(r.copies) == 2 and r.reserved == sch.reserved == 3
+    assert sch.blocks_needed(10, 7, 3) == 2 + 3 * 2
+
+
+def test_grow_and_release_keep_the_reservation_balanced():
+    sch = Scheduler(pool(16), max_batch_tokens=64)
+    r = request(4, max_tokens=9)  # KV of 4 + 9 - 1 positions (never the last token's): 1 + 2 blocks
+    decoding(sch, r)
+    (s,) = sch.running
+    assert s.reserve == sch.reserved == 2 and len(s.blocks) == 1
+    for _ in range(7):  # tokens 2..8: the inputs at positions 4 and 8 start new blocks
+        decode(sch, [s])
+    assert len(s.blocks) == 3 and s.reserve == sch.reserved == 0 and s.stop_reason is None
+    decode(sch, [s])  # the 9th token: never computed, no block
+    assert s.stop_reason == "length" and len(s.tokens) == 13
+    assert sch.reserved == 0 and sch.kv.num_used == 0 and not sch.has_work()
+
+
+def test_max_running_bounds_admission_but_never_blocks_an_idle_sampler():
+    sch = Scheduler(pool(64), max_batch_tokens=64, max_running=4)
+    add(sch, request(4, samples=3), request(4, samples=3, first=50))
+    sch.schedule()
+    assert len(sch.prefilling) == 1  # 3 + 3 > 4
+    alone = Scheduler(pool(64), max_batch_tokens=64, max_running=2)
+    add(alone, request(4, samples=5))
+    alone.schedule()
+    assert len(alone.prefilling) == 1  # more samples than max_running, but nothing else runs
+
+
+def test_a_prompt_waits_for_blocks_another_request_is_computing_then_hits_them():
+    sch = Scheduler(pool(64), max_batch_tokens=4 * BS)
+    first, second = request(40), request(40)  # the same prompt
+    add(sch, first)
+    prefill(sch)  # the first chunk: 4 blocks of 10 computed and keyed
+    add(sch, second)
+    while first.prompt_left:
+        assert second not in sch.prefilling  # its next block is being computed by `first`
+        assert all(sch.kv.blocks[b].ref == 1 for b in first.blocks)  # it let go of its hits
+        prefill(sch)
+    assert prefill(sch) == [(second, 4)]  # admitted with prompt[:-1]'s 9 full blocks cached
+    assert second.cached == 36 and not second.prompt_left
+
+
+def test_cancel_gives_back_prompt_blocks_copies_and_reservation():
+    sch = Scheduler(pool(32), max_batch_tokens=8)
+    r = request(30, max_tokens=8, samples=2)
+    add(sch, r)
+    prefill(sch)
+    assert sch.prefilling == [r] and sch.reserved > 0
+    sch.cancel(r)
+    assert sch.reserved == 0 and sch.kv.num_used == 0 and not sch.has_work()
+    queued = request(4)
+    add(sch, queued)
+    sch.cancel(queued)
+    assert not sch.has_work()
+
+
+def test_admission_order_is_the_policys():
+    class Newest(FifoAdmission):
+        def peek(self):
+            return self._queue[-1] if self._queue else None
+
+        def pop(self):
+            return self._queue.pop()
+
+    sch = Scheduler(pool(6), max_batch_tokens=64, admission=Newest())
+    old, new = request(16, max_tokens=4), request(16, max_tokens=4, first=100)  # 5 blocks each
+    add(sch, old, new)
+    sch.schedule()
+    assert sch.prefilling == [new] and len(sch.waiting) == 1
+
+
+# ----------------------------------------------------------------------------- prefill chunks
+def test_the_prefill_budget_follows_the_measured_step_time():
+    sch = Scheduler(pool(512), max_batch_tokens=256, prefill_step_seconds=0.25)
+    add(sch, request(2000, generate=False))
+    assert prefill(sch, seconds=0.5) == [(sch.prefilling[0], 4 * BS)]  # the first chunk: 4 blocks
+    assert prefill(sch, seconds=0.01)[0][1] == 8  # 16 tokens took 0.5 s: 8 take 0.25 s
+    assert prefill(sch, seconds=0.01)[0][1] == 16  # fast: at most twice the last chunk
+    assert prefill(sch, seconds=10.0)[0][1] == 32
+    assert prefill(sch)[0][1] == BS  # slow: never below one block
+    for _ in range(6):  # 8, 16, ..., 256
+        prefill(sch)
+    assert prefill(sch)[0][1] == 256  # never above max_batch_tokens
+
+
+def test_prompts_with_the_fewest_tokens_left_go_first_and_the_longest_takes_the_rest():
+    sch = Scheduler(pool(256), max_batch_tokens=64)
+    long, mid, short = request(300, first=0), request(30, first=1000), request(9, first=2000)
+    add(sch, long, mid, short)
+    assert prefill(sch) == [(short, 9)]  # the first budget is 16: `mid` would pad `short` to 2 x 9
+    sch.last_prefill = (64, 0.0)  # a fast machine: the whole max_batch_tokens
+    assert prefill(sch) == [(mid, 30), (long, 32)]
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=12), st.integers(1, 512))
+def test_a_prefill_chunk_never_exceeds_the_budget_padding_included(lefts, budget):
+    ready = [request(n) for n in lefts]
+    rows = chunk_rows(ready, budget)
+    assert rows and len(rows) * max(take for _, take in rows) <= budget
+    assert [r.prompt_left for r, _ in rows] == sorted(lefts)[:len(rows)]  # fewest tokens left first
+    assert all(take == r.prompt_left for r, take in rows[:-1])  # whole, but the last
+
+
+# ----------------------------------------------------------------------------- prefill share
+def test_an_old_prompt_is_held_back_while_a_newer_request_decodes_until_decode_steps_pay_its_debt():
+    sch = Scheduler(pool(512), max_batch_tokens=64, prefill_share=0.5)
+    old = request(1000, generate=False)
+    add(sch, old)
+    prefill(sch, seconds=3.0)  # nobody decodes: no debt
+    assert sch.debt == 0
+    new = request(4, max_tokens=30, first=5000)
+    add(sch, new)
+    rows = prefill(sch, seconds=3.0)  # `new` is short and newer than every decoder: it goes
+    assert new in [r for r, _ in rows] and sch.running and sch.debt == 0
+    plan = sch.schedule()  # `old` now runs while `new` decodes: its chunk's time is a debt
+    assert [r for r, _ in plan.prefill] == [old] and plan.charged and plan.decode == sch.running
+    sch.prefilled(plan, 3.0)
+    sch.decoded(1.0)
+    assert sch.debt == pytest.approx(2.5)
+    for _ in range(4):  # 4 more decode steps at 1 s each pay 0.5 s each: 0.5 s still owed
+        plan = sch.schedule()
+        assert plan.prefill == [] and plan.decode
+        sch.decoded(1.0)
+    plan = sch.schedule()
+    assert plan.prefill == []
+    sch.decoded(1.0)
+    assert sch.debt == 0
+    assert [r for r, _ in sch.schedule().prefill] == [old]  # paid: its next chunk
+
+
+def test_newcomers_prefill_while_an_older_prompt_owes_time():
+    sch = Scheduler(pool(512), max_batch_tokens=64, prefill_share=0.5)
+    first = request(4, max_tokens=30)
+    decoding(sch, first)
+    old = request(1000, generate=False, first=100)
+    add(sch, old)
+    plan = sch.schedule()
+    sch.prefilled(plan, 5.0)  # charged: `first` decodes
+    assert sch.debt == 5.0
+    grpo = [request(20, max_tokens=8, first=3000 + 100 * i) for i in range(3)]
+    add(sch, *grpo)
+    sch.last_prefill = (64, 0.0)  # a budget for all three
+    plan = sch.schedule()  # newer than every decoder and short: they prefill despite the debt,
+    # and `old`, newer than `first` too but longer than max_batch_tokens, still waits
+    assert {r for r, _ in plan.prefill} == set(grpo) and not plan.charged
+    sch.prefilled(plan, 1.0)
+    assert sch.debt == 5.0  # their chunk is not the old prompt's debt
+
+
+def test_a_prompt_longer_than_the_batch_is_held_back_even_when_it_is_newer():
+    sch = Scheduler(pool(512), max_batch_tokens=64, prefill_share=0.5)
+    decoding(sch, request(4, max_tokens=30))
+    sch.debt = 1.0
+    longer, fits = request(65, generate=False, first=100), request(64, generate=False, first=200)
+    add(sch, longer, fits)
+    assert [r for r, _ in sch.schedule().prefill] == [fits]
+
+
+def test_without_decoders_the_debt_is_forgiven():
+    sch = Scheduler(pool(512), max_batch_tokens=64)
+    add(sch, request(1000, generate=False))
+    sch.debt = 10.0
+    assert sch.schedule().prefill and sch.debt == 0
+
+
+@pytest.mark.parametrize("kw", [dict(max_batch_tokens=0), dict(max_running=0), dict(prefill_share=0),
+                                dict(prefill_step_seconds=0)])
+def test_bad_settings_are_refused(kw):
+    with pytest.raises(ValueError):
+        Scheduler(pool(4), **kw)
+
+
+# ----------------------------------------------------------------------------- invariants
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "cancel"]), st.integers(1, 40),
+                          st.integers(1, 12), st.integers(1, 3), st.booleans()), max_size=40))
+def test_reservations_always_balance_and_no_sequence_runs_out_of_blocks(ops):
+    """Random arrivals, steps (prefill as planned, then one token for every decoding sequence)
+    and cancels: the reservation is always what admitted requests still may allocate."""
+    sch = Scheduler(pool(24), max_batch_tokens=16, max_running=6)
+    live: list[Request] = []
+    for op, n, max_tokens, samples, generate in ops:
+        if op == "add" and sch.blocks_needed(n, max_tokens if generate else 0, samples if generate else 0) <= 24:
+            live.append(request(n, max_tokens=max_tokens, samples=samples, generate=generate, first=n * 100))
+            sch.add(live[-1])
+        elif op == "cancel" and live:
+            r = live.pop(n % len(live))
+            sch.cancel(r)
+            for s in sch.running:
+                if s.req is r:
+                    stop(sch, s, "cancelled")
+            sch.drop_stopped()
+        elif op == "step":
+            running = list(sch.running)
+            prefill(sch)
+            decode(sch, running)  # grow never raises NoFreeBlocks
+        sch.kv.check()
+        assert sch.reserved == sum(r.reserved for r in sch.prefilling) + sum(s.reserve for s in sch.running)
+        assert 0 <= sch.reserved <= sch.kv.num_free
