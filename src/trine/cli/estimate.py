@@ -1,13 +1,13 @@
 """`trine estimate`: predicted tokens and cost by phase of a job, with and without the prefix cache."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from ..metering.estimate import JobShape, estimate as run_estimate, render
 from ..metering.rates import RateCard
+from .output import print_json
 
 
 @click.command()
@@ -42,6 +42,6 @@ def estimate(model, steps, prompts_per_step, group_size, turns, prompt_tokens, c
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(est.to_dict(), indent=2))
+        print_json(est.to_dict())
     else:
         render(est)

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from .rates import RateCard
-from .report import PhaseTokens, ReportRow, fmt_money
+from .money import fmt_money
+from .report import PhaseTokens, ReportRow
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..home import trine_home
+from .money import money
 
 SHIPPED = Path(__file__).with_name("rates.toml")
 DEFAULT_ROW = "default"
@@ -142,9 +143,8 @@ class RateCard:
     def pricing(self, model: str) -> dict:
         """The prices that apply to `model`, as a JSON-ready dict (for a models-list item's "pricing")."""
         p = self.price(model)
-        return {"currency": self.currency, "unit": "per_million_tokens", "prefill": p.prefill,
-                "prefill_cached": p.prefill_cached, "sample": p.sample, "train": p.train,
-                "storage_gb_month": p.storage_gb_month, "rate_row": p.model}
+        return {"currency": self.currency, "unit": "per_million_tokens",
+                **{k: money(getattr(p, k)) for k in (*BILLED_PHASES, "storage_gb_month")}, "rate_row": p.model}
 
     def as_models_list(self) -> list[dict]:
         """Every row as `{"model_id", "description", "pricing"}`: extra fields a models-list item can carry
