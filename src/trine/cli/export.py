@@ -33,9 +33,9 @@ def named_model_dir(adapter_dir: Path, home: Path) -> Path | None:
     """For a checkpoint that records only its base model's name: that model under `home`/models."""
     import json
 
-    from trine.engine.checkpoint import ADAPTER_CONFIG, BASE_MODEL_NAME
+    from trine.engine.checkpoint import ADAPTER_CONFIG, trine_facts
     cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    name = cfg.get(BASE_MODEL_NAME) or cfg.get("base_model_name_or_path") or ""
+    name = trine_facts(adapter_dir).get("base_model") or cfg.get("base_model_name_or_path") or ""
     candidate = home / "models" / Path(str(name)).name
     return candidate if name and (candidate / "config.json").is_file() else None
 
