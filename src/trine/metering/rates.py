@@ -128,6 +128,17 @@ class RateCard:
     def price(self, model: str) -> ModelPrices:
         return self.rows.get(model_key(model)) or self.rows[DEFAULT_ROW]
 
+    def require(self, model: str) -> ModelPrices:
+        """The row named `model` (the "default" row only when asked by that name); ValueError naming
+        the card's models and how to add one otherwise."""
+        row = self.rows.get(model_key(model))
+        if row is None:
+            names = ", ".join(sorted(p.model for k, p in self.rows.items() if k != DEFAULT_ROW))
+            raise ValueError(f"model {model!r} is not on the rate card ({names}, or `default` for the "
+                             f"default row); add a [models.\"{model}\"] row to $TRINE_HOME/rates.toml or "
+                             "a file passed with --rates")
+        return row
+
     def cost(self, usage, model: str | None = None) -> dict[str, float]:
         """Cost by billed phase plus "total", for a UsageEvent (priced at its base_model) or any object with
         the phase attributes (prefill, prefill_cached, sample, train), priced at `model`."""
