@@ -85,7 +85,8 @@ class ReportRow:
         t = self.tokens
         return {"key": self.key, "info": self.info, "requests": self.requests,
                 "tokens": {**t.to_dict(), "prompt": t.prompt},
-                "cost": {k: money(v) for k, v in self.cost.items()}, "cache_hit_rate": t.cache_hit_rate, "loss_fraction": t.loss_fraction,
+                "cost": {k: money(v) for k, v in self.cost.items()}, "cache_hit_rate": t.cache_hit_rate,
+                "loss_fraction": t.loss_fraction,
                 "dominant_phase": self.dominant_phase}
 
     @classmethod

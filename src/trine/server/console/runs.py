@@ -172,6 +172,7 @@ def run_detail(svc: Service, key: ApiKey, run_id: str) -> dict:
 
 def checkpoint_row(c) -> dict:
     return {"id": c.id, "run_id": c.training_run_id, "name": c.name, "kind": c.kind, "uri": c.uri,
-            "size_bytes": c.size_bytes, "size": fmt_size(c.size_bytes), "visibility": c.visibility, "model": c.base_model,
+            "size_bytes": c.size_bytes, "size": fmt_size(c.size_bytes), "visibility": c.visibility,
+            "model": c.base_model,
             "rank": c.lora_rank, "step": c.step, "created_at": c.created_at,
             "expires_at": c.expires_at, "downloadable": bool(c.path)}

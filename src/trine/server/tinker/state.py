@@ -3,7 +3,8 @@
 Tinker names a training client `<session_id>:train:<model_seq_id>` (the SDK computes that id itself
 for create-from-state) and checkpoints `tinker://<run>/<weights|sampler_weights>/<name>`; trine's
 service knows training runs by their own ids and checkpoints by `trio://<run>/<state|weights>/<name>`.
-This module keeps the ids; the pure path mapping is `trine.uris`, which the SDK shares. Runs, events, ordering and metering stay in the service.
+This module keeps the ids; the pure path mapping is `trine.uris`, which the SDK shares. Runs,
+events, ordering and metering stay in the service.
 
 Invariants
 - A model id maps to one training run, owned by the key that created it; anyone else gets 404.
