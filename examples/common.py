@@ -8,6 +8,7 @@ through the public SDK (`import trine as trio`).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
 import time
@@ -19,17 +20,32 @@ import trine as trio
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
-def parser(description: str, steps: int) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help is a sentence; its default follows it, except for options without one."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parser(doc: str, steps: int | None) -> argparse.ArgumentParser:
+    """The options every example has (`--steps` unless `steps` is None); examples add their own. The
+    description is the first paragraph of the example's docstring `doc`."""
+    description = " ".join(doc.strip().split("\n\n")[0].split())
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    if steps is not None:
+        p.add_argument("--steps", type=int, default=steps, help="Training steps to run.")
     p.add_argument("--model", default=None,
-                   help="a model directory to serve in an embedded server, or with --url the served model's "
-                        f"name (default {DEFAULT_MODEL})")
-    p.add_argument("--url", default=os.environ.get("TRINE_BASE_URL"),
-                   help="a running trine server (default $TRINE_BASE_URL; none: start an embedded one)")
-    p.add_argument("--api-key", default=os.environ.get("TRINE_API_KEY"), help="default $TRINE_API_KEY")
-    p.add_argument("--home", type=Path, default=None, help="data dir of the embedded server (default $TRINE_HOME)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="A model directory to serve in an embedded server, or with --url the name of a model "
+                        f"the server serves. Default: {DEFAULT_MODEL}.")
+    p.add_argument("--url", default=None,
+                   help="A running trine server to use. Default: $TRINE_BASE_URL; with neither, the example "
+                        "starts an embedded server.")
+    p.add_argument("--api-key", default=None, help="The API key for --url. Default: $TRINE_API_KEY.")
+    p.add_argument("--home", type=Path, default=None,
+                   help="The embedded server's data dir. Default: $TRINE_HOME, else ~/.trine.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the example's data, sampling and LoRA init.")
     return p
 
 
@@ -49,9 +65,11 @@ class Connection:
 @contextlib.contextmanager
 def connect(args):
     """Yield a Connection; an embedded server lives as long as the block."""
-    if args.url:
-        with trio.ServiceClient(api_key=args.api_key, base_url=args.url) as service:
-            yield Connection(service, args.model or DEFAULT_MODEL, args.url, args.api_key)
+    url = args.url or os.environ.get("TRINE_BASE_URL")
+    if url:
+        api_key = args.api_key or os.environ.get("TRINE_API_KEY")
+        with trio.ServiceClient(api_key=api_key, base_url=url) as service:
+            yield Connection(service, args.model or DEFAULT_MODEL, url, api_key)
         return
     from trine.engine.default_model import ensure_default_model
     from trine.server.app import start_server
@@ -93,6 +111,68 @@ def policy_datum(prompt: list[int], tokens: list[int], logprobs: list[float], ad
                       loss_fn_inputs={"target_tokens": [-100] * n + list(tokens),
                                       "logprobs": [0.0] * n + list(logprobs),
                                       "advantages": [0.0] * n + list(advantages)})
+
+
+class StepTimer:
+    """Seconds per step, tokens per second and an ETA for a loop of `total` steps, appended to each
+    step's line; in a terminal, also a progress bar below the lines. Tokens are everything the
+    server computed for this client meanwhile (prefill, sampled and training tokens).
+
+        timer = StepTimer(service, args.steps)
+        for step in range(args.steps):
+            ...
+            timer.done(f"step {step + 1}  loss {loss:.3f}")   # prints the line with the timing
+    """
+
+    def __init__(self, service, total: int, unit: str = "step"):
+        from rich.console import Console
+
+        self.service, self.total, self.unit = service, total, unit
+        self.console = Console(highlight=False)
+        self.count, self.seconds = 0, 0.0
+        self._last_time, self._last_usage = time.monotonic(), service.usage()
+        self._bar = None
+        if self.console.is_terminal and total > 1:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn(f"{unit}s"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=True)
+            self._task = self._bar.add_task("", total=total)
+            self._bar.start()
+            atexit.register(self.close)
+
+    def done(self, line: str = "") -> dict:
+        """One step finished: print `line` with its timing (and move the bar); returns the timing."""
+        now, usage = time.monotonic(), self.service.usage()
+        dt, used = now - self._last_time, usage - self._last_usage
+        self._last_time, self._last_usage = now, usage
+        self.count += 1
+        self.seconds += dt
+        tokens = used.prefill_tokens + used.sample_tokens + used.train_tokens
+        eta = (self.total - self.count) * self.seconds / self.count
+        timing = {"seconds": dt, "tokens_per_s": tokens / dt if dt > 0 else 0.0, "eta_s": eta}
+        self.console.print(f"{line}  [{dt:.1f} s/{self.unit}, {timing['tokens_per_s']:,.0f} tok/s, "
+                           f"ETA {duration(eta)}]".lstrip(), soft_wrap=True)  # one line, as print() writes
+        if self._bar is not None:
+            self._bar.advance(self._task)
+            if self.count >= self.total:
+                self.close()
+        return timing
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def duration(seconds: float) -> str:
+    """`12 s`, `3 min 05 s`, `1 h 02 min`."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 class Phases:

@@ -22,17 +22,17 @@ import statistics
 from pathlib import Path
 
 import trine as trio
-from common import Phases, chat_tokens, connect, end_of_turn, parser, policy_datum, sft_datum
+from common import Phases, StepTimer, chat_tokens, connect, end_of_turn, parser, policy_datum, sft_datum
 
 DATA = Path(__file__).parent / "data" / "chat_sft.jsonl"
 
 
 def main(argv=None) -> dict:
-    p = parser(__doc__.splitlines()[0], steps=8)
-    p.add_argument("--teacher-steps", type=int, default=12)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--group", type=int, default=4)
-    p.add_argument("--lr", type=float, default=5e-4)
+    p = parser(__doc__, steps=8)
+    p.add_argument("--teacher-steps", type=int, default=12, help="SFT steps that train the teacher first.")
+    p.add_argument("--prompts", type=int, default=4, help="Prompts the student answers per step.")
+    p.add_argument("--group", type=int, default=4, help="Student samples per prompt.")
+    p.add_argument("--lr", type=float, default=5e-4, help="The student's Adam learning rate.")
     args = p.parse_args(argv)
     rows = [json.loads(line)["messages"] for line in DATA.read_text().splitlines() if line.strip()]
     rng = random.Random(args.seed)
@@ -46,15 +46,18 @@ def main(argv=None) -> dict:
             eot = end_of_turn(tok)
             data = [sft_datum(chat_tokens(tok, m[:-1], generation_prompt=True),
                               tok.encode(m[-1]["content"], add_special_tokens=False) + [eot]) for m in rows]
+            teacher_timer = StepTimer(service, args.teacher_steps)
             for step in range(args.teacher_steps):
                 fb = teacher.forward_backward(rng.sample(data, 16), "cross_entropy")
                 teacher.optim_step(trio.AdamParams(learning_rate=1e-3))
                 loss = fb.result().metrics["loss_mean"]
+                teacher_timer.done(f"teacher step {step + 1:>3}  loss {loss:.4f}")
             teacher_sampler = teacher.save_weights_and_get_sampling_client()
         if args.teacher_steps:
             print(f"teacher: {args.teacher_steps} SFT steps, last loss {loss:.4f}")
         student = service.create_lora_training_client(base_model=model, rank=16, seed=args.seed + 1)
         params = trio.SamplingParams(max_tokens=24, temperature=1.0, stop=["<|im_end|>"])
+        timer = StepTimer(service, args.steps)
         for step in range(args.steps):
             with phases("student samples"):
                 sampler = student.save_weights_and_get_sampling_client()
@@ -75,8 +78,8 @@ def main(argv=None) -> dict:
                 fb = student.forward_backward(batch, "importance_sampling")
                 opt = student.optim_step(trio.AdamParams(learning_rate=args.lr))
                 out, _ = fb.result(), opt.result()
-            print(f"step {step + 1:>3}  reverse KL per token {curve[-1]:.4f}  ({len(kls)} tokens, "
-                  f"{len(batch)} samples)  cycle {out.cycle}")
+            timer.done(f"step {step + 1:>3}  reverse KL per token {curve[-1]:.4f}  ({len(kls)} tokens, "
+                       f"{len(batch)} samples)  cycle {out.cycle}")
         print("reverse KL curve: " + " ".join(f"{k:.3f}" for k in curve))
         phases.report()
     return {"reverse_kl_curve": curve}

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 import trine as trio
-from common import Phases, chat_tokens, connect, end_of_turn, parser, sft_datum
+from common import Phases, StepTimer, chat_tokens, connect, end_of_turn, parser, sft_datum
 
 DATA = Path(__file__).parent / "data" / "chat_sft.jsonl"
 HELD_OUT = 30
@@ -94,11 +94,12 @@ def evaluate(trainer, pairs: list[Encoded]) -> tuple[float, float]:
 
 
 def main(argv=None) -> dict:
-    p = parser(__doc__.splitlines()[0], steps=12)
-    p.add_argument("--batch", type=int, default=8, help="preference pairs per step")
-    p.add_argument("--beta", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--pairs", type=int, default=96, help="training pairs (each scored once by the reference)")
+    p = parser(__doc__, steps=12)
+    p.add_argument("--batch", type=int, default=8, help="Preference pairs per training step.")
+    p.add_argument("--beta", type=float, default=0.1, help="DPO's beta: how far the policy may move from the "
+                                                           "reference.")
+    p.add_argument("--lr", type=float, default=5e-4, help="Adam's learning rate.")
+    p.add_argument("--pairs", type=int, default=96, help="Training pairs, each scored once by the reference.")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     with connect(args) as conn:
@@ -119,6 +120,7 @@ def main(argv=None) -> dict:
         print(f"{len(train)} training and {len(held)} held-out pairs; held-out accuracy {acc0:.2f}, "
               f"margin {margin0:+.3f}")
         adam = trio.AdamParams(learning_rate=args.lr)
+        timer = StepTimer(service, args.steps)
         with phases("train"):
             for step in range(args.steps):
                 batch = rng.sample(train, min(args.batch, len(train)))
@@ -126,8 +128,8 @@ def main(argv=None) -> dict:
                 refs = [r for p in batch for r in p.ref]
                 out = trainer.forward_backward_custom(data, dpo_loss(args.beta, refs)).result()
                 trainer.optim_step(adam).result()
-                print(f"step {step + 1:>3}  dpo loss {out.metrics['dpo_loss']:.4f}  "
-                      f"batch accuracy {out.metrics['accuracy']:.2f}  margin {out.metrics['margin']:+.3f}")
+                timer.done(f"step {step + 1:>3}  dpo loss {out.metrics['dpo_loss']:.4f}  "
+                           f"batch accuracy {out.metrics['accuracy']:.2f}  margin {out.metrics['margin']:+.3f}")
         with phases("eval"):
             acc1, margin1 = evaluate(trainer, held)
         print(f"held-out accuracy {acc0:.2f} -> {acc1:.2f}, mean margin {margin0:+.3f} -> {margin1:+.3f}")

@@ -15,7 +15,7 @@ import re
 import statistics
 
 import trine as trio
-from common import Phases, chat_tokens, connect, parser, policy_datum
+from common import Phases, StepTimer, chat_tokens, connect, parser, policy_datum
 
 QUESTION = "What is {a} + {b}? Reply with the number only."
 
@@ -26,10 +26,10 @@ def reward(text: str, answer: int) -> float:
 
 
 def main(argv=None) -> dict:
-    p = parser(__doc__.splitlines()[0], steps=10)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p = parser(__doc__, steps=10)
+    p.add_argument("--prompts", type=int, default=4, help="Addition problems (groups) per step.")
+    p.add_argument("--group", type=int, default=8, help="Samples per problem, sent as one request.")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate.")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     params = trio.SamplingParams(max_tokens=8, temperature=1.0, stop=["<|im_end|>", "\n"])
@@ -39,6 +39,7 @@ def main(argv=None) -> dict:
         phases = Phases(service)
         trainer = service.create_lora_training_client(base_model=model, rank=16, seed=args.seed)
         tok = trainer.get_tokenizer()
+        timer = StepTimer(service, args.steps)
         for step in range(args.steps):
             with phases("sample"):
                 sampler = trainer.save_weights_and_get_sampling_client()
@@ -66,7 +67,7 @@ def main(argv=None) -> dict:
                 line += f"trained on {len(data)} samples, cycle {out.cycle}"
             else:
                 line += "no reward variance in any group: no update"
-            print(line)
+            timer.done(line)
         print("reward curve: " + " ".join(f"{r:.2f}" for r in curve))
         phases.report()
     return {"reward_curve": curve}

@@ -31,7 +31,7 @@ import random
 import re
 
 import trine as trio
-from common import Phases, chat_tokens, connect, end_of_turn, parser
+from common import Phases, StepTimer, chat_tokens, connect, end_of_turn, parser
 
 SYSTEM = ("You are a careful assistant with a calculator. To use it, write CALC: followed by an "
           "arithmetic expression, e.g. CALC: 12*7. When you know the answer, write ANSWER: <number>.")
@@ -50,13 +50,15 @@ def calculator(reply: str) -> str:
     return f"CALC result: {value:g}" if isinstance(value, float) else f"CALC result: {value}"
 
 
-def run(conn, tok, rng: random.Random, *, append: bool, conversations: int, turns: int, phases) -> dict:
-    """One run of the loop on its own sampler. Returns its token counts and hit rate."""
+def run(conn, tok, rng: random.Random, *, append: bool, conversations: int, turns: int, phases,
+        timer: StepTimer) -> dict:
+    """One run of the loop on its own sampler (a line per conversation). Returns its token counts and
+    hit rate."""
     sampler = conn.service.create_sampling_client(base_model=conn.model)
     eot = end_of_turn(tok)
     prompt_tokens = cached = diverged = 0
     with phases("append" if append else "retokenize"):
-        for _ in range(conversations):
+        for i in range(conversations):
             a, b, c = rng.randint(11, 99), rng.randint(11, 99), rng.randint(2, 9)
             history = [{"role": "system", "content": SYSTEM},
                        {"role": "user", "content": f"What is {a} * {c} + {b}?"}]
@@ -83,6 +85,8 @@ def run(conn, tok, rng: random.Random, *, append: bool, conversations: int, turn
                     prompt = prompt + closed + tok.encode(tail + full[len(done):], add_special_tokens=False)
                 else:
                     prompt = retokenized
+            timer.done(f"{'append' if append else 'retokenize':>10}: conversation {i + 1}/{conversations}, "
+                       f"{turns} turns, hit rate so far {100 * cached / max(prompt_tokens, 1):.1f}%")
     report = conn.server_usage(sampler.sampling_run_id)
     return {"sampler": sampler.sampling_run_id, "prompt_tokens": prompt_tokens, "cached_tokens": cached,
             "diverged_turns": diverged,
@@ -94,18 +98,19 @@ def run(conn, tok, rng: random.Random, *, append: bool, conversations: int, turn
 
 
 def main(argv=None) -> dict:
-    p = parser(__doc__.splitlines()[0], steps=0)
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
+    p = parser(__doc__, steps=None)
+    p.add_argument("--conversations", type=int, default=8, help="Conversations in each of the two runs.")
+    p.add_argument("--turns", type=int, default=4, help="Sampling turns per conversation.")
     args = p.parse_args(argv)
     with connect(args) as conn:
         phases = Phases(conn.service)
         tok = conn.service.create_sampling_client(base_model=conn.model).get_tokenizer()
         results = {}
+        timer = StepTimer(conn.service, 2 * args.conversations, unit="conversation")
         for name, append in (("append", True), ("retokenize", False)):
             rng = random.Random(f"{args.seed}-{name}")  # different questions: no run reuses the other's cache
             results[name] = run(conn, tok, rng, append=append, conversations=args.conversations,
-                                turns=args.turns, phases=phases)
+                                turns=args.turns, phases=phases, timer=timer)
         for name, r in results.items():
             print(f"{name:>10}: {r['prompt_tokens']:,} prompt tokens, {r['cached_tokens']:,} from the prefix cache "
                   f"(hit rate {100 * r['hit_rate']:.1f}%); at {r['diverged_turns']} turn(s) the re-tokenized "

@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 
 import trine as trio
-from common import Phases, chat_tokens, connect, end_of_turn, parser, sft_datum
+from common import Phases, StepTimer, chat_tokens, connect, end_of_turn, parser, sft_datum
 
 DATA = Path(__file__).parent / "data" / "chat_sft.jsonl"
 HELD_OUT = 40
@@ -37,9 +37,9 @@ def mean_loss(trainer, data: list[trio.Datum]) -> float:
 
 
 def main(argv=None) -> dict:
-    p = parser(__doc__.splitlines()[0], steps=16)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p = parser(__doc__, steps=16)
+    p.add_argument("--batch", type=int, default=16, help="Conversations per training step.")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate.")
     args = p.parse_args(argv)
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     train_rows, held_rows = rows[:-HELD_OUT], rows[-HELD_OUT:]
@@ -55,14 +55,15 @@ def main(argv=None) -> dict:
             before = mean_loss(trainer, held)
         print(f"{len(train)} training and {len(held)} held-out conversations; held-out loss {before:.4f}")
         adam = trio.AdamParams(learning_rate=args.lr)
+        timer = StepTimer(service, args.steps)
         with phases("train"):
             for step in range(args.steps):
                 batch = rng.sample(train, min(args.batch, len(train)))
                 fb = trainer.forward_backward(batch, "cross_entropy")
                 opt = trainer.optim_step(adam)  # queued behind it: the same clock cycle
                 out, _ = fb.result(), opt.result()
-                print(f"step {step + 1:>3}  train loss {out.metrics['loss_mean']:.4f}  "
-                      f"tokens {out.usage.train_tokens:,} (in loss {out.usage.loss_tokens:,})  cycle {out.cycle}")
+                timer.done(f"step {step + 1:>3}  train loss {out.metrics['loss_mean']:.4f}  "
+                           f"tokens {out.usage.train_tokens:,} (in loss {out.usage.loss_tokens:,})  cycle {out.cycle}")
         with phases("eval"):
             after = mean_loss(trainer, held)
             sampler = trainer.save_weights_and_get_sampling_client()

@@ -37,7 +37,9 @@ def test_sampler_adapter_loads_into_peft_with_the_same_logits(model, tiny_model_
     size = trainer.save_weights("r", tmp_path / "ckpt")
     assert size == sum(f.stat().st_size for f in (tmp_path / "ckpt").iterdir())
     cfg = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
-    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16.0 and cfg["trine_base_model"] == "tiny-llama"
+    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16.0 and "trine_base_model" not in cfg
+    facts = json.loads((tmp_path / "ckpt" / "trine_checkpoint.json").read_text())
+    assert facts["base_model"] == "tiny-llama"
     assert cfg["base_model_name_or_path"] == str(Path(tiny_model_dir).resolve())  # loads with no hub
     from safetensors.torch import load_file
     keys = load_file(str(tmp_path / "ckpt" / "adapter_model.safetensors"))

@@ -173,3 +173,52 @@ def test_estimate_matches_the_demo_grpo_loop(tmp_path):
                     train=u.train_tokens)
     for phase, value in measured.items():
         assert getattr(predicted, phase) == pytest.approx(value, rel=0.10, abs=8), (phase, measured, predicted)
+
+
+def test_an_unknown_model_is_an_error_not_the_default_row(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from trine.cli.main import main
+    r = CliRunner().invoke(main, ["estimate", "--model", "Llama-9-900B", "--home", str(tmp_path)])
+    assert r.exit_code == 1 and "not on the rate card" in r.output and "rates.toml" in r.output
+    assert "SmolLM2-135M-Instruct" in r.output  # names the models it does know
+    ok = CliRunner().invoke(main, ["estimate", "--model", "qwen3-8b", "--home", str(tmp_path), "--json"])
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["wall_clock"] is None  # matched case-insensitively
+    assert CliRunner().invoke(main, ["estimate", "--model", "default", "--home", str(tmp_path)]).exit_code == 0
+
+
+def test_wall_clock_adds_phases_from_measured_throughput():
+    from trine.metering.wallclock import Throughput, predict
+    shape = JobShape(model="SmolLM2-135M-Instruct", steps=3, prompts_per_step=2, group_size=4, turns=2,
+                     prompt_tokens=50, completion_tokens=10)
+    tokens = estimate(shape, CARD).with_cache.tokens
+    tp = Throughput("SmolLM2-135M-Instruct", batch=8, prefill_tokens_per_s=1000.0, decode_step_s=0.05,
+                    train_tokens_per_s=200.0, optim_step_s=0.5, threads=2, device="cpu", measured_at=0.0)
+    s = predict(shape, tokens, tp).seconds
+    assert s["prefill"] == pytest.approx(tokens.prefill / 1000)
+    assert s["sample"] == pytest.approx(3 * 2 * 10 * 0.05)  # steps x turns x completion tokens, batched
+    assert s["train"] == pytest.approx(tokens.train / 200 + 3 * 0.5)
+    assert s["total"] == pytest.approx(s["prefill"] + s["sample"] + s["train"])
+
+
+def test_estimate_measures_this_machine_once_and_reads_it_back(tiny_model_dir, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from trine.cli.main import main
+    args = ["estimate", "--model", "default", "--home", str(tmp_path), "--steps", "2", "--prompts-per-step", "2",
+            "--group-size", "2", "--prompt-tokens", "24", "--completion-tokens", "4", "--json"]
+    r = CliRunner().invoke(main, [*args, "--measure", "--model-dir", str(tiny_model_dir), "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    measured = json.loads(r.stdout)["wall_clock"]
+    tp = measured["throughput"]
+    assert tp["batch"] == 4 and tp["threads"] == 1 and tp["device"] == "cpu"
+    assert tp["prefill_tokens_per_s"] > 0 and tp["decode_step_s"] > 0 and tp["train_tokens_per_s"] > 0
+    assert measured["seconds"]["total"] > 0 and (tmp_path / "throughput.json").is_file()
+    again = CliRunner().invoke(main, args)  # no --measure: the stored measurement
+    assert json.loads(again.stdout)["wall_clock"] == measured
+    table = CliRunner().invoke(main, args[:-1]).stdout
+    assert "wall clock on this machine: about" in table and "measured on this machine" in table

@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct, and shows the effect it is about."""
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -39,6 +40,34 @@ def test_every_example_runs_through_the_sdk(tiny_server, capsys):
     assert len(out["reverse_kl_curve"]) == 1
     printed = capsys.readouterr().out
     assert printed.count("Usage by phase") == 5  # each prints its usage by phase
+    # each step's line says how long it took, the throughput and the time left
+    timed = re.findall(r"\[(\d+\.\d) s/(step|conversation), ([\d,]+) tok/s, ETA (\d+ s|\d+ min \d\d s)\]", printed)
+    assert len([t for t in timed if t[1] == "step"]) >= 5, printed  # sft, grpo, dpo, distill (teacher + student)
+    assert len([t for t in timed if t[1] == "conversation"]) == 2  # the agent: one line per conversation
+    assert any(int(t[2].replace(",", "")) > 0 for t in timed)
+
+
+EXAMPLE_NAMES = ("sft_chat", "grpo_arithmetic", "dpo", "multi_turn_agent", "distill")
+
+
+@pytest.mark.parametrize("name", EXAMPLE_NAMES)
+def test_example_help_is_sentences_with_defaults(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        example(name).main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1]
+    assert description.rstrip().endswith("."), description
+    options = re.split(r"\n  (?=-)", text.split("options:\n", 1)[1])
+    for opt in options:
+        flag, _, help_text = opt.strip().partition("  ")
+        if flag.startswith("-h"):
+            continue
+        sentence = " ".join(help_text.split())
+        assert sentence[:1].isupper(), (flag, sentence)
+        assert re.fullmatch(r".+\.( \(default: [^)]+\))?", sentence), (flag, sentence)
+        if flag.startswith(("--steps", "--seed", "--lr")):
+            assert "(default: " in sentence, (flag, sentence)
 
 
 @pytest.fixture(scope="module")

@@ -66,10 +66,48 @@ def test_adapter_export_loads_with_peft_from_its_own_config(saved, tmp_path):
     out = tmp_path / "adapter"
     r = CliRunner().invoke(main, ["export", str(path), str(out)])
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                     "trine_checkpoint.json"]
     m = AutoPeftModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
         assert (m(TOKENS).logits - want).abs().max() <= 1e-4
+
+
+def peft_config_keys() -> set[str]:
+    """Every key PEFT's own LoraConfig writes (its dataclass fields)."""
+    import dataclasses
+
+    from peft import LoraConfig
+    return {f.name for f in dataclasses.fields(LoraConfig)}
+
+
+def test_exported_adapter_config_has_only_pefts_keys_and_trines_facts_apart(saved, tmp_path):
+    path, _, _ = saved
+    out = tmp_path / "adapter"
+    assert CliRunner().invoke(main, ["export", str(path), str(out)]).exit_code == 0
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert set(cfg) <= peft_config_keys(), set(cfg) - peft_config_keys()
+    facts = json.loads((out / "trine_checkpoint.json").read_text())
+    assert facts["base_model"] == "tiny-llama" and facts["exported_from"] == str(path)
+
+
+def test_exported_files_are_readable_by_all_and_writable_by_the_owner(saved, tiny_model_dir, tmp_path):
+    """safetensors writes 0600 and a base model's files may be read-only or private: exports are 0644."""
+    import shutil
+    import stat
+    path, _, _ = saved
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    for f in base.iterdir():
+        f.chmod(0o400 if f.suffix == ".json" else 0o600)
+    for args, out in ((["--merged", "--base", str(base)], tmp_path / "merged"), ([], tmp_path / "adapter")):
+        r = CliRunner().invoke(main, ["export", str(path), str(out), *args])
+        assert r.exit_code == 0, r.output
+        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+        assert "model.safetensors" in modes or "adapter_model.safetensors" in modes
+        assert set(modes.values()) == {0o644}, modes
+    assert "trine_merged_from" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert json.loads((tmp_path / "merged" / "trine_checkpoint.json").read_text())["merged_from"] == str(path)
 
 
 def test_export_refuses_unknown_checkpoint(tmp_path):
@@ -95,10 +133,11 @@ def test_download_checkpoint_into_a_directory_extracts_a_peft_adapter(tiny_model
         target.mkdir()
         result = rest.download_checkpoint(ck.checkpoint_id, target).result()
         assert result.path == str(target)
-        assert sorted(p.name for p in target.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert sorted(p.name for p in target.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                            "trine_checkpoint.json"]
         cfg = json.loads((target / "adapter_config.json").read_text())
         assert cfg["base_model_name_or_path"] == str(tiny_model_dir.resolve())
-        assert cfg["trine_base_model"] == "tiny-llama"
+        assert json.loads((target / "trine_checkpoint.json").read_text())["base_model"] == "tiny-llama"
         # a file name still gets the archive itself
         tar = rest.download_checkpoint(ck.checkpoint_id, tmp_path / "ck.tar").result()
         assert tar.file_size_bytes == (tmp_path / "ck.tar").stat().st_size > 0

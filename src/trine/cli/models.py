@@ -1,14 +1,13 @@
 """`trine models`: the model list with per-phase prices, from a server or from the rate card + data dir."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from ..metering import remote
 from ..metering.rates import RateCard, trine_home
-from .output import Column, price, print_table
+from .output import Column, price, print_json, print_table
 
 
 @click.command()
@@ -25,7 +24,7 @@ def models(url, api_key, home, rates, as_json):
     except (ValueError, ConnectionError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        print_json(rows)
         return
     cols = [Column("model", fold=True), Column("status", fold=True)]
     cols += [Column(name, numeric=True) for name in ("prefill", "cached", "sample", "train", "GB-month")]

@@ -11,11 +11,10 @@ limited to 80 columns (rich's default when it cannot see a terminal).
 from __future__ import annotations
 
 import datetime
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..metering.report import fmt_money as money
+from ..metering.money import dumps, fmt_money as money
 
 PIPED_WIDTH = 200  # a pipe has no width: wide enough for every listing to keep one line per row
 
@@ -58,7 +57,7 @@ def print_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[s
 
 def print_json(records) -> None:
     """Records (a list of dicts, or one dict) as indented JSON on stdout."""
-    print(json.dumps(records, indent=2, default=str))
+    print(dumps(records, indent=2, default=str))
 
 
 def price(x: float | None) -> str:
@@ -70,5 +69,7 @@ def when(ts: float | None, never: str = "-") -> str:
     return never if not ts else datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
 
 
-def size(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
+def size(n: int | None) -> str:
+    """A size as the console shows it too (`trine.sizes`)."""
+    from ..sizes import fmt_size
+    return fmt_size(n)

@@ -15,6 +15,7 @@ from ..types import GetServerCapabilitiesResponse, LoraConfig, ModelOperationCap
 from . import tokenizer as tok
 from ..errors import AuthError, ValidationError
 from .http import Settings
+from .paths import checkpoint_uri
 from .profile import load_profile
 from .rest import RestClient
 from .runtime import Runtime
@@ -72,6 +73,7 @@ class Session:
         self._finalizer()
 
     async def create_sampling_client(self, base_model: str | None, model_path: str | None) -> SamplingClient:
+        model_path = checkpoint_uri(model_path) if model_path else model_path
         if not base_model:
             if not model_path:
                 raise ValidationError("create_sampling_client needs base_model or model_path")
@@ -82,10 +84,8 @@ class Session:
         return SamplingClient(self, run)
 
     async def find_checkpoint(self, path: str) -> dict:
-        if not isinstance(path, str) or not path:
-            raise ValidationError(f"checkpoint path must be a non-empty str, got {path!r}")
         return await self.runtime.control.call("GET", "openapi/v1/training-runs/by-checkpoint-uri",
-                                               params={"checkpoint_uri": path})
+                                               params={"checkpoint_uri": checkpoint_uri(path)})
 
     def get_tokenizer(self, model_id: str, model_alias: str) -> Any:
         """The served model's tokenizer (transformers), cached per model for this session."""
@@ -202,6 +202,7 @@ class ServiceClient:
         return await self._rt.run_async(self._create_training_run(base_model, lora, "", False))
 
     async def _from_state(self, path: str, restore_optimizer: bool) -> TrainingClient:
+        path = checkpoint_uri(path)
         info = await self._session.find_checkpoint(path)
         lora = LoraConfig(rank=info["lora_rank"], seed=info.get("seed"), train_mlp=info["train_mlp"],
                           train_attn=info["train_attn"], train_unembed=info["train_unembed"])
@@ -224,7 +225,7 @@ class ServiceClient:
     # -- sampling, metadata ------------------------------------------------------------------
 
     def create_sampling_client(self, base_model: str | None = None, model_path: str | None = None) -> SamplingClient:
-        """A sampler on `base_model`, or on saved weights `model_path` (a `trio://` path)."""
+        """A sampler on `base_model`, or on saved weights `model_path` (a `trio://` or `tinker://` path)."""
         return self._rt.run_sync(self._session.create_sampling_client(base_model, model_path))
 
     async def create_sampling_client_async(self, base_model: str | None = None,

@@ -36,6 +36,7 @@ from ..errors import TrineError, ValidationError
 from .events import EventQueue
 from .futures import APIFuture, gather
 from .http import ActorConnection
+from .paths import checkpoint_uri
 from .runtime import UsageLedger
 from .wire import tensor_from_wire
 
@@ -318,6 +319,7 @@ class TrainingClient:
                 raise ValidationError("load_state must be called before the first training call of this client; "
                                       "use create_training_client_from_state instead",
                                       code="validation.already_initialized")
+            path = checkpoint_uri(path)
             source = await self._session.find_checkpoint(path)
             mismatches = [f"{field} (this run {mine!r}, checkpoint {theirs!r})" for field, mine, theirs in (
                 ("base_model", self.model_id, source.get("base_model")),

@@ -3,7 +3,9 @@
 A checkpoint is a directory:
 - `adapter_model.safetensors`: PEFT keys (`base_model.model.<module>.lora_A.weight`, A [r, in],
   B [out, r]); its safetensors metadata also records trine's full `LoRAConfig` (seed included).
-- `adapter_config.json`: PEFT's LoraConfig, so `peft.PeftModel.from_pretrained` loads it.
+- `adapter_config.json`: PEFT's LoraConfig and only PEFT's keys, so `peft.PeftModel.from_pretrained`
+  loads it (`base_model_name_or_path` is the base model's directory when known).
+- `trine_checkpoint.json`: what trine adds: the served model's name (`base_model`), its directory.
 - `optimizer.safetensors` (training checkpoints only): AdamW's `exp_avg`, `exp_avg_sq` and `step`
   per parameter, under the same PEFT keys.
 
@@ -32,7 +34,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 OPTIMIZER_STATE = "optimizer.safetensors"
 _PREFIX = "base_model.model."
-BASE_MODEL_NAME = "trine_base_model"  # adapter_config.json: the served model's name
+TRINE_FACTS = "trine_checkpoint.json"  # trine's own facts, kept out of PEFT's config
+BASE_MODEL_NAME = "trine_base_model"  # where checkpoints before trine_checkpoint.json kept the model's name
 
 
 def atomic_write(path: str | Path, data: bytes) -> int:
@@ -77,20 +80,31 @@ def save_peft_adapter(adapter: Adapter, lora: LoRAConfig, path: str | Path, base
 
     `base_model_name_or_path` is the base model's directory when known (`base_model_dir`), so
     `AutoPeftModelForCausalLM.from_pretrained(path)` loads it on this machine without a hub;
-    the served model's name is kept apart in `trine_base_model`."""
+    the served model's name is kept apart in `trine_checkpoint.json`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    facts = {"base_model": base_model, "base_model_dir": str(base_model_dir) if base_model_dir else None}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": str(base_model_dir) if base_model_dir else base_model,
-        BASE_MODEL_NAME: base_model,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
         "target_modules": sorted(lora.target_names()), "fan_in_fan_out": False, "use_rslora": False,
         "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
     }
     meta = {"trine_lora": json.dumps(asdict(lora))}
     written = atomic_write(path / ADAPTER_WEIGHTS, save(adapter_state(adapter), metadata=meta))
+    written += atomic_write(path / TRINE_FACTS, json.dumps(facts, indent=2).encode())
     return written + atomic_write(path / ADAPTER_CONFIG, json.dumps(config, indent=2).encode())
+
+
+def trine_facts(path: str | Path) -> dict:
+    """What trine recorded beside a checkpoint's PEFT config: `base_model` (the served model's name)
+    and `base_model_dir` (read from `adapter_config.json` for checkpoints written before the file)."""
+    path = Path(path)
+    if (path / TRINE_FACTS).is_file():
+        return json.loads((path / TRINE_FACTS).read_text())
+    cfg = json.loads((path / ADAPTER_CONFIG).read_text()) if (path / ADAPTER_CONFIG).is_file() else {}
+    return {"base_model": cfg.get(BASE_MODEL_NAME), "base_model_dir": None}
 
 
 def read_lora_config(path: str | Path) -> LoRAConfig:

@@ -1,7 +1,8 @@
 """Exporting a LoRA checkpoint for use elsewhere: a PEFT adapter directory, or a merged model.
 
 `export_adapter`: the checkpoint's adapter files only (no optimizer state), with
-`base_model_name_or_path` pointing at the base model's directory, so `peft` loads it offline.
+`base_model_name_or_path` pointing at the base model's directory, so `peft` loads it offline;
+`adapter_config.json` holds PEFT's keys only, trine's facts go to `trine_checkpoint.json`.
 
 `export_merged`: a full Hugging Face model directory with W' = W + (alpha / r) · B·A folded into
 every targeted linear, plus the base model's config, tokenizer, chat template and generation
@@ -16,10 +17,13 @@ Invariants
 - The base directory is read shard by shard and written with the same shard names and index, so
   memory holds one shard at a time; the merge runs in fp32 and is stored in each weight's dtype.
 - Every file is written under a temporary name and renamed; OUT must not exist yet or be empty.
+- Every file written is mode 0644 (readable by all, writable by the owner), whatever mode the
+  writer (safetensors writes 0600) or the base model's own files had.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -27,10 +31,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_MODEL_NAME, read_lora_config
+from .checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_MODEL_NAME, TRINE_FACTS, read_lora_config, trine_facts
 
 _PEFT_PREFIX = "base_model.model."
 SHARD_INDEX = "model.safetensors.index.json"
+FILE_MODE = 0o644
 
 
 def base_model_dir(adapter_dir: str | Path) -> Path | None:
@@ -46,16 +51,22 @@ def _prepare_out(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _place(tmp: Path, dst: Path) -> None:
+    """Give a fully written temporary file its mode and its name."""
+    os.chmod(tmp, FILE_MODE)
+    tmp.replace(dst)
+
+
 def _copy(src: Path, dst: Path) -> None:
     tmp = dst.with_name(f".{dst.name}.tmp")
     shutil.copyfile(src, tmp)
-    tmp.replace(dst)
+    _place(tmp, dst)
 
 
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    _place(tmp, path)
 
 
 def export_adapter(adapter_dir: str | Path, out: str | Path, base_dir: str | Path | None = None) -> Path:
@@ -64,9 +75,12 @@ def export_adapter(adapter_dir: str | Path, out: str | Path, base_dir: str | Pat
     read_lora_config(adapter_dir)  # refuses a directory that is not a LoRA checkpoint
     _prepare_out(out)
     _copy(adapter_dir / ADAPTER_WEIGHTS, out / ADAPTER_WEIGHTS)
+    facts = trine_facts(adapter_dir)
     cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    cfg.pop(BASE_MODEL_NAME, None)  # older checkpoints kept the served model's name here
     if base_dir is not None:
         cfg["base_model_name_or_path"] = str(Path(base_dir).resolve())
+    _write_json(out / TRINE_FACTS, {**facts, "exported_from": str(adapter_dir)})
     _write_json(out / ADAPTER_CONFIG, cfg)
     return out
 
@@ -117,7 +131,7 @@ def export_merged(adapter_dir: str | Path, out: str | Path, base_dir: str | Path
                 merged.add(name)
         tmp = out / f".{shard.name}.tmp"
         save_file(tensors, str(tmp), metadata={**metadata, "format": "pt"})
-        tmp.replace(out / shard.name)
+        _place(tmp, out / shard.name)
         weight_map.update(dict.fromkeys(tensors, shard.name))
     missing = sorted(set(deltas) - merged)
     if missing:
@@ -131,8 +145,7 @@ def export_merged(adapter_dir: str | Path, out: str | Path, base_dir: str | Path
             _copy(f, out / f.name)
     if untie:
         config["tie_word_embeddings"] = False
-    lora_cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    config["trine_merged_from"] = {"base_model": lora_cfg.get(BASE_MODEL_NAME, base.name),
-                                   "adapter": str(adapter_dir)}
+    _write_json(out / TRINE_FACTS, {"base_model": trine_facts(adapter_dir).get("base_model") or base.name,
+                                    "base_model_dir": str(base.resolve()), "merged_from": str(adapter_dir)})
     _write_json(out / "config.json", config)
     return out

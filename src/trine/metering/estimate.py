@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from .rates import RateCard
-from .report import PhaseTokens, ReportRow, fmt_money
+from .money import fmt_money
+from .report import PhaseTokens, ReportRow
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Estimate:
     shape: JobShape
     with_cache: ReportRow  # requests = sampling requests
     without_cache: ReportRow
+    currency: str = "USD"
 
     @property
     def dominant_phase(self) -> str | None:
@@ -96,7 +98,7 @@ def estimate(shape: JobShape, rate_card: RateCard) -> Estimate:
         requests = s.steps * s.prompts_per_step * (1 + (s.turns - 1) * s.group_size)
         key = "with prefix cache" if cache else "without prefix cache"
         rows.append(ReportRow(key, requests, tokens, rate_card.cost(tokens, s.model)))
-    return Estimate(shape, *rows)
+    return Estimate(shape, *rows, currency=rate_card.currency)
 
 
 def _group(s: JobShape, cache: bool, system_cached: bool) -> PhaseTokens:
@@ -124,8 +126,9 @@ def _sum(parts: list[tuple[PhaseTokens, int]]) -> PhaseTokens:
     return out
 
 
-def render(est: Estimate, console=None) -> None:
-    """Print tokens and cost by phase, with and without the prefix cache, and the dominant phase."""
+def render(est: Estimate, console=None, wall=None) -> None:
+    """Print tokens and cost by phase, with and without the prefix cache, the dominant phase, and
+    the wall-clock time on this machine when a measurement is given (`wallclock.WallClock`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -151,5 +154,17 @@ def render(est: Estimate, console=None) -> None:
     if est.dominant_phase:
         share = w.cost[est.dominant_phase] / w.cost["total"]
         console.print(f"dominant phase: [bold]{est.dominant_phase}[/bold] ({100 * share:.0f}% of the cost)")
+    if wall is None:
+        console.print("wall clock: not measured on this machine for this model yet; add --measure "
+                      "(a short benchmark through an embedded server, about a minute)")
+        return
+    from .wallclock import describe, fmt_duration
+
+    sec = wall.seconds
+    console.print(f"wall clock on this machine: [bold]about {fmt_duration(sec['total'])}[/bold] for "
+                  f"{fmt_money(w.cost['total'])} {est.currency} (prefill {fmt_duration(sec['prefill'])}, "
+                  f"sample {fmt_duration(sec['sample'])}, train {fmt_duration(sec['train'])}; phases added, "
+                  "not overlapped)")
+    console.print(f"  throughput {describe(wall.throughput)}")
 
 

@@ -14,11 +14,19 @@ from typing import Any, Callable
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
+from .money import dumps
 from .rates import RateCard
 from .report import GROUPINGS, build_report, describe_runs
 from .since import parse_since
 
 PREFIX = "/api/trine/v1"
+
+
+class MoneyJSONResponse(JSONResponse):
+    """Starlette's JSONResponse, writing every `Money` amount fixed-point (the server's default)."""
+
+    def render(self, content) -> bytes:
+        return dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
 def make_usage_router(get_store: Callable[..., Any], authenticate: Callable[..., Any],

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..home import trine_home
+from .money import money
 
 SHIPPED = Path(__file__).with_name("rates.toml")
 DEFAULT_ROW = "default"
@@ -127,6 +128,17 @@ class RateCard:
     def price(self, model: str) -> ModelPrices:
         return self.rows.get(model_key(model)) or self.rows[DEFAULT_ROW]
 
+    def require(self, model: str) -> ModelPrices:
+        """The row named `model` (the "default" row only when asked by that name); ValueError naming
+        the card's models and how to add one otherwise."""
+        row = self.rows.get(model_key(model))
+        if row is None:
+            names = ", ".join(sorted(p.model for k, p in self.rows.items() if k != DEFAULT_ROW))
+            raise ValueError(f"model {model!r} is not on the rate card ({names}, or `default` for the "
+                             f"default row); add a [models.\"{model}\"] row to $TRINE_HOME/rates.toml or "
+                             "a file passed with --rates")
+        return row
+
     def cost(self, usage, model: str | None = None) -> dict[str, float]:
         """Cost by billed phase plus "total", for a UsageEvent (priced at its base_model) or any object with
         the phase attributes (prefill, prefill_cached, sample, train), priced at `model`."""
@@ -142,9 +154,8 @@ class RateCard:
     def pricing(self, model: str) -> dict:
         """The prices that apply to `model`, as a JSON-ready dict (for a models-list item's "pricing")."""
         p = self.price(model)
-        return {"currency": self.currency, "unit": "per_million_tokens", "prefill": p.prefill,
-                "prefill_cached": p.prefill_cached, "sample": p.sample, "train": p.train,
-                "storage_gb_month": p.storage_gb_month, "rate_row": p.model}
+        return {"currency": self.currency, "unit": "per_million_tokens",
+                **{k: money(getattr(p, k)) for k in (*BILLED_PHASES, "storage_gb_month")}, "rate_row": p.model}
 
     def as_models_list(self) -> list[dict]:
         """Every row as `{"model_id", "description", "pricing"}`: extra fields a models-list item can carry

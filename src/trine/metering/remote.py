@@ -17,7 +17,7 @@ def server_url(url: str | None) -> str | None:
 def api_key(key: str | None) -> str:
     key = key or os.environ.get("TRINE_API_KEY") or os.environ.get("PYTRIO_API_KEY")
     if not key:
-        raise ValueError("api key: pass --api-key or set TRINE_API_KEY to read usage from a server")
+        raise ValueError("api key: pass --api-key or set TRINE_API_KEY to read from a server")
     return key
 
 

@@ -9,12 +9,12 @@ holds by construction.
 """
 from __future__ import annotations
 
-import json
 import time as _time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 
 from .events import PATTERNS, PHASES, CacheDiagnostic, UsageEvent
+from .money import dumps, fmt_money, money
 from .rates import BILLED_PHASES, RateCard
 
 GROUPINGS = ("minute", "hour", "day", "run", "model", "session")
@@ -85,7 +85,8 @@ class ReportRow:
         t = self.tokens
         return {"key": self.key, "info": self.info, "requests": self.requests,
                 "tokens": {**t.to_dict(), "prompt": t.prompt},
-                "cost": dict(self.cost), "cache_hit_rate": t.cache_hit_rate, "loss_fraction": t.loss_fraction,
+                "cost": {k: money(v) for k, v in self.cost.items()}, "cache_hit_rate": t.cache_hit_rate,
+                "loss_fraction": t.loss_fraction,
                 "dominant_phase": self.dominant_phase}
 
     @classmethod
@@ -106,7 +107,7 @@ class PatternSummary:
     fix: str
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "cost_lost": money(self.cost_lost)}
 
 
 @dataclass
@@ -124,7 +125,7 @@ class Report:
                 "diagnostics": [d.to_dict() for d in self.diagnostics]}
 
     def to_json(self, **kw) -> str:
-        return json.dumps(self.to_dict(), **kw)
+        return dumps(self.to_dict(), **kw)
 
     @classmethod
     def from_dict(cls, d: dict) -> Report:
@@ -242,8 +243,3 @@ def fmt_time(ts: float | None) -> str:
 
 def fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def fmt_money(x: float | None, decimals: int = 6) -> str:
-    """Fixed-point money, never scientific: 0.000005 -> '0.000005', 12.5 -> '12.500000'; None -> '-'."""
-    return "-" if x is None else f"{x:,.{decimals}f}"

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..home import trine_home
 from ..limits import MAX_BODY_BYTES, MAX_CONTROL_BYTES
-from ..metering.http import make_usage_router
+from ..metering.http import MoneyJSONResponse, make_usage_router
 from ..service import Service, ServiceError, Unauthorized
 from ..service.ownership import Ownership
 from ..service.queries import UsageLedger
@@ -68,7 +68,8 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
         finally:
             await service.stop()
 
-    app = FastAPI(title="trine", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(title="trine", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
+                  default_response_class=MoneyJSONResponse)  # amounts fixed-point (metering/money.py)
     app.state.service = service
     app.state.signer = signer
 

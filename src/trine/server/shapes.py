@@ -6,7 +6,6 @@ gets the same bytes as the first answer.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -15,6 +14,7 @@ import msgpack
 import numpy as np
 
 from ..limits import OPTIMIZE_STEP
+from ..metering.money import dumps, money
 from ..service import EventRecord, EventResult, SampleOutcome
 
 
@@ -41,7 +41,7 @@ def event_envelope(rec: EventRecord, res: EventResult | None, model_id: Callable
         return msgpack.packb(env, use_bin_type=True)
     env["status"] = res.status
     env["usage"] = {"input_tokens": res.train_tokens, "output_tokens": 0, "train_tokens": res.train_tokens,
-                    "loss_tokens": res.loss_tokens, "cost": res.cost}
+                    "loss_tokens": res.loss_tokens, "cost": money(res.cost)}
     env["cycle"] = res.cycle
     if res.error:
         env["error"] = {"code": res.error["code"], "message": res.error["message"]}
@@ -76,9 +76,9 @@ def sample_response(out: SampleOutcome, shape: SampleShape) -> bytes:
                  for pos in out.topk_prompt_logprobs]
                 if out.topk_prompt_logprobs is not None else None),
             "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["sample_tokens"], **u,
-                      "cost": out.cost},
+                      "cost": money(out.cost)},
             "model": out.model}
-    return json.dumps(body).encode()
+    return dumps(body).encode()
 
 
 def _json_float(x: float) -> float:

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from ..engine import ops
-from ..limits import TEMPORARY_CHECKPOINT_TTL_SECONDS
+from ..limits import OPTIMIZE_STEP, TEMPORARY_CHECKPOINT_TTL_SECONDS
 from ..store import ApiKey, Checkpoint, Store, TrainingRun
 from . import commands
 from .adapters import AdapterCache
@@ -48,10 +48,17 @@ class Checkpoints:
         ck = Checkpoint(op.checkpoint_id, run.api_key_id, run.id, save.name,
                         "TRAINING" if op.kind == "state" else "SAMPLER", op.uri, op.path,
                         size_bytes, save.visibility, m.name, run.lora_rank, run.train_mlp,
-                        run.train_attn, run.train_unembed, run.seed, run.last_cycle, now,
+                        run.train_attn, run.train_unembed, run.seed, self.training_step(run), now,
                         now + ttl if ttl else None)
         self.store.add_checkpoint(ck)
         return ck
+
+    def training_step(self, run: TrainingRun) -> int:
+        """The run's training step: the optim steps it has completed, counted from the step of the
+        checkpoint it was restored from (so a resumed run goes on numbering where its source stopped)."""
+        source = self.store.checkpoint_by_uri(run.source_checkpoint_uri) if run.source_checkpoint_uri else None
+        return (source.step if source is not None else 0) + self.store.count_events(run.id, OPTIMIZE_STEP,
+                                                                                   "succeeded")
 
     def forget(self, ck: Checkpoint) -> None:
         """Delete the record, the weights held by any replica, and the files."""

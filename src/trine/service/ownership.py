@@ -90,7 +90,9 @@ class Ownership:
                                  "training can restore saved states (save_state) or named weights",
                                  code="checkpoint_invalid_type")
         if restore_optimizer and ck.kind != "TRAINING":
-            raise InvalidRequest(f"checkpoint {uri} holds sampler weights without optimizer state; "
-                                 "restore it without the optimizer or use a save_state checkpoint",
-                                 code="checkpoint_invalid_type")
+            raise InvalidRequest(f"checkpoint {uri} holds sampler weights only (save_weights_for_sampler): "
+                                 "it has no optimizer state. Restore its weights with a fresh optimizer "
+                                 "(create_training_client_from_state / load_state), or restore a checkpoint "
+                                 "saved with save_state(name) to keep the optimizer",
+                                 code="checkpoint_has_no_optimizer_state")
         return ck

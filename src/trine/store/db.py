@@ -228,6 +228,10 @@ class Store:
             out.update((r[0], r[1]) for r in rows)
         return out
 
+    def count_events(self, run_id: str, type_: str, status: str) -> int:
+        """How many of a run's events have this type and status."""
+        return self._count("events", "run_id = ? AND type = ? AND status = ?", (run_id, type_, status))
+
     def delete_event(self, event_id: str) -> None:
         self._exec("DELETE FROM events WHERE id = ?", (event_id,))
 

@@ -2,10 +2,12 @@
 
 Sampling fills prompt/prefill/cached/sample tokens, training fills train/loss tokens.
 Invariants: prompt_tokens == prefill_tokens + cached_tokens; loss_tokens <= train_tokens.
-`cost` is set only when the server reports one; a sum has a cost only if every term had one.
+`cost` is set only when the server reports one; a sum has a cost only if every term had one. Costs
+are rounded and shown fixed-point as everywhere in trine (`trine.metering.money`).
 """
 from __future__ import annotations
 
+from ..metering.money import money
 from .base import BaseModel
 
 PHASE_FIELDS = ("prompt_tokens", "prefill_tokens", "cached_tokens", "sample_tokens",
@@ -23,13 +25,13 @@ class Usage(BaseModel):
 
     def __add__(self, other: Usage) -> Usage:
         fields = {f: getattr(self, f) + getattr(other, f) for f in PHASE_FIELDS}
-        cost = None if self.cost is None or other.cost is None else self.cost + other.cost
+        cost = None if self.cost is None or other.cost is None else money(self.cost + other.cost)
         return Usage(**fields, cost=cost)
 
     def __sub__(self, earlier: Usage) -> Usage:
         """What was used since `earlier` (a previous reading of the same running total)."""
         fields = {f: getattr(self, f) - getattr(earlier, f) for f in PHASE_FIELDS}
-        cost = None if self.cost is None or earlier.cost is None else self.cost - earlier.cost
+        cost = None if self.cost is None or earlier.cost is None else money(self.cost - earlier.cost)
         return Usage(**fields, cost=cost)
 
     @classmethod
@@ -38,4 +40,9 @@ class Usage(BaseModel):
         usage = usage or {}
         fields = {f: int(usage.get(f) or 0) for f in PHASE_FIELDS}
         c = usage.get("cost", cost)
-        return cls(**fields, cost=None if c is None else float(c))
+        return cls(**fields, cost=money(c))
+
+    def __repr_args__(self):
+        """`cost` fixed-point (0.0000057, not 5.7000000000000005e-06), as every trine surface shows money."""
+        for name, value in super().__repr_args__():
+            yield name, (money(value) if name == "cost" else value)

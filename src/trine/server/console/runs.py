@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
+from ...metering.money import money
 from ...service import ApiKey, EventRecord, EventResult, Service, TrainingRun
 from ...service.queries import Queries
+from ...sizes import fmt_size
 
 FORWARD_BACKWARD = "trainer.forward_backward"
 OPTIMIZE_STEP = "trainer.optimize_step"
@@ -161,7 +163,8 @@ def run_detail(svc: Service, key: ApiKey, run_id: str) -> dict:
     events = svc.queries.run_events(key, r.id)
     results = outcomes(svc.queries, key, events)
     cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
-    return {"run": run_json(svc, key, r, events), "steps": [asdict(s) for s in run_steps(events, results)],
+    return {"run": run_json(svc, key, r, events),
+            "steps": [{**asdict(s), "cost": money(s.cost)} for s in run_steps(events, results)],
             "checkpoints": [checkpoint_row(c) for c in cks],
             "failures": [{"index": e.idx, "type": e.type, "error": results[e.id].error}
                          for e in events if e.status == "failed"][-20:]}
@@ -169,6 +172,7 @@ def run_detail(svc: Service, key: ApiKey, run_id: str) -> dict:
 
 def checkpoint_row(c) -> dict:
     return {"id": c.id, "run_id": c.training_run_id, "name": c.name, "kind": c.kind, "uri": c.uri,
-            "size_bytes": c.size_bytes, "visibility": c.visibility, "model": c.base_model,
+            "size_bytes": c.size_bytes, "size": fmt_size(c.size_bytes), "visibility": c.visibility,
+            "model": c.base_model,
             "rank": c.lora_rank, "step": c.step, "created_at": c.created_at,
             "expires_at": c.expires_at, "downloadable": bool(c.path)}

@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from ...limits import MAX_SAMPLE_BYTES
+from ...metering.http import MoneyJSONResponse
+from ...metering.money import dumps
 from ...service import ApiKey, SampleChunk, SampleSpec, Service, ServiceError
 from ..context import caller_key, read_body, service_of
 from . import models as targets
@@ -117,7 +119,7 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     first, items = await _unless_disconnected(request, _start(st, key, target, spec, g.stream))
     created = int(time.time())
     if not g.stream:
-        return JSONResponse(shapes.response(g, rid, created, prompt, first, text.token_text))
+        return MoneyJSONResponse(shapes.response(g, rid, created, prompt, first, text.token_text))
     return StreamingResponse(_events(g, rid, created, first, items, text),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -234,7 +236,7 @@ def _delta_chunk(g: Generation, rid: str, created: int, d: SampleChunk, stream: 
 
 
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(obj, separators=(',', ':'))}\n\n"
 
 
 async def unknown_route(request: Request):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ...metering.money import money
 from ...service import SampleOutcome
 from .params import Generation
 
@@ -19,7 +20,7 @@ def usage(out: SampleOutcome) -> dict:
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["sample_tokens"],
             "total_tokens": u["prompt_tokens"] + u["sample_tokens"],
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
-            "cost": out.cost}
+            "cost": money(out.cost)}
 
 
 def _finite(x: float) -> float:

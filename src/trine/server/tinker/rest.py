@@ -15,6 +15,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from ...limits import MAX_PAGE_SIZE
+from ...metering.money import money
 from ...service import Checkpoint, InvalidRequest
 from ..context import json_object
 from .state import caller, to_tinker_path, to_trio_uri
@@ -223,8 +224,8 @@ async def billing_usage(request: Request, starting_on: str | None = None, ending
             info["cached"] = cached
         data.append({"bucket_start": _iso(hour), "bucket_end": _iso(hour + 3600), "base_model": model,
                      "user_id": key.id, "user_name": key.name, "session_id": session,
-                     "estimated_cost_usd": cost,
-                     "effective_rate_usd_per_million_tokens": cost * 1e6 / count if count else None,
+                     "estimated_cost_usd": money(cost),
+                     "effective_rate_usd_per_million_tokens": money(cost * 1e6 / count) if count else None,
                      "event_info": info})
     return {"data": data, "sessions": {}}
 

@@ -3,7 +3,8 @@
 Tinker names a training client `<session_id>:train:<model_seq_id>` (the SDK computes that id itself
 for create-from-state) and checkpoints `tinker://<run>/<weights|sampler_weights>/<name>`; trine's
 service knows training runs by their own ids and checkpoints by `trio://<run>/<state|weights>/<name>`.
-This module maps one onto the other. Runs, events, ordering and metering stay in the service.
+This module keeps the ids; the pure path mapping is `trine.uris`, which the SDK shares. Runs,
+events, ordering and metering stay in the service.
 
 Invariants
 - A model id maps to one training run, owned by the key that created it; anyone else gets 404.
@@ -16,30 +17,20 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from ... import uris
+from ...uris import TINKER_SCHEME, to_tinker_path  # noqa: F401 (the front end's routes import them from here)
 from ...service import ApiKey, InvalidRequest, NotFound, Service, ServiceError
 from ...service.stability import StabilityRecords
 from ..context import caller_key, service_of
 from .futures import FutureTable
 
-TINKER_SCHEME = "tinker://"
-_TO_TRIO = {"weights": "state", "sampler_weights": "weights"}
-_TO_TINKER = {v: k for k, v in _TO_TRIO.items()}
-
 
 def to_trio_uri(path: str) -> str:
-    """`tinker://<run>/weights/<name>` -> `trio://<run>/state/<name>` (sampler_weights -> weights)."""
-    if not isinstance(path, str) or not path.startswith(TINKER_SCHEME):
-        raise InvalidRequest(f"path {path!r}: use a tinker://<run>/<weights|sampler_weights>/<name> path "
-                             "returned by save_state or save_weights_for_sampler")
-    parts = path[len(TINKER_SCHEME):].split("/")
-    if len(parts) != 3 or parts[1] not in _TO_TRIO or not parts[0] or not parts[2]:
-        raise InvalidRequest(f"path {path!r}: expected tinker://<run>/<weights|sampler_weights>/<name>")
-    return f"trio://{parts[0]}/{_TO_TRIO[parts[1]]}/{parts[2]}"
-
-
-def to_tinker_path(uri: str) -> str:
-    run, kind, name = uri[len("trio://"):].split("/", 2)
-    return f"{TINKER_SCHEME}{run}/{_TO_TINKER[kind]}/{name}"
+    """`tinker://<run>/weights/<name>` -> `trio://<run>/state/<name>`; a bad path is a 400."""
+    try:
+        return uris.to_trio_uri(path)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 @dataclass

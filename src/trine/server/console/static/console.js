@@ -36,14 +36,9 @@ const esc = (T.esc = (s) => String(s ?? "").replace(/[&<>"']/g,
 T.int = (x) => (x == null ? "–" : Math.round(x).toLocaleString("en-US"));
 T.num = (x, d = 4) => (x == null ? "–" : Number(x).toPrecision(d).replace(/(\.\d*?)0+(e|$)/, "$1$2").replace(/\.(e|$)/, "$1"));
 T.pct = (x) => (x == null ? "–" : `${(100 * x).toFixed(1)}%`);
-T.money = (x) => (x == null ? "–" : x === 0 || x >= 0.01 ? x.toFixed(4) : x.toPrecision(2));
-T.bytes = (n) => {
-  if (n == null) return "–";
-  const units = ["B", "KB", "MB", "GB", "TB"];
-  let i = 0;
-  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
-  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
-};
+// money fixed-point with 6 decimals, as the CLI prints it (never 6.7e-7); sizes come as text from the
+// server (trine.sizes), so the console and `trine checkpoints` agree
+T.money = (x) => (x == null ? "–" : Number(x).toFixed(6));
 T.time = (ts) => {
   if (ts == null) return "–";
   const d = new Date(ts * 1000), p = (x) => String(x).padStart(2, "0");

@@ -93,7 +93,7 @@
      ["visibility"], ["created"], ["expires"], [""]],
     cks.map((c) => `<tr data-checkpoint="${esc(c.id)}"><td>${esc(c.name)}</td><td>${esc(c.kind)}</td>
       ${showRun ? `<td>${T.runLink(c.run_id)}</td>` : ""}<td class="mono">${esc(c.uri)}</td>
-      <td class="num">${T.bytes(c.size_bytes)}</td><td class="num">${c.step}</td><td>${esc(c.visibility)}</td>
+      <td class="num">${esc(c.size)}</td><td class="num">${c.step}</td><td>${esc(c.visibility)}</td>
       <td>${T.time(c.created_at)}</td><td>${c.expires_at ? T.time(c.expires_at) : "never"}</td>
       <td><button class="small" type="button" data-action="download" data-id="${esc(c.id)}"
             ${c.downloadable ? "" : 'disabled title="a temporary snapshot held in memory: nothing on disk to download"'}>Download</button>
