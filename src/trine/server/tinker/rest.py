@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from datetime import datetime, timezone
+from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 
-from ...limits import MAX_PAGE_SIZE
+from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...service import Checkpoint, InvalidRequest
-from ..context import json_object
+from ..context import json_object, parse_model
 from .state import caller, to_tinker_path, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
@@ -27,6 +29,34 @@ CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_k
                  "sample_join_sampling_session": False, "custom_loss_server_side": False,
                  "sample_no_retries": False}
 FINISH_STATUS = {"success": "ENDED", "errored": "CANCELLED", "interrupted": "CANCELLED"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CreateSessionBody(_Body):
+    sdk_version: str = ""
+
+
+class SessionBody(_Body):
+    session_id: str
+
+
+class FinishReason(_Body):
+    type: Literal["success", "errored", "interrupted"] = "success"
+
+
+class FinishBody(_Body):
+    reason: FinishReason = FinishReason()
+
+
+class WeightsInfoBody(_Body):
+    tinker_path: str
+
+
+async def _json(request: Request, cls):
+    return parse_model(cls, await json_object(request))
 
 
 def _iso(ts: float | None) -> str | None:
@@ -70,16 +100,16 @@ async def capabilities(request: Request):
 @router.post("/create_session")
 async def create_session(request: Request):
     svc, _, key = caller(request)
-    b = await json_object(request)
-    s = svc.runs.create_session(key, str(b.get("sdk_version") or ""))
+    b = await _json(request, CreateSessionBody)
+    s = svc.runs.create_session(key, b.sdk_version)
     return {"type": "create_session", "session_id": s.id}
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(request: Request):
     svc, st, key = caller(request)
-    b = await json_object(request)
-    s = svc.ownership.session(key, str(b.get("session_id") or ""))
+    b = await _json(request, SessionBody)
+    s = svc.ownership.session(key, b.session_id)
     if s.status != "ACTIVE":
         return JSONResponse({"code": "session_finished", "message": f"session {s.id} is {s.status}"},
                             status_code=410)
@@ -92,15 +122,14 @@ async def session_heartbeat(request: Request):
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request):
     svc, _, key = caller(request)
-    b = await json_object(request)
-    reason = (b.get("reason") or {}).get("type", "success")
-    await svc.runs.close_session(key, session_id, FINISH_STATUS.get(reason, "ENDED"))
+    b = await _json(request, FinishBody)
+    await svc.runs.close_session(key, session_id, FINISH_STATUS[b.reason.type])
     return {}
 
 
 @router.get("/sessions")
 async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
-                        offset: int = Query(0, ge=0)):
+                        offset: int = Query(0, ge=0, le=INT64_MAX)):
     svc, _, key = caller(request)
     rows, _ = svc.queries.sessions(key, limit, offset)
     return {"sessions": [s.id for s in rows]}
@@ -141,7 +170,7 @@ def _run_id(st, key, id_: str) -> str:
 
 @router.get("/training_runs")
 async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
-                             offset: int = Query(0, ge=0)):
+                             offset: int = Query(0, ge=0, le=INT64_MAX)):
     svc, _, key = caller(request)
     rows, total = svc.queries.training_runs(key, limit, offset)
     return {"training_runs": [training_run_json(svc, key, r) for r in rows],
@@ -171,7 +200,7 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
 
 @router.get("/checkpoints")
 async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZE),
-                           offset: int = Query(0, ge=0)):
+                           offset: int = Query(0, ge=0, le=INT64_MAX)):
     svc, _, key = caller(request)
     rows, total = svc.queries.checkpoints(key, limit=limit, offset=offset)
     return {"checkpoints": [checkpoint_json(c) for c in rows if c.path],
@@ -181,8 +210,8 @@ async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MA
 @router.post("/weights_info")
 async def weights_info(request: Request):
     svc, _, key = caller(request)
-    b = await json_object(request)
-    c = svc.ownership.checkpoint_by_uri(key, to_trio_uri(b.get("tinker_path")))
+    b = await _json(request, WeightsInfoBody)
+    c = svc.ownership.checkpoint_by_uri(key, to_trio_uri(b.tinker_path))
     return {"base_model": c.base_model, "is_lora": True, "lora_rank": c.lora_rank,
             "train_unembed": c.train_unembed, "train_mlp": c.train_mlp, "train_attn": c.train_attn}
 

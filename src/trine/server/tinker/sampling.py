@@ -11,10 +11,12 @@ request it never reads the prefix cache (0 hit tokens).
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
 
 from ...limits import MAX_SAMPLE_BYTES
 from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
-from ..context import json_object
+from ..bounds import Int64
+from ..context import json_object, parse_model
 from ..params import parse_sample
 from . import proto
 from .futures import Reply
@@ -56,6 +58,20 @@ async def get_sampler(sampler_id: str, request: Request):
             "model_path": to_tinker_path(r.source_checkpoint_uri) if r.source_checkpoint_uri else None}
 
 
+class AsampleBody(BaseModel):
+    """The types of an `asample` body's top-level fields (their values are checked where used)."""
+    model_config = ConfigDict(extra="allow")
+    sampling_session_id: str | None = None
+    seq_id: Int64 | None = None
+    num_samples: Int64 = 1
+    prompt: dict | None = None
+    sampling_params: dict | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: Int64 | None = None
+    prompt_logprobs_last_n: Int64 | None = None
+    record_stability_info: bool | None = None
+
+
 _UNSUPPORTED = {"topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0, "target_prompt_logprobs": None}
 
 
@@ -63,6 +79,7 @@ _UNSUPPORTED = {"topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0, "target_pro
 async def asample(request: Request):
     svc, st, key = caller(request)
     b = await json_object(request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object", empty_ok=False)
+    parse_model(AsampleBody, b)
     for name, off in _UNSUPPORTED.items():
         if b.get(name, off) not in (off, None):
             raise InvalidRequest(f"{name}: not supported by trine; leave it unset")
@@ -102,6 +119,6 @@ async def asample(request: Request):
             [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences], plp,
             out.topk_prompt_logprobs, spec.topk_prompt_logprobs, out.usage["cached_tokens"]),
             proto.PROTOBUF)
-    st.futures.start(key.id, request_id, finish)
+    st.futures.start(key.id, request_id, finish, spec.fingerprint)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 

@@ -59,8 +59,8 @@ class TinkerState:
     def model(self, key: ApiKey, model_id: str) -> Model:
         m = self.models.get(model_id)
         if m is None or m.api_key_id != key.id:
-            raise NotFound(f"model_id {model_id!r} not found: use the id create_model returned (ids do "
-                           "not survive a server restart; restore from a saved state)",
+            raise NotFound("model_id not found: use the id create_model returned to this API key (ids "
+                           "do not survive a server restart; restore from a saved state)",
                            code="model_not_found")
         return m
 
