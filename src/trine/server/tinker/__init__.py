@@ -11,7 +11,7 @@ from fastapi.routing import APIRoute
 
 from ...service import ServiceError
 from ..context import caller_key
-from . import futures, rest, sampling, training
+from . import checkpoints, futures, refused, rest, sampling, training
 from .errors import error_response
 from .state import state_of
 
@@ -34,7 +34,8 @@ class TinkerRoute(APIRoute):
 
 def make_router() -> APIRouter:
     router = APIRouter(route_class=TinkerRoute)
-    for r in (rest.router, training.router, sampling.router, futures.make_router(state_of, caller_key)):
+    for r in (rest.router, checkpoints.router, training.router, sampling.router,
+              futures.make_router(state_of, caller_key), refused.router):
         for route in r.routes:
             router.add_api_route(route.path, route.endpoint, methods=list(route.methods),
                                  response_model=None)

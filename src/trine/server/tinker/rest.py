@@ -1,6 +1,6 @@
-"""Tinker handshake, sessions and REST routes: client config, sessions and heartbeats, training runs,
-checkpoints (`tinker://` paths), capabilities, telemetry (accepted and dropped) and billing usage
-(answered from trine's metering, in Tinker's hourly-bucket shape).
+"""Tinker handshake, sessions and REST routes: client config, sessions and heartbeats, capabilities,
+telemetry (accepted and dropped) and billing usage (answered from trine's metering, in Tinker's
+hourly-bucket shape). Training runs and checkpoints are in `checkpoints.py`.
 
 The client config turns off what a self-hosted server does not need: no JWT exchange
 (`pjwt_auth_enabled`), custom losses run on the client (`custom_loss_server_side`), no
@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
-from ...service import Checkpoint, InvalidRequest
+from ...service import InvalidRequest
 from ..context import json_object, parse_model
-from .state import caller, to_tinker_path, to_trio_uri
+from .state import caller
 
 router = APIRouter(prefix="/api/v1")
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_key",
@@ -51,15 +51,11 @@ class FinishBody(_Body):
     reason: FinishReason = FinishReason()
 
 
-class WeightsInfoBody(_Body):
-    tinker_path: str
-
-
 async def _json(request: Request, cls):
     return parse_model(cls, await json_object(request))
 
 
-def _iso(ts: float | None) -> str | None:
+def iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
 
 
@@ -143,79 +139,6 @@ async def get_session(session_id: str, request: Request):
     return {"training_run_ids": models, "sampler_ids": v.sampling_run_ids}
 
 
-# ---------------------------------------------------------------------------- runs and checkpoints
-def checkpoint_json(c: Checkpoint) -> dict:
-    return {"checkpoint_id": to_tinker_path(c.uri).split("/", 3)[3], "tinker_path": to_tinker_path(c.uri),
-            "checkpoint_type": "training" if c.kind == "TRAINING" else "sampler",
-            "time": _iso(c.created_at), "size_bytes": c.size_bytes, "public": False,
-            "expires_at": _iso(c.expires_at)}
-
-
-def training_run_json(svc, key, r) -> dict:
-    cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
-    last = {kind: max((c for c in cks if c.kind == kind), key=lambda c: c.created_at, default=None)
-            for kind in ("TRAINING", "SAMPLER")}
-    return {"training_run_id": r.id, "base_model": r.base_model, "model_owner": key.name, "is_lora": True,
-            "corrupted": r.status == "INTERRUPTED", "lora_rank": r.lora_rank,
-            "last_request_time": _iso(r.updated_at),
-            "last_checkpoint": checkpoint_json(last["TRAINING"]) if last["TRAINING"] else None,
-            "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None}
-
-
-def _run_id(st, key, id_: str) -> str:
-    """Training routes take a trine run id or a Tinker model id."""
-    m = st.models.get(id_)
-    return m.run_id if m is not None and m.api_key_id == key.id else id_
-
-
-@router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
-                             offset: int = Query(0, ge=0, le=INT64_MAX)):
-    svc, _, key = caller(request)
-    rows, total = svc.queries.training_runs(key, limit, offset)
-    return {"training_runs": [training_run_json(svc, key, r) for r in rows],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
-
-
-@router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, request: Request):
-    svc, st, key = caller(request)
-    return training_run_json(svc, key, svc.ownership.training_run(key, _run_id(st, key, run_id)))
-
-
-@router.get("/training_runs/{run_id}/checkpoints")
-async def run_checkpoints(run_id: str, request: Request):
-    svc, st, key = caller(request)
-    rows, _ = svc.queries.checkpoints(key, training_run_id=_run_id(st, key, run_id))
-    return {"checkpoints": [checkpoint_json(c) for c in rows if c.path]}
-
-
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
-    svc, st, key = caller(request)
-    ck = svc.ownership.checkpoint_by_uri(key, to_trio_uri(f"tinker://{_run_id(st, key, run_id)}/{checkpoint_id}"))
-    svc.checkpoints.delete(key, ck.id)
-    return JSONResponse(None)
-
-
-@router.get("/checkpoints")
-async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZE),
-                           offset: int = Query(0, ge=0, le=INT64_MAX)):
-    svc, _, key = caller(request)
-    rows, total = svc.queries.checkpoints(key, limit=limit, offset=offset)
-    return {"checkpoints": [checkpoint_json(c) for c in rows if c.path],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
-
-
-@router.post("/weights_info")
-async def weights_info(request: Request):
-    svc, _, key = caller(request)
-    b = await _json(request, WeightsInfoBody)
-    c = svc.ownership.checkpoint_by_uri(key, to_trio_uri(b.tinker_path))
-    return {"base_model": c.base_model, "is_lora": True, "lora_rank": c.lora_rank,
-            "train_unembed": c.train_unembed, "train_mlp": c.train_mlp, "train_attn": c.train_attn}
-
-
 # ---------------------------------------------------------------------------- billing
 def _parse_time(value: str | None, field: str) -> float | None:
     if not value:
@@ -250,7 +173,7 @@ async def billing_usage(request: Request, starting_on: str | None = None, ending
         info = {"type": kind, "token_count": int(count)}
         if cached is not None:
             info["cached"] = cached
-        data.append({"bucket_start": _iso(hour), "bucket_end": _iso(hour + 3600), "base_model": model,
+        data.append({"bucket_start": iso(hour), "bucket_end": iso(hour + 3600), "base_model": model,
                      "user_id": key.id, "user_name": key.name, "session_id": session,
                      "estimated_cost_usd": cost,
                      "effective_rate_usd_per_million_tokens": cost * 1e6 / count if count else None,

@@ -82,11 +82,12 @@ async def _json(request: Request, cls):
     return parse_model(cls, await json_object(request))
 
 
-def _check_optimizer(config: dict | None) -> None:
+def _check_optimizer(config: dict | None, field: str = "optimizer_config") -> None:
     kind = (config or {}).get("type", "adam")
     if kind not in ("adam", "adamw"):
-        raise InvalidRequest(f"optimizer_config.type {kind!r}: trine trains with AdamW only; use "
-                             "AdamParams")
+        raise InvalidRequest(f"{field}.type {kind!r}: not supported; trine trains with AdamW only: create "
+                             "the model with the default optimizer and send AdamParams to optim_step",
+                             code="not_supported")
 
 
 # ---------------------------------------------------------------------------- event plumbing
@@ -282,7 +283,12 @@ async def optim_step(request: Request):
     svc, st, key = caller(request)
     b = await _json(request, OptimStepBody)
     m = st.model(key, b.model_id)
-    command = _command_or_refusal(lambda: parse_optim_step({"adam_params": b.adam_params}))
+
+    def build():
+        if b.optimizer_params is not None:
+            _check_optimizer(b.optimizer_params, "optimizer_params")
+        return parse_optim_step({"adam_params": b.adam_params})
+    command = _command_or_refusal(build)
 
     async def shape(res):
         return Reply.json({"type": "optim_step", "metrics": res.metrics})
@@ -329,3 +335,20 @@ async def save_weights(request: Request):
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request):
     return await _save(request, sampler=True)
+
+
+class SaveExternalBody(ModelCall):
+    path: str | None = None
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request):
+    """Refused with what to use instead; the call still takes its seq_id (the SDK numbered it)."""
+    svc, st, key = caller(request)
+    b = await _json(request, SaveExternalBody)
+    refusal = InvalidRequest("save_weights_external (merged weights in Hugging Face format) is not supported "
+                             "by trine; use save_weights_for_sampler(name) and download the LoRA adapter "
+                             "with GET .../archive (Tinker's checkpoint archive URL), or merge it into the "
+                             "base model with `trine export <checkpoint> <dir> --merged`", code="not_supported")
+    await _submit(svc, st, key, b.model_id, st.model(key, b.model_id), _seq(b), refusal, _json_reply({}), b)
+    raise refusal
