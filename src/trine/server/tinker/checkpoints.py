@@ -124,7 +124,7 @@ async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MA
 async def weights_info(request: Request):
     svc, _, key = caller(request)
     b = parse_model(WeightsInfoBody, await json_object(request))
-    c = svc.ownership.readable_by_uri(key, to_trio_uri(b.tinker_path))
+    c = svc.ownership.readable_by_uri(key, to_trio_uri(b.tinker_path, "tinker_path"))
     return {"base_model": c.base_model, "is_lora": True, "lora_rank": c.lora_rank,
             "train_unembed": c.train_unembed, "train_mlp": c.train_mlp, "train_attn": c.train_attn}
 

@@ -69,8 +69,7 @@ class FutureTable:
         known = self.entries.get(request_id)
         if known is not None:
             if known.fingerprint and fingerprint and known.fingerprint != fingerprint:
-                raise Conflict(f"request {request_id} was already submitted with a different body",
-                               code="request_id_reused")
+                raise Conflict("seq_id: already submitted with a different body", code="request_id_reused")
             return
         entry = _Entry(api_key_id, asyncio.get_running_loop().create_task(make()), fingerprint)
 
@@ -115,9 +114,9 @@ def make_router(state_of, api_key) -> APIRouter:
         rid = body["request_id"]
         task = state_of(request).futures.get(key.id, rid)
         if task is None:
-            return JSONResponse({"code": "future_not_found",
-                                 "message": f"request {rid} is unknown here or expired; submit it again"},
-                                status_code=410)
+            return JSONResponse({"code": "future_not_found",  # the id is not echoed: it may be another key's
+                                 "message": "request_id: unknown to this API key here, or expired; submit "
+                                            "the request again"}, status_code=410)
         await asyncio.wait({task}, timeout=LONG_POLL_SECONDS)
         if not task.done():  # 408 + try_again body: the SDK polls again (a 200 try_again would log a warning)
             return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"},

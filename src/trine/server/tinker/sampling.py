@@ -42,7 +42,7 @@ async def create_sampling_session(request: Request):
     b = await json_object(request)
     if not isinstance(b.get("session_id"), str) or not isinstance(b.get("sampling_session_seq_id"), int):
         raise InvalidRequest("body: send session_id and sampling_session_seq_id")
-    uri = to_trio_uri(b["model_path"]) if b.get("model_path") else ""
+    uri = to_trio_uri(b["model_path"], "model_path") if b.get("model_path") else ""
     if not uri and not b.get("base_model"):
         raise InvalidRequest("create_sampling_session: send base_model or model_path")
     sid = sampling_session(svc, st, key, b["session_id"], b["sampling_session_seq_id"],

@@ -26,14 +26,15 @@ _TO_TRIO = {"weights": "state", "sampler_weights": "weights"}
 _TO_TINKER = {v: k for k, v in _TO_TRIO.items()}
 
 
-def to_trio_uri(path: str) -> str:
-    """`tinker://<run>/weights/<name>` -> `trio://<run>/state/<name>` (sampler_weights -> weights)."""
+def to_trio_uri(path: str, field: str = "path") -> str:
+    """`tinker://<run>/weights/<name>` -> `trio://<run>/state/<name>` (sampler_weights -> weights);
+    an error names `field`, the request field that carried `path`."""
     if not isinstance(path, str) or not path.startswith(TINKER_SCHEME):
-        raise InvalidRequest(f"path {path!r}: use a tinker://<run>/<weights|sampler_weights>/<name> path "
+        raise InvalidRequest(f"{field} {path!r}: use a tinker://<run>/<weights|sampler_weights>/<name> path "
                              "returned by save_state or save_weights_for_sampler")
     parts = path[len(TINKER_SCHEME):].split("/")
     if len(parts) != 3 or parts[1] not in _TO_TRIO or not parts[0] or not parts[2]:
-        raise InvalidRequest(f"path {path!r}: expected tinker://<run>/<weights|sampler_weights>/<name>")
+        raise InvalidRequest(f"{field} {path!r}: expected tinker://<run>/<weights|sampler_weights>/<name>")
     return f"trio://{parts[0]}/{_TO_TRIO[parts[1]]}/{parts[2]}"
 
 
