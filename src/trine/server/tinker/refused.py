@@ -9,9 +9,10 @@ for clients that ignore the config.
 """
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from ...service import InvalidRequest
+from .state import caller
 
 router = APIRouter(prefix="/api/v1")
 
@@ -42,7 +43,8 @@ REFUSED = (
 
 
 def _refusal(feature: str, instead: str):
-    async def refuse():
+    async def refuse(request: Request):
+        caller(request)  # like every Tinker route: the key first
         raise InvalidRequest(f"{feature} is not supported by trine; use {instead}", code="not_supported")
     return refuse
 
