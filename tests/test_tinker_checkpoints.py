@@ -219,6 +219,11 @@ def test_refused_features_name_what_to_use_and_keep_the_client_going(srv, sc):
         sc.create_lora_training_client(base_model=MODEL, rank=4, optimizer=types.DimuonOptimizerConfig()).result()
     with pytest.raises(tinker.BadRequestError, match="copy_weights .*not supported.*publish"):
         rest(srv).copy_weights("tinker://x/weights/y", "project").result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    for chunk in (types.ImageChunk(data=b"x", format="png", expected_tokens=1), types.DmelChunk(dmel=b"x" * 4)):
+        prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=TEXT[:3]), chunk])
+        with pytest.raises(Exception, match="image and audio chunks are not supported.*encoded_text"):
+            sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result()
     from trine.server.tinker.refused import REFUSED
     headers = {"X-API-Key": "tml-" + srv.api_key}
     for method, path, feature, _ in REFUSED:

@@ -112,7 +112,8 @@ def _tokens(chunks, where: str) -> list[int]:
             out.extend(np.frombuffer(raw, dtype=np.int32).tolist())
         else:
             raise InvalidRequest(f"{where}.model_input[{k}]: {kind or 'image/audio'} chunks are not "
-                                 "supported; the served models are text-only")
+                                 "supported; the served models are text-only: send encoded_text chunks",
+                                 code="not_supported")
     return out
 
 
