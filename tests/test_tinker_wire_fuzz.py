@@ -102,6 +102,8 @@ def json_routes(p: Plane) -> list[tuple[str, str, dict]]:
         ("POST", "/load_weights", {"session_id": p.session_id, "model_seq_id": 10_001, "path": p.path}),
         ("POST", "/create_sampling_session", {"session_id": p.session_id, "sampling_session_seq_id": 10_000,
                                               "model_path": p.path}),
+        ("POST", "/create_sampling_session", {"session_id": p.session_id, "sampling_session_seq_id": 10_001,
+                                              "base_model": MODEL}),
         ("POST", "/asample", {"sampling_session_id": p.sampler_id, "seq_id": 1, "num_samples": 1,
                               "prompt": {"chunks": [{"type": "encoded_text", "tokens": TEXT}]},
                               "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_k": -1, "seed": 1},
@@ -306,6 +308,8 @@ def regressions(p: Plane) -> list[tuple[str, str, object, str]]:
                                    ("/save_weights_for_sampler", {"sampling_session_seq_id": 1}),
                                    ("/load_weights", {"path": p.path}))]
     cases += [("POST", "/sessions/{fresh}/finish", {"reason": v}, "reason") for v in ("x", 3, {"type": []})]
+    cases += [("POST", "/create_sampling_session", {"session_id": p.session_id, "sampling_session_seq_id": 5,
+                                                    "base_model": v}, "base_model") for v in (BIG, [1], True)]
     return cases
 
 

@@ -40,6 +40,7 @@ def sampling_session(svc: Service, st: TinkerState, key: ApiKey, session_id: str
 async def create_sampling_session(request: Request):
     svc, st, key = caller(request)
     b = await json_object(request)
+    parse_model(SamplingSessionBody, b)
     if not isinstance(b.get("session_id"), str) or not isinstance(b.get("sampling_session_seq_id"), int):
         raise InvalidRequest("body: send session_id and sampling_session_seq_id")
     uri = to_trio_uri(b["model_path"], "model_path") if b.get("model_path") else ""
@@ -56,6 +57,15 @@ async def get_sampler(sampler_id: str, request: Request):
     r = svc.ownership.sampling_run(key, sampler_id)
     return {"sampler_id": r.id, "base_model": svc.queries.model(r.base_model).model_id,  # a tokenizer dir
             "model_path": to_tinker_path(r.source_checkpoint_uri) if r.source_checkpoint_uri else None}
+
+
+class SamplingSessionBody(BaseModel):
+    """The types of a `create_sampling_session` body."""
+    model_config = ConfigDict(extra="allow")
+    session_id: str | None = None
+    sampling_session_seq_id: Int64 | None = None
+    base_model: str | None = None
+    model_path: str | None = None
 
 
 class AsampleBody(BaseModel):
