@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 from ..engine import ops
-from ..limits import MAX_TTL_SECONDS, TEMPORARY_CHECKPOINT_TTL_SECONDS
+from ..limits import TEMPORARY_CHECKPOINT_TTL_SECONDS, check_ttl_seconds
 from ..store import ApiKey, Checkpoint, Store, TrainingRun
 from . import commands
 from .adapters import AdapterCache
@@ -43,7 +43,7 @@ class Checkpoints:
         if old is not None:  # overwrite: the new record replaces it (the files already did)
             self.store.delete_checkpoint(old.id)
             self.adapters.forget(m.replicas, old.id)
-            _unlink_archives(self, old.id)
+            self._unlink_archives(old.id)
         now = time.time()
         ttl = save.ttl_seconds or (TEMPORARY_CHECKPOINT_TTL_SECONDS if save.visibility == "TEMPORARY" else None)
         ck = Checkpoint(op.checkpoint_id, run.api_key_id, run.id, save.name,
@@ -62,7 +62,7 @@ class Checkpoints:
             self.adapters.forget(m.replicas, ck.id)
         if ck.path:
             shutil.rmtree(ck.path, ignore_errors=True)
-        _unlink_archives(self, ck.id)
+        self._unlink_archives(ck.id)
 
     def forget_temporary(self, run: TrainingRun) -> None:
         cks, _ = self.store.checkpoints(run.api_key_id, training_run_id=run.id, visibility="TEMPORARY")
@@ -76,9 +76,10 @@ class Checkpoints:
         """Expire the checkpoint `ttl_seconds` from now (the garbage collector deletes it then), or
         never (None)."""
         ck = self.ownership.checkpoint(key, checkpoint_id)
-        if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not 1 <= ttl_seconds <= MAX_TTL_SECONDS):
-            raise InvalidRequest(f"ttl_seconds must be in [1, {MAX_TTL_SECONDS}] (100 years), or null to "
-                                 "never expire")
+        try:
+            check_ttl_seconds(ttl_seconds)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
         expires_at = None if ttl_seconds is None else time.time() + ttl_seconds
         self.store.update_checkpoint(ck.id, expires_at=expires_at)
         return self.store.checkpoint(ck.id)
@@ -117,10 +118,9 @@ class Checkpoints:
     def archive_path(self, checkpoint_id: str, flat: bool = False) -> Path:
         return self.store.home / "archives" / f"{checkpoint_id}{'.flat' if flat else ''}.tar"
 
-
-def _unlink_archives(cks: Checkpoints, checkpoint_id: str) -> None:
-    for flat in (False, True):
-        cks.archive_path(checkpoint_id, flat).unlink(missing_ok=True)
+    def _unlink_archives(self, checkpoint_id: str) -> None:
+        for flat in (False, True):
+            self.archive_path(checkpoint_id, flat).unlink(missing_ok=True)
 
 
 def _write_tar(src: Path, dst: Path, flat: bool) -> None:
