@@ -241,3 +241,27 @@ def test_tinker_errors_name_tinker_paths(srv, sc):
     r = httpx.post(f"{srv.url}/api/v1/weights_info", json={"tinker_path": "tinker://nope/weights/x"},
                    headers={"X-API-Key": "tml-" + srv.api_key})
     assert r.status_code == 404 and "tinker://" in r.json()["message"] and "trio://" not in r.text
+
+
+def test_every_route_the_client_can_call_is_served_or_refused_by_name(srv):
+    """Every `/api/v1/...` path in the official client's source answers as a route (a result, a 4xx
+    about the request, or a 400 `not_supported`), never the server's bare 404/405 route error."""
+    import re
+    root = Path(tinker.__file__).parent
+    paths = set()
+    for f in root.rglob("*.py"):
+        if f.name.endswith("_test.py"):
+            continue
+        paths |= set(re.findall(r'f?"(/api/v1/[^"]+)"', f.read_text()))
+    # a checkpoint id is two segments (`weights/<name>`); every other parameter one
+    paths = {re.sub(r"\{([^}]+)\}", lambda m: "weights/x" if m[1] == "checkpoint_id" else "x", p) for p in paths}
+    assert len(paths) > 40  # the scan found the client's routes
+    headers = {"X-API-Key": "tml-" + srv.api_key}
+    missing = []
+    with httpx.Client(base_url=srv.url, headers=headers, timeout=60) as http:
+        for path in sorted(paths):
+            codes = {http.request(m, path, json={}).json().get("code")
+                     for m in ("GET", "POST", "PUT", "DELETE")} if path != "/api/v1/retrieve_future" else {"ok"}
+            if codes <= {"not_found", "method_not_allowed"}:
+                missing.append(path)
+    assert missing == []
