@@ -123,6 +123,10 @@ def test_publish_makes_a_checkpoint_readable_by_other_keys_until_unpublished(srv
         ours = sc.create_sampling_client(model_path=saved.sampler).result().compute_logprobs(prompt).result()
         assert theirs[1:] == pytest.approx(ours[1:], abs=1e-6)
         assert rest(srv, other_key).get_weights_info_by_tinker_path(saved.sampler).result().lora_rank == 4
+        openai = pytest.importorskip("openai")  # the OpenAI plane serves it to them too
+        done = openai.OpenAI(base_url=srv.url + "/v1", api_key=other_key, max_retries=0).completions.create(
+            model=saved.sampler, prompt="hi", max_tokens=2)
+        assert done.model == saved.sampler and done.usage.completion_tokens == 2
         with pytest.raises(Exception, match="not found"):  # only the owner changes or deletes it
             rest(srv, other_key).delete_checkpoint_from_tinker_path(saved.sampler).result()
         r.publish_checkpoint_from_tinker_path(saved.state).result()  # a published state trains others

@@ -344,3 +344,17 @@ def test_openai_top_k_past_int64_is_a_400(srv):
                                            max_tokens=1, extra_body={"top_k": huge})
         with pytest.raises(openai.BadRequestError, match="top_k"):
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"top_k": huge})
+
+
+def test_openai_routes_never_echo_another_keys_checkpoints(srv, plane):
+    openai = pytest.importorskip("openai")
+    _, key_b = srv.service.store.create_key("openai-b")
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key_b, max_retries=0)
+    trio_uri = plane.path.replace("tinker://", "trio://").replace("/sampler_weights/", "/weights/")
+    for model in (plane.path, trio_uri):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model=model, prompt="hi", max_tokens=1)
+        assert not any(i in str(e.value.body) for i in plane.ids() + [trio_uri])
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(model)
+        assert not any(i in str(e.value.body) for i in plane.ids() + [trio_uri])
