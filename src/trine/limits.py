@@ -92,6 +92,14 @@ INT64_MAX = 2**63 - 1  # indexes, steps, seeds, offsets, limits: what SQLite and
 MAX_PAGE_SIZE = 1000  # `limit` of every list route
 MAX_TTL_SECONDS = 100 * 365 * 86400  # a checkpoint's time to live: at most a century
 
+
+def check_ttl_seconds(ttl, field: str = "ttl_seconds"):
+    """A checkpoint's time to live: None (never expires) or whole seconds up to a century."""
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= MAX_TTL_SECONDS):
+        raise ValueError(f"{field} {ttl!r}: use 1 to {MAX_TTL_SECONDS} seconds (100 years), or none to never "
+                         "expire")
+    return ttl
+
 # ---------------------------------------------------------------------------- optimizer
 # AdamParams field -> (low, high, high included): sane ranges, checked before a step is queued
 ADAM_BOUNDS = {"learning_rate": (0.0, 10.0, True), "beta1": (0.0, 1.0, False), "beta2": (0.0, 1.0, False),

@@ -13,15 +13,16 @@ _TO_TRIO = {"weights": "state", "sampler_weights": "weights"}
 _TO_TINKER = {v: k for k, v in _TO_TRIO.items()}
 
 
-def to_trio_uri(path: str) -> str:
+def to_trio_uri(path: str, field: str = "path") -> str:
     """`tinker://<run>/weights/<name>` -> `trio://<run>/state/<name>` (sampler_weights -> weights).
-    Raises ValueError naming the expected form for anything else."""
+    Raises ValueError naming `field` (the request field that carried `path`) and the expected form
+    for anything else."""
     if not isinstance(path, str) or not path.startswith(TINKER_SCHEME):
-        raise ValueError(f"path {path!r}: use a tinker://<run>/<weights|sampler_weights>/<name> path "
+        raise ValueError(f"{field} {path!r}: use a tinker://<run>/<weights|sampler_weights>/<name> path "
                          "returned by save_state or save_weights_for_sampler")
     parts = path[len(TINKER_SCHEME):].split("/")
     if len(parts) != 3 or parts[1] not in _TO_TRIO or not parts[0] or not parts[2]:
-        raise ValueError(f"path {path!r}: expected tinker://<run>/<weights|sampler_weights>/<name>")
+        raise ValueError(f"{field} {path!r}: expected tinker://<run>/<weights|sampler_weights>/<name>")
     return f"{TRIO_SCHEME}{parts[0]}/{_TO_TRIO[parts[1]]}/{parts[2]}"
 
 

@@ -15,6 +15,7 @@ from ..limits import INT64_MAX, MAX_TTL_SECONDS
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # counts, offsets, steps
 Positive = Annotated[int, Field(ge=1, le=INT64_MAX)]  # indexes (from 1), sizes
+SeqId = Annotated[int, Field(ge=1, le=INT64_MAX - 1)]  # Tinker's per-model call number (stored as seq_id + 1)
 Seed = Annotated[int, Field(ge=0, le=INT64_MAX)]
 TtlSeconds = Annotated[int, Field(ge=1, le=MAX_TTL_SECONDS)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]

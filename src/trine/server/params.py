@@ -30,7 +30,8 @@ class TextChunk(Body):
 
 
 class ImageChunk(Body):
-    type: Literal["image"]
+    """An image or audio (`dmel`) chunk: parsed only to be refused by name."""
+    type: Literal["image", "image_asset_pointer", "dmel"]
     format: str = ""
 
 
@@ -39,8 +40,8 @@ class ModelInput(Body):
 
     def tokens(self, field: str) -> list[int]:
         if any(isinstance(c, ImageChunk) for c in self.chunks):
-            raise InvalidRequest(f"{field}: image chunks are not supported; the served models are "
-                                 "text-only")
+            raise InvalidRequest(f"{field}: image and audio chunks are not supported; the served models are "
+                                 "text-only: send encoded_text chunks (token ids)", code="not_supported")
         return [t for c in self.chunks for t in c.tokens]
 
 

@@ -1,4 +1,5 @@
-"""Checkpoint records: creating one when a save succeeds, deleting (records, weights, files), tar downloads.
+"""Checkpoint records: creating one when a save succeeds, deleting (records, weights, files), their
+time to live and visibility to other keys (publish), storage totals, tar downloads.
 
 Files are written by the engine (atomically, under the data dir or the cluster's shared checkpoint
 dir, so every replica can read them); this module owns their database records and their removal.
@@ -17,11 +18,11 @@ import uuid
 from pathlib import Path
 
 from ..engine import ops
-from ..limits import OPTIMIZE_STEP, TEMPORARY_CHECKPOINT_TTL_SECONDS
+from ..limits import OPTIMIZE_STEP, TEMPORARY_CHECKPOINT_TTL_SECONDS, check_ttl_seconds
 from ..store import ApiKey, Checkpoint, Store, TrainingRun
 from . import commands
 from .adapters import AdapterCache
-from .errors import Conflict
+from .errors import Conflict, InvalidRequest
 from .models import ServedModel
 from .ownership import Ownership
 
@@ -42,7 +43,7 @@ class Checkpoints:
         if old is not None:  # overwrite: the new record replaces it (the files already did)
             self.store.delete_checkpoint(old.id)
             self.adapters.forget(m.replicas, old.id)
-            self.archive_path(old.id).unlink(missing_ok=True)
+            self._unlink_archives(old.id)
         now = time.time()
         ttl = save.ttl_seconds or (TEMPORARY_CHECKPOINT_TTL_SECONDS if save.visibility == "TEMPORARY" else None)
         ck = Checkpoint(op.checkpoint_id, run.api_key_id, run.id, save.name,
@@ -68,7 +69,7 @@ class Checkpoints:
             self.adapters.forget(m.replicas, ck.id)
         if ck.path:
             shutil.rmtree(ck.path, ignore_errors=True)
-        self.archive_path(ck.id).unlink(missing_ok=True)
+        self._unlink_archives(ck.id)
 
     def forget_temporary(self, run: TrainingRun) -> None:
         cks, _ = self.store.checkpoints(run.api_key_id, training_run_id=run.id, visibility="TEMPORARY")
@@ -78,23 +79,64 @@ class Checkpoints:
     def delete(self, key: ApiKey, checkpoint_id: str) -> None:
         self.forget(self.ownership.checkpoint(key, checkpoint_id))
 
-    async def archive(self, ck: Checkpoint) -> Path:
-        """A tar file of the checkpoint directory (built once, atomically), for downloads."""
+    def set_ttl(self, key: ApiKey, checkpoint_id: str, ttl_seconds: int | None) -> Checkpoint:
+        """Expire the checkpoint `ttl_seconds` from now (the garbage collector deletes it then), or
+        never (None)."""
+        ck = self.ownership.checkpoint(key, checkpoint_id)
+        try:
+            check_ttl_seconds(ttl_seconds)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        expires_at = None if ttl_seconds is None else time.time() + ttl_seconds
+        self.store.update_checkpoint(ck.id, expires_at=expires_at)
+        return self.store.checkpoint(ck.id)
+
+    def set_public(self, key: ApiKey, checkpoint_id: str, public: bool) -> Checkpoint:
+        """Publish (every key may sample, restore and download it) or unpublish a checkpoint."""
+        ck = self.ownership.checkpoint(key, checkpoint_id)
+        if bool(ck.public) == public:
+            raise Conflict(f"checkpoint {ck.uri} is already {'public' if public else 'private'}",
+                           code="checkpoint_already_public" if public else "checkpoint_not_public")
+        if public and not ck.path:
+            raise InvalidRequest(f"checkpoint {ck.uri} is a temporary snapshot held in memory; publish a "
+                                 "named save", code="checkpoint_invalid_type")
+        self.store.update_checkpoint(ck.id, public=public)
+        return self.store.checkpoint(ck.id)
+
+    def stored(self, key: ApiKey) -> list[Checkpoint]:
+        """The key's checkpoints that are on disk (what storage is billed for)."""
+        return [c for c in self.store.checkpoints(key.id)[0] if c.path]
+
+    def expired(self, now: float) -> list[Checkpoint]:
+        cks, _ = self.store.checkpoints()
+        return [c for c in cks if c.expires_at is not None and c.expires_at < now]
+
+    async def archive(self, ck: Checkpoint, flat: bool = False) -> Path:
+        """A tar file of the checkpoint directory (built once, atomically), for downloads: its files
+        under one directory named after the checkpoint, or (`flat`) at the top of the archive."""
         if not ck.path or not Path(ck.path).is_dir():
             raise Conflict(f"checkpoint {ck.uri} has no files to download (a temporary snapshot held in "
                            "memory)", code="checkpoint_not_downloadable")
-        tar = self.archive_path(ck.id)
+        tar = self.archive_path(ck.id, flat)
         if not tar.is_file():
-            await asyncio.get_running_loop().run_in_executor(None, _write_tar, Path(ck.path), tar)
+            await asyncio.get_running_loop().run_in_executor(None, _write_tar, Path(ck.path), tar, flat)
         return tar
 
-    def archive_path(self, checkpoint_id: str) -> Path:
-        return self.store.home / "archives" / f"{checkpoint_id}.tar"
+    def archive_path(self, checkpoint_id: str, flat: bool = False) -> Path:
+        return self.store.home / "archives" / f"{checkpoint_id}{'.flat' if flat else ''}.tar"
+
+    def _unlink_archives(self, checkpoint_id: str) -> None:
+        for flat in (False, True):
+            self.archive_path(checkpoint_id, flat).unlink(missing_ok=True)
 
 
-def _write_tar(src: Path, dst: Path) -> None:
+def _write_tar(src: Path, dst: Path, flat: bool) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex}")
     with tarfile.open(tmp, "w") as tf:
-        tf.add(src, arcname=src.name)
+        if flat:
+            for f in sorted(src.iterdir()):
+                tf.add(f, arcname=f.name)
+        else:
+            tf.add(src, arcname=src.name)
     tmp.replace(dst)

@@ -2,7 +2,8 @@
 calls the parts' public methods directly:
 
 - `ownership` (ownership.py): `authenticate(secret)`, `key(key_id)`, and one owned object by id:
-  `session`, `training_run`, `sampling_run`, `checkpoint`, `checkpoint_by_uri`;
+  `session`, `training_run`, `sampling_run`, `checkpoint`, `checkpoint_by_uri`; a checkpoint the
+  key may read (its own or a published one): `readable`, `readable_by_uri`;
 - `runs` (runs.py): `create_session`, `close_session`, `create_training_run(key, session,
   TrainingRunSpec)`, `update_training_run`, `heartbeat`, `create_sampling_run(key, session,
   SamplingRunSpec)`;
@@ -10,7 +11,8 @@ calls the parts' public methods directly:
   and `event(key, run, event_id, wait)` (a long-poll);
 - `sampling` (sampling.py): `sample(key, run, SampleSpec)`, `sample_stream` (SampleChunks, then the
   SampleOutcome), `cancel`;
-- `checkpoints` (checkpoints.py): `delete(key, checkpoint_id)`, `archive(checkpoint)` (a tar file);
+- `checkpoints` (checkpoints.py): `delete(key, checkpoint_id)`, `set_ttl`, `set_public`, `stored(key)`
+  (what is on disk), `archive(checkpoint, flat=)` (a tar file);
 - `queries` (queries.py): the read side: sessions, runs, events, checkpoints and usage of a key;
   served models, their tokenizers, engine replica stats.
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from ..engine.interface import EngineLost
 from ..engine.ops import CycleEvent, EventOutcome, Forward, Op, RunShare, Save, TrainingCycle
-from ..limits import (CHECKPOINT_VISIBILITIES, FORWARD, FORWARD_BACKWARD, MAX_TTL_SECONDS, OPTIMIZE_STEP,
-                      check_checkpoint_name, check_lora_rank)
+from ..limits import (CHECKPOINT_VISIBILITIES, FORWARD, FORWARD_BACKWARD, OPTIMIZE_STEP,
+                      check_checkpoint_name, check_lora_rank, check_ttl_seconds)
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
 from ..store import ApiKey, EventRecord, Store, TrainingRun
@@ -168,8 +168,7 @@ class Events:
         _invalid_unless(check_checkpoint_name, c.name)
         if c.visibility not in CHECKPOINT_VISIBILITIES:
             raise InvalidRequest(f"visibility {c.visibility!r}: use {' or '.join(CHECKPOINT_VISIBILITIES)}")
-        if c.ttl_seconds is not None and not 0 < c.ttl_seconds <= MAX_TTL_SECONDS:
-            raise InvalidRequest(f"ttl_seconds must be in [1, {MAX_TTL_SECONDS}] (100 years), or omitted")
+        _invalid_unless(check_ttl_seconds, c.ttl_seconds)
         part = "state" if c.kind == "state" else "weights"
         uri = f"trio://{r.id}/{part}/{c.name}"
         existing = self.store.checkpoint_by_uri(uri)

@@ -1,4 +1,5 @@
-"""Garbage collection: what a restart left behind, expired checkpoints, idle training runs.
+"""Garbage collection: what a restart left behind, expired checkpoints (any whose TTL has passed), idle
+training runs.
 
 Invariants
 - After a restart, every event that was accepted but not finished is failed (`server_restarted`),
@@ -53,12 +54,10 @@ class GarbageCollector:
                 log.exception("garbage collection failed")
 
     async def collect(self) -> None:
-        """Expire TEMPORARY checkpoints past their TTL; end training runs silent for too long."""
-        now = time.time()
-        cks, _ = self.store.checkpoints(visibility="TEMPORARY")
-        for ck in cks:
-            if ck.expires_at is not None and ck.expires_at < now:
-                self.checkpoints.forget(ck)
+        """Delete checkpoints past their time to live (temporary snapshots have one by default, saves
+        one set at save time or later); end training runs silent for too long."""
+        for ck in self.checkpoints.expired(time.time()):
+            self.checkpoints.forget(ck)
         idle = time.monotonic() - self.run_idle_seconds
         runs, _ = self.store.training_runs(status="ACTIVE")
         for r in runs:

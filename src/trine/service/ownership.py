@@ -1,7 +1,9 @@
 """Who may touch what: API keys, and the lookups that return an object only to the key that owns it.
 
 Invariant: every session, run, checkpoint and event belongs to one API key; asking for another
-key's object is a NotFound, exactly as if it did not exist.
+key's object is a NotFound, exactly as if it did not exist. The one exception is reading a
+checkpoint its owner published (`Checkpoint.public`): any key may sample, restore or download it;
+only the owner may change or delete it.
 """
 from __future__ import annotations
 
@@ -58,6 +60,17 @@ class Ownership:
                      f"checkpoint {uri!r}", "checkpoint_not_found",
                      ": use the path a save returned (trio://<run>/state/<name> or trio://<run>/weights/<name>)")
 
+    def readable_by_uri(self, key: ApiKey, uri: str) -> Checkpoint:
+        """A checkpoint the key owns or one its owner published (to sample, restore or download)."""
+        return self._readable(self.store.checkpoint_by_uri((uri or "").strip())) or self.checkpoint_by_uri(key, uri)
+
+    def readable(self, key: ApiKey, checkpoint_id: str) -> Checkpoint:
+        return self._readable(self.store.checkpoint(checkpoint_id)) or self.checkpoint(key, checkpoint_id)
+
+    @staticmethod
+    def _readable(ck: Checkpoint | None) -> Checkpoint | None:
+        return ck if ck is not None and ck.public else None
+
     def event(self, key: ApiKey, run_id: str | None, rec: EventRecord) -> EventRecord:
         if rec.api_key_id != key.id or (run_id is not None and rec.run_id != run_id):
             raise NotFound(f"event {rec.event_id} not found", code="event_not_found")
@@ -83,8 +96,8 @@ class Ownership:
         return r
 
     def restorable(self, key: ApiKey, uri: str, restore_optimizer: bool) -> Checkpoint:
-        """A checkpoint a training run can start from."""
-        ck = self.checkpoint_by_uri(key, uri)
+        """A checkpoint a training run can start from (the key's own or a published one)."""
+        ck = self.readable_by_uri(key, uri)
         if not ck.path:
             raise InvalidRequest(f"checkpoint {uri} is a temporary sampler snapshot held in memory; "
                                  "training can restore saved states (save_state) or named weights",

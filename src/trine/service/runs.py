@@ -140,7 +140,7 @@ class Runs:
         s = self.ownership.active_session(key, session_id)
         ck = None
         if spec.source_checkpoint_uri:
-            ck = self.ownership.checkpoint_by_uri(key, spec.source_checkpoint_uri)
+            ck = self.ownership.readable_by_uri(key, spec.source_checkpoint_uri)
             m = resolve_model(self.models, ck.base_model)
             if spec.base_model and resolve_model(self.models, spec.base_model) is not m:
                 raise InvalidRequest(f"base_model {spec.base_model!r} differs from the checkpoint's base "

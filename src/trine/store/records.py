@@ -102,3 +102,4 @@ class Checkpoint:
     step: int
     created_at: float
     expires_at: float | None = None
+    public: bool = False  # readable (sampled, restored, downloaded) by every API key, not only its owner

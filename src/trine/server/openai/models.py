@@ -32,8 +32,9 @@ class Target:
         return self.checkpoint.uri if self.checkpoint else ""
 
 
-def _not_found(model: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it. "
+def _not_found() -> OpenAIError:
+    # the name is not echoed: it may be another key's checkpoint
+    return OpenAIError(404, "The model does not exist or you do not have access to it. "
                        "GET /v1/models lists the served models and your sampler checkpoints.",
                        param="model", code="model_not_found")
 
@@ -43,9 +44,9 @@ def resolve(service: Service, key: ApiKey, model: str) -> Target:
     ck = None
     try:
         if model.startswith("trio://"):
-            ck = service.ownership.checkpoint_by_uri(key, model)
+            ck = service.ownership.readable_by_uri(key, model)
         elif model.startswith(TINKER_SCHEME):  # the Tinker front end's name for a trio:// checkpoint
-            ck = service.ownership.checkpoint_by_uri(key, to_trio_uri(model))
+            ck = service.ownership.readable_by_uri(key, to_trio_uri(model))
         else:
             try:
                 return Target(model, service.queries.model(model).name)
@@ -53,7 +54,7 @@ def resolve(service: Service, key: ApiKey, model: str) -> Target:
                 ck = service.ownership.checkpoint(key, model)
         base = service.queries.model(ck.base_model).name
     except (NotFound, InvalidRequest):
-        raise _not_found(model) from None
+        raise _not_found() from None
     return Target(model, base, ck)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...limits import MAX_SAMPLES_PER_REQUEST, MAX_STOP_STRING_CHARS
+from ...limits import INT64_MAX, MAX_SAMPLES_PER_REQUEST, MAX_STOP_STRING_CHARS
 from .errors import OpenAIError, bad_param
 
 MAX_TOP_LOGPROBS = 20
@@ -74,7 +74,7 @@ def parse_chat(body: Any) -> Generation:
     g = Generation(True, _model(body), _messages(body.get("messages")), None)
     _common(body, g)
     if body.get("max_completion_tokens") is not None:
-        g.max_tokens = _int(body, "max_completion_tokens", 1)
+        g.max_tokens = _int(body, "max_completion_tokens", 1, INT64_MAX)
     g.logprobs = _bool(body, "logprobs")
     if body.get("top_logprobs") is not None:
         g.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -126,7 +126,7 @@ def _common(body: dict, g: Generation) -> None:
     if body.get("n") is not None:
         g.n = _int(body, "n", 1, MAX_SAMPLES_PER_REQUEST)
     if body.get("max_tokens") is not None:
-        g.max_tokens = _int(body, "max_tokens", 1)
+        g.max_tokens = _int(body, "max_tokens", 1, INT64_MAX)
     if body.get("temperature") is not None:
         g.temperature = _number(body, "temperature", 0, 2)
     if body.get("top_p") is not None:
@@ -134,7 +134,7 @@ def _common(body: dict, g: Generation) -> None:
         if g.top_p == 0:
             raise bad_param("top_p", "must be > 0 (use temperature 0 for greedy decoding)")
     if body.get("top_k") is not None:
-        g.top_k = _int(body, "top_k", -1)
+        g.top_k = _int(body, "top_k", -1, INT64_MAX)
         g.top_k = -1 if g.top_k == 0 else g.top_k  # 0 and -1 both mean off
     if body.get("seed") is not None:
         g.seed = _int(body, "seed", -2**63, 2**63 - 1)

@@ -7,21 +7,19 @@ docs/architecture.md ("Front ends") for the protocol and README "Tinker users" f
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from ...service import ServiceError
 from ..context import caller_key
-from . import futures, rest, sampling, training
+from . import checkpoints, futures, refused, rest, sampling, training
+from .errors import error_response
 from .state import state_of
 
 LARGE_BODY_PATHS = ("/api/v1/forward_backward", "/api/v1/asample")  # each route checks its own limit
 
 
 class TinkerRoute(APIRoute):
-    """Errors as `{code, message}` like the other planes, except that a 409 leaves as 400: the SDK
-    retries every 409 for minutes, and trine's conflicts (a closed session, an index taken by
-    another request) do not go away by retrying."""
+    """Errors as `{code, message}` like the other planes, shaped for Tinker clients by `errors`."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
@@ -30,14 +28,14 @@ class TinkerRoute(APIRoute):
             try:
                 return await handler(request)
             except ServiceError as e:
-                return JSONResponse({"code": e.code, "message": e.message},
-                                    status_code=400 if e.status == 409 else e.status)
+                return error_response(e)
         return route
 
 
 def make_router() -> APIRouter:
     router = APIRouter(route_class=TinkerRoute)
-    for r in (rest.router, training.router, sampling.router, futures.make_router(state_of, caller_key)):
+    for r in (rest.router, checkpoints.router, training.router, sampling.router,
+              futures.make_router(state_of, caller_key), refused.router):
         for route in r.routes:
             router.add_api_route(route.path, route.endpoint, methods=list(route.methods),
                                  response_model=None)

@@ -24,7 +24,8 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ...service.errors import ServiceError
+from ...service.errors import Conflict, ServiceError
+from .errors import public_message, tinker_paths
 
 LONG_POLL_SECONDS = 25.0  # the SDK's read timeout is 45 s
 KEEP_SECONDS = 3600.0
@@ -52,6 +53,7 @@ class Failure(Exception):
 class _Entry:
     api_key_id: str
     task: asyncio.Task
+    fingerprint: str = ""
     done_at: float | None = None
 
 
@@ -59,12 +61,17 @@ class _Entry:
 class FutureTable:
     entries: dict[str, _Entry] = field(default_factory=dict)
 
-    def start(self, api_key_id: str, request_id: str, make: Callable[[], Awaitable[Reply]]) -> None:
-        """Start `make()` as the future `request_id`, unless that future exists already."""
+    def start(self, api_key_id: str, request_id: str, make: Callable[[], Awaitable[Reply]],
+              fingerprint: str = "") -> None:
+        """Start `make()` as the future `request_id`, unless that future exists already: then the
+        request must be the one it was started for (`fingerprint`, "" = not checked), else 409."""
         self._purge()
-        if request_id in self.entries:
+        known = self.entries.get(request_id)
+        if known is not None:
+            if known.fingerprint and fingerprint and known.fingerprint != fingerprint:
+                raise Conflict("seq_id: already submitted with a different body", code="request_id_reused")
             return
-        entry = _Entry(api_key_id, asyncio.get_running_loop().create_task(make()))
+        entry = _Entry(api_key_id, asyncio.get_running_loop().create_task(make()), fingerprint)
 
         def finished(task: asyncio.Task) -> None:
             entry.done_at = time.monotonic()
@@ -85,9 +92,9 @@ class FutureTable:
 
 def failure_body(e: BaseException) -> dict:
     if isinstance(e, Failure):
-        return {"error": e.message, "category": e.category}
+        return {"error": tinker_paths(e.message), "category": e.category}
     if isinstance(e, ServiceError):
-        return {"error": e.message, "category": "user" if e.status < 500 else "server"}
+        return {"error": public_message(e.code, e.message), "category": "user" if e.status < 500 else "server"}
     return {"error": f"{type(e).__name__}: {e}", "category": "server"}
 
 
@@ -107,9 +114,9 @@ def make_router(state_of, api_key) -> APIRouter:
         rid = body["request_id"]
         task = state_of(request).futures.get(key.id, rid)
         if task is None:
-            return JSONResponse({"code": "future_not_found",
-                                 "message": f"request {rid} is unknown here or expired; submit it again"},
-                                status_code=410)
+            return JSONResponse({"code": "future_not_found",  # the id is not echoed: it may be another key's
+                                 "message": "request_id: unknown to this API key here, or expired; submit "
+                                            "the request again"}, status_code=410)
         await asyncio.wait({task}, timeout=LONG_POLL_SECONDS)
         if not task.done():  # 408 + try_again body: the SDK polls again (a 200 try_again would log a warning)
             return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"},

@@ -61,8 +61,12 @@ def decompress(body: bytes, encoding: str | None) -> bytes:
         raise InvalidRequest(f"body: not valid zstd data ({e})", code="invalid_request_body") from None
 
 
-def _tensor(t, where: str) -> np.ndarray:
-    """A proto Tensor as a flat numpy array (sparse CSR densified with zeros)."""
+def _tensor(t, where: str, size: int) -> np.ndarray:
+    """A proto Tensor of `size` values as a flat numpy array (sparse CSR densified with zeros). The
+    shape is checked against `size` before anything is allocated."""
+    shape = list(t.shape)
+    if any(d < 0 for d in shape) or (shape and math.prod(shape) != size):
+        raise InvalidRequest(f"{where}: shape {shape} does not hold {size} values (one per input token)")
     if t.dtype == 4:  # bfloat16: the upper half of a float32
         dtype = np.uint16
     elif t.dtype in _NUMPY:
@@ -77,7 +81,6 @@ def _tensor(t, where: str) -> np.ndarray:
         return np.frombuffer(raw, dtype=dt)
 
     if t.HasField("sparse_csr"):
-        shape = list(t.shape)
         if len(shape) != 2:
             raise InvalidRequest(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
         values = read(t.sparse_csr.values, dtype, "sparse_csr.values")
@@ -93,8 +96,6 @@ def _tensor(t, where: str) -> np.ndarray:
         arr = dense.reshape(-1)
     else:
         arr = read(t.dense, dtype, "dense")
-        if t.shape and int(np.prod(list(t.shape))) != arr.size:
-            raise InvalidRequest(f"{where}: shape {list(t.shape)} does not match its {arr.size} values")
     if t.dtype == 4:
         arr = (arr.astype(np.uint32) << 16).view(np.float32)
     return arr
@@ -111,7 +112,8 @@ def _tokens(chunks, where: str) -> list[int]:
             out.extend(np.frombuffer(raw, dtype=np.int32).tolist())
         else:
             raise InvalidRequest(f"{where}.model_input[{k}]: {kind or 'image/audio'} chunks are not "
-                                 "supported; the served models are text-only")
+                                 "supported; the served models are text-only: send encoded_text chunks",
+                                 code="not_supported")
     return out
 
 
@@ -122,6 +124,8 @@ def _spans(spans, where: str) -> list[Span]:
         if arm not in ("prompt_tokens", "sampled_tokens"):
             raise InvalidRequest(f"{where}[{k}]: a provenance span must be prompt_tokens or sampled_tokens")
         run = getattr(s, arm)
+        if run.offset < 0 or run.length < 0:
+            raise InvalidRequest(f"{where}[{k}]: offset {run.offset} and length {run.length} must be >= 0")
         out.append(Span(run.sequence_id, int(run.offset), int(run.length), arm == "sampled_tokens"))
     return out
 
@@ -165,7 +169,7 @@ def forward_backward_body(msg) -> ForwardBackwardBody:
                 hint = "; give clip thresholds in loss_fn_config" if "threshold" in name else ""
                 raise InvalidRequest(f"{where}.loss_fn_inputs[{name!r}] is not a loss input trine uses "
                                      f"({', '.join(KNOWN_INPUTS)}){hint}")
-            arr = _tensor(t, f"{where}.loss_fn_inputs[{name!r}]")
+            arr = _tensor(t, f"{where}.loss_fn_inputs[{name!r}]", n)
             if arr.size != n:
                 raise InvalidRequest(f"{where}.loss_fn_inputs[{name!r}] has {arr.size} values; it needs one "
                                      f"per input token ({n})")
@@ -174,7 +178,8 @@ def forward_backward_body(msg) -> ForwardBackwardBody:
             raise InvalidRequest(f"{where}.loss_fn_inputs['target_tokens'] is required")
         targets = inputs["target_tokens"]
         if targets.dtype.kind == "f":
-            if not np.all(np.isfinite(targets)) or np.any(targets != np.round(targets)):
+            if (not np.all(np.isfinite(targets)) or np.any(targets != np.round(targets))
+                    or np.any(np.abs(targets) >= 2.0 ** 62)):
                 raise InvalidRequest(f"{where}.loss_fn_inputs['target_tokens'] must hold integers")
         floats = {k: [float(x) for x in inputs[k].astype(np.float64)] for k in FLOAT_INPUTS if k in inputs}
         for k, vs in floats.items():

@@ -1,6 +1,6 @@
-"""Tinker handshake, sessions and REST routes: client config, sessions and heartbeats, training runs,
-checkpoints (`tinker://` paths), capabilities, telemetry (accepted and dropped) and billing usage
-(answered from trine's metering, in Tinker's hourly-bucket shape).
+"""Tinker handshake, sessions and REST routes: client config, sessions and heartbeats, capabilities,
+telemetry (accepted and dropped) and billing usage (answered from trine's metering, in Tinker's
+hourly-bucket shape). Training runs and checkpoints are in `checkpoints.py`.
 
 The client config turns off what a self-hosted server does not need: no JWT exchange
 (`pjwt_auth_enabled`), custom losses run on the client (`custom_loss_server_side`), no
@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 from datetime import datetime, timezone
+from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 
-from ...limits import MAX_PAGE_SIZE
+from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...metering.money import money
-from ...service import Checkpoint, InvalidRequest
-from ..context import json_object
-from .state import caller, to_tinker_path, to_trio_uri
+from ...service import InvalidRequest
+from ..context import json_object, parse_model
+from .state import caller
 
 router = APIRouter(prefix="/api/v1")
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_key",
@@ -30,7 +32,31 @@ CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_k
 FINISH_STATUS = {"success": "ENDED", "errored": "CANCELLED", "interrupted": "CANCELLED"}
 
 
-def _iso(ts: float | None) -> str | None:
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CreateSessionBody(_Body):
+    sdk_version: str = ""
+
+
+class SessionBody(_Body):
+    session_id: str
+
+
+class FinishReason(_Body):
+    type: Literal["success", "errored", "interrupted"] = "success"
+
+
+class FinishBody(_Body):
+    reason: FinishReason = FinishReason()
+
+
+async def _json(request: Request, cls):
+    return parse_model(cls, await json_object(request))
+
+
+def iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
 
 
@@ -71,16 +97,16 @@ async def capabilities(request: Request):
 @router.post("/create_session")
 async def create_session(request: Request):
     svc, _, key = caller(request)
-    b = await json_object(request)
-    s = svc.runs.create_session(key, str(b.get("sdk_version") or ""))
+    b = await _json(request, CreateSessionBody)
+    s = svc.runs.create_session(key, b.sdk_version)
     return {"type": "create_session", "session_id": s.id}
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(request: Request):
     svc, st, key = caller(request)
-    b = await json_object(request)
-    s = svc.ownership.session(key, str(b.get("session_id") or ""))
+    b = await _json(request, SessionBody)
+    s = svc.ownership.session(key, b.session_id)
     if s.status != "ACTIVE":
         return JSONResponse({"code": "session_finished", "message": f"session {s.id} is {s.status}"},
                             status_code=410)
@@ -93,15 +119,14 @@ async def session_heartbeat(request: Request):
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request):
     svc, _, key = caller(request)
-    b = await json_object(request)
-    reason = (b.get("reason") or {}).get("type", "success")
-    await svc.runs.close_session(key, session_id, FINISH_STATUS.get(reason, "ENDED"))
+    b = await _json(request, FinishBody)
+    await svc.runs.close_session(key, session_id, FINISH_STATUS[b.reason.type])
     return {}
 
 
 @router.get("/sessions")
 async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
-                        offset: int = Query(0, ge=0)):
+                        offset: int = Query(0, ge=0, le=INT64_MAX)):
     svc, _, key = caller(request)
     rows, _ = svc.queries.sessions(key, limit, offset)
     return {"sessions": [s.id for s in rows]}
@@ -113,79 +138,6 @@ async def get_session(session_id: str, request: Request):
     v = svc.queries.session(key, session_id)
     models = [mid for mid, m in st.models.items() if m.session_id == v.session.id and m.api_key_id == key.id]
     return {"training_run_ids": models, "sampler_ids": v.sampling_run_ids}
-
-
-# ---------------------------------------------------------------------------- runs and checkpoints
-def checkpoint_json(c: Checkpoint) -> dict:
-    return {"checkpoint_id": to_tinker_path(c.uri).split("/", 3)[3], "tinker_path": to_tinker_path(c.uri),
-            "checkpoint_type": "training" if c.kind == "TRAINING" else "sampler",
-            "time": _iso(c.created_at), "size_bytes": c.size_bytes, "public": False,
-            "expires_at": _iso(c.expires_at)}
-
-
-def training_run_json(svc, key, r) -> dict:
-    cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
-    last = {kind: max((c for c in cks if c.kind == kind), key=lambda c: c.created_at, default=None)
-            for kind in ("TRAINING", "SAMPLER")}
-    return {"training_run_id": r.id, "base_model": r.base_model, "model_owner": key.name, "is_lora": True,
-            "corrupted": r.status == "INTERRUPTED", "lora_rank": r.lora_rank,
-            "last_request_time": _iso(r.updated_at),
-            "last_checkpoint": checkpoint_json(last["TRAINING"]) if last["TRAINING"] else None,
-            "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None}
-
-
-def _run_id(st, key, id_: str) -> str:
-    """Training routes take a trine run id or a Tinker model id."""
-    m = st.models.get(id_)
-    return m.run_id if m is not None and m.api_key_id == key.id else id_
-
-
-@router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
-                             offset: int = Query(0, ge=0)):
-    svc, _, key = caller(request)
-    rows, total = svc.queries.training_runs(key, limit, offset)
-    return {"training_runs": [training_run_json(svc, key, r) for r in rows],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
-
-
-@router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, request: Request):
-    svc, st, key = caller(request)
-    return training_run_json(svc, key, svc.ownership.training_run(key, _run_id(st, key, run_id)))
-
-
-@router.get("/training_runs/{run_id}/checkpoints")
-async def run_checkpoints(run_id: str, request: Request):
-    svc, st, key = caller(request)
-    rows, _ = svc.queries.checkpoints(key, training_run_id=_run_id(st, key, run_id))
-    return {"checkpoints": [checkpoint_json(c) for c in rows if c.path]}
-
-
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
-    svc, st, key = caller(request)
-    ck = svc.ownership.checkpoint_by_uri(key, to_trio_uri(f"tinker://{_run_id(st, key, run_id)}/{checkpoint_id}"))
-    svc.checkpoints.delete(key, ck.id)
-    return JSONResponse(None)
-
-
-@router.get("/checkpoints")
-async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZE),
-                           offset: int = Query(0, ge=0)):
-    svc, _, key = caller(request)
-    rows, total = svc.queries.checkpoints(key, limit=limit, offset=offset)
-    return {"checkpoints": [checkpoint_json(c) for c in rows if c.path],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
-
-
-@router.post("/weights_info")
-async def weights_info(request: Request):
-    svc, _, key = caller(request)
-    b = await json_object(request)
-    c = svc.ownership.checkpoint_by_uri(key, to_trio_uri(b.get("tinker_path")))
-    return {"base_model": c.base_model, "is_lora": True, "lora_rank": c.lora_rank,
-            "train_unembed": c.train_unembed, "train_mlp": c.train_mlp, "train_attn": c.train_attn}
 
 
 # ---------------------------------------------------------------------------- billing
@@ -222,7 +174,7 @@ async def billing_usage(request: Request, starting_on: str | None = None, ending
         info = {"type": kind, "token_count": int(count)}
         if cached is not None:
             info["cached"] = cached
-        data.append({"bucket_start": _iso(hour), "bucket_end": _iso(hour + 3600), "base_model": model,
+        data.append({"bucket_start": iso(hour), "bucket_end": iso(hour + 3600), "base_model": model,
                      "user_id": key.id, "user_name": key.name, "session_id": session,
                      "estimated_cost_usd": money(cost),
                      "effective_rate_usd_per_million_tokens": money(cost * 1e6 / count) if count else None,

@@ -15,10 +15,12 @@ from dataclasses import replace
 
 import numpy as np
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
 
 from ...limits import MAX_SAMPLE_BYTES
 from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
-from ..context import json_object
+from ..bounds import Int64
+from ..context import json_object, parse_model
 from ..params import parse_sample
 from . import proto
 from .futures import Reply
@@ -43,9 +45,10 @@ def sampling_session(svc: Service, st: TinkerState, key: ApiKey, session_id: str
 async def create_sampling_session(request: Request):
     svc, st, key = caller(request)
     b = await json_object(request)
+    parse_model(SamplingSessionBody, b)
     if not isinstance(b.get("session_id"), str) or not isinstance(b.get("sampling_session_seq_id"), int):
         raise InvalidRequest("body: send session_id and sampling_session_seq_id")
-    uri = to_trio_uri(b["model_path"]) if b.get("model_path") else ""
+    uri = to_trio_uri(b["model_path"], "model_path") if b.get("model_path") else ""
     if not uri and not b.get("base_model"):
         raise InvalidRequest("create_sampling_session: send base_model or model_path")
     sid = sampling_session(svc, st, key, b["session_id"], b["sampling_session_seq_id"],
@@ -61,10 +64,34 @@ async def get_sampler(sampler_id: str, request: Request):
             "model_path": to_tinker_path(r.source_checkpoint_uri) if r.source_checkpoint_uri else None}
 
 
+class SamplingSessionBody(BaseModel):
+    """The types of a `create_sampling_session` body."""
+    model_config = ConfigDict(extra="allow")
+    session_id: str | None = None
+    sampling_session_seq_id: Int64 | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class AsampleBody(BaseModel):
+    """The types of an `asample` body's top-level fields (their values are checked where used)."""
+    model_config = ConfigDict(extra="allow")
+    sampling_session_id: str | None = None
+    seq_id: Int64 | None = None
+    num_samples: Int64 = 1
+    prompt: dict | None = None
+    sampling_params: dict | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: Int64 | None = None
+    prompt_logprobs_last_n: Int64 | None = None
+    record_stability_info: bool | None = None
+
+
 @router.post("/asample")
 async def asample(request: Request):
     svc, st, key = caller(request)
     b = await json_object(request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object", empty_ok=False)
+    parse_model(AsampleBody, b)
     sid, seq = b.get("sampling_session_id"), b.get("seq_id")
     if not isinstance(sid, str) or not isinstance(seq, int):
         raise InvalidRequest("asample: send sampling_session_id and seq_id (create a sampling client first)")
@@ -106,6 +133,6 @@ async def asample(request: Request):
             out.topk_prompt_logprobs, spec.topk_prompt_logprobs, out.usage["cached_tokens"],
             sequence_topk=[s.top_logprobs for s in out.sequences], sequence_topk_k=spec.top_logprobs,
             target_prompt_logprobs=target, prompt_alt_tokens=alt), proto.PROTOBUF)
-    st.futures.start(key.id, request_id, finish)
+    st.futures.start(key.id, request_id, finish, spec.fingerprint)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 

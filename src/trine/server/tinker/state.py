@@ -25,10 +25,11 @@ from ..context import caller_key, service_of
 from .futures import FutureTable
 
 
-def to_trio_uri(path: str) -> str:
-    """`tinker://<run>/weights/<name>` -> `trio://<run>/state/<name>`; a bad path is a 400."""
+def to_trio_uri(path: str, field: str = "path") -> str:
+    """`tinker://<run>/weights/<name>` -> `trio://<run>/state/<name>`; a bad path is a 400 naming
+    `field`, the request field that carried it."""
     try:
-        return uris.to_trio_uri(path)
+        return uris.to_trio_uri(path, field)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
 
@@ -50,8 +51,8 @@ class TinkerState:
     def model(self, key: ApiKey, model_id: str) -> Model:
         m = self.models.get(model_id)
         if m is None or m.api_key_id != key.id:
-            raise NotFound(f"model_id {model_id!r} not found: use the id create_model returned (ids do "
-                           "not survive a server restart; restore from a saved state)",
+            raise NotFound("model_id not found: use the id create_model returned to this API key (ids "
+                           "do not survive a server restart; restore from a saved state)",
                            code="model_not_found")
         return m
 

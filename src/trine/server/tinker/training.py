@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 from typing import Awaitable, Callable
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from ...limits import MAX_EVENT_BYTES
 from ...service import (ApiKey, EventResult, Forward, InitRun, InvalidRequest, LoraSpec, Refused, Save, Service,
-                        TrainingCommand, TrainingRunSpec)
+                        ServiceError, TooManyRequests, TrainingCommand, TrainingRunSpec)
+from ..bounds import Count, Seed, SeqId, TtlSeconds
 from ..context import json_object, parse_model, read_body
 from ..params import optim_step as parse_optim_step
 from . import proto
+from .errors import REUSED, public_message
 from .futures import Failure, Reply
 from .state import Model, TinkerState, caller, model_id_of, to_tinker_path, to_trio_uri
 
@@ -34,7 +37,7 @@ class _Body(BaseModel):
 
 class LoraBody(_Body):
     rank: int = 32
-    seed: int | None = None
+    seed: Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -42,7 +45,7 @@ class LoraBody(_Body):
 
 class CreateModelBody(_Body):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: Count
     base_model: str
     lora_config: LoraBody | None = None
     optimizer_config: dict | None = None
@@ -50,7 +53,7 @@ class CreateModelBody(_Body):
 
 class ModelCall(_Body):
     model_id: str
-    seq_id: int | None = Field(default=None, ge=1)
+    seq_id: SeqId | None = None
 
 
 class OptimStepBody(ModelCall):
@@ -60,16 +63,16 @@ class OptimStepBody(ModelCall):
 
 class SaveBody(ModelCall):
     path: str | None = None
-    ttl_seconds: int | None = None
+    ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: Count | None = None
 
 
 class LoadBody(_Body):
     model_id: str | None = None
-    seq_id: int | None = None
+    seq_id: SeqId | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: Count | None = None
     base_model: str | None = None
     path: str
     optimizer: bool = False
@@ -79,11 +82,12 @@ async def _json(request: Request, cls):
     return parse_model(cls, await json_object(request))
 
 
-def _check_optimizer(config: dict | None) -> None:
+def _check_optimizer(config: dict | None, field: str = "optimizer_config") -> None:
     kind = (config or {}).get("type", "adam")
     if kind not in ("adam", "adamw"):
-        raise InvalidRequest(f"optimizer_config.type {kind!r}: trine trains with AdamW only; use "
-                             "AdamParams")
+        raise InvalidRequest(f"{field}.type {kind!r}: not supported; trine trains with AdamW only: create "
+                             "the model with the default optimizer and send AdamParams to optim_step",
+                             code="not_supported")
 
 
 # ---------------------------------------------------------------------------- event plumbing
@@ -93,7 +97,7 @@ def _outcome(rec) -> EventResult:
     if res.status != "succeeded":
         err = res.error or {"code": "failed", "message": "the request failed"}
         category = "server" if err.get("code") in ("internal_error", "worker_lost") else "user"
-        raise Failure(f"{err.get('message')} ({err.get('code')})", category)
+        raise Failure(f"{public_message(err.get('code'), err.get('message'))} ({err.get('code')})", category)
     return res
 
 
@@ -108,25 +112,36 @@ Shape = Callable[[EventResult], Awaitable[Reply]]
 
 
 async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: Model, seq_id: int,
-                  command: TrainingCommand | InvalidRequest, shape: Shape) -> dict:
-    """Queue `command` as the model's call `seq_id`. Invalid input (`command` already an
-    InvalidRequest, or refused by the service) still takes its index, as a placeholder that fails
-    with the message: the SDK has numbered the call, and its later calls must not wait for it."""
+                  command: TrainingCommand | InvalidRequest, shape: Shape, body: BaseModel | bytes) -> dict:
+    """Queue `command` as the model's call `seq_id`; `body` is the request as sent (its fingerprint:
+    a retry of the call must repeat it, another body under the same seq_id is a 409). A refused
+    call (`command` already an InvalidRequest, or refused by the service) still takes its index,
+    as a placeholder that fails with the message: the SDK has numbered the call, and its later
+    calls must not wait for it."""
     event_id = f"tk-{m.run_id}-{seq_id}"
+    fingerprint = _fingerprint(body)
 
     async def submit(command: TrainingCommand) -> None:
-        await svc.events.submit(key, m.run_id, event_id=event_id, index=seq_id + 1, step=0, command=command)
+        await svc.events.submit(key, m.run_id, event_id=event_id, index=seq_id + 1, step=0, command=command,
+                                fingerprint=fingerprint)
     try:
         if isinstance(command, InvalidRequest):
             raise command
         await submit(command)
-    except InvalidRequest as e:
+    except ServiceError as e:
+        if e.code in REUSED or isinstance(e, TooManyRequests):  # nothing took the index (a retry may)
+            raise
         await submit(Refused(e.code, e.message))
 
     async def finish() -> Reply:
         return await shape(_outcome(await _settled(svc, key, m.run_id, event_id)))
     st.futures.start(key.id, event_id, finish)
     return {"request_id": event_id, "model_id": model_id}
+
+
+def _fingerprint(body: BaseModel | bytes) -> str:
+    raw = body if isinstance(body, bytes) else f"{type(body).__name__}:{body.model_dump_json()}".encode()
+    return hashlib.sha256(raw).hexdigest()
 
 
 def _command_or_refusal(build: Callable[[], TrainingCommand]) -> TrainingCommand | InvalidRequest:
@@ -149,7 +164,7 @@ def _lora(run) -> LoraSpec:
 
 # ---------------------------------------------------------------------------- models
 async def _create(svc: Service, st: TinkerState, key: ApiKey, session_id: str, model_seq_id: int,
-                  make_run, init_of, reply: dict) -> dict:
+                  make_run, init_of, reply: dict, body: BaseModel) -> dict:
     """Create the training run behind model `<session>:train:<seq>` once (a retry joins), and queue
     its init as event index 1."""
     model_id = model_id_of(session_id, model_seq_id)
@@ -157,7 +172,8 @@ async def _create(svc: Service, st: TinkerState, key: ApiKey, session_id: str, m
         st.models[model_id] = Model(make_run().id, key.id, session_id)
     m = st.model(key, model_id)
     run = svc.ownership.training_run(key, m.run_id)
-    return await _submit(svc, st, key, model_id, m, 0, init_of(run), _json_reply({**reply, "model_id": model_id}))
+    return await _submit(svc, st, key, model_id, m, 0, init_of(run), _json_reply({**reply, "model_id": model_id}),
+                         body)
 
 
 @router.post("/create_model")
@@ -170,7 +186,7 @@ async def create_model(request: Request):
         svc, st, key, b.session_id, b.model_seq_id,
         lambda: svc.runs.create_training_run(key, b.session_id, TrainingRunSpec(
             b.base_model, LoraSpec(lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed))),
-        lambda run: InitRun(_lora(run), run.base_model), {"type": "create_model"})
+        lambda run: InitRun(_lora(run), run.base_model), {"type": "create_model"}, b)
 
 
 @router.post("/load_weights")
@@ -186,14 +202,14 @@ async def load_weights(request: Request):
             svc, st, key, b.session_id, b.model_seq_id,
             lambda: svc.runs.create_training_run(key, b.session_id, TrainingRunSpec(
                 b.base_model or "", LoraSpec(rank=1), uri, b.optimizer)),
-            lambda run: InitRun(_lora(run), "", uri, b.optimizer), reply)
+            lambda run: InitRun(_lora(run), "", uri, b.optimizer), reply, b)
     if b.model_id is None or b.seq_id is None:
         raise InvalidRequest("load_weights: send model_id and seq_id, or session_id and model_seq_id")
     m = st.model(key, b.model_id)
     run = svc.ownership.training_run(key, m.run_id)
     command = _command_or_refusal(lambda: InitRun(_lora(run), "", to_trio_uri(b.path), b.optimizer))
     return await _submit(svc, st, key, b.model_id, m, b.seq_id, command,
-                         _json_reply({**reply, "model_id": b.model_id}))
+                         _json_reply({**reply, "model_id": b.model_id}), b)
 
 
 @router.post("/get_info")
@@ -252,7 +268,8 @@ async def forward_backward(request: Request):
         if res.cycle is not None:
             metrics["clock_cycle:unique"] = float(res.cycle)
         return Reply(proto.forward_backward_output(res.logprobs or [], metrics), proto.PROTOBUF)
-    return await _submit(svc, st, key, msg.model_id, m, msg.seq_id, command, shape)
+    return await _submit(svc, st, key, msg.model_id, m, msg.seq_id, command, shape,
+                         msg.SerializeToString(deterministic=True))
 
 
 def _seq(b: ModelCall) -> int:
@@ -266,11 +283,16 @@ async def optim_step(request: Request):
     svc, st, key = caller(request)
     b = await _json(request, OptimStepBody)
     m = st.model(key, b.model_id)
-    command = _command_or_refusal(lambda: parse_optim_step({"adam_params": b.adam_params}))
+
+    def build():
+        if b.optimizer_params is not None:
+            _check_optimizer(b.optimizer_params, "optimizer_params")
+        return parse_optim_step({"adam_params": b.adam_params})
+    command = _command_or_refusal(build)
 
     async def shape(res):
         return Reply.json({"type": "optim_step", "metrics": res.metrics})
-    return await _submit(svc, st, key, b.model_id, m, _seq(b), command, shape)
+    return await _submit(svc, st, key, b.model_id, m, _seq(b), command, shape, b)
 
 
 def _path_reply(type_: str) -> Shape:
@@ -302,7 +324,7 @@ async def _save(request: Request, sampler: bool) -> dict:
             from .sampling import sampling_session
             sid = sampling_session(svc, st, key, m.session_id, sampler_seq, "", res.checkpoint["uri"])
             return Reply.json({"type": type_, "sampling_session_id": sid})
-    return await _submit(svc, st, key, b.model_id, m, seq, command, shape)
+    return await _submit(svc, st, key, b.model_id, m, seq, command, shape, b)
 
 
 @router.post("/save_weights")
@@ -313,3 +335,20 @@ async def save_weights(request: Request):
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request):
     return await _save(request, sampler=True)
+
+
+class SaveExternalBody(ModelCall):
+    path: str | None = None
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request):
+    """Refused with what to use instead; the call still takes its seq_id (the SDK numbered it)."""
+    svc, st, key = caller(request)
+    b = await _json(request, SaveExternalBody)
+    refusal = InvalidRequest("save_weights_external (merged weights in Hugging Face format) is not supported "
+                             "by trine; use save_weights_for_sampler(name) and download the LoRA adapter "
+                             "with GET .../archive (Tinker's checkpoint archive URL), or merge it into the "
+                             "base model with `trine export <checkpoint> <dir> --merged`", code="not_supported")
+    await _submit(svc, st, key, b.model_id, st.model(key, b.model_id), _seq(b), refusal, _json_reply({}), b)
+    raise refusal
