@@ -15,7 +15,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from ...limits import MAX_PAGE_SIZE
-from ...service import Checkpoint, InvalidRequest
+from ...service import Checkpoint, InvalidRequest, RunLabels
+from ...service.labels import as_metadata
 from ..context import json_object
 from .state import caller, to_tinker_path, to_trio_uri
 
@@ -71,7 +72,11 @@ async def capabilities(request: Request):
 async def create_session(request: Request):
     svc, _, key = caller(request)
     b = await json_object(request)
-    s = svc.runs.create_session(key, str(b.get("sdk_version") or ""))
+    tags, meta, name = b.get("tags") or [], b.get("user_metadata") or {}, b.get("display_name") or ""
+    if not isinstance(tags, list) or not isinstance(meta, dict) or not isinstance(name, str):
+        raise InvalidRequest("create_session: tags is a list of strings, user_metadata an object, "
+                             "display_name a string")
+    s = svc.runs.create_session(key, str(b.get("sdk_version") or ""), RunLabels(name, tuple(tags), meta))
     return {"type": "create_session", "session_id": s.id}
 
 
@@ -130,7 +135,8 @@ def training_run_json(svc, key, r) -> dict:
             "corrupted": r.status == "INTERRUPTED", "lora_rank": r.lora_rank,
             "last_request_time": _iso(r.updated_at),
             "last_checkpoint": checkpoint_json(last["TRAINING"]) if last["TRAINING"] else None,
-            "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None}
+            "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None,
+            "user_metadata": as_metadata(r) or None}
 
 
 def _run_id(st, key, id_: str) -> str:
