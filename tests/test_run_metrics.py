@@ -217,3 +217,26 @@ def test_the_official_pytrio_client_reads_the_labels(env):
         service = pytrio.ServiceClient()
         run = service.create_rest_client().get_training_run(run_id).result()
         assert run.user_metadata == {"lr": "0.02", "name": "grpo-arith", "tags": "rl,tiny"}
+
+
+def test_trine_usage_on_the_data_dir_groups_the_same_way_as_the_server(env):
+    srv, _, run_id, _, http = env
+    out = CliRunner().invoke(trine_cli, ["usage", "--by", "run", "--home", str(srv.home), "--json"])
+    assert out.exit_code == 0, out.output
+    local = {r["key"]: r for r in json.loads(out.output)["rows"]}
+    served = {r["key"]: r for r in get(http, srv.api_key, "/api/trine/v1/usage", params={"by": "run"}).json()["rows"]}
+    assert local[run_id]["parts"] == served[run_id]["parts"] and local[run_id]["info"] == served[run_id]["info"]
+
+
+def test_a_sampler_can_name_the_run_it_belongs_to_and_not_another_keys(env):
+    srv, bob, run_id, _, http = env
+    from trine.service import SamplingRunSpec
+    svc = srv.service
+    alice, bobs = svc.store.key_by_secret(srv.api_key), svc.store.key_by_secret(bob)
+    s = svc.runs.create_session(alice)
+    ref = svc.runs.create_sampling_run(alice, s.id, SamplingRunSpec(MODEL, training_run_id=run_id))
+    assert ref.training_run_id == run_id  # a base-model reference sampler, counted in the run's row
+    from trine.service import NotFound
+    with pytest.raises(NotFound):
+        svc.runs.create_sampling_run(bobs, svc.runs.create_session(bobs).id,
+                                     SamplingRunSpec(MODEL, training_run_id=run_id))
