@@ -4,8 +4,10 @@ Invariants
 - A name is at most MAX_NAME_CHARS characters; at most MAX_TAGS tags of at most MAX_TAG_CHARS
   each, without commas; metadata is at most MAX_METADATA_KEYS string keys with values kept as
   strings. Anything else is an InvalidRequest naming the field.
-- `user_metadata["name"]` and `user_metadata["tags"]` (comma-separated) are the name and tags when
-  the protocol carries only metadata (Tinker's `user_metadata`); explicit ones win.
+- `user_metadata["name"]` and `user_metadata["tags"]` (comma-separated, or a list) are the name and
+  tags when
+  the protocol carries only metadata (Tinker's `user_metadata`); explicit ones win. Those two keys
+  are not kept in the metadata: `as_metadata` writes the labels back under them.
 - A training run inherits its session's labels: the session's tags and metadata join its own, and
   the session's name names it when it has none.
 """
@@ -41,13 +43,15 @@ def checked(labels: RunLabels, field: str = "") -> RunLabels:
     name = labels.name or clean.get("name", "")
     if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
         raise InvalidRequest(f"{at}name: a string of at most {MAX_NAME_CHARS} characters")
-    tags = labels.tags if labels.tags else [t for t in clean.get("tags", "").split(",")]
+    tags = labels.tags if labels.tags else _tags_of(meta.get("tags", ""))
     if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
         raise InvalidRequest(f"{at}tags: send a list of strings")
     tags = _unique(t.strip() for t in tags if t.strip())
     if len(tags) > MAX_TAGS or any(len(t) > MAX_TAG_CHARS or "," in t for t in tags):
         raise InvalidRequest(f"{at}tags: at most {MAX_TAGS} tags of at most {MAX_TAG_CHARS} characters, "
                              "without commas")
+    for k in ("name", "tags"):  # held as the labels themselves (`as_metadata` puts them back)
+        clean.pop(k, None)
     return RunLabels(name.strip(), tuple(tags), clean)
 
 
@@ -67,6 +71,11 @@ def of_record(rec) -> RunLabels:
     """The labels a session or training run record holds."""
     return RunLabels(rec.name or "", tuple(json.loads(rec.tags)) if rec.tags else (),
                      json.loads(rec.user_metadata) if rec.user_metadata else {})
+
+
+def _tags_of(value) -> list:
+    """Tags carried in metadata: a comma-separated string (Tinker's str values), or a list."""
+    return value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [value]
 
 
 def _unique(items) -> list[str]:
