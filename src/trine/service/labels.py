@@ -5,9 +5,8 @@ Invariants
   each, without commas; metadata is at most MAX_METADATA_KEYS string keys with values kept as
   strings. Anything else is an InvalidRequest naming the field.
 - `user_metadata["name"]` and `user_metadata["tags"]` (comma-separated, or a list) are the name and
-  tags when
-  the protocol carries only metadata (Tinker's `user_metadata`); explicit ones win. Those two keys
-  are not kept in the metadata: `as_metadata` writes the labels back under them.
+  tags when the protocol carries only metadata (Tinker's `user_metadata`); explicit ones win. Those
+  two keys are not kept in the metadata: `as_metadata` writes the labels back under them.
 - A training run inherits its session's labels: the session's tags and metadata join its own, and
   the session's name names it when it has none.
 """
