@@ -60,7 +60,7 @@
           ${card("chart-loss", "Loss per step")}
           ${card("chart-grad", "Gradient norm per optim step")}
           ${card("chart-seconds", "Seconds per step (wall clock, from the previous step's end)")}
-          <div id="run-metric-charts" style="display:contents"></div>
+          <div id="run-metric-charts" class="contents"></div>
           ${card("chart-tokens", "Train tokens per step: computed vs in the loss")}
           <div class="card"><h3>Clock cycle of each step <span class="muted">(a dot in a ring: one cycle per step)</span></h3><div class="chart"><canvas id="chart-cycles" role="img" aria-label="Clock cycle of each step (the table below has the numbers)"></canvas></div></div>
         </div>
