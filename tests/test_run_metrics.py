@@ -240,3 +240,4 @@ def test_a_sampler_can_name_the_run_it_belongs_to_and_not_another_keys(env):
     with pytest.raises(NotFound):
         svc.runs.create_sampling_run(bobs, svc.runs.create_session(bobs).id,
                                      SamplingRunSpec(MODEL, training_run_id=run_id))
+

@@ -372,8 +372,13 @@ class TrainingClient:
         return {"step": step, "values": values}
 
     async def _log_metrics(self, body: dict) -> dict:
-        return await self._rt.control.call("POST", f"trine/v1/training-runs/{self.training_run_id}/metrics",
-                                           json=body)
+        task = asyncio.current_task()
+        self._rt.flush_on_close.add(task)  # a script's last log_metrics is sent before the session closes
+        try:
+            return await self._rt.control.call("POST", f"trine/v1/training-runs/{self.training_run_id}/metrics",
+                                               json=body)
+        finally:
+            self._rt.flush_on_close.discard(task)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> APIFuture[dict]:
         """Record your own numbers for this run (reward, KL, accuracy, ...) at `step` (default: the
