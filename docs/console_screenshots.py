@@ -1,7 +1,7 @@
 """Regenerate the console screenshots in docs/ from a real job: the demo's SFT + GRPO stages (through
 the SDK; the GRPO run logs its reward) on SmolLM2-135M-Instruct or --model DIR, then in headless
-Chromium the GRPO run's page, the whole usage page, the Compare page (both runs' loss) and the
-checkpoints page (its temp-sampling snapshots grouped), 1280 wide.
+Chromium the GRPO run's page, the whole usage page and the Compare page (both runs' seconds per
+step), 1280 wide.
 
     .venv/bin/python docs/console_screenshots.py [--model DIR] [--out docs] [--keep DIR]
 """
@@ -61,8 +61,9 @@ def main() -> None:
                 wait(driver, "document.querySelector('main table, main .empty')")
                 screenshots(driver, shots / page)
         args.out.mkdir(parents=True, exist_ok=True)
-        for page, shot in (("run", "run-full.png"), ("usage", "usage-full.png"), ("compare", "compare.png"),
-                           ("checkpoints", "checkpoints.png")):  # the whole page, or 1280x800
+        # (docs/console-checkpoints.png is the browser test's: here the runs have ended, and with them
+        # their temporary snapshots)
+        for page, shot in (("run", "run-full.png"), ("usage", "usage-full.png"), ("compare", "compare.png")):
             shutil.copy(shots / shot, args.out / f"console-{page}.png")
             print(f"wrote {args.out / f'console-{page}.png'}")
     finally:
