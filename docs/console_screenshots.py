@@ -1,6 +1,7 @@
 """Regenerate the console screenshots in docs/ from a real job: the demo's SFT + GRPO stages (through
-the SDK) on SmolLM2-135M-Instruct or --model DIR, then the run page (1280x800) and the whole usage
-page (1280 wide) in headless Chromium.
+the SDK; the GRPO run logs its reward) on SmolLM2-135M-Instruct or --model DIR, then in headless
+Chromium the GRPO run's page, the whole usage page and the Compare page (both runs' seconds per
+step), 1280 wide.
 
     .venv/bin/python docs/console_screenshots.py [--model DIR] [--out docs] [--keep DIR]
 """
@@ -43,21 +44,26 @@ def main() -> None:
             run_job(service, model_dir.name, sft_steps=args.sft_steps, rl_steps=args.rl_steps,
                     console=Console(), seed=0)
         runs, _ = server.service.store.training_runs()
-        sft_run = min(runs, key=lambda r: r.created_at)
+        sft_run, grpo_run = sorted(runs, key=lambda r: r.created_at)[:2]
         with chromium(shutil.which("chromium"), shutil.which("chromedriver")) as driver:
             sign_in(driver, server.url, server.api_key)
             wait(driver, "document.querySelector('#runs table')")
             screenshots(driver, shots / "runs")
-            driver.get(f"{server.url}/console/runs/{sft_run.id}")
-            wait(driver, f"Chart.getChart('chart-loss') && Chart.getChart('chart-loss').data.labels.length === "
-                         f"{args.sft_steps}")
+            driver.get(f"{server.url}/console/runs/{grpo_run.id}")
+            wait(driver, f"Chart.getChart('chart-metric-reward') && "
+                         f"Chart.getChart('chart-metric-reward').data.labels.length === {args.rl_steps}")
             screenshots(driver, shots / "run")
+            driver.get(f"{server.url}/console/compare?runs={sft_run.id},{grpo_run.id}&metric=seconds")
+            wait(driver, "Chart.getChart('chart-compare') && Chart.getChart('chart-compare').data.datasets.length === 2")
+            screenshots(driver, shots / "compare")
             for page in ("usage", "server", "checkpoints"):
                 driver.get(f"{server.url}/console/{page}")
                 wait(driver, "document.querySelector('main table, main .empty')")
                 screenshots(driver, shots / page)
         args.out.mkdir(parents=True, exist_ok=True)
-        for page, shot in (("run", "run.png"), ("usage", "usage-full.png")):  # 1280x800; the whole page
+        # (docs/console-checkpoints.png is the browser test's: here the runs have ended, and with them
+        # their temporary snapshots)
+        for page, shot in (("run", "run-full.png"), ("usage", "usage-full.png"), ("compare", "compare.png")):
             shutil.copy(shots / shot, args.out / f"console-{page}.png")
             print(f"wrote {args.out / f'console-{page}.png'}")
     finally:

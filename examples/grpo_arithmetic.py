@@ -37,7 +37,8 @@ def main(argv=None) -> dict:
     with connect(args) as conn:
         service, model = conn.service, conn.model
         phases = Phases(service)
-        trainer = service.create_lora_training_client(base_model=model, rank=16, seed=args.seed)
+        trainer = service.create_lora_training_client(base_model=model, rank=16, seed=args.seed,
+                                                      name="grpo-arithmetic", tags=["example", "grpo"])
         tok = trainer.get_tokenizer()
         timer = StepTimer(service, args.steps)
         for step in range(args.steps):
@@ -58,6 +59,7 @@ def main(argv=None) -> dict:
                         data += [policy_datum(prompt, s.tokens, s.logprobs, [r - mean] * len(s.tokens))
                                  for s, r in zip(seqs, group) if s.tokens]
             curve.append(statistics.fmean(rewards))
+            trainer.log_metrics({"reward": curve[-1]}, step=step + 1)  # plotted in the console's run page
             line = f"step {step + 1:>3}  mean reward {curve[-1]:.3f}  "
             if data:
                 with phases("train"):

@@ -125,3 +125,15 @@ def test_chunks_of_one_step_fold_into_one_point_weighted_by_tokens():
         (2, 1, 2.0, None, 2, None),  # a forward_backward group with no optim_step after it
         (3, 1, 4.0, 0.25, 3, 4)]  # optim_step in the next cycle: the step took two
     assert [(s.train_tokens, s.loss_tokens) for s in steps] == [(40, 20), (4, 2), (4, 2)]
+
+
+def test_run_rows_carry_lora_optimizer_metrics_and_step_seconds(env):
+    srv, _, run, http = env
+    d = get(http, srv.api_key, f"/console/api/runs/{run.run_id}").json()
+    r = d["run"]
+    assert r["lora"] == {"rank": 4, "train_mlp": True, "train_attn": True, "train_unembed": True, "seed": 0}
+    assert r["optimizer"]["learning_rate"] == 2e-2 and r["name"] is None and r["tags"] == []
+    assert r["last_metrics"] == {} and d["metrics"] == {} and r["samplers"] == 0
+    finished = [s["finished_at"] for s in d["steps"]]
+    assert [s["seconds"] for s in d["steps"][1:]] == pytest.approx([b - a for a, b in zip(finished, finished[1:])])
+    assert d["steps"][0]["seconds"] == pytest.approx(finished[0] - d["steps"][0]["started_at"])

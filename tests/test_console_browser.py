@@ -79,7 +79,8 @@ def test_sign_in_lists_the_run(env, browser):
     sign_in(browser, srv.url, srv.api_key)
     row = wait(browser, f"document.querySelector('tr[data-run=\"{run.run_id}\"]')")
     cells = [c.text for c in row.find_elements("tag name", "td")]
-    assert cells[0] == run.run_id and cells[1] == "tiny-llama" and cells[3] == "ENDED" and cells[4] == "8"
+    assert cells[0] == run.run_id and cells[3] == "tiny-llama" and cells[4] == "r4 mlp+attn+unembed"
+    assert cells[5] == "ENDED" and cells[6] == "8"
     assert browser.find_element("id", "who").text == "key: embedded"
     shoot(browser, "runs")
 

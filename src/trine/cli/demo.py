@@ -96,7 +96,8 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
     from rich.progress import Progress
 
     rng = random.Random(seed)
-    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=seed)
+    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=seed, name="demo-sft",
+                                                  tags=["demo", "sft"])
     tokenizer = trainer.get_tokenizer()
     stages = []
 
@@ -135,7 +136,8 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
     console.rule(f"[bold]GRPO[/bold]: {rl_steps} steps, {prompts_per_step} prompts x {group_size} samples, "
                  "a new LoRA run")
     before = service.usage()
-    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=seed)
+    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=seed, name="demo-grpo",
+                                                  tags=["demo", "grpo"])
     params = trio.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=["<|im_end|>", "\n"])
     mean_rewards = []
     console.print(GRPO_HEADER)
@@ -166,6 +168,7 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
             console.print(line)
             progress.advance(task)
             mean_rewards.append(statistics.fmean(rewards))
+            trainer.log_metrics({"reward": mean_rewards[-1]}, step=step + 1)  # the console plots it
     stages.append(("GRPO", service.usage() - before))
     if mean_rewards:
         console.print(f"  GRPO mean reward {mean_rewards[0]:.2f} -> {mean_rewards[-1]:.2f}")

@@ -15,6 +15,7 @@ COMMANDS = {
     "models": ("trine.cli.models", "models"),
     "checkpoints": ("trine.cli.checkpoints", "checkpoints"),
     "export": ("trine.cli.export", "export"),
+    "runs": ("trine.cli.runs", "runs"),
 }
 
 

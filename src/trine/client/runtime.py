@@ -52,6 +52,7 @@ class Runtime:
         self.tokenizers: dict[str, Any] = {}
         self.tokenizer_lock = threading.Lock()
         self.closed = False
+        self.flush_on_close: set[asyncio.Task] = set()  # requests close() lets finish (logged metrics)
 
         async def make_clients():
             return ControlHTTP(base_url, api_key, settings), httpx.AsyncClient(timeout=settings.request_timeout_s)
@@ -84,6 +85,8 @@ class Runtime:
 
         async def shutdown():
             try:
+                if self.flush_on_close:
+                    await asyncio.wait(self.flush_on_close, timeout=self.settings.connect_check_s)
                 if on_loop is not None:
                     await on_loop
             finally:

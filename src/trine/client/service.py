@@ -48,6 +48,17 @@ def _env(*names: str) -> str:
     return ""
 
 
+def _labels(name: str | None, tags: list[str] | None, user_metadata: dict[str, str] | None) -> dict:
+    """A training run's labels as the create-run body carries them (checked locally for type)."""
+    if name is not None and not isinstance(name, str):
+        raise ValidationError(f"name must be a str, got {type(name).__name__}")
+    if tags is not None and (isinstance(tags, str) or not all(isinstance(t, str) for t in tags)):
+        raise ValidationError("tags must be a list of str, e.g. ['grpo', 'arithmetic']")
+    if user_metadata is not None and not isinstance(user_metadata, dict):
+        raise ValidationError("user_metadata must be a dict of str to str")
+    return {"name": name or "", "tags": list(tags or []), "user_metadata": user_metadata}
+
+
 def _close_session(runtime: Runtime, session_id: str) -> None:
     """Finalizer: one best-effort close request (no retries: never hang an exiting program)."""
     async def close():
@@ -173,10 +184,11 @@ class ServiceClient:
 
     # -- training ----------------------------------------------------------------------------
 
-    async def _create_training_run(self, base_model: str, lora: LoraConfig, source: str, restore_optimizer: bool):
+    async def _create_training_run(self, base_model: str, lora: LoraConfig, source: str, restore_optimizer: bool,
+                                   labels: dict | None = None):
         body = {"base_model": base_model, "lora_rank": lora.rank, "train_mlp": lora.train_mlp,
                 "train_attn": lora.train_attn, "train_unembed": lora.train_unembed,
-                "source_checkpoint_uri": source, "restore_optimizer": restore_optimizer}
+                "source_checkpoint_uri": source, "restore_optimizer": restore_optimizer, **(labels or {})}
         if lora.seed is not None:
             body["seed"] = lora.seed
         run = await self._rt.control.call("POST", f"openapi/v1/service-sessions/{self.service_session_cuid}/training-runs",
@@ -186,20 +198,27 @@ class ServiceClient:
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True,
-                                    train_unembed: bool = True) -> TrainingClient:
-        """A new training run: a fresh LoRA adapter of `rank` on `base_model`."""
+                                    train_unembed: bool = True, *, name: str | None = None,
+                                    tags: list[str] | None = None,
+                                    user_metadata: dict[str, str] | None = None) -> TrainingClient:
+        """A new training run: a fresh LoRA adapter of `rank` on `base_model`. `name`, `tags` and
+        `user_metadata` label it in the console, `trine runs` and `trine usage --by run`."""
         if not isinstance(base_model, str) or not base_model:
             raise ValidationError("base_model must be a model name, e.g. 'SmolLM2-135M-Instruct'")
         lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
-        return self._rt.run_sync(self._create_training_run(base_model, lora, "", False))
+        return self._rt.run_sync(self._create_training_run(base_model, lora, "", False,
+                                                           _labels(name, tags, user_metadata)))
 
     async def create_lora_training_client_async(self, base_model: str, rank: int = 32, seed: int | None = None,
                                                 train_mlp: bool = True, train_attn: bool = True,
-                                                train_unembed: bool = True) -> TrainingClient:
+                                                train_unembed: bool = True, *, name: str | None = None,
+                                                tags: list[str] | None = None,
+                                                user_metadata: dict[str, str] | None = None) -> TrainingClient:
         if not isinstance(base_model, str) or not base_model:
             raise ValidationError("base_model must be a model name, e.g. 'SmolLM2-135M-Instruct'")
         lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
-        return await self._rt.run_async(self._create_training_run(base_model, lora, "", False))
+        return await self._rt.run_async(self._create_training_run(base_model, lora, "", False,
+                                                                  _labels(name, tags, user_metadata)))
 
     async def _from_state(self, path: str, restore_optimizer: bool) -> TrainingClient:
         path = checkpoint_uri(path)

@@ -102,6 +102,7 @@ class TrainingClient:
         self._initialized = False
         self._init_lock = asyncio.Lock()
         self._usage = UsageLedger(parent=self._rt.usage)
+        self._optim_steps = 0  # optim_step calls made: the default step of log_metrics
         self._heartbeat = _Heartbeat()
         weakref.finalize(self, self._heartbeat.stop, self._rt.loop)
 
@@ -241,6 +242,7 @@ class TrainingClient:
         if not isinstance(adam_params, AdamParams):
             raise ValidationError(f"adam_params must be a trine.AdamParams, got {type(adam_params).__name__}")
         (future,) = await self._submit(OPTIMIZE_STEP, [{"adam_params": adam_params.model_dump()}])
+        self._optim_steps += 1
         return future.map(self._parse_optim)
 
     def _parse_optim(self, response: dict) -> OptimStepResponse:
@@ -353,6 +355,43 @@ class TrainingClient:
 
     async def load_state_with_optimizer_async(self, path: str) -> APIFuture[dict]:
         return await self._rt.run_async(self._load_state(path, True))
+
+    # -- logged metrics ---------------------------------------------------------------------
+
+    def _metrics_body(self, metrics: dict[str, float], step: int | None) -> dict:
+        if not isinstance(metrics, dict) or not metrics:
+            raise ValidationError("metrics must be a non-empty dict of name -> number, e.g. {'reward': 0.5}")
+        values = {}
+        for k, v in metrics.items():
+            try:
+                values[k] = float(v)  # numpy and torch scalars too
+            except (TypeError, ValueError):
+                raise ValidationError(f"metrics[{k!r}] = {v!r} is not a number") from None
+        if step is None:
+            step = self._optim_steps
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValidationError(f"step must be a non-negative int, got {step!r}")
+        return {"step": step, "values": values}
+
+    async def _log_metrics(self, body: dict) -> dict:
+        task = asyncio.current_task()
+        self._rt.flush_on_close.add(task)  # a script's last log_metrics is sent before the session closes
+        try:
+            return await self._rt.control.call("POST", f"trine/v1/training-runs/{self.training_run_id}/metrics",
+                                               json=body)
+        finally:
+            self._rt.flush_on_close.discard(task)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> APIFuture[dict]:
+        """Record your own numbers for this run (reward, KL, accuracy, ...) at `step` (default: the
+        number of optim_step calls made so far). They are plotted in the console beside the loss,
+        listed by `trine runs show` and downloadable as CSV/JSON. Returns at once; `.result()`
+        waits for the server to store them (the same step and name again replaces the value)."""
+        body = self._metrics_body(metrics, step)
+        return APIFuture(self._rt.spawn(self._log_metrics(body)))
+
+    async def log_metrics_async(self, metrics: dict[str, float], step: int | None = None) -> dict:
+        return await self._rt.run_async(self._log_metrics(self._metrics_body(metrics, step)))
 
     # -- local information ------------------------------------------------------------------
 

@@ -65,8 +65,11 @@ class ReportRow:
     requests: int = 0
     tokens: PhaseTokens = field(default_factory=PhaseTokens)
     cost: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*BILLED_PHASES, "total"), 0.0))
-    # by run: what the id stands for ({kind, name, model, created_at}; see describe_runs); else empty
+    # by run: what the id stands for ({kind, name, model, created_at, ...}; see describe_runs); else empty
     info: dict = field(default_factory=dict)
+    # by run, a training run's row: its own usage ("training") and its samplers' ("sampling"), which
+    # partition the row; parts["sampling"].info["runs"] counts the samplers
+    parts: dict[str, ReportRow] = field(default_factory=dict)
 
     def add(self, e: UsageEvent, cost: dict[str, float]) -> None:
         self.requests += 1
@@ -83,16 +86,19 @@ class ReportRow:
 
     def to_dict(self) -> dict:
         t = self.tokens
-        return {"key": self.key, "info": self.info, "requests": self.requests,
-                "tokens": {**t.to_dict(), "prompt": t.prompt},
-                "cost": {k: money(v) for k, v in self.cost.items()}, "cache_hit_rate": t.cache_hit_rate,
-                "loss_fraction": t.loss_fraction,
-                "dominant_phase": self.dominant_phase}
+        out = {"key": self.key, "info": self.info, "requests": self.requests,
+               "tokens": {**t.to_dict(), "prompt": t.prompt},
+               "cost": {k: money(v) for k, v in self.cost.items()}, "cache_hit_rate": t.cache_hit_rate, "loss_fraction": t.loss_fraction,
+               "dominant_phase": self.dominant_phase}
+        if self.parts:
+            out["parts"] = {k: p.to_dict() for k, p in self.parts.items()}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> ReportRow:
         tok = PhaseTokens(**{f.name: d["tokens"][f.name] for f in fields(PhaseTokens)})
-        return cls(key=d["key"], requests=d["requests"], tokens=tok, cost=dict(d["cost"]), info=d.get("info") or {})
+        return cls(key=d["key"], requests=d["requests"], tokens=tok, cost=dict(d["cost"]), info=d.get("info") or {},
+                   parts={k: cls.from_dict(p) for k, p in (d.get("parts") or {}).items()})
 
 
 @dataclass
@@ -143,38 +149,69 @@ def group_key(e: UsageEvent, by: str) -> str:
 
 def describe_runs(store, run_ids) -> dict[str, dict]:
     """What each run id stands for, from a store with `training_run` / `sampling_run` / `checkpoint`
-    lookups: kind (training / sampling), a name (`training #N` by its index in its session; a
-    sampler by the checkpoint it serves, else `base model`), model and creation time."""
-    out = {}
-    for rid in run_ids:
+    / `last_metrics` lookups. A training run: kind, name (its own, else `training #N` by its index
+    in its session), tags, model, created_at, lora, optimizer (the last settings used, or None) and
+    metrics (each logged metric's last value). A sampler: kind, name (by the checkpoint it serves,
+    else `base model`), model, created_at and the training run it is attributed to
+    (`training_run_id`, "" for none), which is described too."""
+    out: dict[str, dict] = {}
+    pending = list(run_ids)
+    while pending:
+        rid = pending.pop()
+        if rid in out:
+            continue
         tr = store.training_run(rid)
         if tr is not None:
-            name = f"training #{tr.run_index}"
-            out[rid] = {"kind": "training", "name": name, "model": tr.base_model, "created_at": tr.created_at}
+            out[rid] = {"kind": "training", "name": tr.name or f"training #{tr.run_index}", "tags": tr.tag_list,
+                        "model": tr.base_model, "created_at": tr.created_at,
+                        "lora": {"rank": tr.lora_rank, "train_mlp": tr.train_mlp, "train_attn": tr.train_attn,
+                                 "train_unembed": tr.train_unembed, "seed": tr.seed},
+                        "optimizer": tr.optimizer_settings, "metrics": store.last_metrics(rid)}
             continue
         sr = store.sampling_run(rid)
         if sr is not None:
             ck = store.checkpoint(sr.checkpoint_id) if sr.checkpoint_id else None
             name = f"sampler of {ck.name}" if ck is not None else ("sampler" if sr.checkpoint_id else "base model")
-            out[rid] = {"kind": "sampling", "name": name, "model": sr.base_model, "created_at": sr.created_at}
+            owner = sr.training_run_id or ""
+            out[rid] = {"kind": "sampling", "name": name, "model": sr.base_model, "created_at": sr.created_at,
+                        "training_run_id": owner}
+            if owner:
+                pending.append(owner)
     return out
 
 
 def build_report(events: list[UsageEvent], by: str | None = None, rate_card: RateCard | None = None,
                  diagnostics: list[CacheDiagnostic] = (), filters: dict | None = None,
                  run_info: dict[str, dict] | None = None) -> Report:
-    """Aggregate events into a total and, with `by`, one row per group (sorted by key; by run, the
-    rows carry `run_info[run_id]` as their `info`)."""
+    """Aggregate events into a total and, with `by`, one row per group (sorted by key). By run, a
+    sampler attributed to a training run (`run_info[sampler]["training_run_id"]`) counts in that
+    run's row, which then has `parts` (training, sampling); rows carry `run_info[run_id]` as info."""
     if by is not None and by not in GROUPINGS:
         raise ValueError(f"by must be one of {GROUPINGS} or None, got {by!r}")
     rate_card = rate_card or RateCard.load()
+    run_info = run_info or {}
     total, rows = ReportRow("total"), {}
+    samplers: dict[str, set[str]] = {}
     for e in events:
         c = rate_card.cost(e)
         total.add(e, c)
-        if by is not None:
-            k = group_key(e, by)
-            rows.setdefault(k, ReportRow(k, info=(run_info or {}).get(k, {}) if by == "run" else {})).add(e, c)
+        if by is None:
+            continue
+        k = group_key(e, by)
+        owner = run_info.get(k, {}).get("training_run_id") if by == "run" else None
+        if owner:
+            samplers.setdefault(owner, set()).add(k)
+            k = owner
+        row = rows.setdefault(k, ReportRow(k, info=run_info.get(k, {}) if by == "run" else {}))
+        row.add(e, c)
+        if by == "run" and run_info.get(k, {}).get("kind") == "training":
+            part = "sampling" if owner else "training"
+            row.parts.setdefault(part, ReportRow(part)).add(e, c)
+    for owner, ids in samplers.items():
+        if "sampling" in rows[owner].parts:
+            rows[owner].parts["sampling"].info = {"runs": len(ids)}
+    for r in rows.values():  # a training run without samplers needs no breakdown
+        r.parts = {k: r.parts[k] for k in ("training", "sampling") if k in r.parts} if "sampling" in r.parts else {}
     return Report(by=by, rows=[rows[k] for k in sorted(rows)], total=total,
                   diagnostics=summarize_diagnostics(diagnostics, rate_card),
                   currency=rate_card.currency, filters=filters or {})
@@ -209,18 +246,27 @@ def render(report: Report, console=None) -> None:
     t.add_column(report.by or "", no_wrap=True)
     by_run = report.by == "run" and any(r.info for r in report.rows)
     if by_run:
-        for name in ("name", "model", "created"):
+        for name in ("name", "model", "created", "lora", "optimizer", "last metrics"):
             t.add_column(name, overflow="fold")
     for name in ("req", "prefill", "cached", "sample", "train", "loss", "hit"):
         t.add_column(name, justify="right")
     t.add_column(report.currency, justify="right", no_wrap=True)
-    for r in report.rows + [report.total]:
+    def add(key, r, labels, **style):
         tk = r.tokens
-        labels = [r.info.get("name", ""), r.info.get("model", ""), fmt_time(r.info.get("created_at"))] if by_run else []
-        t.add_row(r.key, *labels, f"{r.requests:,}", f"{tk.prefill:,}", f"{tk.prefill_cached:,}", f"{tk.sample:,}",
+        t.add_row(key, *labels, f"{r.requests:,}", f"{tk.prefill:,}", f"{tk.prefill_cached:,}", f"{tk.sample:,}",
                   f"{tk.train:,}", f"{tk.train_loss:,}", fmt_pct(tk.cache_hit_rate), fmt_money(r.cost["total"]),
-                  style="bold" if r is report.total else None,
-                  end_section=r is not report.total and r is report.rows[-1])
+                  **style)
+
+    for r in report.rows + [report.total]:
+        i = r.info
+        labels = [i.get("name", ""), i.get("model", ""), fmt_time(i.get("created_at")), fmt_lora(i.get("lora")),
+                  fmt_optimizer(i.get("optimizer")), fmt_metrics(i.get("metrics"))] if by_run else []
+        last = r is not report.total and r is report.rows[-1]
+        add(r.key, r, labels, style="bold" if r is report.total else None, end_section=last and not r.parts)
+        for i, (kind, p) in enumerate(r.parts.items()):
+            what = f"{p.info.get('runs', 0)} sampler(s)" if kind == "sampling" else "training"
+            add(f"  {'└' if i == len(r.parts) - 1 else '├'} {what}", p, [""] * len(labels), style="dim",
+                end_section=last and i == len(r.parts) - 1)
     console.print(t)
     tk, c = report.total.tokens, report.total.cost
     console.print("cached = prompt tokens served from the prefix cache; hit = cached / prompt; "
@@ -235,6 +281,27 @@ def render(report: Report, console=None) -> None:
         console.print(f"  [bold]{p.pattern}[/bold]: {p.requests:,} request(s), {p.tokens_lost:,} prompt tokens "
                       f"prefilled that could have been cached ({report.currency} {fmt_money(p.cost_lost)}); "
                       f"prompts diverge at token {p.diverge_position}\n    fix: {p.fix}")
+
+
+def fmt_lora(lora: dict | None) -> str:
+    """`r32 mlp+attn+unembed` (the trained parts); "" for none."""
+    if not lora:
+        return ""
+    parts = [p for p in ("mlp", "attn", "unembed") if lora.get(f"train_{p}")]
+    return f"r{lora['rank']} {'+'.join(parts) or 'nothing trained'}"
+
+
+def fmt_optimizer(opt: dict | None) -> str:
+    """The AdamW settings of the last optim_step: `lr 0.0001 b 0.9/0.95 wd 0 clip 0`; "" before any."""
+    if not opt:
+        return ""
+    return (f"lr {opt['learning_rate']:g} b {opt['beta1']:g}/{opt['beta2']:g} wd {opt['weight_decay']:g} "
+            f"clip {opt['grad_clip_norm']:g}")
+
+
+def fmt_metrics(metrics: dict | None) -> str:
+    """Logged metrics' last values: `kl=0.0033 reward=0.75`."""
+    return " ".join(f"{k}={v:.4g}" for k, v in (metrics or {}).items())
 
 
 def fmt_time(ts: float | None) -> str:

@@ -32,7 +32,7 @@ from ..metering.http import MoneyJSONResponse, make_usage_router
 from ..service import Service, ServiceError, Unauthorized
 from ..service.ownership import Ownership
 from ..service.queries import UsageLedger
-from . import actor, console, context, control, openai, tinker
+from . import actor, console, context, control, openai, runs_api, tinker
 from .access_log import AccessLog
 from .auth import TokenSigner
 from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, quiet_accept_errors, uvicorn_config
@@ -110,6 +110,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     app.state.rate_card = service.rate_card
     app.include_router(make_usage_router(_usage_ledger, context.api_key, app.state.rate_card))
     app.include_router(console.router)  # the web console at /console (pages and their JSON)
+    app.include_router(runs_api.router)  # logged metrics; runs with labels (`trine runs`)
     # the OpenAI-compatible API: /v1/..., /api/openai/v1/..., /oai/api/v1/... (its own error shape)
     app.include_router(openai.router)
     for r in routers:

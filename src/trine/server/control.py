@@ -13,8 +13,9 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..limits import MAX_PAGE_SIZE
-from ..service import (ApiKey, Checkpoint, LoraSpec, NotFound, SamplingRun, SamplingRunSpec, Service, Session,
-                       TrainingRun, TrainingRunSpec)
+from ..service import (ApiKey, Checkpoint, LoraSpec, NotFound, RunLabels, SamplingRun, SamplingRunSpec, Service,
+                       Session, TrainingRun, TrainingRunSpec)
+from ..service.labels import as_metadata
 from .auth import iso
 from .bounds import INT64_MAX, Int64, Seed
 from .context import api_key, parse_json, parse_model, service_of, signer_of
@@ -32,6 +33,11 @@ class _Body(BaseModel):
 class SessionCreate(_Body):
     sdk_version: str = ""
     user_metadata: dict[str, Any] | None = None
+    name: str = ""  # trine's own: runs made in the session take these labels (see service/labels.py)
+    tags: list[str] = []
+
+    def labels(self) -> RunLabels:
+        return RunLabels(self.name, tuple(self.tags), self.user_metadata or {})
 
 
 class SessionClose(_Body):
@@ -47,6 +53,9 @@ class TrainingRunCreate(_Body):
     source_checkpoint_uri: str = ""
     restore_optimizer: bool = False
     seed: Seed | None = None
+    name: str = ""  # trine's own (the trine SDK sends them; PyTRIO never does)
+    tags: list[str] = []
+    user_metadata: dict[str, Any] | None = None
 
 
 class TrainingRunUpdate(_Body):
@@ -97,7 +106,8 @@ def training_run_json(svc: Service, r: TrainingRun) -> dict:
             "corrupted_reason": ("its weights were lost (a server restart or a lost engine replica)"
                                  if r.status == "INTERRUPTED" else None),
             "training_params": params, "created_at": iso(r.created_at),
-            "updated_at": iso(r.updated_at), "last_cycle": r.last_cycle}
+            "updated_at": iso(r.updated_at), "last_cycle": r.last_cycle,
+            "name": r.name or None, "tags": r.tag_list, "user_metadata": as_metadata(r) or None}
 
 
 def checkpoint_json(svc: Service, c: Checkpoint) -> dict:
@@ -165,7 +175,7 @@ async def models(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZ
 # ---------------------------------------------------------------------------- sessions
 @router.post("/openapi/v1/service-sessions")
 async def create_session(body: SessionCreate, request: Request, key: ApiKey = Depends(api_key)):
-    return session_json(service_of(request).runs.create_session(key, body.sdk_version))
+    return session_json(service_of(request).runs.create_session(key, body.sdk_version, body.labels()))
 
 
 @router.get("/openapi/v1/service-sessions")
@@ -203,9 +213,10 @@ async def create_training_run(session_id: str, body: TrainingRunCreate, request:
                         key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     lora = LoraSpec(body.lora_rank, body.seed, body.train_mlp, body.train_attn, body.train_unembed)
+    labels = RunLabels(body.name, tuple(body.tags), body.user_metadata or {})
     r = svc.runs.create_training_run(key, session_id, TrainingRunSpec(body.base_model, lora,
                                                                       body.source_checkpoint_uri,
-                                                                      body.restore_optimizer))
+                                                                      body.restore_optimizer, labels))
     m = svc.queries.model(r.base_model)
     return {**training_run_json(svc, r), "model_alias": m.name, "model_id": m.model_id,
             "trainer": _capability(svc, m.name), **actor_binding(request, key, r.id, "training")}

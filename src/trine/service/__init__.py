@@ -1,6 +1,6 @@
 """The protocol-free service core, one module per concept (see core.py for the map): what front
 ends may ask (commands), what they get back (results, views), and the `Service` that does it."""
-from .commands import (EndRun, Forward, GradientTotals, InitRun, LoraSpec, OptimStep, Refused, SampleSpec,
+from .commands import (EndRun, Forward, GradientTotals, InitRun, LoraSpec, OptimStep, Refused, RunLabels, SampleSpec,
                        SamplingRunSpec, Save, TrainingCommand, TrainingDatum, TrainingRunSpec, event_type)
 from .core import Service
 from .errors import Conflict, InvalidRequest, NotFound, ServiceError, TooLarge, TooManyRequests, Unauthorized
@@ -12,7 +12,7 @@ from .views import (ApiKey, Checkpoint, CycleView, EventRecord, ModelView, Repli
 
 __all__ = ["Service", "ServedModel", "Replica",
            # commands
-           "SampleSpec", "TrainingRunSpec", "SamplingRunSpec", "LoraSpec", "InitRun", "TrainingDatum",
+           "SampleSpec", "TrainingRunSpec", "SamplingRunSpec", "RunLabels", "LoraSpec", "InitRun", "TrainingDatum",
            "GradientTotals", "Forward", "OptimStep", "Save", "EndRun", "Refused", "TrainingCommand", "event_type",
            # results and views
            "EventResult", "SampleOutcome", "SequenceOutcome", "SampleChunk", "ModelTokenizer", "ModelView",

@@ -8,7 +8,7 @@ the gradient denominator) go into the engine op it builds.
 
 | command | asked through | becomes |
 |---|---|---|
-| `TrainingRunSpec`, `SamplingRunSpec` | `Runs.create_training_run` / `create_sampling_run` | a run record |
+| `TrainingRunSpec`, `SamplingRunSpec`, `RunLabels` | `Runs.create_session` / `create_training_run` / `create_sampling_run` | a session or run record |
 | `InitRun`, `Forward`, `OptimStep`, `Save`, `EndRun`, `Refused` | `Events.submit` | an engine op in a clock cycle |
 | `SampleSpec` | `Sampling.sample` / `sample_stream` | an engine `SampleRequest` |
 
@@ -35,6 +35,17 @@ class LoraSpec:
 
 
 @dataclass(frozen=True)
+class RunLabels:
+    """What a user calls a session or a training run: a name, tags and free metadata (strings).
+    Protocols that carry only `user_metadata` put the name and tags there (`name`, and `tags`
+    comma-separated); `service/labels.py` checks and merges them."""
+
+    name: str = ""
+    tags: tuple[str, ...] = ()
+    user_metadata: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class TrainingRunSpec:
     """A new training run: on `base_model` with `lora`, or restored from a saved checkpoint (whose
     base model and LoRA shape it then takes; `lora.seed` still applies when given)."""
@@ -43,14 +54,18 @@ class TrainingRunSpec:
     lora: LoraSpec = field(default_factory=LoraSpec)
     source_checkpoint_uri: str = ""
     restore_optimizer: bool = False
+    labels: RunLabels = field(default_factory=RunLabels)
 
 
 @dataclass(frozen=True)
 class SamplingRunSpec:
-    """A new sampling run: the base model, or a sampler checkpoint on it."""
+    """A new sampling run: the base model, or a sampler checkpoint on it. It is attributed to
+    `training_run_id` when given (one of the key's training runs), else to the training run that
+    saved its checkpoint: its usage counts there."""
 
     base_model: str = ""
     source_checkpoint_uri: str = ""
+    training_run_id: str = ""
 
 
 # ---------------------------------------------------------------------------- training events

@@ -13,6 +13,8 @@ calls the parts' public methods directly:
   SampleOutcome), `cancel`;
 - `checkpoints` (checkpoints.py): `delete(key, checkpoint_id)`, `set_ttl`, `set_public`, `stored(key)`
   (what is on disk), `archive(checkpoint, flat=)` (a tar file);
+- `metrics` (metrics.py): `log(key, run, step, values)`, `series(key, run)`, `last(key, run)`: the
+  metrics users log for their training runs;
 - `queries` (queries.py): the read side: sessions, runs, events, checkpoints and usage of a key;
   served models, their tokenizers, engine replica stats.
 
@@ -42,6 +44,7 @@ from .checkpoints import Checkpoints
 from .events import Events
 from .faults import Faults
 from .gc import GarbageCollector
+from .metrics import Metrics
 from .models import Replica, ServedModel
 from .ownership import Ownership
 from .queries import Queries
@@ -99,6 +102,7 @@ class Service:
         self.sampling = Sampling(store, self.ownership, self.models, self.adapters, self.rate_card,
                                  self._spawn, self._replica_lost, router or Router())
         self.queries = Queries(store, self.ownership, self.models)
+        self.metrics = Metrics(store, self.ownership)
         self.gc = GarbageCollector(store, self.models, self.checkpoints, self.runs, self.events,
                                    self.activity, run_idle_seconds)
         # the calls embedders and tests reach for first

@@ -21,6 +21,8 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -138,6 +140,8 @@ class Events:
             raise
         if not r.started:
             self.store.update_training_run(r.id, started=True)
+        if isinstance(command, commands.OptimStep):  # the settings a run listing shows as last used
+            self.store.update_training_run(r.id, optimizer=json.dumps(dataclasses.asdict(command)))
         self.live[event_id] = LiveEvent(rec, command, pend, rep)
         self.activity.touch(run_id)
         rep.scheduler.notify()

@@ -47,6 +47,9 @@ class UsageLedger:
     def checkpoint(self, checkpoint_id: str) -> Checkpoint | None:
         return self._store.checkpoint(checkpoint_id)
 
+    def last_metrics(self, run_id: str) -> dict[str, float]:
+        return self._store.last_metrics(run_id)
+
 
 class Queries:
     def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel]):
@@ -71,8 +74,10 @@ class Queries:
         """A page of the key's training runs, oldest first, and how many there are."""
         return self._store.training_runs(key.id, limit=limit, offset=offset)
 
-    def sampling_runs(self, key: ApiKey, session_id: str | None = None) -> list[SamplingRun]:
-        return self._store.sampling_runs(key.id, session_id=session_id)
+    def sampling_runs(self, key: ApiKey, session_id: str | None = None,
+                      training_run_id: str | None = None) -> list[SamplingRun]:
+        """The key's sampling runs (of one session; attributed to one training run), oldest first."""
+        return self._store.sampling_runs(key.id, session_id=session_id, training_run_id=training_run_id)
 
     # ------------------------------------------------------------------ events
     def run_events(self, key: ApiKey, run_id: str) -> list[EventRecord]:

@@ -5,6 +5,8 @@ Invariants
 - Ending a training run fails its waiting events (`run_ended`), frees its weights on its replica
   and deletes its TEMPORARY checkpoints.
 - A run restored from a checkpoint takes the checkpoint's LoRA shape; its base model must match.
+- A sampling run is attributed to at most one of its key's training runs: the one named in its
+  spec, else the one that saved its checkpoint; usage reports by run count it there.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from ..store import ApiKey, SamplingRun, Session, Store, TrainingRun
 from ..store.keys import new_id
 from .activity import Activity
 from .checkpoints import Checkpoints
-from .commands import SamplingRunSpec, TrainingRunSpec
+from . import labels as run_labels
+from .commands import RunLabels, SamplingRunSpec, TrainingRunSpec
 from .errors import Conflict, InvalidRequest, NotFound
 from .events import Events
 from .models import ServedModel, resolve_model
@@ -39,9 +42,11 @@ class Runs:
         self.quotas = quotas  # per-key limits on new runs
 
     # ------------------------------------------------------------------ sessions
-    def create_session(self, key: ApiKey, sdk_version: str = "") -> Session:
+    def create_session(self, key: ApiKey, sdk_version: str = "", labels: RunLabels = RunLabels()) -> Session:
+        """A new session; its labels (name, tags, metadata) pass to the training runs made in it."""
+        fields = run_labels.stored(run_labels.checked(labels))
         now = time.time()
-        s = Session(new_id("ss"), key.id, "ACTIVE", sdk_version or "", now, now)
+        s = Session(new_id("ss"), key.id, "ACTIVE", sdk_version or "", now, now, **fields)
         self.store.add_session(s)
         return s
 
@@ -82,12 +87,14 @@ class Runs:
             check_lora_rank(rank)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        labels = run_labels.inherit(run_labels.checked(spec.labels), run_labels.of_record(s))
         if self.quotas is not None:
             self.quotas.check_new_run(key, m, rank, train_mlp, train_attn, train_unembed)
         now = time.time()
         r = TrainingRun(new_id("tr"), key.id, s.id, self.store.count_runs(s.id) + 1, m.name,
                         rank, train_mlp, train_attn, train_unembed, seed,
-                        source.uri if source else "", bool(spec.restore_optimizer), "ACTIVE", now, now)
+                        source.uri if source else "", bool(spec.restore_optimizer), "ACTIVE", now, now,
+                        **run_labels.stored(labels))
         m.place(r.id)  # by load, now: refuses at once when no replica runs
         self.store.add_training_run(r)
         self.activity.touch(r.id)
@@ -147,8 +154,11 @@ class Runs:
                                      f"model {ck.base_model!r}")
         else:
             m = resolve_model(self.models, spec.base_model)
+        owner = ck.training_run_id if ck else ""
+        if spec.training_run_id:
+            owner = self.ownership.training_run(key, spec.training_run_id).id
         now = time.time()
         r = SamplingRun(new_id("sr"), key.id, s.id, self.store.count_runs(s.id) + 1, m.name,
-                        ck.uri if ck else "", ck.id if ck else "", "ACTIVE", now, now)
+                        ck.uri if ck else "", ck.id if ck else "", "ACTIVE", now, now, owner)
         self.store.add_sampling_run(r)
         return r

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from ..metering.events import CacheDiagnostic, UsageEvent
 from .keys import generate_key, hash_key, new_id
-from .records import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, TrainingRun
+from .records import ApiKey, Checkpoint, EventRecord, MetricPoint, SamplingRun, Session, TrainingRun
 
 T = TypeVar("T")
 
@@ -30,6 +30,7 @@ TABLES: dict[str, tuple[type, str | None, tuple[str, ...]]] = {
     "checkpoints": (Checkpoint, "id", ("api_key_id", "training_run_id", "uri")),
     "usage_events": (UsageEvent, None, ("api_key_id", "time")),
     "diagnostics": (CacheDiagnostic, None, ("api_key_id", "time")),
+    "run_metrics": (MetricPoint, None, ("run_id",)),
 }
 UNFINISHED = ("accepted", "running")
 
@@ -190,8 +191,9 @@ class Store:
         return self._one("sampling_runs", "id = ?", (run_id,))
 
     def sampling_runs(self, api_key_id: str | None = None, *, session_id: str | None = None,
-                      status: str | None = None) -> list[SamplingRun]:
-        where, args = self._filters(api_key_id=api_key_id, session_id=session_id, status=status)
+                      status: str | None = None, training_run_id: str | None = None) -> list[SamplingRun]:
+        where, args = self._filters(api_key_id=api_key_id, session_id=session_id, status=status,
+                                    training_run_id=training_run_id)
         return self._select("sampling_runs", where, args, order="created_at")
 
     def update_sampling_run(self, run_id: str, **fields) -> None:
@@ -286,6 +288,37 @@ class Store:
 
     def delete_checkpoint(self, checkpoint_id: str) -> None:
         self._exec("DELETE FROM checkpoints WHERE id = ?", (checkpoint_id,))
+
+    # ------------------------------------------------------------------ logged metrics
+    def add_metrics(self, points: list[MetricPoint]) -> None:
+        """Store points, replacing any earlier value of the same (run, step, name), in one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for p in points:
+                    self._db.execute("DELETE FROM run_metrics WHERE run_id = ? AND step = ? AND name = ?",
+                                     (p.run_id, p.step, p.name))
+                    d = dataclasses.asdict(p)
+                    self._db.execute(f"INSERT INTO run_metrics ({', '.join(d)}) VALUES "
+                                     f"({', '.join('?' for _ in d)})", tuple(d.values()))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def count_metrics(self, run_id: str) -> int:
+        return self._count("run_metrics", "run_id = ?", (run_id,))
+
+    def metrics(self, run_id: str) -> list[MetricPoint]:
+        """A run's logged points by step, then in the order logged."""
+        return self._select("run_metrics", "run_id = ?", (run_id,), order="step, rowid_")
+
+    def last_metrics(self, run_id: str) -> dict[str, float]:
+        """Each metric's value at the highest step the run logged it at."""
+        rows = self._exec("SELECT name, value FROM run_metrics m WHERE run_id = ? AND step = "
+                          "(SELECT MAX(step) FROM run_metrics WHERE run_id = m.run_id AND name = m.name) "
+                          "ORDER BY name", (run_id,))
+        return {r[0]: r[1] for r in rows}
 
     # ------------------------------------------------------------------ usage and diagnostics
     def add_usage(self, event: UsageEvent) -> None:

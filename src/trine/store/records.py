@@ -1,6 +1,7 @@
 """Rows of the database as plain dataclasses; each table's columns are its dataclass's fields."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -21,6 +22,10 @@ class Session:
     sdk_version: str
     created_at: float
     updated_at: float
+    # labels given at creation (see service/labels.py); runs made in the session inherit them
+    name: str = ""
+    tags: str = ""  # a JSON list of strings
+    user_metadata: str = ""  # a JSON object of strings
 
 
 @dataclass
@@ -42,6 +47,22 @@ class TrainingRun:
     updated_at: float
     started: bool = False  # an event has been accepted: PATCH is no longer allowed
     last_cycle: int = 0
+    name: str = ""  # labels given at creation (see service/labels.py)
+    tags: str = ""  # a JSON list of strings
+    user_metadata: str = ""  # a JSON object of strings
+    optimizer: str = ""  # a JSON object: the AdamW settings of the last optim_step accepted
+
+    @property
+    def tag_list(self) -> list[str]:
+        return json.loads(self.tags) if self.tags else []
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return json.loads(self.user_metadata) if self.user_metadata else {}
+
+    @property
+    def optimizer_settings(self) -> dict | None:
+        return json.loads(self.optimizer) if self.optimizer else None
 
 
 @dataclass
@@ -56,6 +77,7 @@ class SamplingRun:
     status: str
     created_at: float
     updated_at: float
+    training_run_id: str = ""  # the training run it is attributed to ("" for none): its usage counts there
 
 
 @dataclass
@@ -103,3 +125,16 @@ class Checkpoint:
     created_at: float
     expires_at: float | None = None
     public: bool = False  # readable (sampled, restored, downloaded) by every API key, not only its owner
+
+
+@dataclass
+class MetricPoint:
+    """One value a user logged for a training run (`log_metrics`): one row per (run, step, name);
+    logging the same name at the same step again replaces it."""
+
+    run_id: str
+    api_key_id: str
+    step: int
+    name: str
+    value: float
+    time: float

@@ -5,8 +5,10 @@
                                             not-found page once the API answers 404
     GET /console/static/<file>              the shipped assets (no CDN, no external font)
     GET /console/api/runs                   the key's training runs
-    GET /console/api/runs/{run_id}          one run: steps (loss, grad norm, tokens, cycles), checkpoints
-    GET /console/api/checkpoints            the key's checkpoints and samplers
+    GET /console/api/runs/{run_id}          one run: steps (loss, grad norm, seconds, tokens, cycles),
+                                            logged metrics, checkpoints
+    GET /console/api/checkpoints            the key's checkpoints and samplers (each with the training
+                                            run it is attributed to)
     GET /console/api/server                 models with prices; per engine replica: KV pool, cache
                                             counters, queue depths, recent clock cycles
 
@@ -28,6 +30,7 @@ from .server_stats import server_stats
 
 STATIC = files("trine.server.console") / "static"
 ASSETS = {"console.js": "text/javascript", "pages-runs.js": "text/javascript",
+          "pages-compare.js": "text/javascript", "pages-checkpoints.js": "text/javascript",
           "pages-usage.js": "text/javascript", "console.css": "text/css",
           "chart.umd.min.js": "text/javascript", "chart.js.LICENSE.md": "text/plain",
           "favicon.svg": "image/svg+xml"}
@@ -55,7 +58,8 @@ async def checkpoints(request: Request, key: ApiKey = Depends(api_key)):
     cks, _ = svc.queries.checkpoints(key)
     samplers = svc.queries.sampling_runs(key)
     return {"checkpoints": [checkpoint_row(c) for c in reversed(cks)],
-            "samplers": [{"id": s.id, "model": s.base_model, "state": s.status,
+            "samplers": [{"id": s.id, "training_run_id": s.training_run_id or None, "model": s.base_model,
+                          "state": s.status,
                           "session_id": s.session_id, "checkpoint_id": s.checkpoint_id or None,
                           "source_checkpoint_uri": s.source_checkpoint_uri or None,
                           "created_at": s.created_at, "last_active": s.updated_at}

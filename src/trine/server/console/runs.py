@@ -1,4 +1,6 @@
-"""What the console shows of training runs: the run list and one run's curves, step by step.
+"""What the console shows of training runs: the run list and one run's curves, step by step, with
+the metrics the user logged (`log_metrics`), its labels, LoRA shape, last optimizer settings and
+its samplers (the JSON `trine runs` reads too).
 
 Everything is read through the key-isolated service queries (`svc.ownership.training_run`,
 `svc.queries.training_runs`, `run_events`, `event_results`, `checkpoints`), so another key's run is
@@ -86,6 +88,8 @@ class Step:
     cost: float = 0.0
     finished_at: float | None = None
     failed: int = 0  # events of this step that failed
+    started_at: float | None = None  # when its first event was accepted
+    seconds: float | None = None  # wall-clock: from the previous step's end (the first: its start) to its end
 
 
 def run_steps(events: list[EventRecord], results: dict[str, EventOutcome]) -> list[Step]:
@@ -99,7 +103,7 @@ def run_steps(events: list[EventRecord], results: dict[str, EventOutcome]) -> li
         if rec.type not in (FORWARD_BACKWARD, OPTIMIZE_STEP) or out is None:
             continue
         if closed or (rec.type == FORWARD_BACKWARD and rec.step != group):
-            cur = Step(len(steps) + 1)  # (an optim_step with no gradient before it is a step too)
+            cur = Step(len(steps) + 1, started_at=rec.created_at)  # (an optim_step alone is a step too)
             steps.append(cur)
             closed, group = False, rec.step
         if rec.type == FORWARD_BACKWARD:
@@ -111,6 +115,9 @@ def run_steps(events: list[EventRecord], results: dict[str, EventOutcome]) -> li
             cur.learning_rate = _float(out.metrics.get("learning_rate"))
             cur.failed += out.error is not None
             cur.finished_at = rec.updated_at
+    for prev, s in zip([None, *steps], steps):
+        since = prev.finished_at if prev is not None else s.started_at
+        s.seconds = s.finished_at - since if s.finished_at is not None and since is not None else None
     return steps
 
 
@@ -141,7 +148,12 @@ def run_json(svc: Service, key: ApiKey, r: TrainingRun, events: list[EventRecord
     """A run's row in the run list: `steps` = optim steps done; last activity from its events."""
     events = svc.queries.run_events(key, r.id) if events is None else events
     last = max([r.updated_at, *(e.updated_at for e in events)])
-    return {"id": r.id, "model": r.base_model, "rank": r.lora_rank, "state": r.status,
+    return {"id": r.id, "name": r.name or None, "tags": r.tag_list, "user_metadata": r.metadata,
+            "model": r.base_model, "rank": r.lora_rank, "state": r.status,
+            "lora": {"rank": r.lora_rank, "train_mlp": r.train_mlp, "train_attn": r.train_attn,
+                     "train_unembed": r.train_unembed, "seed": r.seed},
+            "optimizer": r.optimizer_settings, "last_metrics": svc.metrics.last(key, r.id),
+            "samplers": len(svc.queries.sampling_runs(key, training_run_id=r.id)),
             "session_id": r.session_id,
             "steps": sum(e.type == OPTIMIZE_STEP and e.status == "succeeded" for e in events),
             "last_cycle": r.last_cycle, "created_at": r.created_at, "last_active": last,
@@ -165,6 +177,7 @@ def run_detail(svc: Service, key: ApiKey, run_id: str) -> dict:
     cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
     return {"run": run_json(svc, key, r, events),
             "steps": [{**asdict(s), "cost": money(s.cost)} for s in run_steps(events, results)],
+            "metrics": {name: [list(p) for p in pts] for name, pts in svc.metrics.series(key, r.id).items()},
             "checkpoints": [checkpoint_row(c) for c in cks],
             "failures": [{"index": e.idx, "type": e.type, "error": results[e.id].error}
                          for e in events if e.status == "failed"][-20:]}
@@ -176,3 +189,22 @@ def checkpoint_row(c) -> dict:
             "model": c.base_model,
             "rank": c.lora_rank, "step": c.step, "created_at": c.created_at,
             "expires_at": c.expires_at, "downloadable": bool(c.path)}
+
+
+TRAINING_COLUMNS = (("train:loss", "loss"), ("train:grad_norm", "grad_norm"),
+                    ("train:learning_rate", "learning_rate"), ("train:seconds", "seconds"))
+
+
+def metrics_table(svc: Service, key: ApiKey, run_id: str) -> tuple[list[str], list[list]]:
+    """A run's metrics as one table by step: the training curves (`train:*`, step = the 1-based
+    training step) and every logged metric (at the step it was logged at); None where a column
+    has no value at a step."""
+    detail = run_detail(svc, key, run_id)
+    by_step: dict[int, dict] = {}
+    for s in detail["steps"]:
+        by_step.setdefault(s["step"], {}).update({col: s[f] for col, f in TRAINING_COLUMNS})
+    for name, points in detail["metrics"].items():
+        for step, value in points:
+            by_step.setdefault(step, {})[name] = value
+    columns = ["step", *(c for c, _ in TRAINING_COLUMNS if detail["steps"]), *detail["metrics"]]
+    return columns, [[step, *(by_step[step].get(c) for c in columns[1:])] for step in sorted(by_step)]

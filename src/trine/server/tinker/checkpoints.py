@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...service import ApiKey, Checkpoint, InvalidRequest, NotFound, Service
+from ...service.labels import as_metadata
 from ..context import json_object, parse_model, service_of, signer_of
 from .rest import iso
 from .state import TinkerState, caller, to_tinker_path, to_trio_uri
@@ -59,7 +60,8 @@ def training_run_json(svc, key, r) -> dict:
             "corrupted": r.status == "INTERRUPTED", "lora_rank": r.lora_rank,
             "last_request_time": iso(r.updated_at),
             "last_checkpoint": checkpoint_json(last["TRAINING"]) if last["TRAINING"] else None,
-            "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None}
+            "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None,
+            "user_metadata": as_metadata(r) or None}
 
 
 def _run_id(st: TinkerState, key: ApiKey, id_: str) -> str:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...metering.money import money
-from ...service import InvalidRequest
+from ...service import InvalidRequest, RunLabels
 from ..context import json_object, parse_model
 from .state import caller
 
@@ -38,6 +38,9 @@ class _Body(BaseModel):
 
 class CreateSessionBody(_Body):
     sdk_version: str = ""
+    tags: list[str] = []
+    user_metadata: dict = {}
+    display_name: str = ""
 
 
 class SessionBody(_Body):
@@ -98,7 +101,7 @@ async def capabilities(request: Request):
 async def create_session(request: Request):
     svc, _, key = caller(request)
     b = await _json(request, CreateSessionBody)
-    s = svc.runs.create_session(key, b.sdk_version)
+    s = svc.runs.create_session(key, b.sdk_version, RunLabels(b.display_name, tuple(b.tags), b.user_metadata))
     return {"type": "create_session", "session_id": s.id}
 
 

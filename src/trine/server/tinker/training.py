@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from ...limits import MAX_EVENT_BYTES
-from ...service import (ApiKey, EventResult, Forward, InitRun, InvalidRequest, LoraSpec, Refused, Save, Service,
-                        ServiceError, TooManyRequests, TrainingCommand, TrainingRunSpec)
+from ...service import (ApiKey, EventResult, Forward, InitRun, InvalidRequest, LoraSpec, Refused, RunLabels, Save,
+                        Service, ServiceError, TooManyRequests, TrainingCommand, TrainingRunSpec)
 from ..bounds import Count, Seed, SeqId, TtlSeconds
 from ..context import json_object, parse_model, read_body
 from ..params import optim_step as parse_optim_step
@@ -49,6 +49,7 @@ class CreateModelBody(_Body):
     base_model: str
     lora_config: LoraBody | None = None
     optimizer_config: dict | None = None
+    user_metadata: dict | None = None  # `name` and comma-separated `tags` label the run
 
 
 class ModelCall(_Body):
@@ -185,7 +186,8 @@ async def create_model(request: Request):
     return await _create(
         svc, st, key, b.session_id, b.model_seq_id,
         lambda: svc.runs.create_training_run(key, b.session_id, TrainingRunSpec(
-            b.base_model, LoraSpec(lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed))),
+            b.base_model, LoraSpec(lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed),
+            labels=RunLabels(user_metadata=b.user_metadata or {}))),
         lambda run: InitRun(_lora(run), run.base_model), {"type": "create_model"}, b)
 
 

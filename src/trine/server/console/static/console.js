@@ -63,10 +63,24 @@ T.table = (head, rows, empty) => rows.length
 // ------------------------------------------------------------------ charts (Chart.js, vendored)
 T.PHASE_COLORS = { prefill: "#4e79a7", prefill_cached: "#a0cbe8", sample: "#f28e2b", train: "#59a14f" };
 
+// A chart with no value in any series says so over its (empty) axes.
+function markEmpty(canvas, datasets) {
+  const empty = !datasets.some((d) => (d.data || []).some((v) => v != null && (typeof v !== "object" || v.y != null)));
+  let note = canvas.parentElement.querySelector(".nodata");
+  if (empty && !note) {
+    note = document.createElement("div");
+    note.className = "nodata";
+    note.textContent = "no data yet";
+    canvas.parentElement.appendChild(note);
+  }
+  if (note) note.hidden = !empty;
+}
+
 // Create the chart on `canvasId` or update it in place (keeps zoom-free state like hidden series).
 T.chart = function (canvasId, type, labels, datasets, options = {}) {
   const canvas = document.getElementById(canvasId);
   if (!canvas || !window.Chart) return null;
+  markEmpty(canvas, datasets);
   let chart = Chart.getChart(canvas);
   if (!chart) {
     chart = new Chart(canvas, {
@@ -89,6 +103,29 @@ T.chart = function (canvasId, type, labels, datasets, options = {}) {
   chart.update("none");
   return chart;
 };
+// Exponential moving average with bias correction (as Weights & Biases smooths): weight 0 = raw.
+T.ema = function (values, weight) {
+  let avg = 0, n = 0;
+  return values.map((v) => {
+    if (v == null) return null;
+    n++;
+    avg = weight * avg + (1 - weight) * v;
+    return weight ? avg / (1 - weight ** n) : v;
+  });
+};
+
+// Save what an API path answers (with the key header) as a file named `filename`.
+T.download = async function (path, filename) {
+  const res = await fetch(path, { headers: { "X-API-Key": T.key() || "" }, cache: "no-store" });
+  if (!res.ok) throw new Error(`${res.status} ${res.statusText}`);
+  const url = URL.createObjectURL(await res.blob());
+  const a = Object.assign(document.createElement("a"), { href: url, download: filename });
+  document.body.appendChild(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10000);
+};
+
 T.axes = (x, y, extra = {}) => ({
   x: { title: { display: true, text: x }, ...(extra.x || {}) },
   y: { title: { display: true, text: y }, ...(extra.y || {}) },
@@ -104,8 +141,8 @@ function route(path) {
   const p = path.replace(/\/+$/, "");
   const m = p.match(/^\/console\/runs\/([^/]+)$/);
   if (m) return ["run", { id: decodeURIComponent(m[1]) }];
-  const names = { "/console": "runs", "/console/runs": "runs", "/console/checkpoints": "checkpoints",
-                  "/console/usage": "usage", "/console/server": "server" };
+  const names = { "/console": "runs", "/console/runs": "runs", "/console/compare": "compare",
+                  "/console/checkpoints": "checkpoints", "/console/usage": "usage", "/console/server": "server" };
   return [names[p] || null, {}];
 }
 
@@ -141,6 +178,7 @@ async function refresh() {
   try {
     const data = await c.page.load(c.params);
     if (c !== current) return;
+    c.data = data;
     c.page.fill(data, c.params);
     document.getElementById("live").textContent = `live · ${T.time(Date.now() / 1000).slice(11)}`;
   } catch (e) {
@@ -152,6 +190,8 @@ async function refresh() {
   }
 }
 T.refresh = refresh;
+// Fill the page again from the data it last loaded (a control that only changes the view).
+T.redraw = () => current && current.data && current.page.fill(current.data, current.params);
 
 T.go = function (href) {
   history.pushState(null, "", href);

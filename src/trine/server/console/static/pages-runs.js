@@ -1,53 +1,89 @@
-// trine console: the Runs list, one run's page (curves, steps, checkpoints) and Checkpoints & samplers.
+// trine console: the Runs list and one run's page (curves, logged metrics, steps, checkpoints).
 "use strict";
 (function () {
   const T = window.trine, esc = T.esc;
+
+  // ---------------------------------------------------------------- what a run is (shared with compare)
+  T.runTitle = (r) => r.name || r.id;
+  T.tags = (tags) => (tags || []).map((t) => `<span class="tag">${esc(t)}</span>`).join("");
+  T.lora = (l) => (l ? `r${l.rank} ${["mlp", "attn", "unembed"].filter((p) => l[`train_${p}`]).join("+") || "nothing trained"}` : "–");
+  T.optimizer = (o) => (o ? `lr ${T.num(o.learning_rate, 3)}, β ${o.beta1}/${o.beta2}, wd ${o.weight_decay}, clip ${o.grad_clip_norm}` : "–");
+  T.lastMetrics = (m) => Object.entries(m || {}).map(([k, v]) => `${esc(k)}=${T.num(v, 4)}`).join(" ") || "–";
+  T.SERIES_COLORS = ["#1f5fa8", "#b3261e", "#2e7d32", "#a15c00", "#6a3d9a", "#00838f", "#c2185b", "#5d4037"];
+  // a run's series of a built-in curve or a logged metric, as {x: step, y: value} points
+  T.BUILTIN = { loss: "loss (mean per token)", grad_norm: "gradient norm", seconds: "seconds per step" };
+  T.series = (detail, metric) => (metric in T.BUILTIN
+    ? detail.steps.filter((s) => s[metric] != null).map((s) => ({ x: s.step, y: s[metric] }))
+    : (detail.metrics[metric] || []).map(([x, y]) => ({ x, y })));
 
   // ---------------------------------------------------------------- runs
   T.pages.runs = {
     title: () => "Runs",
     mount(main) {
-      main.innerHTML = `<h1>Training runs</h1><div id="runs"></div>`;
+      main.innerHTML = `<h1>Training runs</h1>
+        <p class="muted">Name and tag runs at creation (<code>create_lora_training_client(..., name=, tags=)</code>);
+        <code>training_client.log_metrics({...}, step=n)</code> adds your own curves. <a href="/console/compare" data-link>Compare runs</a>.</p>
+        <div id="runs"></div>`;
     },
     load: () => T.api("/console/api/runs"),
     fill(data) {
       const rows = data.runs.map((r) => `<tr data-run="${esc(r.id)}">
-        <td>${T.runLink(r.id)}</td><td>${esc(r.model)}</td><td class="num">${r.rank}</td>
-        <td>${T.state(r.state)}</td><td class="num">${T.int(r.steps)}</td><td class="num">${T.int(r.pending)}</td>
-        <td class="num">${T.int(r.last_cycle)}</td><td>${T.time(r.created_at)}</td>
+        <td>${T.runLink(r.id)}</td><td>${esc(r.name || "")}</td><td>${T.tags(r.tags)}</td><td>${esc(r.model)}</td>
+        <td>${T.lora(r.lora)}</td><td>${T.state(r.state)}</td><td class="num">${T.int(r.steps)}</td>
+        <td class="num">${T.int(r.samplers)}</td><td class="mono">${T.lastMetrics(r.last_metrics)}</td>
+        <td class="num">${T.int(r.pending)}</td><td>${T.time(r.created_at)}</td>
         <td title="${T.time(r.last_active)}">${T.ago(r.last_active)}</td></tr>`);
       document.getElementById("runs").innerHTML = T.table(
-        [["run"], ["model"], ["rank", "num"], ["state"], ["steps", "num"], ["queued", "num"],
-         ["last cycle", "num"], ["created"], ["last active"]],
+        [["run"], ["name"], ["tags"], ["model"], ["LoRA"], ["state"], ["steps", "num"], ["samplers", "num"],
+         ["last metrics"], ["queued", "num"], ["created"], ["last active"]],
         rows, "No training runs yet: create one with service.create_lora_training_client(...).");
     },
   };
 
   // ---------------------------------------------------------------- one run
+  const card = (id, title, label) => `<div class="card"><h3>${esc(title)}</h3><div class="chart">` +
+    `<canvas id="${id}" role="img" aria-label="${esc(label || title)} (the table below has the numbers)"></canvas></div></div>`;
+  const metricId = (name) => `chart-metric-${name.replace(/[^A-Za-z0-9_-]/g, "_")}`;
+
   T.pages.run = {
     title: (p) => `Run ${p.id}`,
     mount(main, p) {
       main.innerHTML = `<p><a href="/console/runs" data-link>← Runs</a></p>
-        <h1>Run <span class="mono">${esc(p.id)}</span></h1>
+        <h1>Run <span class="mono">${esc(p.id)}</span> <span id="run-name"></span></h1>
         <dl class="facts" id="run-facts"></dl>
-        <div class="grid">
-          <div class="card"><h3>Loss per step</h3><div class="chart"><canvas id="chart-loss" role="img" aria-label="Loss per step (the table below has the numbers)"></canvas></div></div>
-          <div class="card"><h3>Gradient norm per optim step</h3><div class="chart"><canvas id="chart-grad" role="img" aria-label="Gradient norm per optim step (the table below has the numbers)"></canvas></div></div>
-          <div class="card"><h3>Train tokens per step: computed vs in the loss</h3><div class="chart"><canvas id="chart-tokens" role="img" aria-label="Train tokens per step: computed vs in the loss (the table below has the numbers)"></canvas></div></div>
+        <div class="actions">
+          <button class="small" type="button" id="download-csv">Download metrics (CSV)</button>
+          <button class="small" type="button" id="download-json">Download metrics (JSON)</button>
+          <a href="/console/compare?runs=${encodeURIComponent(p.id)}" data-link>Compare with other runs</a>
+        </div>
+        <div class="grid" id="run-charts">
+          ${card("chart-loss", "Loss per step")}
+          ${card("chart-grad", "Gradient norm per optim step")}
+          ${card("chart-seconds", "Seconds per step (wall clock, from the previous step's end)")}
+          <div id="run-metric-charts" class="contents"></div>
+          ${card("chart-tokens", "Train tokens per step: computed vs in the loss")}
           <div class="card"><h3>Clock cycle of each step <span class="muted">(a dot in a ring: one cycle per step)</span></h3><div class="chart"><canvas id="chart-cycles" role="img" aria-label="Clock cycle of each step (the table below has the numbers)"></canvas></div></div>
         </div>
         <div id="run-failures"></div>
         <h2>Checkpoints</h2><div id="run-checkpoints"></div>
         <h2>Steps</h2><div id="run-steps"></div>`;
+      const save = (format) => T.download(`/api/trine/v1/training-runs/${encodeURIComponent(p.id)}/metrics?format=${format}`,
+        `${p.id}-metrics.${format}`).catch((e) => alert(`download failed: ${e.message}`));
+      document.getElementById("download-csv").addEventListener("click", () => save("csv"));
+      document.getElementById("download-json").addEventListener("click", () => save("json"));
     },
     load: (p) => T.api(`/console/api/runs/${encodeURIComponent(p.id)}`),
     fill(data) {
       const r = data.run, steps = data.steps;
+      document.getElementById("run-name").textContent = r.name ? `· ${r.name}` : "";
       document.getElementById("run-facts").innerHTML = T.facts([
-        ["model", esc(r.model)], ["LoRA rank", r.rank], ["state", T.state(r.state)], ["optim steps", T.int(r.steps)],
+        ["model", esc(r.model)], ["LoRA", T.lora(r.lora)], ["state", T.state(r.state)], ["optim steps", T.int(r.steps)],
+        ["optimizer (last used)", T.optimizer(r.optimizer)], ["tags", T.tags(r.tags) || "–"],
+        ["samplers", T.int(r.samplers)], ["last metrics", `<span class="mono">${T.lastMetrics(r.last_metrics)}</span>`],
         ["queued events", T.int(r.pending)], ["session", `<span class="mono">${esc(r.session_id)}</span>`],
         ["created", T.time(r.created_at)], ["last active", `${T.ago(r.last_active)}`],
         ["last cycle", T.int(r.last_cycle)],
+        ...Object.entries(r.user_metadata || {}).map(([k, v]) => [k, esc(v)]),
       ]);
       const labels = steps.map((s) => s.step);
       T.chart("chart-loss", "line", labels,
@@ -59,6 +95,22 @@
         [{ label: "gradient norm (before clipping)", data: opt.map((s) => s.grad_norm), borderColor: "#b3261e",
            backgroundColor: "#b3261e", pointRadius: 3 }],
         { scales: T.axes("step", "norm") });
+      T.chart("chart-seconds", "bar", labels,
+        [{ label: "seconds", data: steps.map((s) => s.seconds), backgroundColor: "#a0cbe8", maxBarThickness: 40 }],
+        { scales: T.axes("step", "seconds", { y: { beginAtZero: true } }) });
+      const names = Object.keys(data.metrics), box = document.getElementById("run-metric-charts");
+      if (box.dataset.names !== names.join("\n")) { // a new metric: its card, once
+        names.forEach((n) => { const c = document.getElementById(metricId(n)); if (c && Chart.getChart(c)) Chart.getChart(c).destroy(); });
+        box.innerHTML = names.map((n) => card(metricId(n), `${n} (logged)`)).join("");
+        box.dataset.names = names.join("\n");
+      }
+      names.forEach((n, i) => {
+        const pts = data.metrics[n];
+        T.chart(metricId(n), "line", pts.map((p) => p[0]),
+          [{ label: n, data: pts.map((p) => p[1]), borderColor: T.SERIES_COLORS[(i + 2) % T.SERIES_COLORS.length],
+             backgroundColor: T.SERIES_COLORS[(i + 2) % T.SERIES_COLORS.length], pointRadius: 3 }],
+          { scales: T.axes("step", n) });
+      });
       T.chart("chart-tokens", "bar", labels,
         [{ label: "computed (whole sequences)", data: steps.map((s) => s.train_tokens), backgroundColor: T.PHASE_COLORS.train },
          { label: "in the loss", data: steps.map((s) => s.loss_tokens), backgroundColor: "#9fd18f" }],
@@ -71,14 +123,15 @@
         { scales: T.axes("step", "clock cycle", { y: { ticks: { precision: 0 } } }) });
       const rows = steps.slice().reverse().slice(0, 500).map((s) => `<tr>
         <td class="num">${s.step}</td><td class="num">${T.num(s.loss, 5)}</td><td class="num">${T.num(s.grad_norm, 4)}</td>
+        <td class="num">${T.num(s.seconds, 3)}</td>
         <td class="num">${T.int(s.train_tokens)}</td><td class="num">${T.int(s.loss_tokens)}</td><td class="num">${s.chunks}</td>
         <td class="num">${s.cycle ?? "–"}</td><td class="num">${s.optim_cycle ?? "–"}</td>
         <td class="num">${s.cycle != null && s.cycle === s.optim_cycle ? "1" : s.optim_cycle != null ? "2+" : "–"}</td>
         <td class="num">${T.money(s.cost)}</td><td>${T.time(s.finished_at)}</td></tr>`);
       document.getElementById("run-steps").innerHTML = T.table(
-        [["step", "num"], ["loss", "num"], ["grad norm", "num"], ["train tokens", "num"], ["loss tokens", "num"],
-         ["chunks", "num"], ["fb cycle", "num"], ["optim cycle", "num"], ["cycles used", "num"], ["cost", "num"],
-         ["finished"]],
+        [["step", "num"], ["loss", "num"], ["grad norm", "num"], ["seconds", "num"], ["train tokens", "num"],
+         ["loss tokens", "num"], ["chunks", "num"], ["fb cycle", "num"], ["optim cycle", "num"], ["cycles used", "num"],
+         ["cost", "num"], ["finished"]],
         rows, "No finished forward_backward or optim_step yet.");
       document.getElementById("run-checkpoints").innerHTML = T.checkpointTable(data.checkpoints, false);
       document.getElementById("run-failures").innerHTML = data.failures.length
@@ -86,65 +139,4 @@
             `<tr><td class="num">${f.index}</td><td>${esc(f.type)}</td><td>${esc(f.error)}</td></tr>`), "") : "";
     },
   };
-
-  // ---------------------------------------------------------------- checkpoints and samplers
-  T.checkpointTable = (cks, showRun) => T.table(
-    [["name"], ["kind"], ...(showRun ? [["run"]] : []), ["URI"], ["size", "num"], ["step", "num"],
-     ["visibility"], ["created"], ["expires"], [""]],
-    cks.map((c) => `<tr data-checkpoint="${esc(c.id)}"><td>${esc(c.name)}</td><td>${esc(c.kind)}</td>
-      ${showRun ? `<td>${T.runLink(c.run_id)}</td>` : ""}<td class="mono">${esc(c.uri)}</td>
-      <td class="num">${esc(c.size)}</td><td class="num">${c.step}</td><td>${esc(c.visibility)}</td>
-      <td>${T.time(c.created_at)}</td><td>${c.expires_at ? T.time(c.expires_at) : "never"}</td>
-      <td><button class="small" type="button" data-action="download" data-id="${esc(c.id)}"
-            ${c.downloadable ? "" : 'disabled title="a temporary snapshot held in memory: nothing on disk to download"'}>Download</button>
-          ${deleteButton(c.id)}</td></tr>`),
-    "No checkpoints: save_state(name) and save_weights_for_sampler(name) make them.");
-
-  const armed = {}; // checkpoint id -> until when a second click deletes it (survives refreshes)
-  const deleteButton = (id) => armed[id] > Date.now()
-    ? `<button class="small danger armed" type="button" data-action="delete" data-id="${esc(id)}">Confirm delete</button>`
-    : `<button class="small danger" type="button" data-action="delete" data-id="${esc(id)}">Delete</button>`;
-
-  T.pages.checkpoints = {
-    title: () => "Checkpoints",
-    mount(main) {
-      main.innerHTML = `<h1>Checkpoints and samplers</h1><div id="checkpoints"></div>
-        <h2>Samplers</h2><div id="samplers"></div>`;
-    },
-    load: () => T.api("/console/api/checkpoints"),
-    fill(data) {
-      document.getElementById("checkpoints").innerHTML = T.checkpointTable(data.checkpoints, true);
-      document.getElementById("samplers").innerHTML = T.table(
-        [["sampler"], ["model"], ["state"], ["weights"], ["created"], ["last active"]],
-        data.samplers.map((s) => `<tr><td class="mono">${esc(s.id)}</td><td>${esc(s.model)}</td><td>${T.state(s.state)}</td>
-          <td class="mono">${esc(s.source_checkpoint_uri || "base model")}</td><td>${T.time(s.created_at)}</td>
-          <td>${T.ago(s.last_active)}</td></tr>`),
-        "No samplers yet.");
-    },
-  };
-
-  // Download: a short-lived signed URL from the API (the browser cannot add headers to a download).
-  // Delete: the first click arms the button, a second click within 4 s deletes.
-  document.addEventListener("click", async (ev) => {
-    const b = ev.target.closest("button[data-action]");
-    if (!b) return;
-    const id = b.dataset.id;
-    try {
-      if (b.dataset.action === "download") {
-        const r = await T.api(`/api/openapi/v1/checkpoints/${encodeURIComponent(id)}/download-url`);
-        window.location.href = r.url;
-      } else if (b.dataset.action === "delete") {
-        if (!(armed[id] > Date.now())) {
-          armed[id] = Date.now() + 4000;
-          b.outerHTML = deleteButton(id);
-          return;
-        }
-        delete armed[id];
-        await T.api(`/api/openapi/v1/checkpoints/${encodeURIComponent(id)}`, { method: "DELETE" });
-        T.refresh();
-      }
-    } catch (e) {
-      if (!(e instanceof T.Unauthorized)) alert(`${b.dataset.action} failed: ${e.message}`);
-    }
-  });
 })();

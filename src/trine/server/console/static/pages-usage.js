@@ -95,15 +95,21 @@
         PHASES.map(([ph, label]) => `<span class="legend-dot" style="background:${T.PHASE_COLORS[ph]}"></span>${label} ` +
           `<b>${T.money(t.cost[ph])}</b> (${T.pct(total ? t.cost[ph] / total : null)})`).join(" &nbsp; ");
       document.getElementById("usage-groups-title").textContent = `By ${groups.by}`;
-      document.getElementById("usage-groups").innerHTML = T.table(
-        [[groups.by], ["requests", "num"], ["prefill", "num"], ["cached", "num"], ["hit", "num"], ["sample", "num"],
-         ["train", "num"], ["loss", "num"], [`cost (${cur})`, "num"]],
-        [...groups.rows, { ...t, key: "total", isTotal: true }].map((r) => `<tr class="${r.isTotal ? "total" : ""}">
-          <td>${groups.by === "run" && r.key.startsWith("tr_") ? T.runLink(r.key) : `<span class="mono">${esc(r.key)}</span>`}</td>
+      const byRun = groups.by === "run";
+      const cells = (r, label, cls) => `<tr class="${cls}">${label}
           <td class="num">${T.int(r.requests)}</td><td class="num">${T.int(r.tokens.prefill)}</td>
           <td class="num">${T.int(r.tokens.prefill_cached)}</td><td class="num">${T.pct(r.cache_hit_rate)}</td>
           <td class="num">${T.int(r.tokens.sample)}</td><td class="num">${T.int(r.tokens.train)}</td>
-          <td class="num">${T.int(r.tokens.train_loss)}</td><td class="num">${T.money(r.cost.total)}</td></tr>`),
+          <td class="num">${T.int(r.tokens.train_loss)}</td><td class="num">${T.money(r.cost.total)}</td></tr>`;
+      // by run: a training run's row holds its samplers' usage too, broken down under it
+      const parts = (r) => Object.entries(r.parts || {}).map(([kind, p]) => cells(p, `<td>${kind === "sampling"
+        ? `└ ${T.int(p.info.runs)} sampler${p.info.runs === 1 ? "" : "s"}` : "├ training"}</td><td></td>`, "member part"));
+      document.getElementById("usage-groups").innerHTML = T.table(
+        [[groups.by], ...(byRun ? [["name"]] : []), ["requests", "num"], ["prefill", "num"], ["cached", "num"],
+         ["hit", "num"], ["sample", "num"], ["train", "num"], ["loss", "num"], [`cost (${cur})`, "num"]],
+        [...groups.rows, { ...t, key: "total", isTotal: true }].flatMap((r) => [cells(r,
+          `<td data-key="${esc(r.key)}">${byRun && r.key.startsWith("tr_") ? T.runLink(r.key) : `<span class="mono">${esc(r.key)}</span>`}</td>` +
+          (byRun ? `<td>${esc((r.info && r.info.name) || "")}</td>` : ""), r.isTotal ? "total" : ""), ...parts(r)]),
         "No usage yet.");
       document.getElementById("usage-diagnostics").innerHTML = groups.diagnostics.length
         ? groups.diagnostics.map((d) => `<div class="card diag" data-pattern="${esc(d.pattern)}"><p><b>${esc(d.pattern)}</b>:
