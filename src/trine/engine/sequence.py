@@ -43,6 +43,7 @@ class Request:
     running: int = 0  # sequences not stopped yet
     prompt_logprobs: list[float | None] | None = None  # entry 0 is None; filled chunk by chunk
     topk_prompt_logprobs: list["TopLogprobs | None"] | None = None
+    matcher: object | None = None  # the compiled grammar at its start (engine/grammar.py), if any
 
     @property
     def samples(self) -> int:
@@ -76,3 +77,4 @@ class Sequence:
     top: list["TopLogprobs"] = field(default_factory=list)  # when options.top_logprobs
     stop_reason: str | None = None
     text: str | None = None
+    matcher: object | None = None  # this sample's grammar state (engine/grammar.py), if constrained

@@ -46,3 +46,7 @@ class Tokenizer:
         names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                  "special_tokens_map.json", "generation_config.json")
         return [self.dir / n for n in names if (self.dir / n).is_file()]
+
+    def to_json(self) -> str:
+        """The whole tokenizer as `tokenizer.json` text (what llguidance builds its token table from)."""
+        return self._tok.to_str()
