@@ -53,6 +53,14 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_tools_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 model whose chat template (Qwen2.5's) supports tools."""
+    out = build_tiny_model_dir("qwen2", tmp_path_factory.mktemp("models") / "tiny-qwen-tools")
+    shutil.copy(FIXTURES / "qwen2.5-chat-template" / "chat_template.jinja", out / "chat_template.jinja")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tiny_model_dirs) -> Path:
     """The default tiny model for tests that need one model: Llama family, like SmolLM2."""
     return tiny_model_dirs["llama"]

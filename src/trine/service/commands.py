@@ -180,3 +180,4 @@ class SampleSpec:
     topk_prompt_logprobs: int = 0
     generate: bool = True
     fingerprint: str = ""
+    grammar: str = ""  # constrained decoding: a grammar from service/grammars.py; "" = none
