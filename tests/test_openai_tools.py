@@ -141,7 +141,7 @@ def test_a_tool_round_trip_is_rendered_by_the_chat_template(oai, hf_tok):
     first = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=80, seed=9,
                                         tool_choice="required", parallel_tool_calls=False)
     call = first.choices[0].message.tool_calls[0]
-    history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+    history = ASK + [first.choices[0].message,  # the client sends the message object back as it is
                      {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
     second = oai.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=4,
                                          extra_body={"return_token_ids": True})
