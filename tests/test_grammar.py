@@ -80,3 +80,18 @@ def test_greedy_constrained_decoding_is_deterministic(sampler):
     b = run(sampler, g, temperature=0.0, rid="d2").sequences[0]
     assert a.tokens == b.tokens and json.loads(a.text)["city"] in ("Paris", "Oslo", "Lima")
     assert torch.isfinite(torch.tensor(a.logprobs)).all()
+
+
+def test_a_matcher_in_error_allows_only_eos(sampler):
+    from types import SimpleNamespace
+    m = sampler.grammars.compile(llguidance.LLMatcher.grammar_from_lark('start: "yes"'))
+    m.consume_token(sampler.tokenizer.encode(" no")[0])  # a forbidden token: the matcher breaks
+    assert m.is_error()
+    logits = sampler.grammars.mask([SimpleNamespace(matcher=m)], torch.zeros(1, sampler.cfg.vocab_size))
+    assert set(torch.isfinite(logits[0]).nonzero()[:, 0].tolist()) == set(sampler.eos_ids)
+
+
+def test_a_grammar_needs_stop_at_eos(sampler):
+    opts = SamplingOptions(8, grammar=llguidance.LLMatcher.grammar_from_lark('start: "yes"'), stop_at_eos=False)
+    with pytest.raises(ValueError, match="^grammar: .*stop_at_eos"):
+        sampler.run([SampleRequest("noeos", [1, 2, 3], opts, W)])
