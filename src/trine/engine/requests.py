@@ -55,10 +55,13 @@ class SampleRequest:
     weights: WeightsIdentity
     adapter: Adapter | None = None  # the weights named by `weights.adapter`; None = base model
     num_samples: int = 1
-    prompt_logprobs: bool = False  # full forward, never reads the prefix cache
+    prompt_logprobs: bool = False  # reads the prefix cache only before `prompt_logprobs_last_n`
     topk_prompt_logprobs: int = 0
     generate: bool = True  # False: compute_logprobs (prompt logprobs only, no decoding)
     stream: bool = False  # report each decode step's new tokens as a SampleDelta
+    prompt_logprobs_last_n: int | None = None  # score only the last n prompt entries (logprobs, top-k)
+    prompt_alt_tokens_k: int = 0  # k draws at every prompt entry after the first (prompt_scores.py)
+    target_prompt_ids: list[list[int]] | None = None  # row i: token ids to score at prompt entry i + 1
 
 
 @dataclass
@@ -102,6 +105,9 @@ class SampleResult:
     prompt_logprobs: list[float | None] | None
     usage: SampleUsage
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_alt_tokens: list[list[int]] | None = None  # [len(prompt) - 1][k], when prompt_alt_tokens_k
+    prompt_alt_logprobs: list[list[float]] | None = None  # their logprobs, same shape
+    target_prompt_logprobs: list[list[float]] | None = None  # one per target_prompt_ids entry
 
 
 @dataclass

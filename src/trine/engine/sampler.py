@@ -12,9 +12,10 @@ Invariants
 - Usage: prompt_tokens == prefill_tokens + cached_tokens for every request; sample_tokens counts
   every generated token of every sample.
 - The prompt is prefilled once per request, whatever its `num_samples`.
-- Requests with prompt logprobs (`prompt_logprobs`, `topk_prompt_logprobs`, or `generate=False`)
-  run a full forward over the prompt: they never read the prefix cache (0 cached tokens) but do
-  write it.
+- Requests that score their prompt (prompt logprobs, their top-k, `generate=False`, alt-token
+  draws, target ids: prompt_scores.py) read the prefix cache only before the first position they
+  score (none for whole-prompt logprobs; `prompt_logprobs_last_n` moves it to the suffix), and
+  write it like any other.
 - Streaming (`SampleRequest.stream`): every step that gives a sequence a token leaves one
   SampleDelta for it in `take_deltas()`; a sequence's deltas concatenate to its result.
 - `cancel(request_id)` frees the request's sequences, KV blocks and reservations at once and
@@ -26,13 +27,15 @@ import time
 
 import torch
 
+from ..limits import MAX_TOPK_PROMPT_LOGPROBS
 from .grammar import Grammars
 from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .lora import Adapter, AdapterBatch
 from .model import Transformer
+from .prompt_scores import PromptScores, check_prompt_scores, scores_prompt
 from .requests import SampleDelta, SampledSequence, SampleRequest, SampleResult
-from .sampling import check_sampling_options, generators, prompt_logprobs, sample
+from .sampling import check_sampling_options, generators, sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .stops import Stops, check_stop_options, final_text
@@ -70,8 +73,7 @@ class Sampler:
     def add(self, req: SampleRequest) -> None:
         """Validate and queue a request. Raises ValueError naming the bad field."""
         self._validate(req)
-        full = req.prompt_logprobs or req.topk_prompt_logprobs > 0 or not req.generate
-        r = Request(req, Stops.of(req.options, self.eos_ids), full)
+        r = Request(req, Stops.of(req.options, self.eos_ids), scores_prompt(req))
         if req.generate and req.options.grammar:
             r.matcher = self.grammars.compile(req.options.grammar)
         self._live[req.request_id] = r
@@ -168,7 +170,7 @@ class Sampler:
         for i, (r, take) in enumerate(rows):
             start = r.done
             if r.full:
-                self._extend_prompt_logprobs(r, hidden[i:i + 1, :take], start, adapters[i])
+                self._extend_prompt_scores(r, hidden[i:i + 1, :take], start, adapters[i])
             self.layout.cache_prompt(r, start, start + take)
             r.done = start + take
             if r.prompt_left:
@@ -190,15 +192,12 @@ class Sampler:
             self.scheduler.start([s for s in forked if s.stop_reason is None])
         return finished
 
-    def _extend_prompt_logprobs(self, r: Request, hidden: torch.Tensor, start: int, adapter: Adapter | None) -> None:
-        """Add the prompt logprobs of a chunk (hidden states [1, take, H] from position `start`)."""
-        if start == 0:
-            r.prompt_logprobs, r.topk_prompt_logprobs = [None], [None]
+    def _extend_prompt_scores(self, r: Request, hidden: torch.Tensor, start: int, adapter: Adapter | None) -> None:
+        """Add the prompt scores of a chunk (hidden states [1, take, H] from position `start`)."""
+        if r.scores is None:  # the first computed chunk: the positions before `start` came from the cache
+            r.scores = PromptScores.of(r.req, start)
         single = AdapterBatch.single(adapter)
-        lps, tops = prompt_logprobs(lambda h: self.model.logits(h, single), hidden, r.req.prompt, start,
-                                    r.req.topk_prompt_logprobs)
-        r.prompt_logprobs += lps
-        r.topk_prompt_logprobs += tops
+        r.scores.extend(r.req, lambda h: self.model.logits(h, single), hidden, start)
 
     def _prompt_done(self, r: Request) -> None:
         self.scheduler.prompt_done(r)
@@ -272,15 +271,11 @@ class Sampler:
 
     def _result(self, r: Request) -> SampleResult:
         self._live.pop(r.req.request_id, None)
-        if r.full:  # computed for every full forward; returned only when asked for
-            if not (r.req.prompt_logprobs or not r.req.generate):
-                r.prompt_logprobs = None
-            if not r.req.topk_prompt_logprobs:
-                r.topk_prompt_logprobs = None
         k = r.req.options.top_logprobs
         seqs = [SampledSequence(s.out, s.logprobs, s.text, s.stop_reason, s.top if k else None)
                 for s in r.seqs]
-        return SampleResult(r.req.request_id, seqs, r.prompt_logprobs, r.usage, r.topk_prompt_logprobs)
+        scores = r.scores.answer(r.req) if r.scores is not None else {"prompt_logprobs": None}
+        return SampleResult(r.req.request_id, seqs, usage=r.usage, **scores)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, req: SampleRequest) -> None:
@@ -296,6 +291,7 @@ class Sampler:
             raise ValueError(f"num_samples: must be >= 1, got {req.num_samples}")
         if req.topk_prompt_logprobs < 0:
             raise ValueError(f"topk_prompt_logprobs: must be >= 0, got {req.topk_prompt_logprobs}")
+        check_prompt_scores(req, cfg.vocab_size, MAX_TOPK_PROMPT_LOGPROBS)
         if (req.adapter is None) != (req.weights.adapter is None):
             raise ValueError("adapter: must be given exactly when weights.adapter names one")
         max_new = 0

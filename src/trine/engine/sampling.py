@@ -8,19 +8,17 @@ Invariants
 - A temperature below `GREEDY_BELOW_TEMPERATURE` is greedy (argmax), and draws no uniform.
 - Token logprobs are log-softmax of the raw logits (temperature 1, before top-k / top-p): the
   model's own log-probability of the token, which importance-sampling losses compare against.
-  Top logprobs and prompt logprobs are of the same distribution.
+  Top logprobs and prompt logprobs (prompt_scores.py) are of the same distribution.
 """
 from __future__ import annotations
 
 import math
 import secrets
-from typing import Callable
 
 import torch
 
 from .requests import SamplingOptions
 
-LOGITS_CHUNK = 256  # prompt positions per lm_head call when computing prompt logprobs
 _MASK64 = 2**64 - 1
 
 TopLogprobs = list[tuple[int, float]]  # (token, logprob), most likely first
@@ -55,11 +53,9 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], gens: list[torc
         tok = logits.argmax(-1)
     else:
         x = _filtered(logits, options, greedy)
-        cdf = x.softmax(-1).double().cumsum(-1)
         u = torch.tensor([float(torch.rand((), generator=g)) if not gr else 0.0 for g, gr in zip(gens, greedy)],
                          dtype=torch.float64, device=x.device)
-        tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-        tok = tok.clamp(max=x.shape[-1] - 1)
+        tok = draw(x, u[:, None])[:, 0]
         if any(greedy):
             tok = torch.where(torch.tensor(greedy, device=x.device), logits.argmax(-1), tok)
     lp = logp.gather(1, tok[:, None])[:, 0]
@@ -93,23 +89,12 @@ def _filtered(logits: torch.Tensor, options: list[SamplingOptions], greedy: list
     return x
 
 
-def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                    prompt: list[int], start: int, k: int) -> tuple[list[float], list[TopLogprobs]]:
-    """Prompt logprobs from the hidden states [1, T, H] of positions `start`..: entries `start + 1`
-    on (entry i is log p(prompt[i] | prompt[:i]); the caller holds entries 0..start), with each
-    entry's top `k` (none when k is 0). `logits_of` maps hidden states to logits."""
-    stop = min(start + hidden.shape[1], len(prompt) - 1)  # the last prompt position predicts no prompt token
-    targets = torch.tensor(prompt[start + 1:stop + 1], device=hidden.device)
-    lps: list[float] = []
-    tops: list[TopLogprobs] = []
-    for a in range(start, stop, LOGITS_CHUNK):
-        b = min(a + LOGITS_CHUNK, stop)
-        logp = torch.log_softmax(logits_of(hidden[:, a - start:b - start])[0], dim=-1)
-        lps += logp.gather(1, targets[a - start:b - start, None])[:, 0].tolist()
-        if k:
-            v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            tops += [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
-    return lps, tops
+def draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens drawn from softmax(x) of each row of `x` [B, V] by inverse CDF, one per uniform of
+    `u` [B, m] (float64 in [0, 1)): [B, m]."""
+    cdf = x.softmax(-1).double().cumsum(-1)
+    tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return tok.clamp(max=x.shape[-1] - 1)
 
 
 def check_sampling_options(options: SamplingOptions, vocab_size: int) -> None:

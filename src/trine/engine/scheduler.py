@@ -9,7 +9,8 @@ worst-case KV blocks (the prompt's, plus every sample decoding to `max_tokens`) 
 out of blocks and nothing is ever preempted. At admission a request looks up the longest cached
 full-block prefix of `prompt[:-1]` (the last prompt token is always computed: its logits give the
 first sampled token); a request whose uncached prefix starts with blocks another request is still
-computing waits, then hits them. Requests with prompt logprobs never read the cache.
+computing waits, then hits them. A request that scores its prompt reads only the blocks before the
+first position it scores (`Request.cacheable`: none for whole-prompt logprobs).
 
 Prefill chunks. At most one prefill forward a step, over at most `max_batch_tokens` positions
 (padding included), so a long prompt is prefilled over several steps. The chunk is sized by time:
@@ -255,9 +256,10 @@ class Scheduler:
         bs, kv, req, n, k = self.block_size, self.kv, r.req, len(r.req.prompt), r.samples
         if self.prefix_cache:
             r.keys = chain_hashes(req.weights, req.prompt, bs)
-        matched = [] if r.full or not self.prefix_cache else \
-            kv.match(req.weights, req.prompt[:n - 1], r.keys[:(n - 1) // bs])
-        if not r.full and r.keys[len(matched):len(matched) + 1] and r.keys[len(matched)] in pending:
+        reads = r.cacheable
+        matched = [] if not reads or not self.prefix_cache else \
+            kv.match(req.weights, req.prompt[:reads], r.keys[:reads // bs])
+        if reads and r.keys[len(matched):len(matched) + 1] and r.keys[len(matched)] in pending:
             kv.release(matched)  # the next block is being computed now: hit it when it is done
             return False
         prompt_blocks = -(-n // bs)

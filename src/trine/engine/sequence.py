@@ -8,6 +8,7 @@ from the prompt's blocks) -> finished when no sequence runs. A `compute_logprobs
 
 Invariants
 - `cached <= done <= len(prompt)`; after prefill, usage.prompt_tokens == prefill_tokens + cached_tokens.
+- `cached <= cacheable`: no position whose hidden state the request reads is served from the cache.
 - A sequence holds KV for every token but its last (`tokens[-1]` is the next forward's input);
   `keys` are the prefix-cache keys of its full blocks.
 """
@@ -16,12 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .prompt_scores import cacheable
 from .requests import SampleRequest, SampleUsage
 from .stops import Stops
 
 if TYPE_CHECKING:
     import torch
 
+    from .prompt_scores import PromptScores
     from .sampling import TopLogprobs
 
 
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
 class Request:
     req: SampleRequest
     stops: Stops
-    full: bool  # full forward for prompt logprobs: never reads the cache
+    full: bool  # scores prompt positions in prefill (prompt_scores.py)
     order: int = 0  # arrival: requests added earlier have smaller numbers
     usage: SampleUsage = field(default_factory=SampleUsage)
     keys: list[int] = field(default_factory=list)  # chain keys of the prompt's full blocks
@@ -41,8 +44,7 @@ class Request:
     shared: int = 0  # full prompt blocks, shared by reference by all its sequences
     seqs: list["Sequence"] = field(default_factory=list)
     running: int = 0  # sequences not stopped yet
-    prompt_logprobs: list[float | None] | None = None  # entry 0 is None; filled chunk by chunk
-    topk_prompt_logprobs: list["TopLogprobs | None"] | None = None
+    scores: "PromptScores | None" = None  # when `full`: filled chunk by chunk
     matcher: object | None = None  # the compiled grammar at its start (engine/grammar.py), if any
 
     @property
@@ -54,6 +56,12 @@ class Request:
     def max_new(self) -> int:
         """Tokens each sample may generate."""
         return self.req.options.max_tokens if self.req.generate else 0
+
+    @property
+    def cacheable(self) -> int:
+        """Prompt tokens the prefix cache may serve: those before the first position whose hidden
+        state the request reads (its last, when it only samples; 0 for whole-prompt logprobs)."""
+        return cacheable(self.req)
 
     @property
     def prompt_left(self) -> int:

@@ -161,7 +161,8 @@ def event_type(command: TrainingCommand) -> str:
 @dataclass(frozen=True)
 class SampleSpec:
     """A sampling request. `generate=False` is compute_logprobs: prompt logprobs only, no decoding.
-    Prompt-logprob requests never read the prefix cache. `fingerprint` identifies the request
+    Prompt-logprob requests read the prefix cache only before `prompt_logprobs_last_n` (and before
+    the first row of `target_prompt_ids` naming an id). `fingerprint` identifies the request
     body: a retry with the same `request_id` must match it ("" = unchecked)."""
 
     request_id: str
@@ -180,4 +181,7 @@ class SampleSpec:
     topk_prompt_logprobs: int = 0
     generate: bool = True
     fingerprint: str = ""
+    prompt_logprobs_last_n: int | None = None  # score only the last n prompt entries
+    prompt_alt_tokens_k: int = 0  # k draws at every prompt entry after the first
+    target_prompt_ids: list[list[int]] | None = None  # row i: token ids to score at prompt entry i + 1
     grammar: str = ""  # constrained decoding: a grammar from service/grammars.py; "" = none

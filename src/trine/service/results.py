@@ -68,6 +68,9 @@ class SampleOutcome:
     usage: dict[str, int]
     cost: float
     replica: int = 0
+    prompt_alt_tokens: list[list[int]] | None = None  # [len(prompt) - 1][k], when asked for
+    prompt_alt_logprobs: list[list[float]] | None = None
+    target_prompt_logprobs: list[list[float]] | None = None  # one per asked target id
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()

@@ -189,7 +189,8 @@ class Sampling:
             res.prompt_logprobs, res.topk_prompt_logprobs,
             {"prompt_tokens": u.prompt_tokens, "prefill_tokens": u.prefill_tokens,
              "cached_tokens": u.cached_tokens, "sample_tokens": u.sample_tokens},
-            self.rate_card.cost(event)["total"], rep.index)
+            self.rate_card.cost(event)["total"], rep.index, res.prompt_alt_tokens, res.prompt_alt_logprobs,
+            res.target_prompt_logprobs)
         self.store.add_sample_result(r.id, spec.request_id, out.to_json(), spec.fingerprint)
         self.store.add_usage(event)
         if spec.generate:

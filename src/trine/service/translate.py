@@ -92,7 +92,9 @@ def sample_request(request_id: str, spec: SampleSpec, weights: WeightsIdentity) 
                               spec.stop_strings, spec.stop_token_ids, spec.stop_at_eos, spec.top_logprobs,
                               grammar=spec.grammar)
     return SampleRequest(request_id, list(spec.prompt), options, weights, None, spec.num_samples,
-                         spec.prompt_logprobs, spec.topk_prompt_logprobs, spec.generate)
+                         spec.prompt_logprobs, spec.topk_prompt_logprobs, spec.generate,
+                         prompt_logprobs_last_n=spec.prompt_logprobs_last_n,
+                         prompt_alt_tokens_k=spec.prompt_alt_tokens_k, target_prompt_ids=spec.target_prompt_ids)
 
 
 def sample_chunk(spec: SampleSpec, delta: SampleDelta) -> SampleChunk:

@@ -216,16 +216,35 @@ def _topk(rows: list, k: int) -> "pb.TopkLogprobs":
     return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
 
 
+def tensor(values: np.ndarray, shape: tuple[int, ...], csr: tuple[list[int], list[int]] | None = None
+           ) -> "pb.Tensor":
+    """A proto Tensor of float32 or int64 `values`: dense in row-major order, or the values of a
+    sparse CSR tensor with the (crow, col) indices `csr`."""
+    dtype = pb.DTYPE_INT64 if values.dtype.kind in "iu" else pb.DTYPE_FLOAT32
+    raw = values.astype(np.int64 if dtype == pb.DTYPE_INT64 else np.float32).tobytes()
+    if csr is None:
+        return pb.Tensor(dense=raw, dtype=dtype, shape=list(shape))
+    crow, col = (np.asarray(x, dtype=np.int64).tobytes() for x in csr)
+    return pb.Tensor(sparse_csr=pb.SparseCsr(values=raw, crow_indices=crow, col_indices=col), dtype=dtype,
+                     shape=list(shape))
+
+
 def sample_response(sequences: list[tuple[list[int], list[float] | None, str]],
                     prompt_logprobs: list[float | None] | None, topk_prompt: list | None, topk_k: int,
-                    cache_hit_tokens: int) -> bytes:
-    """A SampleResponse. `sequences`: (tokens, logprobs, stop_reason "stop" | "length")."""
+                    cache_hit_tokens: int, *, sequence_topk: list[list | None] | None = None,
+                    sequence_topk_k: int = 0, target_prompt_logprobs: "pb.Tensor | None" = None,
+                    prompt_alt_tokens: "tuple[pb.Tensor, pb.Tensor] | None" = None) -> bytes:
+    """A SampleResponse. `sequences`: (tokens, logprobs, stop_reason "stop" | "length");
+    `sequence_topk`: each sequence's top logprobs per token, sent `sequence_topk_k` wide (dense,
+    with the client's sentinels where a row is shorter)."""
     seqs = []
-    for tokens, lps, stop in sequences:
+    for i, (tokens, lps, stop) in enumerate(sequences):
         s = pb.SampledSequence(stop_reason=pb.STOP_REASON_LENGTH if stop == "length" else pb.STOP_REASON_STOP,
                                tokens=np.asarray(tokens, dtype=np.int32).tobytes())
         if lps is not None:
             s.logprobs = np.asarray(lps, dtype=np.float32).tobytes()
+        if sequence_topk is not None and sequence_topk_k > 0:
+            s.topk_sampled_logprobs.CopyFrom(_topk(sequence_topk[i] or [], sequence_topk_k))
         seqs.append(s)
     out = pb.SampleResponse(sequences=seqs, prompt_cache_hit_tokens=int(cache_hit_tokens))
     if prompt_logprobs is not None:
@@ -233,4 +252,8 @@ def sample_response(sequences: list[tuple[list[int], list[float] | None, str]],
                                          dtype=np.float32).tobytes()
     if topk_prompt is not None and topk_k > 0:
         out.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt, topk_k))
+    if target_prompt_logprobs is not None:
+        out.target_prompt_logprobs.CopyFrom(target_prompt_logprobs)
+    if prompt_alt_tokens is not None:
+        out.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(tokens=prompt_alt_tokens[0], logprobs=prompt_alt_tokens[1]))
     return out.SerializeToString()

@@ -5,11 +5,15 @@
 and the metering of every other front end: `prompt_cache_hit_tokens` is trine's `cached_tokens`
 (a group of n samples prefills its prompt once). With `record_stability_info`, each sampled
 sequence is kept under its sequence id for `stable_reinforce` (see `service.stability`).
-`compute_logprobs` reaches here as a 1-token sample with prompt logprobs; like every prompt-logprob
-request it never reads the prefix cache (0 hit tokens).
+`compute_logprobs` reaches here as a 1-token sample with prompt logprobs: it reads the prefix cache
+only before `prompt_logprobs_last_n` (0 hit tokens without it). The fields beyond PyTRIO's sample
+body (top-k per sampled token, alt-token draws, target ids) are parsed in `sample_extras`.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 from fastapi import APIRouter, Request
 
 from ...limits import MAX_SAMPLE_BYTES
@@ -18,6 +22,7 @@ from ..context import json_object
 from ..params import parse_sample
 from . import proto
 from .futures import Reply
+from .sample_extras import parse_extras
 from .state import TinkerState, caller, to_tinker_path, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
@@ -56,16 +61,10 @@ async def get_sampler(sampler_id: str, request: Request):
             "model_path": to_tinker_path(r.source_checkpoint_uri) if r.source_checkpoint_uri else None}
 
 
-_UNSUPPORTED = {"topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0, "target_prompt_logprobs": None}
-
-
 @router.post("/asample")
 async def asample(request: Request):
     svc, st, key = caller(request)
     b = await json_object(request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object", empty_ok=False)
-    for name, off in _UNSUPPORTED.items():
-        if b.get(name, off) not in (off, None):
-            raise InvalidRequest(f"{name}: not supported by trine; leave it unset")
     sid, seq = b.get("sampling_session_id"), b.get("seq_id")
     if not isinstance(sid, str) or not isinstance(seq, int):
         raise InvalidRequest("asample: send sampling_session_id and seq_id (create a sampling client first)")
@@ -80,13 +79,14 @@ async def asample(request: Request):
     elif stop:
         p["stop"] = stop
     with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
+    extras = {k: b[k] for k in ("topk_sample_logprobs", "prompt_alt_tokens_k", "prompt_logprobs_last_n",
+                                "target_prompt_logprobs") if b.get(k) is not None}  # fingerprinted too
     spec, _ = parse_sample({"request_id": f"tk-{seq}", "prompt": b.get("prompt"), "sampling_params": p,
                             "num_samples": n, "return_prompt_logprobs": with_prompt_logprobs,
-                            "topk_prompt_logprobs": b.get("topk_prompt_logprobs") or 0},
+                            "topk_prompt_logprobs": b.get("topk_prompt_logprobs") or 0, **extras},
                            stop_at_eos=not no_stop)  # Tinker: [] disables every stop, EOS included
-    last_n = b.get("prompt_logprobs_last_n")
-    if last_n is not None and not (isinstance(last_n, int) and 1 <= last_n <= len(spec.prompt) - 1):
-        raise InvalidRequest(f"prompt_logprobs_last_n {last_n!r}: use 1 to len(prompt) - 1")
+    fields, targets = parse_extras(extras, len(spec.prompt), bool(b.get("prompt_logprobs")))
+    spec = replace(spec, **fields)
     record = bool(b.get("record_stability_info"))
     sequence_ids = [f"{request_id}:{i}" for i in range(spec.num_samples)]
 
@@ -96,12 +96,16 @@ async def asample(request: Request):
             for seq_id, s in zip(sequence_ids, out.sequences):
                 st.stability.record(key.id, seq_id, s.tokens, s.logprobs)
         plp = out.prompt_logprobs if b.get("prompt_logprobs") else None
-        if plp is not None and last_n is not None:
-            plp = [None] * (len(plp) - last_n) + list(plp[-last_n:])
+        rows, k = len(spec.prompt) - 1, spec.prompt_alt_tokens_k
+        alt = None if not k else (proto.tensor(np.asarray(out.prompt_alt_tokens, np.int64), (rows, k)),
+                                  proto.tensor(np.asarray(out.prompt_alt_logprobs, np.float32), (rows, k)))
+        target = None if targets is None else proto.tensor(targets.values(out.target_prompt_logprobs),
+                                                            targets.shape, targets.csr)
         return Reply(proto.sample_response(
             [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences], plp,
-            out.topk_prompt_logprobs, spec.topk_prompt_logprobs, out.usage["cached_tokens"]),
-            proto.PROTOBUF)
+            out.topk_prompt_logprobs, spec.topk_prompt_logprobs, out.usage["cached_tokens"],
+            sequence_topk=[s.top_logprobs for s in out.sequences], sequence_topk_k=spec.top_logprobs,
+            target_prompt_logprobs=target, prompt_alt_tokens=alt), proto.PROTOBUF)
     st.futures.start(key.id, request_id, finish)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 

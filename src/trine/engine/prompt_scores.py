@@ -1,0 +1,166 @@
+"""What a sample request asks about its own prompt, computed in the prefill that serves it: prompt
+logprobs and their top-k, `prompt_alt_tokens_k` draws, and the logprobs of chosen target ids.
+
+Entry i of the prompt logprobs is log p(prompt[i] | prompt[:i]), read from the hidden state of
+position i - 1 (entry 0 is None: nothing precedes it). Row i of the draws and of the targets is
+about prompt entry i + 1 (Tinker's `[len(prompt) - 1, k]` layout).
+
+Invariants
+- Every value is of the model's raw distribution (log-softmax at temperature 1), like token
+  logprobs (sampling.py); draws are taken at the request's temperature (no top-k / top-p), with
+  replacement, from a generator of their own, so they never change the request's samples.
+- `first_scored(req)` is the first prompt entry anything is computed for. The prefix cache may serve
+  every position before the one that predicts it (`cacheable`); entries before it are None (rows:
+  empty). `prompt_logprobs_last_n` moves it for prompt logprobs and their top-k only; draws and
+  targets keep theirs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import secrets
+
+import torch
+
+from .requests import SampleRequest
+from .sampling import TopLogprobs, draw, sample_seed
+
+LOGITS_CHUNK = 256  # prompt positions per lm_head call
+_DRAWS_INDEX = 1 << 63  # the draws' generator: sample_seed(seed, index) with an index no sample has
+
+
+def scores_prompt(req: SampleRequest) -> bool:
+    """Whether the request computes anything at prompt positions (then prefill runs `extend`)."""
+    return bool(req.prompt_logprobs or req.topk_prompt_logprobs or not req.generate
+                or req.prompt_alt_tokens_k or req.target_prompt_ids)
+
+
+def logprobs_from(req: SampleRequest) -> int:
+    """The first entry of the prompt logprobs (and their top-k) that the request gets scored."""
+    n = len(req.prompt)
+    return n - req.prompt_logprobs_last_n if req.prompt_logprobs_last_n else 1
+
+
+def first_scored(req: SampleRequest) -> int:
+    """The first prompt entry anything is computed for; len(prompt) when only sampling (the last
+    position's hidden state then gives the first sampled token)."""
+    n = len(req.prompt)
+    first = n
+    if req.prompt_logprobs or req.topk_prompt_logprobs or not req.generate:
+        first = min(first, logprobs_from(req))
+    if req.prompt_alt_tokens_k:
+        first = 1
+    if req.target_prompt_ids:
+        first = min(first, next((i + 1 for i, ids in enumerate(req.target_prompt_ids) if ids), n))
+    return max(first, 1)
+
+
+def cacheable(req: SampleRequest) -> int:
+    """Prompt tokens whose KV the prefix cache may serve: those before the first position whose
+    hidden state the request reads (0 when it scores its whole prompt)."""
+    return first_scored(req) - 1
+
+
+@dataclass
+class PromptScores:
+    """A request's prompt scores so far, extended chunk by chunk as prefill computes positions."""
+
+    logprobs: list[float | None] = field(default_factory=list)  # per entry
+    topk: list[TopLogprobs | None] = field(default_factory=list)  # per entry
+    alt_tokens: list[list[int]] = field(default_factory=list)  # per row
+    alt_logprobs: list[list[float]] = field(default_factory=list)
+    targets: list[list[float]] = field(default_factory=list)  # per row, one per target id
+    gen: torch.Generator | None = None  # the draws'
+
+    @classmethod
+    def of(cls, req: SampleRequest, start: int) -> "PromptScores":
+        """Empty scores for a request whose first computed position is `start` (the ones before it
+        came from the prefix cache: `start <= cacheable(req)`, so nothing is asked of them)."""
+        gen = None
+        if req.prompt_alt_tokens_k:
+            seed = req.options.seed if req.options.seed is not None else secrets.randbits(63)
+            gen = torch.Generator().manual_seed(sample_seed(seed, _DRAWS_INDEX))
+        rows = [[] for _ in range(start)] if req.target_prompt_ids else []
+        return cls([None] * (start + 1), [None] * (start + 1), targets=rows, gen=gen)
+
+    def extend(self, req: SampleRequest, logits_of: Callable[[torch.Tensor], torch.Tensor],
+               hidden: torch.Tensor, start: int) -> None:
+        """Add the scores of the positions whose hidden states [1, T, H] start at `start`: entries
+        start + 1 on (this object holds entries 0..start). `logits_of` maps hidden states to logits."""
+        prompt, k, alt_k = req.prompt, req.topk_prompt_logprobs, req.prompt_alt_tokens_k
+        stop = min(start + hidden.shape[1], len(prompt) - 1)  # the last position predicts no prompt token
+        first = min(max(start, first_scored(req) - 1), stop)
+        skipped = first - start  # positions before the first scored one: nothing computed
+        self.logprobs += [None] * skipped
+        self.topk += [None] * skipped
+        self.targets += [[] for _ in range(skipped)] if req.target_prompt_ids else []
+        for a in range(first, stop, LOGITS_CHUNK):
+            b = min(a + LOGITS_CHUNK, stop)
+            logits = logits_of(hidden[:, a - start:b - start])[0].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            nxt = torch.tensor(prompt[a + 1:b + 1], device=logp.device)
+            self.logprobs += logp.gather(1, nxt[:, None])[:, 0].tolist()
+            if k:
+                v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
+                self.topk += [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
+            else:
+                self.topk += [None] * (b - a)
+            if alt_k:
+                toks = self._draws(logits, req, alt_k)
+                self.alt_tokens += toks.tolist()
+                self.alt_logprobs += logp.gather(1, toks).tolist()
+            if req.target_prompt_ids:
+                self.targets += _gather_rows(logp, req.target_prompt_ids[a:b])
+
+    def _draws(self, logits: torch.Tensor, req: SampleRequest, k: int) -> torch.Tensor:
+        """k independent draws per row at the request's temperature (argmax when greedy): [rows, k]."""
+        if req.options.greedy:
+            return logits.argmax(-1, keepdim=True).expand(-1, k)
+        u = torch.rand((logits.shape[0], k), generator=self.gen, dtype=torch.float64).to(logits.device)
+        return draw(logits / req.options.temperature, u)
+
+    def answer(self, req: SampleRequest) -> dict:
+        """The SampleResult fields of these scores, as the request asked for them."""
+        cut = logprobs_from(req)  # entries before it stay None even where draws or targets computed them
+        lps = [None] * min(cut, len(self.logprobs)) + self.logprobs[cut:]
+        tops = [None] * min(cut, len(self.topk)) + self.topk[cut:]
+        wants_lps = req.prompt_logprobs or not req.generate
+        return dict(prompt_logprobs=lps if wants_lps else None,
+                    topk_prompt_logprobs=tops if req.topk_prompt_logprobs else None,
+                    prompt_alt_tokens=self.alt_tokens if req.prompt_alt_tokens_k else None,
+                    prompt_alt_logprobs=self.alt_logprobs if req.prompt_alt_tokens_k else None,
+                    target_prompt_logprobs=self.targets if req.target_prompt_ids else None)
+
+
+def _gather_rows(logp: torch.Tensor, rows: list[list[int]]) -> list[list[float]]:
+    """logp[r, ids] for each row's own (possibly empty) list of ids."""
+    width = max((len(ids) for ids in rows), default=0)
+    if not width:
+        return [[] for _ in rows]
+    idx = torch.tensor([ids + [0] * (width - len(ids)) for ids in rows], device=logp.device)
+    got = logp.gather(1, idx).tolist()
+    return [g[:len(ids)] for g, ids in zip(got, rows)]
+
+
+def check_prompt_scores(req: SampleRequest, vocab_size: int, max_width: int) -> None:
+    """ValueError naming the field when a prompt-score option is out of range."""
+    n = len(req.prompt)
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None:
+        if not (req.prompt_logprobs or req.topk_prompt_logprobs or not req.generate):
+            raise ValueError("prompt_logprobs_last_n: applies to prompt logprobs; ask for them too")
+        if not 1 <= last_n <= n - 1:
+            raise ValueError(f"prompt_logprobs_last_n: must be from 1 to len(prompt) - 1 = {n - 1}, got {last_n}")
+    if not 0 <= req.prompt_alt_tokens_k <= max_width:
+        raise ValueError(f"prompt_alt_tokens_k: must be in [0, {max_width}], got {req.prompt_alt_tokens_k}")
+    ids = req.target_prompt_ids
+    if ids is not None:
+        if len(ids) != n - 1:
+            raise ValueError(f"target_prompt_logprobs: needs len(prompt) - 1 = {n - 1} rows, got {len(ids)}")
+        if not any(ids):
+            raise ValueError("target_prompt_logprobs: names no token id; give at least one")
+        if max(len(r) for r in ids) > max_width:
+            raise ValueError(f"target_prompt_logprobs: at most {max_width} ids per row")
+        if any(not 0 <= t < vocab_size for r in ids for t in r):
+            raise ValueError(f"target_prompt_logprobs: token ids must be in [0, {vocab_size}) (-1: none)")

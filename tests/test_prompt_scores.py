@@ -1,0 +1,112 @@
+"""Prompt scores in the sampler: prompt_logprobs_last_n reads the cached prefix, alt-token draws,
+target-id logprobs; each against a plain full forward of the tiny model."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from trine.engine.lora import AdapterBatch
+from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.sampler import Sampler
+from trine.engine.tokenizer import Tokenizer
+from trine.engine.weights import load_model
+
+W = WeightsIdentity("tiny")
+_ids = iter(range(10**9))
+
+
+@pytest.fixture(scope="module")
+def model_tok(tiny_model_dir):
+    return load_model(tiny_model_dir, "cpu"), Tokenizer(tiny_model_dir)
+
+
+def sampler(model_tok) -> Sampler:
+    return Sampler(*model_tok, kv_cache_bytes=16 * 2**20)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def req(p, max_tokens=3, *, temperature=0.0, seed=None, **kw) -> SampleRequest:
+    return SampleRequest(f"r{next(_ids)}", list(p), SamplingOptions(max_tokens, temperature, seed=seed,
+                                                                     stop_at_eos=False), W, **kw)
+
+
+def full_logprobs(model, tokens):
+    """log_softmax of a plain full forward (no KV pool): [len, vocab]; row i predicts tokens[i + 1]."""
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([tokens]), adapters=AdapterBatch.single(None))[0], -1)
+
+
+def test_last_n_reads_the_cached_prefix_and_equals_the_full_computation(model_tok):
+    s, p = sampler(model_tok), prompt(45)
+    whole = s.run([req(p, prompt_logprobs=True, topk_prompt_logprobs=2)])[0]  # also caches the prompt
+    assert whole.usage.cached_tokens == 0
+    last = s.run([req(p, prompt_logprobs=True, topk_prompt_logprobs=2, prompt_logprobs_last_n=5)])[0]
+    u = last.usage
+    assert u.cached_tokens == 32 and u.prefill_tokens == 13 and u.prompt_tokens == 45  # 2 of 2 full blocks
+    assert last.prompt_logprobs[:40] == [None] * 40 and last.topk_prompt_logprobs[:40] == [None] * 40
+    torch.testing.assert_close(last.prompt_logprobs[40:], whole.prompt_logprobs[40:], atol=1e-5, rtol=0)
+    for a, b in zip(last.topk_prompt_logprobs[40:], whole.topk_prompt_logprobs[40:]):
+        assert [t for t, _ in a] == [t for t, _ in b]
+    # compute_logprobs (no decoding) reads the cache the same way; the samples are unchanged
+    only = s.run([req(p, generate=False, prompt_logprobs_last_n=5)])[0]
+    assert only.usage.cached_tokens == 32 and only.sequences == []
+    torch.testing.assert_close(only.prompt_logprobs[40:], whole.prompt_logprobs[40:], atol=1e-5, rtol=0)
+    assert last.sequences[0].tokens == whole.sequences[0].tokens
+
+
+def test_alt_token_draws_have_the_models_logprobs_and_leave_the_samples_alone(model_tok):
+    model, s, p = model_tok[0], sampler(model_tok), prompt(20, seed=1)
+    lp = full_logprobs(model, p)
+    drawn = s.run([req(p, 4, temperature=1.0, seed=5, prompt_alt_tokens_k=3)])[0]
+    plain = s.run([req(p, 4, temperature=1.0, seed=5)])[0]
+    assert drawn.sequences[0].tokens == plain.sequences[0].tokens  # the draws use their own generator
+    toks, lps = drawn.prompt_alt_tokens, drawn.prompt_alt_logprobs
+    assert len(toks) == len(lps) == len(p) - 1 and all(len(row) == 3 for row in toks)
+    want = lp[:-1].gather(1, torch.tensor(toks))
+    torch.testing.assert_close(torch.tensor(lps), want, atol=1e-4, rtol=0)
+    assert len({t for row in toks for t in row}) > len(p)  # temperature 1 on a random model: spread out
+    again = s.run([req(p, 4, temperature=1.0, seed=5, prompt_alt_tokens_k=3)])[0]
+    assert again.prompt_alt_tokens == toks  # seeded
+    greedy = s.run([req(p, 1, prompt_alt_tokens_k=2)])[0]
+    assert greedy.prompt_alt_tokens == [[t, t] for t in lp[:-1].argmax(-1).tolist()]
+    assert drawn.prompt_logprobs is None and drawn.usage.cached_tokens == 0  # every position is drawn at
+
+
+def test_target_ids_get_their_logprobs_and_rows_before_the_first_read_the_cache(model_tok):
+    model, s, p = model_tok[0], sampler(model_tok), prompt(40, seed=2)
+    lp = full_logprobs(model, p)
+    rows = [[] for _ in range(len(p) - 1)]
+    rows[3], rows[37], rows[38] = [7, 9], [p[38], 11], [12]
+    first = s.run([req(p, 1, target_prompt_ids=rows)])[0]
+    assert [len(r) for r in first.target_prompt_logprobs] == [len(r) for r in rows]
+    for i, ids in enumerate(rows):
+        torch.testing.assert_close(first.target_prompt_logprobs[i], lp[i, ids].tolist(), atol=1e-4, rtol=0)
+    late = [[] for _ in range(len(p) - 1)]
+    late[38] = [12]
+    second = s.run([req(p, 1, target_prompt_ids=late)])[0]
+    assert second.usage.cached_tokens == 32  # its first scored row is the last: the prefix came cached
+    torch.testing.assert_close(second.target_prompt_logprobs[38], first.target_prompt_logprobs[38], atol=1e-5,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(prompt_logprobs=True, prompt_logprobs_last_n=0), "prompt_logprobs_last_n"),
+    (dict(prompt_logprobs=True, prompt_logprobs_last_n=5), "prompt_logprobs_last_n"),  # len(prompt) - 1 = 4
+    (dict(prompt_logprobs_last_n=2), "prompt_logprobs_last_n"),  # without prompt logprobs
+    (dict(prompt_alt_tokens_k=-1), "prompt_alt_tokens_k"),
+    (dict(prompt_alt_tokens_k=65), "prompt_alt_tokens_k"),
+    (dict(target_prompt_ids=[[1]]), "target_prompt_logprobs"),  # needs 4 rows
+    (dict(target_prompt_ids=[[], [], [], []]), "target_prompt_logprobs"),  # names no id
+    (dict(target_prompt_ids=[[], [], [], [10**6]]), "target_prompt_logprobs"),
+])
+def test_bad_prompt_score_options_raise_naming_the_field(model_tok, bad, field):
+    s = sampler(model_tok)
+    with pytest.raises(ValueError, match=field):
+        s.add(req([5, 6, 7, 8, 9], **bad))
+    assert not s.has_work()
