@@ -95,3 +95,18 @@ def test_a_grammar_needs_stop_at_eos(sampler):
     opts = SamplingOptions(8, grammar=llguidance.LLMatcher.grammar_from_lark('start: "yes"'), stop_at_eos=False)
     with pytest.raises(ValueError, match="^grammar: .*stop_at_eos"):
         sampler.run([SampleRequest("noeos", [1, 2, 3], opts, W)])
+
+
+def test_forced_tool_calls_parse_back_on_a_tokenizer_without_tool_call_tokens(sampler):
+    from trine.service import tool_calls
+    assert sampler.tokenizer.added_token_id(tool_calls.OPEN) is None  # spelt from plain-text pieces
+    params = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"enum": ["Paris", "Oslo"]}}}
+    grammar = tool_calls.forcing_grammar({"get_weather": params, "get_time": None}, several=True)
+    for s in run(sampler, grammar, n=3, max_tokens=150, seed=11).sequences:
+        assert s.stop_reason == "stop"
+        content, calls = tool_calls.parse(s.text)
+        assert content == "" and calls
+        for c in calls:
+            assert (c.name, c.arguments) == ("get_time", {}) or \
+                (c.name == "get_weather" and c.arguments["city"] in ("Paris", "Oslo"))

@@ -94,11 +94,14 @@ def test_json_object_response_format_gives_a_json_object(oai):
 
 
 # ----------------------------------------------------------------------------- tool calls
-def test_required_tool_choice_returns_parsed_tool_calls(oai):
+def test_required_tool_choice_returns_parsed_tool_calls(oai, hf_tok):
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK],
-                                    tool_choice="required", max_tokens=120, seed=2, n=2)
+                                    tool_choice="required", max_tokens=120, seed=2, n=2,
+                                    extra_body={"return_token_ids": True})
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        # the call opens with the tokenizer's own <tool_call> token, as a Qwen model writes it
+        assert choice.token_ids[0] == hf_tok.convert_tokens_to_ids("<tool_call>")
         assert choice.message.tool_calls
         for call in choice.message.tool_calls:
             if call.function.name == "get_time":

@@ -50,26 +50,24 @@ class Grammars:
 
     def mask(self, seqs: list["Sequence"], logits: torch.Tensor) -> torch.Tensor:
         """`logits` [B, V] (row i is seqs[i]'s) with -inf on every token a constrained row's
-        grammar forbids; unconstrained rows are unchanged. A matcher in error allows only EOS."""
+        grammar forbids; unconstrained rows are unchanged. A row left with no token (its matcher
+        broke, e.g. on a parser limit) allows only EOS, so it ends instead of sampling from nothing."""
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
             return logits
         from llguidance.numpy import fill_next_token_bitmask_par
-        words = (self._tokens().vocab_size + 31) // 32
-        bitmask = np.zeros((len(rows), words), dtype=np.int32)
-        live, broken = [], []
-        for j, i in enumerate(rows):
-            (broken if seqs[i].matcher.is_error() else live).append((seqs[i].matcher, j))
+        bitmask = np.zeros((len(rows), (self._tokens().vocab_size + 31) // 32), dtype=np.int32)
+        live = [(seqs[i].matcher, j) for j, i in enumerate(rows) if not seqs[i].matcher.is_error()]
         if live:
             fill_next_token_bitmask_par(self._exec(), live, bitmask)
-        words_of = bitmask.view(np.uint32)
-        for _, j in broken:
-            for t in self.eos_ids:
-                words_of[j, t // 32] |= np.uint32(1 << (t % 32))
-        bits = torch.from_numpy(bitmask).to(logits.device)
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((bits[:, :, None] >> shifts) & 1).reshape(len(rows), -1)[:, :logits.shape[-1]].bool()
-        at = torch.tensor(rows, device=logits.device)
+        dev, vocab = logits.device, logits.shape[-1]
+        bits = torch.from_numpy(bitmask).to(dev)
+        shifts = torch.arange(32, dtype=torch.int32, device=dev)
+        allowed = ((bits[:, :, None] >> shifts) & 1).reshape(len(rows), -1)[:, :vocab].bool()
+        eos = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        eos[[t for t in self.eos_ids if t < vocab]] = True
+        allowed |= ~allowed.any(-1, keepdim=True) & eos
+        at = torch.tensor(rows, device=dev)
         out = logits.clone()
         out[at] = logits[at].masked_fill(~allowed, float("-inf"))
         return out

@@ -30,6 +30,10 @@ class ModelTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def added_token_id(self, text: str) -> int | None:
+        """The id of `text` when the tokenizer has it as one added token (e.g. Qwen's `<tool_call>`)."""
+        return self._tok.added_token_id(text)
+
     def files(self) -> list[Path]:
         """The files a client needs to rebuild this tokenizer locally."""
         return self._tok.files()

@@ -114,7 +114,7 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
     spec = SampleSpec(rid, prompt, max_tokens, g.temperature, g.top_p, g.top_k, g.seed, g.stop,
                       g.stop_token_ids, stop_at_eos=True, top_logprobs=g.top_logprobs, num_samples=g.n,
-                      grammar=g.structured.grammar)
+                      grammar=g.structured.grammar_on(text.tokenizer))
     first, items = await _unless_disconnected(request, _start(st, key, target, spec, g.stream))
     created = int(time.time())
     if not g.stream:

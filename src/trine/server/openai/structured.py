@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ...service import grammars, tool_calls
+from ...service import ModelTokenizer, grammars, tool_calls
 from .errors import bad_param
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -32,7 +32,17 @@ class Structured:
 
     tools: list[dict] | None = None  # rendered by the chat template (OpenAI's tool shape)
     parse_calls: bool = False  # read tool calls back out of the reply
-    grammar: str = ""  # constrained decoding (service/grammars.py); "" = none
+    grammar: str = ""  # response_format's constrained decoding (service/grammars.py); "" = none
+    forced: dict[str, dict | None] | None = None  # tool_choice required / named: name -> parameters
+    several: bool = False  # forced: one or more calls (else exactly one)
+
+    def grammar_on(self, tokenizer: ModelTokenizer) -> str:
+        """The grammar to decode the reply under on `tokenizer`'s model ("" = none): a forced
+        call's tags are that tokenizer's own `<tool_call>` tokens where it has them."""
+        if self.forced is None:
+            return self.grammar
+        return tool_calls.forcing_grammar(self.forced, self.several, tokenizer.added_token_id(tool_calls.OPEN),
+                                          tokenizer.added_token_id(tool_calls.CLOSE))
 
 
 def parse_structured(body: dict) -> Structured:
@@ -47,13 +57,12 @@ def parse_structured(body: dict) -> Structured:
                         'tool_choice to "none", or drop response_format')
     if choice == "none":
         return Structured(grammar=json_grammar)
-    grammar = ""
-    if choice != "auto":
-        forced = tools if choice == "required" else {choice: tools[choice]}
-        several = choice == "required" and parallel is not False
-        grammar = _checked(tool_calls.forcing_grammar(
-            {n: t["function"].get("parameters") for n, t in forced.items()}, several), "tools")
-    return Structured(list(tools.values()), True, grammar)
+    if choice == "auto":
+        return Structured(list(tools.values()), True)
+    forced = {n: t["function"].get("parameters") for n, t in tools.items() if choice in ("required", n)}
+    several = choice == "required" and parallel is not False
+    _checked(tool_calls.forcing_grammar(forced, several), "tools")
+    return Structured(list(tools.values()), True, forced=forced, several=several)
 
 
 def tool_calls_json(calls: list[tool_calls.ToolCall]) -> list[dict]:
