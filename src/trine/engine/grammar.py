@@ -56,21 +56,19 @@ class Grammars:
         if not rows:
             return logits
         from llguidance.numpy import fill_next_token_bitmask_par
-        bitmask = np.zeros((len(rows), (self._tokens().vocab_size + 31) // 32), dtype=np.int32)
-        live = [(seqs[i].matcher, j) for j, i in enumerate(rows) if not seqs[i].matcher.is_error()]
+        # one bit per token (bit t % 32 of little-endian word t // 32); unconstrained rows allow all
+        bitmask = np.full((len(seqs), (self._tokens().vocab_size + 31) // 32), -1, dtype=np.int32)
+        bitmask[rows] = 0
+        live = [(seqs[i].matcher, i) for i in rows if not seqs[i].matcher.is_error()]
         if live:
             fill_next_token_bitmask_par(self._exec(), live, bitmask)
-        dev, vocab = logits.device, logits.shape[-1]
-        bits = torch.from_numpy(bitmask).to(dev)
-        shifts = torch.arange(32, dtype=torch.int32, device=dev)
-        allowed = ((bits[:, :, None] >> shifts) & 1).reshape(len(rows), -1)[:, :vocab].bool()
-        eos = torch.zeros(vocab, dtype=torch.bool, device=dev)
-        eos[[t for t in self.eos_ids if t < vocab]] = True
-        allowed |= ~allowed.any(-1, keepdim=True) & eos
-        at = torch.tensor(rows, device=dev)
-        out = logits.clone()
-        out[at] = logits[at].masked_fill(~allowed, float("-inf"))
-        return out
+        vocab = logits.shape[-1]
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        stuck = ~bits.any(axis=1)
+        if stuck.any():
+            bits[np.ix_(stuck, [t for t in self.eos_ids if t < vocab])] = 1
+        allowed = torch.from_numpy(bits).to(logits.device, dtype=torch.bool)
+        return logits.masked_fill(~allowed, float("-inf"))
 
     @staticmethod
     def advance(seq: "Sequence", token: int) -> None:
