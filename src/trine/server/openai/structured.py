@@ -46,8 +46,9 @@ class Structured:
 
 
 def parse_structured(body: dict) -> Structured:
+    """The plan of a chat body's tools and response_format (400 naming the field it refuses)."""
     tools = _tools(body.get("tools"))
-    choice = _choice(body.get("tool_choice"), tools)
+    choice, named = _choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad_param("parallel_tool_calls", f"must be true or false, got {parallel!r}")
@@ -59,7 +60,7 @@ def parse_structured(body: dict) -> Structured:
         return Structured(grammar=json_grammar)
     if choice == "auto":
         return Structured(list(tools.values()), True)
-    forced = {n: t["function"].get("parameters") for n, t in tools.items() if choice in ("required", n)}
+    forced = {n: t["function"].get("parameters") for n, t in tools.items() if named in (None, n)}
     several = choice == "required" and parallel is not False
     _checked(tool_calls.forcing_grammar(forced, several), "tools")
     return Structured(list(tools.values()), True, forced=forced, several=several)
@@ -122,24 +123,23 @@ def _tools(tools: Any) -> dict[str, dict]:
     return out
 
 
-def _choice(choice: Any, tools: dict[str, dict]) -> str:
-    """"none", "auto", "required", or the name of the function it forces."""
+def _choice(choice: Any, tools: dict[str, dict]) -> tuple[str, str | None]:
+    """("none" | "auto" | "required", None), or ("named", the function it forces)."""
     if choice is None:
-        return "auto" if tools else "none"
+        return ("auto" if tools else "none"), None
     if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad_param("tool_choice", 'must be "none", "auto", "required" or {"type": "function", '
                             '"function": {"name": ...}}')
-        choice = fn["name"]
-        if choice not in tools:
-            raise bad_param("tool_choice", f"names function {choice!r}, which is not in tools")
-        return choice
+        if fn["name"] not in tools:
+            raise bad_param("tool_choice", f"names function {fn['name']!r}, which is not in tools")
+        return "named", fn["name"]
     if choice not in CHOICES:
         raise bad_param("tool_choice", f'must be "none", "auto", "required" or a named function, got {choice!r}')
     if choice != "none" and not tools:
         raise bad_param("tool_choice", f'is {choice!r} but no tools are given; add tools or drop tool_choice')
-    return choice
+    return choice, None
 
 
 def _response_format(fmt: Any) -> str:
