@@ -204,7 +204,8 @@ def test_trained_adapter_answers_through_its_checkpoint(server, oai, hf_tok):
 # ----------------------------------------------------------------------------- errors
 BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}}}}},
+     "response_format.json_schema.schema", "unsupported_value"),
     ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "unknown_parameter"),
     ({"temperature": 3}, "temperature", "invalid_value"),

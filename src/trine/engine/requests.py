@@ -36,6 +36,7 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     stop_at_eos: bool = True
     top_logprobs: int = 0  # also return the k most likely tokens at each sampled position
+    grammar: str = ""  # constrained decoding: an llguidance grammar (engine/grammar.py); "" = none
 
     @property
     def greedy(self) -> bool:

@@ -28,6 +28,7 @@ import time
 import torch
 
 from ..limits import MAX_TOPK_PROMPT_LOGPROBS
+from .grammar import Grammars
 from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .lora import Adapter, AdapterBatch
@@ -61,6 +62,7 @@ class Sampler:
                                    prefill_step_seconds=prefill_step_seconds)
         self.layout = KVLayout(self.kv, enable_prefix_cache)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.cfg.eos_token_ids)
+        self.grammars = Grammars(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._live: dict[str, Request] = {}  # queued or running, by request id
         self._deltas: list[SampleDelta] = []  # streaming requests' new tokens this step
         self._carry: list[SampleResult] = []  # finished during run() but not run()'s own
@@ -72,6 +74,8 @@ class Sampler:
         """Validate and queue a request. Raises ValueError naming the bad field."""
         self._validate(req)
         r = Request(req, Stops.of(req.options, self.eos_ids), scores_prompt(req))
+        if req.generate and req.options.grammar:
+            r.matcher = self.grammars.compile(req.options.grammar)
         self._live[req.request_id] = r
         self.scheduler.add(r)
 
@@ -210,6 +214,9 @@ class Sampler:
         r.seqs = [Sequence(r, list(req.prompt), blocks, list(r.keys[:full]), gen, reserve, j)
                   for j, (blocks, gen) in enumerate(zip(self.layout.fork(r), gens))]
         r.running = len(r.seqs)
+        if r.matcher is not None:
+            for s in r.seqs:
+                s.matcher = r.matcher.deep_copy()
         return r.seqs
 
     def _decode(self, seqs: list[Sequence]) -> list[SampleResult]:
@@ -227,10 +234,12 @@ class Sampler:
     # ------------------------------------------------------------------ tokens and results
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampleResult]:
         """Sample one token per sequence from `logits` [B, V], apply stops, retire finished ones."""
+        logits = self.grammars.mask(seqs, logits)
         tokens, logprobs, tops = sample(logits, [s.req.req.options for s in seqs], [s.gen for s in seqs])
         finished = []
         for s, tok, lp, top in zip(seqs, tokens, logprobs, tops):
             r = s.req
+            self.grammars.advance(s, tok)
             s.tokens.append(tok)
             s.out.append(tok)
             s.logprobs.append(lp)
@@ -292,6 +301,9 @@ class Sampler:
                 raise ValueError(f"max_tokens: must be >= 1, got {opts.max_tokens}")
             check_sampling_options(opts, cfg.vocab_size)
             check_stop_options(opts, cfg.vocab_size)
+            if opts.grammar and not opts.stop_at_eos:
+                raise ValueError("grammar: constrained decoding needs stop_at_eos (a complete grammar "
+                                 "allows only the end-of-sequence token)")
         if n + max_new > cfg.max_position_embeddings:
             raise ValueError(f"prompt + max_tokens: {n} + {max_new} tokens exceed the model context "
                              f"of {cfg.max_position_embeddings}; shorten the prompt or lower max_tokens")

@@ -8,7 +8,9 @@ Invariants
 - A temperature below `GREEDY_BELOW_TEMPERATURE` is greedy (argmax), and draws no uniform.
 - Token logprobs are log-softmax of the raw logits (temperature 1, before top-k / top-p): the
   model's own log-probability of the token, which importance-sampling losses compare against.
-  Top logprobs and prompt logprobs (prompt_scores.py) are of the same distribution.
+  Top logprobs and prompt logprobs (prompt_scores.py) are of the same distribution. Under a
+  grammar (grammar.py) the logits arrive masked, so logprobs are of the distribution renormalised
+  over the tokens the grammar allows: the one the token was drawn from.
 """
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ class Request:
     seqs: list["Sequence"] = field(default_factory=list)
     running: int = 0  # sequences not stopped yet
     scores: "PromptScores | None" = None  # when `full`: filled chunk by chunk
+    matcher: object | None = None  # the compiled grammar at its start (engine/grammar.py), if any
 
     @property
     def samples(self) -> int:
@@ -84,3 +85,4 @@ class Sequence:
     top: list["TopLogprobs"] = field(default_factory=list)  # when options.top_logprobs
     stop_reason: str | None = None
     text: str | None = None
+    matcher: object | None = None  # this sample's grammar state (engine/grammar.py), if constrained

@@ -46,3 +46,11 @@ class Tokenizer:
         names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                  "special_tokens_map.json", "generation_config.json")
         return [self.dir / n for n in names if (self.dir / n).is_file()]
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of `text` when the tokenizer has it as one added token (e.g. Qwen's `<tool_call>`)."""
+        return next((i for i, t in self._tok.get_added_tokens_decoder().items() if t.content == text), None)
+
+    def to_json(self) -> str:
+        """The whole tokenizer as `tokenizer.json` text (what llguidance builds its token table from)."""
+        return self._tok.to_str()

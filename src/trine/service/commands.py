@@ -199,3 +199,4 @@ class SampleSpec:
     prompt_logprobs_last_n: int | None = None  # score only the last n prompt entries
     prompt_alt_tokens_k: int = 0  # k draws at every prompt entry after the first
     target_prompt_ids: list[list[int]] | None = None  # row i: token ids to score at prompt entry i + 1
+    grammar: str = ""  # constrained decoding: a grammar from service/grammars.py; "" = none

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from ..engine.tokenizer import Tokenizer
+from . import tool_calls
 from .errors import InvalidRequest
 
 
@@ -20,6 +21,7 @@ class ModelTokenizer:
         self.dir = Path(model_dir)
         self._tok = Tokenizer(model_dir)
         self._chat = None  # the transformers tokenizer, for its chat template
+        self._tool_format: str | None = None  # tool_call_format(), once probed ("" = none)
         self._lock = threading.Lock()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -28,26 +30,50 @@ class ModelTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def added_token_id(self, text: str) -> int | None:
+        """The id of `text` when the tokenizer has it as one added token (e.g. Qwen's `<tool_call>`)."""
+        return self._tok.added_token_id(text)
+
     def files(self) -> list[Path]:
         """The files a client needs to rebuild this tokenizer locally."""
         return self._tok.files()
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """The token ids of `messages` ([{"role", "content": str}]) under the model's chat template,
-        ending with the assistant's generation prompt. InvalidRequest naming `model` (no template)
-        or `messages` (the template refused them)."""
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The token ids of `messages` ([{"role", "content": str}], and the template's tool roles)
+        under the model's chat template, with `tools` (OpenAI-shaped function definitions) when
+        given, ending with the assistant's generation prompt. InvalidRequest naming `model` (no
+        template) or `messages` (the template refused them)."""
         tok = self._chat_tokenizer()
         if not tok.chat_template:
             raise InvalidRequest(f"model {self.name} has no chat template; send a plain text prompt (a completion) "
                                  "instead",
                                  code="model_without_chat_template")
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                          return_dict=False)
+            ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
         except Exception as e:  # the template refused the conversation (e.g. role order)
             raise InvalidRequest(f"messages: the chat template of {self.name} refused them: {e}",
                                  code="invalid_messages") from None
         return list(ids)
+
+    def tool_call_format(self) -> str | None:
+        """How the chat template handles tools: "hermes" when it renders tool definitions and
+        teaches Qwen's / Hermes' `<tool_call>` blocks (service/tool_calls.py), "other" when it
+        renders them in another format, None when it has no tools support (it ignores them).
+        Probed once, by rendering a conversation with a tool."""
+        if self._tool_format is None:
+            tok = self._chat_tokenizer()
+            probe = {"type": "function", "function": {"name": "trine_probe_tool", "description": "",
+                                                      "parameters": {"type": "object", "properties": {}}}}
+            try:
+                text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe],
+                                               add_generation_prompt=True, tokenize=False) \
+                    if tok.chat_template else ""
+            except Exception:  # a template that cannot render tools
+                text = ""
+            self._tool_format = ("" if "trine_probe_tool" not in text else
+                                 "hermes" if tool_calls.OPEN in text else "other")
+        return self._tool_format or None
 
     def _chat_tokenizer(self):
         with self._lock:

@@ -89,7 +89,8 @@ def _denominator(command: Forward, loss: Loss, data: list[TrainDatum]) -> float 
 def sample_request(request_id: str, spec: SampleSpec, weights: WeightsIdentity) -> SampleRequest:
     """The engine request of `spec`, under the engine-wide `request_id`, on `weights`."""
     options = SamplingOptions(spec.max_tokens, spec.temperature, spec.top_p, spec.top_k, spec.seed,
-                              spec.stop_strings, spec.stop_token_ids, spec.stop_at_eos, spec.top_logprobs)
+                              spec.stop_strings, spec.stop_token_ids, spec.stop_at_eos, spec.top_logprobs,
+                              grammar=spec.grammar)
     return SampleRequest(request_id, list(spec.prompt), options, weights, None, spec.num_samples,
                          spec.prompt_logprobs, spec.topk_prompt_logprobs, spec.generate,
                          prompt_logprobs_last_n=spec.prompt_logprobs_last_n,

@@ -2,27 +2,30 @@
 
 Parameters trine honours are checked here with OpenAI's ranges (plus the extensions `top_k`,
 `stop_token_ids` and `return_token_ids`, named as vLLM names them); parameters it cannot honour
-(tools, response_format, penalties, ...) and unknown keys get a 400 naming every one of them, so no
-request is silently served differently from what it asked for. Values that ask for the default
-(`tools: []`, `presence_penalty: 0`, `response_format: {"type": "text"}`, ...) are accepted.
+(penalties, ...) and unknown keys get a 400 naming every one of them, so no request is silently
+served differently from what it asked for. Values that ask for the default (`presence_penalty: 0`,
+`logit_bias: {}`, ...) are accepted. Chat's tools and structured output: structured.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...limits import INT64_MAX, MAX_SAMPLES_PER_REQUEST, MAX_STOP_STRING_CHARS
 from .errors import OpenAIError, bad_param
+from .structured import Structured, assistant_tool_calls, parse_structured
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # tighter than trine's own limit (limits.MAX_STOP_STRINGS): OpenAI allows a few
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
           "stop_token_ids", "logprobs", "stream", "stream_options", "user", "return_token_ids"}
-CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+STRUCTURED = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # structured.py
+CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | STRUCTURED
 COMPLETION = COMMON | {"prompt"}
-TOOLS = "tool and function calling is not supported"
+TOOLS = "tools and structured output are served on /v1/chat/completions"
+FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
 SAMPLER = "trine's sampler does not implement it"
 TEXT_ONLY = "the served models generate text only"
 NOT_STORED = "responses are not stored"
@@ -30,9 +33,9 @@ LEGACY = "not supported on /v1/completions here"
 # parameter -> (the values that mean "not used", which are accepted; why other values are refused)
 NEUTRAL: dict[str, tuple[tuple, str]] = {
     "tools": ((None, []), TOOLS), "tool_choice": ((None, "none"), TOOLS),
-    "functions": ((None, []), TOOLS), "function_call": ((None, "none"), TOOLS),
+    "functions": ((None, []), FUNCTIONS), "function_call": ((None, "none"), FUNCTIONS),
     "parallel_tool_calls": ((None, False, True), TOOLS),
-    "response_format": ((None, {"type": "text"}), 'structured output is not supported; only {"type": "text"}'),
+    "response_format": ((None, {"type": "text"}), TOOLS),
     "logit_bias": ((None, {}), SAMPLER), "presence_penalty": ((None, 0), SAMPLER),
     "frequency_penalty": ((None, 0), SAMPLER), "repetition_penalty": ((None, 1), SAMPLER),
     "min_p": ((None, 0), SAMPLER), "modalities": ((None, ["text"]), TEXT_ONLY),
@@ -66,12 +69,16 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False  # extension (vLLM's name): prompt_token_ids and each choice's token_ids
+    structured: Structured = field(default_factory=Structured)  # chat: tools, response_format
+    tool_messages: bool = False  # chat: the conversation has tool calls or results (needs a tools template)
 
 
 def parse_chat(body: Any) -> Generation:
     body = _object(body)
     _refuse_unsupported(body, CHAT)
     g = Generation(True, _model(body), _messages(body.get("messages")), None)
+    g.structured = parse_structured(body)
+    g.tool_messages = any(m["role"] == "tool" or "tool_calls" in m for m in g.messages)
     _common(body, g)
     if body.get("max_completion_tokens") is not None:
         g.max_tokens = _int(body, "max_completion_tokens", 1, INT64_MAX)
@@ -107,7 +114,7 @@ def _refuse_unsupported(body: dict, known: set[str]) -> None:
     if unknown:
         raise OpenAIError(400, f"unrecognized request argument(s): {', '.join(unknown)}",
                           param=unknown[0], code="unknown_parameter")
-    refused = sorted(k for k in body if k in NEUTRAL and body[k] not in NEUTRAL[k][0])
+    refused = sorted(k for k in body if k in NEUTRAL and k not in known and body[k] not in NEUTRAL[k][0])
     if refused:
         why = "; ".join(f"{k}: {NEUTRAL[k][1]}" for k in refused)
         raise OpenAIError(400, f"unsupported parameter(s): {why}. Remove {'it' if len(refused) == 1 else 'them'}.",
@@ -224,16 +231,22 @@ def _messages(messages: Any) -> list[dict]:
         if not isinstance(m, dict):
             raise bad_param(where, "must be an object with role and content")
         role = m.get("role")
-        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
-            raise OpenAIError(400, f"{where}: tool and function messages are not supported (this server "
-                              "generates plain text)", param=where, code="unsupported_parameter")
+        if role == "function" or m.get("function_call"):
+            raise OpenAIError(400, f"{where}: function messages are {FUNCTIONS}", param=where,
+                              code="unsupported_parameter")
         if role not in ROLES:
             raise bad_param(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-        if m.get("content") is None:
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if m.get("content") is None and not calls:
             raise bad_param(f"{where}.content", "is missing")
         # "developer" is OpenAI's newer name for the system message; chat templates know "system"
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _text(m["content"], where)})
+        msg = {"role": "system" if role == "developer" else role,
+               "content": "" if m.get("content") is None else _text(m["content"], where)}
+        if calls:
+            msg["tool_calls"] = assistant_tool_calls(calls, where)
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
 
 

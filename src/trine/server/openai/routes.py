@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from ...limits import MAX_SAMPLE_BYTES
 from ...metering.http import MoneyJSONResponse
 from ...metering.money import dumps
-from ...service import ApiKey, SampleChunk, SampleSpec, Service, ServiceError
+from ...service import ApiKey, SampleChunk, SampleSpec, Service, ServiceError, tool_calls
 from ..context import caller_key, read_body, service_of
 from . import models as targets
 from . import shapes
@@ -111,11 +111,12 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     st = state_of(request)
     target = targets.resolve(st.service, key, g.model)
     text = st.text(target.base)
-    prompt = await text.prompt_ids(g.messages, g.prompt)
+    prompt = await text.prompt_ids(g.messages, g.prompt, g.structured.tools, g.tool_messages)
     max_tokens = _max_tokens(g, len(prompt), st.service.queries.model(target.base).max_seq_len)
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
     spec = SampleSpec(rid, prompt, max_tokens, g.temperature, g.top_p, g.top_k, g.seed, g.stop,
-                      g.stop_token_ids, stop_at_eos=True, top_logprobs=g.top_logprobs, num_samples=g.n)
+                      g.stop_token_ids, stop_at_eos=True, top_logprobs=g.top_logprobs, num_samples=g.n,
+                      grammar=g.structured.grammar_on(text.tokenizer))
     first, items = await _unless_disconnected(request, _start(st, key, target, spec, g.stream))
     created = int(time.time())
     if not g.stream:
@@ -188,7 +189,9 @@ async def _start(st: OpenAIState, key: ApiKey, target: targets.Target, spec: Sam
 async def _events(g: Generation, rid: str, created: int, first, items, text: ModelText):
     """The server-sent events of a streaming request. If the client goes away, the framework
     cancels this generator; closing `items` then cancels the request in the engine."""
-    streams = [TextStream(text.tokenizer, g.stop) for _ in range(g.n)]
+    # with tools, content stops streaming where a tool call starts: the calls come whole at the end
+    holds = g.stop + ((tool_calls.OPEN,) if g.structured.parse_calls else ())
+    streams = [TextStream(text.tokenizer, holds) for _ in range(g.n)]
     offsets = [0] * g.n
 
     async def all_items():
@@ -220,7 +223,13 @@ def _internal(e: Exception) -> OpenAIError:
 
 def _delta_chunk(g: Generation, rid: str, created: int, d: SampleChunk, stream: TextStream,
                  offsets: list[int], text: ModelText) -> dict:
-    piece = stream.finish(d.text) if d.stop_reason else stream.add(d.tokens)
+    calls = None
+    if d.stop_reason:
+        content, calls, finish = shapes.reply(g, d.text, d.stop_reason) if g.chat else \
+            (d.text, None, shapes.FINISH.get(d.stop_reason, "stop"))
+        piece = stream.finish((content or "") if calls else d.text)
+    else:
+        piece, finish = stream.add(d.tokens), None
     lp = None
     if g.logprobs:
         tops = d.top_logprobs if g.top_logprobs else None
@@ -230,9 +239,8 @@ def _delta_chunk(g: Generation, rid: str, created: int, d: SampleChunk, stream: 
             lp = shapes.completion_logprobs(text.token_text, d.tokens, d.logprobs, tops,
                                             offsets[d.sequence])
             offsets[d.sequence] += sum(len(t) for t in lp["tokens"])
-    finish = shapes.FINISH.get(d.stop_reason, "stop") if d.stop_reason else None
     return shapes.chunk(g, rid, created, d.sequence, text=piece, logprobs=lp, finish=finish,
-                        token_ids=d.tokens)
+                        token_ids=d.tokens, calls=calls)
 
 
 def _sse(obj: dict) -> str:

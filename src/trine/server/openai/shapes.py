@@ -9,10 +9,23 @@ from __future__ import annotations
 from typing import Callable
 
 from ...metering.money import money
-from ...service import SampleOutcome
+from ...service import SampleOutcome, tool_calls
 from .params import Generation
+from .structured import tool_calls_json
 
 FINISH = {"stop": "stop", "length": "length"}
+
+
+def reply(g: Generation, text: str, stop_reason: str) -> tuple[str | None, list[dict] | None, str]:
+    """A chat choice's (content, tool_calls, finish_reason). With tools, the tool calls the reply
+    holds (service/tool_calls.py) become `tool_calls`, the text before them the content (None
+    when blank), and finish_reason is "tool_calls" unless max_tokens cut the reply."""
+    content, calls = tool_calls.parse(text) if g.structured.parse_calls else (text, [])
+    finish = FINISH.get(stop_reason, "stop")
+    if not calls:
+        return content, None, finish
+    return content if content.strip() else None, tool_calls_json(calls), \
+        "tool_calls" if finish == "stop" else finish
 
 
 def usage(out: SampleOutcome) -> dict:
@@ -63,9 +76,11 @@ def response(g: Generation, rid: str, created: int, prompt: list[int], out: Samp
             tops = s.top_logprobs if g.top_logprobs else None
             lp = (chat_logprobs if g.chat else completion_logprobs)(token_text, s.tokens, s.logprobs, tops)
         if g.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": s.text,
-                                                    "refusal": None},
-                            "logprobs": lp, "finish_reason": FINISH.get(s.stop_reason, "stop")})
+            content, calls, finish = reply(g, s.text, s.stop_reason)
+            message = {"role": "assistant", "content": content, "refusal": None}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
             choices.append({"index": i, "text": s.text, "logprobs": lp,
                             "finish_reason": FINISH.get(s.stop_reason, "stop")})
@@ -81,11 +96,13 @@ def response(g: Generation, rid: str, created: int, prompt: list[int], out: Samp
 
 def chunk(g: Generation, rid: str, created: int, index: int, *, text: str | None = None,
           role: bool = False, logprobs: dict | None = None, finish: str | None = None,
-          token_ids: list[int] | None = None) -> dict:
-    """One stream chunk for choice `index`."""
+          token_ids: list[int] | None = None, calls: list[dict] | None = None) -> dict:
+    """One stream chunk for choice `index`; `calls` (chat): the choice's tool calls, whole."""
     if g.chat:
         delta = {"role": "assistant", "content": ""} if role else \
             ({"content": text} if text else {})
+        if calls:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from ...service import ModelTokenizer
+from .errors import OpenAIError
 
 
 class ModelText:
@@ -20,10 +21,31 @@ class ModelText:
             return prompt
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    async def prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
-        fn = (lambda: self.tokenizer.chat_prompt(messages)) if messages is not None else \
-            (lambda: self.completion_prompt(prompt))
+    async def prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None,
+                         tools: list[dict] | None = None, tool_messages: bool = False) -> list[int]:
+        """The prompt's token ids; a chat with `tools` (or with past tool calls and results) needs a
+        chat template that supports tools in the Hermes format (400 naming the field otherwise)."""
+        def chat() -> list[int]:
+            if tools or tool_messages:
+                self.require_tools("tools" if tools else "messages")
+            return self.tokenizer.chat_prompt(messages, tools)
+        fn = chat if messages is not None else (lambda: self.completion_prompt(prompt))
         return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+    def require_tools(self, param: str) -> None:
+        """OpenAIError naming `param` unless the model's chat template renders tools and teaches the
+        `<tool_call>` format trine parses. Blocking (loads the template once)."""
+        fmt = self.tokenizer.tool_call_format()
+        if fmt == "hermes":
+            return
+        name = self.tokenizer.name
+        why = (f"the chat template of {name} renders tools, but not as the <tool_call> JSON blocks "
+               "(Hermes format, as Qwen-family templates) that trine parses tool calls from") if fmt else \
+            (f"the chat template of {name} has no tools support (it does not render tool definitions or "
+             "tool results), so the model was never shown how to call them")
+        raise OpenAIError(400, f"{param}: {why}. Serve a model whose chat template supports tools "
+                          "(Qwen-family templates do), or send the conversation without tools.",
+                          param=param, code="unsupported_parameter")
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
