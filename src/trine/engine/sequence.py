@@ -10,6 +10,9 @@ Invariants
 - `cached <= done <= len(prompt)`; after prefill, usage.prompt_tokens == prefill_tokens + cached_tokens.
 - A sequence holds KV for every token but its last (`tokens[-1]` is the next forward's input);
   `keys` are the prefix-cache keys of its full blocks.
+- `adapter` and `version` are the weights a request runs this step; they change only between
+  steps, when its inflight target is published anew (`Sampler.publish`). A request whose KV then
+  spans two versions is `mixed`: none of its blocks computed from then on is keyed in the cache.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from .stops import Stops
 
 if TYPE_CHECKING:
     import torch
+
+    from .lora import Adapter
 
     from .sampling import TopLogprobs
 
@@ -43,6 +48,18 @@ class Request:
     running: int = 0  # sequences not stopped yet
     prompt_logprobs: list[float | None] | None = None  # entry 0 is None; filled chunk by chunk
     topk_prompt_logprobs: list["TopLogprobs | None"] | None = None
+    adapter: "Adapter | None" = None  # the weights it runs now (an inflight target's may change)
+    version: int = 0  # their version; starts as req.weights.version
+
+    @property
+    def mixed(self) -> bool:
+        """Its KV was computed under more than one weights version (an inflight swap)."""
+        return self.version != self.req.weights.version
+
+    @property
+    def started(self) -> bool:
+        """Admitted: it holds KV blocks (prompt blocks, then its sequences')."""
+        return bool(self.blocks or self.seqs)
 
     @property
     def samples(self) -> int:
@@ -76,3 +93,4 @@ class Sequence:
     top: list["TopLogprobs"] = field(default_factory=list)  # when options.top_logprobs
     stop_reason: str | None = None
     text: str | None = None
+    versions: list[int] = field(default_factory=list)  # per generated token (inflight requests)
