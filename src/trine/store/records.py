@@ -56,6 +56,8 @@ class SamplingRun:
     status: str
     created_at: float
     updated_at: float
+    inflight_run_id: str = ""  # an inflight sampler: the training run whose inflight saves it follows
+    inflight_version: int = 0  # ... from this target version on (its checkpoint's)
 
 
 @dataclass
@@ -102,3 +104,4 @@ class Checkpoint:
     step: int
     created_at: float
     expires_at: float | None = None
+    inflight_version: int = 0  # an inflight save: the target version it published (0: a snapshot)

@@ -3,6 +3,11 @@
 `forward_backward` requests arrive as `tinker_public_pb2.ForwardBackwardRequest` (optionally zstd);
 `ForwardBackwardOutput` and `SampleResponse` results leave as protobuf because SDK 0.38 refuses
 JSON for them. Every decoding error is an InvalidRequest whose message names the field.
+
+trine's one extension: a sampled sequence of an inflight sampler carries, as field
+`WEIGHTS_VERSIONS_FIELD` of `SampledSequence` (int32 little-endian bytes, one per token, like
+`tokens`), the inflight weights version that produced each token. Stock clients ignore the
+unknown field.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ except ImportError:  # pragma: no cover - the Tinker front end is then unavailab
     pb = None
 
 PROTOBUF = "application/x-protobuf"
+WEIGHTS_VERSIONS_FIELD = 1000  # in SampledSequence: trine's per-token weights versions
 MAX_DECOMPRESSED_BYTES = 256 << 20
 _NUMPY = {1: np.float32, 2: np.int64, 3: np.int32}  # proto DType -> numpy (bf16 handled apart)
 FLOAT_INPUTS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")
@@ -216,16 +222,34 @@ def _topk(rows: list, k: int) -> "pb.TopkLogprobs":
     return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _int32_field(number: int, values: list[int]) -> bytes:
+    """A length-delimited protobuf field holding int32 little-endian bytes."""
+    data = np.asarray(values, dtype=np.int32).tobytes()
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
 def sample_response(sequences: list[tuple[list[int], list[float] | None, str]],
                     prompt_logprobs: list[float | None] | None, topk_prompt: list | None, topk_k: int,
-                    cache_hit_tokens: int) -> bytes:
-    """A SampleResponse. `sequences`: (tokens, logprobs, stop_reason "stop" | "length")."""
+                    cache_hit_tokens: int, weights_versions: list[list[int] | None] | None = None) -> bytes:
+    """A SampleResponse. `sequences`: (tokens, logprobs, stop_reason "stop" | "length");
+    `weights_versions`: per sequence, its tokens' inflight weights versions (None: fixed weights)."""
     seqs = []
-    for tokens, lps, stop in sequences:
+    for i, (tokens, lps, stop) in enumerate(sequences):
         s = pb.SampledSequence(stop_reason=pb.STOP_REASON_LENGTH if stop == "length" else pb.STOP_REASON_STOP,
                                tokens=np.asarray(tokens, dtype=np.int32).tobytes())
         if lps is not None:
             s.logprobs = np.asarray(lps, dtype=np.float32).tobytes()
+        if weights_versions and weights_versions[i] is not None:  # kept as an unknown field
+            s.MergeFromString(_int32_field(WEIGHTS_VERSIONS_FIELD, weights_versions[i]))
         seqs.append(s)
     out = pb.SampleResponse(sequences=seqs, prompt_cache_hit_tokens=int(cache_hit_tokens))
     if prompt_logprobs is not None:

@@ -4,7 +4,9 @@
 (`<request_id>:<i>`); the future runs `Service.sample`, so Tinker traffic shares the prefix cache
 and the metering of every other front end: `prompt_cache_hit_tokens` is trine's `cached_tokens`
 (a group of n samples prefills its prompt once). With `record_stability_info`, each sampled
-sequence is kept under its sequence id for `stable_reinforce` (see `service.stability`).
+sequence is kept under its sequence id for `stable_reinforce` (see `service.stability`). A
+sampling session made by an inflight save follows the model's later inflight saves; its sequences
+carry each token's weights version (proto.WEIGHTS_VERSIONS_FIELD).
 `compute_logprobs` reaches here as a 1-token sample with prompt logprobs; like every prompt-logprob
 request it never reads the prefix cache (0 hit tokens).
 """
@@ -100,7 +102,8 @@ async def asample(request: Request):
             plp = [None] * (len(plp) - last_n) + list(plp[-last_n:])
         return Reply(proto.sample_response(
             [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences], plp,
-            out.topk_prompt_logprobs, spec.topk_prompt_logprobs, out.usage["cached_tokens"]),
+            out.topk_prompt_logprobs, spec.topk_prompt_logprobs, out.usage["cached_tokens"],
+            [s.weights_versions for s in out.sequences]),
             proto.PROTOBUF)
     st.futures.start(key.id, request_id, finish)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
