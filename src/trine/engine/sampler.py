@@ -38,7 +38,7 @@ from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .lora import Adapter, AdapterBatch
 from .model import Transformer
-from .requests import WeightsIdentity, SampleDelta, SampledSequence, SampleRequest, SampleResult
+from .requests import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
 from .sampling import check_sampling_options, generators, prompt_logprobs, sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
