@@ -61,6 +61,10 @@ class Workload:
         params = trio.SamplingParams(max_tokens=self.args.new, temperature=1.0, seed=step, stop=[])
         return [(p, sampler.sample(trio.ModelInput.from_ints(p), self.args.group, params)) for p in self.prompts]
 
+    @staticmethod
+    def collect(sent: list) -> list:
+        return [(p, future.result().sequences) for p, future in sent]
+
     def inflight_save(self) -> trio.SamplingClient:
         """An inflight save (the run's next version: the server counts them the same way)."""
         sampler = self.trainer.inflight_sampling_client()
@@ -69,8 +73,7 @@ class Workload:
 
     def train(self, batch: list) -> None:
         data, rewards = [], []
-        for prompt, future in batch:
-            seqs = future.result().sequences
+        for prompt, seqs in batch:
             r = [sum(t in self.digits for t in s.tokens) / max(len(s.tokens), 1) for s in seqs]
             mean = sum(r) / len(r)
             rewards += r
@@ -91,14 +94,16 @@ class Workload:
     def run_sync(self, steps: int) -> None:
         for step in range(steps):
             sampler = self.trainer.save_weights_and_get_sampling_client()
-            self.train(self.send(sampler, step))
+            self.train(self.collect(self.send(sampler, step)))
         self.trainer.save_weights_and_get_sampling_client()  # waits for the last step
 
     def run_async(self, steps: int) -> None:
         sampler = self.inflight_save()
         pending = self.send(sampler, 0)
         for step in range(steps):
-            batch, pending = pending, self.send(sampler, step + 1) if step + 1 < steps else None
+            batch = self.collect(pending)
+            if step + 1 < steps:
+                pending = self.send(sampler, step + 1)
             self.train(batch)  # batch k+1 decodes meanwhile
             # moves every running generation to the new weights; the new client needs them
             sampler = self.inflight_save()

@@ -10,7 +10,9 @@ Invariants
 - A stream its consumer closes early (a client that went away) is cancelled in the engine at once
   and metered for what it computed: its client may already hold every token but the last.
 - An inflight sampling run's requests run on its training run's inflight target, at the run's
-  version or newer (inflight.py); their outcomes name each token's weights version.
+  version or newer (inflight.py); their outcomes name each token's weights version. On a pool
+  they go to replicas other than the one training the run, so sampling overlaps training there
+  (PipelineRL's and AReaL's split of inference and training workers).
 """
 from __future__ import annotations
 
@@ -227,7 +229,11 @@ class Sampling:
                 if holders:
                     return holders[0]
         identity = f"{m.name}\0{_weights_name(r)}"
-        return self.router.route(m.replicas, identity, spec.prompt, m.info.block_size)
+        replicas = m.replicas
+        if r.inflight_run_id:  # sample beside the training, not on its replica (when the pool has more)
+            trainer = m.placement.get(r.inflight_run_id)
+            replicas = [rep for rep in live if rep is not trainer] or live
+        return self.router.route(replicas, identity, spec.prompt, m.info.block_size)
 
     async def _diagnose(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec,
                         res: SampleResult) -> None:
