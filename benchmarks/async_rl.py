@@ -135,6 +135,9 @@ def main() -> None:
         from trine.engine.default_model import ensure_default_model
         args.model = ensure_default_model()
     model = args.model.resolve()
+    import os
+    # the shared machine's other work can push memory past Ray's 95% kill threshold: keep the replicas
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     from trine.engine.ray_backend import connect, ray_engines
     connect(None, num_cpus=2)
     import ray
