@@ -228,7 +228,7 @@ class Sampling:
                 holders = self.adapters.holders(live, r.checkpoint_id)
                 if holders:
                     return holders[0]
-        identity = f"{m.name}\0{_weights_name(r)}"
+        identity = f"{m.name}\0{_weights_name(r) or ''}"
         replicas = m.replicas
         if r.inflight_run_id:  # sample beside the training, not on its replica (when the pool has more)
             trainer = m.placement.get(r.inflight_run_id)
