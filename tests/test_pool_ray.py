@@ -174,6 +174,46 @@ def test_official_pytrio_client_against_a_ray_backed_server(ray_server):
             client._runtime.shutdown()
 
 
+def test_an_inflight_save_reaches_the_replica_serving_the_target_beside_the_trainer(ray_server):
+    svc = ray_server.service
+    m = svc.models[MODEL]
+    with trio.ServiceClient(api_key=ray_server.api_key, base_url=ray_server.url) as client:
+        trainer = client.create_lora_training_client(MODEL, rank=4, seed=4)
+        inflight = trainer.inflight_sampling_client()
+        key = svc.authenticate(ray_server.api_key)
+        run_id = svc.ownership.sampling_run(key, inflight.sampling_run_id).inflight_run_id
+        training_replica = m.placement[run_id].index
+        prompt = list(range(300, 340))
+
+        def sample(tag: str):
+            async def go():
+                return [await svc.sampling.sample(key, inflight.sampling_run_id,
+                                                  SampleSpec(f"{tag}-{i}", prompt, max_tokens=5, temperature=0.0))
+                        for i in range(3)]
+            return asyncio.run_coroutine_threadsafe(go(), svc.loop).result(120)
+
+        first = sample("a")  # served beside the trainer, which loads version 1 from disk
+        assert {o.replica for o in first} == {1 - training_replica}
+        assert all(o.sequences[0].weights_versions == [1] * 5 for o in first)
+        data = [trio.Datum(model_input=trio.ModelInput.from_ints(prompt),
+                           loss_fn_inputs={"target_tokens": list(range(301, 341))})]
+        for _ in range(4):
+            trainer.forward_backward(data)
+            trainer.optim_step(trio.AdamParams(learning_rate=5e-2))
+        trainer.inflight_sampling_client()  # version 2: pushed to the other replica once it settles
+        deadline = time.time() + 60
+        while any(rep.targets.get(run_id) != 2 for rep in m.replicas) and time.time() < deadline:
+            time.sleep(0.1)
+        assert [rep.targets.get(run_id) for rep in m.replicas] == [2, 2]
+        second = sample("b")
+        assert all(o.sequences[0].weights_versions == [2] * 5 for o in second)
+        snapshot = trainer.save_weights_and_get_sampling_client()  # served where it was trained
+        trained = snapshot.sample(trio.ModelInput.from_ints(prompt),
+                                  sampling_params=trio.SamplingParams(max_tokens=5, temperature=0.0))
+        assert second[0].sequences[0].tokens == trained.result().sequences[0].tokens
+        assert second[0].sequences[0].tokens != first[0].sequences[0].tokens
+
+
 def test_killed_replica_fails_its_events_at_once_others_go_on_and_the_run_restores(ray_server):
     """Runs last: it kills replica 0 of the module's server."""
     svc_obj = ray_server.service

@@ -9,7 +9,8 @@ environment generates its problems. SmolLM2 has no entry in the cookbook's model
 renderer is named explicitly (`role_colon`).
 
 - `math_rl`: `python -m tinker_cookbook.recipes.math_rl.train ...` (its chz CLI), with
-  `loss_fn=importance_sampling` and with its default `stable_reinforce`.
+  `loss_fn=importance_sampling` and with its default `stable_reinforce`; and with its async config
+  (`max_steps_off_policy=1`: sampling and training overlap, data up to one step off-policy).
 - `sl_basic`: its CLI (`python -m tinker_cookbook.recipes.sl_basic`) cannot start for any model outside
   the cookbook's table (`build_config_blueprint` asks `model_info.get_recommended_renderer_name` first and
   that raises `ConfigurationError: Unknown model`), and `python -m tinker_cookbook.supervised.train`
@@ -87,15 +88,16 @@ def sl_basic(srv, model_dir: Path, log: Path, steps: int = 6, batch: int = 8) ->
 
 
 def math_rl(srv, model_dir: Path, log: Path, loss_fn: str | None, steps: int = 3,
-            groups: int = 8, group_size: int = 4) -> tuple[list[dict], float]:
-    """Per step the env metrics (reward/total, correct, format), and the run's seconds."""
+            groups: int = 8, group_size: int = 4, extra: tuple[str, ...] = ()) -> tuple[list[dict], float]:
+    """Per step the env metrics (reward/total, correct, format), and the run's seconds. `extra`:
+    more of the recipe's CLI values."""
     args = ["-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={model_dir}",
             f"renderer_name={RENDERER}", "env=arithmetic", f"group_size={group_size}",
             f"groups_per_batch={groups}", f"max_steps={steps}", "lora_rank=16", "learning_rate=3e-4",
             f"log_path={log}", "behavior_if_log_dir_exists=delete", "eval_every=0", "save_every=0"]
     if loss_fn:
         args.append(f"loss_fn={loss_fn}")
-    secs = run_recipe(srv, model_dir, args)
+    secs = run_recipe(srv, model_dir, args + list(extra))
     rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
     return [{k.removeprefix("env/all/"): r[k] for k in ("env/all/reward/total", "env/all/correct",
                                                          "env/all/format")} for r in rows
@@ -124,6 +126,19 @@ def test_cookbook_sl_basic_and_math_rl_run_unmodified_on_smollm2(tmp_path):
             assert len(steps) == 3 and all(-0.1 <= s["reward/total"] <= 1.0 for s in steps), steps
 
 
+ASYNC = ("max_steps_off_policy=1",)  # math_rl's async config: sampling overlaps training
+
+
+@pytest.mark.slow
+def test_cookbook_math_rl_async_runs_unmodified_on_smollm2(tmp_path):
+    pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed: `make test-slow` "
+                        "installs it (pip --no-deps tinker-cookbook==0.6.1 plus its dependencies)")
+    ctx, model_dir = _serve_default(tmp_path / "home")
+    with ctx as srv:
+        steps, _ = math_rl(srv, model_dir, tmp_path / "math_rl_async", None, extra=ASYNC)
+        assert len(steps) == 3 and all(-0.1 <= s["reward/total"] <= 1.0 for s in steps), steps
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["sl_basic"]:
         sl_basic_main(sys.argv[2:])
@@ -138,3 +153,5 @@ if __name__ == "__main__":
             steps, secs = math_rl(srv, model_dir, tmp / f"math_rl_{loss}", loss)
             print(f"math_rl arithmetic loss_fn={loss or 'stable_reinforce (default)'}:", steps,
                   f"({secs:.0f} s)", flush=True)
+        steps, secs = math_rl(srv, model_dir, tmp / "math_rl_async", None, extra=ASYNC)
+        print(f"math_rl arithmetic async ({' '.join(ASYNC)}):", steps, f"({secs:.0f} s)", flush=True)

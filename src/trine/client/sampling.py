@@ -1,4 +1,5 @@
-"""SamplingClient: one sampling run (a base model, or saved adapter weights, fixed for its life).
+"""SamplingClient: one sampling run (a base model, saved adapter weights fixed for its life, or a
+training run's inflight weights, which move with its inflight saves).
 
 `sample` and `compute_logprobs` validate their input at once (ValidationError), then return an
 APIFuture; at most `max_samples_in_flight` requests per client are on the wire together. A retried
@@ -90,7 +91,8 @@ class SamplingClient:
         self._usage.add(usage)
         return SampleResponse(
             sequences=[SampleSequence(tokens=s.get("tokens") or [], text=s.get("text"),
-                                      logprobs=s.get("logprobs") or [], stop_reason=s.get("stop_reason") or "")
+                                      logprobs=s.get("logprobs") or [], stop_reason=s.get("stop_reason") or "",
+                                      weights_versions=s.get("weights_versions"))
                        for s in response.get("sequences") or []],
             prompt_logprobs=response.get("prompt_logprobs") or [],
             topk_prompt_logprobs=response.get("topk_prompt_logprobs") or [],

@@ -259,11 +259,15 @@ class TrainingClient:
         return await self._rt.run_async(self._optim_step(adam_params))
 
     async def _save(self, event_type: str, name: str, ttl_seconds: int | None, overwrite: bool,
-                    visibility: str) -> APIFuture[dict]:
+                    visibility: str, kind: str = "snapshot") -> APIFuture[dict]:
         if ttl_seconds is not None and (not isinstance(ttl_seconds, int) or ttl_seconds <= 0):
             raise ValidationError(f"ttl_seconds must be a positive int or None, got {ttl_seconds!r}")
+        if kind not in ("snapshot", "inflight"):
+            raise ValidationError(f"kind must be 'snapshot' or 'inflight', got {kind!r}")
         payload = {"name": normalize_checkpoint_name(name), "ttl_seconds": ttl_seconds, "overwrite": overwrite,
                    "visibility": visibility}
+        if kind != "snapshot":  # trine's extension of the save_weights payload
+            payload["kind"] = kind
         (future,) = await self._submit(event_type, [payload])
         return future.map(lambda r: (r.get("result") or {}).get("checkpoint") or {})
 
@@ -281,9 +285,9 @@ class TrainingClient:
                                ) -> APIFuture[SaveWeightsResponse]:
         return await self._rt.run_async(self._save_state(name, ttl_seconds, overwrite))
 
-    async def _save_weights_for_sampler(self, name, ttl_seconds, visibility="WORKSPACE"
+    async def _save_weights_for_sampler(self, name, ttl_seconds, visibility="WORKSPACE", kind="snapshot"
                                         ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        future = await self._save(SAVE_WEIGHTS, name, ttl_seconds, False, visibility)
+        future = await self._save(SAVE_WEIGHTS, name, ttl_seconds, False, visibility, kind)
         return future.map(lambda c: SaveWeightsForSamplerResponse(
             path=c["uri"], model=c.get("model_id") or self.model_id, size=int(c.get("size_bytes") or 0)))
 
@@ -296,18 +300,31 @@ class TrainingClient:
                                              ) -> APIFuture[SaveWeightsForSamplerResponse]:
         return await self._rt.run_async(self._save_weights_for_sampler(name, ttl_seconds))
 
-    async def _save_weights_and_get_sampling_client(self) -> SamplingClient:
+    async def _save_weights_and_get_sampling_client(self, kind: str = "snapshot") -> SamplingClient:
         future = await self._save_weights_for_sampler(f"temp-sampling-{uuid.uuid4().hex}", TEMP_SAMPLING_TTL_S,
-                                                      "TEMPORARY")
+                                                      "TEMPORARY", kind)
         saved = await future
         return await self._session.create_sampling_client(self.model_alias, saved.path)
 
-    def save_weights_and_get_sampling_client(self) -> SamplingClient:
-        """A sampler on the current weights (after every event submitted so far). Blocks."""
-        return self._rt.run_sync(self._save_weights_and_get_sampling_client())
+    def save_weights_and_get_sampling_client(self, kind: str = "snapshot") -> SamplingClient:
+        """A sampler on the current weights (after every event submitted so far). Blocks.
 
-    async def save_weights_and_get_sampling_client_async(self) -> SamplingClient:
-        return await self._rt.run_async(self._save_weights_and_get_sampling_client())
+        kind "snapshot": those weights, for the sampler's life. kind "inflight": the run's moving
+        weights — this save and every later inflight save of the run move every inflight sampler
+        of the run (running generations switch between tokens); each sequence's
+        `weights_versions` says which save produced each token."""
+        return self._rt.run_sync(self._save_weights_and_get_sampling_client(kind))
+
+    async def save_weights_and_get_sampling_client_async(self, kind: str = "snapshot") -> SamplingClient:
+        return await self._rt.run_async(self._save_weights_and_get_sampling_client(kind))
+
+    def inflight_sampling_client(self) -> SamplingClient:
+        """`save_weights_and_get_sampling_client(kind="inflight")`: publish the current weights as
+        the run's inflight target and get a sampler that follows its later inflight saves."""
+        return self.save_weights_and_get_sampling_client("inflight")
+
+    async def inflight_sampling_client_async(self) -> SamplingClient:
+        return await self.save_weights_and_get_sampling_client_async("inflight")
 
     def create_sampling_client(self, model_path: str) -> SamplingClient:
         return self._rt.run_sync(self._session.create_sampling_client(self.model_alias, model_path))

@@ -153,8 +153,7 @@ class CycleRunner:
             if isinstance(op, InitRun):
                 return self._init(run_id, op)
             if isinstance(op, EndRun):
-                if self.trainer.has_run(run_id):
-                    self.trainer.delete_run(run_id)
+                drop_run(self.w, run_id)
                 return EventOutcome()
             if not self.trainer.has_run(run_id):
                 return _not_initialized(run_id)
@@ -192,12 +191,33 @@ class CycleRunner:
             size = adapter_bytes(snap)
         if op.checkpoint_id:
             self.w.adapters[op.checkpoint_id] = snap
-        return EventOutcome(size_bytes=size)
+        version = 0
+        if op.inflight:
+            version = self.w.target_version(run_id) + 1
+            self.w.publish_target(run_id, version, snap)
+        return EventOutcome(size_bytes=size, weights_version=version)
 
 
 def _not_initialized(run_id: str) -> EventOutcome:
     return EventOutcome(error=("run_not_initialized", f"training run {run_id} has no weights: its "
                                "init_run event did not succeed; create a new training client"))
+
+
+def drop_run(worker, run_id: str) -> None:
+    """Free a run's adapter, optimizer state and inflight target (worker thread). Requests running
+    on the target keep the weights they hold until they finish; new ones are refused."""
+    if worker.trainer.has_run(run_id):
+        worker.trainer.delete_run(run_id)
+    worker.targets.pop(run_id, None)
+
+
+def publish_target(worker, target: str, version: int, checkpoint_id: str) -> None:
+    """Point inflight target `target` at the adapter held under `checkpoint_id` (worker thread)."""
+    adapter = worker.adapters.get(checkpoint_id)
+    if adapter is None:
+        raise ValueError(f"checkpoint {checkpoint_id} is not held by this engine; load it (load_adapter) "
+                         "before publishing it as an inflight target")
+    worker.publish_target(target, version, adapter)
 
 
 def load_adapter(worker, checkpoint_id: str, path: str) -> int:

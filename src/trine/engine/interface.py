@@ -17,10 +17,11 @@ ints, floats, strings and lists, so it pickles across a process boundary unchang
 | `sample_stream(req)` | `SampleRequest` | async iterator: a `SampleDelta` per sequence per engine step, then the `SampleResult`; closing it early cancels the request |
 | `cancel(request_id)` | | frees the request's sequences and KV blocks at once; its waiter gets `SampleCancelled`; returns its partial `SampleResult` (None if it was not running) |
 | `run_cycle(cycle)` | `TrainingCycle` (init/forward/forward_backward/optim/save/end of many runs) | `CycleResult` |
-| `drop_run(run_id)` | | the run's adapter and optimizer state are freed |
+| `drop_run(run_id)` | | the run's adapter, optimizer state and inflight target are freed |
 | `load_adapter(checkpoint_id, path)` | a PEFT directory every replica can read | bytes held |
 | `evict_adapter(checkpoint_id)` | | the adapter leaves memory |
 | `spill_adapter(checkpoint_id, lora, path)` | | bytes written (a published snapshot goes to disk) |
+| `publish_target(target, version, checkpoint_id)` | a loaded checkpoint id | inflight target `target` (a training run id) moves to those weights at `version`; its live requests switch at their next step |
 | `stats()` | | `EngineStats` |
 | `lost()` | | returns (the reason) only once the engine is gone: a watch for faults |
 | `stop()` | | |
@@ -29,7 +30,11 @@ Runs and their state: a run is created by the `InitRun` op of a cycle (fresh LoR
 a saved state: "load a run's state"), saved by its `Save` ops ("save a run's state" for kind
 "state"; kind "weights" writes a PEFT adapter and *publishes a sampler snapshot* into the adapter
 table under the save's checkpoint id), and dropped by `drop_run` or an `EndRun` op. Those travel in
-cycles because they must run in the run's event order, between its training steps.
+cycles because they must run in the run's event order, between its training steps. An inflight
+weights save (`Save.inflight`) also moves the run's *inflight target* on its replica to the new
+snapshot at the next version; other replicas follow through `publish_target`. A sample request with
+`inflight=True` names a target by `weights.adapter`: it runs the target's current weights, switching
+between steps when they move, and records per token the version that produced it.
 
 Invariants
 - No closures, live modules or caller tensors cross the interface. `SampleRequest.adapter` is
@@ -134,6 +139,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int: ...
+
+    @abc.abstractmethod
+    async def publish_target(self, target: str, version: int, checkpoint_id: str) -> None: ...
 
     @abc.abstractmethod
     async def stats(self) -> EngineStats: ...

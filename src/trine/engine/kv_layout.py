@@ -9,7 +9,8 @@ Invariants
   packed row (`KVContext.query_index`): the prompt KV they share is gathered once per step, not
   once per sample.
 - Only full blocks whose KV is computed are keyed; a block's key chains its parent's key (the
-  `WeightsIdentity` for block 0), so KV is only ever served to the same weights and tokens.
+  `WeightsIdentity` for block 0), so KV is only ever served to the same weights and tokens. Blocks
+  a `mixed` request (an inflight one whose weights changed under it) computes are never keyed.
 """
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ class KVLayout:
 
     def cache_prompt(self, r: Request, start: int, end: int) -> None:
         """Key the prompt blocks that prompt tokens start..end completed."""
-        if not self.prefix_cache:
+        if not self.prefix_cache or r.mixed:
             return
         bs, w = self.block_size, r.req.weights
         for b in range(start // bs, end // bs):
@@ -138,7 +139,7 @@ class KVLayout:
             return
         bs = self.block_size
         for s in seqs:
-            if len(s.tokens) % bs == 0:
+            if len(s.tokens) % bs == 0 and not s.req.mixed:
                 b = len(s.tokens) // bs - 1
                 w = s.req.req.weights
                 parent = s.keys[b - 1] if b else w

@@ -11,7 +11,7 @@ from collections import deque
 from pathlib import Path
 from typing import AsyncIterator
 
-from .cycle import CycleRunner, load_adapter, spill_adapter
+from .cycle import CycleRunner, drop_run, load_adapter, publish_target, spill_adapter
 from .interface import CycleStats, Engine, EngineInfo, EngineStats
 from .lora import LoRAConfig, lora_features
 from .ops import CycleResult, TrainingCycle
@@ -69,10 +69,7 @@ class LocalEngine(Engine):
         return res
 
     async def drop_run(self, run_id: str) -> None:
-        def drop(w):
-            if w.trainer.has_run(run_id):
-                w.trainer.delete_run(run_id)
-        await self.worker.submit(drop)
+        await self.worker.submit(lambda w: drop_run(w, run_id))
 
     async def load_adapter(self, checkpoint_id: str, path: str) -> int:
         return await self.worker.submit(lambda w: load_adapter(w, checkpoint_id, path))
@@ -82,6 +79,9 @@ class LocalEngine(Engine):
 
     async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
         return await self.worker.submit(lambda w: spill_adapter(w, checkpoint_id, lora, path))
+
+    async def publish_target(self, target: str, version: int, checkpoint_id: str) -> None:
+        await self.worker.submit(lambda w: publish_target(w, target, version, checkpoint_id))
 
     async def lost(self) -> str:
         return await asyncio.shield(self.worker.exited)

@@ -56,12 +56,15 @@ class Save:
     """save_state (kind "state": weights + optimizer) or save_weights (kind "weights": a sampler).
 
     A weights save also publishes the snapshot to the engine's adapter table under `checkpoint_id`,
-    so samplers can use it at once (one kept in memory only, `path` "", never touches the disk)."""
+    so samplers can use it at once (one kept in memory only, `path` "", never touches the disk).
+    An inflight one (`inflight`) also publishes it as the run's inflight target (target id = the
+    run id) at the next version, which the outcome reports (`weights_version`)."""
 
     kind: str
     checkpoint_id: str = ""
     path: str = ""  # target directory ("" for in-memory weights)
     uri: str = ""  # the checkpoint's name for people (logs, errors)
+    inflight: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ class EventOutcome:
     train_tokens: int = 0
     loss_tokens: int = 0
     size_bytes: int = 0  # saves: bytes written (or held in memory for a TEMPORARY snapshot)
+    weights_version: int = 0  # inflight saves: the target version they published
 
 
 @dataclass

@@ -81,6 +81,9 @@ class ReplicaActor:
     async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
         return await self.engine.spill_adapter(checkpoint_id, lora, path)
 
+    async def publish_target(self, target: str, version: int, checkpoint_id: str) -> None:
+        await self.engine.publish_target(target, version, checkpoint_id)
+
     async def stats(self) -> EngineStats:
         return await self.engine.stats()
 
@@ -165,6 +168,9 @@ class RayEngine(Engine):
 
     async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
         return await self._call("spill_adapter", checkpoint_id, lora, path)
+
+    async def publish_target(self, target: str, version: int, checkpoint_id: str) -> None:
+        await self._call("publish_target", target, version, checkpoint_id)
 
     async def stats(self) -> EngineStats:
         return await self._call("stats")

@@ -22,7 +22,7 @@ class WeightsIdentity:
 
     base_model: str
     adapter: str | None = None  # adapter id: a training run's live adapter or a saved snapshot
-    version: int = 0  # bumped by every optim_step of a live adapter
+    version: int = 0  # bumped by every optim_step of a live adapter, every save of an inflight target
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,9 @@ class SampleRequest:
     prompt_logprobs_last_n: int | None = None  # score only the last n prompt entries (logprobs, top-k)
     prompt_alt_tokens_k: int = 0  # k draws at every prompt entry after the first (prompt_scores.py)
     target_prompt_ids: list[list[int]] | None = None  # row i: token ids to score at prompt entry i + 1
+    # weights.adapter names an inflight target (a training run's moving weights): the engine
+    # resolves its current version on arrival and every step reads the target's current weights
+    inflight: bool = False
 
 
 @dataclass
@@ -79,6 +82,9 @@ class SampledSequence:
     text: str | None
     stop_reason: str  # "stop", "length", or "cancelled" (the request was cancelled while running)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when options.top_logprobs
+    # per token, the inflight target version whose weights computed its logits (inflight requests
+    # only; None for fixed weights, whose every token is `weights.version`'s)
+    weights_versions: list[int] | None = None
 
 
 @dataclass
@@ -86,8 +92,9 @@ class SampleDelta:
     """What sample `sequence` of a streaming request gained in one engine step.
 
     Concatenating a sequence's deltas in order gives exactly its SampledSequence tokens, logprobs
-    and top_logprobs. Its last delta has `stop_reason` and `text`: the sequence's whole final text
-    (cut before a stop string, without a stop token), as in SampledSequence.text."""
+    and top_logprobs (and weights_versions). Its last delta has `stop_reason` and `text`: the
+    sequence's whole final text (cut before a stop string, without a stop token), as in
+    SampledSequence.text."""
 
     request_id: str
     sequence: int  # sample index within the request
@@ -96,6 +103,7 @@ class SampleDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     stop_reason: str | None = None
     text: str | None = None
+    weights_versions: list[int] | None = None  # inflight requests: as in SampledSequence
 
 
 @dataclass

@@ -20,9 +20,17 @@ Invariants
   SampleDelta for it in `take_deltas()`; a sequence's deltas concatenate to its result.
 - `cancel(request_id)` frees the request's sequences, KV blocks and reservations at once and
   returns its partial result (stop_reason "cancelled" on the sequences it cut short).
+- Inflight requests (`SampleRequest.inflight`) follow their target: `publish(target, version,
+  adapter)`, called between steps, makes every live request on the target run the new weights from
+  the next step on. A waiting request (no KV yet) is re-rooted on the new version, so its prefix
+  lookup only finds KV of those weights. A request already holding KV keeps it and goes on under
+  the new weights (as PipelineRL does: nothing is recomputed); its KV is then `mixed` and nothing
+  it computes from then on is keyed in the prefix cache, so no later request is served KV of
+  weights other than its own. Each sampled token records the version that produced it.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -34,7 +42,7 @@ from .kv_layout import KVLayout
 from .lora import Adapter, AdapterBatch
 from .model import Transformer
 from .prompt_scores import PromptScores, check_prompt_scores, scores_prompt
-from .requests import SampleDelta, SampledSequence, SampleRequest, SampleResult
+from .requests import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
 from .sampling import check_sampling_options, generators, sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
@@ -73,11 +81,23 @@ class Sampler:
     def add(self, req: SampleRequest) -> None:
         """Validate and queue a request. Raises ValueError naming the bad field."""
         self._validate(req)
-        r = Request(req, Stops.of(req.options, self.eos_ids), scores_prompt(req))
+        r = Request(req, Stops.of(req.options, self.eos_ids), scores_prompt(req), adapter=req.adapter,
+                    version=req.weights.version)
         if req.generate and req.options.grammar:
             r.matcher = self.grammars.compile(req.options.grammar)
         self._live[req.request_id] = r
         self.scheduler.add(r)
+
+    def publish(self, target: str, version: int, adapter: Adapter) -> None:
+        """Inflight target `target` now has weights `adapter` at `version`: every live request on
+        it runs them from the next step (see the module docstring for its KV). Between steps only."""
+        for r in self._live.values():
+            if not r.req.inflight or r.req.weights.adapter != target or r.version >= version:
+                continue
+            r.adapter, r.version = adapter, version
+            if not r.started:  # no KV yet: it starts on the new weights, cache lookups included
+                w = r.req.weights
+                r.req = dataclasses.replace(r.req, weights=WeightsIdentity(w.base_model, w.adapter, version))
 
     def has_work(self) -> bool:
         return bool(self.scheduler.has_work() or self._carry)
@@ -156,7 +176,7 @@ class Sampler:
     # ------------------------------------------------------------------ forwards
     def _adapters(self, reqs: list[Request]) -> list[Adapter | None]:
         """The adapter each request runs this step: the one place a request's adapter is read."""
-        return [r.req.adapter for r in reqs]
+        return [r.adapter for r in reqs]
 
     def _prefill(self, rows: list[tuple[Request, int]]) -> list[SampleResult]:
         """One forward over the next `take` prompt tokens of each row's request; requests whose
@@ -245,6 +265,8 @@ class Sampler:
             s.logprobs.append(lp)
             if top is not None:
                 s.top.append(top)
+            if r.req.inflight:
+                s.versions.append(r.version)
             r.usage.sample_tokens += 1
             self._counters["sample_tokens"] += 1
             s.stop_reason, s.text = r.stops.check(s.out, self.tokenizer)
@@ -253,7 +275,8 @@ class Sampler:
             if r.req.stream:
                 self._deltas.append(SampleDelta(r.req.request_id, s.index, [tok], [lp],
                                                 None if top is None else [top], s.stop_reason,
-                                                s.text if s.stop_reason else None))
+                                                s.text if s.stop_reason else None,
+                                                [r.version] if r.req.inflight else None))
             if r.running == 0:
                 finished.append(self._result(r))
         return finished
@@ -272,8 +295,8 @@ class Sampler:
     def _result(self, r: Request) -> SampleResult:
         self._live.pop(r.req.request_id, None)
         k = r.req.options.top_logprobs
-        seqs = [SampledSequence(s.out, s.logprobs, s.text, s.stop_reason, s.top if k else None)
-                for s in r.seqs]
+        seqs = [SampledSequence(s.out, s.logprobs, s.text, s.stop_reason, s.top if k else None,
+                                s.versions if r.req.inflight else None) for s in r.seqs]
         scores = r.scores.answer(r.req) if r.scores is not None else {"prompt_logprobs": None}
         return SampleResult(r.req.request_id, seqs, usage=r.usage, **scores)
 

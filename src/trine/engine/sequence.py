@@ -11,6 +11,9 @@ Invariants
 - `cached <= cacheable`: no position whose hidden state the request reads is served from the cache.
 - A sequence holds KV for every token but its last (`tokens[-1]` is the next forward's input);
   `keys` are the prefix-cache keys of its full blocks.
+- `adapter` and `version` are the weights a request runs this step; they change only between
+  steps, when its inflight target is published anew (`Sampler.publish`). A request whose KV then
+  spans two versions is `mixed`: none of its blocks computed from then on is keyed in the cache.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from .stops import Stops
 if TYPE_CHECKING:
     import torch
 
+    from .lora import Adapter
     from .prompt_scores import PromptScores
     from .sampling import TopLogprobs
 
@@ -46,6 +50,18 @@ class Request:
     running: int = 0  # sequences not stopped yet
     scores: "PromptScores | None" = None  # when `full`: filled chunk by chunk
     matcher: object | None = None  # the compiled grammar at its start (engine/grammar.py), if any
+    adapter: "Adapter | None" = None  # the weights it runs now (an inflight target's may change)
+    version: int = 0  # their version; starts as req.weights.version
+
+    @property
+    def mixed(self) -> bool:
+        """Its KV was computed under more than one weights version (an inflight swap)."""
+        return self.version != self.req.weights.version
+
+    @property
+    def started(self) -> bool:
+        """Admitted: it holds KV blocks (prompt blocks, then its sequences')."""
+        return bool(self.blocks or self.seqs)
 
     @property
     def samples(self) -> int:
@@ -86,3 +102,4 @@ class Sequence:
     stop_reason: str | None = None
     text: str | None = None
     matcher: object | None = None  # this sample's grammar state (engine/grammar.py), if constrained
+    versions: list[int] = field(default_factory=list)  # per generated token (inflight requests)

@@ -11,6 +11,9 @@ asyncio futures back, settled with `loop.call_soon_threadsafe`:
 
 The thread also owns the adapter table (`adapters`: checkpoint id -> sampler weights); a sample
 request names its adapter by `weights.adapter` and the thread resolves it when the request arrives.
+Beside it, the inflight targets (`targets`: training run id -> its latest inflight weights and
+their version): an inflight request is resolved to the target's current version on arrival, and
+`publish_target` moves the target and every live request on it to new weights between steps.
 This class is the machinery; `engine.local.LocalEngine` is the interface the service uses.
 
 Between jobs, and between training micro-batches (`tick`, passed as the Trainer's
@@ -72,6 +75,7 @@ class EngineWorker:
         self.trainer_options = dict(trainer_options or {})
         self.model = self.tokenizer = self.sampler = self.trainer = None
         self.adapters: dict[str, Adapter] = {}  # checkpoint id -> sampler weights (worker thread only)
+        self.targets: dict[str, tuple[int, Adapter]] = {}  # inflight target -> (version, weights)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque = deque()
@@ -242,8 +246,31 @@ class EngineWorker:
             else:
                 self._pending[obj.request_id] = fut
 
+    def publish_target(self, target: str, version: int, adapter: Adapter) -> None:
+        """Inflight target `target` now has weights `adapter` at `version` (worker thread): new
+        requests on it start there, live ones switch at their next step. An older version than the
+        one held is ignored (publications may arrive out of order on a pool)."""
+        held = self.targets.get(target)
+        if held is not None and held[0] >= version:
+            return
+        self.targets[target] = (version, adapter)
+        self.sampler.publish(target, version, adapter)
+
+    def target_version(self, target: str) -> int:
+        """The version of the inflight target's weights held here (0: none)."""
+        held = self.targets.get(target)
+        return held[0] if held else 0
+
     def _with_adapter(self, req: SampleRequest) -> SampleRequest:
-        """The request with its adapter resolved from the table (a copy: the caller's is untouched)."""
+        """The request with its adapter resolved from the table (a copy: the caller's is untouched);
+        an inflight request also gets its target's current version."""
+        if req.inflight:
+            held = self.targets.get(req.weights.adapter)
+            if held is None:
+                raise ValueError(f"inflight target {req.weights.adapter!r} is not held by this engine; "
+                                 "publish it (publish_target) before sampling from it")
+            version, adapter = held
+            return dataclasses.replace(req, adapter=adapter, weights=dataclasses.replace(req.weights, version=version))
         if req.weights.adapter is None or req.adapter is not None:
             return req
         adapter = self.adapters.get(req.weights.adapter)

@@ -68,6 +68,8 @@ def sample_response(out: SampleOutcome, shape: SampleShape) -> bytes:
         lps = s.logprobs if shape.return_token_logprobs else []
         seqs.append({"tokens": s.tokens, "text": s.text if shape.return_text else None,
                      "logprobs": [_json_float(x) for x in lps], "stop_reason": s.stop_reason})
+        if s.weights_versions is not None:  # inflight samplers (an extension stock clients ignore)
+            seqs[-1]["weights_versions"] = s.weights_versions
     u = out.usage
     body = {"request_id": out.request_id, "sampling_run": out.sampling_run, "sequences": seqs,
             "prompt_logprobs": _json_floats(out.prompt_logprobs),

@@ -7,7 +7,7 @@ message names the field (`payload.data.0.target_ids: ...`).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 from pydantic import Field
@@ -82,6 +82,7 @@ class SavePayload(Body):
     ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
     visibility: str = "WORKSPACE"
+    kind: Literal["snapshot", "inflight"] = "snapshot"  # trine's extension (save_weights); stock clients omit it
 
 
 class EndRunPayload(Body):
@@ -131,8 +132,10 @@ def parse_command(type_: str, payload: dict) -> TrainingCommand:
         return optim_step(payload, "payload")
     if type_ in (SAVE_STATE, SAVE_WEIGHTS):
         p = parse_model(SavePayload, payload, "payload")
+        if p.kind == "inflight" and type_ == SAVE_STATE:
+            raise InvalidRequest("payload.kind 'inflight' is for save_weights (sampler weights), not save_state")
         return Save("state" if type_ == SAVE_STATE else "weights", p.name, p.visibility, p.ttl_seconds,
-                    p.overwrite)
+                    p.overwrite, p.kind == "inflight")
     assert type_ == END_RUN
     return EndRun(parse_model(EndRunPayload, payload, "payload").reason)
 

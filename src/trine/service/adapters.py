@@ -85,6 +85,13 @@ class AdapterCache:
         fut.set_result(True)
         self.remember(rep, checkpoint_id)
 
+    async def ensure_on_disk(self, holder: Replica, checkpoint_id: str) -> None:
+        """Give the checkpoint files every replica can load: a snapshot only `holder` has in memory
+        is written out (spilled) first."""
+        ck = self.store.checkpoint(checkpoint_id)
+        if ck is not None and not ck.path:
+            await self._spill(holder, ck)
+
     async def _evict(self, rep: Replica, checkpoint_id: str, fut: asyncio.Future, spill: bool) -> None:
         try:
             ck = self.store.checkpoint(checkpoint_id)

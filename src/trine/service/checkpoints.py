@@ -36,9 +36,9 @@ class Checkpoints:
         self.adapters = adapters
 
     def record_saved(self, m: ServedModel, run: TrainingRun, save: commands.Save, op: ops.Save,
-                     size_bytes: int) -> Checkpoint:
+                     size_bytes: int, inflight_version: int = 0) -> Checkpoint:
         """The record of a save that just succeeded (replacing an overwritten one): `save` as the
-        client asked it, `op` where it went."""
+        client asked it, `op` where it went; an inflight save's target version."""
         old = self.store.checkpoint_by_uri(op.uri)
         if old is not None:  # overwrite: the new record replaces it (the files already did)
             self.store.delete_checkpoint(old.id)
@@ -50,7 +50,7 @@ class Checkpoints:
                         "TRAINING" if op.kind == "state" else "SAMPLER", op.uri, op.path,
                         size_bytes, save.visibility, m.name, run.lora_rank, run.train_mlp,
                         run.train_attn, run.train_unembed, run.seed, self.training_step(run), now,
-                        now + ttl if ttl else None)
+                        now + ttl if ttl else None, inflight_version=inflight_version)
         self.store.add_checkpoint(ck)
         return ck
 

@@ -137,13 +137,16 @@ class OptimStep:
 @dataclass(frozen=True)
 class Save:
     """kind "state" (weights + optimizer, to resume training) or "weights" (a sampler).
-    visibility TEMPORARY keeps weights in memory only, for `ttl_seconds` (default 6 h)."""
+    visibility TEMPORARY keeps weights in memory only, for `ttl_seconds` (default 6 h).
+    inflight (weights only): also publish them as the run's inflight target, which every sampler
+    made from an inflight save of the run follows (service/inflight.py)."""
 
     kind: str
     name: str
     visibility: str = "WORKSPACE"
     ttl_seconds: int | None = None
     overwrite: bool = False
+    inflight: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ calls the parts' public methods directly:
   served models, their tokenizers, engine replica stats.
 
 What they take is in commands.py, what they answer in results.py and views.py. Behind them:
-adapters.py (sampler adapters per replica, spill to disk), gc.py (restart recovery, expiry, idle
+adapters.py (sampler adapters per replica, spill to disk), inflight.py (the moving weights
+inflight samplers follow), gc.py (restart recovery, expiry, idle
 runs), faults.py (lost engine replicas), routing.py (prefix-aware routing across replicas),
 models.py (base models, engine replicas, run placement), scheduler.py and ordering.py (clock
 cycles), quotas.py (per-key limits), translate.py (commands -> engine requests and ops).
@@ -44,6 +45,7 @@ from .checkpoints import Checkpoints
 from .events import Events
 from .faults import Faults
 from .gc import GarbageCollector
+from .inflight import Inflight
 from .metrics import Metrics
 from .models import Replica, ServedModel
 from .ownership import Ownership
@@ -94,13 +96,14 @@ class Service:
         self.adapters = AdapterCache(store, max_adapters, self._spawn, self._on_loop)
         self.checkpoints = Checkpoints(store, self.ownership, self.models, self.adapters)
         self.quotas = KeyQuotas(store, self.models, key_limits)
+        self.inflight = Inflight(store, self.adapters, self._spawn)
         self.events = Events(store, self.ownership, self.models, self.checkpoints, self.activity,
-                             self.rate_card, self._replica_lost, self.quotas)
+                             self.rate_card, self._replica_lost, self.quotas, self.inflight)
         self.faults = Faults(store, self.events)
         self.runs = Runs(store, self.ownership, self.models, self.checkpoints, self.activity,
-                         self.events, self.quotas)
+                         self.events, self.quotas, self.inflight)
         self.sampling = Sampling(store, self.ownership, self.models, self.adapters, self.rate_card,
-                                 self._spawn, self._replica_lost, router or Router())
+                                 self._spawn, self._replica_lost, router or Router(), inflight=self.inflight)
         self.queries = Queries(store, self.ownership, self.models)
         self.metrics = Metrics(store, self.ownership)
         self.gc = GarbageCollector(store, self.models, self.checkpoints, self.runs, self.events,

@@ -39,6 +39,7 @@ from . import commands, translate
 from .activity import Activity
 from .checkpoints import Checkpoints
 from .errors import Conflict, InvalidRequest, NotFound
+from .inflight import Inflight
 from .models import Replica, ServedModel, resolve_model
 from .ordering import CyclePlan, Pending, split_phases
 from .ownership import Ownership
@@ -64,8 +65,9 @@ class LiveEvent:
 class Events:
     def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
                  checkpoints: Checkpoints, activity: Activity, rate_card: RateCard, on_lost,
-                 quotas: "KeyQuotas | None" = None):
+                 quotas: "KeyQuotas | None" = None, inflight: "Inflight | None" = None):
         self.quotas = quotas  # per-key limits on queued work
+        self.inflight = inflight  # inflight saves move their run's target (inflight.py)
         self.store = store
         self.ownership = ownership
         self.models = models
@@ -255,11 +257,14 @@ class Events:
         else:
             res.logprobs, res.losses, res.metrics = out.logprobs, out.losses, out.metrics
             if isinstance(op, Save):
-                ck = self.checkpoints.record_saved(m, run, live.command, op, out.size_bytes)
+                ck = self.checkpoints.record_saved(m, run, live.command, op, out.size_bytes, out.weights_version)
                 if op.kind == "weights":  # the cycle published the snapshot on this replica
                     self.checkpoints.adapters.remember(live.replica, ck.id)
                 res.checkpoint = {"uri": ck.uri, "checkpoint_id": ck.id, "kind": ck.kind,
                                   "size_bytes": ck.size_bytes, "base_model": m.name}
+                if op.inflight:  # ... and moved the run's inflight target there
+                    res.checkpoint["weights_version"] = out.weights_version
+                    self.inflight.published(m, run.id, live.replica, out.weights_version, ck.id)
             if rec.type in OPERATION:
                 event = UsageEvent(time=time.time(), api_key_id=rec.api_key_id,
                                    session_id=run.session_id, run_id=run.id, base_model=m.name,

@@ -32,6 +32,7 @@ class Replica:
     runs: set[str] = field(default_factory=set)  # training runs placed here
     inflight_samples: int = 0  # what routing balances (placement balances `runs`)
     alive: bool = True
+    targets: dict[str, int] = field(default_factory=dict)  # inflight target (run id) -> version held
 
 
 @dataclass(eq=False)

@@ -52,6 +52,8 @@ class SequenceOutcome:
     text: str | None
     stop_reason: str  # "stop" or "length"
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when asked for
+    # per token, the inflight target version whose weights produced it (inflight samplers only)
+    weights_versions: list[int] | None = None
 
 
 @dataclass
@@ -97,3 +99,4 @@ class SampleChunk:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     stop_reason: str | None = None
     text: str | None = None
+    weights_versions: list[int] | None = None  # inflight samplers: as in SequenceOutcome

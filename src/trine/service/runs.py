@@ -22,6 +22,7 @@ from . import labels as run_labels
 from .commands import RunLabels, SamplingRunSpec, TrainingRunSpec
 from .errors import Conflict, InvalidRequest, NotFound
 from .events import Events
+from .inflight import Inflight
 from .models import ServedModel, resolve_model
 from .ownership import Ownership
 from .quotas import KeyQuotas
@@ -32,7 +33,7 @@ log = logging.getLogger("trine.service")
 class Runs:
     def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
                  checkpoints: Checkpoints, activity: Activity, events: Events,
-                 quotas: KeyQuotas | None = None):
+                 quotas: KeyQuotas | None = None, inflight: Inflight | None = None):
         self.store = store
         self.ownership = ownership
         self.models = models
@@ -40,6 +41,7 @@ class Runs:
         self.activity = activity
         self.events = events
         self.quotas = quotas  # per-key limits on new runs
+        self.inflight = inflight  # the runs' inflight targets
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, key: ApiKey, sdk_version: str = "", labels: RunLabels = RunLabels()) -> Session:
@@ -140,10 +142,14 @@ class Runs:
                     await rep.engine.drop_run(r.id)
                 except Exception:  # the worker is stopping or lost
                     log.debug("could not free run %s", r.id)
+        if self.inflight is not None:
+            await self.inflight.forget(m, r.id)
         self.checkpoints.forget_temporary(r)
 
     # ------------------------------------------------------------------ sampling runs
     def create_sampling_run(self, key: ApiKey, session_id: str, spec: SamplingRunSpec) -> SamplingRun:
+        """A sampler of the base model or of a checkpoint; made from an inflight save's checkpoint,
+        it follows the run's later inflight saves (service/inflight.py)."""
         s = self.ownership.active_session(key, session_id)
         ck = None
         if spec.source_checkpoint_uri:
@@ -158,7 +164,9 @@ class Runs:
         if spec.training_run_id:
             owner = self.ownership.training_run(key, spec.training_run_id).id
         now = time.time()
+        inflight = ck is not None and ck.inflight_version > 0
         r = SamplingRun(new_id("sr"), key.id, s.id, self.store.count_runs(s.id) + 1, m.name,
-                        ck.uri if ck else "", ck.id if ck else "", "ACTIVE", now, now, owner)
+                        ck.uri if ck else "", ck.id if ck else "", "ACTIVE", now, now, owner,
+                        ck.training_run_id if inflight else "", ck.inflight_version if inflight else 0)
         self.store.add_sampling_run(r)
         return r

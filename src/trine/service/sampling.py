@@ -9,6 +9,10 @@ Invariants
 - A sampler made from a TEMPORARY snapshot that only one replica holds in memory is served there.
 - A stream its consumer closes early (a client that went away) is cancelled in the engine at once
   and metered for what it computed: its client may already hold every token but the last.
+- An inflight sampling run's requests run on its training run's inflight target, at the run's
+  version or newer (inflight.py); their outcomes name each token's weights version. On a pool
+  they go to replicas other than the one training the run, so sampling overlaps training there
+  (PipelineRL's and AReaL's split of inference and training workers).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from . import translate
 from .adapters import AdapterCache
 from .commands import SampleSpec
 from .errors import Conflict, InvalidRequest, ServiceError
+from .inflight import Inflight
 from .models import Replica, ServedModel
 from .ownership import Ownership
 from .results import SampleChunk, SampleOutcome, SequenceOutcome
@@ -52,6 +57,7 @@ class Sampling:
     _running: dict[tuple[str, str], asyncio.Future] = field(default_factory=dict)
     _fingerprints: dict[tuple[str, str], str] = field(default_factory=dict)  # of the running requests
     _serving: dict[tuple[str, str], Replica] = field(default_factory=dict)  # request -> its replica
+    inflight: Inflight | None = None  # the inflight targets inflight sampling runs follow
 
     async def sample(self, key: ApiKey, sampling_run_id: str, spec: SampleSpec) -> SampleOutcome:
         """Run one sampling request. Retries (same request_id) get the stored outcome, or join the
@@ -89,8 +95,7 @@ class Sampling:
             rep = self._route(m, r, spec)
             try:
                 async with self._serving_on(rep, r, spec):
-                    if r.checkpoint_id:
-                        await self.adapters.ensure(rep, r.checkpoint_id)
+                    await self._ensure_weights(rep, r)
                     res: SampleResult = await rep.engine.sample(req)
                 break
             except EngineLost as e:
@@ -119,8 +124,7 @@ class Sampling:
         res = None
         try:
             async with self._serving_on(rep, r, spec):
-                if r.checkpoint_id:
-                    await self.adapters.ensure(rep, r.checkpoint_id)
+                await self._ensure_weights(rep, r)
                 async with contextlib.aclosing(rep.engine.sample_stream(req)) as items:
                     async for item in items:  # closing this iterator closes the engine's: it cancels
                         if isinstance(item, SampleResult):
@@ -172,10 +176,17 @@ class Sampling:
         await rep.engine.cancel(f"{r.id}/{request_id}")
         return True
 
+    async def _ensure_weights(self, rep: Replica, r: SamplingRun) -> None:
+        """Make `rep` hold the weights `r` samples from: its inflight target, or its checkpoint."""
+        if r.inflight_run_id:
+            await self.inflight.ensure(rep, r)
+        elif r.checkpoint_id:
+            await self.adapters.ensure(rep, r.checkpoint_id)
+
     def _request(self, m: ServedModel, r: SamplingRun, spec: SampleSpec) -> SampleRequest:
         _check_prompt(spec, m)
-        weights = WeightsIdentity(m.name, r.checkpoint_id or None, 0)
-        return translate.sample_request(f"{r.id}/{spec.request_id}", spec, weights)
+        weights = WeightsIdentity(m.name, _weights_name(r), 0)  # an inflight target's version: the engine's
+        return translate.sample_request(f"{r.id}/{spec.request_id}", spec, weights, bool(r.inflight_run_id))
 
     def _record(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec, res: SampleResult,
                 rep: Replica) -> SampleOutcome:
@@ -185,7 +196,7 @@ class Sampling:
         out = SampleOutcome(
             spec.request_id, r.id, m.name,
             [SequenceOutcome(list(s.tokens), [float(x) for x in s.logprobs], s.text, s.stop_reason,
-                             s.top_logprobs) for s in res.sequences],
+                             s.top_logprobs, s.weights_versions) for s in res.sequences],
             res.prompt_logprobs, res.topk_prompt_logprobs,
             {"prompt_tokens": u.prompt_tokens, "prefill_tokens": u.prefill_tokens,
              "cached_tokens": u.cached_tokens, "sample_tokens": u.sample_tokens},
@@ -212,14 +223,18 @@ class Sampling:
         if not live:
             raise Conflict(f"no engine replica of {m.name} is running; try again later",
                            code="worker_lost", status=503)
-        if r.checkpoint_id:
+        if r.checkpoint_id and not r.inflight_run_id:
             ck = self.store.checkpoint(r.checkpoint_id)
             if ck is not None and not ck.path:  # held in memory by the replica that trained it
                 holders = self.adapters.holders(live, r.checkpoint_id)
                 if holders:
                     return holders[0]
-        identity = f"{m.name}\0{r.checkpoint_id}"
-        return self.router.route(m.replicas, identity, spec.prompt, m.info.block_size)
+        identity = f"{m.name}\0{_weights_name(r) or ''}"
+        replicas = m.replicas
+        if r.inflight_run_id:  # sample beside the training, not on its replica (when the pool has more)
+            trainer = m.placement.get(r.inflight_run_id)
+            replicas = [rep for rep in live if rep is not trainer] or live
+        return self.router.route(replicas, identity, spec.prompt, m.info.block_size)
 
     async def _diagnose(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec,
                         res: SampleResult) -> None:
@@ -232,6 +247,12 @@ class Sampling:
                 self.store.add_diagnostic(d)
         except Exception:  # diagnostics are advisory; never fail a request over them
             log.exception("prefix diagnostics failed")
+
+
+def _weights_name(r: SamplingRun) -> str | None:
+    """What a sampling run's requests name as their adapter: its inflight target (the training run
+    id), its checkpoint id, or None for the base model."""
+    return r.inflight_run_id or r.checkpoint_id or None
 
 
 def _check_prompt(spec: SampleSpec, m: ServedModel) -> None:

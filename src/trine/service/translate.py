@@ -47,7 +47,7 @@ def training_op(command: TrainingCommand, *, checkpoint_path: str = "",
         return ops.OptimStep(AdamConfig(command.learning_rate, command.beta1, command.beta2, command.eps,
                                         command.weight_decay, command.grad_clip_norm))
     if isinstance(command, Save):
-        return ops.Save(command.kind, save.checkpoint_id, save.path, save.uri)
+        return ops.Save(command.kind, save.checkpoint_id, save.path, save.uri, command.inflight)
     if isinstance(command, EndRun):
         return ops.EndRun(command.reason)
     if isinstance(command, Refused):
@@ -86,17 +86,20 @@ def _denominator(command: Forward, loss: Loss, data: list[TrainDatum]) -> float 
 
 
 # ---------------------------------------------------------------------------- sampling
-def sample_request(request_id: str, spec: SampleSpec, weights: WeightsIdentity) -> SampleRequest:
-    """The engine request of `spec`, under the engine-wide `request_id`, on `weights`."""
+def sample_request(request_id: str, spec: SampleSpec, weights: WeightsIdentity,
+                   inflight: bool = False) -> SampleRequest:
+    """The engine request of `spec`, under the engine-wide `request_id`, on `weights` (with
+    `inflight`, `weights.adapter` is an inflight target whose current version the engine uses)."""
     options = SamplingOptions(spec.max_tokens, spec.temperature, spec.top_p, spec.top_k, spec.seed,
                               spec.stop_strings, spec.stop_token_ids, spec.stop_at_eos, spec.top_logprobs,
                               grammar=spec.grammar)
     return SampleRequest(request_id, list(spec.prompt), options, weights, None, spec.num_samples,
                          spec.prompt_logprobs, spec.topk_prompt_logprobs, spec.generate,
                          prompt_logprobs_last_n=spec.prompt_logprobs_last_n,
-                         prompt_alt_tokens_k=spec.prompt_alt_tokens_k, target_prompt_ids=spec.target_prompt_ids)
+                         prompt_alt_tokens_k=spec.prompt_alt_tokens_k, target_prompt_ids=spec.target_prompt_ids,
+                         inflight=inflight)
 
 
 def sample_chunk(spec: SampleSpec, delta: SampleDelta) -> SampleChunk:
     return SampleChunk(spec.request_id, delta.sequence, delta.tokens, delta.logprobs, delta.top_logprobs,
-                       delta.stop_reason, delta.text)
+                       delta.stop_reason, delta.text, weights_versions=delta.weights_versions)

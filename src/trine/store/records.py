@@ -78,6 +78,8 @@ class SamplingRun:
     created_at: float
     updated_at: float
     training_run_id: str = ""  # the training run it is attributed to ("" for none): its usage counts there
+    inflight_run_id: str = ""  # an inflight sampler: the training run whose inflight saves it follows
+    inflight_version: int = 0  # ... from this target version on (its checkpoint's)
 
 
 @dataclass
@@ -125,6 +127,7 @@ class Checkpoint:
     created_at: float
     expires_at: float | None = None
     public: bool = False  # readable (sampled, restored, downloaded) by every API key, not only its owner
+    inflight_version: int = 0  # an inflight save: the target version it published (0: a snapshot)
 
 
 @dataclass

@@ -49,6 +49,9 @@ class SampleSequence(BaseModel):
     tokens: list[int]
     text: str | None = None
     logprobs: list[float]  # one per token
+    # inflight samplers: per token, the version of the run's inflight weights that produced it
+    # (1 = its first inflight save, ...); None for fixed weights
+    weights_versions: list[int] | None = None
 
 
 SampledSequence = SampleSequence

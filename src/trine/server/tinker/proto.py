@@ -3,6 +3,11 @@
 `forward_backward` requests arrive as `tinker_public_pb2.ForwardBackwardRequest` (optionally zstd);
 `ForwardBackwardOutput` and `SampleResponse` results leave as protobuf because SDK 0.38 refuses
 JSON for them. Every decoding error is an InvalidRequest whose message names the field.
+
+trine's one extension: a sampled sequence of an inflight sampler carries, as field
+`WEIGHTS_VERSIONS_FIELD` of `SampledSequence` (int32 little-endian bytes, one per token, like
+`tokens`), the inflight weights version that produced each token. Stock clients ignore the
+unknown field.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ except ImportError:  # pragma: no cover - the Tinker front end is then unavailab
     pb = None
 
 PROTOBUF = "application/x-protobuf"
+WEIGHTS_VERSIONS_FIELD = 1000  # in SampledSequence: trine's per-token weights versions
 MAX_DECOMPRESSED_BYTES = 256 << 20
 _NUMPY = {1: np.float32, 2: np.int64, 3: np.int32}  # proto DType -> numpy (bf16 handled apart)
 FLOAT_INPUTS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")
@@ -234,14 +240,31 @@ def tensor(values: np.ndarray, shape: tuple[int, ...], csr: tuple[list[int], lis
                      shape=list(shape))
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _int32_field(number: int, values: list[int]) -> bytes:
+    """A length-delimited protobuf field holding int32 little-endian bytes."""
+    data = np.asarray(values, dtype=np.int32).tobytes()
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
 def sample_response(sequences: list[tuple[list[int], list[float] | None, str]],
                     prompt_logprobs: list[float | None] | None, topk_prompt: list | None, topk_k: int,
                     cache_hit_tokens: int, *, sequence_topk: list[list | None] | None = None,
                     sequence_topk_k: int = 0, target_prompt_logprobs: "pb.Tensor | None" = None,
-                    prompt_alt_tokens: "tuple[pb.Tensor, pb.Tensor] | None" = None) -> bytes:
+                    prompt_alt_tokens: "tuple[pb.Tensor, pb.Tensor] | None" = None,
+                    weights_versions: list[list[int] | None] | None = None) -> bytes:
     """A SampleResponse. `sequences`: (tokens, logprobs, stop_reason "stop" | "length");
     `sequence_topk`: each sequence's top logprobs per token, sent `sequence_topk_k` wide (dense,
-    with the client's sentinels where a row is shorter)."""
+    with the client's sentinels where a row is shorter); `weights_versions`: per sequence, its tokens'
+    inflight weights versions (None: fixed weights)."""
     seqs = []
     for i, (tokens, lps, stop) in enumerate(sequences):
         s = pb.SampledSequence(stop_reason=pb.STOP_REASON_LENGTH if stop == "length" else pb.STOP_REASON_STOP,
@@ -250,6 +273,8 @@ def sample_response(sequences: list[tuple[list[int], list[float] | None, str]],
             s.logprobs = np.asarray(lps, dtype=np.float32).tobytes()
         if sequence_topk is not None and sequence_topk_k > 0:
             s.topk_sampled_logprobs.CopyFrom(_topk(sequence_topk[i] or [], sequence_topk_k))
+        if weights_versions and weights_versions[i] is not None:  # kept as an unknown field
+            s.MergeFromString(_int32_field(WEIGHTS_VERSIONS_FIELD, weights_versions[i]))
         seqs.append(s)
     out = pb.SampleResponse(sequences=seqs, prompt_cache_hit_tokens=int(cache_hit_tokens))
     if prompt_logprobs is not None:

@@ -4,7 +4,9 @@
 (`<request_id>:<i>`); the future runs `Service.sample`, so Tinker traffic shares the prefix cache
 and the metering of every other front end: `prompt_cache_hit_tokens` is trine's `cached_tokens`
 (a group of n samples prefills its prompt once). With `record_stability_info`, each sampled
-sequence is kept under its sequence id for `stable_reinforce` (see `service.stability`).
+sequence is kept under its sequence id for `stable_reinforce` (see `service.stability`). A
+sampling session made by an inflight save follows the model's later inflight saves; its sequences
+carry each token's weights version (proto.WEIGHTS_VERSIONS_FIELD).
 `compute_logprobs` reaches here as a 1-token sample with prompt logprobs: it reads the prefix cache
 only before `prompt_logprobs_last_n` (0 hit tokens without it). The fields beyond PyTRIO's sample
 body (top-k per sampled token, alt-token draws, target ids) are parsed in `sample_extras`.
@@ -132,7 +134,8 @@ async def asample(request: Request):
             [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences], plp,
             out.topk_prompt_logprobs, spec.topk_prompt_logprobs, out.usage["cached_tokens"],
             sequence_topk=[s.top_logprobs for s in out.sequences], sequence_topk_k=spec.top_logprobs,
-            target_prompt_logprobs=target, prompt_alt_tokens=alt), proto.PROTOBUF)
+            target_prompt_logprobs=target, prompt_alt_tokens=alt,
+            weights_versions=[s.weights_versions for s in out.sequences]), proto.PROTOBUF)
     st.futures.start(key.id, request_id, finish, spec.fingerprint)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 

@@ -1,6 +1,10 @@
 """Tinker training calls -> service events: create_model, get_info, forward(_backward), optim_step,
 save_weights, save_weights_for_sampler, load_weights.
 
+save_weights_for_sampler with `kind="inflight"` publishes the weights as the model's inflight
+target: its sampling session, and every earlier one made the same way, samples the newest such
+weights from then on (service/inflight.py).
+
 Every call of one model becomes one event of its training run with index `seq_id + 1` (the run's
 init is index 1, the SDK's seq 0), and event id `tk-<run>-<seq_id>`. So the service runs a model's
 calls in seq_id order exactly once, however the SDK's parallel chunks arrive, and a retried call
@@ -67,6 +71,7 @@ class SaveBody(ModelCall):
     ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
     sampling_session_seq_id: Count | None = None
+    kind: str = "snapshot"  # save_weights_for_sampler: SamplingClientKind
 
 
 class LoadBody(_Body):
@@ -312,14 +317,17 @@ async def _save(request: Request, sampler: bool) -> dict:
     seq = _seq(b)
     type_ = "save_weights_for_sampler" if sampler else "save_weights"
     shape = _path_reply(type_)
+    inflight = b.kind == "inflight"  # the run's inflight samplers follow this save
     if not sampler:
         command = Save("state", b.path or f"state-{seq}", "WORKSPACE", b.ttl_seconds, b.overwrite)
+    elif b.kind not in ("snapshot", "inflight"):
+        command = InvalidRequest(f"kind {b.kind!r}: use 'snapshot' or 'inflight'")
     elif b.path:
-        command = Save("weights", b.path, "WORKSPACE", b.ttl_seconds, b.overwrite)
+        command = Save("weights", b.path, "WORKSPACE", b.ttl_seconds, b.overwrite, inflight)
     elif b.sampling_session_seq_id is None:
         command = InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
     else:
-        command = Save("weights", f"sampler-{seq}", "TEMPORARY", b.ttl_seconds, True)
+        command = Save("weights", f"sampler-{seq}", "TEMPORARY", b.ttl_seconds, True, inflight)
         sampler_seq = b.sampling_session_seq_id
 
         async def shape(res):
