@@ -58,6 +58,7 @@ class SampleRequest:
     topk_prompt_logprobs: int = 0
     generate: bool = True  # False: compute_logprobs (prompt logprobs only, no decoding)
     stream: bool = False  # report each decode step's new tokens as a SampleDelta
+    tenant: str = ""  # who asked (the caller's API key id): admission and prefill are fair across tenants
 
 
 @dataclass
