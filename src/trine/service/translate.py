@@ -86,12 +86,13 @@ def _denominator(command: Forward, loss: Loss, data: list[TrainDatum]) -> float 
 
 
 # ---------------------------------------------------------------------------- sampling
-def sample_request(request_id: str, spec: SampleSpec, weights: WeightsIdentity) -> SampleRequest:
-    """The engine request of `spec`, under the engine-wide `request_id`, on `weights`."""
+def sample_request(request_id: str, spec: SampleSpec, weights: WeightsIdentity, tenant: str = "") -> SampleRequest:
+    """The engine request of `spec`, under the engine-wide `request_id`, on `weights`, for `tenant`
+    (the caller's API key id: the engine admits and prefills fairly across tenants)."""
     options = SamplingOptions(spec.max_tokens, spec.temperature, spec.top_p, spec.top_k, spec.seed,
                               spec.stop_strings, spec.stop_token_ids, spec.stop_at_eos, spec.top_logprobs)
     return SampleRequest(request_id, list(spec.prompt), options, weights, None, spec.num_samples,
-                         spec.prompt_logprobs, spec.topk_prompt_logprobs, spec.generate)
+                         spec.prompt_logprobs, spec.topk_prompt_logprobs, spec.generate, tenant=tenant)
 
 
 def sample_chunk(spec: SampleSpec, delta: SampleDelta) -> SampleChunk:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from ...service import ModelTokenizer
+from .errors import OpenAIError
 
 
 class ModelText:
@@ -20,13 +21,31 @@ class ModelText:
             return prompt
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    async def prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+    async def prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None,
+                         context: int) -> list[int]:
+        """The prompt's token ids, encoded off the event loop. A text longer than `context` tokens
+        could possibly be, counted in characters, is refused before it is tokenized."""
+        chars = _chars(messages if messages is not None else prompt)
+        if chars > self.tokenizer.most_chars(context):
+            param = "messages" if messages is not None else "prompt"
+            raise OpenAIError(400, f"{param}: {chars} characters of text exceed this model's maximum context "
+                              f"length of {context} tokens. Shorten the prompt.", param=param,
+                              code="context_length_exceeded")
         fn = (lambda: self.tokenizer.chat_prompt(messages)) if messages is not None else \
             (lambda: self.completion_prompt(prompt))
         return await asyncio.get_running_loop().run_in_executor(None, fn)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+
+def _chars(value) -> int:
+    """Characters in every string of a prompt or message list (nested dicts and lists)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        value = list(value.values())
+    return sum(_chars(v) for v in value) if isinstance(value, list) else 0
 
 
 class TextStream:
