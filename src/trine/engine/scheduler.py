@@ -244,6 +244,8 @@ class Scheduler:
             if (admitted or self.running or self.prefilling) and running + r.samples > self.max_running:
                 break
             t = r.req.tenant
+            if t in held:  # a policy that does not skip held tenants: nothing more this step
+                break
             if samples[t] and (samples[t] + r.samples > self.tenant_running
                                or blocks[t] + self.blocks_needed(len(r.req.prompt), r.max_new, r.samples)
                                > self.tenant_blocks):
