@@ -34,6 +34,25 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+VALID_CLIENT = r"""
+import json, sys, threading, time
+import httpx
+url, timeout, every = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+out = []
+while not stop.is_set():
+    t = time.perf_counter()
+    try:
+        ok = httpx.get(url + "/", timeout=timeout, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        ok = False
+    out.append(time.perf_counter() - t if ok else None)
+    time.sleep(every)
+print(json.dumps(out))
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,26 +68,23 @@ def open_fds(pid: int) -> int:
 
 def reap(held: list[socket.socket]) -> tuple[list[socket.socket], int]:
     """Close the sockets the server closed; returns the rest and how many were closed."""
-    alive, closed = [], 0
-    for i in range(0, len(held), 500):
-        batch = held[i:i + 500]
-        readable, _, _ = select.select(batch, [], [], 0)
-        gone = set()
-        for s in readable:
-            try:
-                if s.recv(1, socket.MSG_DONTWAIT) == b"":
-                    gone.add(s)
-            except BlockingIOError:
-                pass
-            except OSError:
-                gone.add(s)
-        for s in batch:
-            if s in gone:
-                s.close()
-                closed += 1
-            else:
-                alive.append(s)
-    return alive, closed
+    poller = select.poll()
+    by_fd = {s.fileno(): s for s in held}
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    gone = set()
+    for fd, _ in poller.poll(0):
+        s = by_fd[fd]
+        try:
+            if s.recv(1, socket.MSG_DONTWAIT) == b"":
+                gone.add(fd)
+        except BlockingIOError:
+            pass
+        except OSError:
+            gone.add(fd)
+    for fd in gone:
+        by_fd[fd].close()
+    return [s for fd, s in by_fd.items() if fd not in gone], len(gone)
 
 
 def main() -> None:
@@ -109,24 +125,16 @@ def burst(server: subprocess.Popen, url: str, port: int, args) -> dict:
     fds_before = open_fds(server.pid)
     stop = threading.Event()
     peak = [fds_before]
-    valid: list[float | None] = []
 
     def sample_fds():
         while not stop.is_set():
             peak[0] = max(peak[0], open_fds(server.pid))
             time.sleep(0.05)
 
-    def valid_client():
-        while not stop.is_set():
-            t = time.perf_counter()
-            try:
-                ok = httpx.get(url + "/", timeout=args.timeout, trust_env=False).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            valid.append(time.perf_counter() - t if ok else None)
-            time.sleep(args.every)
-
-    threads = [threading.Thread(target=sample_fds, daemon=True), threading.Thread(target=valid_client, daemon=True)]
+    # the valid client runs in its own process, so the burst loop here does not slow it down
+    valid_proc = subprocess.Popen([sys.executable, "-c", VALID_CLIENT, url, str(args.timeout), str(args.every)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    threads = [threading.Thread(target=sample_fds, daemon=True)]
     for t in threads:
         t.start()
     held: list[socket.socket] = []
@@ -154,6 +162,8 @@ def burst(server: subprocess.Popen, url: str, port: int, args) -> dict:
     stop.set()
     for t in threads:
         t.join(args.timeout + 5)
+    out, _ = valid_proc.communicate("stop\n", timeout=args.timeout + 30)
+    valid = json.loads(out)
     for s in held:
         s.close()
     ok = sorted(v for v in valid if v is not None)

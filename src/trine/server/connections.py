@@ -86,10 +86,14 @@ class GuardedH11Protocol(H11Protocol):
         self._arm()
 
     def _close(self) -> None:
-        """Close now; stop counting at once (the descriptor goes at the loop's next turn)."""
+        """Close now, descriptor included (asyncio would close it a loop turn later, while a
+        burst keeps accepting); stop counting at once."""
         self._uncount()
         self._disarm()
-        self.transport.abort()
+        self.transport.abort()  # unregisters the socket from the selector
+        sock = getattr(self.transport, "_sock", None)  # asyncio's own close of it is then a no-op
+        if sock is not None:
+            sock.close()
 
     def _uncount(self) -> None:
         if self._counted:
