@@ -51,8 +51,9 @@ def session_dir() -> str:
 def watch_local_cluster() -> None:
     """Start the watchdog for the local cluster this process has just started (Linux only)."""
     global _watchdog
-    if not Path("/proc/self/cmdline").exists() or _watchdog is not None:
+    if not Path("/proc/self/cmdline").exists():
         return
+    _release()  # one watching a cluster stopped before (ray.shutdown() called directly)
     _watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, Path(session_dir()).name],
                                  stdin=subprocess.PIPE, start_new_session=True,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -60,9 +61,14 @@ def watch_local_cluster() -> None:
 
 def stop_local_cluster() -> None:
     """Stop Ray here (a local cluster this process started goes with it) and release the watchdog."""
-    global _watchdog
     if ray.is_initialized():
         ray.shutdown()
+    _release()
+
+
+def _release() -> None:
+    """Tell the watchdog its cluster is stopped; it exits without ending anything."""
+    global _watchdog
     if _watchdog is not None:
         try:
             _watchdog.stdin.write(b"stopped")
