@@ -140,3 +140,25 @@ def test_atomic_write_keeps_the_previous_file_when_a_write_fails(tmp_path, monke
     monkeypatch.undo()
     assert target.read_bytes() == b"old contents"
     assert os.listdir(tmp_path) == ["adapter_model.safetensors"]  # no temp file left behind
+
+
+def test_restoring_a_checkpoint_deleted_after_the_restore_was_accepted_says_not_found(model, tmp_path):
+    """The service checks a checkpoint exists when it accepts an init from it; the cycle that runs
+    it later finds the directory gone (deleted meanwhile) and answers not found, naming its URI."""
+    import shutil
+    from types import SimpleNamespace
+
+    from trine.engine import ops
+    from trine.engine.cycle import CycleRunner
+    from trine.limits import INIT_RUN
+
+    trainer = Trainer(model, base_model="tiny")
+    trainer.create_run("r", LoRAConfig(rank=2))
+    trainer.save_state("r", tmp_path / "state")
+    shutil.rmtree(tmp_path / "state")
+    worker = SimpleNamespace(trainer=trainer, adapters={}, tick=lambda: None)
+    init = ops.InitRun(LoRAConfig(rank=2), str(tmp_path / "state"), True, "trio://r/state/s1")
+    cycle = ops.TrainingCycle(1, {"r2": ops.RunShare(pre=[ops.CycleEvent("e1", INIT_RUN, init)])})
+    code, message = CycleRunner(worker).run(cycle).outcomes["e1"].error
+    assert code == "checkpoint_not_found"
+    assert "trio://r/state/s1 not found" in message and str(tmp_path) not in message

@@ -1,13 +1,16 @@
 """Connections that send nothing (or never finish their headers) cannot crowd out valid requests:
-a header timeout drops them, a connection cap closes the oldest idle one, and each condition is
+a header timeout drops them, a connection cap counted at accept time closes the oldest connection without a request, a request
+uvicorn cannot parse gets a JSON answer, and each condition is
 logged once, not once per connection."""
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
 
 import httpx
+import psutil
 import pytest
 
 from serverutil import serve
@@ -71,3 +74,53 @@ def test_a_connection_without_complete_headers_is_dropped(server):
         assert c.get("/").status_code == 200
         time.sleep(2)  # idle between requests longer than the header timeout: governed by keep-alive
         assert c.get("/").status_code == 200
+
+
+def server_connections(url: str) -> int:
+    """Established TCP connections whose local end is the server's port (this process serves)."""
+    port = int(url.rsplit(":", 1)[1])
+    return sum(1 for c in psutil.Process().net_connections("tcp")
+               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def test_a_burst_of_headerless_connections_keeps_the_cap_and_valid_clients_served(server):
+    """300 connections that never send headers against a cap of 16: the server holds at most the
+    cap (each new one closes a different old one), and every valid request during the burst is
+    answered."""
+    socks, failures, peak = [], 0, 0
+    try:
+        with httpx.Client(base_url=server.url, trust_env=False, timeout=10) as c:
+            for wave in range(6):
+                socks += open_idle(server.url, 50, b"")
+                time.sleep(0.05)
+                peak = max(peak, server_connections(server.url))
+                failures += sum(c.get("/").status_code != 200 for _ in range(3))
+        assert failures == 0
+        assert peak <= 16 + 2  # the cap, plus connections accepted but not yet closed this turn
+        assert sum(closed_by_server(s, 0.5) for s in socks[:-16]) == len(socks) - 16
+    finally:
+        for s in socks:
+            s.close()
+
+
+def raw_request(url: str, data: bytes) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_oversized_headers_and_bad_content_length_get_json_answers(server):
+    huge = raw_request(server.url, b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\nX-API-Key: "
+                       + b"k" * (1 << 20) + b"\r\n\r\n")
+    head, _, body = huge.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431")
+    assert json.loads(body)["code"] == "request_header_fields_too_large"
+    bad = raw_request(server.url, b"POST /api/v1/healthz HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+    head, _, body = bad.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    answer = json.loads(body)
+    assert answer["code"] == "invalid_http_request" and "Content-Length" in answer["message"]

@@ -290,3 +290,19 @@ def test_a_disconnect_mid_stream_frees_its_kv_blocks_at_once(server, oai):
     stats = wait_until_idle(sampler)
     assert stats["running"] == 0 and stats["blocks_used"] == 0
     assert stats["sample_tokens"] - before < 4000
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+def test_an_over_long_text_prompt_is_refused_by_its_length_before_tokenizing(server, oai, chat):
+    """Far more characters than the context could hold are refused by counting them (tokenizing
+    megabytes first would hold a thread and memory for seconds); the server serves on."""
+    text = "word " * 600_000  # 3 MB of text
+    with pytest.raises(openai.BadRequestError) as e:
+        if chat:
+            oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2)
+        else:
+            oai.completions.create(model=MODEL, prompt=text, max_tokens=2)
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == ("messages" if chat else "prompt")
+    assert "characters of text exceed" in err["message"]
+    assert oai.completions.create(model=MODEL, prompt="hello", max_tokens=2).choices

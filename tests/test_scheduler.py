@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from trine.engine.kv_cache import BlockManager
 from trine.engine.kv_layout import KVLayout
 from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.scheduler import FifoAdmission, Scheduler, chunk_rows
+from trine.engine.admission import FifoAdmission
+from trine.engine.scheduler import Scheduler, chunk_rows, fair_order
 from trine.engine.sequence import Request, Sequence
 from trine.engine.stops import Stops
 
@@ -166,11 +167,8 @@ def test_cancel_gives_back_prompt_blocks_copies_and_reservation():
 
 def test_admission_order_is_the_policys():
     class Newest(FifoAdmission):
-        def peek(self):
+        def peek(self, held=()):
             return self._queue[-1] if self._queue else None
-
-        def pop(self):
-            return self._queue.pop()
 
     sch = Scheduler(pool(6), max_batch_tokens=64, admission=Newest())
     old, new = request(16, max_tokens=4), request(16, max_tokens=4, first=100)  # 5 blocks each
@@ -205,7 +203,7 @@ def test_prompts_with_the_fewest_tokens_left_go_first_and_the_longest_takes_the_
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=12), st.integers(1, 512))
 def test_a_prefill_chunk_never_exceeds_the_budget_padding_included(lefts, budget):
     ready = [request(n) for n in lefts]
-    rows = chunk_rows(ready, budget)
+    rows = chunk_rows(fair_order(ready, {}), budget)  # one tenant: fewest tokens left first
     assert rows and len(rows) * max(take for _, take in rows) <= budget
     assert [r.prompt_left for r, _ in rows] == sorted(lefts)[:len(rows)]  # fewest tokens left first
     assert all(take == r.prompt_left for r, take in rows[:-1])  # whole, but the last

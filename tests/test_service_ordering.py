@@ -131,3 +131,32 @@ def test_fixed_cycles_start_on_clock_ticks():
     assert len(starts) == 3
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert all(abs(g - round(g / 0.1) * 0.1) < 0.03 for g in gaps)  # multiples of the cycle length
+
+
+def forward(index: int, run: str, tokens: int) -> Pending:
+    from trine.engine.losses import Loss
+    from trine.engine.ops import Forward
+    from trine.engine.requests import TrainDatum
+    data = [TrainDatum([1] * tokens, [1] * tokens, [1.0] * tokens)]
+    return Pending(f"e{run}{index}", run, index, FB, Forward(data, Loss.parse("cross_entropy"), True, False, None))
+
+
+def test_one_keys_long_queue_does_not_hold_back_another_keys_step():
+    """Key A queued ten 1000-token batches and a step; key B one small batch and a step. With a
+    4000-token cycle, B's step runs in the first cycle next to 2000 of A's tokens (not all 10000),
+    and A's batches follow in order over the next cycles, its step after its last batch."""
+    a, b = RunQueue("a", tenant="A"), RunQueue("b", tenant="B")
+    for i in range(1, 11):
+        a.add(forward(i, "a", 1000))
+    a.add(ev(11, OPT, "a"))
+    b.add(forward(1, "b", 100))
+    b.add(ev(2, OPT, "b"))
+    first = plan_cycle(1, [a, b], cycle_tokens=4000)
+    assert [e.type for e in first.runs["b"]] == [FB, OPT]
+    assert [e.index for e in first.runs["a"]] == [1, 2]
+    taken = [e.index for e in first.runs["a"]]
+    for n in range(2, 10):
+        plan = plan_cycle(n, [a, b], cycle_tokens=4000)
+        taken += [e.index for e in plan.runs.get("a", [])]
+    assert taken == list(range(1, 12))
+    assert plan_cycle(1, [RunQueue("c")]).runs == {}  # nothing ready: nothing planned

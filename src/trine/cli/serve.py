@@ -163,4 +163,9 @@ def serve(models, host, port, home, cycle_seconds, threads, ray_address, replica
                f"or look at runs, curves and cost by phase in the web console:\n  {url}/console\n")
     access_log.configure(quiet)
     sys.stdout.flush()
-    run_forever(app, host, port, log_level, max_connections=max_connections, header_timeout=header_timeout)
+    try:
+        run_forever(app, host, port, log_level, max_connections=max_connections, header_timeout=header_timeout)
+    finally:
+        if ray_address == "local":  # the cluster --ray started here stops with the server
+            from trine.engine.ray_cluster import stop_local_cluster
+            stop_local_cluster()

@@ -171,7 +171,14 @@ class CycleRunner:
             self.trainer.delete_run(run_id)
         if op.checkpoint_path:
             try:
+                if not Path(op.checkpoint_path).is_dir():
+                    raise FileNotFoundError(op.checkpoint_path)
                 self.trainer.load_state(run_id, Path(op.checkpoint_path), with_optimizer=op.load_optimizer)
+            except FileNotFoundError:  # deleted after the event was accepted (or while it loaded)
+                error = ValueError(f"checkpoint {op.checkpoint_uri} not found: it was deleted after this "
+                                   "restore was accepted; restore from another checkpoint")
+                error.code = "checkpoint_not_found"
+                raise error from None
             except (ValueError, OSError) as e:
                 error = ValueError(by_uri(str(e), op.checkpoint_path, op.checkpoint_uri))
                 error.code = "checkpoint_invalid"

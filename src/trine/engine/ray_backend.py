@@ -29,6 +29,7 @@ from .interface import Engine, EngineInfo, EngineLost, EngineStats, SampleDelta
 from .local import LocalEngine
 from .lora import LoRAConfig
 from .ops import CycleResult, TrainingCycle
+from .ray_cluster import watch_local_cluster
 from .requests import SampleRequest, SampleResult
 
 
@@ -184,13 +185,15 @@ class RayEngine(Engine):
 
 def connect(address: str | None, *, num_cpus: int | None = None) -> dict:
     """Join the Ray cluster at `address` ("auto": the one `ray start` made on this machine), or
-    start a local one when `address` is None. Returns the cluster's resources."""
+    start a local one when `address` is None, which stops when this process ends, even killed
+    (ray_cluster.py). Returns the cluster's resources."""
     if not ray.is_initialized():
         kw = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
         if address:
             ray.init(address=address, **kw)
         else:
             ray.init(num_cpus=num_cpus, **kw)
+            watch_local_cluster()
     return ray.cluster_resources()
 
 

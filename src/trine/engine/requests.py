@@ -65,6 +65,7 @@ class SampleRequest:
     # weights.adapter names an inflight target (a training run's moving weights): the engine
     # resolves its current version on arrival and every step reads the target's current weights
     inflight: bool = False
+    tenant: str = ""  # who asked (the caller's API key id): admission and prefill are fair across tenants
 
 
 @dataclass

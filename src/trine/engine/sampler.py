@@ -37,6 +37,7 @@ import torch
 
 from ..limits import MAX_TOPK_PROMPT_LOGPROBS
 from .grammar import Grammars
+from .admission import FairAdmission, FifoAdmission
 from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .lora import Adapter, AdapterBatch
@@ -56,7 +57,7 @@ class Sampler:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 2048, max_running: int = 64,
                  enable_prefix_cache: bool = True, prefill_share: float = 0.5,
-                 prefill_step_seconds: float = 0.25):
+                 prefill_step_seconds: float = 0.25, tenant_share: float = 0.75, fair: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = model.cfg
@@ -67,7 +68,8 @@ class Sampler:
             self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, block_size, model.dtype, self.device)
         self.scheduler = Scheduler(self.kv, max_batch_tokens=max_batch_tokens, max_running=max_running,
                                    prefix_cache=enable_prefix_cache, prefill_share=prefill_share,
-                                   prefill_step_seconds=prefill_step_seconds)
+                                   prefill_step_seconds=prefill_step_seconds, tenant_share=tenant_share,
+                                   admission=FairAdmission() if fair else FifoAdmission())
         self.layout = KVLayout(self.kv, enable_prefix_cache)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.cfg.eos_token_ids)
         self.grammars = Grammars(tokenizer, self.cfg.vocab_size, self.eos_ids)

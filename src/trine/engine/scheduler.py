@@ -2,8 +2,13 @@
 which sequences it decodes. No model and no tensors: it reads token counts, KV block counts and
 the seconds the step loop measured.
 
-Admission. Waiting requests are tried in the order of the admission policy (`FifoAdmission`:
-arrival order); the first that does not fit stops admission for this step. A request fits when its
+Admission. Waiting requests are tried in the order of the admission policy (admission.py;
+`FairAdmission`: fair by tokens across tenants, arrival order within one); the first that does not
+fit stops admission for this step. A tenant that already holds work may hold at most
+`tenant_share` of `max_running` and of the KV pool while another tenant has been active within
+`tenant_window` seconds: its further requests wait (they are never refused), so one tenant's flood
+leaves room for another active tenant's request to start at once. A tenant alone (no other one
+seen within the window) may use the whole engine: the share costs a single user nothing. A request fits when its
 worst-case KV blocks (the prompt's, plus every sample decoding to `max_tokens`) fit the pool: free
 + evictable blocks minus what admitted requests have reserved. So a running sequence never runs
 out of blocks and nothing is ever preempted. At admission a request looks up the longest cached
@@ -16,8 +21,10 @@ Prefill chunks. At most one prefill forward a step, over at most `max_batch_toke
 (padding included), so a long prompt is prefilled over several steps. The chunk is sized by time:
 scaled from the last prefill's tokens and seconds (at least one block, at most twice as many as
 last time) to take about `prefill_step_seconds`, which bounds how long a request arriving
-meanwhile waits. Prompts with the fewest tokens left go first (they start decoding at once); the
-longest takes what is left of the budget.
+meanwhile waits. Prompts are ordered fairly by tokens across tenants (`fair_order`: each tenant's
+prompts fewest tokens left first, tenants interleaved by the prefill tokens computed for them), so
+a tenant's long prompts cannot hold back another tenant's short one, nor its many short prompts
+another tenant's long one; the last row may take a partial chunk.
 
 Prefill share. While sequences decode, a prompt that arrived before one of them, or that has more
 than `max_batch_tokens` tokens left, is held to `prefill_share` x the decode time: a chunk that may
@@ -29,50 +36,14 @@ prefilled at full speed and decodes as one batch.
 """
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable
 
+from .admission import AdmissionPolicy, FairAdmission
 from .kv_cache import BlockManager, chain_hashes
 from .sequence import Request, Sequence
-
-
-class AdmissionPolicy(Protocol):
-    """The order in which waiting requests are admitted. The scheduler tries `peek()` and, when it
-    fits, admits it with `pop()`; when it does not, admission stops for this step."""
-
-    def push(self, r: Request) -> None: ...
-    def peek(self) -> Request | None: ...
-    def pop(self) -> Request: ...
-    def remove(self, r: Request) -> bool: ...  # False if `r` is not waiting
-    def __len__(self) -> int: ...
-
-
-class FifoAdmission:
-    """First come, first admitted."""
-
-    def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
-
-    def push(self, r: Request) -> None:
-        self._queue.append(r)
-
-    def peek(self) -> Request | None:
-        return self._queue[0] if self._queue else None
-
-    def pop(self) -> Request:
-        return self._queue.popleft()
-
-    def remove(self, r: Request) -> bool:
-        """Take `r` out of the queue; False if it is not there."""
-        try:
-            self._queue.remove(r)
-        except ValueError:
-            return False
-        return True
-
-    def __len__(self) -> int:
-        return len(self._queue)
 
 
 @dataclass
@@ -86,17 +57,32 @@ class StepPlan:
 
 
 def chunk_rows(ready: list[Request], budget: int) -> list[tuple[Request, int]]:
-    """Prefill rows (request, tokens to compute) from `ready`: fewest tokens left first, each whole
-    but the last, which may take a partial chunk; rows x the longest chunk <= budget."""
+    """Prefill rows (request, tokens to compute) from `ready`, in that order: each whole but the
+    last, which may take a partial chunk; rows x the longest chunk <= budget."""
     rows: list[tuple[Request, int]] = []
-    for r in sorted(ready, key=lambda r: r.prompt_left):  # stable: arrival order on ties
+    longest = 0
+    for r in ready:
         cap = budget // (len(rows) + 1)
-        if cap < 1 or (rows and rows[-1][1] > cap):  # takes ascend: the last row is the longest
+        if cap < 1 or longest > cap:
             break
         rows.append((r, min(r.prompt_left, cap)))
+        longest = max(longest, rows[-1][1])
         if r.prompt_left > cap:
             break
     return rows
+
+
+def fair_order(ready: list[Request], served: dict[str, int]) -> list[Request]:
+    """`ready` in prefill order: each tenant's prompts fewest tokens left first (arrival order on
+    ties), and across tenants by the tokens the tenant would have been served once a prompt is
+    done (`served[tenant]` + its prompts up to that one). With one tenant: fewest tokens left first."""
+    finish: dict[int, int] = {}
+    total = dict.fromkeys((r.req.tenant for r in ready), 0)
+    for r in sorted(ready, key=lambda r: r.prompt_left):  # stable: arrival order on ties
+        t = r.req.tenant
+        total[t] += r.prompt_left
+        finish[id(r)] = served.get(t, 0) + total[t]
+    return sorted(ready, key=lambda r: (finish[id(r)], r.prompt_left, r.order))
 
 
 class Scheduler:
@@ -108,11 +94,14 @@ class Scheduler:
 
     def __init__(self, kv: BlockManager, *, max_batch_tokens: int = 2048, max_running: int = 64,
                  prefix_cache: bool = True, prefill_share: float = 0.5, prefill_step_seconds: float = 0.25,
-                 admission: AdmissionPolicy | None = None):
+                 admission: AdmissionPolicy | None = None, tenant_share: float = 0.75,
+                 tenant_window: float = 60.0, clock: Callable[[], float] = time.monotonic):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         if not (prefill_share > 0 and prefill_step_seconds > 0):
             raise ValueError("prefill_share and prefill_step_seconds must be > 0")
+        if not 0 < tenant_share <= 1:
+            raise ValueError(f"tenant_share: must be in (0, 1], got {tenant_share}")
         self.kv = kv
         self.block_size = kv.block_size
         self.max_batch_tokens = max_batch_tokens
@@ -120,7 +109,13 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.prefill_share = prefill_share
         self.prefill_step_seconds = prefill_step_seconds
-        self.waiting: AdmissionPolicy = admission if admission is not None else FifoAdmission()
+        self.waiting: AdmissionPolicy = admission if admission is not None else FairAdmission()
+        self.tenant_running = max(1, int(max_running * tenant_share))  # samples one tenant may hold
+        self.tenant_blocks = max(1, int(kv.num_blocks * tenant_share))  # blocks one tenant may hold
+        self.tenant_window = tenant_window  # seconds a tenant counts as active after its last work
+        self.clock = clock
+        self._seen: dict[str, float] = {}  # tenant -> when it last had work here (clock seconds)
+        self.prefill_served: dict[str, int] = {}  # prompt tokens computed per tenant now prefilling
         self.prefilling: list[Request] = []  # admitted, prompt KV not complete yet
         self.running: list[Sequence] = []
         self.reserved = 0  # blocks promised to admitted requests' samples, not yet allocated
@@ -165,6 +160,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ request lifecycle
     def add(self, r: Request) -> None:
+        self._seen[r.req.tenant] = self.clock()
         self._arrivals += 1
         r.order = self._arrivals
         self.waiting.push(r)
@@ -208,11 +204,23 @@ class Scheduler:
         if unpaid:  # only prompts newer than every decoding request, and short
             newest = max(s.req.order for s in decoding)
             ready = [r for r in ready if r.order > newest and r.prompt_left <= self.max_batch_tokens]
-        rows = chunk_rows(ready, self._prefill_budget()) if ready else []
+        rows = chunk_rows(fair_order(ready, self._served()), self._prefill_budget()) if ready else []
         return StepPlan(decoding, rows, charged=bool(decoding) and not unpaid)
+
+    def _served(self) -> dict[str, int]:
+        """`prefill_served` for the tenants now prefilling: one that starts prefilling starts at
+        the lowest count among those already there (no credit banked while it was idle)."""
+        tenants = {r.req.tenant for r in self.prefilling}
+        kept = {t: n for t, n in self.prefill_served.items() if t in tenants}
+        floor = min(kept.values(), default=0)
+        self.prefill_served = {t: kept.get(t, floor) for t in tenants}
+        return self.prefill_served
 
     def prefilled(self, plan: StepPlan, seconds: float) -> None:
         """The step loop ran `plan.prefill` in `seconds`."""
+        for r, take in plan.prefill:
+            t = r.req.tenant
+            self.prefill_served[t] = self.prefill_served.get(t, 0) + take
         self.last_prefill = (len(plan.prefill) * max(take for _, take in plan.prefill), seconds)
         if plan.charged:  # a chunk that may hold held-back prompts: they owe its time
             self.debt += seconds
@@ -233,21 +241,63 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> list[Request]:
-        """Waiting requests, in the admission policy's order, whose KV blocks fit; allocated."""
+        """Waiting requests, in the admission policy's order, whose KV blocks fit; allocated. A
+        tenant holding `tenant_running` samples or `tenant_blocks` blocks is held: its requests
+        wait while other tenants' are admitted."""
         admitted: list[Request] = []
         # keys of blocks still being prefilled: a request whose uncached prefix starts there waits
         pending = {k for r in self.prefilling for k in r.keys[r.done // self.block_size:]}
         running = len(self.running) + sum(r.samples for r in self.prefilling)
-        while (r := self.waiting.peek()) is not None:
+        samples, blocks = self._tenant_holdings()
+        shared = self._sharing(samples)
+        held = {t for t in samples if t in shared
+                and (samples[t] >= self.tenant_running or blocks[t] >= self.tenant_blocks)}
+        while (r := self.waiting.peek(held)) is not None:
             if (admitted or self.running or self.prefilling) and running + r.samples > self.max_running:
                 break
+            t = r.req.tenant
+            if t in held:  # a policy that does not skip held tenants: nothing more this step
+                break
+            if samples[t] and t in shared and (samples[t] + r.samples > self.tenant_running
+                               or blocks[t] + self.blocks_needed(len(r.req.prompt), r.max_new, r.samples)
+                               > self.tenant_blocks):
+                held.add(t)  # over its share with this one: it waits, other tenants go on
+                continue
             if not self._allocate(r, pending):
                 break
-            self.waiting.pop()
+            self.waiting.pop(r)
             pending.update(r.keys[r.done // self.block_size:])
             running += r.samples
+            samples[t] += max(r.samples, 1)
+            blocks[t] += len(r.blocks) + len(r.copies) + r.reserved
             admitted.append(r)
         return admitted
+
+    def _sharing(self, holding: Counter) -> set[str]:
+        """The tenants held to `tenant_share`: every tenant, when more than one has had work within
+        `tenant_window` seconds (waiting, prefilling, running or just added); none otherwise."""
+        now = self.clock()
+        for t in holding:
+            self._seen[t] = now
+        self._seen = {t: at for t, at in self._seen.items() if now - at <= self.tenant_window}
+        return set(self._seen) if len(self._seen) > 1 else set()
+
+    def _tenant_holdings(self) -> tuple[Counter, Counter]:
+        """Per tenant: the samples (a compute_logprobs request counts 1) and the KV blocks (held
+        and reserved) of its prefilling requests and running sequences."""
+        samples, blocks = Counter(), Counter()
+        for r in self.prefilling:
+            samples[r.req.tenant] += max(r.samples, 1)
+            blocks[r.req.tenant] += len(r.blocks) + len(r.copies) + r.reserved
+        shared = {}  # a running request's full prompt blocks, shared by its sequences: counted once
+        for s in self.running:
+            t = s.req.req.tenant
+            samples[t] += 1
+            blocks[t] += len(s.blocks) - s.req.shared + s.reserve
+            shared[id(s.req)] = (t, s.req.shared)
+        for t, n in shared.values():
+            blocks[t] += n
+        return samples, blocks
 
     def _allocate(self, r: Request, pending: set[int]) -> bool:
         """Allocate `r`'s prompt blocks (cache hits first) and partial-block copies, and reserve

@@ -41,6 +41,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def longest_token(self) -> int:
+        """Characters of the longest vocabulary entry: no token covers more characters of text."""
+        return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
+
     def files(self) -> list[Path]:
         """The files a client needs to rebuild this tokenizer locally."""
         names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",

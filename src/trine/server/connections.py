@@ -1,23 +1,32 @@
-"""Connection limits for the HTTP server (uvicorn's h11 protocol, with two guards uvicorn lacks).
+"""Connection limits for the HTTP server (uvicorn's h11 protocol, with guards uvicorn lacks).
 
 uvicorn 0.54 offers `limit_concurrency` (a 503 once a request's headers are in) and
 `timeout_keep_alive` (idle time between requests), but nothing bounds a connection that never
 finishes its headers, and such connections count against nothing until they do. So:
 - a connection that has not sent complete request headers `header_timeout` seconds after it
   opened (or after its first byte of a new request) is closed;
-- beyond `max_connections` open connections, the oldest one that is not in a request (still
-  waiting for headers, or idle between keep-alive requests) is closed to make room, or else the
-  new one: idle clients cannot exhaust the process's file descriptors, and a valid request gets in
-  even while thousands of idle connections arrive;
+- at most `max_connections` connections are open, counted when accepted (`Connections`): one
+  more is accepted by closing, at once, the oldest connection that never got as far as a request
+  (still waiting for its first headers), else the one idle longest between keep-alive requests,
+  else the new one. A closed connection stops counting when it is closed, so each new one closes
+  a different one: the process's file descriptors stay bounded during a burst of connections that
+  never finish their headers, and a valid client, whose headers follow its connect at once, is
+  served;
+- a request uvicorn cannot parse (bad syntax, `Content-Length: -1`, headers over h11's 16 KiB
+  buffer) gets a JSON `{code, message}` 400 (431 for headers too large), and its connection reads
+  and discards what the client is still sending for up to `DRAIN_SECONDS` before closing, so the
+  client sees the answer and not a connection reset;
 - each of these, and asyncio's own accept errors, is logged once per condition (`ConditionLog`).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
+import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 from .conditions import ConditionLog
 
@@ -26,27 +35,71 @@ conditions = ConditionLog(log)
 HEADER_TIMEOUT = 10.0
 MAX_CONNECTIONS = 1024
 KEEP_ALIVE_SECONDS = 75
+DRAIN_SECONDS = 2.0
+
+
+class Connections:
+    """The open connections of one server, in the order they may be closed to make room.
+
+    Invariant: `open` counts the connections accepted and not yet closed (by either side); every
+    one of them is in `fresh` (no request yet), in `kept` (idle between requests) or in a request."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.open = 0
+        self.fresh: dict["GuardedH11Protocol", None] = {}  # by time accepted
+        self.kept: dict["GuardedH11Protocol", None] = {}  # by time its last response ended
+
+    def victim(self, new: "GuardedH11Protocol") -> "GuardedH11Protocol":
+        """Who is closed to admit `new` when over the cap."""
+        for group in (self.fresh, self.kept):
+            for c in group:
+                if c is not new:
+                    return c
+        return new
+
+    def forget(self, c: "GuardedH11Protocol") -> None:
+        self.fresh.pop(c, None)
+        self.kept.pop(c, None)
 
 
 class GuardedH11Protocol(H11Protocol):
     header_timeout: float = HEADER_TIMEOUT
-    max_connections: int = MAX_CONNECTIONS
+    registry: Connections = Connections(MAX_CONNECTIONS)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._header_timer: asyncio.TimerHandle | None = None
+        self._drain_timer: asyncio.TimerHandle | None = None
         self._headers_of = None  # the request cycle whose headers arrived last
-        self._opened = self.loop.time()
+        self._counted = True
+        reg = self.registry
+        reg.open += 1
+        reg.fresh[self] = None
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
-            conditions.report("connection cap", "more than %d open connections: closing the oldest idle "
-                              "ones", self.max_connections)
-            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
-                    and c.idle]
-            victim = min(idle, key=lambda c: c._opened) if idle else self
-            victim.transport.abort()
+        if reg.open > reg.cap:
+            conditions.report("connection cap", "more than %d open connections: closing the oldest "
+                              "ones without a request", reg.cap)
+            victim = reg.victim(self)
+            victim._close()
             if victim is self:
                 return
         self._arm()
+
+    def _close(self) -> None:
+        """Close now, descriptor included (asyncio would close it a loop turn later, while a
+        burst keeps accepting); stop counting at once."""
+        self._uncount()
+        self._disarm()
+        self.transport.abort()  # unregisters the socket from the selector
+        sock = getattr(self.transport, "_sock", None)  # asyncio's own close of it is then a no-op
+        if sock is not None:
+            sock.close()
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.registry.open -= 1
+            self.registry.forget(self)
 
     @property
     def idle(self) -> bool:
@@ -54,16 +107,51 @@ class GuardedH11Protocol(H11Protocol):
         return self.cycle is None or self.cycle.response_complete
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._uncount()
         self._disarm()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._drain_timer is not None:
+            return  # answered and closing: what the client still sends is discarded
         if self._header_timer is None and self.idle:
             self._arm()  # the first bytes of a new request: its headers must follow in time
         super().data_received(data)
         if self.cycle is not None and self.cycle is not self._headers_of:
             self._headers_of = self.cycle  # uvicorn built a request cycle: the headers are complete
+            self.registry.forget(self)
             self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._counted and not self.transport.is_closing():
+            self.registry.kept[self] = None  # idle from now: the newest of the kept ones
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse, as JSON `{code, message}`; then the
+        connection drains the client's input before closing (see the module docstring)."""
+        if len(self.conn.trailing_data[0]) > DEFAULT_MAX_INCOMPLETE_EVENT_SIZE:
+            status, code, message = 431, "request_header_fields_too_large", (
+                f"headers: the request line and headers exceed {DEFAULT_MAX_INCOMPLETE_EVENT_SIZE} bytes; "
+                "send shorter headers (an API key is a few dozen characters)")
+        else:
+            status, code, message = 400, "invalid_http_request", (
+                "request line or headers: not valid HTTP/1.1 (check the request line, the header syntax, "
+                "and that Content-Length is a non-negative integer)")
+        body = json.dumps({"code": code, "message": message}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        self._disarm()
+        self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers)))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self._uncount()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._drain_timer = self.loop.call_later(DRAIN_SECONDS, self.transport.close)
+        self.flow.resume_reading()
 
     def _arm(self) -> None:
         self._disarm()
@@ -78,11 +166,12 @@ class GuardedH11Protocol(H11Protocol):
         self._header_timer = None
         conditions.report("header timeout", "closing connections that send no complete request "
                           "headers within %.0f s", self.header_timeout)
-        self.transport.abort()
+        self._close()
 
 
 def guarded_protocol(max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT) -> type:
-    return type("GuardedH11", (GuardedH11Protocol,), {"max_connections": max_connections,
+    """The protocol class of one server: its own connection registry and limits."""
+    return type("GuardedH11", (GuardedH11Protocol,), {"registry": Connections(max_connections),
                                                         "header_timeout": header_timeout})
 
 

@@ -136,7 +136,7 @@ class Events:
                           fingerprint=fingerprint)
         self.store.add_event(rec)  # stored first: a failed write leaves nothing queued
         try:
-            rep.scheduler.queue(run_id).add(pend)
+            rep.scheduler.queue(run_id, tenant=key.id).add(pend)
         except BaseException:
             self.store.delete_event(rec.id)
             raise

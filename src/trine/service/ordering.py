@@ -9,6 +9,11 @@ Invariants
   (init, end and refused placeholders stand alone)
   so a loop that submits forward_backward and optimize_step before waiting needs one cycle per step,
   and gradients of all chunks of one step are accumulated before the step is applied.
+- With a cycle token budget (`plan_cycle(cycle_tokens=)`), the budget is shared equally by the
+  tenants (API keys) with work ready, and each tenant's share equally by its runs: a run whose
+  forward events exceed its share takes the rest in later cycles (at least one event per cycle;
+  its optimize_step follows its last forward). So one key's long queue delays another key's step
+  by at most about its share of a cycle.
 """
 from __future__ import annotations
 
@@ -39,8 +44,10 @@ class Pending:
 class RunQueue:
     """The not-yet-executed events of one training run, released in index order."""
 
-    def __init__(self, run_id: str, next_index: int = 1, max_waiting: int = MAX_WAITING_EVENTS_PER_RUN):
+    def __init__(self, run_id: str, next_index: int = 1, max_waiting: int = MAX_WAITING_EVENTS_PER_RUN,
+                 tenant: str = ""):
         self.run_id = run_id
+        self.tenant = tenant  # the API key id that owns the run
         self.next_index = next_index
         self.max_waiting = max_waiting
         self.waiting: dict[int, Pending] = {}
@@ -62,14 +69,19 @@ class RunQueue:
     def ready(self) -> bool:
         return self.next_index in self.waiting
 
-    def take_cycle(self) -> list[Pending]:
-        """Remove and return this run's share of the next cycle (possibly empty), in index order."""
+    def take_cycle(self, forward_tokens: int | None = None) -> list[Pending]:
+        """Remove and return this run's share of the next cycle (possibly empty), in index order;
+        forward events stop once they hold `forward_tokens` tokens (None: no bound)."""
         taken: list[Pending] = []
         state = _PRE
+        tokens = 0
         while self.next_index in self.waiting:
             t = self.waiting[self.next_index].type
             if t in _FWD_TYPES and state <= _FWD:
+                if forward_tokens is not None and tokens and tokens >= forward_tokens:
+                    break
                 state = _FWD
+                tokens += _tokens(self.waiting[self.next_index])
             elif t == OPTIMIZE_STEP and state <= _FWD:
                 state = _OPT
             elif t in _SAVE_TYPES:
@@ -123,10 +135,21 @@ class CyclePlan:
         return sum(len(v) for v in self.runs.values())
 
 
-def plan_cycle(number: int, queues: list[RunQueue]) -> CyclePlan:
+def _tokens(ev: Pending) -> int:
+    """Tokens of a forward event's batch."""
+    return sum(len(d.tokens) for d in getattr(ev.op, "data", None) or ())
+
+
+def plan_cycle(number: int, queues: list[RunQueue], cycle_tokens: int | None = None) -> CyclePlan:
+    """Every ready run's share of cycle `number` (see the module docstring for `cycle_tokens`)."""
+    ready = [q for q in queues if q.ready()]
+    runs_of: dict[str, int] = {}
+    for q in ready:
+        runs_of[q.tenant] = runs_of.get(q.tenant, 0) + 1
     runs = {}
-    for q in queues:
-        evs = q.take_cycle()
+    for q in ready:
+        share = None if cycle_tokens is None else max(1, cycle_tokens // len(runs_of) // runs_of[q.tenant])
+        evs = q.take_cycle(share)
         if evs:
             for ev in evs:
                 ev.cycle = number

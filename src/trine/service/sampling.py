@@ -90,7 +90,7 @@ class Sampling:
 
     async def _sample(self, key: ApiKey, r: SamplingRun, spec: SampleSpec) -> SampleOutcome:
         m = self.models[r.base_model]
-        req = self._request(m, r, spec)
+        req = self._request(key, m, r, spec)
         for attempt in range(len(m.replicas)):  # a lost replica: reroute to another one
             rep = self._route(m, r, spec)
             try:
@@ -119,7 +119,7 @@ class Sampling:
             raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
                            code="run_ended")
         m = self.models[r.base_model]
-        req = self._request(m, r, spec)
+        req = self._request(key, m, r, spec)
         rep = self._route(m, r, spec)
         res = None
         try:
@@ -183,10 +183,11 @@ class Sampling:
         elif r.checkpoint_id:
             await self.adapters.ensure(rep, r.checkpoint_id)
 
-    def _request(self, m: ServedModel, r: SamplingRun, spec: SampleSpec) -> SampleRequest:
+    def _request(self, key: ApiKey, m: ServedModel, r: SamplingRun, spec: SampleSpec) -> SampleRequest:
         _check_prompt(spec, m)
         weights = WeightsIdentity(m.name, _weights_name(r), 0)  # an inflight target's version: the engine's
-        return translate.sample_request(f"{r.id}/{spec.request_id}", spec, weights, bool(r.inflight_run_id))
+        return translate.sample_request(f"{r.id}/{spec.request_id}", spec, weights, bool(r.inflight_run_id),
+                                        key.id)
 
     def _record(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec, res: SampleResult,
                 rep: Replica) -> SampleOutcome:

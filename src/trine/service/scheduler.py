@@ -8,6 +8,8 @@ forward_backward into one trainer call, then applies their optim steps). A cycle
   (bounded by `8 * gather_seconds`), so a client that submits forward_backward and optim_step
   back to back gets both in one cycle;
 - `cycle_seconds > 0`: on fixed clock ticks, with whatever is waiting then (a shared-pool setup).
+A cycle's forward events hold about `cycle_tokens` tokens at most, shared fairly by the keys with
+work ready (ordering.py), so one key's long queue cannot hold back another key's step.
 """
 from __future__ import annotations
 
@@ -19,16 +21,18 @@ from typing import Awaitable, Callable
 from .ordering import CyclePlan, RunQueue, plan_cycle
 
 log = logging.getLogger("trine.scheduler")
+CYCLE_TOKENS = 65536  # forward tokens per cycle, shared by the keys with work ready
 
 
 class ClockScheduler:
     def __init__(self, execute: Callable[[CyclePlan], Awaitable[None]], *, cycle_seconds: float = 0.0,
-                 gather_seconds: float = 0.02, first_cycle: int = 0):
+                 gather_seconds: float = 0.02, first_cycle: int = 0, cycle_tokens: int | None = CYCLE_TOKENS):
         if cycle_seconds < 0 or gather_seconds < 0:
             raise ValueError("cycle_seconds and gather_seconds must be >= 0")
         self.execute = execute
         self.cycle_seconds = cycle_seconds
         self.gather_seconds = gather_seconds
+        self.cycle_tokens = cycle_tokens
         self.cycle = first_cycle  # number of the last cycle started
         self.queues: dict[str, RunQueue] = {}
         self._wake = asyncio.Event()
@@ -36,10 +40,12 @@ class ClockScheduler:
         self._task: asyncio.Task | None = None
         self._epoch = time.monotonic()
 
-    def queue(self, run_id: str, next_index: int = 1) -> RunQueue:
+    def queue(self, run_id: str, next_index: int = 1, tenant: str = "") -> RunQueue:
         q = self.queues.get(run_id)
         if q is None:
             q = self.queues[run_id] = RunQueue(run_id, next_index)
+        if tenant:
+            q.tenant = tenant
         return q
 
     def drop(self, run_id: str) -> RunQueue | None:
@@ -84,7 +90,7 @@ class ClockScheduler:
             if not self._ready():
                 continue
             await self._gather()
-            plan = plan_cycle(self.cycle + 1, list(self.queues.values()))
+            plan = plan_cycle(self.cycle + 1, list(self.queues.values()), self.cycle_tokens)
             if not plan.runs:
                 continue
             self.cycle = plan.number

@@ -38,6 +38,13 @@ class ModelTokenizer:
         """The files a client needs to rebuild this tokenizer locally."""
         return self._tok.files()
 
+    def most_chars(self, tokens: int) -> int:
+        """More characters than this cannot encode to `tokens` tokens or fewer: no token covers more
+        than the longest vocabulary entry (doubled: normalisation may merge characters)."""
+        if not hasattr(self, "_longest"):
+            self._longest = self._tok.longest_token()
+        return 2 * self._longest * tokens
+
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The token ids of `messages` ([{"role", "content": str}], and the template's tool roles)
         under the model's chat template, with `tools` (OpenAI-shaped function definitions) when

@@ -87,9 +87,10 @@ def _denominator(command: Forward, loss: Loss, data: list[TrainDatum]) -> float 
 
 # ---------------------------------------------------------------------------- sampling
 def sample_request(request_id: str, spec: SampleSpec, weights: WeightsIdentity,
-                   inflight: bool = False) -> SampleRequest:
+                   inflight: bool = False, tenant: str = "") -> SampleRequest:
     """The engine request of `spec`, under the engine-wide `request_id`, on `weights` (with
-    `inflight`, `weights.adapter` is an inflight target whose current version the engine uses)."""
+    `inflight`, `weights.adapter` is an inflight target whose current version the engine uses), for
+    `tenant` (the caller's API key id: the engine admits and prefills fairly across tenants)."""
     options = SamplingOptions(spec.max_tokens, spec.temperature, spec.top_p, spec.top_k, spec.seed,
                               spec.stop_strings, spec.stop_token_ids, spec.stop_at_eos, spec.top_logprobs,
                               grammar=spec.grammar)
@@ -97,7 +98,7 @@ def sample_request(request_id: str, spec: SampleSpec, weights: WeightsIdentity,
                          spec.prompt_logprobs, spec.topk_prompt_logprobs, spec.generate,
                          prompt_logprobs_last_n=spec.prompt_logprobs_last_n,
                          prompt_alt_tokens_k=spec.prompt_alt_tokens_k, target_prompt_ids=spec.target_prompt_ids,
-                         inflight=inflight)
+                         inflight=inflight, tenant=tenant)
 
 
 def sample_chunk(spec: SampleSpec, delta: SampleDelta) -> SampleChunk:

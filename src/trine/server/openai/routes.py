@@ -111,8 +111,9 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     st = state_of(request)
     target = targets.resolve(st.service, key, g.model)
     text = st.text(target.base)
-    prompt = await text.prompt_ids(g.messages, g.prompt, g.structured.tools, g.tool_messages)
-    max_tokens = _max_tokens(g, len(prompt), st.service.queries.model(target.base).max_seq_len)
+    context = st.service.queries.model(target.base).max_seq_len
+    prompt = await text.prompt_ids(g.messages, g.prompt, context, g.structured.tools, g.tool_messages)
+    max_tokens = _max_tokens(g, len(prompt), context)
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
     spec = SampleSpec(rid, prompt, max_tokens, g.temperature, g.top_p, g.top_k, g.seed, g.stop,
                       g.stop_token_ids, stop_at_eos=True, top_logprobs=g.top_logprobs, num_samples=g.n,

@@ -22,9 +22,18 @@ class ModelText:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     async def prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None,
-                         tools: list[dict] | None = None, tool_messages: bool = False) -> list[int]:
-        """The prompt's token ids; a chat with `tools` (or with past tool calls and results) needs a
-        chat template that supports tools in the Hermes format (400 naming the field otherwise)."""
+                         context: int, tools: list[dict] | None = None, tool_messages: bool = False) -> list[int]:
+        """The prompt's token ids, encoded off the event loop. A text longer than `context` tokens
+        could possibly be, counted in characters, is refused before it is tokenized. A chat with
+        `tools` (or with past tool calls and results) needs a chat template that supports tools in
+        the Hermes format (400 naming the field otherwise)."""
+        chars = _chars(messages if messages is not None else prompt)
+        if chars > self.tokenizer.most_chars(context):
+            param = "messages" if messages is not None else "prompt"
+            raise OpenAIError(400, f"{param}: {chars} characters of text exceed this model's maximum context "
+                              f"length of {context} tokens. Shorten the prompt.", param=param,
+                              code="context_length_exceeded")
+
         def chat() -> list[int]:
             if tools or tool_messages:
                 self.require_tools("tools" if tools else "messages")
@@ -49,6 +58,15 @@ class ModelText:
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+
+def _chars(value) -> int:
+    """Characters in every string of a prompt or message list (nested dicts and lists)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        value = list(value.values())
+    return sum(_chars(v) for v in value) if isinstance(value, list) else 0
 
 
 class TextStream:
