@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from .invariant import log_probs
 from .requests import SamplingOptions
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call when computing prompt logprobs
@@ -49,7 +50,7 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], gens: list[torc
     """One token per row of `logits` [B, V] under its row's options: (tokens, their logprobs, each
     row's top-logprobs list, or None where its options ask for none)."""
     logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = log_probs(logits)
     greedy = [o.greedy for o in options]
     if all(greedy):
         tok = logits.argmax(-1)
@@ -104,7 +105,7 @@ def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: t
     tops: list[TopLogprobs] = []
     for a in range(start, stop, LOGITS_CHUNK):
         b = min(a + LOGITS_CHUNK, stop)
-        logp = torch.log_softmax(logits_of(hidden[:, a - start:b - start])[0], dim=-1)
+        logp = log_probs(logits_of(hidden[:, a - start:b - start])[0])
         lps += logp.gather(1, targets[a - start:b - start, None])[:, 0].tolist()
         if k:
             v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
