@@ -74,7 +74,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     `mask` [N, 1, T, L] bool (True: may attend; every query must see at least one key); without
     one, `causal` lets query t see keys 0..t (T == L), else every query sees every key. With
     gradients on, the attention is recomputed in backward rather than storing its [T, L] tensors.
+    Computed in fp32 whatever the inputs' dtype (as flash attention accumulates), returned in it.
     """
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
     N, H, T, D = q.shape
     L = k.shape[2]
     if mask is None:
@@ -95,7 +98,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             outs.append(checkpoint(_attend, *args, use_reentrant=False))
         else:
             outs.append(_attend(*args))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)).to(dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
