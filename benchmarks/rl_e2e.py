@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
 import re
 import statistics
@@ -33,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from report import emit  # benchmarks/report.py
 
 QUESTION = "What is {a} + {b}? Reply with the number only."
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -198,11 +199,7 @@ def main() -> None:
                trl_train_s=statistics.median(t - g for g, t in trl_steps),
                trine_steps_s=trine_total, trl_steps_s=[t for _, t in trl_steps],
                trine_reward=side.rewards, trl_reward=trl_rewards)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
+    emit(out, args.json)
 
 
 if __name__ == "__main__":

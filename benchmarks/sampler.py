@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import random
 import statistics
@@ -31,6 +30,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from report import emit  # benchmarks/report.py
 
 from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.sampler import Sampler
@@ -253,11 +254,7 @@ def main() -> None:
     for name in args.only or list(SIZES):
         log(f"{name}: {sizes[name]}")
         out.update(getattr(bench, name)(sizes[name]))
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
+    emit(out, args.json)
 
 
 if __name__ == "__main__":
