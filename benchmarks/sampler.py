@@ -6,21 +6,23 @@ and reports medians; ratios are median(baseline) / median(trine), except the no-
 overhead: the median of the interleaved pairs' on/off ratios, minus 1.
 
 a. GRPO group: 4 prompts x 8 samples, 512-token prompts, 32 new tokens. trine vs
-   `generate(num_return_sequences=8)` and vs HF reusing its own prefix cache (each prompt
-   prefilled once, the DynamicCache expanded to 8 rows, then `generate`).
+   `generate(num_return_sequences=8)` (`--no-generate` skips it) and vs HF reusing its own prefix
+   cache (each prompt prefilled once, the DynamicCache expanded to 8 rows, then `generate`). Also
+   the distance to this CPU's fp32 GEMM peak: trine's linear-layer FLOPs (2 x linear weights x
+   tokens computed) per second against the best of a [1024 x 1024] x [1024 x 1024] torch matmul.
 b. Multi-turn: 4 turns, each prompt = previous prompt + its completion + 64 new tokens. Time to
    first token of turns 2-4, prefix cache on vs off, and the cached fraction of their prompt tokens.
 c. A shared 768-token preamble + 16 different 32-token questions, 8 new tokens each: cache on vs
    off, and vs HF `generate` on the batch of 16.
 d. No sharing: 16 unrelated 256-token prompts, 16 new tokens: the prefix cache's overhead.
 
-    .venv/bin/python benchmarks/sampler.py [--repeats 3] [--quick] [--json] [--model DIR]
+    .venv/bin/python benchmarks/sampler.py [--repeats 3] [--quick] [--json] [--model DIR] [--no-generate]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import math
 import random
 import statistics
 import sys
@@ -28,6 +30,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from report import emit  # benchmarks/report.py
 
 from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.sampler import Sampler
@@ -54,13 +58,14 @@ def log(msg: str) -> None:
 
 
 class Bench:
-    def __init__(self, model_dir: Path, repeats: int, kv_cache_bytes: int):
+    def __init__(self, model_dir: Path, repeats: int, kv_cache_bytes: int, generate: bool = True):
         from transformers import AutoModelForCausalLM
 
         self.model = load_model(model_dir, "cpu", torch.float32)
         self.tok = Tokenizer(model_dir)
         self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.repeats = repeats
+        self.generate = generate
         self.kv_cache_bytes = kv_cache_bytes
         self.rng = random.Random(0)
         self.vocab = self.model.cfg.vocab_size
@@ -123,12 +128,19 @@ class Bench:
             assert sum(len(q.tokens) for x in res for q in x.sequences) == p["prompts"] * p["samples"] * p["new"]
             t_trine.append(dt)
             stats = s.stats
-            t_gen.append(self.timed(lambda: self.hf_generate(prompts, p["new"], p["samples"]))[0])
+            if self.generate:
+                t_gen.append(self.timed(lambda: self.hf_generate(prompts, p["new"], p["samples"]))[0])
             t_hfc.append(self.timed(lambda: self.hf_cached_group(prompts, p["new"], p["samples"]))[0])
-            log(f"  grpo #{r}: trine {dt:.2f}s  generate(n=8) {t_gen[-1]:.2f}s  HF+cache {t_hfc[-1]:.2f}s")
-        return dict(grpo_s=self.med(t_trine), grpo_generate_s=self.med(t_gen), grpo_hf_cache_s=self.med(t_hfc),
-                    grpo_vs_generate=self.med(t_gen) / self.med(t_trine),
+            log(f"  grpo #{r}: trine {dt:.2f}s  generate(n=8) {t_gen[-1] if t_gen else 0:.2f}s  "
+                f"HF+cache {t_hfc[-1]:.2f}s")
+        linear = sum(m.weight.numel() for m in self.model.modules() if isinstance(m, torch.nn.Linear))
+        flop = 2 * linear * (stats["prefill_tokens"] + stats["sample_tokens"])
+        peak = gemm_peak_gflops()
+        gen = dict(grpo_generate_s=self.med(t_gen), grpo_vs_generate=self.med(t_gen) / self.med(t_trine)) if t_gen else {}
+        return dict(grpo_s=self.med(t_trine), grpo_hf_cache_s=self.med(t_hfc), **gen,
                     grpo_vs_hf_cache=self.med(t_hfc) / self.med(t_trine),
+                    grpo_linear_gflops=flop / self.med(t_trine) / 1e9, gemm_peak_gflops=peak,
+                    grpo_fraction_of_peak=flop / self.med(t_trine) / 1e9 / peak,
                     grpo_tokens={k: stats[k] for k in ("prompt_tokens", "prefill_tokens", "cached_tokens",
                                                        "sample_tokens")})
 
@@ -203,6 +215,18 @@ class Bench:
                     no_sharing_overhead=self.med([a / b for a, b in zip(on_t, off_t)]) - 1)
 
 
+def gemm_peak_gflops(n: int = 1024, reps: int = 20) -> float:
+    """This CPU's fp32 GEMM rate at the current thread count: the best of `reps` n x n x n matmuls."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -212,6 +236,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--kv-cache-mb", type=int, default=512)
     ap.add_argument("--only", nargs="*", choices=list(SIZES), help="run only these scenarios")
+    ap.add_argument("--no-generate", action="store_true", help="grpo: skip the generate(n=8) baseline")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -219,7 +244,7 @@ def main() -> None:
     if model_dir is None:
         from trine.engine.default_model import ensure_default_model
         model_dir = ensure_default_model()
-    bench = Bench(model_dir, args.repeats, args.kv_cache_mb * 2**20)
+    bench = Bench(model_dir, args.repeats, args.kv_cache_mb * 2**20, generate=not args.no_generate)
     sizes = QUICK if args.quick else SIZES
     out: dict = dict(model=str(model_dir), repeats=args.repeats, threads=torch.get_num_threads(),
                      quick=args.quick, sizes={k: sizes[k] for k in (args.only or sizes)})
@@ -229,11 +254,7 @@ def main() -> None:
     for name in args.only or list(SIZES):
         log(f"{name}: {sizes[name]}")
         out.update(getattr(bench, name)(sizes[name]))
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
+    emit(out, args.json)
 
 
 if __name__ == "__main__":

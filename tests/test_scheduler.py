@@ -178,26 +178,37 @@ def test_admission_order_is_the_policys():
 
 
 # ----------------------------------------------------------------------------- prefill chunks
-def test_the_prefill_budget_follows_the_measured_step_time():
+def test_the_prefill_budget_follows_the_measured_step_time_while_others_decode():
     sch = Scheduler(pool(512), max_batch_tokens=256, prefill_step_seconds=0.25)
-    add(sch, request(2000, generate=False))
-    assert prefill(sch, seconds=0.5) == [(sch.prefilling[0], 4 * BS)]  # the first chunk: 4 blocks
-    assert prefill(sch, seconds=0.01)[0][1] == 8  # 16 tokens took 0.5 s: 8 take 0.25 s
-    assert prefill(sch, seconds=0.01)[0][1] == 16  # fast: at most twice the last chunk
-    assert prefill(sch, seconds=10.0)[0][1] == 32
-    assert prefill(sch)[0][1] == BS  # slow: never below one block
-    for _ in range(6):  # 8, 16, ..., 256
-        prefill(sch)
-    assert prefill(sch)[0][1] == 256  # never above max_batch_tokens
+    assert sch._prefill_budget(decoding=True) == 4 * BS  # nothing measured yet: 4 blocks
+    sch.last_prefill = (16, 0.5)
+    assert sch._prefill_budget(decoding=True) == 8  # 16 tokens took 0.5 s: 8 take 0.25 s
+    sch.last_prefill = (8, 0.01)
+    assert sch._prefill_budget(decoding=True) == 16  # fast: at most twice the last chunk
+    sch.last_prefill = (32, 10.0)
+    assert sch._prefill_budget(decoding=True) == BS  # slow: never below one block
+    sch.last_prefill = (256, 0.01)
+    assert sch._prefill_budget(decoding=True) == 256  # never above max_batch_tokens
+
+
+def test_when_nothing_decodes_whole_prompts_prefill_in_one_forward():
+    sch = Scheduler(pool(4096), max_batch_tokens=2048)
+    group = [request(512, first=1000 * i, samples=8) for i in range(4)]  # a GRPO step
+    add(sch, *group)
+    assert prefill(sch, seconds=5.0) == [(r, 512) for r in group]  # slow or not: nobody waits
+    long = request(3000, generate=False, first=9000)
+    add(sch, long)
+    sch.running = []  # the group's samples finished
+    assert prefill(sch, seconds=5.0) == [(long, 2048)]  # at most max_batch_tokens
 
 
 def test_prompts_with_the_fewest_tokens_left_go_first_and_the_longest_takes_the_rest():
     sch = Scheduler(pool(256), max_batch_tokens=64)
     long, mid, short = request(300, first=0), request(30, first=1000), request(9, first=2000)
     add(sch, long, mid, short)
-    assert prefill(sch) == [(short, 9)]  # the first budget is 16: `mid` would pad `short` to 2 x 9
-    sch.last_prefill = (64, 0.0)  # a fast machine: the whole max_batch_tokens
-    assert prefill(sch) == [(mid, 30), (long, 32)]
+    assert prefill(sch) == [(short, 9), (mid, 30)]  # `long` would pad both to 3 x 21
+    sch.running = []
+    assert prefill(sch) == [(long, 64)]
 
 
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=12), st.integers(1, 512))

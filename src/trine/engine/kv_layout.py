@@ -7,7 +7,7 @@ Invariants
 - A prompt's samples share its full blocks by reference; each gets its own copy of the partial last
   block (sample 0 keeps the original). A decode step attends the samples of one request as one
   packed row (`KVContext.query_index`): the prompt KV they share is gathered once per step, not
-  once per sample.
+  once per sample; every query's keys stay tile aligned in position order (invariant.py).
 - Only full blocks whose KV is computed are keyed; a block's key chains its parent's key (the
   `WeightsIdentity` for block 0), so KV is only ever served to the same weights and tokens. Blocks
   a `mixed` request (an inflight one whose weights changed under it) computes are never keyed.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .invariant import KEY_TILE
 from .kv_cache import BlockManager, block_key
 from .model import KVContext
 from .sequence import Request, Sequence
@@ -31,11 +32,15 @@ class KVLayout:
 
     def slots(self, block_lists: list[list[int]], length: int) -> torch.Tensor:
         """[B, length] pool slots of positions 0..length-1 of each row's blocks (padding: slot 0)."""
-        width = max(len(b) for b in block_lists)
+        return self.slots_at(block_lists, torch.arange(length, device=self.device).expand(len(block_lists), length))
+
+    def slots_at(self, block_lists: list[list[int]], positions: torch.Tensor) -> torch.Tensor:
+        """[B, n] pool slots of `positions` [B, n] of each row's blocks (past its blocks: in block 0)."""
+        width = max(max(len(b) for b in block_lists), 1)
         table = torch.tensor([b + [0] * (width - len(b)) for b in block_lists], dtype=torch.long,
                              device=self.device).view(len(block_lists), width)
-        slots = (table[:, :, None] * self.block_size + self._arange).view(len(block_lists), -1)
-        return slots[:, :length]
+        blocks = table.gather(1, (positions // self.block_size).clamp(max=width - 1))
+        return blocks * self.block_size + positions % self.block_size
 
     # ------------------------------------------------------------------ attention contexts
     def prefill(self, rows: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, KVContext]:
@@ -75,17 +80,20 @@ class KVLayout:
         return tokens, pos, KVContext(self.kv.k_pool, self.kv.v_pool, write, read, mask, packed)
 
     def _packed(self, seqs: list[Sequence], lens: list[int], groups: list[list[int]]):
-        """Decode attention packed by request: one row per request holds the prompt's shared full
-        blocks once, then each sample's own blocks; sample t's query sees the shared keys and
-        its own. Returns write [B, 1], read [P, L], mask [P, 1, Q, L], query_index [P, Q]."""
-        dev, bs = self.device, self.block_size
+        """Decode attention packed by request: one row per request holds the keys its samples share
+        once, then each sample's own keys; sample t's query sees the shared keys and its own. The
+        shared part is the prompt's full blocks cut down to whole key tiles, and each sample's part
+        starts on a tile boundary, so every query's keys sit tile aligned in position order (the
+        layout invariant.attention needs). Returns write [B, 1], read [P, L], mask [P, 1, Q, L],
+        query_index [P, Q]."""
+        dev, kt = self.device, KEY_TILE
         P, Q = len(groups), max(len(g) for g in groups)
-        shared = [seqs[g[0]].req.shared for g in groups]  # identical first blocks of the group
-        own = [seqs[i].req.shared for g in groups for i in g]
+        shared = [seqs[g[0]].req.shared * self.block_size // kt * kt for g in groups]  # positions
         order = [i for g in groups for i in g]
-        own_len = torch.tensor([lens[i] - f * bs for i, f in zip(order, own)], device=dev)
-        own_slots = self.slots([seqs[i].blocks[f:] for i, f in zip(order, own)], int(own_len.max()))
-        S = own_slots.shape[1]
+        own_from = torch.tensor([shared[p] for p, g in enumerate(groups) for _ in g], device=dev)
+        own_len = torch.tensor([lens[i] for i in order], device=dev) - own_from
+        S = -(-int(own_len.max()) // kt) * kt
+        own_slots = self.slots_at([seqs[i].blocks for i in order], own_from[:, None] + torch.arange(S, device=dev))
         rows = torch.full((P, Q), -1, dtype=torch.long)  # packed query -> index into `order`
         start = 0
         for p, g in enumerate(groups):
@@ -93,10 +101,10 @@ class KVLayout:
             start += len(g)
         rows = rows.to(dev)
         k = rows.clamp(min=0)  # padding queries borrow a real sequence's keys: never all-masked
-        pre_len = max(shared) * bs
-        pre = self.slots([seqs[g[0]].blocks[:f] for g, f in zip(groups, shared)], pre_len)
+        pre_len = max(shared)
+        pre = self.slots([seqs[g[0]].blocks for g in groups], pre_len)
         read = torch.cat([pre, own_slots[k].view(P, Q * S)], 1)
-        pre_mask = torch.arange(pre_len, device=dev)[None] < torch.tensor(shared, device=dev)[:, None] * bs
+        pre_mask = torch.arange(pre_len, device=dev)[None] < torch.tensor(shared, device=dev)[:, None]
         own_mask = torch.arange(S, device=dev)[None] < own_len[:, None]  # [B, S] in `order`
         eye = torch.eye(Q, dtype=torch.bool, device=dev)
         own_mask = (eye[None, :, :, None] & own_mask[k][:, None]).view(P, Q, Q * S)

@@ -17,8 +17,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .invariant import linear
 
 LORA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -119,10 +120,10 @@ class LoRALinear(nn.Linear):
     lora_name: str = ""  # its full module name in the model (set by the model), the adapters' key
 
     def forward(self, x: torch.Tensor, adapters: AdapterBatch | None = None) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
         if not adapters or not adapters.groups:
             return out
-        # In place: `out` is fresh and F.linear's backward does not read it, so no copies of it are
+        # In place: `out` is fresh and linear's backward does not read it, so no copies of it are
         # made per adapter. The scale multiplies the rank-r intermediate, not the wide output.
         if adapters.spans is not None:
             return self._add_spans(x, out, adapters.spans)
@@ -132,7 +133,7 @@ class LoRALinear(nn.Linear):
                 continue
             a, b = pair
             xs = x if rows is None else x.index_select(0, rows)
-            delta = F.linear(F.linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype)
+            delta = linear(linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype)
             out = out.add_(delta) if rows is None else out.index_add_(0, rows, delta)
         return out
 
@@ -158,5 +159,5 @@ class LoRALinear(nn.Linear):
                 deltas.append(out.new_zeros(xs.shape[:-1] + out.shape[-1:]))
                 continue
             a, b = adapter.pair(self.lora_name)
-            deltas.append(F.linear(F.linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype))
+            deltas.append(linear(linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype))
         return out.add_(torch.cat(deltas))

@@ -6,10 +6,12 @@ layer is a `LoRALinear` (lora.py); each forward takes the `AdapterBatch` of its 
 Invariants
 - Module names mirror Hugging Face's (`model.layers.N.self_attn.q_proj`, `lm_head`, ...), so a
   checkpoint's state dict loads with `load_state_dict` and LoRA targets have PEFT's names.
-- One attention interface, `attention()`: torch SDPA with `enable_gqa`, the path that works on
-  every device. With a `KVContext` the new keys/values are written into the paged KV pool first,
-  then the whole context is gathered from it; without one, attention is over the batch itself
-  (causal + padding mask) — the training path.
+- One attention interface, `attention()` (invariant.py, batch-invariant). With a `KVContext` the
+  new keys/values are written into the paged KV pool first, then the whole context is gathered
+  from it; without one, attention is over the batch itself (causal + padding mask) — the training
+  path. Every reduction goes through invariant.py, so a token's hidden state, logits and logprobs
+  are bit for bit the same in a decode step, a prefill chunk (cached prefix or not) and the
+  training forward, whatever else is in the batch.
 """
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .invariant import attention, silu
 from .lora import AdapterBatch, LoRALinear
 
 
@@ -128,13 +130,6 @@ class KVContext:
     query_index: torch.Tensor | None = None
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              causal: bool = False) -> torch.Tensor:
-    """q [B, H, T, D], k/v [B, KVH, L, D] -> [B, H, T, D]. The single attention entry point."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                          enable_gqa=k.shape[1] != q.shape[1])
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -193,7 +188,7 @@ class MLP(nn.Module):
         self.down_proj = LoRALinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, adapters):
-        return self.down_proj(F.silu(self.gate_proj(x, adapters)) * self.up_proj(x, adapters), adapters)
+        return self.down_proj(silu(self.gate_proj(x, adapters)) * self.up_proj(x, adapters), adapters)
 
 
 class Block(nn.Module):

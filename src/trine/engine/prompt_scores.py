@@ -23,6 +23,7 @@ import secrets
 
 import torch
 
+from .invariant import log_probs
 from .requests import SampleRequest
 from .sampling import TopLogprobs, draw, sample_seed
 
@@ -98,7 +99,7 @@ class PromptScores:
         for a in range(first, stop, LOGITS_CHUNK):
             b = min(a + LOGITS_CHUNK, stop)
             logits = logits_of(hidden[:, a - start:b - start])[0].float()
-            logp = torch.log_softmax(logits, dim=-1)
+            logp = log_probs(logits)
             nxt = torch.tensor(prompt[a + 1:b + 1], device=logp.device)
             self.logprobs += logp.gather(1, nxt[:, None])[:, 0].tolist()
             if k:

@@ -19,6 +19,7 @@ import secrets
 
 import torch
 
+from .invariant import log_probs
 from .requests import SamplingOptions
 
 _MASK64 = 2**64 - 1
@@ -49,7 +50,7 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], gens: list[torc
     """One token per row of `logits` [B, V] under its row's options: (tokens, their logprobs, each
     row's top-logprobs list, or None where its options ask for none)."""
     logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = log_probs(logits)
     greedy = [o.greedy for o in options]
     if all(greedy):
         tok = logits.argmax(-1)

@@ -18,7 +18,8 @@ computing waits, then hits them. A request that scores its prompt reads only the
 first position it scores (`Request.cacheable`: none for whole-prompt logprobs).
 
 Prefill chunks. At most one prefill forward a step, over at most `max_batch_tokens` positions
-(padding included), so a long prompt is prefilled over several steps. The chunk is sized by time:
+(padding included), so a long prompt is prefilled over several steps. When nothing decodes the
+chunk is the whole `max_batch_tokens`: whole prompts in one forward. Otherwise it is sized by time:
 scaled from the last prefill's tokens and seconds (at least one block, at most twice as many as
 last time) to take about `prefill_step_seconds`, which bounds how long a request arriving
 meanwhile waits. Prompts are ordered fairly by tokens across tenants (`fair_order`: each tenant's
@@ -204,7 +205,7 @@ class Scheduler:
         if unpaid:  # only prompts newer than every decoding request, and short
             newest = max(s.req.order for s in decoding)
             ready = [r for r in ready if r.order > newest and r.prompt_left <= self.max_batch_tokens]
-        rows = chunk_rows(fair_order(ready, self._served()), self._prefill_budget()) if ready else []
+        rows = chunk_rows(fair_order(ready, self._served()), self._prefill_budget(bool(decoding))) if ready else []
         return StepPlan(decoding, rows, charged=bool(decoding) and not unpaid)
 
     def _served(self) -> dict[str, int]:
@@ -229,9 +230,13 @@ class Scheduler:
         """The step loop ran a decode step in `seconds`: it pays `prefill_share` of them off the debt."""
         self.debt = max(0.0, self.debt - self.prefill_share * seconds)
 
-    def _prefill_budget(self) -> int:
-        """Prefill positions for this step: what should take `prefill_step_seconds`, scaled from the
-        last prefill step; between one block and max_batch_tokens."""
+    def _prefill_budget(self, decoding: bool) -> int:
+        """Prefill positions for this step: max_batch_tokens when nothing decodes (nobody waits on
+        the step, and one large forward is the most efficient); else what should take
+        `prefill_step_seconds`, scaled from the last prefill step, between one block and
+        max_batch_tokens."""
+        if not decoding:
+            return self.max_batch_tokens
         low = min(self.block_size, self.max_batch_tokens)
         if self.last_prefill is None:
             return min(self.max_batch_tokens, 4 * self.block_size)

@@ -18,8 +18,9 @@ How a micro-batch is computed
 3. Only positions with a target (not -100) go through the LM head, `logits_chunk_tokens` at a time.
    Because every loss is elementwise in the target logprob, dLoss/dlogits = g * (onehot - softmax)
    with g = dloss/dlogp is known right away: each chunk's softmax is computed in place, turned into
-   that gradient and pushed back through the LM head at once. At most one [chunk, vocab] fp32
-   tensor is alive, and the full logits are never stored.
+   that gradient and pushed back through the LM head at once. At most two [chunk, vocab] fp32
+   tensors (the logits and their log-softmax, invariant.log_probs: the sampler's logprobs) are
+   alive, and the full logits are never stored.
 4. The gradient gathered for h flows back through the body in one backward call.
 
 Invariants
@@ -45,6 +46,7 @@ import torch
 
 from ..limits import ADAM_BOUNDS, check_adam_value, check_lora_rank
 from . import checkpoint
+from .invariant import log_probs
 from .losses import Loss, LossInputs, PreparedDatum, prepare_datum, sequence_log_ratios
 from .lora import Adapter, AdapterBatch, LoRAConfig
 from .model import Transformer
@@ -239,16 +241,15 @@ class Trainer:
             chunk_adapters = adapters if token_spans is None else _chunk_adapters(token_spans, i, j, device)
             with torch.set_grad_enabled(backward):
                 logits = model.lm_head(hs, chunk_adapters).float()
-            z = logits.detach()
-            lse = torch.logsumexp(z, dim=-1)
-            logp = z.gather(1, tgt[i:j, None]).squeeze(1) - lse
+            z = log_probs(logits.detach())
+            logp = z.gather(1, tgt[i:j, None]).squeeze(1)
             loss_t, g = _losses_and_grads(losses_in_mb, loss_of[i:j], logp, inputs.select(slice(i, j)),
                                           need_grad=backward)
             logp_all[i:j], loss_all[i:j] = logp, loss_t
             if scales is not None and g is not None:
                 g = g * scales[i:j]
             if backward and logits.requires_grad:
-                grad = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # in place: z becomes dLoss/dlogits
+                grad = z.exp_().mul_(-g[:, None])  # in place: z becomes dLoss/dlogits
                 grad.scatter_add_(1, tgt[i:j, None], g[:, None])
                 logits.backward(grad)
             del logits, z
@@ -268,8 +269,8 @@ class Trainer:
                 j = min(i + self.logits_chunk_tokens, sel.shape[0])
                 chunk_adapters = adapters if token_spans is None else \
                     _chunk_adapters(token_spans, i, j, sel.device)
-                z = self.model.lm_head(sel[i:j], chunk_adapters).float()
-                out.append(z.gather(1, tgt[i:j, None]).squeeze(1) - torch.logsumexp(z, dim=-1))
+                z = log_probs(self.model.lm_head(sel[i:j], chunk_adapters))
+                out.append(z.gather(1, tgt[i:j, None]).squeeze(1))
         return torch.cat(out)
 
     # ------------------------------------------------------------------ optimizer

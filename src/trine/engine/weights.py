@@ -24,6 +24,20 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    """The model dtype a name asks for ("float32", "bfloat16"; None or "auto": the device's default).
+    bfloat16 runs on CPU too, the way it runs on CUDA: bf16 weights, activations and KV cache; fp32
+    norms, attention softmax, logits, log-softmax, LoRA weights and optimizer state."""
+    if name is None or name == "auto":
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"dtype: {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 def read_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     cfg_file = path / "config.json"

@@ -37,7 +37,7 @@ import torch
 from .lora import Adapter
 from .requests import SampleDelta, SampleRequest, SampleResult
 from .tokenizer import Tokenizer
-from .weights import load_model
+from .weights import load_model, parse_dtype
 
 log = logging.getLogger("trine.worker")
 
@@ -66,10 +66,11 @@ class EngineWorker:
 
     def __init__(self, name: str, model_dir: str | Path, *, device: str | None = None,
                  num_threads: int | None = None, sampler_options: dict | None = None,
-                 trainer_options: dict | None = None):
+                 trainer_options: dict | None = None, dtype: str | None = None):
         self.name = name
         self.model_dir = Path(model_dir).resolve()
         self.device = device
+        self.dtype = parse_dtype(dtype)  # checked here, before the thread starts
         self.num_threads = num_threads
         self.sampler_options = dict(sampler_options or {})
         self.trainer_options = dict(trainer_options or {})
@@ -174,7 +175,7 @@ class EngineWorker:
                 torch.set_num_threads(self.num_threads)
             from .sampler import Sampler
             from .trainer import Trainer
-            self.model = load_model(self.model_dir, device=self.device)
+            self.model = load_model(self.model_dir, device=self.device, dtype=self.dtype)
             self.tokenizer = Tokenizer(self.model_dir)
             self._new_sampler = lambda: Sampler(self.model, self.tokenizer, **self.sampler_options)
             self.sampler = self._new_sampler()

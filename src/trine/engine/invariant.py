@@ -1,0 +1,120 @@
+"""Batch-invariant kernels: the model's numerics, so that the sampler and the trainer compute the
+same numbers bit for bit.
+
+A token's logprob must not depend on what else is in its batch, on how many of its prompt's
+tokens came from the KV cache, on how its keys are laid out in memory, or on which code path (a
+decode step, a prefill chunk, the training forward) computed it. CPU BLAS and torch's kernels
+pick their blocking, their code path and their threads' split of a reduction from the shapes of a
+call, so every reduction here runs in calls whose shapes do not depend on the batch:
+
+- `linear`: rows go through `F.linear` in chunks of exactly `ROW_TILE` rows (the last one zero
+  padded). Measured on MKL: a row's result changes with M below 16 rows, and with 2 threads the
+  K reduction is split between threads for some M and not others.
+- `attention`: keys are cut in tiles of `KEY_TILE` positions. Scores are one matmul per
+  (sequence, kv head) with at least `MIN_QUERY_ROWS` query rows; the softmax is two-pass with an
+  exact max; each tile's probabilities times its values is one fixed-shape [rows, KEY_TILE] x
+  [KEY_TILE, head_dim] matmul, and the tiles' partial sums (and the denominators) are added in
+  key order by a sequential `cumsum`. Fully masked tiles add exactly zero, so a query's result is
+  the same whatever keys it does not see, how many there are, and where they sit.
+- `silu`: x / (1 + exp(-x)); torch's fused SiLU gives a different last bit in its scalar tail
+  loop, so an element's value depended on its offset in the tensor.
+- `log_probs`: log-softmax, the one normalisation of logits everywhere (torch's `logsumexp` splits
+  a single row's reduction between threads; its `log_softmax` does not).
+
+Invariants
+- For a fixed thread count, each output row of these functions depends only on that row's inputs
+  (and, for attention, on the keys and values it may attend, in position order).
+- Attention needs each query's visible keys in position order along the key axis, tile aligned:
+  visible key at position p sits in tile p // KEY_TILE's place among that query's visible tiles,
+  at offset p % KEY_TILE. Contiguous positions 0..L (training, prefill, decode) satisfy it; the
+  sampler's packed decode layout (kv_layout.py) is built to.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+ROW_TILE = 32  # rows per linear-layer GEMM call
+KEY_TILE = 16  # key positions per attention tile
+MIN_QUERY_ROWS = 16  # MKL's small-M GEMM path differs below this
+QUERY_CHUNK = 256  # queries per attention pass: bounds the [queries, keys] score memory
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose output rows do not depend on how many other rows the call holds."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    if m == 0:
+        return F.linear(x, weight, bias)
+    pad = (-m) % ROW_TILE
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, k)])
+    chunks = [F.linear(c, weight, bias) for c in rows.split(ROW_TILE)]
+    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    return (out[:m] if pad else out).view(*x.shape[:-1], -1)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the last dim, in fp32: every logprob the engine reports is read from this."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+              causal: bool = False) -> torch.Tensor:
+    """q [N, H, T, D], k/v [N, KVH, L, D] -> [N, H, T, D]; scale 1/sqrt(D), grouped-query heads.
+
+    `mask` [N, 1, T, L] bool (True: may attend; every query must see at least one key); without
+    one, `causal` lets query t see keys 0..t (T == L), else every query sees every key. With
+    gradients on, the attention is recomputed in backward rather than storing its [T, L] tensors.
+    Computed in fp32 whatever the inputs' dtype (as flash attention accumulates), returned in it.
+    """
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    N, H, T, D = q.shape
+    L = k.shape[2]
+    if mask is None:
+        mask = torch.ones(T, L, dtype=torch.bool, device=q.device)
+        mask = (mask.tril() if causal else mask)[None, None]
+    pad = (-L) % KEY_TILE
+    if pad:
+        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+        mask = F.pad(mask, (0, pad), value=False)
+    k, v = k.contiguous(), v.contiguous()
+    outs = []
+    for a in range(0, T, QUERY_CHUNK):
+        m = mask[:, :, a:a + QUERY_CHUNK]
+        seen = m.reshape(-1, m.shape[-1]).any(0).nonzero()
+        keys = -(-(int(seen.max()) + 1) // KEY_TILE) * KEY_TILE  # the tiles any query here sees
+        args = (q[:, :, a:a + QUERY_CHUNK], k[:, :, :keys], v[:, :, :keys], m[..., :keys])
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            outs.append(checkpoint(_attend, *args, use_reentrant=False))
+        else:
+            outs.append(_attend(*args))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)).to(dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One pass of `attention` over a chunk of queries; L a multiple of KEY_TILE."""
+    N, H, T, D = q.shape
+    kvh, L = k.shape[1], k.shape[2]
+    g = H // kvh
+    tp = max(T, -(-MIN_QUERY_ROWS // g))  # query rows per kv head >= MIN_QUERY_ROWS
+    if tp > T:  # padding queries attend what the last query does
+        q = F.pad(q, (0, 0, 0, tp - T))
+        mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, tp - T, -1)], 2)
+    rows = q.reshape(N, kvh, g * tp, D)  # a kv head's queries: (group member, position)
+    s = torch.matmul(rows, k.transpose(-1, -2)).mul_(1 / math.sqrt(D)).view(N, kvh, g, tp, L)
+    s = s.masked_fill(~mask[:, :, None], -math.inf)
+    p = torch.exp(s - s.amax(-1, keepdim=True)).view(N, kvh, g * tp, L // KEY_TILE, KEY_TILE)
+    denom = p.sum(-1).cumsum(-1)[..., -1:]  # [N, kvh, rows, 1]: tile sums added in key order
+    parts = torch.matmul(p.transpose(2, 3), v.view(N, kvh, L // KEY_TILE, KEY_TILE, D))
+    out = parts.cumsum(2)[:, :, -1] / denom  # [N, kvh, rows, D]
+    return out.view(N, H, tp, D)[:, :, :T]

@@ -1,0 +1,83 @@
+"""Sampler = trainer, bit for bit: a sampled token's logprob is exactly (== in fp32) the one
+compute_logprobs and the trainer's forward give it, whatever the batch, the cache split, the
+prefill chunking, the packing of samples or the thread count; seeded samples are identical alone,
+batched, cached or not."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from trine.engine.lora import LoRAConfig
+from trine.engine.losses import Loss
+from trine.engine.requests import SampleRequest, SamplingOptions, TrainDatum
+from trine.engine.sampler import Sampler
+from trine.engine.tokenizer import Tokenizer
+from trine.engine.trainer import Trainer
+from trine.engine.weights import load_model
+
+MB = 2**20
+_ids = iter(range(10**9))
+
+
+@pytest.fixture()
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def setup(model_dir):
+    """A model, a trainer run whose LoRA adapter is not the identity, and its weights."""
+    model = load_model(model_dir, "cpu")
+    trainer = Trainer(model, base_model="tiny", micro_batch_tokens=256)
+    trainer.create_run("r", LoRAConfig(rank=4))
+    with torch.no_grad():
+        for b in trainer.adapter("r").B.values():
+            b.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    return model, Tokenizer(model_dir), trainer
+
+
+def sample_req(trainer, p, n=1, generate=True):
+    opts = SamplingOptions(max_tokens=7, temperature=1.0, seed=11, stop_at_eos=False)
+    return SampleRequest(f"n{next(_ids)}", list(p), opts, trainer.weights_identity("r"), trainer.snapshot("r"),
+                         num_samples=n, generate=generate)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    base = [rng.randrange(100, 40000) for _ in range(150)]
+    tail = [rng.randrange(100, 40000) for _ in range(30)]
+    # lengths across block and key-tile boundaries; the last shares 40 tokens with the first, so
+    # once the first is cached it starts from a cached prefix; 150 tokens take several prefill chunks
+    return [base, [7, 8, 9], base[:16], base[:37], base[:53], base[:40] + tail]
+
+
+@pytest.mark.parametrize("family,threads", [("llama", 1), ("llama", 2),
+                                            pytest.param("qwen2", 1, marks=pytest.mark.slow),
+                                            pytest.param("qwen3", 1, marks=pytest.mark.slow)],
+                         indirect=["threads"])
+def test_sampler_compute_logprobs_and_trainer_agree_exactly(tiny_model_dirs, family, threads):
+    model, tok, trainer = setup(tiny_model_dirs[family])
+    ps = prompts()
+    samples = [1, 3, 1, 2, 4, 2]
+    new = lambda: Sampler(model, tok, kv_cache_bytes=16 * MB)  # noqa: E731
+    batched = new()
+    first = batched.run([sample_req(trainer, ps[0], samples[0])])  # caches the shared prefix
+    together = first + batched.run([sample_req(trainer, p, n) for p, n in zip(ps[1:], samples[1:])])
+    assert together[-1].usage.cached_tokens == 32  # the cache split is exercised
+    alone = [new().run([sample_req(trainer, p, n)])[0] for p, n in zip(ps, samples)]
+    data, want = [], []
+    for p, a, b in zip(ps, alone, together):
+        for sa, sb in zip(a.sequences, b.sequences):
+            assert sa.tokens == sb.tokens  # seeded: alone = batched = cached
+            assert sa.logprobs == sb.logprobs
+            data.append(TrainDatum(tokens=p + sa.tokens[:-1], target_tokens=[-100] * (len(p) - 1) + sa.tokens))
+            want.append(sa.logprobs)
+    fwd = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0]
+    computed = batched.run([sample_req(trainer, d.tokens + d.target_tokens[-1:], generate=False) for d in data])
+    for w, t, c in zip(want, fwd.logprobs, computed):
+        assert t[-len(w):] == w  # the trainer's forward, padded into micro-batches with the others
+        assert c.prompt_logprobs[-len(w):] == w  # compute_logprobs, with other requests in its prefill
