@@ -155,4 +155,5 @@ def test_one_tenant_is_prefilled_fewest_tokens_first():
     sch = Scheduler(pool(4096), max_batch_tokens=64)
     a, b, c = request(40), request(8, first=100), request(16, first=200)
     add(sch, a, b, c)
-    assert prefill(sch) == [(b, 8), (c, 8)]  # the first budget: 16 positions, the last row partial
+    # nothing decodes: the whole budget (64 positions, rows x the longest row), the last row partial
+    assert prefill(sch) == [(b, 8), (c, 16), (a, 21)]
