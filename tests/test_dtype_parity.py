@@ -27,6 +27,16 @@ from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model
+from trine.engine import invariant
+
+
+@pytest.fixture(autouse=True)
+def batch_invariant():
+    """These tests pin the batch-invariant kernels (opt-in: `trine serve --batch-invariant`)."""
+    invariant.enable(True)
+    yield
+    invariant.enable(False)
+
 
 DEVICE = os.environ.get("TRINE_TEST_DEVICE", "cpu")
 BF16_SELF_ATOL = 0.0 if DEVICE == "cpu" else 0.05  # sampler vs trainer, both bf16

@@ -16,6 +16,16 @@ from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model
+from trine.engine import invariant
+
+
+@pytest.fixture(autouse=True)
+def batch_invariant():
+    """These tests pin the batch-invariant kernels (opt-in: `trine serve --batch-invariant`)."""
+    invariant.enable(True)
+    yield
+    invariant.enable(False)
+
 
 MB = 2**20
 _ids = iter(range(10**9))

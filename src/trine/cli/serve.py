@@ -40,14 +40,14 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
         raise click.BadParameter(str(e), param_hint="--model")
 
 
-def _ray_engines(address: str, replicas: int, threads: int | None, dtype: str):
+def _ray_engines(address: str, replicas: int, threads: int | None, dtype: str, batch_invariant: bool):
     try:
         from trine.engine.ray_backend import connect, ray_engines
     except ImportError:
         raise click.UsageError("--ray needs Ray: pip install 'trine[ray]'") from None
     resources = connect(None if address == "local" else address)
     click.echo(f"Ray cluster: {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs")
-    return ray_engines(replicas, num_threads=threads or 1, options={"dtype": dtype})
+    return ray_engines(replicas, num_threads=threads or 1, options={"dtype": dtype, "batch_invariant": batch_invariant})
 
 
 def check_model_family(served: dict[str, Path]) -> None:
@@ -102,6 +102,9 @@ def key_hint(store, home: Path, new_key: str | None) -> str:
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16"]),
               help="Model dtype. auto: float32 on CPU, bfloat16 on CUDA. bfloat16 on CPU runs the "
                    "engine the way CUDA does (fp32 logits, softmax, LoRA weights and optimizer state).")
+@click.option("--batch-invariant", is_flag=True,
+              help="Batch-invariant kernels: the sampler's logprobs equal the trainer's bit for bit "
+                   "(slower; see the README).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
               metavar="[ADDRESS]",
               help="Run the engines as Ray actors: --ray alone starts a local Ray; --ray auto joins "
@@ -118,7 +121,7 @@ def key_hint(store, home: Path, new_key: str | None) -> str:
 @click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Seconds a connection may take to send complete request headers.")
 @click.option("--quiet", is_flag=True, help="No access log (one line per request, on by default).")
-def serve(models, host, port, home, cycle_seconds, threads, dtype, ray_address, replicas, checkpoint_dir,
+def serve(models, host, port, home, cycle_seconds, threads, dtype, batch_invariant, ray_address, replicas, checkpoint_dir,
           log_level, max_connections, header_timeout, quiet):
     """Serve base models for training and sampling over the PyTRIO protocol."""
     from trine.server import access_log
@@ -141,12 +144,12 @@ def serve(models, host, port, home, cycle_seconds, threads, dtype, ray_address, 
         store.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     engines = None
     if ray_address is not None:
-        engines = _ray_engines(ray_address, replicas, threads, dtype)
+        engines = _ray_engines(ray_address, replicas, threads, dtype, batch_invariant)
     new_key = None
     if not any(k.revoked_at is None for k in store.keys()):  # first run, or every key revoked
         _, new_key = store.create_key("default")
     service = Service(store, served, cycle_seconds=cycle_seconds, num_threads=threads, engines=engines,
-                      dtype=dtype)
+                      dtype=dtype, batch_invariant=batch_invariant)
     app = create_app(service, TokenSigner(home))
     url = f"http://{host}:{port}"
     click.echo(f"trine serving {', '.join(served)} at {url}  (data: {home})")

@@ -21,7 +21,13 @@ call, so every reduction here runs in calls whose shapes do not depend on the ba
 - `log_probs`: log-softmax, the one normalisation of logits everywhere (torch's `logsumexp` splits
   a single row's reduction between threads; its `log_softmax` does not).
 
-Invariants
+The kernels are opt-in (`enable(True)`; `trine serve --batch-invariant`, `Service(batch_invariant=
+True)`): they cost throughput (README, "Sampler = trainer, bit for bit"). Off, the same functions
+are torch's fused kernels (F.linear, SDPA, F.silu) and a token's logprob may differ between the
+sampler and the trainer in the last bits (about 1e-6 in fp32). The switch is process-wide: every
+engine in one process computes the same way.
+
+Invariants (while enabled)
 - For a fixed thread count, each output row of these functions depends only on that row's inputs
   (and, for attention, on the keys and values it may attend, in position order).
 - Attention needs each query's visible keys in position order along the key axis, tile aligned:
@@ -41,10 +47,23 @@ ROW_TILE = 32  # rows per linear-layer GEMM call
 KEY_TILE = 16  # key positions per attention tile
 MIN_QUERY_ROWS = 16  # MKL's small-M GEMM path differs below this
 QUERY_CHUNK = 256  # queries per attention pass: bounds the [queries, keys] score memory
+_enabled = False
+
+
+def enable(on: bool) -> None:
+    """Batch-invariant kernels on or off, for every engine in this process."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def enabled() -> bool:
+    return _enabled
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear whose output rows do not depend on how many other rows the call holds."""
+    if not _enabled:
+        return F.linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
@@ -59,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    return x / (1 + torch.exp(-x))
+    return x / (1 + torch.exp(-x)) if _enabled else F.silu(x)
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -75,7 +94,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     one, `causal` lets query t see keys 0..t (T == L), else every query sees every key. With
     gradients on, the attention is recomputed in backward rather than storing its [T, L] tensors.
     Computed in fp32 whatever the inputs' dtype (as flash attention accumulates), returned in it.
+    Not enabled: torch's SDPA, the fused kernel of every device.
     """
+    if not _enabled:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              enable_gqa=k.shape[1] != q.shape[1])
     dtype = q.dtype
     q, k, v = q.float(), k.float(), v.float()
     N, H, T, D = q.shape

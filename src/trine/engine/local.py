@@ -24,10 +24,11 @@ RECENT_CYCLES = 32
 class LocalEngine(Engine):
     def __init__(self, name: str, model_dir: str | Path, *, device: str | None = None,
                  num_threads: int | None = None, sampler_options: dict | None = None,
-                 trainer_options: dict | None = None, replica: str = "local", dtype: str | None = None):
+                 trainer_options: dict | None = None, replica: str = "local", dtype: str | None = None,
+                 batch_invariant: bool = False):
         self.worker = EngineWorker(name, model_dir, device=device, num_threads=num_threads,
                                    sampler_options=sampler_options, trainer_options=trainer_options,
-                                   dtype=dtype)
+                                   dtype=dtype, batch_invariant=batch_invariant)
         self.replica = replica
         self.recent_cycles: deque[CycleStats] = deque(maxlen=RECENT_CYCLES)
         self._runner = CycleRunner(self.worker)

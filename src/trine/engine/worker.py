@@ -37,6 +37,7 @@ import torch
 from .lora import Adapter
 from .requests import SampleDelta, SampleRequest, SampleResult
 from .tokenizer import Tokenizer
+from . import invariant
 from .weights import load_model, parse_dtype
 
 log = logging.getLogger("trine.worker")
@@ -66,8 +67,10 @@ class EngineWorker:
 
     def __init__(self, name: str, model_dir: str | Path, *, device: str | None = None,
                  num_threads: int | None = None, sampler_options: dict | None = None,
-                 trainer_options: dict | None = None, dtype: str | None = None):
+                 trainer_options: dict | None = None, dtype: str | None = None,
+                 batch_invariant: bool = False):
         self.name = name
+        self.batch_invariant = batch_invariant  # invariant.enable: sampler = trainer, bit for bit
         self.model_dir = Path(model_dir).resolve()
         self.device = device
         self.dtype = parse_dtype(dtype)  # checked here, before the thread starts
@@ -175,6 +178,8 @@ class EngineWorker:
                 torch.set_num_threads(self.num_threads)
             from .sampler import Sampler
             from .trainer import Trainer
+            if self.batch_invariant:
+                invariant.enable(True)
             self.model = load_model(self.model_dir, device=self.device, dtype=self.dtype)
             self.tokenizer = Tokenizer(self.model_dir)
             self._new_sampler = lambda: Sampler(self.model, self.tokenizer, **self.sampler_options)

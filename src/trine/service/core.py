@@ -68,7 +68,7 @@ class Service:
                  run_idle_seconds: float = 3600.0, gc_interval: float = 60.0,
                  rate_card: RateCard | None = None, engines: EngineFactory | None = None,
                  router: Router | None = None, key_limits: KeyLimits | None = None,
-                 dtype: str | None = None):
+                 dtype: str | None = None, batch_invariant: bool = False):
         if not models:
             raise ValueError("models: serve at least one base model")
         self.store = store
@@ -81,7 +81,7 @@ class Service:
             def engines(name: str, path: Path) -> list[Engine]:
                 return [LocalEngine(name, path, device=device, num_threads=num_threads,
                                     sampler_options=sampler_options, trainer_options=trainer_options,
-                                    dtype=dtype)]
+                                    dtype=dtype, batch_invariant=batch_invariant)]
         self.models: dict[str, ServedModel] = {}
         for name, path in models.items():
             path = Path(path).resolve()
