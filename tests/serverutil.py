@@ -192,3 +192,17 @@ def wait_http(url: str, key: str, tries: int = 300) -> httpx.Response:
         except httpx.ConnectError:
             time.sleep(0.1)
     raise TimeoutError(f"{url} did not answer")
+
+
+@contextlib.contextmanager
+def tinker_env(**extra: str):
+    """The environment the official tinker client needs against a loopback server: no telemetry,
+    no proxy for 127.0.0.1, no model hub (plus `extra`); restored on exit."""
+    env = dict(TINKER_TELEMETRY="0", NO_PROXY="127.0.0.1,localhost", HF_HUB_OFFLINE="1", **extra)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

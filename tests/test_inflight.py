@@ -2,7 +2,6 @@
 inflight sampling client, and each token's weights version, on a real server with a tiny model."""
 from __future__ import annotations
 
-import os
 import time
 
 import httpx
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 import trine as trio
-from serverutil import serve
+from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -23,13 +22,9 @@ WEIGHTS_VERSIONS_FIELD = 1000  # trine's extension field of SampledSequence
 
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir, tmp_path_factory):
-    old = {k: os.environ.get(k) for k in ("TINKER_TELEMETRY", "NO_PROXY", "HF_HUB_OFFLINE", "TRINE_HOME")}
     home = tmp_path_factory.mktemp("home")
-    os.environ.update(TINKER_TELEMETRY="0", NO_PROXY="127.0.0.1,localhost", HF_HUB_OFFLINE="1", TRINE_HOME=str(home))
-    with serve(tiny_model_dir, home) as handle:
+    with tinker_env(TRINE_HOME=str(home)), serve(tiny_model_dir, home) as handle:
         yield handle
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
 import tarfile
 import time
 import types as pytypes
@@ -19,7 +18,7 @@ import httpx
 import pytest
 from safetensors.numpy import load as load_safetensors
 
-from serverutil import serve
+from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -30,12 +29,8 @@ TEXT = [1, 504, 3330, 314, 253, 1345, 28, 357, 314, 253, 1345, 30, 2]
 
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir, tmp_path_factory):
-    old = {k: os.environ.get(k) for k in ("TINKER_TELEMETRY", "NO_PROXY", "HF_HUB_OFFLINE")}
-    os.environ.update(TINKER_TELEMETRY="0", NO_PROXY="127.0.0.1,localhost", HF_HUB_OFFLINE="1")
-    with serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
+    with tinker_env(), serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
         yield handle
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 @pytest.fixture(scope="module")

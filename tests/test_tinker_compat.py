@@ -6,14 +6,13 @@ key is trine's key in its `tml-` form; telemetry is off.
 from __future__ import annotations
 
 import http.server
-import os
 import threading
 
 import httpx
 import numpy as np
 import pytest
 
-from serverutil import serve
+from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -25,12 +24,8 @@ PROMPT = list(range(100, 140))  # 40 tokens: two full 16-token cache blocks
 
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir, tmp_path_factory):
-    old = {k: os.environ.get(k) for k in ("TINKER_TELEMETRY", "NO_PROXY", "HF_HUB_OFFLINE")}
-    os.environ.update(TINKER_TELEMETRY="0", NO_PROXY="127.0.0.1,localhost", HF_HUB_OFFLINE="1")
-    with serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
+    with tinker_env(), serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
         yield handle
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def client(url: str, key: str) -> "tinker.ServiceClient":

@@ -3,13 +3,12 @@ prompt alt-token draws, target prompt logprobs, and prompt_logprobs_last_n on th
 from __future__ import annotations
 
 import itertools
-import os
 
 import httpx
 import numpy as np
 import pytest
 
-from serverutil import serve
+from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 torch = pytest.importorskip("torch")
@@ -22,12 +21,8 @@ PROMPT = list(range(200, 240))  # 40 tokens: two full 16-token cache blocks
 
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir, tmp_path_factory):
-    old = {k: os.environ.get(k) for k in ("TINKER_TELEMETRY", "NO_PROXY", "HF_HUB_OFFLINE")}
-    os.environ.update(TINKER_TELEMETRY="0", NO_PROXY="127.0.0.1,localhost", HF_HUB_OFFLINE="1")
-    with serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
+    with tinker_env(), serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
         yield handle
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import os
 
 import httpx
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serverutil import serve
+from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -33,12 +32,8 @@ FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(Healt
 
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir, tmp_path_factory):
-    old = {k: os.environ.get(k) for k in ("TINKER_TELEMETRY", "NO_PROXY", "HF_HUB_OFFLINE")}
-    os.environ.update(TINKER_TELEMETRY="0", NO_PROXY="127.0.0.1,localhost", HF_HUB_OFFLINE="1")
-    with serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
+    with tinker_env(), serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
         yield handle
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 class Plane:
