@@ -8,8 +8,8 @@ fit stops admission for this step. A tenant that already holds work may hold at 
 `tenant_share` of `max_running` and of the KV pool while another tenant has been active within
 `tenant_window` seconds: its further requests wait (they are never refused), so one tenant's flood
 leaves room for another active tenant's request to start at once. A tenant alone (no other one
-seen within the window) may use the whole engine: the share costs a single user nothing. A request fits when its
-worst-case KV blocks (the prompt's, plus every sample decoding to `max_tokens`) fit the pool: free
+seen within the window) may use the whole engine: the share costs a single user nothing. A
+request fits when its worst-case KV blocks (the prompt's, plus every sample decoding to `max_tokens`) fit the pool: free
 + evictable blocks minus what admitted requests have reserved. So a running sequence never runs
 out of blocks and nothing is ever preempted. At admission a request looks up the longest cached
 full-block prefix of `prompt[:-1]` (the last prompt token is always computed: its logits give the
@@ -263,9 +263,9 @@ class Scheduler:
             t = r.req.tenant
             if t in held:  # a policy that does not skip held tenants: nothing more this step
                 break
+            need = self.blocks_needed(len(r.req.prompt), r.max_new, r.samples)
             if samples[t] and t in shared and (samples[t] + r.samples > self.tenant_running
-                               or blocks[t] + self.blocks_needed(len(r.req.prompt), r.max_new, r.samples)
-                               > self.tenant_blocks):
+                                               or blocks[t] + need > self.tenant_blocks):
                 held.add(t)  # over its share with this one: it waits, other tenants go on
                 continue
             if not self._allocate(r, pending):
@@ -279,8 +279,9 @@ class Scheduler:
         return admitted
 
     def _sharing(self, holding: Counter) -> set[str]:
-        """The tenants held to `tenant_share`: every tenant, when more than one has had work within
-        `tenant_window` seconds (waiting, prefilling, running or just added); none otherwise."""
+        """The tenants held to `tenant_share`: every tenant seen within `tenant_window` seconds (it
+        added a request, or holds samples or KV blocks now), when there is more than one; none
+        otherwise. A tenant still waiting keeps its place through the admission order."""
         now = self.clock()
         for t in holding:
             self._seen[t] = now

@@ -186,8 +186,8 @@ class Sampling:
     def _request(self, key: ApiKey, m: ServedModel, r: SamplingRun, spec: SampleSpec) -> SampleRequest:
         _check_prompt(spec, m)
         weights = WeightsIdentity(m.name, _weights_name(r), 0)  # an inflight target's version: the engine's
-        return translate.sample_request(f"{r.id}/{spec.request_id}", spec, weights, bool(r.inflight_run_id),
-                                        key.id)
+        return translate.sample_request(f"{r.id}/{spec.request_id}", spec, weights,
+                                        inflight=bool(r.inflight_run_id), tenant=key.id)
 
     def _record(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec, res: SampleResult,
                 rep: Replica) -> SampleOutcome:
