@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 
 import httpx
@@ -101,6 +102,34 @@ def test_a_burst_of_headerless_connections_keeps_the_cap_and_valid_clients_serve
     finally:
         for s in socks:
             s.close()
+
+
+def test_valid_clients_connecting_during_a_burst_are_not_closed_for_it(server):
+    """While another thread opens headerless connections as fast as it can (many per accept turn),
+    valid requests on fresh connections are all answered: a connection is never closed to make
+    room before the server has read the headers that followed its connect."""
+    stop, socks = threading.Event(), []
+
+    def flood():
+        while not stop.is_set() and len(socks) < 3000:
+            socks.extend(open_idle(server.url, 25, b""))
+
+    attacker = threading.Thread(target=flood)
+    attacker.start()
+    failures = 0
+    try:
+        for _ in range(60):
+            try:
+                with httpx.Client(base_url=server.url, trust_env=False, timeout=5) as c:
+                    failures += c.get("/").status_code != 200
+            except httpx.HTTPError:
+                failures += 1
+    finally:
+        stop.set()
+        attacker.join()
+        for s in socks:
+            s.close()
+    assert len(socks) > 200 and failures == 0
 
 
 def raw_request(url: str, data: bytes) -> bytes:

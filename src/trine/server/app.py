@@ -35,7 +35,7 @@ from ..service.queries import UsageLedger
 from . import actor, console, context, control, openai, runs_api, tinker
 from .access_log import AccessLog
 from .auth import TokenSigner
-from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, quiet_accept_errors, uvicorn_config
+from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, GuardedServer, quiet_accept_errors, uvicorn_config
 from .middleware import BodyLimit, InternalErrors
 
 EMBEDDED_KEY_FILE = "embedded.key"
@@ -200,7 +200,7 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, log_level=log_level, max_connections=max_connections,
+    server = GuardedServer(uvicorn_config(app, log_level=log_level, max_connections=max_connections,
                                            header_timeout=header_timeout))
     errors: list[BaseException] = []
 
@@ -227,7 +227,7 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
 def run_forever(app: FastAPI, host: str, port: int, log_level: str = "info", *,
                 max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT) -> None:
     """Serve in the foreground (the `trine serve` command) until interrupted."""
-    uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level,
+    GuardedServer(uvicorn_config(app, host=host, port=port, log_level=log_level,
                                   max_connections=max_connections, header_timeout=header_timeout)).run()
 
 

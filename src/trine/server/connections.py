@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 
 import h11
 import uvicorn
@@ -36,6 +38,7 @@ HEADER_TIMEOUT = 10.0
 MAX_CONNECTIONS = 1024
 KEEP_ALIVE_SECONDS = 75
 DRAIN_SECONDS = 2.0
+LISTEN_QUEUE = 2048  # connections the kernel holds until accepted (uvicorn's default backlog)
 
 
 class Connections:
@@ -177,9 +180,34 @@ def guarded_protocol(max_connections: int = MAX_CONNECTIONS, header_timeout: flo
 
 def uvicorn_config(app, *, log_level: str = "warning", max_connections: int = MAX_CONNECTIONS,
                    header_timeout: float = HEADER_TIMEOUT, **kw) -> uvicorn.Config:
-    """The server's uvicorn settings (one worker, no access log, the guarded protocol)."""
+    """The server's uvicorn settings (one worker, no access log, the guarded protocol).
+
+    uvicorn's `backlog` is also how many connections asyncio accepts in one loop turn before any of
+    them reaches the protocol; it is a quarter of the cap (`accept_batch`), so a connection accepted
+    in one turn has its headers read before a burst accepts enough newer ones to make it the oldest
+    without a request, and the descriptors stay near the cap. `GuardedServer` then widens the
+    kernel's queue of connections waiting to be accepted back to `LISTEN_QUEUE`."""
+    kw.setdefault("backlog", accept_batch(max_connections))
     return uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_keep_alive=KEEP_ALIVE_SECONDS,
                           access_log=False, http=guarded_protocol(max_connections, header_timeout), **kw)
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server, whose listening sockets queue up to `LISTEN_QUEUE` connections in the
+    kernel however few asyncio accepts per loop turn (`config.backlog`): a burst then waits in
+    that queue instead of having its SYNs dropped, and so do the valid clients behind it."""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        for server in getattr(self, "servers", []):
+            for listener in server.sockets:
+                with socket.socket(fileno=os.dup(listener.fileno())) as s:  # the same socket, another fd
+                    s.listen(max(LISTEN_QUEUE, self.config.backlog))
+
+
+def accept_batch(max_connections: int) -> int:
+    """The listen backlog for a connection cap: a quarter of it, between 4 and uvicorn's 2048."""
+    return max(4, min(2048, max_connections // 4))
 
 
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
