@@ -41,22 +41,22 @@ def test_a_flood_leaves_room_for_another_tenants_request_to_start_at_once():
     was_active(sch, "B")
     add(sch, *[request(8, tenant="A", first=100 * i) for i in range(50)])
     sch.schedule()
-    assert tenants(sch) == {"A": 6}  # 3/4 of max_running; the rest of A's flood waits, not refused
+    assert tenants(sch) == {"A": 4}  # half of max_running; the rest of A's flood waits, not refused
     add(sch, request(8, tenant="B", first=9000))
     sch.schedule()
-    assert tenants(sch) == {"A": 6, "B": 1}
-    assert len(sch.waiting) == 44
+    assert tenants(sch) == {"A": 4, "B": 1}
+    assert len(sch.waiting) == 46
 
 
 def test_a_tenant_over_its_kv_share_waits_while_others_are_admitted():
-    sch = Scheduler(pool(40), max_batch_tokens=4096, max_running=64)  # a tenant may hold 30 blocks
+    sch = Scheduler(pool(40), max_batch_tokens=4096, max_running=64)  # a tenant may hold 20 blocks
     was_active(sch, "B")
     add(sch, *[request(16, max_tokens=16, tenant="A", first=100 * i) for i in range(10)])  # 8 blocks each
     sch.schedule()
-    assert tenants(sch) == {"A": 3}
+    assert tenants(sch) == {"A": 2}
     add(sch, request(16, max_tokens=16, tenant="B", first=9000))
     sch.schedule()
-    assert tenants(sch) == {"A": 3, "B": 1}
+    assert tenants(sch) == {"A": 2, "B": 1}
 
 
 def test_a_tenant_alone_uses_the_whole_engine_until_another_one_shows_up():
@@ -69,7 +69,7 @@ def test_a_tenant_alone_uses_the_whole_engine_until_another_one_shows_up():
     clock.now += 1
     sch.schedule()
     assert tenants(sch) == {"A": 8}
-    sch.cancel(sch.prefilling[0])  # one of A's requests ends: B takes its slot, A is now held to 6
+    sch.cancel(sch.prefilling[0])  # one of A's requests ends: B takes its slot, A is now held to 4
     sch.schedule()
     assert tenants(sch) == {"A": 7, "B": 1}
 
@@ -80,7 +80,7 @@ def test_the_share_lifts_once_the_other_tenant_has_been_gone_for_the_window():
     was_active(sch, "B")
     add(sch, *[request(8, tenant="A", first=100 * i) for i in range(50)])
     sch.schedule()
-    assert tenants(sch) == {"A": 6}
+    assert tenants(sch) == {"A": 4}
     clock.now += 61
     sch.schedule()
     assert tenants(sch) == {"A": 8}
@@ -88,7 +88,7 @@ def test_the_share_lifts_once_the_other_tenant_has_been_gone_for_the_window():
 
 def test_a_single_request_larger_than_the_share_is_still_admitted():
     sch = Scheduler(pool(40), max_batch_tokens=4096)
-    big = request(100, max_tokens=40, tenant="A")  # 35 blocks: more than the tenant's 30
+    big = request(100, max_tokens=40, tenant="A")  # 35 blocks: more than the tenant's 20
     add(sch, big)
     sch.schedule()
     assert sch.prefilling == [big]

@@ -73,8 +73,8 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], gens: list[torc
 
 def _filtered(logits: torch.Tensor, options: list[SamplingOptions], greedy: list[bool]) -> torch.Tensor:
     """Logits divided by each row's temperature, -inf outside its top-k and top-p."""
-    x = logits / torch.tensor([1.0 if g else o.temperature for o, g in zip(options, greedy)],
-                              device=logits.device)[:, None]
+    temps = [1.0 if g else o.temperature for o, g in zip(options, greedy)]
+    x = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=logits.device)[:, None]
     ks = [o.top_k if o.top_k > 0 else 0 for o in options]
     if any(ks):
         kmax = min(max(ks), x.shape[-1])

@@ -95,7 +95,7 @@ class Scheduler:
 
     def __init__(self, kv: BlockManager, *, max_batch_tokens: int = 2048, max_running: int = 64,
                  prefix_cache: bool = True, prefill_share: float = 0.5, prefill_step_seconds: float = 0.25,
-                 admission: AdmissionPolicy | None = None, tenant_share: float = 0.75,
+                 admission: AdmissionPolicy | None = None, tenant_share: float = 0.5,
                  tenant_window: float = 60.0, clock: Callable[[], float] = time.monotonic):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
