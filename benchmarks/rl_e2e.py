@@ -1,5 +1,5 @@
 """End-to-end GRPO: trine (its SDK on an embedded server) vs TRL's GRPOTrainer (peft LoRA,
-transformers generation), on CPU, in one process, interleaved step by step.
+transformers generation), on CPU, each in its own process, interleaved step by step.
 
 The same job on both sides: SmolLM2-135M-Instruct fp32; LoRA rank 16, alpha 32, no dropout, on
 q/k/v/o/gate/up/down; each step 8 fresh addition problems x 8 samples (temperature 1, up to 96 new
@@ -8,8 +8,11 @@ group-normalised advantages (r - mean) / (std + 1e-4) (TRL's default scaling); o
 lr 1e-5 on all 64 samples; 5 steps. trine trains with `importance_sampling` on the sampler's own
 logprobs; TRL with its default GRPO loss (dapo, beta 0, one iteration per generation).
 
-Interleaving: a TRL callback runs one trine step after each TRL step, so both see the same machine
-state. Times per step: trine = sampling (save_weights_and_get_sampling_client + the 8 group
+Interleaving: TRL runs in a child process whose callback, after each TRL step, waits while this
+process runs one trine step, so both see the same machine state and never compute at once. They
+are separate processes as they would be for a user, who runs one or the other: in one process,
+TRL's main-thread OpenMP pool makes libgomp throttle the spin-waiting of every other thread's
+pool (more OpenMP threads than cores), which slowed trine's sampler thread 1.5x here. Times per step: trine = sampling (save_weights_and_get_sampling_client + the 8 group
 requests) + training (forward_backward + optim_step); TRL = generation (`GRPOTrainer._generate`)
 + the rest of its step (scoring, logprob forward, loss, backward, optimizer).
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing as mp
 import random
 import re
 import statistics
@@ -159,6 +163,15 @@ def trl_job(model_dir: Path, out: Path, problems: list[list[tuple[int, int]]], a
     return list(zip(gen, times)), rewards
 
 
+def trl_child(model_dir: Path, out: Path, problems, args, conn) -> None:
+    """The TRL side in its own process: after each of its steps, hands the machine to the parent
+    for one trine step; sends back (per-step times, rewards) at the end."""
+    def between_steps():
+        conn.send("step")
+        conn.recv()
+    conn.send(trl_job(model_dir, out, problems, args, between_steps))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -181,10 +194,17 @@ def main() -> None:
     problems = [[(rng.randint(1, 30), rng.randint(1, 30)) for _ in range(args.prompts)] for _ in range(args.steps)]
     with tempfile.TemporaryDirectory() as tmp:
         side = TrineSide(model_dir, Path(tmp) / "home", args)
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        child = ctx.Process(target=trl_child, args=(model_dir, Path(tmp) / "trl", problems, args, there))
+        child.start()
         try:
-            trl_steps, trl_rewards = trl_job(model_dir, Path(tmp) / "trl", problems, args,
-                                             lambda: side.step(problems[len(side.times)]))
+            while (msg := here.recv()) == "step":
+                side.step(problems[len(side.times)])
+                here.send("go")
+            trl_steps, trl_rewards = msg
         finally:
+            child.join(60)
             side.close()
     trine_total = [a + b for a, b in side.times]
     trine_step, trl_step = statistics.median(trine_total), statistics.median(t for _, t in trl_steps)
