@@ -17,7 +17,7 @@ Reported (`--json`):
 - lost, doubled: requests never metered / metered twice, read from the server's usage store (0, 0).
 `--fifo` runs the same with first-come-first-served admission and no per-key share (the baseline).
 
-    .venv/bin/python benchmarks/fairness.py [--json] [--flood 200] [--seconds 30] [--rounds 1] [--tenant-share 0.75] [--fifo]
+    .venv/bin/python benchmarks/fairness.py [--json] [--flood 200] [--seconds 30] [--rounds 1] [--tenant-share 0.5] [--fifo]
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ import httpx
 import torch
 
 from service import Wire  # benchmarks/service.py: the minimal PyTRIO wire client
+from trine.engine.scheduler import TENANT_SHARE
 from trine.server.app import start_server
 from trine.store import Store
 
@@ -146,10 +147,10 @@ def run(url: str, key_a: str, key_b: str, model: str, args) -> dict:
     fp, fq = spawn(flood, url, key_a, model, args, stop)
     assert fq.get() == "ready"
     t0 = time.monotonic() + args.warmup
-    phases = [(f"{ph}{r}", t0 + (2 * r + i) * args.seconds, t0 + (2 * r + i + 1) * args.seconds)
-              for r in range(args.rounds) for i, ph in enumerate(("alone", "shared"))]
-    vp, vq = spawn(victim, url, key_b, model, args, [(a, b) for name, a, b in phases if name.startswith("shared")])
-    time.sleep(max(0.0, phases[-1][2] - time.monotonic()))
+    phases = [(kind, r, t0 + (2 * r + i) * args.seconds, t0 + (2 * r + i + 1) * args.seconds)
+              for r in range(args.rounds) for i, kind in enumerate(("alone", "shared"))]
+    vp, vq = spawn(victim, url, key_b, model, args, [(a, b) for kind, _, a, b in phases if kind == "shared"])
+    time.sleep(max(0.0, phases[-1][3] - time.monotonic()))
     stop.set()
     shared_b, flood_out = vq.get(), fq.get()  # both before join: a queue's feeder must drain first
     vp.join(), fp.join()
@@ -159,10 +160,9 @@ def run(url: str, key_a: str, key_b: str, model: str, args) -> dict:
     base = statistics.median(l for _, l in idle["latencies"])
     log(f"B idle: {base:.3f} s")
     rates: dict[str, list[float]] = collections.defaultdict(list)
-    for name, a, b in phases:
-        tokens = sum(n for t, n in flood_out["done"] if a <= t < b)
-        rates[name.rstrip("0123456789")].append(tokens / (b - a))
-        log(f"{name}: A {rates[name.rstrip('0123456789')][-1]:.1f} tokens/s")
+    for kind, r, a, b in phases:
+        rates[kind].append(sum(n for t, n in flood_out["done"] if a <= t < b) / (b - a))
+        log(f"{kind}{r}: A {rates[kind][-1]:.1f} tokens/s")
     victim_s = [l for _, l in shared_b["latencies"]]
 
     store = Store(args.home)
@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--idle-probes", type=int, default=5)
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--tenant-share", type=float, default=0.75,
+    ap.add_argument("--tenant-share", type=float, default=TENANT_SHARE,
                     help="share of max_running one key may hold while another key is active")
     ap.add_argument("--fifo", action="store_true", help="first-come-first-served admission, no per-key share")
     ap.add_argument("--json", action="store_true")

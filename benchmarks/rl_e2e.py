@@ -11,8 +11,10 @@ logprobs; TRL with its default GRPO loss (dapo, beta 0, one iteration per genera
 Interleaving: TRL runs in a child process whose callback, after each TRL step, waits while this
 process runs one trine step, so both see the same machine state and never compute at once. They
 are separate processes as they would be for a user, who runs one or the other: in one process,
-TRL's main-thread OpenMP pool makes libgomp throttle the spin-waiting of every other thread's
-pool (more OpenMP threads than cores), which slowed trine's sampler thread 1.5x here. Times per step: trine = sampling (save_weights_and_get_sampling_client + the 8 group
+trine's sampler thread ran 1.5x slower once TRL's main thread had computed (apparently libgomp
+cutting every thread pool's spin-waiting when it counts more OpenMP threads than cores).
+
+Times per step: trine = sampling (save_weights_and_get_sampling_client + the 8 group
 requests) + training (forward_backward + optim_step); TRL = generation (`GRPOTrainer._generate`)
 + the rest of its step (scoring, logprob forward, loss, backward, optimizer).
 

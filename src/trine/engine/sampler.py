@@ -45,7 +45,7 @@ from .model import Transformer
 from .prompt_scores import PromptScores, check_prompt_scores, scores_prompt
 from .requests import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
 from .sampling import check_sampling_options, generators, sample
-from .scheduler import Scheduler
+from .scheduler import TENANT_SHARE, Scheduler
 from .sequence import Request, Sequence
 from .stops import Stops, check_stop_options, final_text
 from .tokenizer import Tokenizer
@@ -57,7 +57,7 @@ class Sampler:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, kv_cache_bytes: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 2048, max_running: int = 64,
                  enable_prefix_cache: bool = True, prefill_share: float = 0.5,
-                 prefill_step_seconds: float = 0.25, tenant_share: float = 0.5, fair: bool = True):
+                 prefill_step_seconds: float = 0.25, tenant_share: float = TENANT_SHARE, fair: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = model.cfg

@@ -46,6 +46,8 @@ from .admission import AdmissionPolicy, FairAdmission
 from .kv_cache import BlockManager, chain_hashes
 from .sequence import Request, Sequence
 
+TENANT_SHARE = 0.5  # of max_running and of the KV pool, per tenant while another one is active
+
 
 @dataclass
 class StepPlan:
@@ -95,7 +97,7 @@ class Scheduler:
 
     def __init__(self, kv: BlockManager, *, max_batch_tokens: int = 2048, max_running: int = 64,
                  prefix_cache: bool = True, prefill_share: float = 0.5, prefill_step_seconds: float = 0.25,
-                 admission: AdmissionPolicy | None = None, tenant_share: float = 0.5,
+                 admission: AdmissionPolicy | None = None, tenant_share: float = TENANT_SHARE,
                  tenant_window: float = 60.0, clock: Callable[[], float] = time.monotonic):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
@@ -273,8 +275,7 @@ class Scheduler:
             self.waiting.pop(r)
             pending.update(r.keys[r.done // self.block_size:])
             running += r.samples
-            samples[t] += max(r.samples, 1)
-            blocks[t] += len(r.blocks) + len(r.copies) + r.reserved
+            self._hold(samples, blocks, r)
             admitted.append(r)
         return admitted
 
@@ -293,8 +294,7 @@ class Scheduler:
         and reserved) of its prefilling requests and running sequences."""
         samples, blocks = Counter(), Counter()
         for r in self.prefilling:
-            samples[r.req.tenant] += max(r.samples, 1)
-            blocks[r.req.tenant] += len(r.blocks) + len(r.copies) + r.reserved
+            self._hold(samples, blocks, r)
         shared = {}  # a running request's full prompt blocks, shared by its sequences: counted once
         for s in self.running:
             t = s.req.req.tenant
@@ -304,6 +304,13 @@ class Scheduler:
         for t, n in shared.values():
             blocks[t] += n
         return samples, blocks
+
+    @staticmethod
+    def _hold(samples: Counter, blocks: Counter, r: Request) -> None:
+        """Count admitted request `r` (prompt not done) in its tenant's holdings: its samples (a
+        compute_logprobs request counts 1) and its KV blocks, held and reserved."""
+        samples[r.req.tenant] += max(r.samples, 1)
+        blocks[r.req.tenant] += len(r.blocks) + len(r.copies) + r.reserved
 
     def _allocate(self, r: Request, pending: set[int]) -> bool:
         """Allocate `r`'s prompt blocks (cache hits first) and partial-block copies, and reserve

@@ -206,8 +206,8 @@ class GuardedServer(uvicorn.Server):
 
 
 def accept_batch(max_connections: int) -> int:
-    """The listen backlog for a connection cap: a quarter of it, between 4 and uvicorn's 2048."""
-    return max(4, min(2048, max_connections // 4))
+    """The listen backlog for a connection cap: a quarter of it, between 4 and `LISTEN_QUEUE`."""
+    return max(4, min(LISTEN_QUEUE, max_connections // 4))
 
 
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
