@@ -33,7 +33,7 @@ import torch
 
 from report import emit  # benchmarks/report.py
 
-from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.weights import load_model

@@ -41,9 +41,9 @@ def make_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
 
 class TrineSide:
     def __init__(self, model_dir: str, tokens: torch.Tensor, rank: int, runs: int = 1):
-        from trine.engine.losses import Loss
-        from trine.engine.lora import LoRAConfig
-        from trine.engine.requests import AdamConfig, TrainDatum
+        from trine.engine.api import Loss
+        from trine.engine.api import LoRAConfig
+        from trine.engine.api import AdamConfig, TrainDatum
         from trine.engine.trainer import Trainer
         from trine.engine.weights import load_model
 

@@ -10,9 +10,10 @@ import torch
 
 from trine.engine import checkpoint
 from trine.engine.checkpoint import atomic_write, load_peft_adapter, save_peft_adapter
-from trine.engine.losses import Loss
-from trine.engine.lora import AdapterBatch, LoRAConfig
-from trine.engine.requests import AdamConfig
+from trine.engine.api import Loss
+from trine.engine.lora import AdapterBatch
+from trine.engine.api import LoRAConfig
+from trine.engine.api import AdamConfig
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model
 
@@ -148,7 +149,7 @@ def test_restoring_a_checkpoint_deleted_after_the_restore_was_accepted_says_not_
     import shutil
     from types import SimpleNamespace
 
-    from trine.engine import ops
+    from trine.engine import api as ops
     from trine.engine.cycle import CycleRunner
     from trine.limits import INIT_RUN
 

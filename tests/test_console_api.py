@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from consoleutil import console_server, sft
-from trine.server.console.runs import FORWARD_BACKWARD, OPTIMIZE_STEP, EventOutcome, run_steps
+from trine.server.console.runs import FORWARD_BACKWARD, OPTIMIZE_STEP, RunEventOutcome, run_steps
 from trine.store import EventRecord
 
 
@@ -116,9 +116,9 @@ def test_chunks_of_one_step_fold_into_one_point_weighted_by_tokens():
     events = [ev(1, FORWARD_BACKWARD, 0, 1), ev(2, FORWARD_BACKWARD, 0, 1), ev(3, OPTIMIZE_STEP, 1, 1),
               ev(4, FORWARD_BACKWARD, 1, 2), ev(5, FORWARD_BACKWARD, 2, 3), ev(6, OPTIMIZE_STEP, 3, 4),
               ev(7, FORWARD_BACKWARD, 3, None)]
-    fb = lambda mean, n: EventOutcome("succeeded", {"loss_mean": mean, "token_count": n}, n, n // 2)
-    results = {"e1": fb(1.0, 10), "e2": fb(3.0, 30), "e3": EventOutcome("succeeded", {"grad_norm": 0.5}),
-               "e4": fb(2.0, 4), "e5": fb(4.0, 4), "e6": EventOutcome("succeeded", {"grad_norm": 0.25})}
+    fb = lambda mean, n: RunEventOutcome("succeeded", {"loss_mean": mean, "token_count": n}, n, n // 2)
+    results = {"e1": fb(1.0, 10), "e2": fb(3.0, 30), "e3": RunEventOutcome("succeeded", {"grad_norm": 0.5}),
+               "e4": fb(2.0, 4), "e5": fb(4.0, 4), "e6": RunEventOutcome("succeeded", {"grad_norm": 0.25})}
     steps = run_steps(events, results)  # e7 has not finished: no outcome yet
     assert [(s.step, s.chunks, s.loss, s.grad_norm, s.cycle, s.optim_cycle) for s in steps] == [
         (1, 2, 2.5, 0.5, 1, 1),  # two chunks, (1*10 + 3*30) / 40

@@ -19,10 +19,10 @@ import random
 import pytest
 import torch
 
-from trine.engine.lora import LoRAConfig
+from trine.engine.api import LoRAConfig
 from trine.engine.local import LocalEngine
-from trine.engine.losses import Loss
-from trine.engine.requests import AdamConfig, SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
+from trine.engine.api import Loss
+from trine.engine.api import AdamConfig, SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
 from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.trainer import Trainer
@@ -88,7 +88,7 @@ def test_bf16_sampler_matches_trainer_and_stays_near_fp32(models):
     tb = trainers[torch.bfloat16]
     s = Sampler(bf, Tokenizer(bf.source_dir), kv_cache_bytes=8 * MB)
     opts = SamplingOptions(max_tokens=8, temperature=1.0, seed=3, stop_at_eos=False)
-    res = s.run([SampleRequest(f"p{i}", p, opts, tb.weights_identity("r"), tb.snapshot("r"), num_samples=2)
+    res = s.run([(SampleRequest(f"p{i}", p, opts, tb.weights_identity("r"), num_samples=2), tb.snapshot("r"))
                  for i, p in enumerate(prompts)])
     for p, r in zip(prompts, res):
         for seq in r.sequences:

@@ -78,9 +78,9 @@ def engine(tiny_model_dir):
 
 def test_estimate_matches_metered_multi_turn_rl(engine):
     """A multi-turn RL loop on the real engine (sampler + trainer), metered, vs the estimate of its shape."""
-    from trine.engine.losses import Loss
-    from trine.engine.lora import LoRAConfig
-    from trine.engine.requests import AdamConfig, SampleRequest, SamplingOptions, TrainDatum
+    from trine.engine.api import Loss
+    from trine.engine.api import LoRAConfig
+    from trine.engine.api import AdamConfig, SampleRequest, SamplingOptions, TrainDatum
 
     sampler, trainer = engine
     shape = JobShape(model="SmolLM2-135M-Instruct", steps=2, prompts_per_step=3, group_size=4, turns=3,
@@ -96,7 +96,7 @@ def test_estimate_matches_metered_multi_turn_rl(engine):
     def sample(prompts, num_samples):
         nonlocal n_requests
         w = trainer.weights_identity("est")
-        reqs = [SampleRequest(f"r{n_requests + i}", p, opts, w, trainer.adapter("est"), num_samples=num_samples)
+        reqs = [(SampleRequest(f"r{n_requests + i}", p, opts, w, num_samples=num_samples), trainer.adapter("est"))
                 for i, p in enumerate(prompts)]
         n_requests += len(reqs)
         out = sampler.run(reqs)

@@ -8,7 +8,8 @@ import torch
 from click.testing import CliRunner
 
 from trine.cli.main import main
-from trine.engine.lora import AdapterBatch, LoRAConfig
+from trine.engine.lora import AdapterBatch
+from trine.engine.api import LoRAConfig
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model
 

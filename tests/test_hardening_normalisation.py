@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from serverutil import RawClient, event, init_payload, pytrio_env, serve
-from trine.engine.losses import Loss
-from trine.engine.lora import LoRAConfig
-from trine.engine.requests import AdamConfig, TrainDatum
+from trine.engine.api import Loss
+from trine.engine.api import LoRAConfig
+from trine.engine.api import AdamConfig, TrainDatum
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model
 

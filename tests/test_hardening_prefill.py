@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.weights import load_model

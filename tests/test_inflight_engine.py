@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from trine.engine.lora import Adapter, LoRAConfig
-from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.lora import Adapter
+from trine.engine.api import LoRAConfig
+from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.weights import load_model
@@ -32,15 +33,16 @@ def adapter(model, seed: int) -> Adapter:
     return a.requires_grad_(False)
 
 
-def inflight(rid: str, prompt: list[int], version: int, ad: Adapter, max_tokens: int = 24) -> SampleRequest:
-    """An inflight request as the worker hands it over: resolved to the target's current weights."""
+def inflight(rid: str, prompt: list[int], version: int, ad: Adapter, max_tokens: int = 24):
+    """An inflight request as the worker hands it over (resolved to the target's current weights),
+    with the adapter it runs."""
     return SampleRequest(rid, list(prompt), SamplingOptions(max_tokens, temperature=0.0, stop_at_eos=False),
-                         dataclasses.replace(TARGET, version=version), ad, inflight=True)
+                         dataclasses.replace(TARGET, version=version), inflight=True), ad
 
 
 def fixed(rid: str, prompt: list[int], weights: WeightsIdentity, ad: Adapter, max_tokens: int = 4):
     return SampleRequest(rid, list(prompt), SamplingOptions(max_tokens, temperature=0.0, stop_at_eos=False),
-                         weights, ad)
+                         weights), ad
 
 
 def run_until(s: Sampler, rid: str, steps: int | None = None):
@@ -61,7 +63,7 @@ def test_a_running_request_switches_weights_between_steps_and_records_each_token
     model, _ = model_tok
     a1, a2 = adapter(model, 1), adapter(model, 2)
     s = Sampler(*model_tok, kv_cache_bytes=16 * MB)
-    s.add(inflight("r", PROMPT, 1, a1))
+    s.add(*inflight("r", PROMPT, 1, a1))
     assert run_until(s, "r", steps=5) is None  # prefill + 4 decode steps: 5 tokens under v1
     s.publish("tr-run", 2, a2)
     res = run_until(s, "r")
@@ -79,9 +81,9 @@ def test_a_waiting_request_starts_on_the_new_version_and_gets_no_kv_of_the_old(m
     model, _ = model_tok
     a1, a2 = adapter(model, 1), adapter(model, 2)
     s = Sampler(*model_tok, kv_cache_bytes=16 * MB, max_running=1)
-    s.add(inflight("first", PROMPT, 1, a1, 4))
+    s.add(*inflight("first", PROMPT, 1, a1, 4))
     run_until(s, "first", steps=1)  # prefilled: its prompt blocks are keyed under v1
-    s.add(inflight("waits", PROMPT, 1, a1, 4))  # queued behind it (max_running=1), same prompt, v1
+    s.add(*inflight("waits", PROMPT, 1, a1, 4))  # queued behind it (max_running=1), same prompt, v1
     s.publish("tr-run", 2, a2)
     res = run_until(s, "waits")
     assert res.usage.cached_tokens == 0  # v1's cached prompt is not v2's
@@ -97,7 +99,7 @@ def test_kv_computed_after_a_swap_is_never_keyed_under_either_version(model_tok)
     model, _ = model_tok
     a1, a2 = adapter(model, 1), adapter(model, 2)
     s = Sampler(*model_tok, kv_cache_bytes=16 * MB)
-    s.add(inflight("r", PROMPT, 1, a1, 40))
+    s.add(*inflight("r", PROMPT, 1, a1, 40))
     run_until(s, "r", steps=2)
     s.publish("tr-run", 2, a2)
     out = run_until(s, "r").sequences[0]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trine.engine.kv_cache import BlockManager, NoFreeBlocks, block_key, chain_hashes
-from trine.engine.requests import WeightsIdentity
+from trine.engine.api import WeightsIdentity
 
 BS = 4
 W = WeightsIdentity("base")

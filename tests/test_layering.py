@@ -1,7 +1,9 @@
-"""One way down: server -> service -> engine (docs/architecture.md, "Layers").
+"""One way down: server -> service -> engine (docs/architecture.md, "Layers"), in one vocabulary.
 
-Front ends build service commands and read through service queries; they never import the engine
-or the store, nor reach a `.store` / `.engine` attribute. The engine never imports the layers
+Front ends build the engine's boundary types (`trine.engine.api`) and service commands, and read
+through service queries; they import nothing else of the engine, never the store, nor reach a
+`.store` / `.engine` attribute. No class name is defined in two of server, service and engine, and
+the boundary module (with the engine interface) imports no torch. The engine never imports the layers
 above it. The service's modules import each other without cycles. Checked on the source (ast), so
 a violation fails here before it can hide behind a passing protocol test.
 """
@@ -17,6 +19,7 @@ import trine
 
 SRC = Path(trine.__file__).parent
 REACH = re.compile(r"\.store\b|\.engine\b")
+BOUNDARY_IMPORT = re.compile(r"\s*from \.+engine\.api import")
 
 
 def module_name(path: Path) -> str:
@@ -66,16 +69,42 @@ def test_the_checker_resolves_relative_imports():
     assert REACH.search("rows = svc.store.sessions(key.id)") and not REACH.search("svc.queries.sessions(key)")
 
 
-def test_front_ends_import_neither_the_engine_nor_the_store():
-    bad = {m: names(targets, "trine.engine", "trine.store") for m, targets in imports_of("trine.server").items()}
+BOUNDARY = "trine.engine.api"
+
+
+def test_front_ends_import_only_the_engines_boundary_and_never_the_store():
+    bad = {m: [t for t in names(targets, "trine.engine", "trine.store")
+               if t != "trine.engine" and not (t == BOUNDARY or t.startswith(BOUNDARY + "."))]
+           for m, targets in imports_of("trine.server").items()}
     assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_no_class_name_is_defined_in_two_layers():
+    where: dict[str, set[str]] = {}
+    for layer in ("trine.server", "trine.service", "trine.engine"):
+        for path in modules(layer).values():
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    where.setdefault(node.name, set()).add(layer)
+    assert {name: sorted(layers) for name, layers in where.items() if len(layers) > 1} == {}
+
+
+def test_the_boundary_and_the_engine_interface_import_no_torch():
+    """Checked in a fresh interpreter: importing them (and everything they import) loads no torch."""
+    import subprocess
+    import sys
+    code = ("import sys, trine.engine.api, trine.engine.interface, trine.engine.prepare, trine.tokens; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_front_ends_reach_no_store_or_engine_attribute():
     server = SRC / "server"
     hits = [f"{p.relative_to(SRC)}:{i}: {line.strip()}" for p in sorted(server.rglob("*"))
             if p.is_file() and p.suffix in (".py", ".js", ".css", ".html")
-            for i, line in enumerate(p.read_text().splitlines(), 1) if REACH.search(line)]
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if REACH.search(line) and not BOUNDARY_IMPORT.match(line)]
     assert hits == []
 
 

@@ -6,9 +6,11 @@ import math
 import pytest
 import torch
 
-from trine.engine.losses import Loss, prepare_datum
-from trine.engine.lora import AdapterBatch, LoRAConfig
-from trine.engine.requests import TrainDatum
+from trine.engine.api import Loss
+from trine.engine.prepare import check_datum as prepare_datum
+from trine.engine.lora import AdapterBatch
+from trine.engine.api import LoRAConfig
+from trine.engine.api import TrainDatum
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model
 
@@ -120,7 +122,8 @@ def test_ppo_reads_thresholds_as_ratio_bounds():
     from trine.engine.losses import LossInputs
     inputs = LossInputs(torch.ones(3), torch.zeros(3), torch.tensor([1.0, -1.0, 1.0]))
     # A>0, r=1.5: min(1.5, 1.1) = 1.1; A<0, r=0.5: min(-0.5, -0.9) = -0.9; inside the bounds: r*A.
-    torch.testing.assert_close(loss(logp, inputs), torch.tensor([-1.1, 0.9, -1.05]))
+    from trine.engine.losses import loss_values
+    torch.testing.assert_close(loss_values(loss, logp, inputs), torch.tensor([-1.1, 0.9, -1.05]))
     assert Loss.parse("ppo") == Loss("ppo", clip_low=0.8, clip_high=1.2)
 
 
@@ -165,6 +168,6 @@ def test_token_counts():
     d = TrainDatum([1, 2, 3, 4], [-100, 5, 6, 7], weights=[1.0, 0.0, 2.0, -1.0],
                    logprobs=[0.0] * 4, advantages=[1.0, 0.0, 0.0, 3.0])
     ce = prepare_datum(d, Loss.parse("cross_entropy"), VOCAB)
-    assert (ce.token_count, ce.loss_tokens) == (2, 2)  # target set and weight != 0
+    assert (ce.active_tokens, ce.loss_tokens(policy=False)) == (2, 2)  # target set and weight != 0
     pg = prepare_datum(d, Loss.parse("importance_sampling"), VOCAB)
-    assert (pg.token_count, pg.loss_tokens) == (3, 1)  # target set; loss tokens also need A != 0
+    assert (pg.active_tokens, pg.loss_tokens(policy=True)) == (3, 1)  # target set; loss tokens also need A != 0

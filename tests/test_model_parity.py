@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trine.engine.lora import Adapter, AdapterBatch, LoRAConfig
+from trine.engine.lora import Adapter, AdapterBatch
+from trine.engine.api import LoRAConfig
 from trine.engine.weights import load_model
 
 from conftest import FAMILIES, build_tiny_model_dir

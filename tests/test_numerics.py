@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from trine.engine.lora import LoRAConfig
-from trine.engine.losses import Loss
-from trine.engine.requests import SampleRequest, SamplingOptions, TrainDatum
+from trine.engine.api import LoRAConfig
+from trine.engine.api import Loss
+from trine.engine.api import SampleRequest, SamplingOptions, TrainDatum
 from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.trainer import Trainer
@@ -52,8 +52,8 @@ def setup(model_dir):
 
 def sample_req(trainer, p, n=1, generate=True):
     opts = SamplingOptions(max_tokens=7, temperature=1.0, seed=11, stop_at_eos=False)
-    return SampleRequest(f"n{next(_ids)}", list(p), opts, trainer.weights_identity("r"), trainer.snapshot("r"),
-                         num_samples=n, generate=generate)
+    return (SampleRequest(f"n{next(_ids)}", list(p), opts, trainer.weights_identity("r"), num_samples=n,
+                          generate=generate), trainer.snapshot("r"))
 
 
 def prompts() -> list[list[int]]:

@@ -5,11 +5,12 @@ import asyncio
 
 import pytest
 
-from trine.engine.requests import SampleRequest, SampleResult, SamplingOptions, WeightsIdentity
+from trine.engine.api import SampleRequest, SampleResult, SamplingOptions, WeightsIdentity
 from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.weights import load_model
-from trine.engine.worker import EngineWorker, SampleCancelled
+from trine.engine.worker import EngineWorker
+from trine.engine.api import SampleCancelled
 
 W = WeightsIdentity("tiny")
 PROMPT = list(range(300, 340))  # 40 tokens: two full blocks and a partial one

@@ -18,7 +18,7 @@ from trine.service import SampleSpec, SamplingRunSpec
 from trine.service.routing import Router
 
 ray = pytest.importorskip("ray")
-from trine.engine.interface import EngineLost  # noqa: E402
+from trine.engine.api import EngineLost
 from trine.engine.ray_backend import RayEngine, connect, ray_engines  # noqa: E402
 
 MODEL = "tiny-llama"

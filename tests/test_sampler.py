@@ -6,8 +6,9 @@ import random
 import pytest
 import torch
 
-from trine.engine.lora import Adapter, LoRAConfig
-from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.lora import Adapter
+from trine.engine.api import LoRAConfig
+from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.sampler import Sampler
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.weights import load_model
@@ -35,11 +36,13 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 _ids = iter(range(10**9))
 
 
-def req(p, max_tokens=6, n=1, weights=W, adapter=None, **opts) -> SampleRequest:
+def req(p, max_tokens=6, n=1, weights=W, adapter=None, **opts):
+    """A request, paired with the adapter it runs when `weights` names one (Sampler.run/add)."""
     extra = {k: opts.pop(k) for k in ("prompt_logprobs", "topk_prompt_logprobs", "generate") if k in opts}
     opts.setdefault("stop_at_eos", False)
-    return SampleRequest(f"r{next(_ids)}", list(p), SamplingOptions(max_tokens=max_tokens, **opts),
-                         weights, adapter, num_samples=n, **extra)
+    r = SampleRequest(f"r{next(_ids)}", list(p), SamplingOptions(max_tokens=max_tokens, **opts),
+                      weights, num_samples=n, **extra)
+    return r if adapter is None else (r, adapter)
 
 
 def full_logprobs(model, tokens, adapter=None):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trine.engine.requests import SamplingOptions
+from trine.engine.api import SamplingOptions
 from trine.engine.sampling import generators, sample, sample_seed
 from trine.engine.stops import Stops, final_text
 

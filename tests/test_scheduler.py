@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from trine.engine.kv_cache import BlockManager
 from trine.engine.kv_layout import KVLayout
-from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.admission import FifoAdmission
 from trine.engine.scheduler import Scheduler, chunk_rows, fair_order
 from trine.engine.sequence import Request, Sequence

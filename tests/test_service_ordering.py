@@ -134,9 +134,9 @@ def test_fixed_cycles_start_on_clock_ticks():
 
 
 def forward(index: int, run: str, tokens: int) -> Pending:
-    from trine.engine.losses import Loss
-    from trine.engine.ops import Forward
-    from trine.engine.requests import TrainDatum
+    from trine.engine.api import Loss
+    from trine.engine.api import Forward
+    from trine.engine.api import TrainDatum
     data = [TrainDatum([1] * tokens, [1] * tokens, [1.0] * tokens)]
     return Pending(f"e{run}{index}", run, index, FB, Forward(data, Loss.parse("cross_entropy"), True, False, None))
 

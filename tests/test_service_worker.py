@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from trine.engine.losses import Loss
-from trine.engine.lora import LoRAConfig
-from trine.engine.requests import SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
+from trine.engine.api import Loss
+from trine.engine.api import LoRAConfig
+from trine.engine.api import SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
 from trine.engine.worker import EngineWorker
 
 

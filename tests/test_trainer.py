@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trine.engine.losses import Loss
-from trine.engine.lora import AdapterBatch, LoRAConfig
-from trine.engine.requests import AdamConfig, TrainDatum
+from trine.engine.api import Loss
+from trine.engine.lora import AdapterBatch
+from trine.engine.api import LoRAConfig
+from trine.engine.api import AdamConfig, TrainDatum
 from trine.engine.tokenizer import Tokenizer
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model

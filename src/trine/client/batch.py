@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..types import Datum, ImageChunk, ModelInput
 from ..errors import ValidationError
+from ..tokens import TokenCounts, count_tokens
 from .wire import model_input_to_wire
 
 LOSS_INPUTS = {
@@ -92,7 +93,7 @@ def plan_batch(data: list[Datum], *, loss_fn: str, auto_shift: bool, limits: Lim
     loss = normalize_loss_fn(loss_fn)
     start = 1 if auto_shift else 0
     wire_data: list[tuple[dict, int]] = []
-    active = advantage = 0
+    totals = TokenCounts(0, 0, 0)
     for i, datum in enumerate(data):
         if not isinstance(datum, Datum):
             raise ValidationError(f"data[{i}] must be a trine.Datum, got {type(datum).__name__}")
@@ -135,17 +136,14 @@ def plan_batch(data: list[Datum], *, loss_fn: str, auto_shift: bool, limits: Lim
         if loss == "cross_entropy":
             weights = (_floats(datum, "weights", n, i) if "weights" in datum.loss_fn_inputs else [1.0] * n)
             wire["weights"] = weights
-            active += sum(1 for k in range(start, n) if targets[k] != -100 and weights[k] != 0.0)
+            totals += count_tokens(targets, policy=False, weights=weights, start=start)
         else:
             wire["logprobs"] = _floats(datum, "logprobs", n, i)
             adv = _floats(datum, "advantages", n, i)
             wire["advantages"] = adv
             if loss == "gspo" and "sequence_ratio_mask" in datum.loss_fn_inputs:
                 wire["sequence_ratio_mask"] = _floats(datum, "sequence_ratio_mask", n, i)
-            for k in range(start, n):
-                if targets[k] != -100:
-                    active += 1
-                    advantage += adv[k] != 0.0
+            totals += count_tokens(targets, policy=True, advantages=adv, start=start)
         wire_data.append((wire, n))
 
     chunks: list[list[dict]] = []
@@ -160,5 +158,6 @@ def plan_batch(data: list[Datum], *, loss_fn: str, auto_shift: bool, limits: Lim
         current.append(wire)
         tokens += n
     chunks.append(current)
-    totals = {"total_samples": len(data), "total_active_tokens": active, "total_advantage_tokens": advantage}
-    return Plan(loss_fn=loss, chunks=chunks, totals=totals)
+    counts = {"total_samples": len(data), "total_active_tokens": totals.active_tokens,
+              "total_advantage_tokens": totals.advantage_tokens}
+    return Plan(loss_fn=loss, chunks=chunks, totals=counts)

@@ -27,7 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from .lora import LORA_ATTN, LORA_MLP, LORA_UNEMBED, Adapter, LoRAConfig
+from .api import LORA_ATTN, LORA_MLP, LORA_UNEMBED, LoRAConfig
+from .lora import Adapter
 from .model import Transformer
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

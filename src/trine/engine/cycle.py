@@ -5,8 +5,9 @@ Phases, across all runs of the cycle: pre (init_run, saves queued before any tra
 `forward_backward`, each run's optim step, then post saves. The sampler steps between micro-batches
 and between phases (`worker.tick`).
 
-Failure isolation: the trainer validates every entry before it computes anything, so if a batched
-call raises ValueError the entries are retried one by one and only the culprit fails. Any other
+Failure isolation: every forward op was checked when its event was accepted (engine/prepare.py); an
+op that was not (a direct caller's) is checked by the trainer before it computes anything, so if a
+batched call raises ValueError the entries are retried one by one and only the culprit fails. Any other
 exception fails the events of that call with `internal_error`.
 """
 from __future__ import annotations
@@ -21,10 +22,10 @@ import uuid
 from pathlib import Path
 
 from .checkpoint import by_uri, load_peft_adapter, save_peft_adapter
-from .lora import Adapter, LoRAConfig
-from .ops import (CycleEvent, CycleResult, EndRun, EventOutcome, Forward, InitRun, OptimStep, Refused, Save,
-                  TrainingCycle)
-from .requests import ForwardResult
+from .api import (CycleEvent, CycleResult, EndRun, EventOutcome, Forward, InitRun, LoRAConfig, OptimStep, Refused,
+                  Save, TrainingCycle)
+from .lora import Adapter
+from .trainer import ForwardResult
 
 log = logging.getLogger("trine.cycle")
 
@@ -33,12 +34,8 @@ def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
     if not math.isfinite(res.loss_sum):
         return EventOutcome(error=("non_finite_loss", f"the loss is {res.loss_sum}: check the logprobs "
                                    "and advantages (policy losses) or weights you sent"))
-    logprobs, losses = [], []
-    for lp, loss in zip(res.logprobs, res.losses):
-        if op.auto_shift:  # target j was scored from position j-1; position 0 has no score
-            lp, loss = [0.0] + list(lp[:-1]), [0.0] + list(loss[:-1])
-        logprobs.append([float(x) for x in lp])
-        losses.append([float(x) for x in loss])
+    logprobs = [[float(x) for x in lp] for lp in res.logprobs]
+    losses = [[float(x) for x in loss] for loss in res.losses]
     metrics = {"loss_sum": float(res.loss_sum), "loss_mean": float(res.loss_mean),
                "token_count": int(res.token_count)}
     return EventOutcome(logprobs=logprobs, losses=losses, metrics=metrics,
@@ -141,7 +138,7 @@ class CycleRunner:
         return out
 
     def _call(self, live, backward):
-        batch = [(run_id, ev.op.data, ev.op.loss, ev.op.denominator) for run_id, ev in live]
+        batch = [(run_id, ev.op.data, ev.op.loss, ev.op.denominator, ev.op.counts) for run_id, ev in live]
         return self.trainer.forward_backward(batch, backward=backward,
                                              between_microbatches=self.w.tick)
 

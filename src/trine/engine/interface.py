@@ -37,9 +37,10 @@ snapshot at the next version; other replicas follow through `publish_target`. A 
 between steps when they move, and records per token the version that produced it.
 
 Invariants
-- No closures, live modules or caller tensors cross the interface. `SampleRequest.adapter` is
-  engine-internal: callers leave it None and name the adapter by `weights.adapter` (a checkpoint
-  id that was loaded or published first; otherwise the request fails with ValueError).
+- Every argument and result is a type of `engine.api` (torch-free): no closures, live modules or
+  caller tensors cross the interface. A request names its adapter by `weights.adapter` (a
+  checkpoint id that was loaded or published first; otherwise it fails with ValueError); the
+  engine resolves it into its own request state.
 - Usage is exact: `prompt_tokens == prefill_tokens + cached_tokens` for every SampleResult; a
   failed request reports none, a cancelled one reports what it computed only through `cancel()`
   (asking again returns the same answer), so the service meters it exactly once.
@@ -53,56 +54,18 @@ Invariants
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from .lora import LoRAConfig
-from .ops import CycleResult, TrainingCycle
-from .requests import SampleDelta, SampleRequest, SampleResult  # noqa: F401  (part of the interface)
-from .worker import SampleCancelled  # noqa: F401  (part of the interface)
-
-
-class EngineLost(RuntimeError):
-    """The engine (a replica) died: its in-flight calls fail with this, and so does every new call."""
-
-    code = "worker_lost"
-
-
-@dataclass
-class EngineInfo:
-    name: str  # the base model's name
-    model_dir: str
-    vocab_size: int
-    max_seq_len: int
-    architecture: str = ""  # the config's model_type (llama, qwen3, ...)
-    block_size: int = 16  # KV block size of its prefix cache (routing hashes whole blocks)
-    device: str = "cpu"
-    replica: str = "local"  # where it runs: "local" or the Ray actor's node / id
-    lora_features: dict[str, int] = field(default_factory=dict)  # lora.lora_features: sizes adapters
-
-
-@dataclass
-class CycleStats:
-    number: int
-    runs: list[str]  # the training runs it batched
-    events: int
-    seconds: float
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of one engine. `sampler` holds the KV pool and cache counters (blocks_total,
-    blocks_used, blocks_cached, cache_hit_blocks, cache_queried_blocks, prompt/prefill/cached/sample
-    token totals, waiting, running)."""
-
-    name: str
-    replica: str
-    sampler: dict = field(default_factory=dict)
-    queued_jobs: int = 0  # training cycles and adapter loads waiting for the thread
-    pending_samples: int = 0  # sample requests admitted and not finished
-    runs: int = 0  # training runs held (adapters + optimizer state)
-    adapters: int = 0  # sampler adapters held
-    recent_cycles: list[CycleStats] = field(default_factory=list)
+from .api import (
+    CycleResult,
+    EngineInfo,
+    EngineStats,
+    LoRAConfig,
+    SampleDelta,
+    SampleRequest,
+    SampleResult,
+    TrainingCycle,
+)
 
 
 class Engine(abc.ABC):

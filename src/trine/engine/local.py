@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from .cycle import CycleRunner, drop_run, load_adapter, publish_target, spill_adapter
-from .interface import CycleStats, Engine, EngineInfo, EngineStats
-from .lora import LoRAConfig, lora_features
-from .ops import CycleResult, TrainingCycle
-from .requests import SampleDelta, SampleRequest, SampleResult
+from .api import (CycleResult, CycleStats, EngineInfo, EngineStats, LoRAConfig, SampleDelta, SampleRequest,
+                  SampleResult, TrainingCycle)
+from .interface import Engine
+from .lora import lora_features
 from .worker import EngineWorker
 
 RECENT_CYCLES = 32
@@ -46,17 +46,11 @@ class LocalEngine(Engine):
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
 
     async def sample(self, req: SampleRequest) -> SampleResult:
-        if req.adapter is not None:
-            raise ValueError("SampleRequest.adapter is engine-internal: name the adapter by "
-                             "weights.adapter (a loaded checkpoint id)")
         return await self.worker.sample(req)
 
     async def sample_stream(self, req: SampleRequest) -> AsyncIterator[SampleDelta | SampleResult]:
         """A SampleDelta per sequence per engine step, then the result. Closing the iterator early
         cancels the request."""
-        if req.adapter is not None:
-            raise ValueError("SampleRequest.adapter is engine-internal: name the adapter by "
-                             "weights.adapter (a loaded checkpoint id)")
         async with contextlib.aclosing(self.worker.sample_stream(req)) as items:
             async for item in items:
                 yield item

@@ -19,30 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .api import LoRAConfig
 from .invariant import linear
-
-LORA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-LORA_MLP = ("gate_proj", "up_proj", "down_proj")
-LORA_UNEMBED = ("lm_head",)
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    rank: int = 16
-    alpha: float = 32.0
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = True
-    seed: int = 0
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    def target_names(self) -> tuple[str, ...]:
-        return ((LORA_ATTN if self.train_attn else ()) + (LORA_MLP if self.train_mlp else ())
-                + (LORA_UNEMBED if self.train_unembed else ()))
-
 
 def lora_features(model: nn.Module) -> dict[str, int]:
     """Per LoRA target name, in + out features summed over the layers: a rank-r adapter on targets
@@ -65,7 +43,7 @@ class Adapter(nn.Module):
         super().__init__()
         self.config = config
         self.scale = config.scale
-        gen = torch.Generator().manual_seed(config.seed)
+        gen = torch.Generator().manual_seed(config.seed or 0)
         self.A = nn.ParameterDict()
         self.B = nn.ParameterDict()
         targets = set(config.target_names())

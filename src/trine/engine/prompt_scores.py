@@ -24,7 +24,7 @@ import secrets
 import torch
 
 from .invariant import log_probs
-from .requests import SampleRequest
+from .api import SampleRequest
 from .sampling import TopLogprobs, draw, sample_seed
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call

@@ -25,12 +25,11 @@ from typing import AsyncIterator
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from .interface import Engine, EngineInfo, EngineLost, EngineStats, SampleDelta
+from .api import (CycleResult, EngineInfo, EngineLost, EngineStats, LoRAConfig, SampleDelta, SampleRequest,
+                  SampleResult, TrainingCycle)
+from .interface import Engine
 from .local import LocalEngine
-from .lora import LoRAConfig
-from .ops import CycleResult, TrainingCycle
 from .ray_cluster import watch_local_cluster
-from .requests import SampleRequest, SampleResult
 
 
 def _lost(index: int, name: str, e: RayError) -> EngineLost:
@@ -128,9 +127,6 @@ class RayEngine(Engine):
         ray.kill(self.actor, no_restart=True)
 
     async def sample(self, req: SampleRequest) -> SampleResult:
-        if req.adapter is not None:
-            raise ValueError("SampleRequest.adapter is engine-internal: name the adapter by "
-                             "weights.adapter (a loaded checkpoint id)")
         return await self._call("sample", req)
 
     async def sample_stream(self, req: SampleRequest) -> AsyncIterator[SampleDelta | SampleResult]:

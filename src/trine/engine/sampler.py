@@ -43,7 +43,8 @@ from .kv_layout import KVLayout
 from .lora import Adapter, AdapterBatch
 from .model import Transformer
 from .prompt_scores import PromptScores, check_prompt_scores, scores_prompt
-from .requests import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
+from ..limits import check_prompt_length
+from .api import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
 from .sampling import check_sampling_options, generators, sample
 from .scheduler import TENANT_SHARE, Scheduler
 from .sequence import Request, Sequence
@@ -80,10 +81,15 @@ class Sampler:
                               sample_tokens=0, steps=0, prefill_forwards=0, decode_forwards=0)
 
     # ------------------------------------------------------------------ public API
-    def add(self, req: SampleRequest) -> None:
-        """Validate and queue a request. Raises ValueError naming the bad field."""
-        self._validate(req)
-        r = Request(req, Stops.of(req.options, self.eos_ids), scores_prompt(req), adapter=req.adapter,
+    def add(self, req: SampleRequest, adapter: Adapter | None = None) -> None:
+        """Check and queue a request, to run with `adapter` (the weights `req.weights.adapter` names;
+        None for the base model). This is the one check of a request against the model: ValueError
+        naming the bad field."""
+        self._validate(req, adapter)
+        self._enqueue(req, adapter)
+
+    def _enqueue(self, req: SampleRequest, adapter: Adapter | None) -> None:
+        r = Request(req, Stops.of(req.options, self.eos_ids), scores_prompt(req), adapter=adapter,
                     version=req.weights.version)
         if req.generate and req.options.grammar:
             r.matcher = self.grammars.compile(req.options.grammar)
@@ -130,15 +136,17 @@ class Sampler:
         self._deltas = [d for d in self._deltas if d.request_id != request_id]
         return self._result(r)
 
-    def run(self, reqs: list[SampleRequest]) -> list[SampleResult]:
-        """Add every request, step until they are done, return their results in input order."""
-        ids = [r.request_id for r in reqs]
+    def run(self, reqs: list[SampleRequest | tuple[SampleRequest, Adapter | None]]) -> list[SampleResult]:
+        """Add every request (alone, or with the adapter it runs: see `add`), step until they are
+        done, return their results in input order. Nothing is added unless every request is valid."""
+        pairs = [r if isinstance(r, tuple) else (r, None) for r in reqs]
+        ids = [r.request_id for r, _ in pairs]
         if len(set(ids)) != len(ids):
             raise ValueError("request_id: duplicate ids in one run()")
-        for r in reqs:
-            self._validate(r)
-        for r in reqs:
-            self.add(r)
+        for r, adapter in pairs:
+            self._validate(r, adapter)
+        for r, adapter in pairs:
+            self._enqueue(r, adapter)
         done: dict[str, SampleResult] = {}
         want = set(ids)
         while want - done.keys():
@@ -303,7 +311,7 @@ class Sampler:
         return SampleResult(r.req.request_id, seqs, usage=r.usage, **scores)
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, req: SampleRequest) -> None:
+    def _validate(self, req: SampleRequest, adapter: Adapter | None) -> None:
         cfg, opts, n = self.cfg, req.options, len(req.prompt)
         if req.request_id in self._live:
             raise ValueError(f"request_id {req.request_id!r} is already queued or running")
@@ -317,7 +325,7 @@ class Sampler:
         if req.topk_prompt_logprobs < 0:
             raise ValueError(f"topk_prompt_logprobs: must be >= 0, got {req.topk_prompt_logprobs}")
         check_prompt_scores(req, cfg.vocab_size, MAX_TOPK_PROMPT_LOGPROBS)
-        if (req.adapter is None) != (req.weights.adapter is None):
+        if (adapter is None) != (req.weights.adapter is None):
             raise ValueError("adapter: must be given exactly when weights.adapter names one")
         max_new = 0
         if req.generate:
@@ -329,9 +337,7 @@ class Sampler:
             if opts.grammar and not opts.stop_at_eos:
                 raise ValueError("grammar: constrained decoding needs stop_at_eos (a complete grammar "
                                  "allows only the end-of-sequence token)")
-        if n + max_new > cfg.max_position_embeddings:
-            raise ValueError(f"prompt + max_tokens: {n} + {max_new} tokens exceed the model context "
-                             f"of {cfg.max_position_embeddings}; shorten the prompt or lower max_tokens")
+        check_prompt_length(n, max_new, cfg.max_position_embeddings, req.weights.base_model)
         need = self.scheduler.blocks_needed(n, max_new, req.num_samples if req.generate else 0)
         if need > self.kv.num_blocks:
             raise ValueError(f"prompt + max_tokens: {n} + {max_new} tokens x {req.num_samples} samples "

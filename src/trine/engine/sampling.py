@@ -20,7 +20,7 @@ import secrets
 import torch
 
 from .invariant import log_probs
-from .requests import SamplingOptions
+from .api import SamplingOptions
 
 _MASK64 = 2**64 - 1
 

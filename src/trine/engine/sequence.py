@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .prompt_scores import cacheable
-from .requests import SampleRequest, SampleUsage
+from .api import SampleRequest, SampleUsage
 from .stops import Stops
 
 if TYPE_CHECKING:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .requests import SamplingOptions
+from ..limits import check_stops
+from .api import SamplingOptions
 from .tokenizer import Tokenizer
 
 
@@ -62,4 +63,4 @@ def check_stop_options(options: SamplingOptions, vocab_size: int) -> None:
         raise ValueError(f"stop_token_ids: must be ints in [0, {vocab_size})")
     if any(not isinstance(s, str) or not s for s in options.stop_strings):
         raise ValueError("stop_strings: must be non-empty strings")
-    options.check_stops()
+    check_stops(options.stop_strings, options.stop_token_ids)

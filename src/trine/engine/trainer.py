@@ -38,19 +38,21 @@ import ctypes
 import gc
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from ..tokens import TokenCounts
 from ..limits import ADAM_BOUNDS, check_adam_value, check_lora_rank
 from . import checkpoint
 from .invariant import log_probs
-from .losses import Loss, LossInputs, PreparedDatum, prepare_datum, sequence_log_ratios
-from .lora import Adapter, AdapterBatch, LoRAConfig
+from .api import AdamConfig, LoRAConfig, Loss, WeightsIdentity
+from .losses import LossInputs, PreparedDatum, datum_tensors, loss_values, sequence_log_ratios
+from .lora import Adapter, AdapterBatch
 from .model import Transformer
-from .requests import AdamConfig, ForwardResult, TrainDatum, TrainUsage, WeightsIdentity
+from .prepare import check_datum
 
 
 @dataclass
@@ -67,9 +69,31 @@ class _Run:
 class _Row:
     entry: int  # index into the forward_backward batch
     datum: PreparedDatum
+    counts: TokenCounts
     adapter: Adapter
     loss: Loss
     grad_scale: float = 1.0  # 1 / the entry's denominator
+
+
+@dataclass
+class TrainUsage:
+    train_tokens: int = 0  # every computed position
+    loss_tokens: int = 0  # positions with a non-zero weight or advantage
+
+
+@dataclass
+class ForwardResult:
+    """One batch entry's per-datum target logprobs and elementwise losses, and summed metrics."""
+
+    logprobs: list[list[float]]
+    losses: list[list[float]]
+    loss_sum: float
+    token_count: int
+    usage: TrainUsage = field(default_factory=TrainUsage)
+
+    @property
+    def loss_mean(self) -> float:
+        return self.loss_sum / self.token_count if self.token_count else 0.0
 
 
 class Trainer:
@@ -158,27 +182,29 @@ class Trainer:
             res.logprobs.append(logp.tolist())
             res.losses.append(loss.tolist())
             res.loss_sum += float(loss.double().sum())
-            res.token_count += row.datum.token_count
+            res.token_count += row.counts.active_tokens
             res.usage.train_tokens += len(row.datum)
-            res.usage.loss_tokens += row.datum.loss_tokens
+            res.usage.loss_tokens += row.counts.loss_tokens(row.loss.is_policy)
         return results
 
     def _prepare(self, batch) -> list[_Row]:
         if not isinstance(batch, (list, tuple)) or not batch:
-            raise ValueError("batch must be a non-empty list of (run_id, data, loss[, denominator])")
+            raise ValueError("batch must be a non-empty list of (run_id, data, loss[, denominator[, counts]])")
         vocab = self.model.cfg.vocab_size
         rows = []
         for e, entry in enumerate(batch):
             run_id, data, loss, *rest = entry
             scale = _grad_scale(rest[0] if rest else None, f"batch[{e}]")
+            counts = rest[1] if len(rest) > 1 else None  # a prepared op's: checked at acceptance
             adapter = self._run(run_id).adapter
             if not isinstance(loss, Loss):
                 raise ValueError(f"batch[{e}] loss_fn {loss!r}: pass a parsed Loss (Loss.parse(name, config))")
             if not isinstance(data, (list, tuple)) or not data:
                 raise ValueError(f"batch[{e}] data must be a non-empty list of TrainDatum")
-            for i, datum in enumerate(data):
-                rows.append(_Row(e, prepare_datum(datum, loss, vocab, f"batch[{e}].data[{i}]"), adapter, loss,
-                                 scale))
+            if counts is None:
+                counts = [check_datum(d, loss, vocab, f"batch[{e}].data[{i}]") for i, d in enumerate(data)]
+            for datum, c in zip(data, counts):
+                rows.append(_Row(e, datum_tensors(datum, loss), c, adapter, loss, scale))
         return rows
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[int]]:
@@ -360,13 +386,13 @@ def _losses_and_grads(losses: list[Loss], loss_of: torch.Tensor, logp: torch.Ten
     with torch.enable_grad():
         x = logp.detach().requires_grad_(need_grad)
         if len(losses) == 1:
-            out = losses[0](x, inputs)
+            out = loss_values(losses[0], x, inputs)
         else:
             out = torch.zeros_like(x)
             for k, loss in enumerate(losses):
                 idx = (loss_of == k).nonzero().squeeze(1)
                 if idx.numel():
-                    out = out.index_put((idx,), loss(x[idx], inputs.select(idx)))
+                    out = out.index_put((idx,), loss_values(loss, x[idx], inputs.select(idx)))
         grad = torch.autograd.grad(out.sum(), x)[0] if need_grad else None
     return out.detach(), grad
 

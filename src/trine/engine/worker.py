@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from .lora import Adapter
-from .requests import SampleDelta, SampleRequest, SampleResult
+from .api import SampleCancelled, SampleDelta, SampleRequest, SampleResult
 from .tokenizer import Tokenizer
 from . import invariant
 from .weights import load_model, parse_dtype
@@ -44,10 +44,6 @@ log = logging.getLogger("trine.worker")
 
 
 RECENT_CANCELS = 256  # cancel() answers kept, so a second cancel of a request gets the same one
-
-
-class SampleCancelled(Exception):
-    """The caller cancelled this sample request (e.g. its client disconnected)."""
 
 
 _END = object()
@@ -115,10 +111,10 @@ class EngineWorker:
         return fut
 
     async def sample_stream(self, req: SampleRequest) -> AsyncIterator[SampleDelta | SampleResult]:
-        """Queue a streaming sample request (sets `req.stream`): yields its SampleDeltas as the
+        """Queue a streaming sample request (a copy with `stream` set): yields its SampleDeltas as the
         engine steps, then its SampleResult (or raises its error). Closing the iterator before the
         result (the consumer went away) cancels the request."""
-        req.stream = True
+        req = dataclasses.replace(req, stream=True)
         deltas: asyncio.Queue = asyncio.Queue()
         fut = self.loop.create_future()
         fut.add_done_callback(lambda f: deltas.put_nowait(_END))  # after every delta posted before
@@ -245,8 +241,8 @@ class EngineWorker:
                 self._cancel(obj, fut)
                 continue
             try:
-                obj = self._with_adapter(obj)
-                self.sampler.add(obj)
+                obj, adapter = self._resolve_weights(obj)
+                self.sampler.add(obj, adapter)
             except ValueError as e:
                 self._post(fut, exc=e)
             else:
@@ -267,23 +263,23 @@ class EngineWorker:
         held = self.targets.get(target)
         return held[0] if held else 0
 
-    def _with_adapter(self, req: SampleRequest) -> SampleRequest:
-        """The request with its adapter resolved from the table (a copy: the caller's is untouched);
-        an inflight request also gets its target's current version."""
+    def _resolve_weights(self, req: SampleRequest) -> tuple[SampleRequest, Adapter | None]:
+        """The adapter `req.weights.adapter` names in this engine's tables; an inflight request also
+        gets its target's current version (a copy: the caller's request is untouched)."""
         if req.inflight:
             held = self.targets.get(req.weights.adapter)
             if held is None:
                 raise ValueError(f"inflight target {req.weights.adapter!r} is not held by this engine; "
                                  "publish it (publish_target) before sampling from it")
             version, adapter = held
-            return dataclasses.replace(req, adapter=adapter, weights=dataclasses.replace(req.weights, version=version))
-        if req.weights.adapter is None or req.adapter is not None:
-            return req
+            return dataclasses.replace(req, weights=dataclasses.replace(req.weights, version=version)), adapter
+        if req.weights.adapter is None:
+            return req, None
         adapter = self.adapters.get(req.weights.adapter)
         if adapter is None:
             raise ValueError(f"adapter {req.weights.adapter!r} is not loaded on this engine; load it "
                              "(load_adapter) before sampling from it")
-        return dataclasses.replace(req, adapter=adapter)
+        return req, adapter
 
     def _cancel(self, request_id: str, done: asyncio.Future) -> None:
         fut = self._pending.pop(request_id, None)

@@ -52,13 +52,14 @@ def envelope(svc: Service, rec: EventRecord) -> bytes:
 async def submit_event(request: Request):
     key, run_id = _caller(request, "training")
     body = await read_body(request, MAX_EVENT_BYTES)
-    env, command, fingerprint = await asyncio.get_running_loop().run_in_executor(None, parse_event, body)
+    env, command, fingerprint, notes = await asyncio.get_running_loop().run_in_executor(None, parse_event, body)
     if env.metadata.run_id and env.metadata.run_id != run_id:
         raise NotFound(f"training run {env.metadata.run_id} not found (this token is for {run_id})",
                        code="training_run_not_found")
     svc = service_of(request)
     rec = await svc.events.submit(key, run_id, event_id=env.event_id, index=env.metadata.index,
-                                  step=env.metadata.step, command=command, fingerprint=fingerprint)
+                                  step=env.metadata.step, command=command, fingerprint=fingerprint,
+                                  notes=notes)
     return Response(envelope(svc, rec), status_code=200 if rec.response else 202, media_type=MSGPACK)
 
 
@@ -84,8 +85,8 @@ async def sample(sampling_run_id: str, request: Request):
         raise NotFound(f"sampling run {sampling_run_id} not found", code="sampling_run_not_found")
     body = await json_object(request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object",
                              empty_ok=False)
-    spec, shape = parse_sample(body)
-    task = asyncio.ensure_future(service_of(request).sampling.sample(key, sampling_run_id, spec))
+    req, shape, fingerprint = parse_sample(body)
+    task = asyncio.ensure_future(service_of(request).sampling.sample(key, sampling_run_id, req, fingerprint))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if unawaited
     await asyncio.wait({task}, timeout=KEEPALIVE_AFTER)
     if task.done():

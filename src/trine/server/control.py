@@ -13,7 +13,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..limits import MAX_PAGE_SIZE
-from ..service import (ApiKey, Checkpoint, LoraSpec, NotFound, RunLabels, SamplingRun, SamplingRunSpec, Service,
+from ..engine.api import LoRAConfig
+from ..service import (ApiKey, Checkpoint, NotFound, RunLabels, SamplingRun, SamplingRunSpec, Service,
                        Session, TrainingRun, TrainingRunSpec)
 from ..service.labels import as_metadata
 from .auth import iso
@@ -212,7 +213,8 @@ async def renew_session(session_id: str, request: Request, key: ApiKey = Depends
 async def create_training_run(session_id: str, body: TrainingRunCreate, request: Request,
                         key: ApiKey = Depends(api_key)):
     svc = service_of(request)
-    lora = LoraSpec(body.lora_rank, body.seed, body.train_mlp, body.train_attn, body.train_unembed)
+    lora = LoRAConfig(rank=body.lora_rank, seed=body.seed, train_mlp=body.train_mlp, train_attn=body.train_attn,
+                      train_unembed=body.train_unembed)
     labels = RunLabels(body.name, tuple(body.tags), body.user_metadata or {})
     r = svc.runs.create_training_run(key, session_id, TrainingRunSpec(body.base_model, lora,
                                                                       body.source_checkpoint_uri,

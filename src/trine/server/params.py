@@ -1,5 +1,5 @@
-"""Request bodies the PyTRIO and Tinker front ends share, parsed into service commands: a sample
-request (PyTRIO's JSON shape; Tinker's `asample` maps its body onto it) and Adam parameters.
+"""PyTRIO request bodies parsed into the engine's vocabulary: a sample request (JSON) and Adam
+parameters (which Tinker's front end shares).
 
 Unknown keys are ignored; every error is an InvalidRequest whose message names the field
 (`sampling_params.top_k: ...`).
@@ -12,8 +12,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..limits import MAX_REQUEST_ID_CHARS, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS, check_stops
-from ..service import InvalidRequest, OptimStep, SampleSpec
+from ..engine.api import AdamConfig, OptimStep, SampleRequest, SamplingOptions
+from ..limits import MAX_REQUEST_ID_CHARS, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
+from ..service import InvalidRequest
 from ..types import AdamParams
 from .bounds import FiniteFloat, Int64, Positive, Seed
 from .context import parse_model
@@ -35,7 +36,7 @@ class ImageChunk(Body):
     format: str = ""
 
 
-class ModelInput(Body):
+class ModelInputBody(Body):
     chunks: list[Annotated[TextChunk | ImageChunk, Field(discriminator="type")]] = Field(min_length=1)
 
     def tokens(self, field: str) -> list[int]:
@@ -45,7 +46,7 @@ class ModelInput(Body):
         return [t for c in self.chunks for t in c.tokens]
 
 
-class SamplingParams(Body):
+class SamplingParamsBody(Body):
     max_tokens: Positive
     temperature: FiniteFloat = Field(default=1.0, ge=0)
     top_k: Int64 = -1
@@ -57,8 +58,8 @@ class SamplingParams(Body):
 
 class SampleBody(Body):
     request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)
-    prompt: ModelInput
-    sampling_params: SamplingParams
+    prompt: ModelInputBody
+    sampling_params: SamplingParamsBody
     num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
     return_text: bool = True
     return_token_logprobs: bool = True
@@ -66,27 +67,28 @@ class SampleBody(Body):
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
 
 
-def parse_sample(body: dict, *, stop_at_eos: bool = True) -> tuple[SampleSpec, SampleShape]:
-    """The sampling command of a sample body, and the shape its answer takes."""
+def parse_sample(body: dict, *, stop_at_eos: bool = True) -> tuple[SampleRequest, SampleShape, str]:
+    """The sample request of a sample body (the engine checks it against the model), the shape its
+    answer takes, and the body's fingerprint (a retry must repeat it)."""
     b = parse_model(SampleBody, body)
-    p = b.sampling_params
+    options = sampling_options(b.sampling_params, stop_at_eos=stop_at_eos)
+    compute_logprobs = b.return_prompt_logprobs and not b.return_token_logprobs
+    req = SampleRequest(request_id=b.request_id, prompt=b.prompt.tokens("prompt"), options=options,
+                        num_samples=b.num_samples, prompt_logprobs=b.return_prompt_logprobs,
+                        topk_prompt_logprobs=b.topk_prompt_logprobs, generate=not compute_logprobs)
+    fingerprint = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return req, SampleShape(b.return_text, b.return_token_logprobs), fingerprint
+
+
+def sampling_options(p: SamplingParamsBody, *, stop_at_eos: bool = True, top_logprobs: int = 0) -> SamplingOptions:
+    """The engine's sampling options of a `sampling_params` body."""
     if p.top_k != -1 and p.top_k < 1:
         raise InvalidRequest(f"sampling_params.top_k {p.top_k}: use -1 (off) or a positive integer")
     stop = tuple([p.stop] if isinstance(p.stop, str) else p.stop or ())
-    if any(s == "" for s in stop):
-        raise InvalidRequest("sampling_params.stop: stop strings must be non-empty")
-    stop_token_ids = tuple(p.stop_token_ids or ())
-    try:
-        check_stops(stop, stop_token_ids)
-    except ValueError as e:
-        raise InvalidRequest(f"sampling_params.{e}") from None
-    compute_logprobs = b.return_prompt_logprobs and not b.return_token_logprobs
-    spec = SampleSpec(b.request_id, b.prompt.tokens("prompt"), p.max_tokens, float(p.temperature),
-                      float(p.top_p), p.top_k, p.seed, stop, stop_token_ids, stop_at_eos,
-                      num_samples=b.num_samples, prompt_logprobs=b.return_prompt_logprobs,
-                      topk_prompt_logprobs=b.topk_prompt_logprobs, generate=not compute_logprobs,
-                      fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest())
-    return spec, SampleShape(b.return_text, b.return_token_logprobs)
+    return SamplingOptions(max_tokens=p.max_tokens, temperature=float(p.temperature), top_p=float(p.top_p),
+                           top_k=p.top_k, seed=p.seed, stop_strings=stop,
+                           stop_token_ids=tuple(p.stop_token_ids or ()), stop_at_eos=stop_at_eos,
+                           top_logprobs=top_logprobs)
 
 
 class _Optim(Body):
@@ -97,4 +99,5 @@ def optim_step(body: dict, prefix: str = "") -> OptimStep:
     """The optim step of `{"adam_params": {...}}` (trine.types.AdamParams: its fields, defaults and
     bounds)."""
     a = parse_model(_Optim, body, prefix).adam_params
-    return OptimStep(a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm)
+    return OptimStep(AdamConfig(learning_rate=a.learning_rate, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
+                                weight_decay=a.weight_decay, grad_clip_norm=a.grad_clip_norm))

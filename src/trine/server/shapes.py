@@ -50,6 +50,12 @@ def event_envelope(rec: EventRecord, res: EventResult | None, model_id: Callable
     return msgpack.packb(env, use_bin_type=True)
 
 
+def unshift(values: list[list[float]]) -> list[list[float]]:
+    """Per-position results of an auto-shifted datum (wire.py shifted its targets) back on the
+    client's positions: target j was scored from position j - 1, and position 0 has no score."""
+    return [[0.0] + list(v[:-1]) for v in values]
+
+
 def _event_result(type_: str, res: EventResult, model_id: Callable[[str], str]) -> dict:
     if res.checkpoint is not None:
         ck = res.checkpoint
@@ -57,7 +63,8 @@ def _event_result(type_: str, res: EventResult, model_id: Callable[[str], str]) 
                                "size_bytes": ck["size_bytes"], "checkpoint_cuid": ck["checkpoint_id"],
                                "cuid": ck["checkpoint_id"], "type": ck["kind"]}}
     if res.logprobs is not None:
-        return {"loss_fn_outputs": [{"logprobs": wire_tensor(lp)} for lp in res.logprobs],
+        logprobs = unshift(res.logprobs) if res.notes.get("auto_shift") else res.logprobs
+        return {"loss_fn_outputs": [{"logprobs": wire_tensor(lp)} for lp in logprobs],
                 "metrics": res.metrics}
     return {"metrics": res.metrics} if type_ == OPTIMIZE_STEP else {}
 

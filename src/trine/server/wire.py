@@ -1,4 +1,4 @@
-"""PyTRIO actor-plane event bodies (MessagePack) -> service commands. Shapes follow the official
+"""PyTRIO actor-plane event bodies (MessagePack) -> engine ops and service commands. Shapes follow the official
 `pytrio` 0.2.9 client (docs/architecture.md, "Front ends"); sample bodies are in params.py.
 
 Unknown keys are ignored (the client never sends any); every error becomes an InvalidRequest whose
@@ -14,11 +14,12 @@ from pydantic import Field
 
 from ..limits import (END_RUN, EVENT_TYPES, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_STATE,
                       SAVE_WEIGHTS)
-from ..service import (EndRun, Forward, GradientTotals, InitRun, InvalidRequest, LoraSpec, Save,
-                       TrainingCommand, TrainingDatum)
+from ..engine.api import EndRun, Forward, LoRAConfig, Loss, TrainDatum
+from ..service import InitByUri, InvalidRequest, SaveByName, TrainingCommand
+from ..tokens import TokenCounts
 from .bounds import Count, Int64, Positive, Seed, TtlSeconds
 from .context import parse_model
-from .params import Body, ModelInput, optim_step
+from .params import Body, ModelInputBody, optim_step
 
 
 class Metadata(Body):
@@ -51,7 +52,7 @@ class InitRunPayload(Body):
 
 
 class Datum(Body):
-    model_input: ModelInput
+    model_input: ModelInputBody
     target_ids: list[Int64] = Field(min_length=1)
     weights: list[float] | None = None
     logprobs: list[float] | None = None
@@ -101,46 +102,54 @@ def decode_msgpack(body: bytes) -> dict:
     return obj
 
 
-def parse_event(body: bytes) -> tuple[Envelope, TrainingCommand, str]:
-    """The envelope, the command, and the request's fingerprint (type, index, step and payload:
-    what a retry must repeat; the timestamp and SDK fields may differ)."""
+def parse_event(body: bytes) -> tuple[Envelope, TrainingCommand, str, dict]:
+    """The envelope, the command, the request's fingerprint (type, index, step and payload: what a
+    retry must repeat; the timestamp and SDK fields may differ), and the notes its answer is shaped
+    by (`auto_shift`: shapes.unshift undoes the shift on the answer)."""
     env = parse_model(Envelope, decode_msgpack(body))
     if env.type not in EVENT_TYPES:
         raise InvalidRequest(f"type {env.type!r} is not an event type; use one of "
                              f"{', '.join(EVENT_TYPES)}")
     command = parse_command(env.type, env.payload)
     packed = msgpack.packb([env.type, env.metadata.index, env.metadata.step, env.payload], use_bin_type=True)
-    return env, command, hashlib.sha256(packed).hexdigest()
+    notes = {"auto_shift": True} if env.type in (FORWARD, FORWARD_BACKWARD) and env.payload.get("auto_shift") else {}
+    return env, command, hashlib.sha256(packed).hexdigest(), notes
 
 
 def parse_command(type_: str, payload: dict) -> TrainingCommand:
     if type_ == INIT_RUN:
         p = parse_model(InitRunPayload, payload, "payload")
         c = p.lora_config
-        lora = LoraSpec(c.rank, c.seed, c.train_mlp, c.train_attn, c.train_unembed)
-        return InitRun(lora, p.base_model, p.checkpoint_uri or "", p.load_optimizer)
+        lora = LoRAConfig(rank=c.rank, seed=c.seed, train_mlp=c.train_mlp, train_attn=c.train_attn,
+                          train_unembed=c.train_unembed)
+        return InitByUri(lora=lora, base_model=p.base_model, checkpoint_uri=p.checkpoint_uri or "",
+                         load_optimizer=p.load_optimizer)
     if type_ in (FORWARD, FORWARD_BACKWARD):
         p = parse_model(ForwardPayload, payload, "payload")
         ga = p.gradient_accumulation
-        totals = None if ga is None else GradientTotals(ga.total_samples, ga.total_active_tokens,
-                                                         ga.total_advantage_tokens,
-                                                         "payload.gradient_accumulation")
-        return Forward([_datum(d, i, p.auto_shift) for i, d in enumerate(p.data)], p.loss.type,
-                       dict(p.loss.config), backward=type_ == FORWARD_BACKWARD, auto_shift=p.auto_shift,
-                       normalise=True, totals=totals)
+        totals = None if ga is None else TokenCounts(ga.total_samples, ga.total_active_tokens,
+                                                      ga.total_advantage_tokens)
+        try:
+            loss = Loss.parse(p.loss.type, dict(p.loss.config))
+        except ValueError as e:
+            raise InvalidRequest(f"payload.loss: {e}") from None
+        return Forward(data=[_datum(d, i, p.auto_shift) for i, d in enumerate(p.data)], loss=loss,
+                       backward=type_ == FORWARD_BACKWARD, normalise=True, totals=totals,
+                       totals_field="payload.gradient_accumulation")
     if type_ == OPTIMIZE_STEP:
         return optim_step(payload, "payload")
     if type_ in (SAVE_STATE, SAVE_WEIGHTS):
         p = parse_model(SavePayload, payload, "payload")
         if p.kind == "inflight" and type_ == SAVE_STATE:
             raise InvalidRequest("payload.kind 'inflight' is for save_weights (sampler weights), not save_state")
-        return Save("state" if type_ == SAVE_STATE else "weights", p.name, p.visibility, p.ttl_seconds,
-                    p.overwrite, p.kind == "inflight")
+        return SaveByName(kind="state" if type_ == SAVE_STATE else "weights", name=p.name,
+                          visibility=p.visibility, ttl_seconds=p.ttl_seconds, overwrite=p.overwrite,
+                          inflight=p.kind == "inflight")
     assert type_ == END_RUN
     return EndRun(parse_model(EndRunPayload, payload, "payload").reason)
 
 
-def _datum(d: Datum, i: int, auto_shift: bool) -> TrainingDatum:
+def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
     where = f"payload.data.{i}"
     tokens = d.model_input.tokens(f"{where}.model_input")
     n = len(tokens)
@@ -157,4 +166,5 @@ def _datum(d: Datum, i: int, auto_shift: bool) -> TrainingDatum:
         weights, logprobs, advantages, ratio_mask = (
             None if v is None else list(v[1:]) + [0.0]
             for v in (weights, logprobs, advantages, ratio_mask))
-    return TrainingDatum(tokens, list(targets), weights, logprobs, advantages, ratio_mask)
+    return TrainDatum(tokens=tokens, target_tokens=list(targets), weights=weights, logprobs=logprobs,
+                      advantages=advantages, sequence_ratio_mask=ratio_mask)

@@ -17,8 +17,8 @@ import asyncio
 import logging
 
 from ..engine.checkpoint import by_uri
-from ..engine.interface import EngineLost
-from ..engine.lora import LoRAConfig
+from ..engine.api import EngineLost
+from ..engine.api import LoRAConfig
 from ..store import Checkpoint, Store
 from .errors import Conflict
 from .models import Replica

@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..engine import ops
+from ..engine.api import Save
 from ..limits import OPTIMIZE_STEP, TEMPORARY_CHECKPOINT_TTL_SECONDS, check_ttl_seconds
 from ..store import ApiKey, Checkpoint, Store, TrainingRun
 from . import commands
@@ -35,7 +35,7 @@ class Checkpoints:
         self.models = models
         self.adapters = adapters
 
-    def record_saved(self, m: ServedModel, run: TrainingRun, save: commands.Save, op: ops.Save,
+    def record_saved(self, m: ServedModel, run: TrainingRun, save: commands.SaveByName, op: Save,
                      size_bytes: int, inflight_version: int = 0) -> Checkpoint:
         """The record of a save that just succeeded (replacing an overwritten one): `save` as the
         client asked it, `op` where it went; an inflight save's target version."""

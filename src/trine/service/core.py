@@ -9,7 +9,7 @@ calls the parts' public methods directly:
   SamplingRunSpec)`;
 - `events` (events.py): `submit(key, run, event_id=, index=, step=, command=)` (ordered, idempotent)
   and `event(key, run, event_id, wait)` (a long-poll);
-- `sampling` (sampling.py): `sample(key, run, SampleSpec)`, `sample_stream` (SampleChunks, then the
+- `sampling` (sampling.py): `sample(key, run, SampleRequest)`, `sample_stream` (SampleDeltas, then the
   SampleOutcome), `cancel`;
 - `checkpoints` (checkpoints.py): `delete(key, checkpoint_id)`, `set_ttl`, `set_public`, `stored(key)`
   (what is on disk), `archive(checkpoint, flat=)` (a tar file);
@@ -23,7 +23,7 @@ adapters.py (sampler adapters per replica, spill to disk), inflight.py (the movi
 inflight samplers follow), gc.py (restart recovery, expiry, idle
 runs), faults.py (lost engine replicas), routing.py (prefix-aware routing across replicas),
 models.py (base models, engine replicas, run placement), scheduler.py and ordering.py (clock
-cycles), quotas.py (per-key limits), translate.py (commands -> engine requests and ops).
+cycles), quotas.py (per-key limits), idempotency.py (one request id, one piece of work).
 
 Runs on the asyncio loop; the engines (one per replica) are reached only through
 `engine.interface.Engine`, and only from the service.

@@ -1,9 +1,10 @@
 """Training events: acceptance (idempotent, ordered), execution in clock cycles, settling.
 
-An event carries a training command (commands.py). Accepting it checks the command against the run
-and the model and builds its engine op (translate.py), with everything resolved that the engine
-needs (a checkpoint's directory, a save's target, the parsed loss, the gradient denominator); the
-command itself is kept as sent, for settling (a save's record takes its name and visibility).
+An event carries a training command: an `engine.api` op, or a service command where the meaning
+differs (commands.py). Accepting it checks it against the run and the model and builds its prepared
+engine op, with everything resolved that the engine needs (a checkpoint's directory, a save's
+target, each datum checked and counted, the gradient denominator); the command itself is kept as
+sent, for settling (a save's record takes its name and visibility).
 
 Invariants
 - Events of a run execute in index order, exactly once: a retried event id returns the event's
@@ -27,18 +28,20 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ..engine.interface import EngineLost
-from ..engine.ops import CycleEvent, EventOutcome, Forward, Op, RunShare, Save, TrainingCycle
+from ..engine import api
+from ..engine.api import CycleEvent, EngineLost, EventOutcome, Forward, Op, RunShare, Save, TrainingCycle
+from ..engine.prepare import prepare_forward
 from ..limits import (CHECKPOINT_VISIBILITIES, FORWARD, FORWARD_BACKWARD, OPTIMIZE_STEP,
                       check_checkpoint_name, check_lora_rank, check_ttl_seconds)
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
 from ..store import ApiKey, EventRecord, Store, TrainingRun
 from ..store.keys import new_id
-from . import commands, translate
+from . import commands
 from .activity import Activity
 from .checkpoints import Checkpoints
 from .errors import Conflict, InvalidRequest, NotFound
+from .idempotency import SingleFlight
 from .inflight import Inflight
 from .models import Replica, ServedModel, resolve_model
 from .ordering import CyclePlan, Pending, split_phases
@@ -59,6 +62,7 @@ class LiveEvent:
     command: commands.TrainingCommand
     pending: Pending
     replica: Replica
+    notes: dict = field(default_factory=dict)  # the front end's, stored with the result (EventResult.notes)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -76,38 +80,27 @@ class Events:
         self.rate_card = rate_card
         self.on_lost = on_lost  # (model, replica, reason): a replica died (faults.py)
         self.live: dict[str, LiveEvent] = {}
-        self._submitting: dict[str, tuple[asyncio.Future, str]] = {}  # event id -> (its acceptance, fingerprint)
+        self._accepting = SingleFlight(what=lambda event_id: f"event_id {event_id.split('~', 1)[0]}",
+                                       code="event_id_reused")  # stored event id -> its acceptance
 
     # ------------------------------------------------------------------ accepting
     async def submit(self, key: ApiKey, run_id: str, *, event_id: str, index: int, step: int,
-                     command: commands.TrainingCommand, fingerprint: str = "") -> EventRecord:
+                     command: commands.TrainingCommand, fingerprint: str = "",
+                     notes: dict | None = None) -> EventRecord:
         """Accept `command` as event `index` of the run (or return the state of the event already
         accepted under `event_id`).
 
         Checking a large batch runs in a thread; a retry that arrives meanwhile joins this call.
-        `fingerprint` identifies the request body ("" = not checked)."""
+        `fingerprint` identifies the request body ("" = not checked). `notes` is kept with the
+        result for the front end that shapes it (the service never reads it)."""
         stored_id = self._stored_id(run_id, event_id)
-        known = self.record(stored_id)
+        known = None if stored_id in self._accepting else self.record(stored_id)
         if known is not None:
             self.ownership.event(key, run_id, known)
-            _same_request(event_id, known.fingerprint, fingerprint, f"{known.type} #{known.idx}")
+            self._accepting.check(stored_id, known.fingerprint, fingerprint)
             return known
-        if stored_id in self._submitting:
-            joined, their_fingerprint = self._submitting[stored_id]
-            _same_request(event_id, their_fingerprint, fingerprint, "an event being accepted")
-            return await asyncio.shield(joined)
-        fut = asyncio.get_running_loop().create_future()
-        self._submitting[stored_id] = (fut, fingerprint)
-        try:
-            rec = await self._accept(key, run_id, stored_id, index, step, command, fingerprint)
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # retrieved: joiners re-raise it
-            raise
-        finally:
-            self._submitting.pop(stored_id, None)
-        fut.set_result(rec)
-        return rec
+        return await self._accepting.run(stored_id, fingerprint, lambda: self._accept(
+            key, run_id, stored_id, index, step, command, fingerprint, notes or {}))
 
     def _stored_id(self, run_id: str, event_id: str) -> str:
         """`event_id`, or `event_id~run_id` when another run used that id first."""
@@ -117,19 +110,18 @@ class Events:
         return f"{event_id}~{run_id}"
 
     async def _accept(self, key: ApiKey, run_id: str, event_id: str, index: int, step: int,
-                      command: commands.TrainingCommand, fingerprint: str) -> EventRecord:
+                      command: commands.TrainingCommand, fingerprint: str, notes: dict) -> EventRecord:
         r = self.ownership.active_run(key, run_id)
         m = self.models[r.base_model]
-        if isinstance(command, commands.Forward):
-            op = await asyncio.get_running_loop().run_in_executor(
-                None, translate.forward_op, command, m.vocab_size, m.max_seq_len, m.name)
+        if isinstance(command, Forward):
+            op = await asyncio.get_running_loop().run_in_executor(None, _prepared, command, m)
             r = self.ownership.active_run(key, run_id)  # it may have ended meanwhile
         else:
             op = self._op(key, r, m, command)
         if self.quotas is not None:
             self.quotas.check_queue(key, op, self.queued_tokens(key.id))
         rep = m.place(run_id)
-        type_ = commands.event_type(command)
+        type_ = api.event_type(command)
         pend = Pending(event_id, run_id, index, type_, op)
         now = time.time()
         rec = EventRecord(event_id, run_id, key.id, index, type_, step, "accepted", now, now,
@@ -142,22 +134,23 @@ class Events:
             raise
         if not r.started:
             self.store.update_training_run(r.id, started=True)
-        if isinstance(command, commands.OptimStep):  # the settings a run listing shows as last used
-            self.store.update_training_run(r.id, optimizer=json.dumps(dataclasses.asdict(command)))
-        self.live[event_id] = LiveEvent(rec, command, pend, rep)
+        if isinstance(command, api.OptimStep):  # the settings a run listing shows as last used
+            self.store.update_training_run(r.id, optimizer=json.dumps(dataclasses.asdict(command.adam)))
+        self.live[event_id] = LiveEvent(rec, command, pend, rep, notes)
         self.activity.touch(run_id)
         rep.scheduler.notify()
         return rec
 
     def _op(self, key: ApiKey, r: TrainingRun, m: ServedModel, command: commands.TrainingCommand) -> Op:
         """Check a (non-forward) command against the run and the model; its engine op."""
-        if isinstance(command, commands.InitRun):
-            return translate.training_op(command, checkpoint_path=self._init_checkpoint(key, m, command))
-        if isinstance(command, commands.Save):
-            return translate.training_op(command, save=self._save_target(key, r, command))
-        return translate.training_op(command)
+        if isinstance(command, commands.InitByUri):
+            return api.InitRun(lora=command.lora, checkpoint_path=self._init_checkpoint(key, m, command),
+                               load_optimizer=command.load_optimizer, checkpoint_uri=command.checkpoint_uri)
+        if isinstance(command, commands.SaveByName):
+            return self._save_target(key, r, command)
+        return command
 
-    def _init_checkpoint(self, key: ApiKey, m: ServedModel, c: commands.InitRun) -> str:
+    def _init_checkpoint(self, key: ApiKey, m: ServedModel, c: commands.InitByUri) -> str:
         """The directory of the checkpoint an init loads ("" for a fresh adapter)."""
         if c.base_model and resolve_model(self.models, c.base_model) is not m:
             raise InvalidRequest(f"init_run base_model differs from the run's model {m.name}")
@@ -170,7 +163,9 @@ class Events:
                                  f"{m.name}")
         return ck.path
 
-    def _save_target(self, key: ApiKey, r: TrainingRun, c: commands.Save) -> translate.SaveTarget:
+    def _save_target(self, key: ApiKey, r: TrainingRun, c: commands.SaveByName) -> Save:
+        """The engine save of a save by name: its URI, a new checkpoint id and its directory ("" for
+        weights kept in memory only)."""
         _invalid_unless(check_checkpoint_name, c.name)
         if c.visibility not in CHECKPOINT_VISIBILITIES:
             raise InvalidRequest(f"visibility {c.visibility!r}: use {' or '.join(CHECKPOINT_VISIBILITIES)}")
@@ -184,7 +179,7 @@ class Events:
         path = ""
         if c.kind == "state" or c.visibility == "WORKSPACE":
             path = str(self.store.checkpoint_dir / key.id / r.id / part / c.name)
-        return translate.SaveTarget(uri, new_id("ck"), path)
+        return Save(kind=c.kind, checkpoint_id=new_id("ck"), path=path, uri=uri, inflight=c.inflight)
 
     def _reserved_uris(self) -> set[str]:
         return {live.pending.op.uri for live in self.live.values()
@@ -251,7 +246,7 @@ class Events:
         rec, op = live.record, live.pending.op
         run = self.store.training_run(rec.run_id)
         res = EventResult("failed" if out.error else "succeeded", cycle=cycle,
-                          train_tokens=out.train_tokens, loss_tokens=out.loss_tokens)
+                          train_tokens=out.train_tokens, loss_tokens=out.loss_tokens, notes=live.notes)
         if out.error:
             res.error = {"code": out.error[0], "message": out.error[1]}
         else:
@@ -311,11 +306,12 @@ def _all_failed(plan: CyclePlan, code: str, message: str) -> dict[str, EventOutc
     return {ev.event_id: EventOutcome(error=(code, message)) for evs in plan.runs.values() for ev in evs}
 
 
-def _same_request(event_id: str, first: str | None, again: str, what: str) -> None:
-    """A reused event id must carry the request it was first used for."""
-    if first and again and first != again:
-        raise Conflict(f"event_id {event_id} was already used for a different request ({what}); a retry "
-                       "must resend the same body: give a new event its own id", code="event_id_reused")
+def _prepared(op: Forward, m: ServedModel) -> Forward:
+    """`op` prepared for `m` (engine/prepare.py): every datum checked and counted once."""
+    try:
+        return prepare_forward(op, m.vocab_size, m.max_seq_len, m.name)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def _invalid_unless(check, value) -> None:

@@ -1,5 +1,5 @@
 """Grammars for constrained decoding, in llguidance's format: the plain string an engine request
-carries (`SampleSpec.grammar` -> `SamplingOptions.grammar`) and the engine compiles against its
+carries (`SamplingOptions.grammar`) and the engine compiles against its
 own tokenizer (engine/grammar.py).
 
 JSON is generated compact (`", "` and `": "` separators, no other whitespace), as `json.dumps`

@@ -23,7 +23,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from ..engine.interface import EngineLost
+from ..engine.api import EngineLost
 from ..store import SamplingRun, Store
 from .adapters import AdapterCache
 from .errors import Conflict

@@ -16,7 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.interface import Engine, EngineInfo
+from ..engine.api import EngineInfo
+from ..engine.interface import Engine
 from .errors import Conflict, NotFound
 from .scheduler import ClockScheduler
 

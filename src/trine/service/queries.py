@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..engine.interface import EngineStats
+from ..engine.api import EngineStats
 from ..metering.events import CacheDiagnostic, UsageEvent
 from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, Store, TrainingRun
 from .errors import NotFound

@@ -8,8 +8,7 @@ targeted layer) fp32 parameters, held four times (weights, gradients, two Adam m
 """
 from __future__ import annotations
 
-from ..engine.lora import LoRAConfig
-from ..engine.ops import Forward, Op
+from ..engine.api import Forward, LoRAConfig, Op
 from ..limits import KeyLimits
 from ..store import ApiKey, Store, TrainingRun
 from .errors import TooManyRequests

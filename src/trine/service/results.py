@@ -1,5 +1,5 @@
-"""What the service answers, protocol-neutral: stored results of training events and sample
-requests, and the chunks a sample stream yields. Each front end shapes them on read, so a retry or
+"""What the service stores and answers, protocol-neutral: the results of training events and sample
+requests (a sample stream yields the engine's own `SampleDelta`s). Each front end shapes them on read, so a retry or
 long-poll gets the same answer as the first call.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import msgpack
 
+from ..engine.api import SampledSequence
 from ..store import EventRecord
 
 
@@ -27,6 +28,7 @@ class EventResult:
     loss_tokens: int = 0
     cost: float = 0.0
     cycle: int | None = None
+    notes: dict = field(default_factory=dict)  # the front end's, kept for shaping its answer
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self), use_bin_type=True)
@@ -46,17 +48,6 @@ class EventResult:
 
 
 @dataclass
-class SequenceOutcome:
-    tokens: list[int]
-    logprobs: list[float]
-    text: str | None
-    stop_reason: str  # "stop" or "length"
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when asked for
-    # per token, the inflight target version whose weights produced it (inflight samplers only)
-    weights_versions: list[int] | None = None
-
-
-@dataclass
 class SampleOutcome:
     """A finished sample request. usage: prompt_tokens, prefill_tokens, cached_tokens,
     sample_tokens (prompt_tokens == prefill_tokens + cached_tokens)."""
@@ -64,7 +55,7 @@ class SampleOutcome:
     request_id: str
     sampling_run: str
     model: str
-    sequences: list[SequenceOutcome]
+    sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
     usage: dict[str, int]
@@ -80,23 +71,5 @@ class SampleOutcome:
     @classmethod
     def from_json(cls, data: bytes) -> "SampleOutcome":
         d = json.loads(data)
-        d["sequences"] = [SequenceOutcome(**s) for s in d["sequences"]]
+        d["sequences"] = [SampledSequence(**s) for s in d["sequences"]]
         return cls(**d)
-
-
-@dataclass(frozen=True)
-class SampleChunk:
-    """What sample `sequence` of a streamed request gained in one engine step.
-
-    Concatenating a sequence's chunks in order gives exactly its SequenceOutcome tokens, logprobs
-    and top_logprobs. Its last chunk has `stop_reason` and `text`: the sequence's whole final text
-    (cut before a stop string, without a stop token), as in SequenceOutcome.text."""
-
-    request_id: str  # as the client named the request
-    sequence: int  # sample index within the request
-    tokens: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    stop_reason: str | None = None
-    text: str | None = None
-    weights_versions: list[int] | None = None  # inflight samplers: as in SequenceOutcome

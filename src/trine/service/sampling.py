@@ -18,26 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from ..engine.interface import EngineLost
-from ..engine.requests import SampleRequest, SampleResult, WeightsIdentity
-from ..limits import check_prompt_length
+from ..engine.api import EngineLost, SampleDelta, SampleRequest, SampleResult, WeightsIdentity
 from ..metering.diagnostics import PrefixDiagnostics
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
 from ..store import ApiKey, SamplingRun, Store
-from . import translate
 from .adapters import AdapterCache
-from .commands import SampleSpec
 from .errors import Conflict, InvalidRequest, ServiceError
+from .idempotency import SingleFlight
 from .inflight import Inflight
 from .models import Replica, ServedModel
 from .ownership import Ownership
-from .results import SampleChunk, SampleOutcome, SequenceOutcome
+from .results import SampleOutcome
 from .routing import Router
 
 log = logging.getLogger("trine.service")
@@ -54,93 +52,81 @@ class Sampling:
     on_lost: object  # (model, replica, reason): a replica died (faults.py)
     router: Router = field(default_factory=Router)
     diagnostics: PrefixDiagnostics = field(default_factory=PrefixDiagnostics)
-    _running: dict[tuple[str, str], asyncio.Future] = field(default_factory=dict)
-    _fingerprints: dict[tuple[str, str], str] = field(default_factory=dict)  # of the running requests
+    _running: SingleFlight = field(default_factory=lambda: SingleFlight(
+        what=lambda k: f"request_id {k[1]}", code="request_id_reused"))
     _serving: dict[tuple[str, str], Replica] = field(default_factory=dict)  # request -> its replica
     inflight: Inflight | None = None  # the inflight targets inflight sampling runs follow
 
-    async def sample(self, key: ApiKey, sampling_run_id: str, spec: SampleSpec) -> SampleOutcome:
-        """Run one sampling request. Retries (same request_id) get the stored outcome, or join the
-        request still running."""
+    async def sample(self, key: ApiKey, sampling_run_id: str, req: SampleRequest,
+                     fingerprint: str = "") -> SampleOutcome:
+        """Run one sampling request (`req` as the front end built it: the client's request id, no
+        weights). Retries (same request_id) get the stored outcome, or join the request still
+        running; `fingerprint` identifies the body a retry must repeat ("" = unchecked)."""
         r = self.ownership.sampling_run(key, sampling_run_id)
-        dedup = (r.id, spec.request_id)
-        if dedup in self._running:
-            _same_request(spec, self._fingerprints.get(dedup))
-            return await asyncio.shield(self._running[dedup])
-        stored = self.store.sample_result(*dedup)
-        if stored is not None:
-            _same_request(spec, self.store.sample_fingerprint(*dedup))
-            return SampleOutcome.from_json(stored)
-        if r.status != "ACTIVE":
-            raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
-                           code="run_ended")
-        fut = self._running[dedup] = asyncio.get_running_loop().create_future()
-        self._fingerprints[dedup] = spec.fingerprint
-        try:
-            out = await self._sample(key, r, spec)
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # retrieved: joiners re-raise it, nobody else needs to
-            raise
-        finally:
-            self._running.pop(dedup, None)
-            self._fingerprints.pop(dedup, None)
-        fut.set_result(out)
-        return out
+        dedup = (r.id, req.request_id)
+        if dedup not in self._running:
+            stored = self.store.sample_result(*dedup)
+            if stored is not None:
+                self._running.check(dedup, self.store.sample_fingerprint(*dedup), fingerprint)
+                return SampleOutcome.from_json(stored)
+            if r.status != "ACTIVE":
+                raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
+                               code="run_ended")
+        return await self._running.run(dedup, fingerprint, lambda: self._sample(key, r, req, fingerprint))
 
-    async def _sample(self, key: ApiKey, r: SamplingRun, spec: SampleSpec) -> SampleOutcome:
+    async def _sample(self, key: ApiKey, r: SamplingRun, req: SampleRequest, fingerprint: str) -> SampleOutcome:
         m = self.models[r.base_model]
-        req = self._request(key, m, r, spec)
+        engine_req = self._engine_request(key, m, r, req)
         for attempt in range(len(m.replicas)):  # a lost replica: reroute to another one
-            rep = self._route(m, r, spec)
+            rep = self._route(m, r, req)
             try:
-                async with self._serving_on(rep, r, spec):
+                async with self._serving_on(rep, r, req):
                     await self._ensure_weights(rep, r)
-                    res: SampleResult = await rep.engine.sample(req)
+                    res: SampleResult = await rep.engine.sample(engine_req)
                 break
             except EngineLost as e:
                 self.on_lost(m, rep, str(e))
                 if attempt == len(m.replicas) - 1:
                     raise Conflict(f"every engine replica of {m.name} was lost; try again later",
                                    code="worker_lost", status=503) from None
-        return self._record(key, r, m, spec, res, rep)
+        return self._record(key, r, m, req, res, rep, fingerprint)
 
     async def sample_stream(self, key: ApiKey, sampling_run_id: str,
-                            spec: SampleSpec) -> AsyncIterator[SampleChunk | SampleOutcome]:
+                            req: SampleRequest) -> AsyncIterator[SampleDelta | SampleOutcome]:
         """Token chunks as the engine produces them (one per sequence per engine step), then the
         SampleOutcome (stored and metered like `sample`). Closing the iterator early cancels the
         request, which frees its KV blocks at once; what it computed until then is metered."""
         r = self.ownership.sampling_run(key, sampling_run_id)
-        stored = self.store.sample_result(r.id, spec.request_id)
-        if stored is not None or (r.id, spec.request_id) in self._running:
-            raise Conflict(f"request_id {spec.request_id!r} was already used in sampling run {r.id}; "
+        stored = self.store.sample_result(r.id, req.request_id)
+        if stored is not None or (r.id, req.request_id) in self._running:
+            raise Conflict(f"request_id {req.request_id!r} was already used in sampling run {r.id}; "
                            "send a new id", code="request_id_conflict")
         if r.status != "ACTIVE":
             raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
                            code="run_ended")
         m = self.models[r.base_model]
-        req = self._request(key, m, r, spec)
-        rep = self._route(m, r, spec)
+        engine_req = self._engine_request(key, m, r, req)
+        rep = self._route(m, r, req)
         res = None
         try:
-            async with self._serving_on(rep, r, spec):
+            async with self._serving_on(rep, r, req):
                 await self._ensure_weights(rep, r)
-                async with contextlib.aclosing(rep.engine.sample_stream(req)) as items:
+                async with contextlib.aclosing(rep.engine.sample_stream(engine_req)) as items:
                     async for item in items:  # closing this iterator closes the engine's: it cancels
                         if isinstance(item, SampleResult):
                             res = item
-                        else:
-                            yield translate.sample_chunk(spec, item)
+                        else:  # named as the client named the request
+                            yield dataclasses.replace(item, request_id=req.request_id)
         except EngineLost as e:
             self.on_lost(m, rep, str(e))
             raise Conflict("the engine replica serving this request was lost; send it again",
                            code="worker_lost", status=503) from None
         finally:
             if res is None:  # closed early, or failed: meter what the engine computed (if anything)
-                self.spawn(self._record_cancelled(key, r, m, spec, rep, req.request_id))
-        yield self._record(key, r, m, spec, res, rep)
+                self.spawn(self._record_cancelled(key, r, m, req, rep, engine_req.request_id))
+        yield self._record(key, r, m, req, res, rep)
 
-    async def _record_cancelled(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec,
+    async def _record_cancelled(self, key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest,
                                 rep: Replica, engine_request_id: str) -> None:
         """Meter a cancelled request's partial work; engine.cancel() answers it once per request
         (a refused or already-finished request answers None)."""
@@ -149,13 +135,13 @@ class Sampling:
         except Exception:  # the replica is gone: it has nothing to report
             return
         if partial is not None and partial.usage.prompt_tokens:
-            self.store.add_usage(self._usage_event(key, r, m, spec, partial))
+            self.store.add_usage(self._usage_event(key, r, m, req, partial))
 
     @contextlib.asynccontextmanager
-    async def _serving_on(self, rep: Replica, r: SamplingRun, spec: SampleSpec):
+    async def _serving_on(self, rep: Replica, r: SamplingRun, req: SampleRequest):
         """Count the request against `rep`'s load while it runs; engine ValueErrors become 400s."""
         rep.inflight_samples += 1
-        self._serving[(r.id, spec.request_id)] = rep
+        self._serving[(r.id, req.request_id)] = rep
         try:
             yield
         except ServiceError:
@@ -164,7 +150,7 @@ class Sampling:
             raise InvalidRequest(str(e)) from None
         finally:
             rep.inflight_samples -= 1
-            self._serving.pop((r.id, spec.request_id), None)
+            self._serving.pop((r.id, req.request_id), None)
 
     async def cancel(self, key: ApiKey, sampling_run_id: str, request_id: str) -> bool:
         """Cancel a running request (its client went away): the engine frees its sequences, its
@@ -183,43 +169,42 @@ class Sampling:
         elif r.checkpoint_id:
             await self.adapters.ensure(rep, r.checkpoint_id)
 
-    def _request(self, key: ApiKey, m: ServedModel, r: SamplingRun, spec: SampleSpec) -> SampleRequest:
-        _check_prompt(spec, m)
-        weights = WeightsIdentity(m.name, _weights_name(r), 0)  # an inflight target's version: the engine's
-        return translate.sample_request(f"{r.id}/{spec.request_id}", spec, weights,
-                                        inflight=bool(r.inflight_run_id), tenant=key.id)
+    def _engine_request(self, key: ApiKey, m: ServedModel, r: SamplingRun, req: SampleRequest) -> SampleRequest:
+        """`req` as the engine runs it: an engine-wide id, the run's weights (an inflight target's
+        version is the engine's to resolve) and the caller as its tenant. The engine checks it."""
+        return dataclasses.replace(req, request_id=f"{r.id}/{req.request_id}",
+                                   weights=WeightsIdentity(m.name, _weights_name(r), 0),
+                                   inflight=bool(r.inflight_run_id), tenant=key.id)
 
-    def _record(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec, res: SampleResult,
-                rep: Replica) -> SampleOutcome:
+    def _record(self, key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest, res: SampleResult,
+                rep: Replica, fingerprint: str = "") -> SampleOutcome:
         """Meter a finished request and store its outcome (for retries)."""
         u = res.usage
-        event = self._usage_event(key, r, m, spec, res)
+        event = self._usage_event(key, r, m, req, res)
         out = SampleOutcome(
-            spec.request_id, r.id, m.name,
-            [SequenceOutcome(list(s.tokens), [float(x) for x in s.logprobs], s.text, s.stop_reason,
-                             s.top_logprobs, s.weights_versions) for s in res.sequences],
+            req.request_id, r.id, m.name, res.sequences,
             res.prompt_logprobs, res.topk_prompt_logprobs,
             {"prompt_tokens": u.prompt_tokens, "prefill_tokens": u.prefill_tokens,
              "cached_tokens": u.cached_tokens, "sample_tokens": u.sample_tokens},
             self.rate_card.cost(event)["total"], rep.index, res.prompt_alt_tokens, res.prompt_alt_logprobs,
             res.target_prompt_logprobs)
-        self.store.add_sample_result(r.id, spec.request_id, out.to_json(), spec.fingerprint)
+        self.store.add_sample_result(r.id, req.request_id, out.to_json(), fingerprint)
         self.store.add_usage(event)
-        if spec.generate:
-            self.spawn(self._diagnose(key, r, m, spec, res))
+        if req.generate:
+            self.spawn(self._diagnose(key, r, m, req, res))
         return out
 
     @staticmethod
-    def _usage_event(key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec,
+    def _usage_event(key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest,
                      res: SampleResult) -> UsageEvent:
         u = res.usage
         return UsageEvent.from_counts(
             prompt_tokens=u.prompt_tokens, prefill=u.prefill_tokens, prefill_cached=u.cached_tokens,
             time=time.time(), api_key_id=key.id, session_id=r.session_id, run_id=r.id,
-            base_model=m.name, operation="sample" if spec.generate else "compute_logprobs",
-            request_id=spec.request_id, sample=u.sample_tokens)
+            base_model=m.name, operation="sample" if req.generate else "compute_logprobs",
+            request_id=req.request_id, sample=u.sample_tokens)
 
-    def _route(self, m: ServedModel, r: SamplingRun, spec: SampleSpec) -> Replica:
+    def _route(self, m: ServedModel, r: SamplingRun, req: SampleRequest) -> Replica:
         live = m.live_replicas()
         if not live:
             raise Conflict(f"no engine replica of {m.name} is running; try again later",
@@ -235,14 +220,14 @@ class Sampling:
         if r.inflight_run_id:  # sample beside the training, not on its replica (when the pool has more)
             trainer = m.placement.get(r.inflight_run_id)
             replicas = [rep for rep in live if rep is not trainer] or live
-        return self.router.route(replicas, identity, spec.prompt, m.info.block_size)
+        return self.router.route(replicas, identity, req.prompt, m.info.block_size)
 
-    async def _diagnose(self, key: ApiKey, r: SamplingRun, m: ServedModel, spec: SampleSpec,
+    async def _diagnose(self, key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest,
                         res: SampleResult) -> None:
         try:
             found = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: self.diagnostics.observe(
-                    key.id, r.session_id, r.id, m.name, spec.request_id, spec.prompt,
+                    key.id, r.session_id, r.id, m.name, req.request_id, req.prompt,
                     res.usage.cached_tokens, [s.tokens for s in res.sequences], m.tokenizer.decode))
             for d in found:
                 self.store.add_diagnostic(d)
@@ -254,22 +239,3 @@ def _weights_name(r: SamplingRun) -> str | None:
     """What a sampling run's requests name as their adapter: its inflight target (the training run
     id), its checkpoint id, or None for the base model."""
     return r.inflight_run_id or r.checkpoint_id or None
-
-
-def _check_prompt(spec: SampleSpec, m: ServedModel) -> None:
-    bad = [t for t in spec.prompt if not 0 <= t < m.vocab_size]
-    if bad:
-        raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary [0, {m.vocab_size})")
-    try:
-        check_prompt_length(len(spec.prompt), spec.max_tokens if spec.generate else 0,
-                            m.max_seq_len, m.name)
-    except ValueError as e:
-        raise InvalidRequest(str(e)) from None
-
-
-def _same_request(spec: SampleSpec, first: str | None) -> None:
-    """A reused request id must carry the request it was first used for."""
-    if first and spec.fingerprint and first != spec.fingerprint:
-        raise Conflict(f"request_id {spec.request_id} was already used for a different sample request; a "
-                       "retry must resend the same body: give a new request its own id",
-                       code="request_id_reused")

@@ -26,7 +26,7 @@ FINISHED = ("succeeded", "failed")
 
 
 @dataclass
-class EventOutcome:
+class RunEventOutcome:
     """An event's result as the console reads it: protocol-neutral fields only."""
 
     status: str
@@ -38,23 +38,23 @@ class EventOutcome:
     error: str | None = None
 
 
-def event_outcome(rec: EventRecord, res: EventResult | None) -> EventOutcome:
+def event_outcome(rec: EventRecord, res: EventResult | None) -> RunEventOutcome:
     """The one place that reads an event's result (the service's protocol-neutral EventResult),
     keeping what the console shows and dropping the per-token lists."""
     if res is None:
-        return EventOutcome(rec.status, cycle=rec.cycle)
+        return RunEventOutcome(rec.status, cycle=rec.cycle)
     error = f"{res.error.get('code')}: {res.error.get('message')}" if res.error else None
-    return EventOutcome(res.status, dict(res.metrics or {}), res.train_tokens, res.loss_tokens,
+    return RunEventOutcome(res.status, dict(res.metrics or {}), res.train_tokens, res.loss_tokens,
                         res.cost, rec.cycle if res.cycle is None else res.cycle, error)
 
 
 # Decoded results of finished events by event id. A finished event's result never changes and
 # event ids are unique, so a page that polls a long run reads and decodes each result once.
-_OUTCOMES: OrderedDict[str, EventOutcome] = OrderedDict()
+_OUTCOMES: OrderedDict[str, RunEventOutcome] = OrderedDict()
 MAX_CACHED_OUTCOMES = 50_000
 
 
-def outcomes(queries: Queries, key: ApiKey, events: list[EventRecord]) -> dict[str, EventOutcome]:
+def outcomes(queries: Queries, key: ApiKey, events: list[EventRecord]) -> dict[str, RunEventOutcome]:
     """The outcomes of the finished events among `events` (listed without their results)."""
     done = [e for e in events if e.status in FINISHED]
     missing = [e for e in done if e.id not in _OUTCOMES]
@@ -92,7 +92,7 @@ class Step:
     seconds: float | None = None  # wall-clock: from the previous step's end (the first: its start) to its end
 
 
-def run_steps(events: list[EventRecord], results: dict[str, EventOutcome]) -> list[Step]:
+def run_steps(events: list[EventRecord], results: dict[str, RunEventOutcome]) -> list[Step]:
     """Fold a run's events (in index order) into steps; only finished events count."""
     steps: list[Step] = []
     cur: Step | None = None
@@ -121,7 +121,7 @@ def run_steps(events: list[EventRecord], results: dict[str, EventOutcome]) -> li
     return steps
 
 
-def _add_chunk(step: Step, rec: EventRecord, out: EventOutcome) -> None:
+def _add_chunk(step: Step, rec: EventRecord, out: RunEventOutcome) -> None:
     step.chunks += 1
     step.finished_at = rec.updated_at
     if out.error is not None:

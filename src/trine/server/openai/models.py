@@ -20,7 +20,7 @@ SESSION_SDK = "openai"
 
 
 @dataclass(frozen=True)
-class Target:
+class ModelTarget:
     """A resolved `model`: the served base model, and the sampler checkpoint on it (if any)."""
 
     model: str  # as the caller named it; responses echo it
@@ -39,7 +39,7 @@ def _not_found() -> OpenAIError:
                        param="model", code="model_not_found")
 
 
-def resolve(service: Service, key: ApiKey, model: str) -> Target:
+def resolve(service: Service, key: ApiKey, model: str) -> ModelTarget:
     """The target `model` names for `key`; 404 (model_not_found) for anything else."""
     ck = None
     try:
@@ -49,13 +49,13 @@ def resolve(service: Service, key: ApiKey, model: str) -> Target:
             ck = service.ownership.readable_by_uri(key, to_trio_uri(model))
         else:
             try:
-                return Target(model, service.queries.model(model).name)
+                return ModelTarget(model, service.queries.model(model).name)
             except NotFound:
                 ck = service.ownership.checkpoint(key, model)
         base = service.queries.model(ck.base_model).name
     except (NotFound, InvalidRequest):
         raise _not_found() from None
-    return Target(model, base, ck)
+    return ModelTarget(model, base, ck)
 
 
 def listing(service: Service, key: ApiKey) -> list[dict]:
@@ -76,7 +76,7 @@ def card(ck: Checkpoint) -> dict:
             "root": ck.base_model, "parent": ck.base_model, "checkpoint_id": ck.id}
 
 
-def model_card(service: Service, key: ApiKey, target: Target) -> dict:
+def model_card(service: Service, key: ApiKey, target: ModelTarget) -> dict:
     if target.checkpoint is not None:
         return card(target.checkpoint)
     return {"id": target.base, "object": "model", "created": int(service.started_at),
@@ -91,7 +91,7 @@ class SamplingRuns:
         self._sessions: dict[str, str] = {}  # api key id -> its "openai" session
         self._runs: dict[tuple[str, str, str], str] = {}  # (key, base, checkpoint uri) -> run id
 
-    def run_id(self, key: ApiKey, target: Target, *, fresh: bool = False) -> str:
+    def run_id(self, key: ApiKey, target: ModelTarget, *, fresh: bool = False) -> str:
         """The run to sample `target` in; `fresh` replaces one that was ended (e.g. its session was
         closed through the control plane). Synchronous: no two callers can race to create one."""
         slot = (key.id, target.base, target.uri)

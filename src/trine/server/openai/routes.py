@@ -22,7 +22,8 @@ from fastapi.responses import StreamingResponse
 from ...limits import MAX_SAMPLE_BYTES
 from ...metering.http import MoneyJSONResponse
 from ...metering.money import dumps
-from ...service import ApiKey, SampleChunk, SampleSpec, Service, ServiceError, tool_calls
+from ...engine.api import SampleDelta, SampleRequest, SamplingOptions
+from ...service import ApiKey, Service, ServiceError, tool_calls
 from ..context import caller_key, read_body, service_of
 from . import models as targets
 from . import shapes
@@ -115,9 +116,10 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     prompt = await text.prompt_ids(g.messages, g.prompt, context, g.structured.tools, g.tool_messages)
     max_tokens = _max_tokens(g, len(prompt), context)
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
-    spec = SampleSpec(rid, prompt, max_tokens, g.temperature, g.top_p, g.top_k, g.seed, g.stop,
-                      g.stop_token_ids, stop_at_eos=True, top_logprobs=g.top_logprobs, num_samples=g.n,
-                      grammar=g.structured.grammar_on(text.tokenizer))
+    options = SamplingOptions(max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                              seed=g.seed, stop_strings=g.stop, stop_token_ids=g.stop_token_ids,
+                              top_logprobs=g.top_logprobs, grammar=g.structured.grammar_on(text.tokenizer))
+    spec = SampleRequest(request_id=rid, prompt=prompt, options=options, num_samples=g.n)
     first, items = await _unless_disconnected(request, _start(st, key, target, spec, g.stream))
     created = int(time.time())
     if not g.stream:
@@ -161,7 +163,7 @@ def _max_tokens(g: Generation, prompt: int, context: int) -> int:
     return g.max_tokens if g.max_tokens is not None else context - prompt
 
 
-async def _start(st: OpenAIState, key: ApiKey, target: targets.Target, spec: SampleSpec,
+async def _start(st: OpenAIState, key: ApiKey, target: targets.ModelTarget, spec: SampleRequest,
                  stream: bool):
     """Start sampling. Streaming: wait for the first chunk, so that a refused request is a plain
     HTTP error; returns (that chunk, the iterator of the rest). Otherwise: returns (the
@@ -173,7 +175,7 @@ async def _start(st: OpenAIState, key: ApiKey, target: targets.Target, spec: Sam
             item = await anext(items)
             if stream:
                 return item, items
-            while isinstance(item, SampleChunk):
+            while isinstance(item, SampleDelta):
                 item = await anext(items)
             await items.aclose()
             return item, None
@@ -204,7 +206,7 @@ async def _events(g: Generation, rid: str, created: int, first, items, text: Mod
             for i in range(g.n):
                 yield _sse(shapes.chunk(g, rid, created, i, role=True))
         async for item in all_items():
-            if isinstance(item, SampleChunk):
+            if isinstance(item, SampleDelta):
                 yield _sse(_delta_chunk(g, rid, created, item, streams[item.sequence], offsets, text))
             elif g.include_usage:
                 yield _sse(shapes.usage_chunk(g, rid, created, item))
@@ -222,7 +224,7 @@ def _internal(e: Exception) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
-def _delta_chunk(g: Generation, rid: str, created: int, d: SampleChunk, stream: TextStream,
+def _delta_chunk(g: Generation, rid: str, created: int, d: SampleDelta, stream: TextStream,
                  offsets: list[int], text: ModelText) -> dict:
     calls = None
     if d.stop_reason:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...service import InvalidRequest, TrainingDatum
+from ...engine.api import TrainDatum
+from ...service import InvalidRequest
 
 try:  # the message classes ship with the official client (a dependency of trine's server)
     from tinker.proto import tinker_public_pb2 as pb
@@ -50,7 +51,7 @@ class ForwardBackwardBody:
     loss_fn: str
     loss_config: dict
     forward_only: bool
-    data: list[TrainingDatum]
+    data: list[TrainDatum]
     spans: list[list[Span]] = field(default_factory=list)  # per datum; [] = none sent
 
 
@@ -191,9 +192,10 @@ def forward_backward_body(msg) -> ForwardBackwardBody:
         for k, vs in floats.items():
             if not all(math.isfinite(x) for x in vs):
                 raise InvalidRequest(f"{where}.loss_fn_inputs[{k!r}] holds NaN or infinite values")
-        data.append(TrainingDatum(tokens, [int(x) for x in targets.astype(np.int64)], floats.get("weights"),
-                               floats.get("logprobs"), floats.get("advantages"),
-                               floats.get("sequence_ratio_mask")))
+        data.append(TrainDatum(tokens=tokens, target_tokens=[int(x) for x in targets.astype(np.int64)],
+                               weights=floats.get("weights"), logprobs=floats.get("logprobs"),
+                               advantages=floats.get("advantages"),
+                               sequence_ratio_mask=floats.get("sequence_ratio_mask")))
         runs = _spans(d.loss_fn_input_spans, f"{where}.loss_fn_input_spans")
         if runs and sum(s.length for s in runs) != n:
             raise InvalidRequest(f"{where}.loss_fn_input_spans cover {sum(s.length for s in runs)} "

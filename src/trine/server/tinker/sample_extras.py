@@ -1,10 +1,10 @@
-"""The Tinker `asample` fields beyond PyTRIO's sample body, parsed into SampleSpec fields:
+"""The Tinker `asample` fields beyond PyTRIO's sample body, parsed into SampleRequest fields:
 `topk_sample_logprobs` (the OpenAI plane's `top_logprobs`: one engine implementation),
 `prompt_logprobs_last_n`, `prompt_alt_tokens_k` and `target_prompt_logprobs`.
 
 `target_prompt_logprobs` is an int64 TensorData `[len(prompt) - 1, K]`, dense or sparse CSR: cell
 [i, j] names a token id to score at prompt entry i + 1, -1 names nothing. It becomes one list of ids
-per row (`SampleSpec.target_prompt_ids`); `TargetLayout` keeps where each id sat, so the answer
+per row (`SampleRequest.target_prompt_ids`); `TargetLayout` keeps where each id sat, so the answer
 has the request's shape and layout (CSR stays CSR), with 0.0 where the request had -1.
 Every error is an InvalidRequest naming the wire field.
 """
@@ -62,7 +62,7 @@ class TargetLayout:
 
 
 def parse_extras(body: dict, prompt_len: int, prompt_logprobs: bool) -> tuple[dict, TargetLayout | None]:
-    """SampleSpec fields (`dataclasses.replace` keywords) of a Tinker sample body, and the layout of
+    """SampleRequest fields (keywords; `top_logprobs` is a SamplingOptions one) of a Tinker sample body, and the layout of
     its target_prompt_logprobs (None when it sent none)."""
     e = parse_model(Extras, {k: body[k] for k in Extras.model_fields if body.get(k) is not None})
     last_n = e.prompt_logprobs_last_n

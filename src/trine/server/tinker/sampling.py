@@ -13,17 +13,19 @@ body (top-k per sampled token, alt-token draws, target ids) are parsed in `sampl
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import hashlib
+import json
 
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from ...limits import MAX_SAMPLE_BYTES
+from ...limits import MAX_SAMPLE_BYTES, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
 from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
 from ..bounds import Int64
 from ..context import json_object, parse_model
-from ..params import parse_sample
+from ...engine.api import SampleRequest
+from ..params import ModelInputBody, SamplingParamsBody, sampling_options
 from . import proto
 from .futures import Reply
 from .sample_extras import parse_extras
@@ -107,20 +109,26 @@ async def asample(request: Request):
         p["stop_token_ids"] = stop
     elif stop:
         p["stop"] = stop
+    prompt = parse_model(ModelInputBody, b.get("prompt"), "prompt").tokens("prompt")
+    params = parse_model(SamplingParamsBody, p, "sampling_params")
     with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
-    extras = {k: b[k] for k in ("topk_sample_logprobs", "prompt_alt_tokens_k", "prompt_logprobs_last_n",
-                                "target_prompt_logprobs") if b.get(k) is not None}  # fingerprinted too
-    spec, _ = parse_sample({"request_id": f"tk-{seq}", "prompt": b.get("prompt"), "sampling_params": p,
-                            "num_samples": n, "return_prompt_logprobs": with_prompt_logprobs,
-                            "topk_prompt_logprobs": b.get("topk_prompt_logprobs") or 0, **extras},
-                           stop_at_eos=not no_stop)  # Tinker: [] disables every stop, EOS included
-    fields, targets = parse_extras(extras, len(spec.prompt), bool(b.get("prompt_logprobs")))
-    spec = replace(spec, **fields)
+    fields, targets = parse_extras(b, len(prompt), bool(b.get("prompt_logprobs")))
+    top_logprobs = fields.pop("top_logprobs")
+    if not 1 <= n <= MAX_SAMPLES_PER_REQUEST:
+        raise InvalidRequest(f"num_samples {n}: use 1 to {MAX_SAMPLES_PER_REQUEST}")
+    topk = b.get("topk_prompt_logprobs") or 0
+    if not 0 <= topk <= MAX_TOPK_PROMPT_LOGPROBS:
+        raise InvalidRequest(f"topk_prompt_logprobs {topk}: use 0 to {MAX_TOPK_PROMPT_LOGPROBS}")
+    options = sampling_options(params, stop_at_eos=not no_stop,  # Tinker: [] disables every stop, EOS included
+                               top_logprobs=top_logprobs)
+    spec = SampleRequest(request_id=f"tk-{seq}", prompt=prompt, options=options, num_samples=n,
+                         prompt_logprobs=with_prompt_logprobs, topk_prompt_logprobs=topk, **fields)
+    fingerprint = hashlib.sha256(json.dumps(b, sort_keys=True).encode()).hexdigest()
     record = bool(b.get("record_stability_info"))
     sequence_ids = [f"{request_id}:{i}" for i in range(spec.num_samples)]
 
     async def finish() -> Reply:
-        out = await svc.sampling.sample(key, run.id, spec)
+        out = await svc.sampling.sample(key, run.id, spec, fingerprint)
         if record:
             for seq_id, s in zip(sequence_ids, out.sequences):
                 st.stability.record(key.id, seq_id, s.tokens, s.logprobs)
@@ -133,9 +141,9 @@ async def asample(request: Request):
         return Reply(proto.sample_response(
             [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences], plp,
             out.topk_prompt_logprobs, spec.topk_prompt_logprobs, out.usage["cached_tokens"],
-            sequence_topk=[s.top_logprobs for s in out.sequences], sequence_topk_k=spec.top_logprobs,
+            sequence_topk=[s.top_logprobs for s in out.sequences], sequence_topk_k=spec.options.top_logprobs,
             target_prompt_logprobs=target, prompt_alt_tokens=alt,
             weights_versions=[s.weights_versions for s in out.sequences]), proto.PROTOBUF)
-    st.futures.start(key.id, request_id, finish, spec.fingerprint)
+    st.futures.start(key.id, request_id, finish, fingerprint)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 

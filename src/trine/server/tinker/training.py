@@ -22,8 +22,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from ...limits import MAX_EVENT_BYTES
-from ...service import (ApiKey, EventResult, Forward, InitRun, InvalidRequest, LoraSpec, Refused, RunLabels, Save,
-                        Service, ServiceError, TooManyRequests, TrainingCommand, TrainingRunSpec)
+from ...engine.api import Forward, LoRAConfig, Loss, Refused
+from ...service import (ApiKey, EventResult, InitByUri, InvalidRequest, RunLabels, SaveByName, Service, ServiceError,
+                        TooManyRequests, TrainingCommand, TrainingRunSpec)
 from ..bounds import Count, Seed, SeqId, TtlSeconds
 from ..context import json_object, parse_model, read_body
 from ..params import optim_step as parse_optim_step
@@ -137,7 +138,7 @@ async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: 
     except ServiceError as e:
         if e.code in REUSED or isinstance(e, TooManyRequests):  # nothing took the index (a retry may)
             raise
-        await submit(Refused(e.code, e.message))
+        await submit(Refused(code=e.code, message=e.message))
 
     async def finish() -> Reply:
         return await shape(_outcome(await _settled(svc, key, m.run_id, event_id)))
@@ -164,8 +165,9 @@ def _json_reply(obj) -> Shape:
     return shape
 
 
-def _lora(run) -> LoraSpec:
-    return LoraSpec(run.lora_rank, run.seed, run.train_mlp, run.train_attn, run.train_unembed)
+def _lora(run) -> LoRAConfig:
+    return LoRAConfig(rank=run.lora_rank, seed=run.seed, train_mlp=run.train_mlp, train_attn=run.train_attn,
+                      train_unembed=run.train_unembed)
 
 
 # ---------------------------------------------------------------------------- models
@@ -191,9 +193,10 @@ async def create_model(request: Request):
     return await _create(
         svc, st, key, b.session_id, b.model_seq_id,
         lambda: svc.runs.create_training_run(key, b.session_id, TrainingRunSpec(
-            b.base_model, LoraSpec(lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed),
+            b.base_model, LoRAConfig(rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
+                                     train_attn=lora.train_attn, train_unembed=lora.train_unembed),
             labels=RunLabels(user_metadata=b.user_metadata or {}))),
-        lambda run: InitRun(_lora(run), run.base_model), {"type": "create_model"}, b)
+        lambda run: InitByUri(lora=_lora(run), base_model=run.base_model), {"type": "create_model"}, b)
 
 
 @router.post("/load_weights")
@@ -208,13 +211,14 @@ async def load_weights(request: Request):
         return await _create(
             svc, st, key, b.session_id, b.model_seq_id,
             lambda: svc.runs.create_training_run(key, b.session_id, TrainingRunSpec(
-                b.base_model or "", LoraSpec(rank=1), uri, b.optimizer)),
-            lambda run: InitRun(_lora(run), "", uri, b.optimizer), reply, b)
+                b.base_model or "", LoRAConfig(rank=1), uri, b.optimizer)),
+            lambda run: InitByUri(lora=_lora(run), checkpoint_uri=uri, load_optimizer=b.optimizer), reply, b)
     if b.model_id is None or b.seq_id is None:
         raise InvalidRequest("load_weights: send model_id and seq_id, or session_id and model_seq_id")
     m = st.model(key, b.model_id)
     run = svc.ownership.training_run(key, m.run_id)
-    command = _command_or_refusal(lambda: InitRun(_lora(run), "", to_trio_uri(b.path), b.optimizer))
+    command = _command_or_refusal(lambda: InitByUri(lora=_lora(run), checkpoint_uri=to_trio_uri(b.path),
+                                                    load_optimizer=b.optimizer))
     return await _submit(svc, st, key, b.model_id, m, b.seq_id, command,
                          _json_reply({**reply, "model_id": b.model_id}), b)
 
@@ -266,7 +270,11 @@ async def forward_backward(request: Request):
     try:
         body = await asyncio.get_running_loop().run_in_executor(None, proto.forward_backward_body, msg)
         data = _with_recorded_logprobs(st, key, body) if body.loss_fn.lower() == "stable_reinforce" else body.data
-        command = Forward(data, body.loss_fn, body.loss_config, backward=not body.forward_only)  # plain sums
+        try:
+            loss = Loss.parse(body.loss_fn, body.loss_config)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        command = Forward(data=data, loss=loss, backward=not body.forward_only)  # plain sums
     except InvalidRequest as e:
         command = e
 
@@ -319,15 +327,18 @@ async def _save(request: Request, sampler: bool) -> dict:
     shape = _path_reply(type_)
     inflight = b.kind == "inflight"  # the run's inflight samplers follow this save
     if not sampler:
-        command = Save("state", b.path or f"state-{seq}", "WORKSPACE", b.ttl_seconds, b.overwrite)
+        command = SaveByName(kind="state", name=b.path or f"state-{seq}", ttl_seconds=b.ttl_seconds,
+                             overwrite=b.overwrite)
     elif b.kind not in ("snapshot", "inflight"):
         command = InvalidRequest(f"kind {b.kind!r}: use 'snapshot' or 'inflight'")
     elif b.path:
-        command = Save("weights", b.path, "WORKSPACE", b.ttl_seconds, b.overwrite, inflight)
+        command = SaveByName(kind="weights", name=b.path, ttl_seconds=b.ttl_seconds, overwrite=b.overwrite,
+                             inflight=inflight)
     elif b.sampling_session_seq_id is None:
         command = InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
     else:
-        command = Save("weights", f"sampler-{seq}", "TEMPORARY", b.ttl_seconds, True, inflight)
+        command = SaveByName(kind="weights", name=f"sampler-{seq}", visibility="TEMPORARY",
+                             ttl_seconds=b.ttl_seconds, overwrite=True, inflight=inflight)
         sampler_seq = b.sampling_session_seq_id
 
         async def shape(res):

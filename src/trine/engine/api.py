@@ -1,0 +1,470 @@
+"""The engine's API: every type that crosses the service <-> engine seam, and nothing else.
+
+One vocabulary for every layer. Front ends build these payloads (a `TrainDatum`, `SamplingOptions`,
+an `AdamConfig`, a `SampleRequest`), the service resolves what only it knows (weights, checkpoint
+paths, a save's target, the gradient denominator) with `dataclasses.replace`, and the engine runs
+them. Results (`SampleResult`, `SampleDelta`, `EventOutcome`) come back in the same vocabulary and
+the service stores them as they are. The service keeps a command of its own only where the meaning
+differs (service/commands.py: a save by name, an init from a checkpoint URI).
+
+Invariants
+- Plain dataclasses of ints, floats, strings, lists and each other, built with keywords: no torch,
+  no live objects, no closures. They pickle to a Ray replica unchanged. This module imports nothing
+  from torch (tests/engine/test_api.py checks it).
+- Usage is exact: `prompt_tokens == prefill_tokens + cached_tokens` for every SampleUsage.
+- A `Forward` reaches the trainer prepared (`engine/prepare.py`): every datum validated against the
+  model, counted once (`counts`), the denominator resolved. The trainer trusts it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..limits import (
+    END_RUN,
+    FORWARD,
+    FORWARD_BACKWARD,
+    GREEDY_BELOW_TEMPERATURE,
+    INIT_RUN,
+    OPTIMIZE_STEP,
+    REFUSED,
+    SAVE_STATE,
+    SAVE_WEIGHTS,
+)
+from ..tokens import TokenCounts
+
+# ---------------------------------------------------------------------------- weights
+
+
+@dataclass(frozen=True)
+class WeightsIdentity:
+    """Which weights produced a KV entry: the root of every prefix-cache chain. Two requests may
+    share cached KV only if all three fields are equal."""
+
+    base_model: str
+    adapter: str | None = None  # a training run's live adapter, a snapshot's checkpoint id, or a target
+    version: int = 0  # bumped by every optim_step of a live adapter and every save of an inflight target
+
+
+LORA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_MLP = ("gate_proj", "up_proj", "down_proj")
+LORA_UNEMBED = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """A LoRA adapter's shape. Target names are PEFT's. `seed` None: the engine's default (0); a run
+    restored from a checkpoint takes the checkpoint's shape, and `seed` still applies when given."""
+
+    rank: int = 32
+    alpha: float = 32.0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    seed: int | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def target_names(self) -> tuple[str, ...]:
+        return (
+            (LORA_ATTN if self.train_attn else ())
+            + (LORA_MLP if self.train_mlp else ())
+            + (LORA_UNEMBED if self.train_unembed else ())
+        )
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How each sample is drawn and when it stops. Checked once, by the front end that parsed it."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    stop_at_eos: bool = True
+    top_logprobs: int = 0  # also return the k most likely tokens at each sampled position
+    grammar: str = ""  # constrained decoding: an llguidance grammar (engine/grammar.py); "" = none
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sampling request: `num_samples` sequences from `prompt`, or (generate=False,
+    compute_logprobs) the prompt's logprobs only.
+
+    A front end builds it with the client's `request_id` and no weights; the service gives it an
+    engine-wide id, the sampling run's `weights` and the caller's `tenant` before the engine sees it.
+    With `inflight`, `weights.adapter` names an inflight target whose current version the engine
+    uses, switching between steps when it moves. Prompt-logprob requests read the prefix cache only
+    before `prompt_logprobs_last_n` (and before the first row of `target_prompt_ids` naming an id)."""
+
+    request_id: str
+    prompt: list[int]
+    options: SamplingOptions
+    weights: WeightsIdentity | None = None
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    generate: bool = True
+    stream: bool = False  # report each decode step's new tokens as a SampleDelta
+    prompt_logprobs_last_n: int | None = None  # score only the last n prompt entries
+    prompt_alt_tokens_k: int = 0  # k draws at every prompt entry after the first (prompt_scores.py)
+    target_prompt_ids: list[list[int]] | None = None  # row i: token ids to score at prompt entry i + 1
+    inflight: bool = False
+    tenant: str = ""  # the caller's API key id: admission and prefill are fair across tenants
+
+
+@dataclass
+class SampleUsage:
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # computed
+    cached_tokens: int = 0  # served from the prefix cache
+    sample_tokens: int = 0  # generated, all samples together
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    text: str | None
+    stop_reason: str  # "stop", "length", or "cancelled" (the request was cancelled while running)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when options.top_logprobs
+    # per token, the inflight target version whose weights computed its logits (inflight requests
+    # only; None for fixed weights, whose every token is `weights.version`'s)
+    weights_versions: list[int] | None = None
+
+
+@dataclass
+class SampleDelta:
+    """What sample `sequence` of a streaming request gained in one engine step.
+
+    Concatenating a sequence's deltas in order gives exactly its SampledSequence tokens, logprobs,
+    top_logprobs and weights_versions. Its last delta has `stop_reason` and `text`: the sequence's
+    whole final text (cut before a stop string, without a stop token), as in SampledSequence.text."""
+
+    request_id: str
+    sequence: int  # sample index within the request
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_reason: str | None = None
+    text: str | None = None
+    weights_versions: list[int] | None = None
+
+
+@dataclass
+class SampleResult:
+    request_id: str
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None
+    usage: SampleUsage
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_alt_tokens: list[list[int]] | None = None  # [len(prompt) - 1][k], when prompt_alt_tokens_k
+    prompt_alt_logprobs: list[list[float]] | None = None  # their logprobs, same shape
+    target_prompt_logprobs: list[list[float]] | None = None  # one per target_prompt_ids entry
+
+
+class SampleCancelled(Exception):
+    """The request was cancelled (its client went away) before it finished."""
+
+
+# ---------------------------------------------------------------------------- training payloads
+
+
+@dataclass
+class TrainDatum:
+    """One training sequence. Targets are pre-shifted: position i predicts target_tokens[i], and
+    -100 ignores a position. weights (cross_entropy), logprobs + advantages (policy losses) and
+    sequence_ratio_mask (gspo: the positions whose log-ratios make the sequence ratio) have one
+    value per token."""
+
+    tokens: list[int]
+    target_tokens: list[int]
+    weights: list[float] | None = None
+    logprobs: list[float] | None = None
+    advantages: list[float] | None = None
+    sequence_ratio_mask: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """torch.optim.AdamW semantics; grad_clip_norm 0 = no clipping."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+IGNORE_INDEX = -100
+POLICY_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
+LOSS_NAMES = ("cross_entropy",) + POLICY_LOSSES
+LOSS_CONFIG_KEYS = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": ("clip_low_threshold", "clip_high_threshold"),
+    "cispo": ("clip_low_threshold", "clip_high_threshold"),
+    "dro": ("beta",),
+    "gspo": ("clip_low_threshold", "clip_high_threshold"),
+    "stable_reinforce": ("clip_high_threshold", "kl_coeff"),
+}
+_DEFAULT_CLIP_HIGH = {"stable_reinforce": 2.0}
+ADVANTAGE_NORMALISED = ("dro",)  # divided by advantage tokens; every other loss by active tokens
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A loss by name with its resolved config (engine/losses.py computes it). Build it with
+    `Loss.parse`, which names the field of any bad value. clip_low/clip_high are bounds on the
+    ratio p/q, as in Tinker (0.8 and 1.2 clip at 1 -/+ 0.2), not epsilons."""
+
+    name: str
+    clip_low: float = 0.8
+    clip_high: float = 1.2
+    beta: float = 0.05
+    kl_coeff: float = 0.0
+
+    @classmethod
+    def parse(cls, name: str, config: dict | None = None) -> Loss:
+        if not isinstance(name, str) or name.lower() not in LOSS_NAMES:
+            raise ValueError(f"loss_fn {name!r} is not supported; use one of {', '.join(LOSS_NAMES)}")
+        name = name.lower()
+        config = dict(config or {})
+        unknown = sorted(set(config) - set(LOSS_CONFIG_KEYS[name]))
+        if unknown:
+            allowed = ", ".join(LOSS_CONFIG_KEYS[name]) or "none"
+            raise ValueError(f"loss_fn_config key(s) {unknown} are not used by {name} (allowed: {allowed})")
+        values = {}
+        for key, value in config.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"loss_fn_config.{key} must be a finite number, got {value!r}")
+            values[key] = float(value)
+        loss = cls(
+            name,
+            clip_low=values.get("clip_low_threshold", 0.8),
+            clip_high=values.get("clip_high_threshold", _DEFAULT_CLIP_HIGH.get(name, 1.2)),
+            beta=values.get("beta", 0.05),
+            kl_coeff=values.get("kl_coeff", 0.0),
+        )
+        if not 0.0 <= loss.clip_low <= 1.0:
+            raise ValueError(
+                "loss_fn_config.clip_low_threshold is a lower bound on the ratio p/q and must be "
+                f"in [0, 1] (0.8 clips at 1 - 0.2), got {loss.clip_low}"
+            )
+        if loss.clip_high < 1.0:
+            raise ValueError(
+                "loss_fn_config.clip_high_threshold is an upper bound on the ratio p/q and must be "
+                f">= 1 (1.2 clips at 1 + 0.2), got {loss.clip_high}"
+            )
+        if loss.beta < 0:
+            raise ValueError(f"loss_fn_config.beta must be >= 0, got {loss.beta}")
+        if loss.kl_coeff < 0:
+            raise ValueError(f"loss_fn_config.kl_coeff must be >= 0, got {loss.kl_coeff}")
+        return loss
+
+    @property
+    def is_policy(self) -> bool:
+        return self.name in POLICY_LOSSES
+
+    @property
+    def sequence_level(self) -> bool:
+        """True when a token's loss depends on the other tokens of its datum (gspo)."""
+        return self.name == "gspo"
+
+
+# ---------------------------------------------------------------------------- training ops
+
+
+@dataclass(frozen=True)
+class InitRun:
+    """A fresh LoRA adapter (`checkpoint_path` empty) or a run's saved state loaded from a directory
+    (`checkpoint_uri` names it in error messages)."""
+
+    lora: LoRAConfig
+    checkpoint_path: str = ""
+    load_optimizer: bool = False
+    checkpoint_uri: str = ""
+
+
+@dataclass(frozen=True)
+class Forward:
+    """forward (backward=False) or forward_backward over `data`, targets pre-shifted.
+
+    normalise=False: the gradient is the plain sum of per-token losses (Tinker's contract).
+    normalise=True: it is divided by the logical batch's count (PyTRIO's): `totals` when the client
+    sent them (`totals_field` names where, for errors), else this chunk's own (engine/prepare.py).
+    `counts` (one per datum) and `denominator` are filled in once, when the event is accepted."""
+
+    data: list[TrainDatum]
+    loss: Loss
+    backward: bool = True
+    normalise: bool = False
+    totals: TokenCounts | None = None
+    totals_field: str = "gradient_accumulation"
+    counts: tuple[TokenCounts, ...] | None = None  # set by prepare_forward
+    denominator: float | None = None  # set by prepare_forward when normalise; None = plain sum
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(d.tokens) for d in self.data)
+
+
+@dataclass(frozen=True)
+class OptimStep:
+    adam: AdamConfig
+
+
+@dataclass(frozen=True)
+class Save:
+    """save_state (kind "state": weights + optimizer) or save_weights (kind "weights": a sampler),
+    to a resolved target.
+
+    A weights save also publishes the snapshot to the engine's adapter table under `checkpoint_id`,
+    so samplers can use it at once (one kept in memory only, `path` "", never touches the disk).
+    An inflight one also publishes it as the run's inflight target (target id = the run id) at the
+    next version, which the outcome reports (`weights_version`)."""
+
+    kind: str
+    checkpoint_id: str = ""
+    path: str = ""  # target directory ("" for in-memory weights)
+    uri: str = ""  # the checkpoint's name for people (logs, errors)
+    inflight: bool = False
+
+
+@dataclass(frozen=True)
+class EndRun:
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Takes an event index whose request its front end refused: the event fails with this error,
+    so the client's later events (numbered after it) do not wait for it."""
+
+    code: str
+    message: str
+
+
+Op = InitRun | Forward | OptimStep | Save | EndRun | Refused
+
+
+def event_type(op) -> str:
+    """The event type an op (or a service command, which names `kind` the same way) is stored and
+    ordered as: one of `limits.EVENT_TYPES`, or REFUSED."""
+    if isinstance(op, Forward):
+        return FORWARD_BACKWARD if op.backward else FORWARD
+    kind = getattr(op, "kind", None)
+    if kind is not None:  # Save or a service save by name
+        return SAVE_STATE if kind == "state" else SAVE_WEIGHTS
+    if isinstance(op, OptimStep):
+        return OPTIMIZE_STEP
+    if isinstance(op, EndRun):
+        return END_RUN
+    if isinstance(op, Refused):
+        return REFUSED
+    return INIT_RUN
+
+
+@dataclass
+class CycleEvent:
+    event_id: str
+    type: str  # one of EVENT_TYPES
+    op: Op
+
+
+@dataclass
+class RunShare:
+    """One run's events of a cycle by phase: pre (init/save before training), forward (forward and
+    forward_backward), optim, post (saves after the step)."""
+
+    pre: list[CycleEvent] = field(default_factory=list)
+    forward: list[CycleEvent] = field(default_factory=list)
+    optim: list[CycleEvent] = field(default_factory=list)
+    post: list[CycleEvent] = field(default_factory=list)
+
+
+@dataclass
+class TrainingCycle:
+    number: int
+    runs: dict[str, RunShare]  # training run id -> its share of this cycle
+
+
+@dataclass
+class EventOutcome:
+    """What one event produced. Failed: `error` is (code, message)."""
+
+    error: tuple[str, str] | None = None
+    logprobs: list[list[float]] | None = None  # forward: per datum, per position (target logprob)
+    losses: list[list[float]] | None = None  # forward: per datum, per position (elementwise loss)
+    metrics: dict[str, float] = field(default_factory=dict)
+    train_tokens: int = 0
+    loss_tokens: int = 0
+    size_bytes: int = 0  # saves: bytes written (or held in memory for a TEMPORARY snapshot)
+    weights_version: int = 0  # inflight saves: the target version they published
+
+
+@dataclass
+class CycleResult:
+    number: int
+    outcomes: dict[str, EventOutcome]  # event id -> outcome; every event of the cycle has one
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------- the engine itself
+
+
+class EngineLost(RuntimeError):
+    """The engine (a replica) died: its in-flight calls fail with this, and so does every new call."""
+
+    code = "worker_lost"
+
+
+@dataclass
+class EngineInfo:
+    name: str  # the base model's name
+    model_dir: str
+    vocab_size: int
+    max_seq_len: int
+    architecture: str = ""  # the config's model_type (llama, qwen3, ...)
+    block_size: int = 16  # KV block size of its prefix cache (routing hashes whole blocks)
+    device: str = "cpu"
+    replica: str = "local"  # where it runs: "local" or the Ray actor's node / id
+    lora_features: dict[str, int] = field(default_factory=dict)  # in + out features per LoRA target
+
+
+@dataclass
+class CycleStats:
+    number: int
+    runs: list[str]  # the training runs it batched
+    events: int
+    seconds: float
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of one engine. `sampler` holds the KV pool and cache counters (blocks_total,
+    blocks_used, blocks_cached, cache_hit_blocks, cache_queried_blocks, prompt/prefill/cached/sample
+    token totals, waiting, running)."""
+
+    name: str
+    replica: str
+    sampler: dict = field(default_factory=dict)
+    queued_jobs: int = 0  # training cycles and adapter loads waiting for the thread
+    pending_samples: int = 0  # sample requests admitted and not finished
+    runs: int = 0  # training runs held (adapters + optimizer state)
+    adapters: int = 0  # sampler adapters held
+    recent_cycles: list[CycleStats] = field(default_factory=list)
