@@ -132,13 +132,13 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.model is None:
-        from trine.engine.default_model import ensure_default_model
+        from trine.engine.model.default_model import ensure_default_model
         args.model = ensure_default_model()
     model = args.model.resolve()
     import os
     # the shared machine's other work can push memory past Ray's 95% kill threshold: keep the replicas
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-    from trine.engine.ray_backend import connect, ray_engines
+    from trine.engine.runtime.ray_backend import connect, ray_engines
     connect(None, num_cpus=2)
     import ray
     res: dict[str, list[dict]] = {f"{m}_{e}": [] for m in ("sync", "async") for e in ("one", "pool")}

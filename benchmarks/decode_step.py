@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler import Sampler
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
 
 
 def step_seconds(model, tok, n: int, prompt: int, new: int, rng: random.Random) -> float:
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.model is None:
-        from trine.engine.default_model import ensure_default_model
+        from trine.engine.model.default_model import ensure_default_model
         args.model = ensure_default_model()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -37,7 +37,7 @@ import httpx
 import torch
 
 from service import Wire  # benchmarks/service.py: the minimal PyTRIO wire client
-from trine.engine.scheduler import TENANT_SHARE
+from trine.engine.sampler.scheduler import TENANT_SHARE
 from trine.server.app import start_server
 from trine.store import Store
 
@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.model is None:
-        from trine.engine.default_model import ensure_default_model
+        from trine.engine.model.default_model import ensure_default_model
         args.model = ensure_default_model()
     threads = args.threads or torch.get_num_threads()
     options = {"kv_cache_bytes": 1 << 30, "max_running": args.max_running, "tenant_share": args.tenant_share}

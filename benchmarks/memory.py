@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.model is None:
-        from trine.engine.default_model import ensure_default_model
+        from trine.engine.model.default_model import ensure_default_model
         args.model = ensure_default_model()
     with tempfile.TemporaryDirectory() as home:
         server = start_server(models=[args.model], home=Path(home), port=0)

@@ -29,8 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trine.engine.local import LocalEngine
-from trine.engine.ray_backend import connect, ray_engines
+from trine.engine.runtime.local import LocalEngine
+from trine.engine.runtime.ray_backend import connect, ray_engines
 from trine.service import SampleSpec, SamplingRunSpec, Service
 from trine.service.routing import Router
 from trine.store import Store
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.model is None:
-        from trine.engine.default_model import ensure_default_model
+        from trine.engine.model.default_model import ensure_default_model
         args.model = ensure_default_model()
     # 3 actors (1 + 2 replicas), 1 torch thread each; only one configuration works at a time
     connect(None, num_cpus=3)

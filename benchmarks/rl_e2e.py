@@ -190,7 +190,7 @@ def main() -> None:
         sys.exit("benchmarks/rl_e2e.py needs TRL: pip install -e '.[bench]'")
     model_dir = args.model
     if model_dir is None:
-        from trine.engine.default_model import ensure_default_model
+        from trine.engine.model.default_model import ensure_default_model
         model_dir = ensure_default_model()
     rng = random.Random(0)
     problems = [[(rng.randint(1, 30), rng.randint(1, 30)) for _ in range(args.prompts)] for _ in range(args.steps)]

@@ -34,9 +34,9 @@ import torch
 from report import emit  # benchmarks/report.py
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler import Sampler
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
 
 W = WeightsIdentity("bench")
 SIZES = dict(  # full / --quick
@@ -242,7 +242,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model_dir = args.model
     if model_dir is None:
-        from trine.engine.default_model import ensure_default_model
+        from trine.engine.model.default_model import ensure_default_model
         model_dir = ensure_default_model()
     bench = Bench(model_dir, args.repeats, args.kv_cache_mb * 2**20, generate=not args.no_generate)
     sizes = QUICK if args.quick else SIZES

@@ -29,9 +29,9 @@ import msgpack
 import torch
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler import Sampler
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
 from trine.server.app import start_server
 
 
@@ -180,7 +180,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model is None:
-        from trine.engine.default_model import ensure_default_model
+        from trine.engine.model.default_model import ensure_default_model
         args.model = ensure_default_model()
     name = args.model.name
     with tempfile.TemporaryDirectory() as home:

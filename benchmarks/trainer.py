@@ -44,8 +44,8 @@ class TrineSide:
         from trine.engine.api import Loss
         from trine.engine.api import LoRAConfig
         from trine.engine.api import AdamConfig, TrainDatum
-        from trine.engine.trainer import Trainer
-        from trine.engine.weights import load_model
+        from trine.engine.trainer.trainer import Trainer
+        from trine.engine.model.weights import load_model
 
         self.trainer = Trainer(load_model(model_dir, "cpu"), base_model="bench")
         self.runs = [f"run{i}" for i in range(runs)]
@@ -92,7 +92,7 @@ def _peak_child(side: str, model_dir: str, batch: int, seq: int, rank: int, thre
     import ctypes
     import gc
 
-    from trine.engine.weights import read_config
+    from trine.engine.model.weights import read_config
     tokens = make_batch(read_config(model_dir).vocab_size, batch, seq)
     runner = TrineSide(model_dir, tokens, rank) if side == "trine" else HFSide(model_dir, tokens, rank)
     gc.collect()
@@ -137,10 +137,10 @@ def main():
     if args.batch % 4:
         ap.error("--batch must be a multiple of 4 (the mixed-adapter pass splits it across 4 runs)")
     if args.model is None:
-        from trine.engine.default_model import ensure_default_model
+        from trine.engine.model.default_model import ensure_default_model
         args.model = str(ensure_default_model())
     torch.set_num_threads(args.threads)
-    from trine.engine.weights import read_config
+    from trine.engine.model.weights import read_config
 
     tokens = make_batch(read_config(args.model).vocab_size, args.batch, args.seq)
     ours, mixed, hf = TrineSide(args.model, tokens, args.rank), TrineSide(args.model, tokens, args.rank, runs=4), \

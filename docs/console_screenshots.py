@@ -32,7 +32,7 @@ def main() -> None:
 
     import trine as trio
     from trine.cli.demo import run_job
-    from trine.engine.default_model import ensure_default_model
+    from trine.engine.model.default_model import ensure_default_model
     from trine.server.app import start_server
 
     model_dir = args.model or ensure_default_model()

@@ -71,7 +71,7 @@ def connect(args):
         with trio.ServiceClient(api_key=api_key, base_url=url) as service:
             yield Connection(service, args.model or DEFAULT_MODEL, url, api_key)
         return
-    from trine.engine.default_model import ensure_default_model
+    from trine.engine.model.default_model import ensure_default_model
     from trine.server.app import start_server
 
     model_dir = Path(args.model) if args.model else ensure_default_model(args.home)

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trine.engine import checkpoint
-from trine.engine.checkpoint import atomic_write, load_peft_adapter, save_peft_adapter
+from trine.engine.trainer.trainer import checkpoint
+from trine.engine.trainer.checkpoint import atomic_write, load_peft_adapter, save_peft_adapter
 from trine.engine.api import Loss
-from trine.engine.lora import AdapterBatch
+from trine.engine.model.lora import AdapterBatch
 from trine.engine.api import LoRAConfig
 from trine.engine.api import AdamConfig
-from trine.engine.trainer import Trainer
-from trine.engine.weights import load_model
+from trine.engine.trainer.trainer import Trainer
+from trine.engine.model.weights import load_model
 
 from test_losses import random_data, randomize
 
@@ -150,7 +150,7 @@ def test_restoring_a_checkpoint_deleted_after_the_restore_was_accepted_says_not_
     from types import SimpleNamespace
 
     from trine.engine import api as ops
-    from trine.engine.cycle import CycleRunner
+    from trine.engine.trainer.cycle import CycleRunner
     from trine.limits import INIT_RUN
 
     trainer = Trainer(model, base_model="tiny")

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from trine.engine.default_model import ensure_default_model
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.weights import load_model
+from trine.engine.model.default_model import ensure_default_model
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from trine.engine.tokenizer import Tokenizer
+from trine.engine.model.tokenizer import Tokenizer
 from trine.metering.diagnostics import PrefixDiagnostics
 from trine.metering.rates import RateCard
 from trine.metering.report import build_report

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from trine.engine.api import SampleCancelled, SampleDelta
-from trine.engine.local import LocalEngine
+from trine.engine.runtime.local import LocalEngine
 from trine.engine.api import Loss
 from trine.engine.api import LoRAConfig
 from trine.engine.api import FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_WEIGHTS, CycleEvent, Forward, InitRun, OptimStep, RunShare, Save, TrainingCycle

@@ -67,10 +67,10 @@ def test_multi_turn_prefill_dominates_without_cache():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from trine.engine.sampler import Sampler
-    from trine.engine.tokenizer import Tokenizer
-    from trine.engine.trainer import Trainer
-    from trine.engine.weights import load_model
+    from trine.engine.sampler.sampler import Sampler
+    from trine.engine.model.tokenizer import Tokenizer
+    from trine.engine.trainer.trainer import Trainer
+    from trine.engine.model.weights import load_model
 
     model = load_model(tiny_model_dir, device="cpu")
     return Sampler(model, Tokenizer(tiny_model_dir)), Trainer(model, base_model="tiny")
@@ -152,7 +152,7 @@ def test_estimate_matches_the_demo_grpo_loop(tmp_path):
     import trine as trio
     from serverutil import serve
     from trine.cli.demo import RL_PROMPT, chat_prompt, run_job
-    from trine.engine.default_model import ensure_default_model
+    from trine.engine.model.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
     steps, prompts, group = 4, 4, 4

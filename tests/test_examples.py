@@ -72,7 +72,7 @@ def test_example_help_is_sentences_with_defaults(name, capsys):
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    from trine.engine.default_model import ensure_default_model
+    from trine.engine.model.default_model import ensure_default_model
     return ["--model", str(ensure_default_model()), "--home", str(tmp_path_factory.mktemp("home"))]
 
 

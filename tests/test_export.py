@@ -8,10 +8,10 @@ import torch
 from click.testing import CliRunner
 
 from trine.cli.main import main
-from trine.engine.lora import AdapterBatch
+from trine.engine.model.lora import AdapterBatch
 from trine.engine.api import LoRAConfig
-from trine.engine.trainer import Trainer
-from trine.engine.weights import load_model
+from trine.engine.trainer.trainer import Trainer
+from trine.engine.model.weights import load_model
 
 from test_losses import randomize
 

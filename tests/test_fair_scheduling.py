@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_scheduler import add, pool, prefill, request
-from trine.engine.admission import FairAdmission, admission_cost
-from trine.engine.scheduler import Scheduler
+from trine.engine.sampler.admission import FairAdmission, admission_cost
+from trine.engine.sampler.scheduler import Scheduler
 
 
 def tenants(sch: Scheduler) -> dict[str, int]:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler import Sampler
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
 
 W = WeightsIdentity("tiny")
 COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}

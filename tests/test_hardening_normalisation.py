@@ -10,8 +10,8 @@ from serverutil import RawClient, event, init_payload, pytrio_env, serve
 from trine.engine.api import Loss
 from trine.engine.api import LoRAConfig
 from trine.engine.api import AdamConfig, TrainDatum
-from trine.engine.trainer import Trainer
-from trine.engine.weights import load_model
+from trine.engine.trainer.trainer import Trainer
+from trine.engine.model.weights import load_model
 
 MODEL = "tiny-llama"
 TEXTS = [[1, 504, 3330, 314, 253, 1345, 28, 357, 314, 253, 1345, 30, 2],

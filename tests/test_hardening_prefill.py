@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler import Sampler
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
 
 W = WeightsIdentity("tiny")
 _ids = iter(range(10**9))
@@ -141,7 +141,7 @@ def test_cancel_while_the_prompt_prefills_in_chunks_frees_everything(model_tok):
 @pytest.fixture
 def costly_chunks(model_tok, monkeypatch):
     """A sampler on a fake clock where every prefill chunk takes 3 s and every decode step 1 s."""
-    import trine.engine.sampler as sampler_module
+    import trine.engine.sampler.sampler as sampler_module
 
     clock = [0.0]
     monkeypatch.setattr(sampler_module.time, "perf_counter", lambda: clock[0])

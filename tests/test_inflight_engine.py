@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from trine.engine.lora import Adapter
+from trine.engine.model.lora import Adapter
 from trine.engine.api import LoRAConfig
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler import Sampler
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
 
 MB = 2**20
 TARGET = WeightsIdentity("tiny", "tr-run")

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trine.engine.kv_cache import BlockManager, NoFreeBlocks, block_key, chain_hashes
+from trine.engine.sampler.kv_cache import BlockManager, NoFreeBlocks, block_key, chain_hashes
 from trine.engine.api import WeightsIdentity
 
 BS = 4

@@ -62,10 +62,10 @@ def names(targets: set[str], *packages: str) -> list[str]:
 
 
 def test_the_checker_resolves_relative_imports():
-    found = imports("from ...engine.ops import Forward\nfrom ... import store\nimport trine.engine.model",
+    found = imports("from ...engine.ops import Forward\nfrom ... import store\nimport trine.engine.model.model",
                     "trine.server.tinker.training")
-    assert {"trine.engine.ops", "trine.store", "trine.engine.model"} <= found
-    assert names(found, "trine.engine") == ["trine.engine.model", "trine.engine.ops", "trine.engine.ops.Forward"]
+    assert {"trine.engine.ops", "trine.store", "trine.engine.model.model"} <= found
+    assert names(found, "trine.engine") == ["trine.engine.model.model", "trine.engine.ops", "trine.engine.ops.Forward"]
     assert REACH.search("rows = svc.store.sessions(key.id)") and not REACH.search("svc.queries.sessions(key)")
 
 

@@ -8,11 +8,11 @@ import torch
 
 from trine.engine.api import Loss
 from trine.engine.prepare import check_datum as prepare_datum
-from trine.engine.lora import AdapterBatch
+from trine.engine.model.lora import AdapterBatch
 from trine.engine.api import LoRAConfig
 from trine.engine.api import TrainDatum
-from trine.engine.trainer import Trainer
-from trine.engine.weights import load_model
+from trine.engine.trainer.trainer import Trainer
+from trine.engine.model.weights import load_model
 
 VOCAB = 49152
 
@@ -23,7 +23,7 @@ def model(tiny_model_dir):
 
 
 def reference_token_losses(name: str, logp, q, adv, w, cfg, seq_mask=None):
-    """Textbook formulas, written independently of trine.engine.losses (one datum at a time)."""
+    """Textbook formulas, written independently of trine.engine.trainer.losses (one datum at a time)."""
     if name == "cross_entropy":
         return -w * logp
     ratio = (logp - q).exp()
@@ -119,10 +119,10 @@ def test_loss_matches_reference_in_value_and_gradient(model, name, cfg):
 def test_ppo_reads_thresholds_as_ratio_bounds():
     loss = Loss.parse("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
     logp = torch.log(torch.tensor([1.5, 0.5, 1.05]))  # ratios 1.5, 0.5, 1.05 against q = 0
-    from trine.engine.losses import LossInputs
+    from trine.engine.trainer.losses import LossInputs
     inputs = LossInputs(torch.ones(3), torch.zeros(3), torch.tensor([1.0, -1.0, 1.0]))
     # A>0, r=1.5: min(1.5, 1.1) = 1.1; A<0, r=0.5: min(-0.5, -0.9) = -0.9; inside the bounds: r*A.
-    from trine.engine.losses import loss_values
+    from trine.engine.trainer.losses import loss_values
     torch.testing.assert_close(loss_values(loss, logp, inputs), torch.tensor([-1.1, 0.9, -1.05]))
     assert Loss.parse("ppo") == Loss("ppo", clip_low=0.8, clip_high=1.2)
 

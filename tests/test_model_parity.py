@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trine.engine.lora import Adapter, AdapterBatch
+from trine.engine.model.lora import Adapter, AdapterBatch
 from trine.engine.api import LoRAConfig
-from trine.engine.weights import load_model
+from trine.engine.model.weights import load_model
 
 from conftest import FAMILIES, build_tiny_model_dir
 

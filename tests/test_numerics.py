@@ -12,11 +12,11 @@ import torch
 from trine.engine.api import LoRAConfig
 from trine.engine.api import Loss
 from trine.engine.api import SampleRequest, SamplingOptions, TrainDatum
-from trine.engine.sampler import Sampler
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.trainer import Trainer
-from trine.engine.weights import load_model
-from trine.engine import invariant
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.trainer.trainer import Trainer
+from trine.engine.model.weights import load_model
+from trine.engine.model.model import invariant
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,10 @@ import asyncio
 import pytest
 
 from trine.engine.api import SampleRequest, SampleResult, SamplingOptions, WeightsIdentity
-from trine.engine.sampler import Sampler
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.weights import load_model
-from trine.engine.worker import EngineWorker
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
+from trine.engine.runtime.worker import EngineWorker
 from trine.engine.api import SampleCancelled
 
 W = WeightsIdentity("tiny")

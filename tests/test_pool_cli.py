@@ -15,7 +15,7 @@ def test_replicas_need_ray_and_nothing_of_ray_loads_without_it(tmp_path):
     out = CliRunner().invoke(main, ["serve", "--replicas", "2", "--home", str(tmp_path)])
     assert out.exit_code != 0 and "--replicas" in out.output and "--ray" in out.output
     code = ("import sys; import trine.cli.main, trine.cli.serve, trine.server.app, trine.service, "
-            "trine.engine.local; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+            "trine.engine.runtime.local; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
 

@@ -14,12 +14,13 @@ from safetensors.torch import load_file
 
 import trine as trio
 from serverutil import TEST_OPTIONS, pytrio_env, serve, start
-from trine.service import SampleSpec, SamplingRunSpec
+from trine.engine.api import SampleRequest, SamplingOptions
+from trine.service import SamplingRunSpec
 from trine.service.routing import Router
 
 ray = pytest.importorskip("ray")
 from trine.engine.api import EngineLost
-from trine.engine.ray_backend import RayEngine, connect, ray_engines  # noqa: E402
+from trine.engine.runtime.ray_backend import RayEngine, connect, ray_engines
 
 MODEL = "tiny-llama"
 ENGINE_OPTIONS = {k: TEST_OPTIONS[k] for k in ("device", "sampler_options", "trainer_options")}
@@ -120,7 +121,7 @@ def _cached_fraction(srv, router: Router, seed: int) -> tuple[float, set[int]]:
 
     def spec(prompt):
         n[0] += 1
-        return SampleSpec(f"q{seed}-{n[0]}", prompt, max_tokens=4, temperature=1.0, seed=1)
+        return SampleRequest(f"q{seed}-{n[0]}", prompt, SamplingOptions(max_tokens=4, temperature=1.0, seed=1))
 
     async def workload():
         cached = prompt_tokens = 0
@@ -188,7 +189,7 @@ def test_an_inflight_save_reaches_the_replica_serving_the_target_beside_the_trai
         def sample(tag: str):
             async def go():
                 return [await svc.sampling.sample(key, inflight.sampling_run_id,
-                                                  SampleSpec(f"{tag}-{i}", prompt, max_tokens=5, temperature=0.0))
+                                                  SampleRequest(f"{tag}-{i}", prompt, SamplingOptions(max_tokens=5, temperature=0.0)))
                         for i in range(3)]
             return asyncio.run_coroutine_threadsafe(go(), svc.loop).result(120)
 

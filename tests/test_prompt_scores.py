@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from trine.engine.lora import AdapterBatch
+from trine.engine.model.lora import AdapterBatch
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler import Sampler
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
 
 W = WeightsIdentity("tiny")
 _ids = iter(range(10**9))

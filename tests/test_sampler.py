@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-from trine.engine.lora import Adapter
+from trine.engine.model.lora import Adapter
 from trine.engine.api import LoRAConfig
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler import Sampler
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
 
 W = WeightsIdentity("tiny")
 MB = 2**20
@@ -47,7 +47,7 @@ def req(p, max_tokens=6, n=1, weights=W, adapter=None, **opts):
 
 def full_logprobs(model, tokens, adapter=None):
     """log_softmax of a plain full forward (the training path, no KV pool): [len, vocab]."""
-    from trine.engine.lora import AdapterBatch
+    from trine.engine.model.lora import AdapterBatch
     with torch.inference_mode():
         return torch.log_softmax(model(torch.tensor([tokens]), adapters=AdapterBatch.single(adapter))[0], -1)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from trine.engine.api import SamplingOptions
-from trine.engine.sampling import generators, sample, sample_seed
-from trine.engine.stops import Stops, final_text
+from trine.engine.sampler.sampling import generators, sample, sample_seed
+from trine.engine.sampler.stops import Stops, final_text
 
 
 def opts(**kw) -> SamplingOptions:

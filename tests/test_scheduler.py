@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trine.engine.kv_cache import BlockManager
-from trine.engine.kv_layout import KVLayout
+from trine.engine.sampler.kv_cache import BlockManager
+from trine.engine.sampler.kv_layout import KVLayout
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.admission import FifoAdmission
-from trine.engine.scheduler import Scheduler, chunk_rows, fair_order
-from trine.engine.sequence import Request, Sequence
-from trine.engine.stops import Stops
+from trine.engine.sampler.admission import FifoAdmission
+from trine.engine.sampler.scheduler import Scheduler, chunk_rows, fair_order
+from trine.engine.sampler.sequence import Request, Sequence
+from trine.engine.sampler.stops import Stops
 
 BS = 4
 W = WeightsIdentity("base")

@@ -8,7 +8,7 @@ import pytest
 from trine.engine.api import Loss
 from trine.engine.api import LoRAConfig
 from trine.engine.api import SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
-from trine.engine.worker import EngineWorker
+from trine.engine.runtime.worker import EngineWorker
 
 
 def test_sampling_is_served_between_training_micro_batches(tiny_model_dir):

@@ -108,7 +108,7 @@ def _serve_default(home: Path):
     """The slow tier's SmolLM2 server (tests/test_tinker_recipes.py) and the model's directory."""
     sys.path.insert(0, str(HERE))
     from test_tinker_recipes import _serve_default as serve_smollm2
-    from trine.engine.default_model import ensure_default_model
+    from trine.engine.model.default_model import ensure_default_model
     ctx, _ = serve_smollm2(home)
     return ctx, ensure_default_model()
 

@@ -123,7 +123,7 @@ def math_rl(sc, model: str, loss_fn: str, steps: int = 6, groups: int = 8, group
 
 def _serve_default(tmp):
     from serverutil import serve
-    from trine.engine.default_model import ensure_default_model
+    from trine.engine.model.default_model import ensure_default_model
     model_dir = ensure_default_model()
     os.environ.update(TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost")
     return serve(model_dir, tmp, sampler_options={"kv_cache_bytes": 256 << 20, "max_batch_tokens": 2048},

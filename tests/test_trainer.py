@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from trine.engine.api import Loss
-from trine.engine.lora import AdapterBatch
+from trine.engine.model.lora import AdapterBatch
 from trine.engine.api import LoRAConfig
 from trine.engine.api import AdamConfig, TrainDatum
-from trine.engine.tokenizer import Tokenizer
-from trine.engine.trainer import Trainer
-from trine.engine.weights import load_model
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.trainer.trainer import Trainer
+from trine.engine.model.weights import load_model
 
 from test_losses import randomize, random_data
 

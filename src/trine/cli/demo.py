@@ -188,7 +188,7 @@ def demo(model_dir: Path | None, sft_steps: int, rl_steps: int, home: Path | Non
     from rich.console import Console
 
     import trine as trio
-    from trine.engine.default_model import ensure_default_model, trine_home
+    from trine.engine.model.default_model import ensure_default_model, trine_home
     from trine.server.app import start_server
 
     console = Console()

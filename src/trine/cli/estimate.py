@@ -76,7 +76,7 @@ def estimate(model, steps, prompts_per_step, group_size, turns, prompt_tokens, c
 def _model_dir(model: str, given: Path | None, home: Path) -> Path:
     if given is not None:
         return given
-    from ..engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from ..engine.model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
     if model == DEFAULT_MODEL_NAME:
         return ensure_default_model(home)

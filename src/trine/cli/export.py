@@ -38,7 +38,7 @@ def named_model_dir(adapter_dir: Path, home: Path) -> Path | None:
     """For a checkpoint that records only its base model's name: that model under `home`/models."""
     import json
 
-    from trine.engine.checkpoint import ADAPTER_CONFIG, trine_facts
+    from trine.engine.trainer.checkpoint import ADAPTER_CONFIG, trine_facts
     cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     name = trine_facts(adapter_dir).get("base_model") or cfg.get("base_model_name_or_path") or ""
     candidate = home / "models" / Path(str(name)).name
@@ -84,8 +84,8 @@ def export(checkpoint, out, merged, base_dir, home, url, api_key):
 
 
 def _export(src: Path, out: Path, merged: bool, base_dir: Path | None, home: Path) -> None:
-    from trine.engine.checkpoint import read_lora_config
-    from trine.engine.export import base_model_dir, export_adapter, export_merged
+    from trine.engine.trainer.checkpoint import read_lora_config
+    from trine.engine.trainer.export import base_model_dir, export_adapter, export_merged
 
     try:
         read_lora_config(src)  # refuses a directory that is not a LoRA checkpoint, naming what it lacks

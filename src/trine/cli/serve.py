@@ -17,7 +17,7 @@ from trine.home import trine_home
 
 def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
     """--model DIR | NAME=DIR | NAME (a model under $TRINE_HOME/models, or the embedded default)."""
-    from trine.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from trine.engine.model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from trine.server.app import resolve_models
     if not specs:
         return resolve_models([ensure_default_model(home)])
@@ -42,7 +42,7 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
 
 def _ray_engines(address: str, replicas: int, threads: int | None, dtype: str, batch_invariant: bool):
     try:
-        from trine.engine.ray_backend import connect, ray_engines
+        from trine.engine.runtime.ray_backend import connect, ray_engines
     except ImportError:
         raise click.UsageError("--ray needs Ray: pip install 'trine[ray]'") from None
     resources = connect(None if address == "local" else address)
@@ -52,7 +52,7 @@ def _ray_engines(address: str, replicas: int, threads: int | None, dtype: str, b
 
 def check_model_family(served: dict[str, Path]) -> None:
     """Read each config.json (no weights) and refuse a family trine cannot run."""
-    from trine.engine.weights import read_config
+    from trine.engine.model.weights import read_config
     for name, path in served.items():
         try:
             read_config(path)
@@ -174,5 +174,5 @@ def serve(models, host, port, home, cycle_seconds, threads, dtype, batch_invaria
         run_forever(app, host, port, log_level, max_connections=max_connections, header_timeout=header_timeout)
     finally:
         if ray_address == "local":  # the cluster --ray started here stops with the server
-            from trine.engine.ray_cluster import stop_local_cluster
+            from trine.engine.runtime.ray_cluster import stop_local_cluster
             stop_local_cluster()

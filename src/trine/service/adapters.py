@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..engine.checkpoint import by_uri
+from ..engine.trainer.checkpoint import by_uri
 from ..engine.api import EngineLost
 from ..engine.api import LoRAConfig
 from ..store import Checkpoint, Store

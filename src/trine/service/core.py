@@ -76,7 +76,7 @@ class Service:
         self.gather_seconds = gather_seconds
         self.gc_interval = gc_interval
         if engines is None:
-            from ..engine.local import LocalEngine
+            from ..engine.runtime.local import LocalEngine
 
             def engines(name: str, path: Path) -> list[Engine]:
                 return [LocalEngine(name, path, device=device, num_threads=num_threads,

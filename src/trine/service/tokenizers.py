@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from ..engine.tokenizer import Tokenizer
+from ..engine.model.tokenizer import Tokenizer
 from . import tool_calls
 from .errors import InvalidRequest
 

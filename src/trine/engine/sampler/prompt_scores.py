@@ -23,8 +23,8 @@ import secrets
 
 import torch
 
-from .invariant import log_probs
-from .api import SampleRequest
+from ..model.invariant import log_probs
+from ..api import SampleRequest
 from .sampling import TopLogprobs, draw, sample_seed
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call

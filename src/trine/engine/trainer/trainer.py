@@ -44,15 +44,15 @@ from typing import Callable
 
 import torch
 
-from ..tokens import TokenCounts
-from ..limits import ADAM_BOUNDS, check_adam_value, check_lora_rank
+from ...tokens import TokenCounts
+from ...limits import ADAM_BOUNDS, check_adam_value, check_lora_rank
 from . import checkpoint
-from .invariant import log_probs
-from .api import AdamConfig, LoRAConfig, Loss, WeightsIdentity
+from ..model.invariant import log_probs
+from ..api import AdamConfig, LoRAConfig, Loss, WeightsIdentity
 from .losses import LossInputs, PreparedDatum, datum_tensors, loss_values, sequence_log_ratios
-from .lora import Adapter, AdapterBatch
-from .model import Transformer
-from .prepare import check_datum
+from ..model.lora import Adapter, AdapterBatch
+from ..model.model import Transformer
+from ..prepare import check_datum
 
 
 @dataclass

@@ -19,8 +19,8 @@ import secrets
 
 import torch
 
-from .invariant import log_probs
-from .api import SamplingOptions
+from ..model.invariant import log_probs
+from ..api import SamplingOptions
 
 _MASK64 = 2**64 - 1
 

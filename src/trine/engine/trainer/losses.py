@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import IGNORE_INDEX, Loss, TrainDatum
+from ..api import IGNORE_INDEX, Loss, TrainDatum
 
 @dataclass
 class LossInputs:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .api import LoRAConfig
+from ..api import LoRAConfig
 from .invariant import linear
 
 def lora_features(model: nn.Module) -> dict[str, int]:

@@ -11,11 +11,10 @@ from collections import deque
 from pathlib import Path
 from typing import AsyncIterator
 
-from .cycle import CycleRunner, drop_run, load_adapter, publish_target, spill_adapter
-from .api import (CycleResult, CycleStats, EngineInfo, EngineStats, LoRAConfig, SampleDelta, SampleRequest,
-                  SampleResult, TrainingCycle)
-from .interface import Engine
-from .lora import lora_features
+from ..trainer.cycle import CycleRunner, drop_run, load_adapter, publish_target, spill_adapter
+from ..api import CycleResult, CycleStats, EngineInfo, EngineStats, LoRAConfig, SampleDelta, SampleRequest, SampleResult, TrainingCycle
+from ..interface import Engine
+from ..model.lora import lora_features
 from .worker import EngineWorker
 
 RECENT_CYCLES = 32

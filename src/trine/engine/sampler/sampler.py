@@ -35,21 +35,21 @@ import time
 
 import torch
 
-from ..limits import MAX_TOPK_PROMPT_LOGPROBS
+from ...limits import MAX_TOPK_PROMPT_LOGPROBS
 from .grammar import Grammars
 from .admission import FairAdmission, FifoAdmission
 from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
-from .lora import Adapter, AdapterBatch
-from .model import Transformer
+from ..model.lora import Adapter, AdapterBatch
+from ..model.model import Transformer
 from .prompt_scores import PromptScores, check_prompt_scores, scores_prompt
-from ..limits import check_prompt_length
-from .api import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
+from ...limits import check_prompt_length
+from ..api import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
 from .sampling import check_sampling_options, generators, sample
 from .scheduler import TENANT_SHARE, Scheduler
 from .sequence import Request, Sequence
 from .stops import Stops, check_stop_options, final_text
-from .tokenizer import Tokenizer
+from ..model.tokenizer import Tokenizer
 
 
 class Sampler:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .tokenizer import Tokenizer
+from ..model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import llguidance

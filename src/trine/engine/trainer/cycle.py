@@ -22,9 +22,8 @@ import uuid
 from pathlib import Path
 
 from .checkpoint import by_uri, load_peft_adapter, save_peft_adapter
-from .api import (CycleEvent, CycleResult, EndRun, EventOutcome, Forward, InitRun, LoRAConfig, OptimStep, Refused,
-                  Save, TrainingCycle)
-from .lora import Adapter
+from ..api import CycleEvent, CycleResult, EndRun, EventOutcome, Forward, InitRun, LoRAConfig, OptimStep, Refused, Save, TrainingCycle
+from ..model.lora import Adapter
 from .trainer import ForwardResult
 
 log = logging.getLogger("trine.cycle")

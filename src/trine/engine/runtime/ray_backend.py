@@ -25,9 +25,8 @@ from typing import AsyncIterator
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from .api import (CycleResult, EngineInfo, EngineLost, EngineStats, LoRAConfig, SampleDelta, SampleRequest,
-                  SampleResult, TrainingCycle)
-from .interface import Engine
+from ..api import CycleResult, EngineInfo, EngineLost, EngineStats, LoRAConfig, SampleDelta, SampleRequest, SampleResult, TrainingCycle
+from ..interface import Engine
 from .local import LocalEngine
 from .ray_cluster import watch_local_cluster
 

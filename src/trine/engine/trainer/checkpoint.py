@@ -27,9 +27,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from .api import LORA_ATTN, LORA_MLP, LORA_UNEMBED, LoRAConfig
-from .lora import Adapter
-from .model import Transformer
+from ..api import LORA_ATTN, LORA_MLP, LORA_UNEMBED, LoRAConfig
+from ..model.lora import Adapter
+from ..model.model import Transformer
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

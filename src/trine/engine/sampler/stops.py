@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..limits import check_stops
-from .api import SamplingOptions
-from .tokenizer import Tokenizer
+from ...limits import check_stops
+from ..api import SamplingOptions
+from ..model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

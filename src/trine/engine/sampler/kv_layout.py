@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .invariant import KEY_TILE
+from ..model.invariant import KEY_TILE
 from .kv_cache import BlockManager, block_key
-from .model import KVContext
+from ..model.model import KVContext
 from .sequence import Request, Sequence
 
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .prompt_scores import cacheable
-from .api import SampleRequest, SampleUsage
+from ..api import SampleRequest, SampleUsage
 from .stops import Stops
 
 if TYPE_CHECKING:
     import torch
 
-    from .lora import Adapter
+    from ..model.lora import Adapter
     from .prompt_scores import PromptScores
     from .sampling import TopLogprobs
 

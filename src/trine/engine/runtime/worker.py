@@ -34,11 +34,11 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from .lora import Adapter
-from .api import SampleCancelled, SampleDelta, SampleRequest, SampleResult
-from .tokenizer import Tokenizer
-from . import invariant
-from .weights import load_model, parse_dtype
+from ..model.lora import Adapter
+from ..api import SampleCancelled, SampleDelta, SampleRequest, SampleResult
+from ..model.tokenizer import Tokenizer
+from ..model import invariant
+from ..model.weights import load_model, parse_dtype
 
 log = logging.getLogger("trine.worker")
 
@@ -172,8 +172,8 @@ class EngineWorker:
         try:
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
-            from .sampler import Sampler
-            from .trainer import Trainer
+            from ..sampler.sampler import Sampler
+            from ..trainer.trainer import Trainer
             if self.batch_invariant:
                 invariant.enable(True)
             self.model = load_model(self.model_dir, device=self.device, dtype=self.dtype)

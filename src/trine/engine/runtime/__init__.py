@@ -1,0 +1,1 @@
+"""Where an engine runs: its worker thread, the in-process backend and Ray replicas."""
