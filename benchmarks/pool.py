@@ -31,7 +31,8 @@ from pathlib import Path
 
 from trine.engine.runtime.local import LocalEngine
 from trine.engine.runtime.ray_backend import connect, ray_engines
-from trine.service import SampleSpec, SamplingRunSpec, Service
+from trine.engine.api import SampleRequest, SamplingOptions
+from trine.service import SamplingRunSpec, Service
 from trine.service.routing import Router
 from trine.store import Store
 
@@ -69,7 +70,7 @@ class Config:
 
         async def one(i, prompt):
             async with gate:
-                return await self.svc.sampling.sample(self.key, self.run.id, SampleSpec(f"w{rnd}-{i}", prompt, **opts))
+                return await self.svc.sampling.sample(self.key, self.run.id, SampleRequest(f"w{rnd}-{i}", prompt, SamplingOptions(**opts)))
         t = time.perf_counter()
         outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         dt = time.perf_counter() - t
@@ -80,7 +81,8 @@ class Config:
     async def latency(self, rnd: int, args) -> float:
         rng = random.Random(10_000 + rnd)
         prompt = [rng.randrange(100, 40000) for _ in range(args.latency_prompt)]
-        spec = SampleSpec(f"l{rnd}", prompt, args.new, temperature=1.0, seed=1, stop_at_eos=False, num_samples=4)
+        spec = SampleRequest(f"l{rnd}", prompt, SamplingOptions(args.new, temperature=1.0, seed=1, stop_at_eos=False),
+                             num_samples=4)
         t = time.perf_counter()
         await self.svc.sampling.sample(self.key, self.run.id, spec)
         return time.perf_counter() - t

@@ -27,7 +27,7 @@ from trine.engine.sampler.sampler import Sampler
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.trainer.trainer import Trainer
 from trine.engine.model.weights import load_model
-from trine.engine.model.model import invariant
+from trine.engine.model import invariant
 
 
 @pytest.fixture(autouse=True)

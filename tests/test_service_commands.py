@@ -10,7 +10,7 @@ import pytest
 
 from serverutil import serve
 from trine.engine import prepare
-from trine.engine.sampler.sampler import sampler
+from trine.engine.sampler import sampler
 from trine.engine.api import Forward, Loss, SampleRequest, SamplingOptions, TrainDatum, event_type
 from trine.engine.prepare import prepare_forward
 from trine.service import InitByUri, SamplingRunSpec, SaveByName, TrainingRunSpec
