@@ -64,5 +64,5 @@ def test_usage_and_diagnostics_are_filtered_by_key_session_run_and_time(tmp_path
 def test_sample_results_are_kept_per_sampling_run(tmp_path):
     store = Store(tmp_path)
     store.add_sample_result("sr_1", "req_1", b'{"a": 1}')
-    assert store.sample_result("sr_1", "req_1") == b'{"a": 1}'
+    assert store.sample_result("sr_1", "req_1") == (b'{"a": 1}', "")
     assert store.sample_result("sr_2", "req_1") is None

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -39,6 +40,7 @@ from .results import SampleOutcome
 from .routing import Router
 
 log = logging.getLogger("trine.service")
+RECENT_OUTCOMES = 1024
 
 
 @dataclass
@@ -54,6 +56,8 @@ class Sampling:
     diagnostics: PrefixDiagnostics = field(default_factory=PrefixDiagnostics)
     _running: SingleFlight = field(default_factory=lambda: SingleFlight(
         what=lambda k: f"request_id {k[1]}", code="request_id_reused"))
+    # the latest stored outcomes (json, fingerprint): a retry finds them without reading the store
+    _recent: OrderedDict = field(default_factory=OrderedDict)
     _serving: dict[tuple[str, str], Replica] = field(default_factory=dict)  # request -> its replica
     inflight: Inflight | None = None  # the inflight targets inflight sampling runs follow
 
@@ -65,10 +69,11 @@ class Sampling:
         r = self.ownership.sampling_run(key, sampling_run_id)
         dedup = (r.id, req.request_id)
         if dedup not in self._running:
-            stored = self.store.sample_result(*dedup)
+            stored = self._recent.get(dedup) or await asyncio.to_thread(self.store.sample_result, *dedup)
+            stored = stored or self._recent.get(dedup)  # finished while the store was read
             if stored is not None:
-                self._running.check(dedup, self.store.sample_fingerprint(*dedup), fingerprint)
-                return SampleOutcome.from_json(stored)
+                self._running.check(dedup, stored[1], fingerprint)
+                return SampleOutcome.from_json(stored[0])
             if r.status != "ACTIVE":
                 raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
                                code="run_ended")
@@ -89,7 +94,7 @@ class Sampling:
                 if attempt == len(m.replicas) - 1:
                     raise Conflict(f"every engine replica of {m.name} was lost; try again later",
                                    code="worker_lost", status=503) from None
-        return self._record(key, r, m, req, res, rep, fingerprint)
+        return await self._record(key, r, m, req, res, rep, fingerprint)
 
     async def sample_stream(self, key: ApiKey, sampling_run_id: str,
                             req: SampleRequest) -> AsyncIterator[SampleDelta | SampleOutcome]:
@@ -97,8 +102,9 @@ class Sampling:
         SampleOutcome (stored and metered like `sample`). Closing the iterator early cancels the
         request, which frees its KV blocks at once; what it computed until then is metered."""
         r = self.ownership.sampling_run(key, sampling_run_id)
-        stored = self.store.sample_result(r.id, req.request_id)
-        if stored is not None or (r.id, req.request_id) in self._running:
+        dedup = (r.id, req.request_id)
+        stored = self._recent.get(dedup) or await asyncio.to_thread(self.store.sample_result, *dedup)
+        if stored is not None or dedup in self._running:
             raise Conflict(f"request_id {req.request_id!r} was already used in sampling run {r.id}; "
                            "send a new id", code="request_id_conflict")
         if r.status != "ACTIVE":
@@ -124,7 +130,7 @@ class Sampling:
         finally:
             if res is None:  # closed early, or failed: meter what the engine computed (if anything)
                 self.spawn(self._record_cancelled(key, r, m, req, rep, engine_req.request_id))
-        yield self._record(key, r, m, req, res, rep)
+        yield await self._record(key, r, m, req, res, rep)
 
     async def _record_cancelled(self, key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest,
                                 rep: Replica, engine_request_id: str) -> None:
@@ -176,9 +182,10 @@ class Sampling:
                                    weights=WeightsIdentity(m.name, _weights_name(r), 0),
                                    inflight=bool(r.inflight_run_id), tenant=key.id)
 
-    def _record(self, key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest, res: SampleResult,
-                rep: Replica, fingerprint: str = "") -> SampleOutcome:
-        """Meter a finished request and store its outcome (for retries)."""
+    async def _record(self, key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest, res: SampleResult,
+                      rep: Replica, fingerprint: str = "") -> SampleOutcome:
+        """Meter a finished request and store its outcome (for retries), in one transaction off the
+        event loop; the outcome is in `_recent` before any retry can miss it."""
         u = res.usage
         event = self._usage_event(key, r, m, req, res)
         out = SampleOutcome(
@@ -188,8 +195,11 @@ class Sampling:
              "cached_tokens": u.cached_tokens, "sample_tokens": u.sample_tokens},
             self.rate_card.cost(event)["total"], rep.index, res.prompt_alt_tokens, res.prompt_alt_logprobs,
             res.target_prompt_logprobs)
-        self.store.add_sample_result(r.id, req.request_id, out.to_json(), fingerprint)
-        self.store.add_usage(event)
+        stored = (out.to_json(), fingerprint)
+        self._recent[(r.id, req.request_id)] = stored
+        while len(self._recent) > RECENT_OUTCOMES:
+            self._recent.popitem(last=False)
+        await asyncio.to_thread(self.store.add_sample_result, r.id, req.request_id, *stored, event)
         if req.generate:
             self.spawn(self._diagnose(key, r, m, req, res))
         return out

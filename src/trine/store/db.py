@@ -247,22 +247,30 @@ class Store:
         return self._select("events", "status IN (?, ?)", UNFINISHED)
 
     # ------------------------------------------------------------------ sample results
-    def sample_result(self, sampling_run_id: str, request_id: str) -> bytes | None:
-        rows = self._exec("SELECT response FROM sample_results WHERE sampling_run_id = ? AND "
+    def sample_result(self, sampling_run_id: str, request_id: str) -> tuple[bytes, str | None] | None:
+        """The stored response of a sample request and the fingerprint of the request it answered
+        ("" or None: not recorded), in one read; None when nothing is stored."""
+        rows = self._exec("SELECT response, fingerprint FROM sample_results WHERE sampling_run_id = ? AND "
                           "request_id = ?", (sampling_run_id, request_id))
-        return rows[0][0] if rows else None
-
-    def sample_fingerprint(self, sampling_run_id: str, request_id: str) -> str | None:
-        """The fingerprint of the request whose result is stored ("" or None: not recorded)."""
-        rows = self._exec("SELECT fingerprint FROM sample_results WHERE sampling_run_id = ? AND "
-                          "request_id = ?", (sampling_run_id, request_id))
-        return rows[0][0] if rows else None
+        return (rows[0][0], rows[0][1]) if rows else None
 
     def add_sample_result(self, sampling_run_id: str, request_id: str, response: bytes,
-                          fingerprint: str = "") -> None:
-        self._exec("INSERT OR REPLACE INTO sample_results (sampling_run_id, request_id, response, created_at, "
-                   "fingerprint) VALUES (?, ?, ?, ?, ?)",
-                   (sampling_run_id, request_id, response, time.time(), fingerprint))
+                          fingerprint: str = "", usage: UsageEvent | None = None) -> None:
+        """Store a sample request's response, and its usage in the same transaction."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO sample_results (sampling_run_id, request_id, response, "
+                                 "created_at, fingerprint) VALUES (?, ?, ?, ?, ?)",
+                                 (sampling_run_id, request_id, response, time.time(), fingerprint))
+                if usage is not None:
+                    d = dataclasses.asdict(usage)
+                    self._db.execute(f"INSERT INTO usage_events ({', '.join(d)}) VALUES "
+                                     f"({', '.join('?' for _ in d)})", tuple(d.values()))
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     # ------------------------------------------------------------------ checkpoints
     def add_checkpoint(self, c: Checkpoint) -> None:
