@@ -70,7 +70,7 @@ class LocalEngine(Engine):
         return await self.worker.submit(lambda w: load_adapter(w, checkpoint_id, path))
 
     async def evict_adapter(self, checkpoint_id: str) -> None:
-        await self.worker.submit(lambda w: w.adapters.pop(checkpoint_id, None) and None)
+        await self.worker.submit(lambda w: w.adapters.evict(checkpoint_id))
 
     async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
         return await self.worker.submit(lambda w: spill_adapter(w, checkpoint_id, lora, path))

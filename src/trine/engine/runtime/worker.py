@@ -9,12 +9,11 @@ asyncio futures back, settled with `loop.call_soon_threadsafe`:
 - `cancel(request_id)`: the request stops and frees its sequences' KV blocks at the thread's next
   turn; its waiter gets `SampleCancelled`, and the future cancel() returns gets the partial result.
 
-The thread also owns the adapter table (`adapters`: checkpoint id -> sampler weights); a sample
-request names its adapter by `weights.adapter` and the thread resolves it when the request arrives.
-Beside it, the inflight targets (`targets`: training run id -> its latest inflight weights and
-their version): an inflight request is resolved to the target's current version on arrival, and
-`publish_target` moves the target and every live request on it to new weights between steps.
-This class is the machinery; `engine.local.LocalEngine` is the interface the service uses.
+The thread also owns the adapter table (`adapters`, adapters.py: snapshots by checkpoint id and
+inflight targets); a sample request names its weights by `weights.adapter` and the thread resolves
+them when the request arrives. `publish_target` moves a target and every live request on it to new
+weights between steps. This class is the machinery; `runtime.local.LocalEngine` is the interface
+the service uses.
 
 Between jobs, and between training micro-batches (`tick`, passed as the Trainer's
 `between_microbatches`), the thread admits newly arrived sample requests and runs one sampler step,
@@ -35,6 +34,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from ..model.lora import Adapter
+from .adapters import AdapterTable
 from ..api import SampleCancelled, SampleDelta, SampleRequest, SampleResult
 from ..model.tokenizer import Tokenizer
 from ..model import invariant
@@ -74,8 +74,7 @@ class EngineWorker:
         self.sampler_options = dict(sampler_options or {})
         self.trainer_options = dict(trainer_options or {})
         self.model = self.tokenizer = self.sampler = self.trainer = None
-        self.adapters: dict[str, Adapter] = {}  # checkpoint id -> sampler weights (worker thread only)
-        self.targets: dict[str, tuple[int, Adapter]] = {}  # inflight target -> (version, weights)
+        self.adapters = AdapterTable()  # snapshots and inflight targets (worker thread only)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque = deque()
@@ -241,7 +240,7 @@ class EngineWorker:
                 self._cancel(obj, fut)
                 continue
             try:
-                obj, adapter = self._resolve_weights(obj)
+                obj, adapter = self.adapters.resolve(obj)
                 self.sampler.add(obj, adapter)
             except ValueError as e:
                 self._post(fut, exc=e)
@@ -251,35 +250,9 @@ class EngineWorker:
     def publish_target(self, target: str, version: int, adapter: Adapter) -> None:
         """Inflight target `target` now has weights `adapter` at `version` (worker thread): new
         requests on it start there, live ones switch at their next step. An older version than the
-        one held is ignored (publications may arrive out of order on a pool)."""
-        held = self.targets.get(target)
-        if held is not None and held[0] >= version:
-            return
-        self.targets[target] = (version, adapter)
-        self.sampler.publish(target, version, adapter)
-
-    def target_version(self, target: str) -> int:
-        """The version of the inflight target's weights held here (0: none)."""
-        held = self.targets.get(target)
-        return held[0] if held else 0
-
-    def _resolve_weights(self, req: SampleRequest) -> tuple[SampleRequest, Adapter | None]:
-        """The adapter `req.weights.adapter` names in this engine's tables; an inflight request also
-        gets its target's current version (a copy: the caller's request is untouched)."""
-        if req.inflight:
-            held = self.targets.get(req.weights.adapter)
-            if held is None:
-                raise ValueError(f"inflight target {req.weights.adapter!r} is not held by this engine; "
-                                 "publish it (publish_target) before sampling from it")
-            version, adapter = held
-            return dataclasses.replace(req, weights=dataclasses.replace(req.weights, version=version)), adapter
-        if req.weights.adapter is None:
-            return req, None
-        adapter = self.adapters.get(req.weights.adapter)
-        if adapter is None:
-            raise ValueError(f"adapter {req.weights.adapter!r} is not loaded on this engine; load it "
-                             "(load_adapter) before sampling from it")
-        return req, adapter
+        one held is ignored."""
+        if self.adapters.publish(target, version, adapter):
+            self.sampler.publish(target, version, adapter)
 
     def _cancel(self, request_id: str, done: asyncio.Future) -> None:
         fut = self._pending.pop(request_id, None)

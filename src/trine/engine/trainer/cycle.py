@@ -80,7 +80,7 @@ def adapter_bytes(adapter: Adapter) -> int:
 class CycleRunner:
     """Runs cycles on one worker's trainer. Lives in the worker thread (no asyncio, no store).
 
-    A weights save publishes its snapshot into `worker.adapters` under the checkpoint id."""
+    A weights save publishes its snapshot into the worker's adapter table under the checkpoint id."""
 
     def __init__(self, worker):
         self.w = worker
@@ -193,10 +193,10 @@ class CycleRunner:
         else:
             size = adapter_bytes(snap)
         if op.checkpoint_id:
-            self.w.adapters[op.checkpoint_id] = snap
+            self.w.adapters.hold(op.checkpoint_id, snap)
         version = 0
         if op.inflight:
-            version = self.w.target_version(run_id) + 1
+            version = self.w.adapters.target_version(run_id) + 1
             self.w.publish_target(run_id, version, snap)
         return EventOutcome(size_bytes=size, weights_version=version)
 
@@ -211,30 +211,24 @@ def drop_run(worker, run_id: str) -> None:
     on the target keep the weights they hold until they finish; new ones are refused."""
     if worker.trainer.has_run(run_id):
         worker.trainer.delete_run(run_id)
-    worker.targets.pop(run_id, None)
+    worker.adapters.drop_target(run_id)
 
 
 def publish_target(worker, target: str, version: int, checkpoint_id: str) -> None:
     """Point inflight target `target` at the adapter held under `checkpoint_id` (worker thread)."""
-    adapter = worker.adapters.get(checkpoint_id)
-    if adapter is None:
-        raise ValueError(f"checkpoint {checkpoint_id} is not held by this engine; load it (load_adapter) "
-                         "before publishing it as an inflight target")
-    worker.publish_target(target, version, adapter)
+    worker.publish_target(target, version, worker.adapters.snapshot(checkpoint_id))
 
 
 def load_adapter(worker, checkpoint_id: str, path: str) -> int:
     """Load a saved PEFT adapter directory into the worker's adapter table (worker thread)."""
     adapter, _ = load_peft_adapter(worker.model, path)
     adapter.requires_grad_(False)
-    worker.adapters[checkpoint_id] = adapter
+    worker.adapters.hold(checkpoint_id, adapter)
     return adapter_bytes(adapter)
 
 
 def spill_adapter(worker, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
     """Write an in-memory snapshot to disk so it can leave memory (worker thread)."""
-    adapter = worker.adapters.get(checkpoint_id)
-    if adapter is None:
-        raise ValueError(f"checkpoint {checkpoint_id} is not held by this engine")
+    adapter = worker.adapters.snapshot(checkpoint_id)
     return save_dir(Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, worker.name,
                                                               worker.model.source_dir))
