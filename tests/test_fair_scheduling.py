@@ -16,7 +16,7 @@ def tenants(sch: Scheduler) -> dict[str, int]:
     for r in sch.prefilling:
         out[r.req.tenant] = out.get(r.req.tenant, 0) + r.samples
     for s in sch.running:
-        out[s.req.req.tenant] = out.get(s.req.req.tenant, 0) + 1
+        out[s.request.req.tenant] = out.get(s.request.req.tenant, 0) + 1
     return out
 
 
@@ -137,7 +137,7 @@ def test_many_short_prompts_of_one_tenant_do_not_hold_back_anothers_long_prompt(
     add(sch, long, *[request(8, tenant="A", first=100 * i) for i in range(40)])
     for _ in range(3):
         prefill(sch)
-    assert long.done > 0  # fewest-tokens-first alone would prefill all 320 of A's tokens first
+    assert long.prefilled > 0  # fewest-tokens-first alone would prefill all 320 of A's tokens first
 
 
 def test_a_long_prompt_of_one_tenant_does_not_hold_back_anothers_short_one():

@@ -30,7 +30,7 @@ def request(n: int, max_tokens: int = 4, samples: int = 1, first: int = 0, **kw)
     """A request whose prompt is n distinct tokens starting at `first`."""
     opts = SamplingOptions(max_tokens=max_tokens)
     req = SampleRequest(f"r{next(_ids)}", list(range(first, first + n)), opts, W, num_samples=samples, **kw)
-    return Request(req, Stops.of(opts, frozenset()), full=not req.generate)
+    return Request(req, Stops.of(opts, frozenset()), scores_prompt=not req.generate)
 
 
 def add(sch: Scheduler, *rs: Request) -> None:
@@ -44,8 +44,8 @@ def prefill(sch: Scheduler, seconds: float = 0.0) -> list[tuple[Request, int]]:
     `seconds` for it; returns the rows."""
     plan = sch.schedule()
     for r, take in plan.prefill:
-        KVLayout(sch.kv).cache_prompt(r, r.done, r.done + take)
-        r.done += take
+        KVLayout(sch.kv).cache_prompt(r, r.prefilled, r.prefilled + take)
+        r.prefilled += take
         if not r.prompt_left:
             sch.prompt_done(r)
             for blocks in KVLayout(sch.kv).fork(r) if r.samples else []:
@@ -62,7 +62,7 @@ def decode(sch: Scheduler, seqs: list[Sequence]) -> None:
     sch.grow(seqs)
     for s in seqs:
         s.tokens.append(0)
-        if len(s.tokens) - len(s.req.req.prompt) == s.req.max_new:
+        if len(s.tokens) - len(s.request.req.prompt) == s.request.max_new:
             stop(sch, s)
     sch.drop_stopped()
 
@@ -306,7 +306,7 @@ def test_reservations_always_balance_and_no_sequence_runs_out_of_blocks(ops):
             r = live.pop(n % len(live))
             sch.cancel(r)
             for s in sch.running:
-                if s.req is r:
+                if s.request is r:
                     stop(sch, s, "cancelled")
             sch.drop_stopped()
         elif op == "step":

@@ -47,8 +47,8 @@ class KVLayout:
         """Tokens and positions [B, T] of the next `take` prompt tokens of each row's request (right
         padded) and their context: each attends its prompt up to itself, cached part included."""
         dev = self.device
-        starts = [r.done for r, _ in rows]
-        ends = [r.done + take for r, take in rows]
+        starts = [r.prefilled for r, _ in rows]
+        ends = [r.prefilled + take for r, take in rows]
         T, L = max(take for _, take in rows), max(ends)
         tokens = torch.zeros(len(rows), T, dtype=torch.long)
         for i, (r, _) in enumerate(rows):
@@ -69,7 +69,7 @@ class KVLayout:
         pos = torch.tensor(lens, device=dev)[:, None] - 1
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
-            groups.setdefault(id(s.req), []).append(i)
+            groups.setdefault(id(s.request), []).append(i)
         if max(len(g) for g in groups.values()) == 1:
             read = self.slots([s.blocks for s in seqs], max(lens))
             write, packed = read.gather(1, pos), None
@@ -88,7 +88,7 @@ class KVLayout:
         query_index [P, Q]."""
         dev, kt = self.device, KEY_TILE
         P, Q = len(groups), max(len(g) for g in groups)
-        shared = [seqs[g[0]].req.shared * self.block_size // kt * kt for g in groups]  # positions
+        shared = [seqs[g[0]].request.shared * self.block_size // kt * kt for g in groups]  # positions
         order = [i for g in groups for i in g]
         own_from = torch.tensor([shared[p] for p, g in enumerate(groups) for _ in g], device=dev)
         own_len = torch.tensor([lens[i] for i in order], device=dev) - own_from
@@ -147,9 +147,9 @@ class KVLayout:
             return
         bs = self.block_size
         for s in seqs:
-            if len(s.tokens) % bs == 0 and not s.req.mixed:
+            if len(s.tokens) % bs == 0 and not s.request.mixed:
                 b = len(s.tokens) // bs - 1
-                w = s.req.req.weights
+                w = s.request.req.weights
                 parent = s.keys[b - 1] if b else w
                 toks = s.tokens[b * bs:]
                 s.keys.append(block_key(parent, toks))

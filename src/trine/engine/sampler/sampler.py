@@ -198,11 +198,11 @@ class Sampler:
         self._counters["prefill_forwards"] += 1
         finished, forked, last = [], [], []  # last: (row, its last prompt position, its samples)
         for i, (r, take) in enumerate(rows):
-            start = r.done
-            if r.full:
+            start = r.prefilled
+            if r.scores_prompt:
                 self._extend_prompt_scores(r, hidden[i:i + 1, :take], start, adapters[i])
             self.layout.cache_prompt(r, start, start + take)
-            r.done = start + take
+            r.prefilled = start + take
             if r.prompt_left:
                 continue
             self._prompt_done(r)
@@ -252,7 +252,7 @@ class Sampler:
     def _decode(self, seqs: list[Sequence]) -> list[SampleResult]:
         self.scheduler.grow(seqs)
         tokens, positions, kvc = self.layout.decode(seqs)
-        adapters = AdapterBatch.from_rows(self._adapters([s.req for s in seqs]), self.device)
+        adapters = AdapterBatch.from_rows(self._adapters([s.request for s in seqs]), self.device)
         hidden = self.model.hidden_states(tokens, positions, adapters, kv=kvc)
         logits = self.model.logits(hidden[:, 0], adapters)
         self._counters["decode_forwards"] += 1
@@ -265,10 +265,10 @@ class Sampler:
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampleResult]:
         """Sample one token per sequence from `logits` [B, V], apply stops, retire finished ones."""
         logits = self.grammars.mask(seqs, logits)
-        tokens, logprobs, tops = sample(logits, [s.req.req.options for s in seqs], [s.gen for s in seqs])
+        tokens, logprobs, tops = sample(logits, [s.request.req.options for s in seqs], [s.gen for s in seqs])
         finished = []
         for s, tok, lp, top in zip(seqs, tokens, logprobs, tops):
-            r = s.req
+            r = s.request
             self.grammars.advance(s, tok)
             s.tokens.append(tok)
             s.out.append(tok)
@@ -293,14 +293,14 @@ class Sampler:
 
     def _retire(self, s: Sequence) -> None:
         self.scheduler.release(s)
-        s.req.running -= 1
+        s.request.running -= 1
         if s.text is None:
             s.text = final_text(s.out, s.stop_reason, self.tokenizer)
 
     def _meter_prompt(self, r: Request) -> None:
         """The request's prompt usage: the tokens prefilled so far, cached or computed."""
-        r.usage.prompt_tokens, r.usage.cached_tokens = r.done, r.cached
-        r.usage.prefill_tokens = r.done - r.cached
+        r.usage.prompt_tokens, r.usage.cached_tokens = r.prefilled, r.cached
+        r.usage.prefill_tokens = r.prefilled - r.cached
 
     def _result(self, r: Request) -> SampleResult:
         self._live.pop(r.req.request_id, None)

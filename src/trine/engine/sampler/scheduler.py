@@ -205,7 +205,7 @@ class Scheduler:
         unpaid = bool(decoding) and self.debt > 0  # held-back prompts wait for it
         ready = self.prefilling
         if unpaid:  # only prompts newer than every decoding request, and short
-            newest = max(s.req.order for s in decoding)
+            newest = max(s.request.order for s in decoding)
             ready = [r for r in ready if r.order > newest and r.prompt_left <= self.max_batch_tokens]
         rows = chunk_rows(fair_order(ready, self._served()), self._prefill_budget(bool(decoding))) if ready else []
         return StepPlan(decoding, rows, charged=bool(decoding) and not unpaid)
@@ -253,7 +253,7 @@ class Scheduler:
         wait while other tenants' are admitted."""
         admitted: list[Request] = []
         # keys of blocks still being prefilled: a request whose uncached prefix starts there waits
-        pending = {k for r in self.prefilling for k in r.keys[r.done // self.block_size:]}
+        pending = {k for r in self.prefilling for k in r.keys[r.prefilled // self.block_size:]}
         running = len(self.running) + sum(r.samples for r in self.prefilling)
         samples, blocks = self._tenant_holdings()
         shared = self._sharing(samples)
@@ -273,7 +273,7 @@ class Scheduler:
             if not self._allocate(r, pending):
                 break
             self.waiting.pop(r)
-            pending.update(r.keys[r.done // self.block_size:])
+            pending.update(r.keys[r.prefilled // self.block_size:])
             running += r.samples
             self._hold(samples, blocks, r)
             admitted.append(r)
@@ -297,10 +297,10 @@ class Scheduler:
             self._hold(samples, blocks, r)
         shared = {}  # a running request's full prompt blocks, shared by its sequences: counted once
         for s in self.running:
-            t = s.req.req.tenant
+            t = s.request.req.tenant
             samples[t] += 1
-            blocks[t] += len(s.blocks) - s.req.shared + s.reserve
-            shared[id(s.req)] = (t, s.req.shared)
+            blocks[t] += len(s.blocks) - s.request.shared + s.reserve
+            shared[id(s.request)] = (t, s.request.shared)
         for t, n in shared.values():
             blocks[t] += n
         return samples, blocks
@@ -335,5 +335,5 @@ class Scheduler:
         r.copies = kv.allocate(copies)
         r.reserved = later
         self.reserved += later
-        r.cached = r.done = len(matched) * bs
+        r.cached = r.prefilled = len(matched) * bs
         return True

@@ -2,12 +2,12 @@
 the scheduler, the KV layout, token sampling and the step loop read and update.
 
 Lifecycle of a `Request`: waiting (queued, holds nothing) -> prefilling (admitted: its prompt's
-blocks are allocated, `done` grows chunk by chunk) -> its `Sequence`s run (one per sample, forked
+blocks are allocated, `prefilled` grows chunk by chunk) -> its `Sequence`s run (one per sample, forked
 from the prompt's blocks) -> finished when no sequence runs. A `compute_logprobs` request
 (`generate=False`) has no sequences: it finishes when its prompt is prefilled.
 
 Invariants
-- `cached <= done <= len(prompt)`; after prefill, usage.prompt_tokens == prefill_tokens + cached_tokens.
+- `cached <= prefilled <= len(prompt)`; after prefill, usage.prompt_tokens == prefill_tokens + cached_tokens.
 - `cached <= cacheable`: no position whose hidden state the request reads is served from the cache.
 - A sequence holds KV for every token but its last (`tokens[-1]` is the next forward's input);
   `keys` are the prefix-cache keys of its full blocks.
@@ -36,19 +36,19 @@ if TYPE_CHECKING:
 class Request:
     req: SampleRequest
     stops: Stops
-    full: bool  # scores prompt positions in prefill (prompt_scores.py)
+    scores_prompt: bool  # scores prompt positions in prefill (prompt_scores.py)
     order: int = 0  # arrival: requests added earlier have smaller numbers
     usage: SampleUsage = field(default_factory=SampleUsage)
     keys: list[int] = field(default_factory=list)  # chain keys of the prompt's full blocks
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks during prefill
     copies: list[int] = field(default_factory=list)  # partial-block copies for samples 1..n-1
     cached: int = 0  # prompt tokens served from the cache
-    done: int = 0  # prompt tokens whose KV is computed or cached (prefill progress)
+    prefilled: int = 0  # prompt tokens whose KV is computed or cached (prefill progress)
     reserved: int = 0  # blocks reserved for its samples' decoding until they fork
     shared: int = 0  # full prompt blocks, shared by reference by all its sequences
     seqs: list["Sequence"] = field(default_factory=list)
     running: int = 0  # sequences not stopped yet
-    scores: "PromptScores | None" = None  # when `full`: filled chunk by chunk
+    scores: "PromptScores | None" = None  # when `scores_prompt`: filled chunk by chunk
     matcher: object | None = None  # the compiled grammar at its start (engine/grammar.py), if any
     adapter: "Adapter | None" = None  # the weights it runs now (an inflight target's may change)
     version: int = 0  # their version; starts as req.weights.version
@@ -82,14 +82,14 @@ class Request:
     @property
     def prompt_left(self) -> int:
         """Prompt tokens still to prefill."""
-        return len(self.req.prompt) - self.done
+        return len(self.req.prompt) - self.prefilled
 
 
 @dataclass(eq=False)
 class Sequence:
     """One sample of a request."""
 
-    req: Request
+    request: Request  # the request it samples for
     tokens: list[int]  # prompt + generated
     blocks: list[int]
     keys: list[int]
