@@ -40,7 +40,8 @@ def run_python(code: str, server, tmp_path: Path) -> str:
     script.write_text(code)
     proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0, f"snippet failed:\n{code}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 0, (f"snippet failed:\n{code}\n--- stdout\n{proc.stdout}\n"
+                                  f"--- stderr\n{proc.stderr}")
     return proc.stdout
 
 

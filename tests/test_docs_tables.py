@@ -72,7 +72,7 @@ def test_openai_refusals_are_the_code_list_and_accepted_parameters_are_documente
     text = page("protocols/openai.md")
     assert "<!-- trine:table openai_refused -->" in text
     undocumented = sorted(p for p in params.CHAT | params.COMPLETION if f"`{p}`" not in text)
-    assert not undocumented, f"parameters the OpenAI front end accepts but its page does not name: {undocumented}"
+    assert not undocumented, f"parameters the OpenAI front end accepts but its page omits: {undocumented}"
 
 
 def test_tinker_refusals_are_the_code_list():
@@ -95,7 +95,7 @@ def test_every_limit_in_the_code_is_documented():
     constants = {n for n, v in vars(limits).items()
                  if n.isupper() and isinstance(v, numbers.Number) and not isinstance(v, bool)}
     missing = sorted(n for n in constants if ("limits", n) not in listed)
-    assert not missing, f"trine.limits defines limits the Limits page does not list (add them to LIMITS): {missing}"
+    assert not missing, f"trine.limits has limits the Limits page omits (add them to LIMITS): {missing}"
     fields = {f.name for f in dataclasses.fields(limits.KeyLimits)}
     assert not sorted(f for f in fields if ("KeyLimits", f) not in listed)
     for where, name, _ in hook.LIMITS:
@@ -172,3 +172,17 @@ def test_readme_is_short_opens_with_the_two_commands_and_copies_no_counts():
     assert not re.search(r"\b\d+\s+tests\b", text), "no hand-written test counts"
     for link in re.findall(r"\]\((docs/[^)#]+)", text):
         assert (ROOT / link).exists(), link
+
+
+# ---------------------------------------------------------------------------- the site itself
+
+
+def test_site_config_stays_offline():
+    """No web fonts, no CDN: Material's `font: false`; no plugin or extra asset that loads from a CDN
+    (Material's offline plugin adds a search shim from one; Mermaid and MathJax come from one)."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^\s+font: false$", text, re.M)
+    assert not re.search(r"^\s+- offline$", text, re.M)
+    settings = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert not re.search(r"https?://", settings)
+    assert not re.search(r"```mermaid|\$\$", "".join(p.read_text() for p in DOCS.rglob("*.md")))

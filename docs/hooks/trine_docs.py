@@ -92,7 +92,7 @@ LIMITS = [
     ("limits", "CHECKPOINT_NAME_MAX", "characters in a checkpoint name (letters, digits, `.`, `_`, `-`)"),
     ("limits", "TEMPORARY_CHECKPOINT_TTL_SECONDS", "seconds a `temp-sampling-*` snapshot lives"),
     ("limits", "MAX_SAMPLES_PER_REQUEST", "`num_samples` (OpenAI: `n`) of one sample request"),
-    ("limits", "MAX_TOPK_PROMPT_LOGPROBS", "width k of top-k prompt / sample logprobs and alt tokens (Tinker)"),
+    ("limits", "MAX_TOPK_PROMPT_LOGPROBS", "width k of top-k prompt / sample logprobs, alt tokens (Tinker)"),
     ("limits", "MAX_REQUEST_ID_CHARS", "characters in a sample `request_id`"),
     ("limits", "MAX_STOP_STRINGS", "stop strings per request (PyTRIO, Tinker)"),
     ("limits", "MAX_STOP_STRING_CHARS", "characters in one stop string"),
@@ -113,12 +113,12 @@ LIMITS = [
     ("openai", "MAX_TOP_LOGPROBS", "OpenAI `top_logprobs`"),
     ("openai", "MAX_STOP_STRINGS", "OpenAI `stop` strings"),
     ("openai", "DEFAULT_COMPLETION_TOKENS", "`max_tokens` of `/v1/completions` when not given"),
-    ("service", "CYCLE_TOKENS", "forward tokens one clock cycle computes, split equally between keys with work"),
+    ("service", "CYCLE_TOKENS", "forward tokens of one clock cycle, split equally between keys with work"),
     ("sampler", "max_running", "sequences decoding at once per engine"),
     ("sampler", "max_batch_tokens", "prompt positions prefilled per engine step"),
     ("sampler", "prefill_step_seconds", "target seconds of one prefill chunk while others decode"),
     ("sampler", "prefill_share", "share of decode time an old or long prompt's prefill may take"),
-    ("sampler", "tenant_share", "share of `max_running` and the KV pool one key holds while another is active"),
+    ("sampler", "tenant_share", "share of `max_running` and the KV pool a key holds while another is active"),
     ("sampler", "block_size", "tokens per KV block: the prefix cache's unit"),
 ]
 
@@ -143,7 +143,8 @@ def limits_table() -> str:
     from trine import limits
     rows = [[_code(name), _number(limit_value(where, name)), what] for where, name, what in LIMITS]
     for name, (lo, hi, closed) in limits.ADAM_BOUNDS.items():
-        rng = f">= {_number(lo)}" if hi == float("inf") else f"[{_number(lo)}, {_number(hi)}{']' if closed else ')'}"
+        close = "]" if closed else ")"
+        rng = f">= {_number(lo)}" if hi == float("inf") else f"[{_number(lo)}, {_number(hi)}{close}"
         rows.append([_code(f"AdamParams.{name}"), rng, "accepted range, checked before a step is queued"])
     return _table(["limit", "value", "what it bounds"], rows)
 
@@ -224,7 +225,8 @@ def _command(path: str, cmd, click) -> str:
         lines.append(_table(["option", "default", "meaning"], rows))
     out = "\n".join(lines)
     if isinstance(cmd, click.Group):
-        out += "\n\n" + "\n\n".join(_command(f"{path} {n}", c, click) for n, c in sorted(cmd.commands.items()))
+        subs = sorted(cmd.commands.items())
+        out += "\n\n" + "\n\n".join(_command(f"{path} {n}", c, click) for n, c in subs)
     return out
 
 

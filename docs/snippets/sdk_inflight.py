@@ -8,7 +8,8 @@ with trio.ServiceClient() as service:
 
     def datums_from(batch):
         """Reward: the share of digits in the reply; group-relative advantages."""
-        rewards = [sum(c.isdigit() for c in (s.text or "")) / max(len(s.text or ""), 1) for s in batch.sequences]
+        texts = [s.text or "" for s in batch.sequences]
+        rewards = [sum(c.isdigit() for c in t) / max(len(t), 1) for t in texts]
         mean = sum(rewards) / len(rewards)
         n = prompt.length - 1
         return [trio.Datum(model_input=trio.ModelInput.from_ints((prompt.to_ints() + s.tokens)[:-1]),
