@@ -186,3 +186,31 @@ def test_site_config_stays_offline():
     settings = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     assert not re.search(r"https?://", settings)
     assert not re.search(r"```mermaid|\$\$", "".join(p.read_text() for p in DOCS.rglob("*.md")))
+
+
+def test_numbers_written_in_prose_match_the_code():
+    """The few limits a page states inline (where a link to the Limits page would break the sentence)."""
+    from trine import limits
+
+    tinker = page("protocols/tinker.md")
+    widths = {int(n) for n in re.findall(r"\b[kK] ≤ (\d+)", tinker)}
+    assert widths == {limits.MAX_TOPK_PROMPT_LOGPROBS}
+
+
+def test_readme_layout_names_paths_that_exist():
+    text = (ROOT / "README.md").read_text()
+    tree = text[text.index("## Layout"):]
+    tree = tree[tree.index("```") + 3:]
+    tree = tree[:tree.index("```")]
+    parent = ""
+    checked = 0
+    for line in tree.strip("\n").splitlines():
+        name = line.split()[0]
+        if not line.startswith(" "):
+            parent = name if name.endswith("/") else ""
+            path = ROOT / name
+        else:
+            path = ROOT / parent / name
+        assert path.exists(), f"README's layout names {path.relative_to(ROOT)}, which does not exist"
+        checked += 1
+    assert checked >= 10
