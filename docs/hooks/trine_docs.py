@@ -16,9 +16,12 @@ MARKER = re.compile(r"^<!-- trine:table ([a-z_]+) -->$", re.M)
 
 
 def _engine():
-    """The engine modules the docs read facts from (losses, normalisation, sampler defaults)."""
-    from trine.engine import losses, normalisation, sampler, scheduler
-    return losses, normalisation, sampler, scheduler
+    """The engine modules the docs read facts from: the boundary (loss names, config keys, defaults,
+    divisors), the losses' docstring table, and the sampler's defaults."""
+    from trine.engine import api
+    from trine.engine.sampler import sampler, scheduler
+    from trine.engine.trainer import losses
+    return api, losses, sampler, scheduler
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -48,21 +51,21 @@ def _number(v) -> str:
 def loss_rows() -> list[dict]:
     """One row per loss the engine accepts: its objective (from losses.py's docstring table), config
     keys with the defaults `Loss.parse` resolves, and what the PyTRIO planes divide its gradient by."""
-    losses, normalisation, _, _ = _engine()
+    api, losses, _, _ = _engine()
     formulas = {}
     for line in (losses.__doc__ or "").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0] in losses.LOSS_NAMES:
+        if len(cells) == 3 and cells[0] in api.LOSS_NAMES:
             formulas[cells[0]] = (cells[1], cells[2])
     fields = {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high", "beta": "beta",
               "kl_coeff": "kl_coeff"}
     rows = []
-    for name in losses.LOSS_NAMES:
-        resolved = losses.Loss.parse(name)
-        keys = losses._CONFIG_KEYS[name]
+    for name in api.LOSS_NAMES:
+        resolved = api.Loss.parse(name)
+        keys = api.LOSS_CONFIG_KEYS[name]
         if name == "cross_entropy":
             divisor = "active tokens (target ≠ −100 and weight ≠ 0)"
-        elif name in normalisation.ADVANTAGE_NORMALISED:
+        elif name in api.ADVANTAGE_NORMALISED:
             divisor = "advantage tokens (target ≠ −100 and advantage ≠ 0)"
         else:
             divisor = "active tokens (target ≠ −100)"
