@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.trine-installed
 COOKBOOK := $(VENV)/.trine-cookbook
 
-.PHONY: demo test test-slow bench install browser clean docs
+.PHONY: demo test test-slow bench install browser clean docs fmt
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ browser:
 	else echo "note: no chromium/chromedriver and not root: the console's browser tests will be skipped"; fi
 
 test: $(STAMP) browser
+	# style first: it fails in seconds (ruff, configured in pyproject.toml)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -x --durations=15
 	# the documentation site: fails on a broken link, anchor, reference or generated table
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
@@ -61,3 +64,8 @@ docs: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
+
+# format and fix what ruff can
+fmt: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .

@@ -22,6 +22,7 @@ default (`--model DIR` for another), fp32 on CPU, 1 torch thread per engine.
 
     .venv/bin/python benchmarks/async_rl.py [--rounds 2] [--steps 6] [--json] [--model DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,10 +36,21 @@ from pathlib import Path
 import trine as trio
 from trine.server.app import start_server
 
-ENGINE = dict(device="cpu", sampler_options={"kv_cache_bytes": 256 << 20, "max_batch_tokens": 1024},
-              trainer_options={"micro_batch_tokens": 2048})
-PROMPTS = ["Write a number:", "Count to five:", "What is 12 times 7?", "The year was",
-           "My phone number is", "Add 3 and 4:", "List some digits:", "Pi starts with"]
+ENGINE = dict(
+    device="cpu",
+    sampler_options={"kv_cache_bytes": 256 << 20, "max_batch_tokens": 1024},
+    trainer_options={"micro_batch_tokens": 2048},
+)
+PROMPTS = [
+    "Write a number:",
+    "Count to five:",
+    "What is 12 times 7?",
+    "The year was",
+    "My phone number is",
+    "Add 3 and 4:",
+    "List some digits:",
+    "Pi starts with",
+]
 
 
 def log(msg: str) -> None:
@@ -51,7 +63,7 @@ class Workload:
         self.trainer = client.create_lora_training_client(model, rank=8, seed=0)
         tok = self.trainer.get_tokenizer()
         self.digits = {i for d in "0123456789" for i in tok.encode(d, add_special_tokens=False)}
-        self.prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS[:args.prompts]]
+        self.prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS[: args.prompts]]
         self.steps_done = 0
         self.version_steps: dict[int, int] = {}  # inflight version -> optimizer steps behind it
         self.rewards: list[float] = []
@@ -59,7 +71,9 @@ class Workload:
 
     def send(self, sampler: trio.SamplingClient, step: int) -> list:
         params = trio.SamplingParams(max_tokens=self.args.new, temperature=1.0, seed=step, stop=[])
-        return [(p, sampler.sample(trio.ModelInput.from_ints(p), self.args.group, params)) for p in self.prompts]
+        return [
+            (p, sampler.sample(trio.ModelInput.from_ints(p), self.args.group, params)) for p in self.prompts
+        ]
 
     @staticmethod
     def collect(sent: list) -> list:
@@ -81,11 +95,16 @@ class Workload:
                 if s.weights_versions:  # steps between its oldest token's weights and these
                     self.staleness.append(self.steps_done - self.version_steps[min(s.weights_versions)])
                 n, c = len(prompt), len(s.tokens)
-                data.append(trio.Datum(
-                    model_input=trio.ModelInput.from_ints(prompt + s.tokens[:-1]),
-                    loss_fn_inputs={"target_tokens": [0] * (n - 1) + s.tokens,
-                                    "logprobs": [0.0] * (n - 1) + list(s.logprobs),
-                                    "advantages": [0.0] * (n - 1) + [ri - mean] * c}))
+                data.append(
+                    trio.Datum(
+                        model_input=trio.ModelInput.from_ints(prompt + s.tokens[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": [0] * (n - 1) + s.tokens,
+                            "logprobs": [0.0] * (n - 1) + list(s.logprobs),
+                            "advantages": [0.0] * (n - 1) + [ri - mean] * c,
+                        },
+                    )
+                )
         self.rewards.append(sum(rewards) / len(rewards))
         self.trainer.forward_backward(data, "importance_sampling")
         self.trainer.optim_step(trio.AdamParams(learning_rate=self.args.lr))
@@ -116,8 +135,11 @@ def one_round(client, model: str, mode: str, args) -> dict:
     t = time.perf_counter()
     getattr(w, f"run_{mode}")(args.steps)
     dt = time.perf_counter() - t
-    return {"steps_per_hour": args.steps * 3600 / dt, "rewards": w.rewards,
-            "max_staleness": max(w.staleness, default=0)}
+    return {
+        "steps_per_hour": args.steps * 3600 / dt,
+        "rewards": w.rewards,
+        "max_staleness": max(w.staleness, default=0),
+    }
 
 
 def main() -> None:
@@ -133,20 +155,27 @@ def main() -> None:
     args = ap.parse_args()
     if args.model is None:
         from trine.engine.model.default_model import ensure_default_model
+
         args.model = ensure_default_model()
     model = args.model.resolve()
     import os
+
     # the shared machine's other work can push memory past Ray's 95% kill threshold: keep the replicas
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     from trine.engine.runtime.ray_backend import connect, ray_engines
+
     connect(None, num_cpus=2)
     import ray
+
     res: dict[str, list[dict]] = {f"{m}_{e}": [] for m in ("sync", "async") for e in ("one", "pool")}
     try:
         with tempfile.TemporaryDirectory() as home:
-            servers = {"one": start_server([model], home=Path(home) / "one", num_threads=1, **ENGINE),
-                       "pool": start_server([model], home=Path(home) / "pool",
-                                            engines=ray_engines(2, num_threads=1, options=ENGINE))}
+            servers = {
+                "one": start_server([model], home=Path(home) / "one", num_threads=1, **ENGINE),
+                "pool": start_server(
+                    [model], home=Path(home) / "pool", engines=ray_engines(2, num_threads=1, options=ENGINE)
+                ),
+            }
             clients = {e: trio.ServiceClient(api_key=s.api_key, base_url=s.url) for e, s in servers.items()}
             try:
                 for rnd in range(args.rounds):
@@ -155,8 +184,10 @@ def main() -> None:
                         for mode in modes:
                             out = one_round(clients[engine], model.name, mode, args)
                             res[f"{mode}_{engine}"].append(out)
-                            log(f"round {rnd} {mode} {engine}: {out['steps_per_hour']:.0f} steps/h, "
-                                f"staleness {out['max_staleness']}")
+                            log(
+                                f"round {rnd} {mode} {engine}: {out['steps_per_hour']:.0f} steps/h, "
+                                f"staleness {out['max_staleness']}"
+                            )
             finally:
                 for c in clients.values():
                     c.close()
@@ -167,6 +198,7 @@ def main() -> None:
 
     def sph(name):
         return statistics.median(r["steps_per_hour"] for r in res[name])
+
     result = {
         "async_vs_sync_pool": sph("async_pool") / sph("sync_pool"),
         "async_vs_sync_one": sph("async_one") / sph("sync_one"),

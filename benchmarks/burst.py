@@ -13,6 +13,7 @@ closed_by_server.
 
     .venv/bin/python benchmarks/burst.py [--json] [--connections 10500] [--waves 3] [--max-connections 1024]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
@@ -101,8 +101,21 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as home:
-        cmd = [sys.executable, "-m", "trine.cli.main", "serve", "--home", home, "--port", str(port),
-               "--quiet", "--log-level", "warning", "--max-connections", str(args.max_connections)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "trine.cli.main",
+            "serve",
+            "--home",
+            home,
+            "--port",
+            str(port),
+            "--quiet",
+            "--log-level",
+            "warning",
+            "--max-connections",
+            str(args.max_connections),
+        ]
         if args.model:
             cmd += ["--model", args.model]
         server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -132,8 +145,12 @@ def burst(server: subprocess.Popen, url: str, port: int, args) -> dict:
             time.sleep(0.05)
 
     # the valid client runs in its own process, so the burst loop here does not slow it down
-    valid_proc = subprocess.Popen([sys.executable, "-c", VALID_CLIENT, url, str(args.timeout), str(args.every)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    valid_proc = subprocess.Popen(
+        [sys.executable, "-c", VALID_CLIENT, url, str(args.timeout), str(args.every)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     threads = [threading.Thread(target=sample_fds, daemon=True)]
     for t in threads:
         t.start()
@@ -167,10 +184,16 @@ def burst(server: subprocess.Popen, url: str, port: int, args) -> dict:
     for s in held:
         s.close()
     ok = sorted(v for v in valid if v is not None)
-    return {"valid_requests_failed": sum(1 for v in valid if v is None), "valid_requests": len(valid),
-            "valid_p99_s": ok[min(len(ok) - 1, int(0.99 * len(ok)))] if ok else float("nan"),
-            "max_open_fds": peak[0], "fds_before": fds_before, "connections_opened": opened,
-            "closed_by_server": closed, "max_connections": args.max_connections}
+    return {
+        "valid_requests_failed": sum(1 for v in valid if v is None),
+        "valid_requests": len(valid),
+        "valid_p99_s": ok[min(len(ok) - 1, int(0.99 * len(ok)))] if ok else float("nan"),
+        "max_open_fds": peak[0],
+        "fds_before": fds_before,
+        "connections_opened": opened,
+        "closed_by_server": closed,
+        "max_connections": args.max_connections,
+    }
 
 
 if __name__ == "__main__":

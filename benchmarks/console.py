@@ -14,6 +14,7 @@ Both builds give the same steps (checked). Ratio = median(baseline) / median(con
 
     .venv/bin/python benchmarks/console.py [--steps 2000] [--batch 8] [--seq 256] [--repeats 7] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,22 +37,51 @@ FB, OPT = "trainer.forward_backward", "trainer.optimize_step"
 def build(store: Store, steps: int, batch: int, seq: int) -> tuple[str, str]:
     key, _ = store.create_key("bench")
     now = time.time()
-    run = TrainingRun("tr_bench", key.id, "ss_bench", 1, "model", 16, True, True, True, 0, "", False,
-                      "ACTIVE", now, now)
+    run = TrainingRun(
+        "tr_bench", key.id, "ss_bench", 1, "model", 16, True, True, True, 0, "", False, "ACTIVE", now, now
+    )
     store.add_training_run(run)
     rng = random.Random(0)
     idx = 0
     for s in range(steps):
         lps = [[-rng.random() * 5 for _ in range(seq)] for _ in range(batch)]
         loss = rng.random() * 3
-        for typ, res in ((FB, EventResult("succeeded", logprobs=lps, metrics={
-                             "loss_sum": loss * batch * seq, "loss_mean": loss, "token_count": batch * seq},
-                             train_tokens=batch * seq, loss_tokens=batch * seq, cost=1e-5, cycle=s + 1)),
-                         (OPT, EventResult("succeeded", metrics={"grad_norm": rng.random(), "learning_rate": 1e-4},
-                                           cycle=s + 1))):
+        for typ, res in (
+            (
+                FB,
+                EventResult(
+                    "succeeded",
+                    logprobs=lps,
+                    metrics={"loss_sum": loss * batch * seq, "loss_mean": loss, "token_count": batch * seq},
+                    train_tokens=batch * seq,
+                    loss_tokens=batch * seq,
+                    cost=1e-5,
+                    cycle=s + 1,
+                ),
+            ),
+            (
+                OPT,
+                EventResult(
+                    "succeeded", metrics={"grad_norm": rng.random(), "learning_rate": 1e-4}, cycle=s + 1
+                ),
+            ),
+        ):
             idx += 1
-            store.add_event(EventRecord(f"ev_{idx}", run.id, key.id, idx, typ, s, "succeeded", now, now,
-                                        cycle=s + 1, response=res.pack()))
+            store.add_event(
+                EventRecord(
+                    f"ev_{idx}",
+                    run.id,
+                    key.id,
+                    idx,
+                    typ,
+                    s,
+                    "succeeded",
+                    now,
+                    now,
+                    cycle=s + 1,
+                    response=res.pack(),
+                )
+            )
     return run.id, key.id
 
 
@@ -97,17 +127,26 @@ def main() -> None:
             base.append(tb), cold.append(tc), warm.append(tw)
         store.close()
     med = {k: statistics.median(v) for k, v in (("baseline", base), ("first_view", cold), ("polling", warm))}
-    result = {"steps": args.steps, "events": 2 * args.steps, "tokens_per_step": args.batch * args.seq,
-              "seconds": med, "polling_speedup": med["baseline"] / med["polling"],
-              "first_view_speedup": med["baseline"] / med["first_view"], "repeats": args.repeats}
+    result = {
+        "steps": args.steps,
+        "events": 2 * args.steps,
+        "tokens_per_step": args.batch * args.seq,
+        "seconds": med,
+        "polling_speedup": med["baseline"] / med["polling"],
+        "first_view_speedup": med["baseline"] / med["first_view"],
+        "repeats": args.repeats,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{args.steps} steps ({2 * args.steps} events, {args.batch}x{args.seq} logprobs per step):\n"
-              f"  baseline (read + decode all) {med['baseline'] * 1e3:8.1f} ms\n"
-              f"  console, first view          {med['first_view'] * 1e3:8.1f} ms "
-              f"({result['first_view_speedup']:.2f}x)\n"
-              f"  console, polling             {med['polling'] * 1e3:8.1f} ms ({result['polling_speedup']:.1f}x)")
+        print(
+            f"{args.steps} steps ({2 * args.steps} events, {args.batch}x{args.seq} logprobs per step):\n"
+            f"  baseline (read + decode all) {med['baseline'] * 1e3:8.1f} ms\n"
+            f"  console, first view          {med['first_view'] * 1e3:8.1f} ms "
+            f"({result['first_view_speedup']:.2f}x)\n"
+            f"  console, polling             {med['polling'] * 1e3:8.1f} ms "
+            f"({result['polling_speedup']:.1f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ of it decodes that batch too.
 
     .venv/bin/python benchmarks/decode_step.py [--json] [--sizes 1,8,16,32,48,64] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,16 +22,20 @@ from pathlib import Path
 import torch
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler.sampler import Sampler
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
+from trine.engine.sampler.sampler import Sampler
 
 
 def step_seconds(model, tok, n: int, prompt: int, new: int, rng: random.Random) -> float:
     s = Sampler(model, tok, kv_cache_bytes=1 << 30)
     opts = SamplingOptions(max_tokens=new, temperature=1.0, seed=0, stop_at_eos=False)
     for i in range(n):
-        s.add(SampleRequest(f"r{i}", [rng.randrange(100, 40000) for _ in range(prompt)], opts, WeightsIdentity("b")))
+        s.add(
+            SampleRequest(
+                f"r{i}", [rng.randrange(100, 40000) for _ in range(prompt)], opts, WeightsIdentity("b")
+            )
+        )
     times = []
     while s.has_work():
         t = time.perf_counter()
@@ -51,6 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.model is None:
         from trine.engine.model.default_model import ensure_default_model
+
         args.model = ensure_default_model()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -65,13 +71,20 @@ def main() -> None:
     out = {"threads": torch.get_num_threads(), "steps": {}}
     for n in sizes:
         sec = statistics.median(runs[n])
-        out["steps"][n] = {"step_s": sec, "per_sequence_ms": 1000 * sec / n, "vs_one": sec / statistics.median(runs[sizes[0]])}
+        out["steps"][n] = {
+            "step_s": sec,
+            "per_sequence_ms": 1000 * sec / n,
+            "vs_one": sec / statistics.median(runs[sizes[0]]),
+        }
     if args.json:
         print(json.dumps(out))
     else:
         for n, r in out["steps"].items():
-            print(f"{n:4d} sequences: {r['step_s'] * 1000:7.1f} ms a step, {r['per_sequence_ms']:6.2f} ms a sequence, "
-                  f"{r['vs_one']:.2f}x the first size")
+            print(
+                f"{n:4d} sequences: {r['step_s'] * 1000:7.1f} ms a step, "
+                f"{r['per_sequence_ms']:6.2f} ms a sequence, "
+                f"{r['vs_one']:.2f}x the first size"
+            )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ Reported (`--json`):
 - lost, doubled: requests never metered / metered twice, read from the server's usage store (0, 0).
 `--fifo` runs the same with first-come-first-served admission and no per-key share (the baseline).
 
-    .venv/bin/python benchmarks/fairness.py [--json] [--flood 200] [--seconds 30] [--rounds 1] [--tenant-share 0.5] [--fifo]
+    .venv/bin/python benchmarks/fairness.py [--json] [--flood 200] [--seconds 30] [--rounds 1]
+    [--tenant-share 0.5] [--fifo]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +37,8 @@ from pathlib import Path
 
 import httpx
 import torch
-
 from service import Wire  # benchmarks/service.py: the minimal PyTRIO wire client
+
 from trine.engine.sampler.scheduler import TENANT_SHARE
 from trine.server.app import start_server
 from trine.store import Store
@@ -58,9 +60,15 @@ def wire(url: str, key: str, model: str, number: int) -> tuple[Wire, dict]:
     return c, c.sampler(model)
 
 
-def request(c: Wire, srun: dict, rid: str, prompt: list[int], max_tokens: int, out: dict, **params) -> dict | None:
-    body = {"request_id": rid, "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
-            "sampling_params": {"max_tokens": max_tokens, **params}, "num_samples": 1}
+def request(
+    c: Wire, srun: dict, rid: str, prompt: list[int], max_tokens: int, out: dict, **params
+) -> dict | None:
+    body = {
+        "request_id": rid,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+        "sampling_params": {"max_tokens": max_tokens, **params},
+        "num_samples": 1,
+    }
     out["sent"].append(f"{srun['sampling_run_cuid']}/{rid}")
     try:
         return c.sample(srun, body)
@@ -83,8 +91,16 @@ def flood(url: str, key: str, model: str, args, stop, results) -> None:
         rng, n, mine = random.Random(i), 0, {"sent": [], "failures": []}
         while not stop.is_set():
             n += 1
-            res = request(c, srun, f"a{i}-{n}", [rng.randrange(100, 40000) for _ in range(32)],
-                          args.flood_tokens, mine, temperature=1.0, seed=n)
+            res = request(
+                c,
+                srun,
+                f"a{i}-{n}",
+                [rng.randrange(100, 40000) for _ in range(32)],
+                args.flood_tokens,
+                mine,
+                temperature=1.0,
+                seed=n,
+            )
             if res is not None:
                 with lock:
                     out["done"].append((time.monotonic(), sum(len(q["tokens"]) for q in res["sequences"])))
@@ -147,8 +163,11 @@ def run(url: str, key_a: str, key_b: str, model: str, args) -> dict:
     fp, fq = spawn(flood, url, key_a, model, args, stop)
     assert fq.get() == "ready"
     t0 = time.monotonic() + args.warmup
-    phases = [(kind, r, t0 + (2 * r + i) * args.seconds, t0 + (2 * r + i + 1) * args.seconds)
-              for r in range(args.rounds) for i, kind in enumerate(("alone", "shared"))]
+    phases = [
+        (kind, r, t0 + (2 * r + i) * args.seconds, t0 + (2 * r + i + 1) * args.seconds)
+        for r in range(args.rounds)
+        for i, kind in enumerate(("alone", "shared"))
+    ]
     vp, vq = spawn(victim, url, key_b, model, args, [(a, b) for kind, _, a, b in phases if kind == "shared"])
     time.sleep(max(0.0, phases[-1][3] - time.monotonic()))
     stop.set()
@@ -166,8 +185,9 @@ def run(url: str, key_a: str, key_b: str, model: str, args) -> dict:
     victim_s = [l for _, l in shared_b["latencies"]]
 
     store = Store(args.home)
-    metered = collections.Counter(f"{u.run_id}/{u.request_id}" for k in store.keys()
-                                  for u in store.usage_events(k.id))
+    metered = collections.Counter(
+        f"{u.run_id}/{u.request_id}" for k in store.keys() for u in store.usage_events(k.id)
+    )
     store.close()
     sent = idle["sent"] + shared_b["sent"] + flood_out["sent"]
     ratios = [s / a for s, a in zip(rates["shared"], rates["alone"]) if a]
@@ -177,11 +197,16 @@ def run(url: str, key_a: str, key_b: str, model: str, args) -> dict:
         "flood_throughput_vs_alone": statistics.median(ratios) if ratios else float("nan"),
         "lost": sum(1 for s in sent if metered[s] == 0),
         "doubled": sum(1 for s in sent if metered[s] > 1),
-        "victim_idle_s": base, "victim_p50_s": statistics.median(victim_s) if victim_s else float("nan"),
-        "victim_p99_s": pct(victim_s, 0.99), "victim_requests": len(victim_s),
-        "flood_tokens_per_s_alone": rates["alone"], "flood_tokens_per_s_shared": rates["shared"],
-        "flood_clients": args.flood, "admission": "fifo" if args.fifo else "fair",
-        "tenant_share": args.tenant_share, "max_running": args.max_running,
+        "victim_idle_s": base,
+        "victim_p50_s": statistics.median(victim_s) if victim_s else float("nan"),
+        "victim_p99_s": pct(victim_s, 0.99),
+        "victim_requests": len(victim_s),
+        "flood_tokens_per_s_alone": rates["alone"],
+        "flood_tokens_per_s_shared": rates["shared"],
+        "flood_clients": args.flood,
+        "admission": "fifo" if args.fifo else "fair",
+        "tenant_share": args.tenant_share,
+        "max_running": args.max_running,
         "failures": (idle["failures"] + shared_b["failures"] + flood_out["failures"])[:5],
     }
 
@@ -198,13 +223,18 @@ def main() -> None:
     ap.add_argument("--idle-probes", type=int, default=5)
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--tenant-share", type=float, default=TENANT_SHARE,
-                    help="share of max_running one key may hold while another key is active")
+    ap.add_argument(
+        "--tenant-share",
+        type=float,
+        default=TENANT_SHARE,
+        help="share of max_running one key may hold while another key is active",
+    )
     ap.add_argument("--fifo", action="store_true", help="first-come-first-served admission, no per-key share")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.model is None:
         from trine.engine.model.default_model import ensure_default_model
+
         args.model = ensure_default_model()
     threads = args.threads or torch.get_num_threads()
     options = {"kv_cache_bytes": 1 << 30, "max_running": args.max_running, "tenant_share": args.tenant_share}
@@ -213,7 +243,9 @@ def main() -> None:
         args.tenant_share = 1.0
     with tempfile.TemporaryDirectory() as home:
         args.home = home
-        srv = start_server([args.model], home=home, num_threads=threads, device="cpu", sampler_options=options)
+        srv = start_server(
+            [args.model], home=home, num_threads=threads, device="cpu", sampler_options=options
+        )
         try:
             _, key_b = srv.service.store.create_key("victim")
             result = run(srv.url, srv.api_key, key_b, args.model.name, args)

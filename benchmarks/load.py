@@ -25,6 +25,7 @@ Reported (`--json`):
 
     .venv/bin/python benchmarks/load.py [--json] [--seconds 40] [--model DIR] [--threads N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,8 @@ from pathlib import Path
 
 import httpx
 import torch
-
 from service import Wire  # benchmarks/service.py: the minimal PyTRIO wire client
+
 from trine.server.app import start_server
 
 
@@ -97,9 +98,12 @@ class Load:
             n += 1
             rid = f"c{i}-{n}"
             prompt = self.system + [rng.randrange(100, 40000) for _ in range(rng.randrange(16, 33))]
-            body = {"request_id": rid, "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
-                    "sampling_params": {"max_tokens": 16, "temperature": 1.0, "seed": n},
-                    "num_samples": rng.randrange(2, 5)}
+            body = {
+                "request_id": rid,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+                "sampling_params": {"max_tokens": 16, "temperature": 1.0, "seed": n},
+                "num_samples": rng.randrange(2, 5),
+            }
             with self.lock:
                 self.sent_samples.append(f"{srun['sampling_run_cuid']}/{rid}")
             t = time.perf_counter()
@@ -115,17 +119,37 @@ class Load:
         c = client(self.url, self.key, 200 + i)
         run = c.trainer(self.model)
         rng = random.Random(200 + i)
-        adam = {"adam_params": {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12,
-                                "weight_decay": 0.0, "grad_clip_norm": 0.0}}
+        adam = {
+            "adam_params": {
+                "learning_rate": 1e-4,
+                "beta1": 0.9,
+                "beta2": 0.95,
+                "eps": 1e-12,
+                "weight_decay": 0.0,
+                "grad_clip_norm": 0.0,
+            }
+        }
         while not self.stop.is_set():
             data = []
             for _ in range(2):
                 tokens = [rng.randrange(100, 40000) for _ in range(self.args.train_tokens)]
-                data.append({"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
-                             "target_ids": tokens[1:] + [2], "weights": [1.0] * len(tokens)})
-            fb = {"data": data, "auto_shift": False, "loss": {"type": "cross_entropy", "config": {}},
-                  "gradient_accumulation": {"total_samples": 2, "total_active_tokens": 2 * self.args.train_tokens,
-                                            "total_advantage_tokens": 0}}
+                data.append(
+                    {
+                        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+                        "target_ids": tokens[1:] + [2],
+                        "weights": [1.0] * len(tokens),
+                    }
+                )
+            fb = {
+                "data": data,
+                "auto_shift": False,
+                "loss": {"type": "cross_entropy", "config": {}},
+                "gradient_accumulation": {
+                    "total_samples": 2,
+                    "total_active_tokens": 2 * self.args.train_tokens,
+                    "total_advantage_tokens": 0,
+                },
+            }
             t = time.perf_counter()
             try:
                 ids = [c.submit(run, "forward_backward", fb), c.submit(run, "optimize_step", adam)]
@@ -140,10 +164,14 @@ class Load:
 
     def probe_once(self, c: Wire, srun: dict, n: int) -> float:
         rng = random.Random(300 + n)
-        body = {"request_id": f"probe-{n}", "num_samples": 1,
-                "prompt": {"chunks": [{"type": "encoded_text",
-                                       "tokens": [rng.randrange(100, 40000) for _ in range(16)]}]},
-                "sampling_params": {"max_tokens": 16, "temperature": 0.0}}
+        body = {
+            "request_id": f"probe-{n}",
+            "num_samples": 1,
+            "prompt": {
+                "chunks": [{"type": "encoded_text", "tokens": [rng.randrange(100, 40000) for _ in range(16)]}]
+            },
+            "sampling_params": {"max_tokens": 16, "temperature": 0.0},
+        }
         with self.lock:
             self.sent_samples.append(f"{srun['sampling_run_cuid']}/probe-{n}")
         t = time.perf_counter()
@@ -166,9 +194,14 @@ class Load:
     def long_request(self, c: Wire, srun: dict, request_id: str) -> None:
         rng = random.Random(request_id)
         tokens = [rng.randrange(100, 40000) for _ in range(self.args.long_tokens)]
-        body = {"request_id": request_id, "num_samples": 1, "return_prompt_logprobs": True,
-                "return_token_logprobs": False, "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
-                "sampling_params": {"max_tokens": 1}}
+        body = {
+            "request_id": request_id,
+            "num_samples": 1,
+            "return_prompt_logprobs": True,
+            "return_token_logprobs": False,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+            "sampling_params": {"max_tokens": 1},
+        }
         with self.lock:
             self.sent_samples.append(f"{srun['sampling_run_cuid']}/{request_id}")
         self.long_running.set()
@@ -196,15 +229,21 @@ def run(url: str, key: str, model: str, args) -> dict:
     long_client = client(url, key, 2)
     long_run = long_client.sampler(model)
     load.phase = "isolated"
-    alone = threading.Thread(target=load.long_request, args=(long_client, long_run, "long-alone"), daemon=True)
+    alone = threading.Thread(
+        target=load.long_request, args=(long_client, long_run, "long-alone"), daemon=True
+    )
     alone.start()
     n = 500
     while alone.is_alive():  # each probe is sent while the long request runs
         n += 1
         load.record("probe", load.probe_once(probe_client, probe_run, n), during_long=True)
     log(f"long request alone: {load.records['long'][-1][1] if load.records['long'] else float('nan'):.1f} s")
-    threads = [threading.Thread(target=load.sampling_client, args=(i,), daemon=True) for i in range(args.clients)]
-    threads += [threading.Thread(target=load.training_run, args=(i,), daemon=True) for i in range(args.train_runs)]
+    threads = [
+        threading.Thread(target=load.sampling_client, args=(i,), daemon=True) for i in range(args.clients)
+    ]
+    threads += [
+        threading.Thread(target=load.training_run, args=(i,), daemon=True) for i in range(args.train_runs)
+    ]
     threads.append(threading.Thread(target=load.probe, args=(probe_client, probe_run), daemon=True))
     load.phase = "load"
     t0 = time.monotonic()
@@ -214,8 +253,9 @@ def run(url: str, key: str, model: str, args) -> dict:
     log(f"phase 1 done: {len(load.records['sample'])} samples, {len(load.records['train_step'])} train steps")
     load.phase = "long"
     time.sleep(args.long_after)
-    long_thread = threading.Thread(target=load.long_request, args=(long_client, long_run, "long-load"),
-                                   daemon=True)
+    long_thread = threading.Thread(
+        target=load.long_request, args=(long_client, long_run, "long-load"), daemon=True
+    )
     long_thread.start()
     long_thread.join(args.max_seconds)
     time.sleep(args.after_long)
@@ -229,10 +269,13 @@ def run(url: str, key: str, model: str, args) -> dict:
     # exactly-once, from the server's usage store
     store = None
     from trine.store import Store
+
     store = Store(args.home)
     key_id = store.key_by_secret(key).id
-    metered = collections.Counter(f"{u.run_id}/{u.request_id}" if u.operation in ("sample", "compute_logprobs")
-                                  else u.request_id for u in store.usage_events(key_id))
+    metered = collections.Counter(
+        f"{u.run_id}/{u.request_id}" if u.operation in ("sample", "compute_logprobs") else u.request_id
+        for u in store.usage_events(key_id)
+    )
     store.close()
     sent = load.sent_samples + load.sent_events
     lost = sum(1 for s in sent if metered[s] == 0 and s not in unfinished)
@@ -250,18 +293,28 @@ def run(url: str, key: str, model: str, args) -> dict:
         "sample_p50_s": statistics.median(samples) if samples else float("nan"),
         "sample_p99_s": pct(samples, 0.99),
         "train_step_p99_s": pct(steps, 0.99),
-        "lost": lost, "doubled": doubled, "unfinished": len(unfinished),
+        "lost": lost,
+        "doubled": doubled,
+        "unfinished": len(unfinished),
         "probe_slowdown": med(probe_alone) / statistics.median(idle),
         "probe_slowdown_under_load": med(probe_long) / med(probe_load),
         "probe_idle_s": statistics.median(idle),
-        "probe_during_long_alone_s": med(probe_alone), "probes_during_long_alone": len(probe_alone),
+        "probe_during_long_alone_s": med(probe_alone),
+        "probes_during_long_alone": len(probe_alone),
         "probe_load_s": med(probe_load),
-        "probe_during_long_under_load_s": med(probe_long), "probes_during_long_under_load": len(probe_long),
+        "probe_during_long_under_load_s": med(probe_long),
+        "probes_during_long_under_load": len(probe_long),
         "long_request_alone_s": long_s.get("isolated", float("nan")),
         "long_request_under_load_s": long_s.get("long", float("nan")),
-        "sample_p50_s_phase1": statistics.median([s for ph, s, _ in rec["sample"] if ph == "load"] or [float("nan")]),
-        "sample_p50_s_phase2": statistics.median([s for ph, s, _ in rec["sample"] if ph == "long"] or [float("nan")]),
-        "samples": len(samples), "train_steps": len(steps), "seconds": elapsed,
+        "sample_p50_s_phase1": statistics.median(
+            [s for ph, s, _ in rec["sample"] if ph == "load"] or [float("nan")]
+        ),
+        "sample_p50_s_phase2": statistics.median(
+            [s for ph, s, _ in rec["sample"] if ph == "long"] or [float("nan")]
+        ),
+        "samples": len(samples),
+        "train_steps": len(steps),
+        "seconds": elapsed,
         "failures": load.failures[:5],
     }
     return result
@@ -276,8 +329,12 @@ def main() -> None:
     ap.add_argument("--long-after", type=float, default=3.0)
     ap.add_argument("--max-seconds", type=float, default=120.0)
     ap.add_argument("--after-long", type=float, default=3.0)
-    ap.add_argument("--drain-seconds", type=float, default=900.0,
-                    help="after the load stops, how long to wait for the long request to finish")
+    ap.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=900.0,
+        help="after the load stops, how long to wait for the long request to finish",
+    )
     ap.add_argument("--long-tokens", type=int, default=8000)
     ap.add_argument("--system-tokens", type=int, default=64)
     ap.add_argument("--train-tokens", type=int, default=64)
@@ -288,13 +345,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.model is None:
         from trine.engine.model.default_model import ensure_default_model
+
         args.model = ensure_default_model()
     threads = args.threads or torch.get_num_threads()
     with tempfile.TemporaryDirectory() as home:
         args.home = home
-        srv = start_server([args.model], home=home, num_threads=threads, device="cpu",
-                           sampler_options={"kv_cache_bytes": 1 << 30},
-                           trainer_options={"micro_batch_tokens": 512})
+        srv = start_server(
+            [args.model],
+            home=home,
+            num_threads=threads,
+            device="cpu",
+            sampler_options={"kv_cache_bytes": 1 << 30},
+            trainer_options={"micro_batch_tokens": 512},
+        )
         try:
             result = run(srv.url, srv.api_key, args.model.name, args)
         finally:

@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct by default (`--model DIR` for any checkpoint directory), f
 embedded server in this process (so the process's resident memory is the server's).
 
 Each round opens a session through the trine SDK, creates `--runs` LoRA training runs of rank
-`--rank` (attention, MLP and unembedding; the SDK allows ranks 4-64, as PyTRIO does), gives each one forward_backward + optim_step (so its
+`--rank` (attention, MLP and unembedding; the SDK allows ranks 4-64, as PyTRIO does), gives each one
+forward_backward + optim_step (so its
 adapter, gradients and both Adam moments exist), then closes the session. Resident memory (RSS,
 from /proc/self/statm) is read before the round, with the runs live, and `--settle` seconds after
 the close.
@@ -17,6 +18,7 @@ Reported (`--json`), per round and in all:
 
     .venv/bin/python benchmarks/memory.py [--json] [--runs 8] [--rank 64] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +47,10 @@ def log(msg: str) -> None:
 def one_round(url: str, key: str, model: str, args) -> dict:
     before = rss_mib()
     tokens = list(range(100, 100 + args.tokens))
-    datum = trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    datum = trio.Datum(
+        model_input=trio.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
     with trio.ServiceClient(api_key=key, base_url=url) as service:
         runs = [service.create_lora_training_client(model, rank=args.rank, seed=i) for i in range(args.runs)]
         for tc in runs:
@@ -56,8 +60,13 @@ def one_round(url: str, key: str, model: str, args) -> dict:
     time.sleep(args.settle)  # the close is sent as the client exits; the server ends the runs
     after = rss_mib()
     held = live - before
-    return {"before_mib": before, "live_mib": live, "after_mib": after, "held_mib": held,
-            "returned_fraction": (live - after) / held if held > 0 else float("nan")}
+    return {
+        "before_mib": before,
+        "live_mib": live,
+        "after_mib": after,
+        "held_mib": held,
+        "returned_fraction": (live - after) / held if held > 0 else float("nan"),
+    }
 
 
 def main() -> None:
@@ -72,27 +81,38 @@ def main() -> None:
     args = ap.parse_args()
     if args.model is None:
         from trine.engine.model.default_model import ensure_default_model
+
         args.model = ensure_default_model()
     with tempfile.TemporaryDirectory() as home:
         server = start_server(models=[args.model], home=Path(home), port=0)
         try:
-            warm = one_round(server.url, server.api_key, args.model.name,
-                             argparse.Namespace(**{**vars(args), "runs": 1, "rank": 8}))
+            warm = one_round(
+                server.url,
+                server.api_key,
+                args.model.name,
+                argparse.Namespace(**{**vars(args), "runs": 1, "rank": 8}),
+            )
             log(f"warm-up round (1 run of rank 8): held {warm['held_mib']:.0f} MiB")
             start = rss_mib()
             rounds = []
             for i in range(args.rounds):
                 r = one_round(server.url, server.api_key, args.model.name, args)
                 rounds.append(r)
-                log(f"round {i + 1}: {args.runs} runs of rank {args.rank} held {r['held_mib']:.0f} MiB, "
-                    f"{100 * r['returned_fraction']:.0f}% returned after the close")
+                log(
+                    f"round {i + 1}: {args.runs} runs of rank {args.rank} held {r['held_mib']:.0f} MiB, "
+                    f"{100 * r['returned_fraction']:.0f}% returned after the close"
+                )
             end = rss_mib()
         finally:
             server.stop()
-    out = {"runs": args.runs, "rank": args.rank, "rounds": rounds,
-           "held_mib_per_run": sorted(r["held_mib"] for r in rounds)[len(rounds) // 2] / args.runs,
-           "returned_fraction_min": min(r["returned_fraction"] for r in rounds),
-           "growth_after_rounds_mib": end - start}
+    out = {
+        "runs": args.runs,
+        "rank": args.rank,
+        "rounds": rounds,
+        "held_mib_per_run": sorted(r["held_mib"] for r in rounds)[len(rounds) // 2] / args.runs,
+        "returned_fraction_min": min(r["returned_fraction"] for r in rounds),
+        "growth_after_rounds_mib": end - start,
+    }
     if args.json:
         print(json.dumps(out))
     else:

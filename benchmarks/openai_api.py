@@ -15,28 +15,34 @@ server; the official `openai` client.
 
     .venv/bin/python benchmarks/openai_api.py [--repeats 5] [--turns 4] [--json] [--model DIR]
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import openai
-
 from service import Wire, log  # benchmarks/service.py: the PyTRIO wire client
+
 from trine.server.app import start_server
 
-SYSTEM = ("You are a meticulous travel planner. For every request, list the days, the distances, "
-          "where to sleep and what to eat, and mention the weather risks of the season. Keep each "
-          "day to three sentences. ") * 6
-QUESTIONS = ["Plan three days of walking in the Lake District.", "Make the second day shorter.",
-             "Add a rainy-day alternative.", "Where should I stay the last night?"]
+SYSTEM = (
+    "You are a meticulous travel planner. For every request, list the days, the distances, "
+    "where to sleep and what to eat, and mention the weather risks of the season. Keep each "
+    "day to three sentences. "
+) * 6
+QUESTIONS = [
+    "Plan three days of walking in the Lake District.",
+    "Make the second day shorter.",
+    "Add a rainy-day alternative.",
+    "Where should I stay the last night?",
+]
 
 
 def bench_overhead(client: openai.OpenAI, wire: Wire, name: str, args) -> dict:
@@ -45,18 +51,35 @@ def bench_overhead(client: openai.OpenAI, wire: Wire, name: str, args) -> dict:
     times: dict[str, list[float]] = {"pytrio": [], "openai": [], "openai_stream": []}
     paths = list(times)
     for rep in range(args.repeats + 1):  # round 0 warms every path up and is dropped
-        for path in paths[rep % 3:] + paths[:rep % 3]:
+        for path in paths[rep % 3 :] + paths[: rep % 3]:
             prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
             t = time.perf_counter()
             if path == "pytrio":
-                out = wire.sample(srun, {"request_id": f"req_{rep}", "num_samples": args.samples,
-                                         "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
-                                         "sampling_params": {"max_tokens": args.new, "temperature": 1.0,
-                                                             "seed": 1, "stop_token_ids": []}})
+                out = wire.sample(
+                    srun,
+                    {
+                        "request_id": f"req_{rep}",
+                        "num_samples": args.samples,
+                        "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+                        "sampling_params": {
+                            "max_tokens": args.new,
+                            "temperature": 1.0,
+                            "seed": 1,
+                            "stop_token_ids": [],
+                        },
+                    },
+                )
                 assert len(out["sequences"]) == args.samples
             else:
-                kw = dict(model=name, prompt=prompt, n=args.samples, max_tokens=args.new, temperature=1.0,
-                          seed=1, extra_body={"stop_token_ids": []})
+                kw = dict(
+                    model=name,
+                    prompt=prompt,
+                    n=args.samples,
+                    max_tokens=args.new,
+                    temperature=1.0,
+                    seed=1,
+                    extra_body={"stop_token_ids": []},
+                )
                 if path == "openai":
                     assert len(client.completions.create(**kw).choices) == args.samples
                 else:
@@ -65,11 +88,15 @@ def bench_overhead(client: openai.OpenAI, wire: Wire, name: str, args) -> dict:
             if rep:
                 times[path].append(time.perf_counter() - t)
     med = {p: statistics.median(v) * 1000 for p, v in times.items()}
-    log(f"group of {args.samples}x{args.new} tokens, {args.prompt}-token prompt (medians of {args.repeats}): "
-        + ", ".join(f"{p} {ms:.0f} ms" for p, ms in med.items()))
-    return {**{f"{p}_ms": ms for p, ms in med.items()},
-            "openai_vs_pytrio": med["openai"] / med["pytrio"],
-            "openai_stream_vs_pytrio": med["openai_stream"] / med["pytrio"]}
+    log(
+        f"group of {args.samples}x{args.new} tokens, {args.prompt}-token prompt (medians of {args.repeats}): "
+        + ", ".join(f"{p} {ms:.0f} ms" for p, ms in med.items())
+    )
+    return {
+        **{f"{p}_ms": ms for p, ms in med.items()},
+        "openai_vs_pytrio": med["openai"] / med["pytrio"],
+        "openai_stream_vs_pytrio": med["openai_stream"] / med["pytrio"],
+    }
 
 
 def first_token_seconds(create, **kw) -> tuple[float, str, object]:
@@ -78,8 +105,11 @@ def first_token_seconds(create, **kw) -> tuple[float, str, object]:
     for chunk in create(**kw, stream=True):
         if chunk.usage is not None:
             usage = chunk.usage
-        piece = (chunk.choices[0].delta.content if hasattr(chunk.choices[0], "delta")
-                 else chunk.choices[0].text) if chunk.choices else None
+        piece = (
+            (chunk.choices[0].delta.content if hasattr(chunk.choices[0], "delta") else chunk.choices[0].text)
+            if chunk.choices
+            else None
+        )
         if first is None and (piece or (chunk.choices and chunk.choices[0].finish_reason)):
             first = time.perf_counter() - t
         text += piece or ""
@@ -88,32 +118,48 @@ def first_token_seconds(create, **kw) -> tuple[float, str, object]:
 
 def bench_chat(client: openai.OpenAI, name: str, model_dir: Path, args) -> dict:
     from transformers import AutoTokenizer  # the server applies the same template (tested)
+
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     shares, warm, cold = [], [], []
     for rep in range(args.repeats):
         messages = [{"role": "system", "content": f"Session {rep}. {SYSTEM}"}]  # a new chat each time
-        for turn, q in enumerate(QUESTIONS[:args.turns]):
+        for turn, q in enumerate(QUESTIONS[: args.turns]):
             messages.append({"role": "user", "content": q})
             first, text, usage = first_token_seconds(
-                client.chat.completions.create, model=name, messages=messages, max_tokens=args.answer,
-                temperature=0, stream_options={"include_usage": True})
+                client.chat.completions.create,
+                model=name,
+                messages=messages,
+                max_tokens=args.answer,
+                temperature=0,
+                stream_options={"include_usage": True},
+            )
             if turn:
                 shares.append(usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens)
                 warm.append(first)
-                ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False))
+                ids = list(
+                    tok.apply_chat_template(
+                        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                    )
+                )
                 assert len(ids) == usage.prompt_tokens
                 other = [100 + (ids[0] + 1 + rep) % 40000] + ids[1:]  # nothing of it is cached
-                cold.append(first_token_seconds(client.completions.create, model=name, prompt=other,
-                                                max_tokens=1, temperature=0)[0])
+                cold.append(
+                    first_token_seconds(
+                        client.completions.create, model=name, prompt=other, max_tokens=1, temperature=0
+                    )[0]
+                )
             messages.append({"role": "assistant", "content": text})
-    out = {"cached_share_turns_2_on": round(statistics.median(shares), 3),
-           "ttft_cached_ms": statistics.median(warm) * 1000,
-           "ttft_uncached_ms": statistics.median(cold) * 1000}
+    out = {
+        "cached_share_turns_2_on": round(statistics.median(shares), 3),
+        "ttft_cached_ms": statistics.median(warm) * 1000,
+        "ttft_uncached_ms": statistics.median(cold) * 1000,
+    }
     out["ttft_speedup"] = out["ttft_uncached_ms"] / out["ttft_cached_ms"]
-    log(f"chat, turns 2-{args.turns} of {args.repeats} chats: median cached share "
+    log(
+        f"chat, turns 2-{args.turns} of {args.repeats} chats: median cached share "
         f"{out['cached_share_turns_2_on']:.1%}, TTFT {out['ttft_cached_ms']:.0f} ms vs "
-        f"{out['ttft_uncached_ms']:.0f} ms with nothing cached")
+        f"{out['ttft_uncached_ms']:.0f} ms with nothing cached"
+    )
     return out
 
 
@@ -131,15 +177,23 @@ def main() -> None:
     args = ap.parse_args()
     if args.model is None:
         from trine.engine.model.default_model import ensure_default_model
+
         args.model = ensure_default_model()
     name = args.model.name
     with tempfile.TemporaryDirectory() as home:
         srv = start_server({name: args.model}, home=home, num_threads=args.threads, device="cpu")
         try:
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.api_key, max_retries=0,
-                                   http_client=httpx.Client(trust_env=False, timeout=600))
-            result = {"model": name, "overhead": bench_overhead(client, Wire(srv.url, srv.api_key), name, args),
-                      "chat": bench_chat(client, name, args.model, args)}
+            client = openai.OpenAI(
+                base_url=srv.url + "/v1",
+                api_key=srv.api_key,
+                max_retries=0,
+                http_client=httpx.Client(trust_env=False, timeout=600),
+            )
+            result = {
+                "model": name,
+                "overhead": bench_overhead(client, Wire(srv.url, srv.api_key), name, args),
+                "chat": bench_chat(client, name, args.model, args),
+            }
         finally:
             srv.stop()
     print(json.dumps(result, indent=2) if args.json else result)

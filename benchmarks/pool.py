@@ -17,6 +17,7 @@ engine. Configurations run interleaved, round by round; figures are medians over
 
     .venv/bin/python benchmarks/pool.py [--rounds 3] [--requests 48] [--json] [--model DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from trine.engine.api import SampleRequest, SamplingOptions
 from trine.engine.runtime.local import LocalEngine
 from trine.engine.runtime.ray_backend import connect, ray_engines
-from trine.engine.api import SampleRequest, SamplingOptions
 from trine.service import SamplingRunSpec, Service
 from trine.service.routing import Router
 from trine.store import Store
@@ -61,16 +62,22 @@ class Config:
 
     async def workload(self, rnd: int, args) -> dict:
         rng = random.Random(rnd)
-        systems = [[rng.randrange(100, 40000) for _ in range(args.system_len)]
-                   for _ in range(args.system_prompts)]
-        prompts = [systems[i % len(systems)] + [rng.randrange(100, 40000) for _ in range(args.user_len)]
-                   for i in range(args.requests)]
+        systems = [
+            [rng.randrange(100, 40000) for _ in range(args.system_len)] for _ in range(args.system_prompts)
+        ]
+        prompts = [
+            systems[i % len(systems)] + [rng.randrange(100, 40000) for _ in range(args.user_len)]
+            for i in range(args.requests)
+        ]
         opts = dict(max_tokens=args.new, temperature=1.0, seed=rnd, stop_at_eos=False)
         gate = asyncio.Semaphore(args.concurrency)
 
         async def one(i, prompt):
             async with gate:
-                return await self.svc.sampling.sample(self.key, self.run.id, SampleRequest(f"w{rnd}-{i}", prompt, SamplingOptions(**opts)))
+                return await self.svc.sampling.sample(
+                    self.key, self.run.id, SampleRequest(f"w{rnd}-{i}", prompt, SamplingOptions(**opts))
+                )
+
         t = time.perf_counter()
         outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         dt = time.perf_counter() - t
@@ -81,8 +88,12 @@ class Config:
     async def latency(self, rnd: int, args) -> float:
         rng = random.Random(10_000 + rnd)
         prompt = [rng.randrange(100, 40000) for _ in range(args.latency_prompt)]
-        spec = SampleRequest(f"l{rnd}", prompt, SamplingOptions(args.new, temperature=1.0, seed=1, stop_at_eos=False),
-                             num_samples=4)
+        spec = SampleRequest(
+            f"l{rnd}",
+            prompt,
+            SamplingOptions(args.new, temperature=1.0, seed=1, stop_at_eos=False),
+            num_samples=4,
+        )
         t = time.perf_counter()
         await self.svc.sampling.sample(self.key, self.run.id, spec)
         return time.perf_counter() - t
@@ -93,8 +104,9 @@ async def run(args, model: Path, home: Path) -> dict:
     configs = {
         "one": Config("one", model, home, ray_engines(1, **opts)),
         "routed": Config("routed", model, home, ray_engines(2, **opts), Router()),
-        "inproc": Config("inproc", model, home,
-                         lambda name, path: [LocalEngine(name, path, num_threads=1, **ENGINE)]),
+        "inproc": Config(
+            "inproc", model, home, lambda name, path: [LocalEngine(name, path, num_threads=1, **ENGINE)]
+        ),
     }
     for c in configs.values():
         await c.start()
@@ -111,7 +123,7 @@ async def run(args, model: Path, home: Path) -> dict:
             seed = rnd + 1000 if name == "random" else rnd  # its own system prompts: a cold cache
             res[name].append(await config.workload(seed, args))
             log(f"round {rnd} {name}: {res[name][-1]}")
-        for name in (["one", "inproc"] if rnd % 2 == 0 else ["inproc", "one"]):
+        for name in ["one", "inproc"] if rnd % 2 == 0 else ["inproc", "one"]:
             for rep in range(args.latency_repeats):
                 lat[name].append(await configs[name].latency(rnd * 100 + rep, args))
     engine = configs["one"].svc.models[model.name].replicas[0].engine
@@ -125,14 +137,17 @@ async def run(args, model: Path, home: Path) -> dict:
 
     def med(name, field):
         return statistics.median(r[field] for r in res[name])
+
     return {
         "replicas2_vs_1": med("routed", "rps") / med("one", "rps"),
-        "rps_one_replica": med("one", "rps"), "rps_two_replicas": med("routed", "rps"),
+        "rps_one_replica": med("one", "rps"),
+        "rps_two_replicas": med("routed", "rps"),
         "routed_cached_fraction": med("routed", "cached_fraction"),
         "random_cached_fraction": med("random", "cached_fraction"),
         "single_cached_fraction": med("one", "cached_fraction"),
         "ray_vs_inproc": statistics.median(lat["one"]) / statistics.median(lat["inproc"]),
-        "ray_ms": statistics.median(lat["one"]) * 1000, "inproc_ms": statistics.median(lat["inproc"]) * 1000,
+        "ray_ms": statistics.median(lat["one"]) * 1000,
+        "inproc_ms": statistics.median(lat["inproc"]) * 1000,
         "ray_hop_ms": statistics.median(hops) * 1000,
     }
 
@@ -153,10 +168,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.model is None:
         from trine.engine.model.default_model import ensure_default_model
+
         args.model = ensure_default_model()
     # 3 actors (1 + 2 replicas), 1 torch thread each; only one configuration works at a time
     connect(None, num_cpus=3)
     import ray
+
     try:
         with tempfile.TemporaryDirectory() as home:
             result = asyncio.run(run(args, args.model.resolve(), Path(home)))

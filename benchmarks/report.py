@@ -1,4 +1,5 @@
 """How a benchmark prints its figures: one JSON object on stdout (`--json`), or one line per key."""
+
 from __future__ import annotations
 
 import json

@@ -24,6 +24,7 @@ requests) + training (forward_backward + optim_step); TRL = generation (`GRPOTra
 Keys: trine_step_s and trl_step_s (medians over the steps), trine_vs_trl_steps_per_hour
 (= trl_step_s / trine_step_s), and the phase medians of each side.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from report import emit  # benchmarks/report.py
 
 QUESTION = "What is {a} + {b}? Reply with the number only."
@@ -71,8 +71,9 @@ class TrineSide:
         self.trio, self.args = trio, args
         self.server = start_server(models=[model_dir], home=home, port=0)
         self.service = trio.ServiceClient(api_key=self.server.api_key, base_url=self.server.url)
-        self.trainer = self.service.create_lora_training_client(base_model=model_dir.name, rank=16, seed=0,
-                                                                train_unembed=False)
+        self.trainer = self.service.create_lora_training_client(
+            base_model=model_dir.name, rank=16, seed=0, train_unembed=False
+        )
         self.tok = self.trainer.get_tokenizer()
         self.params = trio.SamplingParams(max_tokens=args.new, temperature=1.0, stop=["<|im_end|>"])
         self.times: list[tuple[float, float]] = []  # (sample s, train s) per step
@@ -82,11 +83,23 @@ class TrineSide:
         trio = self.trio
         t0 = time.perf_counter()
         sampler = self.trainer.save_weights_and_get_sampling_client()
-        prompts = [self.tok.encode(self.tok.apply_chat_template(
-            [{"role": "user", "content": QUESTION.format(a=a, b=b)}], tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False) for a, b in problems]
-        futures = [sampler.sample(trio.ModelInput.from_ints(p), num_samples=self.args.group,
-                                  sampling_params=self.params) for p in prompts]
+        prompts = [
+            self.tok.encode(
+                self.tok.apply_chat_template(
+                    [{"role": "user", "content": QUESTION.format(a=a, b=b)}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                ),
+                add_special_tokens=False,
+            )
+            for a, b in problems
+        ]
+        futures = [
+            sampler.sample(
+                trio.ModelInput.from_ints(p), num_samples=self.args.group, sampling_params=self.params
+            )
+            for p in prompts
+        ]
         data, rewards = [], []
         for (a, b), prompt, fut in zip(problems, prompts, futures):
             seqs = fut.result().sequences
@@ -94,18 +107,26 @@ class TrineSide:
             rewards += group
             for s, adv in zip(seqs, advantages(group)):
                 n = len(prompt) - 1
-                data.append(trio.Datum(model_input=trio.ModelInput.from_ints((prompt + s.tokens)[:-1]),
-                                       loss_fn_inputs={"target_tokens": [-100] * n + list(s.tokens),
-                                                       "logprobs": [0.0] * n + list(s.logprobs),
-                                                       "advantages": [0.0] * n + [adv] * len(s.tokens)}))
+                data.append(
+                    trio.Datum(
+                        model_input=trio.ModelInput.from_ints((prompt + s.tokens)[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": [-100] * n + list(s.tokens),
+                            "logprobs": [0.0] * n + list(s.logprobs),
+                            "advantages": [0.0] * n + [adv] * len(s.tokens),
+                        },
+                    )
+                )
         t1 = time.perf_counter()
         fb = self.trainer.forward_backward(data, "importance_sampling")
         opt = self.trainer.optim_step(trio.AdamParams(learning_rate=self.args.lr))
         fb.result(), opt.result()
         self.times.append((t1 - t0, time.perf_counter() - t1))
         self.rewards.append(statistics.fmean(rewards))
-        log(f"  trine step {len(self.times)}: sample {t1 - t0:.1f}s train {self.times[-1][1]:.1f}s "
-            f"reward {self.rewards[-1]:.3f}")
+        log(
+            f"  trine step {len(self.times)}: sample {t1 - t0:.1f}s train {self.times[-1][1]:.1f}s "
+            f"reward {self.rewards[-1]:.3f}"
+        )
 
     def close(self) -> None:
         self.service.close()
@@ -120,8 +141,11 @@ def trl_job(model_dir: Path, out: Path, problems: list[list[tuple[int, int]]], a
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    rows = [{"prompt": [{"role": "user", "content": QUESTION.format(a=a, b=b)}], "answer": a + b}
-            for step in problems for a, b in step]
+    rows = [
+        {"prompt": [{"role": "user", "content": QUESTION.format(a=a, b=b)}], "answer": a + b}
+        for step in problems
+        for a, b in step
+    ]
 
     def trl_reward(completions, answer, **_):
         return [reward(c[0]["content"] if isinstance(c, list) else c, x) for c, x in zip(completions, answer)]
@@ -141,17 +165,39 @@ def trl_job(model_dir: Path, out: Path, problems: list[list[tuple[int, int]]], a
             if logs and "reward" in logs:
                 rewards.append(logs["reward"])
 
-    config = GRPOConfig(output_dir=str(out), per_device_train_batch_size=args.prompts * args.group,
-                        num_generations=args.group, max_completion_length=args.new, max_steps=args.steps,
-                        learning_rate=args.lr, lr_scheduler_type="constant", temperature=1.0, beta=0.0,
-                        use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to=[],
-                        save_strategy="no", shuffle_dataset=False, seed=0, dataloader_num_workers=0,
-                        disable_tqdm=True)
+    config = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=args.prompts * args.group,
+        num_generations=args.group,
+        max_completion_length=args.new,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        temperature=1.0,
+        beta=0.0,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        shuffle_dataset=False,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=config, train_dataset=Dataset.from_list(rows),
-                          processing_class=tok, peft_config=peft, callbacks=[Interleave()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=trl_reward,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        peft_config=peft,
+        callbacks=[Interleave()],
+    )
     generate = trainer._generate
 
     def timed_generate(prompts):
@@ -159,6 +205,7 @@ def trl_job(model_dir: Path, out: Path, problems: list[list[tuple[int, int]]], a
         res = generate(prompts)
         gen.append(time.perf_counter() - t)
         return res
+
     trainer._generate = timed_generate
     with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs; stdout is for --json
         trainer.train()
@@ -168,15 +215,19 @@ def trl_job(model_dir: Path, out: Path, problems: list[list[tuple[int, int]]], a
 def trl_child(model_dir: Path, out: Path, problems, args, conn) -> None:
     """The TRL side in its own process: after each of its steps, hands the machine to the parent
     for one trine step; sends back (per-step times, rewards) at the end."""
+
     def between_steps():
         conn.send("step")
         conn.recv()
+
     conn.send(trl_job(model_dir, out, problems, args, between_steps))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model", type=Path, help="model directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
@@ -191,9 +242,12 @@ def main() -> None:
     model_dir = args.model
     if model_dir is None:
         from trine.engine.model.default_model import ensure_default_model
+
         model_dir = ensure_default_model()
     rng = random.Random(0)
-    problems = [[(rng.randint(1, 30), rng.randint(1, 30)) for _ in range(args.prompts)] for _ in range(args.steps)]
+    problems = [
+        [(rng.randint(1, 30), rng.randint(1, 30)) for _ in range(args.prompts)] for _ in range(args.steps)
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         side = TrineSide(model_dir, Path(tmp) / "home", args)
         ctx = mp.get_context("spawn")
@@ -211,16 +265,25 @@ def main() -> None:
     trine_total = [a + b for a, b in side.times]
     trine_step, trl_step = statistics.median(trine_total), statistics.median(t for _, t in trl_steps)
     trl_gen = statistics.median(g for g, _ in trl_steps)
-    out = dict(model=str(model_dir), steps=args.steps, prompts=args.prompts, group=args.group, new_tokens=args.new,
-               threads=torch.get_num_threads(),
-               trine_step_s=trine_step, trl_step_s=trl_step,
-               trine_vs_trl_steps_per_hour=trl_step / trine_step,
-               trine_sample_s=statistics.median(a for a, _ in side.times),
-               trine_train_s=statistics.median(b for _, b in side.times),
-               trl_generate_s=trl_gen,
-               trl_train_s=statistics.median(t - g for g, t in trl_steps),
-               trine_steps_s=trine_total, trl_steps_s=[t for _, t in trl_steps],
-               trine_reward=side.rewards, trl_reward=trl_rewards)
+    out = dict(
+        model=str(model_dir),
+        steps=args.steps,
+        prompts=args.prompts,
+        group=args.group,
+        new_tokens=args.new,
+        threads=torch.get_num_threads(),
+        trine_step_s=trine_step,
+        trl_step_s=trl_step,
+        trine_vs_trl_steps_per_hour=trl_step / trine_step,
+        trine_sample_s=statistics.median(a for a, _ in side.times),
+        trine_train_s=statistics.median(b for _, b in side.times),
+        trl_generate_s=trl_gen,
+        trl_train_s=statistics.median(t - g for g, t in trl_steps),
+        trine_steps_s=trine_total,
+        trl_steps_s=[t for _, t in trl_steps],
+        trine_reward=side.rewards,
+        trl_reward=trl_rewards,
+    )
     emit(out, args.json)
 
 

@@ -18,6 +18,7 @@ d. No sharing: 16 unrelated 256-token prompts, 16 new tokens: the prefix cache's
 
     .venv/bin/python benchmarks/sampler.py [--repeats 3] [--quick] [--json] [--model DIR] [--no-generate]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,13 +31,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from report import emit  # benchmarks/report.py
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler.sampler import Sampler
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
+from trine.engine.sampler.sampler import Sampler
 
 W = WeightsIdentity("bench")
 SIZES = dict(  # full / --quick
@@ -85,9 +85,17 @@ class Bench:
 
     def hf_generate(self, prompts: list[list[int]], new: int, n: int = 1, cache=None):
         ids = torch.tensor(prompts)
-        kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
-                  min_new_tokens=new, num_return_sequences=n, pad_token_id=0,
-                  attention_mask=torch.ones_like(ids))
+        kw = dict(
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            num_return_sequences=n,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+        )
         if cache is not None:
             kw["past_key_values"] = cache
         with torch.inference_mode():
@@ -125,24 +133,38 @@ class Bench:
             s = self.sampler()
             reqs = [self.req(x, p["new"], p["samples"], seed=i) for i, x in enumerate(prompts)]
             dt, res = self.timed(lambda: s.run(reqs))
-            assert sum(len(q.tokens) for x in res for q in x.sequences) == p["prompts"] * p["samples"] * p["new"]
+            assert (
+                sum(len(q.tokens) for x in res for q in x.sequences) == p["prompts"] * p["samples"] * p["new"]
+            )
             t_trine.append(dt)
             stats = s.stats
             if self.generate:
                 t_gen.append(self.timed(lambda: self.hf_generate(prompts, p["new"], p["samples"]))[0])
             t_hfc.append(self.timed(lambda: self.hf_cached_group(prompts, p["new"], p["samples"]))[0])
-            log(f"  grpo #{r}: trine {dt:.2f}s  generate(n=8) {t_gen[-1] if t_gen else 0:.2f}s  "
-                f"HF+cache {t_hfc[-1]:.2f}s")
+            log(
+                f"  grpo #{r}: trine {dt:.2f}s  generate(n=8) {t_gen[-1] if t_gen else 0:.2f}s  "
+                f"HF+cache {t_hfc[-1]:.2f}s"
+            )
         linear = sum(m.weight.numel() for m in self.model.modules() if isinstance(m, torch.nn.Linear))
         flop = 2 * linear * (stats["prefill_tokens"] + stats["sample_tokens"])
         peak = gemm_peak_gflops()
-        gen = dict(grpo_generate_s=self.med(t_gen), grpo_vs_generate=self.med(t_gen) / self.med(t_trine)) if t_gen else {}
-        return dict(grpo_s=self.med(t_trine), grpo_hf_cache_s=self.med(t_hfc), **gen,
-                    grpo_vs_hf_cache=self.med(t_hfc) / self.med(t_trine),
-                    grpo_linear_gflops=flop / self.med(t_trine) / 1e9, gemm_peak_gflops=peak,
-                    grpo_fraction_of_peak=flop / self.med(t_trine) / 1e9 / peak,
-                    grpo_tokens={k: stats[k] for k in ("prompt_tokens", "prefill_tokens", "cached_tokens",
-                                                       "sample_tokens")})
+        gen = (
+            dict(grpo_generate_s=self.med(t_gen), grpo_vs_generate=self.med(t_gen) / self.med(t_trine))
+            if t_gen
+            else {}
+        )
+        return dict(
+            grpo_s=self.med(t_trine),
+            grpo_hf_cache_s=self.med(t_hfc),
+            **gen,
+            grpo_vs_hf_cache=self.med(t_hfc) / self.med(t_trine),
+            grpo_linear_gflops=flop / self.med(t_trine) / 1e9,
+            gemm_peak_gflops=peak,
+            grpo_fraction_of_peak=flop / self.med(t_trine) / 1e9 / peak,
+            grpo_tokens={
+                k: stats[k] for k in ("prompt_tokens", "prefill_tokens", "cached_tokens", "sample_tokens")
+            },
+        )
 
     def _ttft(self, s: Sampler, req: SampleRequest):
         """Time from adding `req` (streamed) until the step that gives it its first token (its
@@ -174,9 +196,12 @@ class Bench:
             on_t.append(tot_on)
             off_t.append(tot_off)
             log(f"  multiturn #{r}: TTFT turns 2-{p['turns']} cache on {tot_on:.3f}s  off {tot_off:.3f}s")
-        return dict(multiturn_ttft_on_s=self.med(on_t), multiturn_ttft_off_s=self.med(off_t),
-                    multiturn_ttft=self.med(off_t) / self.med(on_t),
-                    multiturn_cached_fraction=cached / prompt_toks)
+        return dict(
+            multiturn_ttft_on_s=self.med(on_t),
+            multiturn_ttft_off_s=self.med(off_t),
+            multiturn_ttft=self.med(off_t) / self.med(on_t),
+            multiturn_cached_fraction=cached / prompt_toks,
+        )
 
     def preamble(self, p: dict) -> dict:
         on_t, off_t, hf_t, stats = [], [], [], None
@@ -184,26 +209,36 @@ class Bench:
             pre = self.prompt(p["preamble"])
             prompts = [pre + self.prompt(p["question_len"]) for _ in range(p["questions"])]
             on = self.sampler(True)
-            dt_on, _ = self.timed(lambda: on.run([self.req(x, p["new"], seed=i) for i, x in enumerate(prompts)]))
+            dt_on, _ = self.timed(
+                lambda: on.run([self.req(x, p["new"], seed=i) for i, x in enumerate(prompts)])
+            )
             stats = on.stats
             off = self.sampler(False)
-            dt_off, _ = self.timed(lambda: off.run([self.req(x, p["new"], seed=i) for i, x in enumerate(prompts)]))
+            dt_off, _ = self.timed(
+                lambda: off.run([self.req(x, p["new"], seed=i) for i, x in enumerate(prompts)])
+            )
             dt_hf, _ = self.timed(lambda: self.hf_generate(prompts, p["new"]))
             on_t.append(dt_on)
             off_t.append(dt_off)
             hf_t.append(dt_hf)
             log(f"  preamble #{r}: cache on {dt_on:.2f}s  off {dt_off:.2f}s  HF {dt_hf:.2f}s")
-        return dict(preamble_on_s=self.med(on_t), preamble_off_s=self.med(off_t), preamble_hf_s=self.med(hf_t),
-                    preamble=self.med(off_t) / self.med(on_t), preamble_vs_hf=self.med(hf_t) / self.med(on_t),
-                    preamble_tokens={k: stats[k] for k in ("prompt_tokens", "prefill_tokens", "cached_tokens",
-                                                           "sample_tokens")})
+        return dict(
+            preamble_on_s=self.med(on_t),
+            preamble_off_s=self.med(off_t),
+            preamble_hf_s=self.med(hf_t),
+            preamble=self.med(off_t) / self.med(on_t),
+            preamble_vs_hf=self.med(hf_t) / self.med(on_t),
+            preamble_tokens={
+                k: stats[k] for k in ("prompt_tokens", "prefill_tokens", "cached_tokens", "sample_tokens")
+            },
+        )
 
     def nosharing(self, p: dict) -> dict:
         on_t, off_t = [], []
         for r in range(self.repeats * 2):  # the smallest effect: twice the repeats, alternating order
             prompts = [self.prompt(p["prompt_len"]) for _ in range(p["prompts"])]
             runs = {}
-            for cache in ((True, False) if r % 2 == 0 else (False, True)):
+            for cache in (True, False) if r % 2 == 0 else (False, True):
                 s = self.sampler(cache)
                 reqs = [self.req(x, p["new"], seed=i) for i, x in enumerate(prompts)]
                 runs[cache] = self.timed(lambda: s.run(reqs))[0]
@@ -211,8 +246,11 @@ class Bench:
             off_t.append(runs[False])
             log(f"  no sharing #{r}: cache on {runs[True]:.2f}s  off {runs[False]:.2f}s")
         # the effect is far below the machine's noise: compare each interleaved pair
-        return dict(nosharing_on_s=self.med(on_t), nosharing_off_s=self.med(off_t),
-                    no_sharing_overhead=self.med([a / b for a, b in zip(on_t, off_t)]) - 1)
+        return dict(
+            nosharing_on_s=self.med(on_t),
+            nosharing_off_s=self.med(off_t),
+            no_sharing_overhead=self.med([a / b for a, b in zip(on_t, off_t)]) - 1,
+        )
 
 
 def gemm_peak_gflops(n: int = 1024, reps: int = 20) -> float:
@@ -229,7 +267,9 @@ def gemm_peak_gflops(n: int = 1024, reps: int = 20) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model", type=Path, help="model directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -243,11 +283,17 @@ def main() -> None:
     model_dir = args.model
     if model_dir is None:
         from trine.engine.model.default_model import ensure_default_model
+
         model_dir = ensure_default_model()
     bench = Bench(model_dir, args.repeats, args.kv_cache_mb * 2**20, generate=not args.no_generate)
     sizes = QUICK if args.quick else SIZES
-    out: dict = dict(model=str(model_dir), repeats=args.repeats, threads=torch.get_num_threads(),
-                     quick=args.quick, sizes={k: sizes[k] for k in (args.only or sizes)})
+    out: dict = dict(
+        model=str(model_dir),
+        repeats=args.repeats,
+        threads=torch.get_num_threads(),
+        quick=args.quick,
+        sizes={k: sizes[k] for k in (args.only or sizes)},
+    )
     warm = bench.sampler()  # warm-up: first calls pay for allocator and kernel setup
     warm.run([bench.req(bench.prompt(32), 2, 2)])
     bench.hf_generate([bench.prompt(32)], 2)

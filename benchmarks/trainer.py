@@ -16,6 +16,7 @@ of the per-iteration ratios, which cancels most of the drift of a shared machine
   peak = VmHWM - VmRSS before the step. That is every byte the step made resident: activations,
   logits, gradients, optimizer state. Median of --mem-repeats processes per side.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,11 +42,9 @@ def make_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
 
 class TrineSide:
     def __init__(self, model_dir: str, tokens: torch.Tensor, rank: int, runs: int = 1):
-        from trine.engine.api import Loss
-        from trine.engine.api import LoRAConfig
-        from trine.engine.api import AdamConfig, TrainDatum
-        from trine.engine.trainer.trainer import Trainer
+        from trine.engine.api import AdamConfig, LoRAConfig, Loss, TrainDatum
         from trine.engine.model.weights import load_model
+        from trine.engine.trainer.trainer import Trainer
 
         self.trainer = Trainer(load_model(model_dir, "cpu"), base_model="bench")
         self.runs = [f"run{i}" for i in range(runs)]
@@ -53,8 +52,10 @@ class TrineSide:
             self.trainer.create_run(run, LoRAConfig(rank=rank, alpha=32.0, train_unembed=False, seed=i))
         rows = [TrainDatum(tokens=t.tolist(), target_tokens=t[1:].tolist() + [-100]) for t in tokens]
         per_run = len(rows) // runs
-        self.batch = [(run, rows[i * per_run:(i + 1) * per_run], Loss.parse("cross_entropy"))
-                      for i, run in enumerate(self.runs)]
+        self.batch = [
+            (run, rows[i * per_run : (i + 1) * per_run], Loss.parse("cross_entropy"))
+            for i, run in enumerate(self.runs)
+        ]
         self.adam = AdamConfig(learning_rate=1e-4)
 
     def forward_backward(self):
@@ -73,8 +74,9 @@ class HFSide:
 
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        self.model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.0,
-                                                     target_modules=targets))
+        self.model = get_peft_model(
+            base, LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
+        )
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
@@ -93,6 +95,7 @@ def _peak_child(side: str, model_dir: str, batch: int, seq: int, rank: int, thre
     import gc
 
     from trine.engine.model.weights import read_config
+
     tokens = make_batch(read_config(model_dir).vocab_size, batch, seq)
     runner = TrineSide(model_dir, tokens, rank) if side == "trine" else HFSide(model_dir, tokens, rank)
     gc.collect()
@@ -109,8 +112,9 @@ def peak_memory(side: str, args) -> int:
     peaks = []
     for _ in range(args.mem_repeats):
         q = ctx.Queue()
-        p = ctx.Process(target=_peak_child, args=(side, args.model, args.batch, args.seq, args.rank,
-                                                  args.threads, q))
+        p = ctx.Process(
+            target=_peak_child, args=(side, args.model, args.batch, args.seq, args.rank, args.threads, q)
+        )
         p.start()
         peaks.append(q.get()[1])
         p.join()
@@ -138,19 +142,25 @@ def main():
         ap.error("--batch must be a multiple of 4 (the mixed-adapter pass splits it across 4 runs)")
     if args.model is None:
         from trine.engine.model.default_model import ensure_default_model
+
         args.model = str(ensure_default_model())
     torch.set_num_threads(args.threads)
     from trine.engine.model.weights import read_config
 
     tokens = make_batch(read_config(args.model).vocab_size, args.batch, args.seq)
-    ours, mixed, hf = TrineSide(args.model, tokens, args.rank), TrineSide(args.model, tokens, args.rank, runs=4), \
-        HFSide(args.model, tokens, args.rank)
+    ours, mixed, hf = (
+        TrineSide(args.model, tokens, args.rank),
+        TrineSide(args.model, tokens, args.rank, runs=4),
+        HFSide(args.model, tokens, args.rank),
+    )
     ours.step(), mixed.step(), hf.step()  # warm-up
     t_ours, t_hf, t_fb1, t_fb4, t_mixed = [], [], [], [], []
     for it in range(args.iters):  # pairs run back to back, in alternating order (ABBA) against drift
-        for fn, out in ((ours.step, t_ours), (hf.step, t_hf))[::1 if it % 2 == 0 else -1]:
+        for fn, out in ((ours.step, t_ours), (hf.step, t_hf))[:: 1 if it % 2 == 0 else -1]:
             out.append(timed(fn))
-        for fn, out in ((ours.forward_backward, t_fb1), (mixed.forward_backward, t_fb4))[::1 if it % 2 else -1]:
+        for fn, out in ((ours.forward_backward, t_fb1), (mixed.forward_backward, t_fb4))[
+            :: 1 if it % 2 else -1
+        ]:
             out.append(timed(fn))
         t_mixed.append(timed(mixed.step))
     del ours, mixed, hf
@@ -162,11 +172,20 @@ def main():
         "mixed_adapter_overhead": med([m / o for m, o in zip(t_fb4, t_fb1)]) - 1,
         "mixed_adapter_overhead_with_optim": med([m / o for m, o in zip(t_mixed, t_ours)]) - 1,
         "peak_memory_ratio": peak_ours / peak_hf,
-        "trine_step_s": med(t_ours), "hf_peft_step_s": med(t_hf),
-        "trine_tokens_per_s": ntok / med(t_ours), "hf_peft_tokens_per_s": ntok / med(t_hf),
-        "trine_fb_1run_s": med(t_fb1), "trine_fb_4runs_s": med(t_fb4), "trine_step_4runs_s": med(t_mixed),
-        "trine_peak_bytes": peak_ours, "hf_peft_peak_bytes": peak_hf,
-        "model": args.model, "batch": args.batch, "seq": args.seq, "rank": args.rank, "iters": args.iters,
+        "trine_step_s": med(t_ours),
+        "hf_peft_step_s": med(t_hf),
+        "trine_tokens_per_s": ntok / med(t_ours),
+        "hf_peft_tokens_per_s": ntok / med(t_hf),
+        "trine_fb_1run_s": med(t_fb1),
+        "trine_fb_4runs_s": med(t_fb4),
+        "trine_step_4runs_s": med(t_mixed),
+        "trine_peak_bytes": peak_ours,
+        "hf_peft_peak_bytes": peak_hf,
+        "model": args.model,
+        "batch": args.batch,
+        "seq": args.seq,
+        "rank": args.rank,
+        "iters": args.iters,
         "threads": args.threads,
     }
     if args.json:

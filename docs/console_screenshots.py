@@ -5,6 +5,7 @@ step), 1280 wide.
 
     .venv/bin/python docs/console_screenshots.py [--model DIR] [--out docs] [--keep DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,14 @@ def main() -> None:
     server = start_server(models=[model_dir], home=home, port=0)
     try:
         with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as service:
-            run_job(service, model_dir.name, sft_steps=args.sft_steps, rl_steps=args.rl_steps,
-                    console=Console(), seed=0)
+            run_job(
+                service,
+                model_dir.name,
+                sft_steps=args.sft_steps,
+                rl_steps=args.rl_steps,
+                console=Console(),
+                seed=0,
+            )
         runs, _ = server.service.store.training_runs()
         sft_run, grpo_run = sorted(runs, key=lambda r: r.created_at)[:2]
         with chromium(shutil.which("chromium"), shutil.which("chromedriver")) as driver:
@@ -50,11 +57,18 @@ def main() -> None:
             wait(driver, "document.querySelector('#runs table')")
             screenshots(driver, shots / "runs")
             driver.get(f"{server.url}/console/runs/{grpo_run.id}")
-            wait(driver, f"Chart.getChart('chart-metric-reward') && "
-                         f"Chart.getChart('chart-metric-reward').data.labels.length === {args.rl_steps}")
+            wait(
+                driver,
+                f"Chart.getChart('chart-metric-reward') && "
+                f"Chart.getChart('chart-metric-reward').data.labels.length === {args.rl_steps}",
+            )
             screenshots(driver, shots / "run")
             driver.get(f"{server.url}/console/compare?runs={sft_run.id},{grpo_run.id}&metric=seconds")
-            wait(driver, "Chart.getChart('chart-compare') && Chart.getChart('chart-compare').data.datasets.length === 2")
+            wait(
+                driver,
+                "Chart.getChart('chart-compare') && "
+                "Chart.getChart('chart-compare').data.datasets.length === 2",
+            )
             screenshots(driver, shots / "compare")
             for page in ("usage", "server", "checkpoints"):
                 driver.get(f"{server.url}/console/{page}")

@@ -5,6 +5,7 @@ neither, it starts an embedded trine server on the default model (SmolLM2-135M-I
 in $TRINE_HOME/models) or on `--model DIR`, exactly as `trine demo` does. Everything else goes
 through the public SDK (`import trine as trio`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,15 +37,25 @@ def parser(doc: str, steps: int | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     if steps is not None:
         p.add_argument("--steps", type=int, default=steps, help="Training steps to run.")
-    p.add_argument("--model", default=None,
-                   help="A model directory to serve in an embedded server, or with --url the name of a model "
-                        f"the server serves. Default: {DEFAULT_MODEL}.")
-    p.add_argument("--url", default=None,
-                   help="A running trine server to use. Default: $TRINE_BASE_URL; with neither, the example "
-                        "starts an embedded server.")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="A model directory to serve in an embedded server, or with --url the name of a model "
+        f"the server serves. Default: {DEFAULT_MODEL}.",
+    )
+    p.add_argument(
+        "--url",
+        default=None,
+        help="A running trine server to use. Default: $TRINE_BASE_URL; with neither, the example "
+        "starts an embedded server.",
+    )
     p.add_argument("--api-key", default=None, help="The API key for --url. Default: $TRINE_API_KEY.")
-    p.add_argument("--home", type=Path, default=None,
-                   help="The embedded server's data dir. Default: $TRINE_HOME, else ~/.trine.")
+    p.add_argument(
+        "--home",
+        type=Path,
+        default=None,
+        help="The embedded server's data dir. Default: $TRINE_HOME, else ~/.trine.",
+    )
     p.add_argument("--seed", type=int, default=0, help="Seed of the example's data, sampling and LoRA init.")
     return p
 
@@ -59,6 +70,7 @@ class Connection:
     def server_usage(self, run_id: str) -> dict:
         """The server's usage report for one run (tokens by phase, cost, prefix-cache diagnostics)."""
         from trine.metering.remote import get_json
+
         return get_json(self.url, self.api_key, "/api/trine/v1/usage", {"run_id": run_id})
 
 
@@ -99,18 +111,26 @@ def sft_datum(prompt: list[int], completion: list[int]) -> trio.Datum:
     """Next-token prediction on the completion only: prompt positions carry weight 0."""
     tokens = prompt + completion
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
-    return trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
-                      loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+    return trio.Datum(
+        model_input=trio.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
 
 
-def policy_datum(prompt: list[int], tokens: list[int], logprobs: list[float], advantages: list[float]) -> trio.Datum:
+def policy_datum(
+    prompt: list[int], tokens: list[int], logprobs: list[float], advantages: list[float]
+) -> trio.Datum:
     """An importance_sampling datum: the sampled tokens with the sampler's logprobs and per-token
     advantages; prompt positions are not trained (target -100, advantage 0)."""
     n = len(prompt) - 1
-    return trio.Datum(model_input=trio.ModelInput.from_ints((prompt + tokens)[:-1]),
-                      loss_fn_inputs={"target_tokens": [-100] * n + list(tokens),
-                                      "logprobs": [0.0] * n + list(logprobs),
-                                      "advantages": [0.0] * n + list(advantages)})
+    return trio.Datum(
+        model_input=trio.ModelInput.from_ints((prompt + tokens)[:-1]),
+        loss_fn_inputs={
+            "target_tokens": [-100] * n + list(tokens),
+            "logprobs": [0.0] * n + list(logprobs),
+            "advantages": [0.0] * n + list(advantages),
+        },
+    )
 
 
 class StepTimer:
@@ -135,8 +155,15 @@ class StepTimer:
         if self.console.is_terminal and total > 1:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._bar = Progress(TextColumn(f"{unit}s"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=True)
+            self._bar = Progress(
+                TextColumn(f"{unit}s"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
+            )
             self._task = self._bar.add_task("", total=total)
             self._bar.start()
             atexit.register(self.close)
@@ -151,8 +178,11 @@ class StepTimer:
         tokens = used.prefill_tokens + used.sample_tokens + used.train_tokens
         eta = (self.total - self.count) * self.seconds / self.count
         timing = {"seconds": dt, "tokens_per_s": tokens / dt if dt > 0 else 0.0, "eta_s": eta}
-        self.console.print(f"{line}  [{dt:.1f} s/{self.unit}, {timing['tokens_per_s']:,.0f} tok/s, "
-                           f"ETA {duration(eta)}]".lstrip(), soft_wrap=True)  # one line, as print() writes
+        self.console.print(
+            f"{line}  [{dt:.1f} s/{self.unit}, {timing['tokens_per_s']:,.0f} tok/s, "
+            f"ETA {duration(eta)}]".lstrip(),
+            soft_wrap=True,
+        )  # one line, as print() writes
         if self._bar is not None:
             self._bar.advance(self._task)
             if self.count >= self.total:

@@ -14,6 +14,7 @@ token, and the per-token reverse KL is the (negated) advantage.
 Printed each step: the student's mean reverse KL per token, which falls as it imitates the teacher
 on its own samples (no teacher-written text is ever trained on).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,9 @@ import random
 import statistics
 from pathlib import Path
 
-import trine as trio
 from common import Phases, StepTimer, chat_tokens, connect, end_of_turn, parser, policy_datum, sft_datum
+
+import trine as trio
 
 DATA = Path(__file__).parent / "data" / "chat_sft.jsonl"
 
@@ -44,8 +46,13 @@ def main(argv=None) -> dict:
             teacher = service.create_lora_training_client(base_model=model, rank=16, seed=args.seed)
             tok = teacher.get_tokenizer()
             eot = end_of_turn(tok)
-            data = [sft_datum(chat_tokens(tok, m[:-1], generation_prompt=True),
-                              tok.encode(m[-1]["content"], add_special_tokens=False) + [eot]) for m in rows]
+            data = [
+                sft_datum(
+                    chat_tokens(tok, m[:-1], generation_prompt=True),
+                    tok.encode(m[-1]["content"], add_special_tokens=False) + [eot],
+                )
+                for m in rows
+            ]
             teacher_timer = StepTimer(service, args.teacher_steps)
             for step in range(args.teacher_steps):
                 fb = teacher.forward_backward(rng.sample(data, 16), "cross_entropy")
@@ -61,15 +68,26 @@ def main(argv=None) -> dict:
         for step in range(args.steps):
             with phases("student samples"):
                 sampler = student.save_weights_and_get_sampling_client()
-                prompts = [chat_tokens(tok, m[:-1], generation_prompt=True) for m in rng.sample(rows, args.prompts)]
-                groups = [sampler.sample(trio.ModelInput.from_ints(pr), num_samples=args.group, sampling_params=params)
-                          for pr in prompts]
-                samples = [(pr, s) for pr, g in zip(prompts, groups) for s in g.result().sequences if s.tokens]
+                prompts = [
+                    chat_tokens(tok, m[:-1], generation_prompt=True) for m in rng.sample(rows, args.prompts)
+                ]
+                groups = [
+                    sampler.sample(
+                        trio.ModelInput.from_ints(pr), num_samples=args.group, sampling_params=params
+                    )
+                    for pr in prompts
+                ]
+                samples = [
+                    (pr, s) for pr, g in zip(prompts, groups) for s in g.result().sequences if s.tokens
+                ]
             with phases("teacher grades"):
-                graded = [teacher_sampler.compute_logprobs(trio.ModelInput.from_ints(pr + s.tokens)) for pr, s in samples]
+                graded = [
+                    teacher_sampler.compute_logprobs(trio.ModelInput.from_ints(pr + s.tokens))
+                    for pr, s in samples
+                ]
                 batch, kls = [], []
                 for (pr, s), fut in zip(samples, graded):
-                    teacher_lp = fut.result()[len(pr):]
+                    teacher_lp = fut.result()[len(pr) :]
                     advantages = [t - q for t, q in zip(teacher_lp, s.logprobs)]  # -(log q - log p) per token
                     kls += [-a for a in advantages]
                     batch.append(policy_datum(pr, s.tokens, s.logprobs, advantages))
@@ -78,8 +96,10 @@ def main(argv=None) -> dict:
                 fb = student.forward_backward(batch, "importance_sampling")
                 opt = student.optim_step(trio.AdamParams(learning_rate=args.lr))
                 out, _ = fb.result(), opt.result()
-            timer.done(f"step {step + 1:>3}  reverse KL per token {curve[-1]:.4f}  ({len(kls)} tokens, "
-                       f"{len(batch)} samples)  cycle {out.cycle}")
+            timer.done(
+                f"step {step + 1:>3}  reverse KL per token {curve[-1]:.4f}  ({len(kls)} tokens, "
+                f"{len(batch)} samples)  cycle {out.cycle}"
+            )
         print("reverse KL curve: " + " ".join(f"{k:.3f}" for k in curve))
         phases.report()
     return {"reverse_kl_curve": curve}

@@ -5,7 +5,8 @@
 
 Preference pairs come from `examples/data/chat_sft.jsonl`: the chosen reply is the data set's, the
 rejected one the same sentence with its answer made wrong (another number, another capital); the
-last 30 pairs are held out, the first `--pairs` (96) are trained on. The reference model is the base model: a sampler on it scores every
+last 30 pairs are held out, the first `--pairs` (96) are trained on. The reference model is the base model: a
+sampler on it scores every
 reply once with `compute_logprobs`. The DPO loss,
 
     -log sigmoid(beta * ((logp(chosen) - ref(chosen)) - (logp(rejected) - ref(rejected)))),
@@ -14,6 +15,7 @@ is ordinary torch code on the policy's logprobs: `forward_backward_custom` runs 
 calls it, and sends its gradient back as a linear backward pass, so the server trains exactly
 this loss. Printed: the held-out preference accuracy and mean reward margin, before and after.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +23,9 @@ import random
 import re
 from pathlib import Path
 
-import trine as trio
 from common import Phases, StepTimer, chat_tokens, connect, end_of_turn, parser, sft_datum
+
+import trine as trio
 
 DATA = Path(__file__).parent / "data" / "chat_sft.jsonl"
 HELD_OUT = 30
@@ -44,7 +47,7 @@ def preference_pairs(seed: int) -> list[tuple[list[dict], str, str]]:
         elif m := LAST_NUMBER.search(chosen):
             value = int(m.group().replace(",", ""))
             wrong = max(0, value + rng.choice([-10, -3, -2, -1, 1, 2, 3, 10])) or value + 1
-            rejected = chosen[:m.start()] + f"{wrong:,}" + chosen[m.end():]
+            rejected = chosen[: m.start()] + f"{wrong:,}" + chosen[m.end() :]
         else:
             continue
         pairs.append((messages[:-1], chosen, rejected))
@@ -57,8 +60,10 @@ class Encoded:
     def __init__(self, tok, messages, chosen: str, rejected: str):
         prompt = chat_tokens(tok, messages, generation_prompt=True)
         eot = end_of_turn(tok)
-        self.sequences = [prompt + tok.encode(reply, add_special_tokens=False) + [eot] for reply in (chosen, rejected)]
-        self.datums = [sft_datum(prompt, seq[len(prompt):]) for seq in self.sequences]
+        self.sequences = [
+            prompt + tok.encode(reply, add_special_tokens=False) + [eot] for reply in (chosen, rejected)
+        ]
+        self.datums = [sft_datum(prompt, seq[len(prompt) :]) for seq in self.sequences]
         self.n_prompt = len(prompt)
         self.ref = (0.0, 0.0)
 
@@ -72,12 +77,18 @@ def dpo_loss(beta: float, refs: list[float]):
     import torch
 
     def loss_fn(data, logprobs):
-        sums = torch.stack([(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs)])
+        sums = torch.stack(
+            [(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs)]
+        )
         margin = (sums[0::2] - torch.tensor(refs[0::2])) - (sums[1::2] - torch.tensor(refs[1::2]))
         loss = -torch.nn.functional.logsigmoid(beta * margin).sum()
         m = margin.detach()
-        return loss, {"dpo_loss": loss.item() / len(m), "accuracy": (m > 0).float().mean().item(),
-                      "margin": m.mean().item()}
+        return loss, {
+            "dpo_loss": loss.item() / len(m),
+            "accuracy": (m > 0).float().mean().item(),
+            "margin": m.mean().item(),
+        }
+
     return loss_fn
 
 
@@ -87,8 +98,16 @@ def evaluate(trainer, pairs: list[Encoded]) -> tuple[float, float]:
     out = trainer.forward(data, "cross_entropy").result()
     margins = []
     for i, p in enumerate(pairs):
-        c, r = (sum(lp * w for lp, w in zip(out.loss_fn_outputs[2 * i + k]["logprobs"].tolist(),
-                                             data[2 * i + k].loss_fn_inputs["weights"].tolist())) for k in (0, 1))
+        c, r = (
+            sum(
+                lp * w
+                for lp, w in zip(
+                    out.loss_fn_outputs[2 * i + k]["logprobs"].tolist(),
+                    data[2 * i + k].loss_fn_inputs["weights"].tolist(),
+                )
+            )
+            for k in (0, 1)
+        )
         margins.append((c - p.ref[0]) - (r - p.ref[1]))
     return sum(m > 0 for m in margins) / len(margins), sum(margins) / len(margins)
 
@@ -96,8 +115,9 @@ def evaluate(trainer, pairs: list[Encoded]) -> tuple[float, float]:
 def main(argv=None) -> dict:
     p = parser(__doc__, steps=12)
     p.add_argument("--batch", type=int, default=8, help="Preference pairs per training step.")
-    p.add_argument("--beta", type=float, default=0.1, help="DPO's beta: how far the policy may move from the "
-                                                           "reference.")
+    p.add_argument(
+        "--beta", type=float, default=0.1, help="DPO's beta: how far the policy may move from the reference."
+    )
     p.add_argument("--lr", type=float, default=5e-4, help="Adam's learning rate.")
     p.add_argument("--pairs", type=int, default=96, help="Training pairs, each scored once by the reference.")
     args = p.parse_args(argv)
@@ -108,17 +128,19 @@ def main(argv=None) -> dict:
         trainer = service.create_lora_training_client(base_model=model, rank=16, seed=args.seed)
         tok = trainer.get_tokenizer()
         pairs = [Encoded(tok, *t) for t in preference_pairs(args.seed)]
-        train, held = pairs[:-HELD_OUT][:args.pairs], pairs[-HELD_OUT:]
+        train, held = pairs[:-HELD_OUT][: args.pairs], pairs[-HELD_OUT:]
         pairs = train + held
         with phases("reference"):
             reference = service.create_sampling_client(base_model=model)
             futures = [(p, p.score_reference(reference)) for p in pairs]  # all in flight at once
             for p, (fc, fr) in futures:
-                p.ref = tuple(sum(lp for lp in f.result()[p.n_prompt:]) for f in (fc, fr))
+                p.ref = tuple(sum(lp for lp in f.result()[p.n_prompt :]) for f in (fc, fr))
         with phases("eval"):
             acc0, margin0 = evaluate(trainer, held)
-        print(f"{len(train)} training and {len(held)} held-out pairs; held-out accuracy {acc0:.2f}, "
-              f"margin {margin0:+.3f}")
+        print(
+            f"{len(train)} training and {len(held)} held-out pairs; held-out accuracy {acc0:.2f}, "
+            f"margin {margin0:+.3f}"
+        )
         adam = trio.AdamParams(learning_rate=args.lr)
         timer = StepTimer(service, args.steps)
         with phases("train"):
@@ -128,13 +150,20 @@ def main(argv=None) -> dict:
                 refs = [r for p in batch for r in p.ref]
                 out = trainer.forward_backward_custom(data, dpo_loss(args.beta, refs)).result()
                 trainer.optim_step(adam).result()
-                timer.done(f"step {step + 1:>3}  dpo loss {out.metrics['dpo_loss']:.4f}  "
-                           f"batch accuracy {out.metrics['accuracy']:.2f}  margin {out.metrics['margin']:+.3f}")
+                timer.done(
+                    f"step {step + 1:>3}  dpo loss {out.metrics['dpo_loss']:.4f}  "
+                    f"batch accuracy {out.metrics['accuracy']:.2f}  margin {out.metrics['margin']:+.3f}"
+                )
         with phases("eval"):
             acc1, margin1 = evaluate(trainer, held)
         print(f"held-out accuracy {acc0:.2f} -> {acc1:.2f}, mean margin {margin0:+.3f} -> {margin1:+.3f}")
         phases.report()
-    return {"accuracy_before": acc0, "accuracy_after": acc1, "margin_before": margin0, "margin_after": margin1}
+    return {
+        "accuracy_before": acc0,
+        "accuracy_after": acc1,
+        "margin_before": margin0,
+        "margin_after": margin1,
+    }
 
 
 if __name__ == "__main__":

@@ -8,14 +8,16 @@ the first number in the reply is the sum, group-relative advantages (reward - gr
 `importance_sampling` step with the sampler's own logprobs. A group whose rewards are all equal
 teaches nothing and is left out.
 """
+
 from __future__ import annotations
 
 import random
 import re
 import statistics
 
-import trine as trio
 from common import Phases, StepTimer, chat_tokens, connect, parser, policy_datum
+
+import trine as trio
 
 QUESTION = "What is {a} + {b}? Reply with the number only."
 
@@ -37,18 +39,27 @@ def main(argv=None) -> dict:
     with connect(args) as conn:
         service, model = conn.service, conn.model
         phases = Phases(service)
-        trainer = service.create_lora_training_client(base_model=model, rank=16, seed=args.seed,
-                                                      name="grpo-arithmetic", tags=["example", "grpo"])
+        trainer = service.create_lora_training_client(
+            base_model=model, rank=16, seed=args.seed, name="grpo-arithmetic", tags=["example", "grpo"]
+        )
         tok = trainer.get_tokenizer()
         timer = StepTimer(service, args.steps)
         for step in range(args.steps):
             with phases("sample"):
                 sampler = trainer.save_weights_and_get_sampling_client()
                 problems = [(rng.randint(1, 30), rng.randint(1, 30)) for _ in range(args.prompts)]
-                prompts = [chat_tokens(tok, [{"role": "user", "content": QUESTION.format(a=a, b=b)}],
-                                       generation_prompt=True) for a, b in problems]
-                futures = [sampler.sample(trio.ModelInput.from_ints(pr), num_samples=args.group, sampling_params=params)
-                           for pr in prompts]  # every group in flight at once
+                prompts = [
+                    chat_tokens(
+                        tok, [{"role": "user", "content": QUESTION.format(a=a, b=b)}], generation_prompt=True
+                    )
+                    for a, b in problems
+                ]
+                futures = [
+                    sampler.sample(
+                        trio.ModelInput.from_ints(pr), num_samples=args.group, sampling_params=params
+                    )
+                    for pr in prompts
+                ]  # every group in flight at once
                 data, rewards = [], []
                 for (a, b), prompt, fut in zip(problems, prompts, futures):
                     seqs = fut.result().sequences
@@ -56,8 +67,11 @@ def main(argv=None) -> dict:
                     rewards += group
                     mean = statistics.fmean(group)
                     if any(r != mean for r in group):
-                        data += [policy_datum(prompt, s.tokens, s.logprobs, [r - mean] * len(s.tokens))
-                                 for s, r in zip(seqs, group) if s.tokens]
+                        data += [
+                            policy_datum(prompt, s.tokens, s.logprobs, [r - mean] * len(s.tokens))
+                            for s, r in zip(seqs, group)
+                            if s.tokens
+                        ]
             curve.append(statistics.fmean(rewards))
             trainer.log_metrics({"reward": curve[-1]}, step=step + 1)  # plotted in the console's run page
             line = f"step {step + 1:>3}  mean reward {curve[-1]:.3f}  "

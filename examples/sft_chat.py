@@ -10,14 +10,16 @@ Each conversation is rendered with the served model's own chat template; only th
 (and its end-of-turn token) is in the loss. Each step submits forward_backward and optim_step
 before waiting, so a step is one clock cycle on the server.
 """
+
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
 
-import trine as trio
 from common import Phases, StepTimer, chat_tokens, connect, end_of_turn, parser, sft_datum
+
+import trine as trio
 
 DATA = Path(__file__).parent / "data" / "chat_sft.jsonl"
 HELD_OUT = 40
@@ -62,18 +64,24 @@ def main(argv=None) -> dict:
                 fb = trainer.forward_backward(batch, "cross_entropy")
                 opt = trainer.optim_step(adam)  # queued behind it: the same clock cycle
                 out, _ = fb.result(), opt.result()
-                timer.done(f"step {step + 1:>3}  train loss {out.metrics['loss_mean']:.4f}  "
-                           f"tokens {out.usage.train_tokens:,} (in loss {out.usage.loss_tokens:,})  cycle {out.cycle}")
+                timer.done(
+                    f"step {step + 1:>3}  train loss {out.metrics['loss_mean']:.4f}  "
+                    f"tokens {out.usage.train_tokens:,} (in loss {out.usage.loss_tokens:,})  "
+                    f"cycle {out.cycle}"
+                )
         with phases("eval"):
             after = mean_loss(trainer, held)
             sampler = trainer.save_weights_and_get_sampling_client()
             question = held_rows[0]["messages"][:-1]
-            reply = sampler.sample(trio.ModelInput.from_ints(chat_tokens(tok, question, generation_prompt=True)),
-                                   sampling_params=trio.SamplingParams(max_tokens=32, temperature=0.0,
-                                                                       stop=["<|im_end|>"])).result()
+            reply = sampler.sample(
+                trio.ModelInput.from_ints(chat_tokens(tok, question, generation_prompt=True)),
+                sampling_params=trio.SamplingParams(max_tokens=32, temperature=0.0, stop=["<|im_end|>"]),
+            ).result()
         print(f"held-out loss {before:.4f} -> {after:.4f}")
-        print(f"held-out question: {question[-1]['content']!r}\n  reply: {reply.sequences[0].text!r}"
-              f"\n  reference: {held_rows[0]['messages'][-1]['content']!r}")
+        print(
+            f"held-out question: {question[-1]['content']!r}\n  reply: {reply.sequences[0].text!r}"
+            f"\n  reference: {held_rows[0]['messages'][-1]['content']!r}"
+        )
         phases.report()
     return {"held_out_before": before, "held_out_after": after}
 

@@ -3,6 +3,7 @@
 Each model directory is a real Hugging Face checkpoint (config.json + model.safetensors + tokenizer
 files), so tests go through the same loading path as real checkpoints.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,15 +22,27 @@ TOKENIZER_DIR = FIXTURES / "smollm2-tokenizer"
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def build_tiny_model_dir(family: str, out: Path, seed: int = 0, tie: bool = True,
-                         vocab_size: int = 49152) -> Path:
+def build_tiny_model_dir(
+    family: str, out: Path, seed: int = 0, tie: bool = True, vocab_size: int = 49152
+) -> Path:
     """A ~5M-parameter random model of `family` saved as a Hugging Face checkpoint directory."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=256, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                  max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                  tie_word_embeddings=tie, rms_norm_eps=1e-6)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-6,
+    )
     cls_cfg, cls_model = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
@@ -59,7 +72,10 @@ def tiny_qwen_tools_dir(tmp_path_factory) -> Path:
     tokenizer, `<tool_call>` and `</tool_call>` are single added (non-special) tokens, and the
     model's vocabulary is padded beyond the tokenizer's (49216 > 49154)."""
     from tokenizers import AddedToken, Tokenizer
-    out = build_tiny_model_dir("qwen2", tmp_path_factory.mktemp("models") / "tiny-qwen-tools", vocab_size=49216)
+
+    out = build_tiny_model_dir(
+        "qwen2", tmp_path_factory.mktemp("models") / "tiny-qwen-tools", vocab_size=49216
+    )
     shutil.copy(FIXTURES / "qwen2.5-chat-template" / "chat_template.jinja", out / "chat_template.jinja")
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])

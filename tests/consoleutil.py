@@ -1,6 +1,7 @@
 """Shared by the console tests (and docs/console_screenshots.py): a server with two keys, a short SFT
 through the trine SDK whose results (losses, gradient norms, cycles, tokens) the console must show
 exactly, and a headless Chromium driven by selenium with its sign-in and screenshot helpers."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,8 +9,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import trine as trio
 from serverutil import serve
+
+import trine as trio
 
 MODEL = "tiny-llama"
 SEQS = [[1, 17, 204, 391, 9, 77, 412, 5], [1, 33, 56, 90, 1203, 4, 88]]
@@ -28,8 +30,10 @@ class SftRun:
 
 def sft(url: str, api_key: str, steps: int = 4, save: str | None = "ck-console") -> SftRun:
     """`steps` pipelined SFT steps (forward_backward + optim_step sent before waiting), then a save."""
-    data = [trio.Datum(model_input=trio.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]})
-            for s in SEQS]
+    data = [
+        trio.Datum(model_input=trio.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]})
+        for s in SEQS
+    ]
     with trio.ServiceClient(api_key=api_key, base_url=url) as service:
         trainer = service.create_lora_training_client(MODEL, rank=4, seed=0)
         run = SftRun(trainer.training_run_id)
@@ -76,8 +80,14 @@ def chromium(binary: str, driver_path: str):
 
     opts = Options()
     opts.binary_location = binary
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-              "--hide-scrollbars", f"--window-size={WIDE[0]},{WIDE[1]}"):
+    for a in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--window-size={WIDE[0]},{WIDE[1]}",
+    ):
         opts.add_argument(a)
     driver = webdriver.Chrome(service=Service(driver_path), options=opts)
     try:
@@ -89,7 +99,10 @@ def chromium(binary: str, driver_path: str):
 def wait(driver, script: str, timeout: float = 20):
     """Poll a JS expression until it is truthy; returns its value."""
     from selenium.webdriver.support.ui import WebDriverWait
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: d.execute_script(f"return {script}"))
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(
+        lambda d: d.execute_script(f"return {script}")
+    )
 
 
 def sign_in(driver, url: str, key: str) -> None:
@@ -102,8 +115,10 @@ def sign_in(driver, url: str, key: str) -> None:
 
 
 def _viewport(driver, width: int, height: int) -> None:
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                           {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+    )
     wait(driver, "new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
 
 

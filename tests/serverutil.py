@@ -5,6 +5,7 @@
 
 Other test files reuse this; keep it dependency-free beyond trine itself.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,9 +23,13 @@ import msgpack
 from trine.server.app import ServerHandle, start_server
 
 # Small engines: tests run on 2 shared cores.
-TEST_OPTIONS = dict(num_threads=1, gather_seconds=0.02, device="cpu",
-                    sampler_options={"kv_cache_bytes": 16 << 20, "max_batch_tokens": 512},
-                    trainer_options={"micro_batch_tokens": 1024})
+TEST_OPTIONS = dict(
+    num_threads=1,
+    gather_seconds=0.02,
+    device="cpu",
+    sampler_options={"kv_cache_bytes": 16 << 20, "max_batch_tokens": 512},
+    trainer_options={"micro_batch_tokens": 1024},
+)
 
 
 def start(models, home: str | Path, **options) -> ServerHandle:
@@ -49,9 +54,15 @@ def pytrio_env(url: str, api_key: str):
     old = {k: os.environ.get(k) for k in ("PYTRIO_BASE_URL", "PYTRIO_API_KEY", "NO_PROXY")}
     os.environ.update(PYTRIO_BASE_URL=url, PYTRIO_API_KEY=api_key, NO_PROXY="127.0.0.1,localhost")
     import pytrio
+
     # short retry windows: a test that fails must not leave the client retrying for 15 minutes
-    pytrio.configure(base_url=url, api_key=api_key, control_retry_timeout_seconds=10,
-                     training_retry_timeout_seconds=10, sampling_retry_timeout_seconds=10)
+    pytrio.configure(
+        base_url=url,
+        api_key=api_key,
+        control_retry_timeout_seconds=10,
+        training_retry_timeout_seconds=10,
+        sampling_retry_timeout_seconds=10,
+    )
     pytrio.configure_observability(enabled=False)
     try:
         yield pytrio
@@ -69,8 +80,12 @@ class RawClient:
 
     def __init__(self, url: str, api_key: str):
         self.url = url
-        self.http = httpx.Client(base_url=url, timeout=60, trust_env=False,
-                                 headers={"X-API-Key": api_key, "Authorization": f"Bearer {api_key}"})
+        self.http = httpx.Client(
+            base_url=url,
+            timeout=60,
+            trust_env=False,
+            headers={"X-API-Key": api_key, "Authorization": f"Bearer {api_key}"},
+        )
 
     def close(self):
         self.http.close()
@@ -84,10 +99,19 @@ class RawClient:
         return r.json()["service_session_cuid"]
 
     def training_run(self, session: str, base_model: str, rank: int = 4) -> dict:
-        r = self.control("POST", f"service-sessions/{session}/training-runs",
-                         json={"base_model": base_model, "lora_rank": rank, "train_mlp": True,
-                               "train_attn": True, "train_unembed": True,
-                               "source_checkpoint_uri": "", "restore_optimizer": False})
+        r = self.control(
+            "POST",
+            f"service-sessions/{session}/training-runs",
+            json={
+                "base_model": base_model,
+                "lora_rank": rank,
+                "train_mlp": True,
+                "train_attn": True,
+                "train_unembed": True,
+                "source_checkpoint_uri": "",
+                "restore_optimizer": False,
+            },
+        )
         r.raise_for_status()
         return r.json()
 
@@ -97,27 +121,38 @@ class RawClient:
         run = self.training_run(self.session(), base_model)
         rid = run["training_run_cuid"]
         init = f"event_init{rid[-6:]}"
-        assert self.submit(run, event(init, "init_run", 1, init_payload(run["model_id"]), rid)).status_code < 300
+        assert (
+            self.submit(run, event(init, "init_run", 1, init_payload(run["model_id"]), rid)).status_code < 300
+        )
         if wait:
             assert self.wait(run, init)["status"] == "succeeded"
         return run, rid
 
     def sampling_run(self, session: str, base_model: str, uri: str = "") -> dict:
-        r = self.control("POST", f"service-sessions/{session}/sampling-runs",
-                         json={"base_model": base_model, "source_checkpoint_uri": uri})
+        r = self.control(
+            "POST",
+            f"service-sessions/{session}/sampling-runs",
+            json={"base_model": base_model, "source_checkpoint_uri": uri},
+        )
         r.raise_for_status()
         return r.json()
 
     def submit(self, run: dict, event: dict | bytes) -> httpx.Response:
         body = event if isinstance(event, bytes) else msgpack.packb(event, use_bin_type=True)
-        return self.http.post(f"{run['actor']['endpoint']}/v1/events", content=body,
-                              headers={"Authorization": f"Bearer {run['actor_jwt']['token']}",
-                                       "Content-Type": "application/msgpack"})
+        return self.http.post(
+            f"{run['actor']['endpoint']}/v1/events",
+            content=body,
+            headers={
+                "Authorization": f"Bearer {run['actor_jwt']['token']}",
+                "Content-Type": "application/msgpack",
+            },
+        )
 
     def get(self, run: dict, event_id: str, wait: int = 30) -> dict:
-        r = self.http.get(f"{run['actor']['endpoint']}/v1/events/{event_id}",
-                          headers={"Authorization": f"Bearer {run['actor_jwt']['token']}",
-                                   "Prefer": f"wait={wait}"})
+        r = self.http.get(
+            f"{run['actor']['endpoint']}/v1/events/{event_id}",
+            headers={"Authorization": f"Bearer {run['actor_jwt']['token']}", "Prefer": f"wait={wait}"},
+        )
         r.raise_for_status()
         return msgpack.unpackb(r.content)
 
@@ -129,33 +164,68 @@ class RawClient:
         raise TimeoutError(event_id)
 
     def sample(self, srun: dict, body: dict) -> httpx.Response:
-        return self.http.post(f"{srun['actor']['endpoint']}/v1/sampling-runs/"
-                              f"{srun['sampling_run_cuid']}/sample", json=body,
-                              headers={"Authorization": f"Bearer {srun['actor_jwt']['token']}"})
+        return self.http.post(
+            f"{srun['actor']['endpoint']}/v1/sampling-runs/{srun['sampling_run_cuid']}/sample",
+            json=body,
+            headers={"Authorization": f"Bearer {srun['actor_jwt']['token']}"},
+        )
 
 
 def event(event_id: str, type_: str, index: int, payload: dict, run_id: str = "", step: int = 0) -> dict:
-    return {"version": 1, "event_id": event_id, "type": f"trainer.{type_}",
-            "metadata": {"index": index, "step": step, "timestamp": 0, "sdk": "test",
-                         "sdk_version": "0", "run_id": run_id}, "payload": payload}
+    return {
+        "version": 1,
+        "event_id": event_id,
+        "type": f"trainer.{type_}",
+        "metadata": {
+            "index": index,
+            "step": step,
+            "timestamp": 0,
+            "sdk": "test",
+            "sdk_version": "0",
+            "run_id": run_id,
+        },
+        "payload": payload,
+    }
 
 
 def init_payload(model_id: str, rank: int = 4) -> dict:
-    return {"base_model": model_id, "lora_config": {"rank": rank, "train_mlp": True, "train_attn": True,
-                                                    "train_unembed": True}, "load_optimizer": False}
+    return {
+        "base_model": model_id,
+        "lora_config": {"rank": rank, "train_mlp": True, "train_attn": True, "train_unembed": True},
+        "load_optimizer": False,
+    }
 
 
 def ce_payload(tokens: list[int], targets: list[int] | None = None, weights=None) -> dict:
     targets = targets if targets is not None else tokens[1:] + [tokens[0]]
-    return {"data": [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
-                      "target_ids": targets, "weights": weights or [1.0] * len(tokens)}],
-            "auto_shift": False, "loss": {"type": "cross_entropy", "config": {}},
-            "gradient_accumulation": {"total_samples": 1, "total_active_tokens": len(tokens),
-                                      "total_advantage_tokens": 0}}
+    return {
+        "data": [
+            {
+                "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+                "target_ids": targets,
+                "weights": weights or [1.0] * len(tokens),
+            }
+        ],
+        "auto_shift": False,
+        "loss": {"type": "cross_entropy", "config": {}},
+        "gradient_accumulation": {
+            "total_samples": 1,
+            "total_active_tokens": len(tokens),
+            "total_advantage_tokens": 0,
+        },
+    }
 
 
-ADAM = {"adam_params": {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
-                        "weight_decay": 0.0, "grad_clip_norm": 0.0}}
+ADAM = {
+    "adam_params": {
+        "learning_rate": 1e-2,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "grad_clip_norm": 0.0,
+    }
+}
 
 
 def free_port() -> int:
@@ -168,8 +238,13 @@ def run_serve_cli(args: list[str], timeout: float = 120):
     """Start `trine serve ARGS` in a subprocess; wait for its connection hint. Returns (process,
     the printed text, the new API key). The caller terminates the process."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "trine.cli.main", "serve", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trine.cli.main", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     lines = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,4 +1,5 @@
 """Checkpoints: PEFT-compatible sampler adapters, exact training resumption, atomic writes."""
+
 from __future__ import annotations
 
 import json
@@ -7,17 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trine.engine.trainer.trainer import checkpoint
-from trine.engine.trainer.checkpoint import atomic_write, load_peft_adapter, save_peft_adapter
-from trine.engine.api import Loss
-from trine.engine.model.lora import AdapterBatch
-from trine.engine.api import LoRAConfig
-from trine.engine.api import AdamConfig
-from trine.engine.trainer.trainer import Trainer
-from trine.engine.model.weights import load_model
-
 from test_losses import random_data, randomize
+
+from trine.engine.api import AdamConfig, LoRAConfig, Loss
+from trine.engine.model.lora import AdapterBatch
+from trine.engine.model.weights import load_model
+from trine.engine.trainer.checkpoint import atomic_write, load_peft_adapter, save_peft_adapter
+from trine.engine.trainer.trainer import Trainer, checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +24,13 @@ def model(tiny_model_dir):
 
 def hf_model(path):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def test_sampler_adapter_loads_into_peft_with_the_same_logits(model, tiny_model_dir, tmp_path):
     from peft import PeftModel
+
     trainer = Trainer(model, base_model="tiny-llama")
     trainer.create_run("r", LoRAConfig(rank=8, alpha=16.0))  # attn + mlp + lm_head (tied embeddings)
     randomize(trainer.adapter("r"), 0)
@@ -43,12 +42,14 @@ def test_sampler_adapter_loads_into_peft_with_the_same_logits(model, tiny_model_
     assert facts["base_model"] == "tiny-llama"
     assert cfg["base_model_name_or_path"] == str(Path(tiny_model_dir).resolve())  # loads with no hub
     from safetensors.torch import load_file
+
     keys = load_file(str(tmp_path / "ckpt" / "adapter_model.safetensors"))
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
     assert "base_model.model.lm_head.lora_B.weight" in keys
 
     peft_model = PeftModel.from_pretrained(hf_model(tiny_model_dir), str(tmp_path / "ckpt")).eval()
     from peft import AutoPeftModelForCausalLM  # the adapter alone names its base model's directory
+
     auto_model = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32).eval()
     tokens = torch.tensor([[5, 900, 17, 4000, 23, 8, 49000, 3]])
     with torch.no_grad():
@@ -62,6 +63,7 @@ def test_sampler_adapter_loads_into_peft_with_the_same_logits(model, tiny_model_
 
 def test_peft_adapter_round_trip_and_partial_targets(model, tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
+
     # An adapter trained elsewhere on q_proj and v_proj only, saved by peft itself.
     peft_cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     peft_model = get_peft_model(hf_model(tiny_model_dir), peft_cfg)
@@ -71,10 +73,18 @@ def test_peft_adapter_round_trip_and_partial_targets(model, tiny_model_dir, tmp_
                 p.normal_(0, 0.1)
     peft_model.save_pretrained(tmp_path / "ext")
     adapter, lora = load_peft_adapter(model, tmp_path / "ext")
-    assert (lora.rank, lora.alpha, lora.train_attn, lora.train_mlp, lora.train_unembed) == (4, 8.0, True, False, False)
+    assert (lora.rank, lora.alpha, lora.train_attn, lora.train_mlp, lora.train_unembed) == (
+        4,
+        8.0,
+        True,
+        False,
+        False,
+    )
     tokens = torch.tensor([[7, 70, 700, 7000, 12]])
     with torch.no_grad():
-        assert (model(tokens, adapters=AdapterBatch.single(adapter)) - peft_model(tokens).logits).abs().max() <= 1e-4
+        assert (
+            model(tokens, adapters=AdapterBatch.single(adapter)) - peft_model(tokens).logits
+        ).abs().max() <= 1e-4
     # Our own save -> load gives back the same tensors and config, seed included.
     lora2 = LoRAConfig(rank=4, alpha=8.0, train_attn=False, train_mlp=True, train_unembed=False, seed=7)
     trainer = Trainer(model, base_model="tiny")
@@ -135,6 +145,7 @@ def test_atomic_write_keeps_the_previous_file_when_a_write_fails(tmp_path, monke
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
+
     monkeypatch.setattr(checkpoint.os, fail_at, crash)
     with pytest.raises(OSError, match="disk full"):
         atomic_write(target, b"new contents that never fully land" * 1000)

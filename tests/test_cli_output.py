@@ -1,5 +1,6 @@
 """The CLI as a new user meets it: version and -h, readable listings with --json, fixed-point money,
 `trine serve` refusing bad setups in one line before loading anything, and the access log."""
+
 from __future__ import annotations
 
 import json
@@ -26,13 +27,17 @@ def test_version_and_short_help():
 
 
 def test_money_is_fixed_point():
-    assert fmt_money(5e-06) == "0.000005" and fmt_money(0) == "0.000000" and fmt_money(1234.5) == "1,234.500000"
+    assert (
+        fmt_money(5e-06) == "0.000005" and fmt_money(0) == "0.000000" and fmt_money(1234.5) == "1,234.500000"
+    )
     assert "e-" not in fmt_money(1e-9)
 
 
 def test_listings_are_tables_with_a_json_twin(tmp_path):
     runner = CliRunner()
-    secret = runner.invoke(main, ["keys", "create", "--name", "alice", "--home", str(tmp_path)]).stdout.strip()
+    secret = runner.invoke(
+        main, ["keys", "create", "--name", "alice", "--home", str(tmp_path)]
+    ).stdout.strip()
     table = runner.invoke(main, ["keys", "list", "--home", str(tmp_path)]).stdout
     assert "alice" in table and "│" in table and secret not in table and "\t" not in table
     (row,) = json.loads(runner.invoke(main, ["keys", "list", "--home", str(tmp_path), "--json"]).stdout)
@@ -51,8 +56,9 @@ def test_serve_refuses_a_port_in_use_before_loading(tiny_model_dir, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = CliRunner().invoke(main, ["serve", "--model", str(tiny_model_dir), "--port", str(port),
-                                      "--home", str(tmp_path)])
+        r = CliRunner().invoke(
+            main, ["serve", "--model", str(tiny_model_dir), "--port", str(port), "--home", str(tmp_path)]
+        )
     assert r.exit_code == 1 and "already in use" in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1
     assert not (tmp_path / "trine.db").exists()  # nothing was set up
@@ -65,7 +71,9 @@ def test_serve_refuses_an_unsupported_model_family_in_one_line(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = CliRunner().invoke(main, ["serve", "--model", str(model), "--port", str(port), "--home", str(tmp_path)])
+    r = CliRunner().invoke(
+        main, ["serve", "--model", str(model), "--port", str(port), "--home", str(tmp_path)]
+    )
     assert r.exit_code == 1 and "'gpt2' is not supported" in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1
 
@@ -83,6 +91,7 @@ def test_serve_says_how_to_get_a_key_when_keys_exist(tmp_path):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     from serverutil import serve
+
     with serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as srv:
         yield srv
 
@@ -92,8 +101,10 @@ def test_usage_by_run_names_each_run_with_its_model_and_creation_time(server):
 
     with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as service:
         trainer = service.create_lora_training_client("tiny-llama", rank=4)
-        datum = trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7, 8]),
-                           loss_fn_inputs={"target_tokens": [6, 7, 8, 9]})
+        datum = trio.Datum(
+            model_input=trio.ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9]},
+        )
         trainer.forward_backward([datum], "cross_entropy").result()
         sampler = service.create_sampling_client(base_model="tiny-llama")
         sampler.sample(trio.ModelInput.from_ints([5, 6, 7]), 1, trio.SamplingParams(max_tokens=2)).result()
@@ -115,17 +126,25 @@ def test_access_log_names_method_route_status_key_and_latency(server, caplog):
     caplog.set_level(logging.INFO, logger="trine.access")
     if True:
         srv = server
-        ok = httpx.get(srv.url + "/api/openapi/v1/api-key/verify?x=secret", headers={"X-API-Key": srv.api_key},
-                       trust_env=False)
-        bad = httpx.get(srv.url + "/api/openapi/v1/api-key/verify", headers={"X-API-Key": "trine-no"},
-                        trust_env=False)
+        ok = httpx.get(
+            srv.url + "/api/openapi/v1/api-key/verify?x=secret",
+            headers={"X-API-Key": srv.api_key},
+            trust_env=False,
+        )
+        bad = httpx.get(
+            srv.url + "/api/openapi/v1/api-key/verify", headers={"X-API-Key": "trine-no"}, trust_env=False
+        )
         deadline = time.monotonic() + 5  # a line is logged once its response is sent: allow it a moment
-        while len(lines := [r.getMessage() for r in caplog.records if r.name == "trine.access"]) < 2 \
-                and time.monotonic() < deadline:
+        while (
+            len(lines := [r.getMessage() for r in caplog.records if r.name == "trine.access"]) < 2
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         assert ok.status_code == 200 and bad.status_code == 401
-        assert any(m.startswith("GET /api/openapi/v1/api-key/verify 200 key=embedded ") and m.endswith(" ms")
-                   for m in lines), lines
+        assert any(
+            m.startswith("GET /api/openapi/v1/api-key/verify 200 key=embedded ") and m.endswith(" ms")
+            for m in lines
+        ), lines
         assert any(" 401 key=- " in m for m in lines) and not any("secret" in m for m in lines)
         access_log.configure(quiet=True)  # `trine serve --quiet`
         try:

@@ -1,11 +1,12 @@
 """The web console's server side, over HTTP against a real server: the JSON the pages draw, key
 isolation, the page shell and its shipped assets. (The browser itself: test_console_browser.py.)"""
+
 from __future__ import annotations
 
 import httpx
 import pytest
-
 from consoleutil import console_server, sft
+
 from trine.server.console.runs import FORWARD_BACKWARD, OPTIMIZE_STEP, RunEventOutcome, run_steps
 from trine.store import EventRecord
 
@@ -85,11 +86,24 @@ def test_server_stats_show_models_prices_and_engines(env):
 
 def test_pages_share_one_shell_and_assets_ship_in_the_package(env):
     srv, _, run, http = env
-    for path in ("/console", "/console/runs", f"/console/runs/{run.run_id}", "/console/usage", "/console/nope"):
+    for path in (
+        "/console",
+        "/console/runs",
+        f"/console/runs/{run.run_id}",
+        "/console/usage",
+        "/console/nope",
+    ):
         r = http.get(path)
         assert r.status_code == 200 and "/console/static/console.js" in r.text, path
-    for name in ("console.js", "pages-runs.js", "pages-usage.js", "console.css", "chart.umd.min.js",
-                 "chart.js.LICENSE.md", "favicon.svg"):
+    for name in (
+        "console.js",
+        "pages-runs.js",
+        "pages-usage.js",
+        "console.css",
+        "chart.umd.min.js",
+        "chart.js.LICENSE.md",
+        "favicon.svg",
+    ):
         assert http.get(f"/console/static/{name}").status_code == 200, name
     for name in ("runs.py", "routes.py", "index.html%00"):  # only the listed assets
         assert http.get(f"/console/static/{name}").status_code == 404, name
@@ -113,17 +127,31 @@ def test_usage_over_time_adds_up_to_the_total(env):
 def test_chunks_of_one_step_fold_into_one_point_weighted_by_tokens():
     def ev(i, typ, step, cycle):
         return EventRecord(f"e{i}", "tr", "k", i, typ, step, "succeeded", 0.0, float(i), cycle)
-    events = [ev(1, FORWARD_BACKWARD, 0, 1), ev(2, FORWARD_BACKWARD, 0, 1), ev(3, OPTIMIZE_STEP, 1, 1),
-              ev(4, FORWARD_BACKWARD, 1, 2), ev(5, FORWARD_BACKWARD, 2, 3), ev(6, OPTIMIZE_STEP, 3, 4),
-              ev(7, FORWARD_BACKWARD, 3, None)]
+
+    events = [
+        ev(1, FORWARD_BACKWARD, 0, 1),
+        ev(2, FORWARD_BACKWARD, 0, 1),
+        ev(3, OPTIMIZE_STEP, 1, 1),
+        ev(4, FORWARD_BACKWARD, 1, 2),
+        ev(5, FORWARD_BACKWARD, 2, 3),
+        ev(6, OPTIMIZE_STEP, 3, 4),
+        ev(7, FORWARD_BACKWARD, 3, None),
+    ]
     fb = lambda mean, n: RunEventOutcome("succeeded", {"loss_mean": mean, "token_count": n}, n, n // 2)
-    results = {"e1": fb(1.0, 10), "e2": fb(3.0, 30), "e3": RunEventOutcome("succeeded", {"grad_norm": 0.5}),
-               "e4": fb(2.0, 4), "e5": fb(4.0, 4), "e6": RunEventOutcome("succeeded", {"grad_norm": 0.25})}
+    results = {
+        "e1": fb(1.0, 10),
+        "e2": fb(3.0, 30),
+        "e3": RunEventOutcome("succeeded", {"grad_norm": 0.5}),
+        "e4": fb(2.0, 4),
+        "e5": fb(4.0, 4),
+        "e6": RunEventOutcome("succeeded", {"grad_norm": 0.25}),
+    }
     steps = run_steps(events, results)  # e7 has not finished: no outcome yet
     assert [(s.step, s.chunks, s.loss, s.grad_norm, s.cycle, s.optim_cycle) for s in steps] == [
         (1, 2, 2.5, 0.5, 1, 1),  # two chunks, (1*10 + 3*30) / 40
         (2, 1, 2.0, None, 2, None),  # a forward_backward group with no optim_step after it
-        (3, 1, 4.0, 0.25, 3, 4)]  # optim_step in the next cycle: the step took two
+        (3, 1, 4.0, 0.25, 3, 4),
+    ]  # optim_step in the next cycle: the step took two
     assert [(s.train_tokens, s.loss_tokens) for s in steps] == [(40, 20), (4, 2), (4, 2)]
 
 
@@ -135,5 +163,7 @@ def test_run_rows_carry_lora_optimizer_metrics_and_step_seconds(env):
     assert r["optimizer"]["learning_rate"] == 2e-2 and r["name"] is None and r["tags"] == []
     assert r["last_metrics"] == {} and d["metrics"] == {} and r["samplers"] == 0
     finished = [s["finished_at"] for s in d["steps"]]
-    assert [s["seconds"] for s in d["steps"][1:]] == pytest.approx([b - a for a, b in zip(finished, finished[1:])])
+    assert [s["seconds"] for s in d["steps"][1:]] == pytest.approx(
+        [b - a for a, b in zip(finished, finished[1:])]
+    )
     assert d["steps"][0]["seconds"] == pytest.approx(finished[0] - d["steps"][0]["started_at"])

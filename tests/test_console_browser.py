@@ -5,6 +5,7 @@ to `trine usage --json`, checkpoints, the server page, key isolation and a refus
 Screenshots of every page (1280x800, a narrow 420x860 window, and the whole page) go to
 $TRINE_CONSOLE_SHOTS (default benchmarks/out/console/, git-ignored).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,23 +17,26 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from consoleutil import MODEL, SEQS, chromium, console_server, screenshots, sft, sign_in, wait
 
 import trine as trio
-from consoleutil import MODEL, SEQS, chromium, console_server, screenshots, sft, sign_in, wait
 from trine.cli.main import main as trine_cli
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 try:
     import selenium  # noqa: F401
+
     NO_SELENIUM = None
 except ImportError:
     NO_SELENIUM = "selenium is not installed (`make test` installs it with the test extra)"
 
 pytestmark = pytest.mark.skipif(
     bool(NO_SELENIUM or not CHROMIUM or not CHROMEDRIVER),
-    reason=NO_SELENIUM or "no chromium/chromedriver on PATH: `make test` installs Debian's chromium and "
-                          "chromium-driver when run as root (or: apt-get install chromium chromium-driver)")
+    reason=NO_SELENIUM
+    or "no chromium/chromedriver on PATH: `make test` installs Debian's chromium and "
+    "chromium-driver when run as root (or: apt-get install chromium chromium-driver)",
+)
 
 SHOTS = Path(os.environ.get("TRINE_CONSOLE_SHOTS", Path(__file__).parent.parent / "benchmarks/out/console"))
 
@@ -45,8 +49,9 @@ def env(tiny_model_dir, tmp_path_factory):
             sampler = service.create_sampling_client(base_model=MODEL)
             params = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=1)
             for _ in range(2):  # the same prompt twice as one-sample requests: a split_group diagnostic
-                sampler.sample(trio.ModelInput.from_ints(SEQS[0] * 5), num_samples=1,
-                               sampling_params=params).result()
+                sampler.sample(
+                    trio.ModelInput.from_ints(SEQS[0] * 5), num_samples=1, sampling_params=params
+                ).result()
         yield srv, bob, run
 
 
@@ -61,8 +66,10 @@ def shoot(driver, name: str) -> None:
 
 
 def chart(driver, canvas: str) -> dict:
-    return driver.execute_script(f"const c = Chart.getChart('{canvas}'); return c && "
-                                 "{labels: c.data.labels, data: c.data.datasets.map(d => d.data)}")
+    return driver.execute_script(
+        f"const c = Chart.getChart('{canvas}'); return c && "
+        "{labels: c.data.labels, data: c.data.datasets.map(d => d.data)}"
+    )
 
 
 def test_a_wrong_key_is_refused_with_a_clear_message(env, browser):
@@ -102,8 +109,11 @@ def test_run_page_plots_one_point_per_step_with_the_sdk_values(env, browser):
 
 def test_the_run_page_updates_live_while_the_run_trains(env, browser):
     srv, _, _ = env
-    data = [trio.Datum(model_input=trio.ModelInput.from_ints(SEQS[0][:-1]),
-                       loss_fn_inputs={"target_tokens": SEQS[0][1:]})]
+    data = [
+        trio.Datum(
+            model_input=trio.ModelInput.from_ints(SEQS[0][:-1]), loss_fn_inputs={"target_tokens": SEQS[0][1:]}
+        )
+    ]
     with trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as service:
         trainer = service.create_lora_training_client(MODEL, rank=4, seed=0)
         trainer.forward_backward(data, "cross_entropy").result()
@@ -122,14 +132,17 @@ def test_the_run_page_updates_live_while_the_run_trains(env, browser):
 
 def test_usage_chart_totals_equal_trine_usage_json(env, browser):
     from selenium.webdriver.support.ui import Select
+
     srv, _, _ = env
     browser.get(f"{srv.url}/console/usage")
     wait(browser, "Chart.getChart('chart-usage') && document.querySelector('#usage-groups table')")
     out = CliRunner().invoke(trine_cli, ["usage", "--url", srv.url, "--api-key", srv.api_key, "--json"])
     assert out.exit_code == 0, out.output
     total = json.loads(out.output)["total"]["tokens"]
-    sums = browser.execute_script("const c = Chart.getChart('chart-usage'); return Object.fromEntries("
-                                  "c.data.datasets.map(d => [d.phase, d.data.reduce((a, b) => a + b, 0)]))")
+    sums = browser.execute_script(
+        "const c = Chart.getChart('chart-usage'); return Object.fromEntries("
+        "c.data.datasets.map(d => [d.phase, d.data.reduce((a, b) => a + b, 0)]))"
+    )
     assert sums == {ph: total[ph] for ph in ("prefill", "prefill_cached", "sample", "train")}
     assert total["train"] > 0 and total["sample"] > 0 and total["prefill"] > 0
     assert browser.find_element("css selector", ".diag[data-pattern='split_group']").text.count("Fix:") == 1
@@ -157,7 +170,9 @@ def test_checkpoints_page_lists_downloads_and_deletes(env, browser, tmp_path):
     row = wait(browser, "document.querySelector('tr[data-checkpoint]')")
     assert run.checkpoint_uri in row.text
     shoot(browser, "checkpoints")
-    browser.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(tmp_path)})
+    browser.execute_cdp_cmd(
+        "Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(tmp_path)}
+    )
     browser.find_element("css selector", "tr[data-checkpoint] button[data-action=download]").click()
     tar = tmp_path / "ck-console.tar"
     deadline = time.monotonic() + 20

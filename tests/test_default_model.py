@@ -1,4 +1,5 @@
 """The embedded default model (real SmolLM2 weights): slow tier, `make test-slow`."""
+
 import pytest
 import torch
 

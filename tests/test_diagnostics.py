@@ -1,18 +1,21 @@
-"""Prefix-cache diagnostics on real SmolLM2 tokens: each fires on the bad practice, stays silent on the good one."""
+"""Prefix-cache diagnostics on real SmolLM2 tokens: each fires on the bad practice, stays silent on the good
+one."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import TOKENIZER_DIR
 
 from trine.engine.model.tokenizer import Tokenizer
 from trine.metering.diagnostics import PrefixDiagnostics
 from trine.metering.rates import RateCard
 from trine.metering.report import build_report
 
-from conftest import TOKENIZER_DIR
-
-SYSTEM = ("You are a careful assistant for a travel agency. Answer questions about European capitals, "
-          "train connections and museum opening hours. Keep answers short, cite the city, and never invent "
-          "prices. If you do not know, say so plainly and suggest where the traveller could ask instead.")
+SYSTEM = (
+    "You are a careful assistant for a travel agency. Answer questions about European capitals, "
+    "train connections and museum opening hours. Keep answers short, cite the city, and never invent "
+    "prices. If you do not know, say so plainly and suggest where the traveller could ask instead."
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +31,9 @@ def chat(*turns, system=SYSTEM):
 
 
 def observe(diag, tok, prompt, completions, run="r1", cached=0, key="k1"):
-    return diag.observe(key, "s1", run, "SmolLM2-135M-Instruct", f"req{len(prompt)}", prompt, cached,
-                        completions, tok.decode)
+    return diag.observe(
+        key, "s1", run, "SmolLM2-135M-Instruct", f"req{len(prompt)}", prompt, cached, completions, tok.decode
+    )
 
 
 def sampled(tok, *pieces):
@@ -54,8 +58,10 @@ def rebuilt_conversation(tok, answers):
         prompts.append(prompt)
         reals.append(prompt + completion)
         found.append(observe(diag, tok, prompt, [completion]))
-        text = text + tok.decode(completion) + f"\n<|im_start|>user\n{QUESTIONS[(turn + 1) % 3]}<|im_end|>\n" \
-                                               "<|im_start|>assistant\n"
+        text = (
+            text + tok.decode(completion) + f"\n<|im_start|>user\n{QUESTIONS[(turn + 1) % 3]}<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
         prompt = tok.encode(text)
         assert tok.decode(prompt).startswith(tok.decode(reals[-1]))
     return found, prompts, reals
@@ -63,12 +69,13 @@ def rebuilt_conversation(tok, answers):
 
 def test_retokenized_history_fires(tok):
     found, prompts, reals = rebuilt_conversation(tok, ANSWERS)
-    assert all(later[:len(real)] != real for later, real in zip(prompts[1:], reals))
+    assert all(later[: len(real)] != real for later, real in zip(prompts[1:], reals))
     assert found[0] == []
     for turn in (1, 2):
         (d,) = found[turn]
         assert d.pattern == "retokenized_history"
-        # " Par" + "is." re-tokenizes as " Paris" + ".": the prompt diverges right after the answer's first piece
+        # " Par" + "is." re-tokenizes as " Paris" + ".": the prompt diverges right after the answer's first
+        # piece
         previous = len(prompts[turn - 1]) + len(tok.encode(ANSWERS[turn - 1][0]))
         assert d.diverge_position == previous
         assert d.tokens_lost == len(reals[turn - 1]) - previous
@@ -77,9 +84,10 @@ def test_retokenized_history_fires(tok):
 def test_a_later_reply_that_re_tokenizes_differently_fires_though_earlier_ones_did_not(tok):
     """The prompt still extends an older turn's real tokens (that reply re-tokenized the same); the
     latest turn it continues is the one whose tokens it left."""
-    found, prompts, reals = rebuilt_conversation(tok, [(" The capital is Paris.",), (" It is", " Ber", "lin."),
-                                                       (" Yes.",)])
-    assert prompts[1][:len(reals[0])] == reals[0] and prompts[2][:len(reals[1])] != reals[1]
+    found, prompts, reals = rebuilt_conversation(
+        tok, [(" The capital is Paris.",), (" It is", " Ber", "lin."), (" Yes.",)]
+    )
+    assert prompts[1][: len(reals[0])] == reals[0] and prompts[2][: len(reals[1])] != reals[1]
     assert found[0] == [] and found[1] == []
     (d,) = found[2]
     assert d.pattern == "retokenized_history"
@@ -114,8 +122,11 @@ def test_appending_real_tokens_is_silent(tok):
         completion = sampled(tok, *ANSWERS[turn])
         assert observe(diag, tok, prompt, [completion], cached=16 * (len(prompt) // 32)) == []
         if turn < 2:
-            prompt = prompt + completion + tok.encode(
-                f"\n<|im_start|>user\n{QUESTIONS[turn + 1]}<|im_end|>\n<|im_start|>assistant\n")
+            prompt = (
+                prompt
+                + completion
+                + tok.encode(f"\n<|im_start|>user\n{QUESTIONS[turn + 1]}<|im_end|>\n<|im_start|>assistant\n")
+            )
 
 
 def test_varying_head_fires_and_fixed_first_is_silent(tok):
@@ -135,7 +146,9 @@ def test_varying_head_fires_and_fixed_first_is_silent(tok):
     diag = PrefixDiagnostics()
     for (date, uid), q in zip(users, QUESTIONS):
         prompt = tok.encode(chat(("user", f"[{date}, user {uid}] {q}")))
-        assert observe(diag, tok, prompt, [[tok.encode("Ok")[0]]] * 4, cached=16 * (len(prompt) // 16 - 1)) == []
+        assert (
+            observe(diag, tok, prompt, [[tok.encode("Ok")[0]]] * 4, cached=16 * (len(prompt) // 16 - 1)) == []
+        )
 
 
 def test_split_group_fires(tok):
@@ -165,9 +178,15 @@ def test_report_names_patterns(tok):
     diag = PrefixDiagnostics()
     diags = []
     for date, q in zip(["2026-01-05", "2026-01-06", "2026-01-07"], QUESTIONS):
-        diags += observe(diag, tok, tok.encode(chat(("user", q), system=f"Today is {date}.\n{SYSTEM}")), [[5]] * 2)
-    report = build_report([], None, RateCard.from_tomls([("t", '[models.default]\nprefill=1\nsample=3\ntrain=3\n')]),
-                          diagnostics=diags)
+        diags += observe(
+            diag, tok, tok.encode(chat(("user", q), system=f"Today is {date}.\n{SYSTEM}")), [[5]] * 2
+        )
+    report = build_report(
+        [],
+        None,
+        RateCard.from_tomls([("t", "[models.default]\nprefill=1\nsample=3\ntrain=3\n")]),
+        diagnostics=diags,
+    )
     (p,) = report.diagnostics
     assert p.pattern == "varying_head" and p.requests == 2
     assert p.tokens_lost == sum(d.tokens_lost for d in diags)

@@ -5,6 +5,7 @@ The server serves the tiny test model under the default model's name, so the sni
 user runs them against `trine serve`; the clients find it through the variables a user sets
 (`TRINE_BASE_URL` / `TRINE_API_KEY`, `PYTRIO_BASE_URL` / `PYTRIO_API_KEY`).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from serverutil import serve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,16 +38,29 @@ def run_python(code: str, server, tmp_path: Path, monkeypatch, capsys) -> str:
     (sharing the imports keeps each run to the snippet's own work), except a script using the official
     pytrio client, whose session is closed at interpreter exit: that one gets a process of its own, which
     exits while the server is still up."""
-    env = {"TRINE_BASE_URL": server.url, "TRINE_API_KEY": server.api_key, "PYTRIO_BASE_URL": server.url,
-           "PYTRIO_API_KEY": server.api_key, "TRINE_HOME": str(tmp_path), "NO_PROXY": "127.0.0.1,localhost",
-           "HF_HUB_OFFLINE": "1"}
+    env = {
+        "TRINE_BASE_URL": server.url,
+        "TRINE_API_KEY": server.api_key,
+        "PYTRIO_BASE_URL": server.url,
+        "PYTRIO_API_KEY": server.api_key,
+        "TRINE_HOME": str(tmp_path),
+        "NO_PROXY": "127.0.0.1,localhost",
+        "HF_HUB_OFFLINE": "1",
+    }
     script = tmp_path / "snippet.py"
     script.write_text(code)
     if "import pytrio" in code:
-        proc = subprocess.run([sys.executable, str(script)], env={**os.environ, **env}, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, (f"snippet failed:\n{code}\n--- stdout\n{proc.stdout}\n"
-                                      f"--- stderr\n{proc.stderr}")
+        proc = subprocess.run(
+            [sys.executable, str(script)],
+            env={**os.environ, **env},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, (
+            f"snippet failed:\n{code}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        )
         return proc.stdout
     for k, v in env.items():
         monkeypatch.setenv(k, v)

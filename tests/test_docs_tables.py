@@ -3,6 +3,7 @@ code's own, every limit the code defines is documented, every error message the 
 quotes still exists, and the README stays short. (`mkdocs build --strict`, run by `make test`, checks
 links and anchors.)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -92,8 +93,11 @@ def test_every_limit_in_the_code_is_documented():
     from trine import limits
 
     listed = {(where, name) for where, name, _ in hook.LIMITS}
-    constants = {n for n, v in vars(limits).items()
-                 if n.isupper() and isinstance(v, numbers.Number) and not isinstance(v, bool)}
+    constants = {
+        n
+        for n, v in vars(limits).items()
+        if n.isupper() and isinstance(v, numbers.Number) and not isinstance(v, bool)
+    }
     missing = sorted(n for n in constants if ("limits", n) not in listed)
     assert not missing, f"trine.limits has limits the Limits page omits (add them to LIMITS): {missing}"
     fields = {f.name for f in dataclasses.fields(limits.KeyLimits)}
@@ -110,6 +114,7 @@ def test_cli_reference_has_every_command_and_option():
     import importlib
 
     import click
+
     from trine.cli.main import COMMANDS
 
     ref = hook.cli_reference()
@@ -133,6 +138,7 @@ def _sources() -> str:
     texts = [p.read_text() for p in (ROOT / "src" / "trine").rglob("*.py")]
     try:
         import tinker  # the official client's own messages (the `tml-` prefix)
+
         texts += [p.read_text() for p in Path(tinker.__file__).parent.rglob("*.py")]
     except ImportError:
         pass
@@ -199,9 +205,9 @@ def test_numbers_written_in_prose_match_the_code():
 
 def test_readme_layout_names_paths_that_exist():
     text = (ROOT / "README.md").read_text()
-    tree = text[text.index("## Layout"):]
-    tree = tree[tree.index("```") + 3:]
-    tree = tree[:tree.index("```")]
+    tree = text[text.index("## Layout") :]
+    tree = tree[tree.index("```") + 3 :]
+    tree = tree[: tree.index("```")]
     parent = ""
     checked = 0
     for line in tree.strip("\n").splitlines():

@@ -10,6 +10,7 @@ on a GPU. Measured on CPU (tiny random models, 2-core machine) and stated as tol
 - a short LoRA SFT: the bf16 loss curve follows fp32's within SFT_CURVE_RTOL per step, and both
   learn (the 12th loss is under 0.7 of the first); measured within 0.03%.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,15 +20,21 @@ import random
 import pytest
 import torch
 
-from trine.engine.api import LoRAConfig
-from trine.engine.runtime.local import LocalEngine
-from trine.engine.api import Loss
-from trine.engine.api import AdamConfig, SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
-from trine.engine.sampler.sampler import Sampler
-from trine.engine.model.tokenizer import Tokenizer
-from trine.engine.trainer.trainer import Trainer
-from trine.engine.model.weights import load_model
+from trine.engine.api import (
+    AdamConfig,
+    LoRAConfig,
+    Loss,
+    SampleRequest,
+    SamplingOptions,
+    TrainDatum,
+    WeightsIdentity,
+)
 from trine.engine.model import invariant
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
+from trine.engine.runtime.local import LocalEngine
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.trainer.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -75,8 +82,12 @@ def test_bf16_runs_in_bf16_with_fp32_where_numerics_need_it(models):
     assert logits.dtype == torch.float32
     trainer.forward_backward([("r", [TrainDatum([5, 6, 7], [6, 7, 8])], Loss.parse("cross_entropy"))])
     trainer.optim_step("r", AdamConfig(learning_rate=1e-3))
-    assert all(v.dtype == torch.float32 for st in run.optimizer.state.values() for v in st.values()
-               if torch.is_tensor(v) and v.is_floating_point())
+    assert all(
+        v.dtype == torch.float32
+        for st in run.optimizer.state.values()
+        for v in st.values()
+        if torch.is_tensor(v) and v.is_floating_point()
+    )
 
 
 def test_bf16_sampler_matches_trainer_and_stays_near_fp32(models):
@@ -88,20 +99,34 @@ def test_bf16_sampler_matches_trainer_and_stays_near_fp32(models):
     tb = trainers[torch.bfloat16]
     s = Sampler(bf, Tokenizer(bf.source_dir), kv_cache_bytes=8 * MB)
     opts = SamplingOptions(max_tokens=8, temperature=1.0, seed=3, stop_at_eos=False)
-    res = s.run([(SampleRequest(f"p{i}", p, opts, tb.weights_identity("r"), num_samples=2), tb.snapshot("r"))
-                 for i, p in enumerate(prompts)])
+    res = s.run(
+        [
+            (SampleRequest(f"p{i}", p, opts, tb.weights_identity("r"), num_samples=2), tb.snapshot("r"))
+            for i, p in enumerate(prompts)
+        ]
+    )
     for p, r in zip(prompts, res):
         for seq in r.sequences:
             data.append(TrainDatum(p + seq.tokens[:-1], [-100] * (len(p) - 1) + seq.tokens))
             want.append(torch.tensor(seq.logprobs))
-    got = {dt: t.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0].logprobs
-           for dt, t in trainers.items()}
-    self_diff = max(float((torch.tensor(g[-len(w):]) - w).abs().max())
-                    for g, w in zip(got[torch.bfloat16], want))
+    got = {
+        dt: t.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0].logprobs
+        for dt, t in trainers.items()
+    }
+    self_diff = max(
+        float((torch.tensor(g[-len(w) :]) - w).abs().max()) for g, w in zip(got[torch.bfloat16], want)
+    )
     assert self_diff <= BF16_SELF_ATOL
-    diffs = torch.cat([(torch.tensor(a[-len(w):]) - torch.tensor(b[-len(w):])).abs()
-                       for a, b, w in zip(got[torch.bfloat16], got[torch.float32], want)])
-    print(f'bf16 vs fp32 logprobs: mean {float(diffs.mean()):.4f} max {float(diffs.max()):.4f}; bf16 sampler vs trainer {self_diff}')
+    diffs = torch.cat(
+        [
+            (torch.tensor(a[-len(w) :]) - torch.tensor(b[-len(w) :])).abs()
+            for a, b, w in zip(got[torch.bfloat16], got[torch.float32], want)
+        ]
+    )
+    print(
+        f"bf16 vs fp32 logprobs: mean {float(diffs.mean()):.4f} max {float(diffs.max()):.4f}; "
+        f"bf16 sampler vs trainer {self_diff}"
+    )
     assert float(diffs.mean()) < BF16_VS_FP32_ATOL and float(diffs.max()) < BF16_VS_FP32_MAX
 
 
@@ -115,13 +140,15 @@ def test_bf16_sft_loss_curve_follows_fp32(models):
         trainer.create_run("sft", LoRAConfig(rank=8))
         curve = []
         for _ in range(12):
-            curve.append(trainer.forward_backward([("sft", [datum] * 2, Loss.parse("cross_entropy"))])[0].loss_mean)
+            curve.append(
+                trainer.forward_backward([("sft", [datum] * 2, Loss.parse("cross_entropy"))])[0].loss_mean
+            )
             trainer.optim_step("sft", AdamConfig(learning_rate=2e-3))
         curves[dt] = curve
     fp, bf = curves[torch.float32], curves[torch.bfloat16]
     for a, b in zip(fp, bf):
         assert abs(b - a) <= SFT_CURVE_RTOL * a, (fp, bf)
-    print('sft loss fp32', [round(x, 4) for x in fp], 'bf16', [round(x, 4) for x in bf])
+    print("sft loss fp32", [round(x, 4) for x in fp], "bf16", [round(x, 4) for x in bf])
     assert fp[-1] < fp[0] * 0.7 and bf[-1] < bf[0] * 0.7
 
 
@@ -131,14 +158,24 @@ def test_engine_dtype_option(tiny_model_dir):
         LocalEngine("tiny", tiny_model_dir, dtype="float16")
 
     async def run():
-        engine = LocalEngine("tiny", tiny_model_dir, device=DEVICE, num_threads=1, dtype="bfloat16",
-                             sampler_options={"kv_cache_bytes": 4 * MB})
+        engine = LocalEngine(
+            "tiny",
+            tiny_model_dir,
+            device=DEVICE,
+            num_threads=1,
+            dtype="bfloat16",
+            sampler_options={"kv_cache_bytes": 4 * MB},
+        )
         await engine.start()
         try:
-            res = await engine.sample(SampleRequest("d", [5, 6, 7], SamplingOptions(max_tokens=3, stop_at_eos=False),
-                                                    WeightsIdentity("tiny")))
+            res = await engine.sample(
+                SampleRequest(
+                    "d", [5, 6, 7], SamplingOptions(max_tokens=3, stop_at_eos=False), WeightsIdentity("tiny")
+                )
+            )
             return engine.worker.model.dtype, res
         finally:
             await engine.stop()
+
     dtype, res = asyncio.run(run())
     assert dtype == torch.bfloat16 and len(res.sequences[0].tokens) == 3

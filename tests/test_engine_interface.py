@@ -1,4 +1,5 @@
 """The engine interface through its in-process backend: plain serialisable calls only."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,25 +8,52 @@ import pickle
 
 import pytest
 
-from trine.engine.api import SampleCancelled, SampleDelta
+from trine.engine.api import (
+    FORWARD_BACKWARD,
+    INIT_RUN,
+    OPTIMIZE_STEP,
+    SAVE_WEIGHTS,
+    AdamConfig,
+    CycleEvent,
+    Forward,
+    InitRun,
+    LoRAConfig,
+    Loss,
+    OptimStep,
+    RunShare,
+    SampleCancelled,
+    SampleDelta,
+    SampleRequest,
+    SampleResult,
+    SamplingOptions,
+    Save,
+    TrainDatum,
+    TrainingCycle,
+    WeightsIdentity,
+)
 from trine.engine.runtime.local import LocalEngine
-from trine.engine.api import Loss
-from trine.engine.api import LoRAConfig
-from trine.engine.api import FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_WEIGHTS, CycleEvent, Forward, InitRun, OptimStep, RunShare, Save, TrainingCycle
-from trine.engine.api import AdamConfig, SampleRequest, SampleResult, SamplingOptions, TrainDatum, WeightsIdentity
 
 
 def _engine(model_dir) -> LocalEngine:
-    return LocalEngine("tiny", model_dir, device="cpu", num_threads=1,
-                       sampler_options={"kv_cache_bytes": 8 << 20},
-                       trainer_options={"micro_batch_tokens": 256})
+    return LocalEngine(
+        "tiny",
+        model_dir,
+        device="cpu",
+        num_threads=1,
+        sampler_options={"kv_cache_bytes": 8 << 20},
+        trainer_options={"micro_batch_tokens": 256},
+    )
 
 
 def _cycle(n: int, run_id: str, *events: tuple[str, str, object]) -> TrainingCycle:
     share = RunShare()
     for ev_id, type_, op in events:
-        phase = {INIT_RUN: share.pre, FORWARD_BACKWARD: share.forward, OPTIMIZE_STEP: share.optim,
-                 SAVE_WEIGHTS: share.post}[type_]
+        phase = {
+            INIT_RUN: share.pre,
+            FORWARD_BACKWARD: share.forward,
+            OPTIMIZE_STEP: share.optim,
+            SAVE_WEIGHTS: share.post,
+        }[type_]
         phase.append(CycleEvent(ev_id, type_, op))
     return TrainingCycle(n, {run_id: share})
 
@@ -37,11 +65,14 @@ def test_train_publish_sample_spill_and_reload_by_checkpoint_id(tiny_model_dir, 
         try:
             tokens = list(range(100, 132))
             data = [TrainDatum(tokens, tokens[1:] + [-100], [1.0] * 32)]
-            cycle = _cycle(1, "run",
-                           ("e1", INIT_RUN, InitRun(LoRAConfig(rank=4, seed=3))),
-                           ("e2", FORWARD_BACKWARD, Forward(data, Loss.parse("cross_entropy"))),
-                           ("e3", OPTIMIZE_STEP, OptimStep(AdamConfig(learning_rate=1e-2))),
-                           ("e4", SAVE_WEIGHTS, Save("weights", checkpoint_id="ck1")))
+            cycle = _cycle(
+                1,
+                "run",
+                ("e1", INIT_RUN, InitRun(LoRAConfig(rank=4, seed=3))),
+                ("e2", FORWARD_BACKWARD, Forward(data, Loss.parse("cross_entropy"))),
+                ("e3", OPTIMIZE_STEP, OptimStep(AdamConfig(learning_rate=1e-2))),
+                ("e4", SAVE_WEIGHTS, Save("weights", checkpoint_id="ck1")),
+            )
             cycle = pickle.loads(pickle.dumps(cycle))  # what crosses is plain data
             res = await eng.run_cycle(cycle)
             res = pickle.loads(pickle.dumps(res))
@@ -86,16 +117,27 @@ def test_stream_cancel_and_no_live_modules_across(tiny_model_dir):
         await eng.start()
         try:
             opts = SamplingOptions(max_tokens=5, temperature=1.0, seed=7)
-            items = [x async for x in eng.sample_stream(
-                SampleRequest("s", [9, 10, 11], opts, WeightsIdentity("tiny"), num_samples=2))]
+            items = [
+                x
+                async for x in eng.sample_stream(
+                    SampleRequest("s", [9, 10, 11], opts, WeightsIdentity("tiny"), num_samples=2)
+                )
+            ]
             deltas, final = items[:-1], items[-1]
             assert isinstance(final, SampleResult) and all(isinstance(d, SampleDelta) for d in deltas)
             for i, seq in enumerate(final.sequences):
                 assert [t for d in deltas if d.sequence == i for t in d.tokens] == seq.tokens
 
-            long = asyncio.ensure_future(eng.sample(SampleRequest(
-                "long", [9, 10, 11], SamplingOptions(max_tokens=1000, stop_at_eos=False),
-                WeightsIdentity("tiny"))))
+            long = asyncio.ensure_future(
+                eng.sample(
+                    SampleRequest(
+                        "long",
+                        [9, 10, 11],
+                        SamplingOptions(max_tokens=1000, stop_at_eos=False),
+                        WeightsIdentity("tiny"),
+                    )
+                )
+            )
             await asyncio.sleep(0.2)
             await eng.cancel("long")
             with pytest.raises(SampleCancelled):

@@ -1,6 +1,7 @@
 """The examples/ recipes. Default suite: each runs end to end through a real server on the tiny
 model (a smoke test of the SDK calls it makes). Slow tier: each runs as a user runs it, on
 SmolLM2-135M-Instruct, and shows the effect it is about."""
+
 from __future__ import annotations
 
 import importlib
@@ -22,6 +23,7 @@ def example(name: str):
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir, tmp_path_factory):
     from serverutil import serve
+
     with serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as srv:
         yield srv
 
@@ -36,13 +38,19 @@ def test_every_example_runs_through_the_sdk(tiny_server, capsys):
     assert 0 <= out["accuracy_after"] <= 1
     out = example("multi_turn_agent").main(common + ["--conversations", "1", "--turns", "2"])
     assert out["append"]["prompt_tokens"] > 0 and out["retokenize"]["prompt_tokens"] > 0
-    out = example("distill").main(common + ["--steps", "1", "--teacher-steps", "1", "--prompts", "1", "--group", "2"])
+    out = example("distill").main(
+        common + ["--steps", "1", "--teacher-steps", "1", "--prompts", "1", "--group", "2"]
+    )
     assert len(out["reverse_kl_curve"]) == 1
     printed = capsys.readouterr().out
     assert printed.count("Usage by phase") == 5  # each prints its usage by phase
     # each step's line says how long it took, the throughput and the time left
-    timed = re.findall(r"\[(\d+\.\d) s/(step|conversation), ([\d,]+) tok/s, ETA (\d+ s|\d+ min \d\d s)\]", printed)
-    assert len([t for t in timed if t[1] == "step"]) >= 5, printed  # sft, grpo, dpo, distill (teacher + student)
+    timed = re.findall(
+        r"\[(\d+\.\d) s/(step|conversation), ([\d,]+) tok/s, ETA (\d+ s|\d+ min \d\d s)\]", printed
+    )
+    assert len([t for t in timed if t[1] == "step"]) >= 5, (
+        printed
+    )  # sft, grpo, dpo, distill (teacher + student)
     assert len([t for t in timed if t[1] == "conversation"]) == 2  # the agent: one line per conversation
     assert any(int(t[2].replace(",", "")) > 0 for t in timed)
 
@@ -73,6 +81,7 @@ def test_example_help_is_sentences_with_defaults(name, capsys):
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     from trine.engine.model.default_model import ensure_default_model
+
     return ["--model", str(ensure_default_model()), "--home", str(tmp_path_factory.mktemp("home"))]
 
 

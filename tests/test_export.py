@@ -1,4 +1,6 @@
-"""Adapters that load elsewhere: `trine export` (PEFT adapter or merged model) and downloads into a directory."""
+"""Adapters that load elsewhere: `trine export` (PEFT adapter or merged model) and downloads into a
+directory."""
+
 from __future__ import annotations
 
 import json
@@ -6,14 +8,13 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from test_losses import randomize
 
 from trine.cli.main import main
-from trine.engine.model.lora import AdapterBatch
 from trine.engine.api import LoRAConfig
-from trine.engine.trainer.trainer import Trainer
+from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.weights import load_model
-
-from test_losses import randomize
+from trine.engine.trainer.trainer import Trainer
 
 TOKENS = torch.tensor([[5, 900, 17, 4000, 23, 8, 49000, 3, 77, 1200]])
 
@@ -36,12 +37,15 @@ def saved(tiny_model_dir, tmp_path_factory):
 
 def hf_logits(path):
     from transformers import AutoModelForCausalLM
+
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return m(TOKENS).logits
 
 
-def test_merged_export_gives_trines_adapter_logits_with_tied_embeddings_untied(saved, tiny_model_dir, tmp_path):
+def test_merged_export_gives_trines_adapter_logits_with_tied_embeddings_untied(
+    saved, tiny_model_dir, tmp_path
+):
     path, want, base = saved
     out = tmp_path / "merged"
     r = CliRunner().invoke(main, ["export", str(path), str(out), "--merged"])
@@ -54,7 +58,11 @@ def test_merged_export_gives_trines_adapter_logits_with_tied_embeddings_untied(s
     assert (got - want).abs().max() <= 1e-4
     # the untied input embeddings are still the base model's
     from safetensors.torch import load_file
-    merged, orig = load_file(str(out / "model.safetensors")), load_file(str(tiny_model_dir / "model.safetensors"))
+
+    merged, orig = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(tiny_model_dir / "model.safetensors")),
+    )
     assert torch.equal(merged["model.embed_tokens.weight"], orig["model.embed_tokens.weight"])
     # a second export into the same (now non-empty) directory is refused, not mixed in
     again = CliRunner().invoke(main, ["export", str(path), str(out), "--merged"])
@@ -63,12 +71,16 @@ def test_merged_export_gives_trines_adapter_logits_with_tied_embeddings_untied(s
 
 def test_adapter_export_loads_with_peft_from_its_own_config(saved, tmp_path):
     from peft import AutoPeftModelForCausalLM
+
     path, want, _ = saved
     out = tmp_path / "adapter"
     r = CliRunner().invoke(main, ["export", str(path), str(out)])
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
-                                                     "trine_checkpoint.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "trine_checkpoint.json",
+    ]
     m = AutoPeftModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
         assert (m(TOKENS).logits - want).abs().max() <= 1e-4
@@ -79,6 +91,7 @@ def peft_config_keys() -> set[str]:
     import dataclasses
 
     from peft import LoraConfig
+
     return {f.name for f in dataclasses.fields(LoraConfig)}
 
 
@@ -96,6 +109,7 @@ def test_exported_files_are_readable_by_all_and_writable_by_the_owner(saved, tin
     """safetensors writes 0600 and a base model's files may be read-only or private: exports are 0644."""
     import shutil
     import stat
+
     path, _, _ = saved
     base = tmp_path / "base"
     shutil.copytree(tiny_model_dir, base)
@@ -120,22 +134,31 @@ def test_export_refuses_unknown_checkpoint(tmp_path):
 
 
 def test_download_checkpoint_into_a_directory_extracts_a_peft_adapter(tiny_model_dir, tmp_path):
-    import trine as trio
     from serverutil import serve
 
-    with serve(tiny_model_dir, tmp_path / "home") as srv, \
-            trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as service:
+    import trine as trio
+
+    with (
+        serve(tiny_model_dir, tmp_path / "home") as srv,
+        trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as service,
+    ):
         trainer = service.create_lora_training_client("tiny-llama", rank=4)
         saved = trainer.save_weights_for_sampler("exported").result()
         rest = service.create_rest_client()
-        ck = next(c for c in rest.list_checkpoints(trainer.training_run_id).result().checkpoints
-                  if c.path == saved.path)
+        ck = next(
+            c
+            for c in rest.list_checkpoints(trainer.training_run_id).result().checkpoints
+            if c.path == saved.path
+        )
         target = tmp_path / "adapter"
         target.mkdir()
         result = rest.download_checkpoint(ck.checkpoint_id, target).result()
         assert result.path == str(target)
-        assert sorted(p.name for p in target.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
-                                                            "trine_checkpoint.json"]
+        assert sorted(p.name for p in target.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "trine_checkpoint.json",
+        ]
         cfg = json.loads((target / "adapter_config.json").read_text())
         assert cfg["base_model_name_or_path"] == str(tiny_model_dir.resolve())
         assert json.loads((target / "trine_checkpoint.json").read_text())["base_model"] == "tiny-llama"

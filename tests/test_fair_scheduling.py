@@ -1,11 +1,12 @@
 """Fairness across tenants (API keys) in the sampler's scheduler, with plain numbers: admission
 by tokens, each tenant's share of the running batch and KV pool, and prefill rows shared by tokens."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from test_scheduler import add, pool, prefill, request
+
 from trine.engine.sampler.admission import FairAdmission, admission_cost
 from trine.engine.sampler.scheduler import Scheduler
 
@@ -109,7 +110,11 @@ def test_admission_alternates_between_tenants_by_tokens():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("ABC"), st.integers(1, 40), st.integers(1, 40)), min_size=2, max_size=60))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("ABC"), st.integers(1, 40), st.integers(1, 40)), min_size=2, max_size=60
+    )
+)
 def test_tokens_admitted_while_tenants_wait_differ_by_at_most_one_request(reqs):
     """Every tenant waits from the start: while two tenants both still wait, the tokens admitted for
     them differ by at most the largest request's cost."""

@@ -1,7 +1,9 @@
 """Connections that send nothing (or never finish their headers) cannot crowd out valid requests:
-a header timeout drops them, a connection cap counted at accept time closes the oldest connection without a request, a request
+a header timeout drops them, a connection cap counted at accept time closes the oldest connection without a
+request, a request
 uvicorn cannot parse gets a JSON answer, and each condition is
 logged once, not once per connection."""
+
 from __future__ import annotations
 
 import json
@@ -13,14 +15,16 @@ import time
 import httpx
 import psutil
 import pytest
-
 from serverutil import serve
+
 from trine.server import connections
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    with serve(tiny_model_dir, tmp_path_factory.mktemp("home"), max_connections=16, header_timeout=1.5) as srv:
+    with serve(
+        tiny_model_dir, tmp_path_factory.mktemp("home"), max_connections=16, header_timeout=1.5
+    ) as srv:
         yield srv
 
 
@@ -80,8 +84,11 @@ def test_a_connection_without_complete_headers_is_dropped(server):
 def server_connections(url: str) -> int:
     """Established TCP connections whose local end is the server's port (this process serves)."""
     port = int(url.rsplit(":", 1)[1])
-    return sum(1 for c in psutil.Process().net_connections("tcp")
-               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+    return sum(
+        1
+        for c in psutil.Process().net_connections("tcp")
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
 
 
 def test_a_burst_of_headerless_connections_keeps_the_cap_and_valid_clients_served(server):
@@ -91,7 +98,7 @@ def test_a_burst_of_headerless_connections_keeps_the_cap_and_valid_clients_serve
     socks, failures, peak = [], 0, 0
     try:
         with httpx.Client(base_url=server.url, trust_env=False, timeout=10) as c:
-            for wave in range(6):
+            for _wave in range(6):
                 socks += open_idle(server.url, 50, b"")
                 time.sleep(0.05)
                 peak = max(peak, server_connections(server.url))
@@ -143,8 +150,9 @@ def raw_request(url: str, data: bytes) -> bytes:
 
 
 def test_oversized_headers_and_bad_content_length_get_json_answers(server):
-    huge = raw_request(server.url, b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\nX-API-Key: "
-                       + b"k" * (1 << 20) + b"\r\n\r\n")
+    huge = raw_request(
+        server.url, b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\nX-API-Key: " + b"k" * (1 << 20) + b"\r\n\r\n"
+    )
     head, _, body = huge.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431")
     assert json.loads(body)["code"] == "request_header_fields_too_large"

@@ -1,5 +1,6 @@
 """Every change of service state happens on the event loop thread: control-plane routes hammered
 from many threads at once never write from another thread, and run numbering stays consistent."""
+
 from __future__ import annotations
 
 import collections
@@ -7,7 +8,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from serverutil import RawClient, event, init_payload, serve
 
 MODEL = "tiny-llama"
@@ -30,6 +30,7 @@ def test_control_plane_state_changes_all_run_on_the_loop(server, monkeypatch):
             def spy(*a, _original=original, _name=name, **kw):
                 writers[(_name, threading.current_thread().name)] += 1
                 return _original(*a, **kw)
+
             monkeypatch.setattr(store, name, spy)
 
     c0 = RawClient(server.url, server.api_key)
@@ -39,8 +40,10 @@ def test_control_plane_state_changes_all_run_on_the_loop(server, monkeypatch):
     c0.wait(run, f"event_ham{rid[-6:]}1")
     for i in range(2, 8):
         c0.submit(run, event(f"event_ham{rid[-6:]}{i}", "save_weights", i, {"name": f"ck{i}"}, rid))
-    checkpoints = [c0.wait(run, f"event_ham{rid[-6:]}{i}")["result"]["checkpoint"]["checkpoint_cuid"]
-                   for i in range(2, 8)]
+    checkpoints = [
+        c0.wait(run, f"event_ham{rid[-6:]}{i}")["result"]["checkpoint"]["checkpoint_cuid"]
+        for i in range(2, 8)
+    ]
 
     def worker(n: int) -> list[int]:
         c = RawClient(server.url, server.api_key)
@@ -48,11 +51,17 @@ def test_control_plane_state_changes_all_run_on_the_loop(server, monkeypatch):
             statuses = []
             session = c.session()
             for _ in range(3):
-                r = c.control("POST", f"service-sessions/{session}/training-runs",
-                              json={"base_model": MODEL, "lora_rank": 4})
+                r = c.control(
+                    "POST",
+                    f"service-sessions/{session}/training-runs",
+                    json={"base_model": MODEL, "lora_rank": 4},
+                )
                 statuses.append(r.status_code)
-                statuses.append(c.control("POST", f"service-sessions/{session}/sampling-runs",
-                                          json={"base_model": MODEL}).status_code)
+                statuses.append(
+                    c.control(
+                        "POST", f"service-sessions/{session}/sampling-runs", json={"base_model": MODEL}
+                    ).status_code
+                )
                 statuses.append(c.control("GET", "checkpoints").status_code)
             if n < len(checkpoints):
                 statuses.append(c.control("DELETE", f"checkpoints/{checkpoints[n]}").status_code)

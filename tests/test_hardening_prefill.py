@@ -1,6 +1,7 @@
 """Chunked prefill: a long prompt is prefilled over several engine steps of at most
 `max_batch_tokens` positions, interleaved with decode steps, so it never stalls other requests;
 results equal the one-forward path. Also: tiny temperatures are greedy, stop lists are bounded."""
+
 from __future__ import annotations
 
 import random
@@ -9,9 +10,9 @@ import pytest
 import torch
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler.sampler import Sampler
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
+from trine.engine.sampler.sampler import Sampler
 
 W = WeightsIdentity("tiny")
 _ids = iter(range(10**9))
@@ -30,8 +31,9 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 def req(p, max_tokens=6, n=1, **kw) -> SampleRequest:
     extra = {k: kw.pop(k) for k in ("prompt_logprobs", "topk_prompt_logprobs", "generate") if k in kw}
     kw.setdefault("stop_at_eos", False)
-    return SampleRequest(f"r{next(_ids)}", list(p), SamplingOptions(max_tokens=max_tokens, **kw), W,
-                         num_samples=n, **extra)
+    return SampleRequest(
+        f"r{next(_ids)}", list(p), SamplingOptions(max_tokens=max_tokens, **kw), W, num_samples=n, **extra
+    )
 
 
 def test_chunked_prefill_equals_one_forward(model_tok):
@@ -39,10 +41,12 @@ def test_chunked_prefill_equals_one_forward(model_tok):
     results = {}
     for budget in (4096, 48):
         s = Sampler(*model_tok, kv_cache_bytes=16 << 20, max_batch_tokens=budget)
-        reqs = [req(long, prompt_logprobs=True, topk_prompt_logprobs=3, temperature=0.0),
-                req(long, max_tokens=8, n=3, seed=5),
-                req(shared + prompt(20, 3), generate=False),
-                req(shared + prompt(5, 4), max_tokens=4, temperature=0.0)]
+        reqs = [
+            req(long, prompt_logprobs=True, topk_prompt_logprobs=3, temperature=0.0),
+            req(long, max_tokens=8, n=3, seed=5),
+            req(shared + prompt(20, 3), generate=False),
+            req(shared + prompt(5, 4), max_tokens=4, temperature=0.0),
+        ]
         results[budget] = s.run(reqs)
         assert s.stats["prefilling"] == 0 and s.kv.num_used == 0
     for whole, chunked in zip(results[4096], results[48]):
@@ -50,12 +54,19 @@ def test_chunked_prefill_equals_one_forward(model_tok):
         for a, b in zip(chunked.sequences, whole.sequences):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
         if whole.prompt_logprobs is not None:
-            assert chunked.prompt_logprobs[0] is None and len(chunked.prompt_logprobs) == len(whole.prompt_logprobs)
-            torch.testing.assert_close(torch.tensor(chunked.prompt_logprobs[1:]),
-                                       torch.tensor(whole.prompt_logprobs[1:]), atol=1e-4, rtol=0)
+            assert chunked.prompt_logprobs[0] is None and len(chunked.prompt_logprobs) == len(
+                whole.prompt_logprobs
+            )
+            torch.testing.assert_close(
+                torch.tensor(chunked.prompt_logprobs[1:]),
+                torch.tensor(whole.prompt_logprobs[1:]),
+                atol=1e-4,
+                rtol=0,
+            )
         if whole.topk_prompt_logprobs is not None:
-            assert [[t for t, _ in row] for row in chunked.topk_prompt_logprobs[1:]] == \
-                [[t for t, _ in row] for row in whole.topk_prompt_logprobs[1:]]
+            assert [[t for t, _ in row] for row in chunked.topk_prompt_logprobs[1:]] == [
+                [t for t, _ in row] for row in whole.topk_prompt_logprobs[1:]
+            ]
         assert chunked.usage == whole.usage
     # the second copy of the long prompt waited for the first one's blocks, then hit them
     assert results[48][1].usage.cached_tokens == results[4096][1].usage.cached_tokens > 0
@@ -84,17 +95,20 @@ def test_a_long_prompt_logprobs_request_does_not_stall_a_short_sample(model_tok)
 def test_tiny_temperature_samples_greedily(model_tok):
     s = Sampler(*model_tok, kv_cache_bytes=16 << 20)
     p = prompt(12, 9)
-    greedy, tiny = s.run([req(p, max_tokens=8, temperature=0.0), req(p, max_tokens=8, temperature=1e-300,
-                                                                       seed=3)])
+    greedy, tiny = s.run(
+        [req(p, max_tokens=8, temperature=0.0), req(p, max_tokens=8, temperature=1e-300, seed=3)]
+    )
     assert tiny.sequences[0].tokens == greedy.sequences[0].tokens
     assert tiny.sequences[0].logprobs == greedy.sequences[0].logprobs
 
 
 def test_stop_lists_are_bounded(model_tok):
     s = Sampler(*model_tok, kv_cache_bytes=16 << 20)
-    for opts, field in ((dict(stop_strings=tuple(f"s{i}" for i in range(300_000))), "stop strings"),
-                        (dict(stop_strings=("x" * 10_000,)), "characters"),
-                        (dict(stop_token_ids=tuple(range(5000))), "stop_token_ids")):
+    for opts, field in (
+        (dict(stop_strings=tuple(f"s{i}" for i in range(300_000))), "stop strings"),
+        (dict(stop_strings=("x" * 10_000,)), "characters"),
+        (dict(stop_token_ids=tuple(range(5000))), "stop_token_ids"),
+    ):
         with pytest.raises(ValueError, match=field):
             s.add(req(prompt(5), **opts))
     assert not s.has_work()
@@ -162,6 +176,7 @@ def costly_chunks(model_tok, monkeypatch):
         monkeypatch.setattr(s, "_decode", decode)
         s.clock = clock
         return s
+
     return build
 
 

@@ -1,6 +1,7 @@
 """Bad input that used to get a 500 (or a half-done write) gets a 4xx before anything is queued;
 body limits count the bytes actually read; a 500 keeps the connection; no error names a server
 file path; public routes answer nothing per key."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import httpx
 import msgpack
 import pytest
 from fastapi import APIRouter
-
 from serverutil import ADAM, RawClient, ce_payload, event, init_payload, serve
 
 MODEL = "tiny-llama"
@@ -58,10 +58,13 @@ def test_out_of_range_event_metadata_is_refused_and_leaves_no_trace(server, clie
     assert client.wait(run, eid)["status"] == "succeeded"
 
 
-@pytest.mark.parametrize("payload, words", [
-    ({"name": "w", "ttl_seconds": 10**15}, ["ttl_seconds"]),
-    ({"name": "w", "ttl_seconds": 0}, ["ttl_seconds"]),
-])
+@pytest.mark.parametrize(
+    "payload, words",
+    [
+        ({"name": "w", "ttl_seconds": 10**15}, ["ttl_seconds"]),
+        ({"name": "w", "ttl_seconds": 0}, ["ttl_seconds"]),
+    ],
+)
 def test_save_ttl_is_range_checked_and_listing_keeps_working(client, payload, words):
     run, rid = new_run(client)
     assert_4xx(client.submit(run, event("event_save00000001", "save_weights", 2, payload, rid)), *words)
@@ -80,27 +83,38 @@ def test_wire_integers_and_floats_are_range_checked(client):
     run, rid = new_run(client)
     bad_tokens = ce_payload([5, 6, 7])
     bad_tokens["data"][0]["target_ids"] = [6, 7, BIG]
-    assert_4xx(client.submit(run, event("event_tok000000001", "forward_backward", 2, bad_tokens, rid)),
-               "target_ids")
+    assert_4xx(
+        client.submit(run, event("event_tok000000001", "forward_backward", 2, bad_tokens, rid)), "target_ids"
+    )
     lora = init_payload(run["model_id"])
     lora["lora_config"]["seed"] = BIG
     run2 = client.training_run(client.session(), MODEL)
     assert_4xx(client.submit(run2, event("event_seed00000001", "init_run", 1, lora)), "seed")
     srun = client.sampling_run(client.session(), MODEL)
-    base = {"request_id": "r1", "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-            "num_samples": 1}
-    for params, word in (({"max_tokens": BIG}, "max_tokens"), ({"max_tokens": 2, "seed": BIG}, "seed"),
-                         ({"max_tokens": 2, "stop_token_ids": [BIG]}, "stop_token_ids"),
-                         ({"max_tokens": 2, "top_k": BIG}, "top_k"),
-                         ({"max_tokens": 2, "stop": ["x"] * 100_000}, "stop strings")):
+    base = {
+        "request_id": "r1",
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "num_samples": 1,
+    }
+    for params, word in (
+        ({"max_tokens": BIG}, "max_tokens"),
+        ({"max_tokens": 2, "seed": BIG}, "seed"),
+        ({"max_tokens": 2, "stop_token_ids": [BIG]}, "stop_token_ids"),
+        ({"max_tokens": 2, "top_k": BIG}, "top_k"),
+        ({"max_tokens": 2, "stop": ["x"] * 100_000}, "stop strings"),
+    ):
         assert_4xx(client.sample(srun, {**base, "sampling_params": params}), word)
     body = json.dumps({**base, "sampling_params": {"max_tokens": 2, "temperature": float("inf")}})
-    r = client.http.post(f"{srun['actor']['endpoint']}/v1/sampling-runs/{srun['sampling_run_cuid']}/sample",
-                         content=body, headers={"Authorization": f"Bearer {srun['actor_jwt']['token']}"})
+    r = client.http.post(
+        f"{srun['actor']['endpoint']}/v1/sampling-runs/{srun['sampling_run_cuid']}/sample",
+        content=body,
+        headers={"Authorization": f"Bearer {srun['actor_jwt']['token']}"},
+    )
     assert_4xx(r, "temperature")
     tiny = client.sample(srun, {**base, "sampling_params": {"max_tokens": 3, "temperature": 1e-300}})
-    greedy = client.sample(srun, {**base, "request_id": "r2", "sampling_params": {"max_tokens": 3,
-                                                                                  "temperature": 0.0}})
+    greedy = client.sample(
+        srun, {**base, "request_id": "r2", "sampling_params": {"max_tokens": 3, "temperature": 0.0}}
+    )
     assert tiny.json()["sequences"][0]["tokens"] == greedy.json()["sequences"][0]["tokens"]
 
 
@@ -110,23 +124,37 @@ def test_control_plane_integers_are_range_checked(client):
         assert client.control("GET", f"{path}?offset={2**63 - 1}").status_code == 200
     session = client.session()
     for field, value in (("seed", BIG), ("lora_rank", BIG), ("seed", -1)):
-        r = client.control("POST", f"service-sessions/{session}/training-runs",
-                           json={"base_model": MODEL, "lora_rank": 4, field: value})
+        r = client.control(
+            "POST",
+            f"service-sessions/{session}/training-runs",
+            json={"base_model": MODEL, "lora_rank": 4, field: value},
+        )
         assert_4xx(r, field)
 
 
 def test_deeply_nested_json_gets_400(client):
     nested = ("[" * 100_000 + "]" * 100_000).encode()
     session = client.session()
-    r = client.control("POST", f"service-sessions/{session}/close", content=b'{"status": ' + nested + b"}",
-                       headers={"Content-Type": "application/json"})
+    r = client.control(
+        "POST",
+        f"service-sessions/{session}/close",
+        content=b'{"status": ' + nested + b"}",
+        headers={"Content-Type": "application/json"},
+    )
     assert_4xx(r)
-    r = client.control("POST", "service-sessions", content=b'{"user_metadata": ' + nested + b"}",
-                       headers={"Content-Type": "application/json"})
+    r = client.control(
+        "POST",
+        "service-sessions",
+        content=b'{"user_metadata": ' + nested + b"}",
+        headers={"Content-Type": "application/json"},
+    )
     assert_4xx(r)
     srun = client.sampling_run(client.session(), MODEL)
-    r = client.http.post(f"{srun['actor']['endpoint']}/v1/sampling-runs/{srun['sampling_run_cuid']}/sample",
-                         content=nested, headers={"Authorization": f"Bearer {srun['actor_jwt']['token']}"})
+    r = client.http.post(
+        f"{srun['actor']['endpoint']}/v1/sampling-runs/{srun['sampling_run_cuid']}/sample",
+        content=nested,
+        headers={"Authorization": f"Bearer {srun['actor_jwt']['token']}"},
+    )
     assert_4xx(r)
     run, rid = new_run(client)
     deep = msgpack.packb({"a": 1})
@@ -143,7 +171,10 @@ def test_chunked_control_bodies_obey_the_limit(server, client):
         for _ in range(3):
             yield b"x" * (1 << 20)
         yield b'"}'
-    r = client.control("POST", "service-sessions", content=chunks(), headers={"Content-Type": "application/json"})
+
+    r = client.control(
+        "POST", "service-sessions", content=chunks(), headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 413 and r.json()["code"] == "request_too_large"
     after = server.service.store.sessions(server.service.store.key_by_secret(server.api_key).id, 1000, 0)[1]
     assert after == before
@@ -176,7 +207,10 @@ def test_a_500_keeps_the_connection_and_names_no_path(server):
 
 def test_checkpoint_errors_name_the_uri_not_the_file(server, client):
     run, rid = new_run(client)
-    assert client.submit(run, event("event_ckpt00000001", "save_state", 2, {"name": "gone"}, rid)).status_code < 300
+    assert (
+        client.submit(run, event("event_ckpt00000001", "save_state", 2, {"name": "gone"}, rid)).status_code
+        < 300
+    )
     uri = client.wait(run, "event_ckpt00000001")["result"]["checkpoint"]["uri"]
     path = Path(server.service.store.checkpoint_by_uri(uri).path)
     shutil.rmtree(path)  # the files vanished behind the server's back
@@ -196,14 +230,19 @@ def test_public_routes_answer_nothing_per_key(server):
         assert set(root) == {"service", "models", "console"}
         assert anon.get("/api/sdk/bootstrap").status_code == 200
         assert anon.post("/api/telemetry/event", json={"x": 1}).status_code == 204
-        for path in ("/api/openapi/v1/checkpoints", "/api/openapi/v1/training-runs", "/api/trine/v1/usage",
-                     "/api/models"):
+        for path in (
+            "/api/openapi/v1/checkpoints",
+            "/api/openapi/v1/training-runs",
+            "/api/trine/v1/usage",
+            "/api/models",
+        ):
             assert anon.get(path).status_code == 401
 
 
 def _routes(routes, prefix=""):
     """(path, methods, param names) of every endpoint, through included routers at any depth."""
     from starlette.routing import Route
+
     for r in routes:
         inner = getattr(r, "original_router", None)  # fastapi's included router
         if inner is not None:
@@ -226,16 +265,25 @@ def test_every_route_but_the_listed_public_ones_needs_a_key(server):
                 r = anon.request(method, url, content=b"{}", headers={"content-type": "application/json"})
                 seen[(method, path)] = r.status_code
     assert len(seen) > 60  # the walk reached the included routers
-    public = sorted((m, p, st) for (m, p), st in seen.items()
-                    if st != 401 and not p.startswith("/test/")  # /test/: this module's own router
-                    and not (p.endswith("{path:path}") and st == 404))  # OpenAI's unknown-route answer
+    public = sorted(
+        (m, p, st)
+        for (m, p), st in seen.items()
+        if st != 401
+        and not p.startswith("/test/")  # /test/: this module's own router
+        and not (p.endswith("{path:path}") and st == 404)
+    )  # OpenAI's unknown-route answer
     assert public == PUBLIC, "\n".join(map(str, public))
 
 
 # The public routes (no key; nothing per key). The console's pages are a static shell; its data
 # routes need the key like every other, and so does every Tinker route (the SDK always sends it).
-PUBLIC = sorted([
-    ("GET", "/", 200), ("GET", "/api/sdk/bootstrap", 200), ("POST", "/api/telemetry/event", 204),
-    ("GET", "/console", 200), ("GET", "/console/{page:path}", 200),
-    ("GET", "/console/static/{name}", 404),  # the shipped assets (no asset is named "x")
-])
+PUBLIC = sorted(
+    [
+        ("GET", "/", 200),
+        ("GET", "/api/sdk/bootstrap", 200),
+        ("POST", "/api/telemetry/event", 204),
+        ("GET", "/console", 200),
+        ("GET", "/console/{page:path}", 200),
+        ("GET", "/console/static/{name}", 404),  # the shipped assets (no asset is named "x")
+    ]
+)

@@ -1,16 +1,17 @@
 """Service-level hardening: reused ids with another body, ids of another key's run, events stored
 before they are queued, checkpoint names that look like archives, downloads after an overwrite."""
+
 from __future__ import annotations
 
+import io
 import sqlite3
 import tarfile
-import io
 
 import httpx
 import msgpack
 import pytest
-
 from serverutil import ADAM, RawClient, ce_payload, event, serve
+
 from trine.limits import KeyLimits
 
 MODEL = "tiny-llama"
@@ -42,7 +43,10 @@ def test_a_reused_event_id_with_another_body_is_a_409(client):
 def test_another_keys_event_id_answers_as_unknown(server, client):
     run_a, rid_a = new_run(client)
     eid = "event_shared000001"
-    assert client.submit(run_a, event(eid, "forward_backward", 2, ce_payload([5, 6, 7, 8]), rid_a)).status_code < 300
+    assert (
+        client.submit(run_a, event(eid, "forward_backward", 2, ce_payload([5, 6, 7, 8]), rid_a)).status_code
+        < 300
+    )
     _, secret_b = server.service.store.create_key("key-b")
     b = RawClient(server.url, secret_b)
     try:
@@ -58,8 +62,11 @@ def test_another_keys_event_id_answers_as_unknown(server, client):
 
 def test_a_reused_sample_request_id_with_another_body_is_a_409(client):
     srun = client.sampling_run(client.session(), MODEL)
-    body = {"request_id": "same-id", "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-            "sampling_params": {"max_tokens": 3, "seed": 1}}
+    body = {
+        "request_id": "same-id",
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 3, "seed": 1},
+    }
     first = client.sample(srun, body)
     assert first.status_code == 200
     assert client.sample(srun, body).json() == first.json()  # a retry: the stored outcome
@@ -73,6 +80,7 @@ def test_a_failed_event_write_leaves_nothing_queued(server, client, monkeypatch)
 
     def broken(rec):
         raise sqlite3.OperationalError("disk I/O error")
+
     monkeypatch.setattr(store, "add_event", broken)
     r = client.submit(run, event("event_ghost0000001", "forward_backward", 2, ce_payload([5, 6, 7]), rid))
     assert r.status_code == 500
@@ -105,7 +113,9 @@ def test_checkpoint_names_w_and_w_tar_and_overwrites(server, client):
     # train one step, overwrite "w": its download now serves the new weights
     client.submit(run, event(f"event_wtar{rid[-6:]}4", "forward_backward", 4, ce_payload([5, 6, 7, 8]), rid))
     client.submit(run, event(f"event_wtar{rid[-6:]}5", "optimize_step", 5, ADAM, rid))
-    client.submit(run, event(f"event_wtar{rid[-6:]}6", "save_weights", 6, {"name": "w", "overwrite": True}, rid))
+    client.submit(
+        run, event(f"event_wtar{rid[-6:]}6", "save_weights", 6, {"name": "w", "overwrite": True}, rid)
+    )
     new_id = client.wait(run, f"event_wtar{rid[-6:]}6")["result"]["checkpoint"]["checkpoint_cuid"]
     weights = lambda files: next(v for k, v in files.items() if k.endswith("adapter_model.safetensors"))
     assert weights(_download(client, new_id)) != weights(first["w"])
@@ -129,18 +139,30 @@ def test_a_just_saved_sampler_stays_available_while_it_is_spilled(limited):
     """max_adapters=1: every new temporary save evicts (spills) the previous one; samplers of the
     evicted snapshot wait for the spill and load it from disk, never answering 'unavailable'."""
     from concurrent.futures import ThreadPoolExecutor
+
     c = RawClient(limited.url, limited.api_key)
     try:
         run, rid = new_run(c)
         uris = []
         for i in range(2, 5):
             eid = f"event_spill{rid[-5:]}{i}"
-            c.submit(run, event(eid, "save_weights", i, {"name": f"temp-{i}", "visibility": "TEMPORARY",
-                                                         "ttl_seconds": 600}, rid))
+            c.submit(
+                run,
+                event(
+                    eid,
+                    "save_weights",
+                    i,
+                    {"name": f"temp-{i}", "visibility": "TEMPORARY", "ttl_seconds": 600},
+                    rid,
+                ),
+            )
             uris.append(c.wait(run, eid)["result"]["checkpoint"]["uri"])
         samplers = [c.sampling_run(c.session(), MODEL, uri=u) for u in uris]
-        body = lambda i: {"request_id": f"s{i}", "sampling_params": {"max_tokens": 2},
-                          "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}}
+        body = lambda i: {
+            "request_id": f"s{i}",
+            "sampling_params": {"max_tokens": 2},
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        }
         with ThreadPoolExecutor(6) as pool:
             codes = list(pool.map(lambda i: c.sample(samplers[i % 3], body(i)).status_code, range(12)))
         assert codes == [200] * 12
@@ -153,8 +175,9 @@ def test_per_key_limits_answer_429_naming_the_limit(limited):
     c = RawClient(limited.url, secret)
     try:
         session = c.session()
-        create = lambda rank: c.control("POST", f"service-sessions/{session}/training-runs",
-                                        json={"base_model": MODEL, "lora_rank": rank})
+        create = lambda rank: c.control(
+            "POST", f"service-sessions/{session}/training-runs", json={"base_model": MODEL, "lora_rank": rank}
+        )
         big = create(64)
         assert big.status_code == 429 and "adapter_bytes" in big.json()["message"]
         runs = [create(4).json() for _ in range(3)]
@@ -163,14 +186,24 @@ def test_per_key_limits_answer_429_naming_the_limit(limited):
         # queued tokens: events behind an index gap wait; past 20 tokens the key is refused
         run = runs[0]
         rid = run["training_run_cuid"]
-        assert c.submit(run, event(f"event_q{rid[-6:]}003", "forward_backward", 3, ce_payload(list(range(5, 17))),
-                                   rid)).status_code == 202
-        r = c.submit(run, event(f"event_q{rid[-6:]}004", "forward_backward", 4, ce_payload(list(range(5, 17))), rid))
+        assert (
+            c.submit(
+                run,
+                event(f"event_q{rid[-6:]}003", "forward_backward", 3, ce_payload(list(range(5, 17))), rid),
+            ).status_code
+            == 202
+        )
+        r = c.submit(
+            run, event(f"event_q{rid[-6:]}004", "forward_backward", 4, ce_payload(list(range(5, 17))), rid)
+        )
         assert r.status_code == 429 and "queued_tokens" in r.json()["message"]
         # closing the session ends its runs: the key may create runs again
         assert c.control("POST", f"service-sessions/{session}/close", json={}).status_code == 200
-        again = c.control("POST", f"service-sessions/{c.session()}/training-runs",
-                          json={"base_model": MODEL, "lora_rank": 4})
+        again = c.control(
+            "POST",
+            f"service-sessions/{c.session()}/training-runs",
+            json={"base_model": MODEL, "lora_rank": 4},
+        )
         assert again.status_code == 200
     finally:
         c.close()

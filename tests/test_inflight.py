@@ -1,5 +1,6 @@
 """Inflight samplers end to end: the official `tinker` client's `kind="inflight"`, the trine SDK's
 inflight sampling client, and each token's weights version, on a real server with a tiny model."""
+
 from __future__ import annotations
 
 import time
@@ -7,9 +8,9 @@ import time
 import httpx
 import numpy as np
 import pytest
+from serverutil import serve, tinker_env
 
 import trine as trio
-from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -35,8 +36,10 @@ def sc(srv):
 
 
 def sft(tc, steps: int) -> None:
-    d = types.Datum(model_input=types.ModelInput.from_ints(TEXT[:-1]),
-                    loss_fn_inputs={"target_tokens": TEXT[1:], "weights": [1.0] * (len(TEXT) - 1)})
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(TEXT[:-1]),
+        loss_fn_inputs={"target_tokens": TEXT[1:], "weights": [1.0] * (len(TEXT) - 1)},
+    )
     for _ in range(steps):
         tc.forward_backward([d], "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=2e-2))
@@ -52,20 +55,32 @@ def greedy(sampler) -> list[int]:
 def raw_versions(srv, session_id: str, seq: int) -> list[list[int]]:
     """Sample through the raw Tinker routes; each sequence's weights versions (trine's extension)."""
     headers = {"X-API-Key": "tml-" + srv.api_key}
-    r = httpx.post(f"{srv.url}/api/v1/asample", headers=headers, json={
-        "sampling_session_id": session_id, "seq_id": seq, "num_samples": 2,
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": TEXT[:4]}]},
-        "sampling_params": {"max_tokens": 5, "temperature": 0.0}})
+    r = httpx.post(
+        f"{srv.url}/api/v1/asample",
+        headers=headers,
+        json={
+            "sampling_session_id": session_id,
+            "seq_id": seq,
+            "num_samples": 2,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": TEXT[:4]}]},
+            "sampling_params": {"max_tokens": 5, "temperature": 0.0},
+        },
+    )
     assert r.status_code == 200, r.text
     for _ in range(100):
-        res = httpx.post(f"{srv.url}/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]},
-                         headers=headers, timeout=60)
+        res = httpx.post(
+            f"{srv.url}/api/v1/retrieve_future",
+            json={"request_id": r.json()["request_id"]},
+            headers=headers,
+            timeout=60,
+        )
         if res.status_code == 200:
             break
         time.sleep(0.1)
     msg = pb.SampleResponse()
     msg.ParseFromString(res.content)
     from google.protobuf import unknown_fields
+
     out = []
     for s in msg.sequences:
         fields = [f for f in unknown_fields.UnknownFieldSet(s) if f.field_number == WEIGHTS_VERSIONS_FIELD]
@@ -93,11 +108,22 @@ def test_an_inflight_client_follows_a_later_inflight_save_and_a_snapshot_does_no
 
 def test_tinker_kind_is_checked(srv, sc):
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
-    r = httpx.post(f"{srv.url}/api/v1/save_weights_for_sampler", headers={"X-API-Key": "tml-" + srv.api_key},
-                   json={"model_id": tc.get_info().model_id, "seq_id": 1, "sampling_session_seq_id": 0,
-                         "kind": "sometimes"})
-    fut = httpx.post(f"{srv.url}/api/v1/retrieve_future", headers={"X-API-Key": "tml-" + srv.api_key},
-                     json={"request_id": r.json()["request_id"]}, timeout=60)
+    r = httpx.post(
+        f"{srv.url}/api/v1/save_weights_for_sampler",
+        headers={"X-API-Key": "tml-" + srv.api_key},
+        json={
+            "model_id": tc.get_info().model_id,
+            "seq_id": 1,
+            "sampling_session_seq_id": 0,
+            "kind": "sometimes",
+        },
+    )
+    fut = httpx.post(
+        f"{srv.url}/api/v1/retrieve_future",
+        headers={"X-API-Key": "tml-" + srv.api_key},
+        json={"request_id": r.json()["request_id"]},
+        timeout=60,
+    )
     assert "kind 'sometimes'" in fut.text and "inflight" in fut.text
 
 

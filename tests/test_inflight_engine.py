@@ -1,5 +1,6 @@
 """Inflight targets in the sampler: requests follow a target's new weights between steps, record the
 version of every token, and the prefix cache never serves KV of one version to another."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,12 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from trine.engine.api import LoRAConfig, SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.model.lora import Adapter
-from trine.engine.api import LoRAConfig
-from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler.sampler import Sampler
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
+from trine.engine.sampler.sampler import Sampler
 
 MB = 2**20
 TARGET = WeightsIdentity("tiny", "tr-run")
@@ -36,13 +36,19 @@ def adapter(model, seed: int) -> Adapter:
 def inflight(rid: str, prompt: list[int], version: int, ad: Adapter, max_tokens: int = 24):
     """An inflight request as the worker hands it over (resolved to the target's current weights),
     with the adapter it runs."""
-    return SampleRequest(rid, list(prompt), SamplingOptions(max_tokens, temperature=0.0, stop_at_eos=False),
-                         dataclasses.replace(TARGET, version=version), inflight=True), ad
+    return SampleRequest(
+        rid,
+        list(prompt),
+        SamplingOptions(max_tokens, temperature=0.0, stop_at_eos=False),
+        dataclasses.replace(TARGET, version=version),
+        inflight=True,
+    ), ad
 
 
 def fixed(rid: str, prompt: list[int], weights: WeightsIdentity, ad: Adapter, max_tokens: int = 4):
-    return SampleRequest(rid, list(prompt), SamplingOptions(max_tokens, temperature=0.0, stop_at_eos=False),
-                         weights), ad
+    return SampleRequest(
+        rid, list(prompt), SamplingOptions(max_tokens, temperature=0.0, stop_at_eos=False), weights
+    ), ad
 
 
 def run_until(s: Sampler, rid: str, steps: int | None = None):
@@ -70,7 +76,9 @@ def test_a_running_request_switches_weights_between_steps_and_records_each_token
     seq = res.sequences[0]
     assert seq.weights_versions == [1] * 5 + [2] * 19
     # the tokens before the swap are v1's greedy tokens, the ones after follow v2's weights
-    only_v1 = Sampler(*model_tok, kv_cache_bytes=16 * MB).run([fixed("a", PROMPT, TARGET, a1, 24)])[0].sequences[0]
+    only_v1 = (
+        Sampler(*model_tok, kv_cache_bytes=16 * MB).run([fixed("a", PROMPT, TARGET, a1, 24)])[0].sequences[0]
+    )
     assert seq.tokens[:5] == only_v1.tokens[:5]
     assert seq.tokens != only_v1.tokens
     # a fixed-weights request records no versions

@@ -1,4 +1,5 @@
 """BlockManager: refcounts, the prefix cache's keys and verification, LRU eviction. No model."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trine.engine.sampler.kv_cache import BlockManager, NoFreeBlocks, block_key, chain_hashes
 from trine.engine.api import WeightsIdentity
+from trine.engine.sampler.kv_cache import BlockManager, NoFreeBlocks, block_key, chain_hashes
 
 BS = 4
 W = WeightsIdentity("base")
@@ -23,7 +24,7 @@ def cache(bm: BlockManager, tokens: list[int], identity: WeightsIdentity = W) ->
     keys = chain_hashes(identity, tokens, BS)
     blocks = bm.allocate(-(-len(tokens) // BS))
     for i, key in enumerate(keys):
-        bm.register(blocks[i], key, keys[i - 1] if i else identity, identity, tokens[i * BS:(i + 1) * BS])
+        bm.register(blocks[i], key, keys[i - 1] if i else identity, identity, tokens[i * BS : (i + 1) * BS])
     bm.release(blocks)
     return blocks
 
@@ -80,8 +81,9 @@ def test_one_differing_token_at_the_start_misses_everything():
     assert bm.match(W, [100] + toks[1:]) == []
 
 
-@pytest.mark.parametrize("other", [WeightsIdentity("base", version=1), WeightsIdentity("base", "run1"),
-                                   WeightsIdentity("other")])
+@pytest.mark.parametrize(
+    "other", [WeightsIdentity("base", version=1), WeightsIdentity("base", "run1"), WeightsIdentity("other")]
+)
 def test_different_weights_never_share(other):
     bm = make()
     toks = list(range(8))
@@ -150,15 +152,17 @@ def test_lru_order_and_chain_tail_first():
 def test_copy_tokens_copies_every_layer():
     bm = make(3)
     src, dst = bm.allocate(2)
-    bm.k[:, src * BS:src * BS + BS] = torch.arange(BS, dtype=torch.float32)[None, :, None, None]
-    bm.v[:, src * BS:src * BS + BS] = 1.0
+    bm.k[:, src * BS : src * BS + BS] = torch.arange(BS, dtype=torch.float32)[None, :, None, None]
+    bm.v[:, src * BS : src * BS + BS] = 1.0
     bm.copy_tokens(src, [dst], 3)
-    assert bm.k[:, dst * BS:dst * BS + 3].equal(bm.k[:, src * BS:src * BS + 3])
-    assert bm.v[:, dst * BS:dst * BS + 3].eq(1).all() and bm.v[:, dst * BS + 3].eq(0).all()
+    assert bm.k[:, dst * BS : dst * BS + 3].equal(bm.k[:, src * BS : src * BS + 3])
+    assert bm.v[:, dst * BS : dst * BS + 3].eq(1).all() and bm.v[:, dst * BS + 3].eq(0).all()
 
 
-ops = st.lists(st.tuples(st.sampled_from(["cache", "match", "alloc", "free"]),
-                         st.integers(0, 3), st.integers(1, 12)), max_size=40)
+ops = st.lists(
+    st.tuples(st.sampled_from(["cache", "match", "alloc", "free"]), st.integers(0, 3), st.integers(1, 12)),
+    max_size=40,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -178,7 +182,7 @@ def test_random_operations_keep_invariants(script):
             hit = bm.match(identity, toks)
             for i, bid in enumerate(hit):
                 blk = bm.blocks[bid]
-                assert blk.identity == identity and blk.tokens == tuple(toks[i * BS:(i + 1) * BS])
+                assert blk.identity == identity and blk.tokens == tuple(toks[i * BS : (i + 1) * BS])
             held.append(hit)
         elif op == "alloc" and bm.num_free >= a:
             held.append(bm.allocate(a))

@@ -7,6 +7,7 @@ the boundary module (with the engine interface) imports no torch. The engine nev
 above it. The service's modules import each other without cycles. Checked on the source (ast), so
 a violation fails here before it can hide behind a passing protocol test.
 """
+
 from __future__ import annotations
 
 import ast
@@ -39,7 +40,7 @@ def imports(source: str, module: str, is_package: bool = False) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module
@@ -54,7 +55,9 @@ def modules(package: str) -> dict[str, Path]:
 
 
 def imports_of(package: str) -> dict[str, set[str]]:
-    return {name: imports(p.read_text(), name, p.name == "__init__.py") for name, p in modules(package).items()}
+    return {
+        name: imports(p.read_text(), name, p.name == "__init__.py") for name, p in modules(package).items()
+    }
 
 
 def names(targets: set[str], *packages: str) -> list[str]:
@@ -62,10 +65,16 @@ def names(targets: set[str], *packages: str) -> list[str]:
 
 
 def test_the_checker_resolves_relative_imports():
-    found = imports("from ...engine.ops import Forward\nfrom ... import store\nimport trine.engine.model.model",
-                    "trine.server.tinker.training")
+    found = imports(
+        "from ...engine.ops import Forward\nfrom ... import store\nimport trine.engine.model.model",
+        "trine.server.tinker.training",
+    )
     assert {"trine.engine.ops", "trine.store", "trine.engine.model.model"} <= found
-    assert names(found, "trine.engine") == ["trine.engine.model.model", "trine.engine.ops", "trine.engine.ops.Forward"]
+    assert names(found, "trine.engine") == [
+        "trine.engine.model.model",
+        "trine.engine.ops",
+        "trine.engine.ops.Forward",
+    ]
     assert REACH.search("rows = svc.store.sessions(key.id)") and not REACH.search("svc.queries.sessions(key)")
 
 
@@ -73,9 +82,14 @@ BOUNDARY = "trine.engine.api"
 
 
 def test_front_ends_import_only_the_engines_boundary_and_never_the_store():
-    bad = {m: [t for t in names(targets, "trine.engine", "trine.store")
-               if t != "trine.engine" and not (t == BOUNDARY or t.startswith(BOUNDARY + "."))]
-           for m, targets in imports_of("trine.server").items()}
+    bad = {
+        m: [
+            t
+            for t in names(targets, "trine.engine", "trine.store")
+            if t != "trine.engine" and not (t == BOUNDARY or t.startswith(BOUNDARY + "."))
+        ]
+        for m, targets in imports_of("trine.server").items()
+    }
     assert {m: t for m, t in bad.items() if t} == {}
 
 
@@ -93,31 +107,42 @@ def test_the_boundary_and_the_engine_interface_import_no_torch():
     """Checked in a fresh interpreter: importing them (and everything they import) loads no torch."""
     import subprocess
     import sys
-    code = ("import sys, trine.engine.api, trine.engine.interface, trine.engine.prepare, trine.tokens; "
-            "print('torch' in sys.modules)")
+
+    code = (
+        "import sys, trine.engine.api, trine.engine.interface, trine.engine.prepare, trine.tokens; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
 def test_front_ends_reach_no_store_or_engine_attribute():
     server = SRC / "server"
-    hits = [f"{p.relative_to(SRC)}:{i}: {line.strip()}" for p in sorted(server.rglob("*"))
-            if p.is_file() and p.suffix in (".py", ".js", ".css", ".html")
-            for i, line in enumerate(p.read_text().splitlines(), 1)
-            if REACH.search(line) and not BOUNDARY_IMPORT.match(line)]
+    hits = [
+        f"{p.relative_to(SRC)}:{i}: {line.strip()}"
+        for p in sorted(server.rglob("*"))
+        if p.is_file() and p.suffix in (".py", ".js", ".css", ".html")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if REACH.search(line) and not BOUNDARY_IMPORT.match(line)
+    ]
     assert hits == []
 
 
 def test_tinker_and_openai_front_ends_do_not_import_the_pytrio_planes():
     planes = ("trine.server.control", "trine.server.actor", "trine.server.wire")
-    bad = {m: names(t, *planes) for m, t in imports_of("trine.server").items()
-           if m.startswith(("trine.server.tinker", "trine.server.openai"))}
+    bad = {
+        m: names(t, *planes)
+        for m, t in imports_of("trine.server").items()
+        if m.startswith(("trine.server.tinker", "trine.server.openai"))
+    }
     assert {m: t for m, t in bad.items() if t} == {}
 
 
 def test_the_engine_imports_nothing_above_it():
-    bad = {m: names(t, "trine.server", "trine.service", "trine.store", "trine.client")
-           for m, t in imports_of("trine.engine").items()}
+    bad = {
+        m: names(t, "trine.server", "trine.service", "trine.store", "trine.client")
+        for m, t in imports_of("trine.engine").items()
+    }
     assert {m: t for m, t in bad.items() if t} == {}
 
 
@@ -126,8 +151,10 @@ def test_no_import_cycle_inside_a_layer(package):
     files = modules(package)
     # a package's __init__ re-exports its modules and is imported before any of them: edges into an
     # __init__ (`from . import x`) never make a cycle, so only edges between modules count
-    graph = {m: {t for t in targets if t in files and t != m and files[t].name != "__init__.py"}
-             for m, targets in imports_of(package).items()}
+    graph = {
+        m: {t for t in targets if t in files and t != m and files[t].name != "__init__.py"}
+        for m, targets in imports_of(package).items()
+    }
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     path: list[str] = []
 
@@ -136,7 +163,7 @@ def test_no_import_cycle_inside_a_layer(package):
         path.append(m)
         for t in sorted(graph[m]):
             if state.get(t) == 1:
-                return path[path.index(t):] + [t]
+                return path[path.index(t) :] + [t]
             if t not in state and (cycle := visit(t)):
                 return cycle
         path.pop()

@@ -1,4 +1,5 @@
 """Losses: each equals a plain reference in value and gradient, and bad input fails before compute."""
+
 from __future__ import annotations
 
 import math
@@ -6,13 +7,11 @@ import math
 import pytest
 import torch
 
-from trine.engine.api import Loss
-from trine.engine.prepare import check_datum as prepare_datum
+from trine.engine.api import LoRAConfig, Loss, TrainDatum
 from trine.engine.model.lora import AdapterBatch
-from trine.engine.api import LoRAConfig
-from trine.engine.api import TrainDatum
-from trine.engine.trainer.trainer import Trainer
 from trine.engine.model.weights import load_model
+from trine.engine.prepare import check_datum as prepare_datum
+from trine.engine.trainer.trainer import Trainer
 
 VOCAB = 49152
 
@@ -53,11 +52,15 @@ def random_data(seed: int, lengths=(11, 7, 16)) -> list[TrainDatum]:
         tokens = torch.randint(0, VOCAB, (n,), generator=g).tolist()
         targets = torch.randint(0, VOCAB, (n,), generator=g)
         targets[: n // 3] = -100  # a prompt that does not count
-        data.append(TrainDatum(
-            tokens=tokens, target_tokens=targets.tolist(),
-            weights=(torch.randn(n, generator=g)).tolist(),  # negative weights included
-            logprobs=(-torch.rand(n, generator=g) * 12 - 9).tolist(),  # near the random model's logp
-            advantages=torch.randn(n, generator=g).tolist()))
+        data.append(
+            TrainDatum(
+                tokens=tokens,
+                target_tokens=targets.tolist(),
+                weights=(torch.randn(n, generator=g)).tolist(),  # negative weights included
+                logprobs=(-torch.rand(n, generator=g) * 12 - 9).tolist(),  # near the random model's logp
+                advantages=torch.randn(n, generator=g).tolist(),
+            )
+        )
     return data
 
 
@@ -68,11 +71,20 @@ def randomize(adapter, seed: int, std: float = 0.05) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-CASES = [("cross_entropy", {}), ("importance_sampling", {}), ("ppo", {}),
-         ("ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.01}), ("cispo", {}),
-         ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}), ("dro", {}), ("dro", {"beta": 0.5}),
-         ("gspo", {}), ("gspo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.02}),
-         ("stable_reinforce", {}), ("stable_reinforce", {"clip_high_threshold": 1.05, "kl_coeff": 0.3})]
+CASES = [
+    ("cross_entropy", {}),
+    ("importance_sampling", {}),
+    ("ppo", {}),
+    ("ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.01}),
+    ("cispo", {}),
+    ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
+    ("dro", {}),
+    ("dro", {"beta": 0.5}),
+    ("gspo", {}),
+    ("gspo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.02}),
+    ("stable_reinforce", {}),
+    ("stable_reinforce", {"clip_high_threshold": 1.05, "kl_coeff": 0.3}),
+]
 
 
 @pytest.mark.parametrize("name,cfg", CASES)
@@ -101,10 +113,21 @@ def test_loss_matches_reference_in_value_and_gradient(model, name, cfg):
         tgt = torch.tensor(d.target_tokens)
         mask = tgt != -100
         logp = torch.log_softmax(logits, -1).gather(1, tgt.clamp(min=0)[:, None]).squeeze(1)
-        seq_mask = (torch.tensor(d.sequence_ratio_mask) if d.sequence_ratio_mask is not None
-                    else torch.ones(len(tgt))) * mask
-        per_tok = reference_token_losses(name, logp, torch.tensor(d.logprobs), torch.tensor(d.advantages),
-                                         torch.tensor(d.weights), cfg, seq_mask) * mask
+        seq_mask = (
+            torch.tensor(d.sequence_ratio_mask) if d.sequence_ratio_mask is not None else torch.ones(len(tgt))
+        ) * mask
+        per_tok = (
+            reference_token_losses(
+                name,
+                logp,
+                torch.tensor(d.logprobs),
+                torch.tensor(d.advantages),
+                torch.tensor(d.weights),
+                cfg,
+                seq_mask,
+            )
+            * mask
+        )
         per_tok.sum().backward()
         for n, p in adapter.named_parameters():
             ref[n] += p.grad
@@ -120,21 +143,26 @@ def test_ppo_reads_thresholds_as_ratio_bounds():
     loss = Loss.parse("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
     logp = torch.log(torch.tensor([1.5, 0.5, 1.05]))  # ratios 1.5, 0.5, 1.05 against q = 0
     from trine.engine.trainer.losses import LossInputs
+
     inputs = LossInputs(torch.ones(3), torch.zeros(3), torch.tensor([1.0, -1.0, 1.0]))
     # A>0, r=1.5: min(1.5, 1.1) = 1.1; A<0, r=0.5: min(-0.5, -0.9) = -0.9; inside the bounds: r*A.
     from trine.engine.trainer.losses import loss_values
+
     torch.testing.assert_close(loss_values(loss, logp, inputs), torch.tensor([-1.1, 0.9, -1.05]))
     assert Loss.parse("ppo") == Loss("ppo", clip_low=0.8, clip_high=1.2)
 
 
-@pytest.mark.parametrize("name,cfg,field", [
-    ("mse", {}, "loss_fn"),
-    ("ppo", {"clip_high_threshold": 0.2}, "clip_high_threshold"),
-    ("ppo", {"clip_low_threshold": 1.5}, "clip_low_threshold"),
-    ("ppo", {"epsilon": 0.2}, "epsilon"),
-    ("cross_entropy", {"beta": 0.1}, "beta"),
-    ("dro", {"beta": float("nan")}, "beta"),
-])
+@pytest.mark.parametrize(
+    "name,cfg,field",
+    [
+        ("mse", {}, "loss_fn"),
+        ("ppo", {"clip_high_threshold": 0.2}, "clip_high_threshold"),
+        ("ppo", {"clip_low_threshold": 1.5}, "clip_low_threshold"),
+        ("ppo", {"epsilon": 0.2}, "epsilon"),
+        ("cross_entropy", {"beta": 0.1}, "beta"),
+        ("dro", {"beta": float("nan")}, "beta"),
+    ],
+)
 def test_bad_loss_config_names_the_field(name, cfg, field):
     with pytest.raises(ValueError, match=field):
         Loss.parse(name, cfg)
@@ -144,30 +172,41 @@ def test_loss_names_are_case_insensitive():
     assert Loss.parse("PPO").name == "ppo"
 
 
-@pytest.mark.parametrize("datum,loss,field", [
-    (TrainDatum([1, 2], [2, 3, 4]), "cross_entropy", "target_tokens"),
-    (TrainDatum([1, VOCAB], [2, 3]), "cross_entropy", "tokens"),
-    (TrainDatum([1, -1], [2, 3]), "cross_entropy", "tokens"),
-    (TrainDatum([1, 2], [2, VOCAB]), "cross_entropy", "target_tokens"),
-    (TrainDatum([1, 2], [2, -5]), "cross_entropy", "target_tokens"),
-    (TrainDatum([], []), "cross_entropy", "tokens"),
-    (TrainDatum([1.5, 2], [2, 3]), "cross_entropy", "tokens"),
-    (TrainDatum([1, 2], [2, 3], weights=[1.0]), "cross_entropy", "weights"),
-    (TrainDatum([1, 2], [2, 3], weights=[1.0, math.nan]), "cross_entropy", "weights"),
-    (TrainDatum([1, 2], [2, 3], advantages=[1.0, 1.0]), "ppo", "logprobs"),
-    (TrainDatum([1, 2], [2, 3], logprobs=[-1.0, -1.0]), "importance_sampling", "advantages"),
-    (TrainDatum([1, 2], [2, 3], logprobs=[-1.0, math.inf], advantages=[1.0, 1.0]), "dro", "logprobs"),
-    (TrainDatum([1, 2], [2, 3], logprobs=[-1.0, -1.0], advantages=[1.0]), "cispo", "advantages"),
-])
+@pytest.mark.parametrize(
+    "datum,loss,field",
+    [
+        (TrainDatum([1, 2], [2, 3, 4]), "cross_entropy", "target_tokens"),
+        (TrainDatum([1, VOCAB], [2, 3]), "cross_entropy", "tokens"),
+        (TrainDatum([1, -1], [2, 3]), "cross_entropy", "tokens"),
+        (TrainDatum([1, 2], [2, VOCAB]), "cross_entropy", "target_tokens"),
+        (TrainDatum([1, 2], [2, -5]), "cross_entropy", "target_tokens"),
+        (TrainDatum([], []), "cross_entropy", "tokens"),
+        (TrainDatum([1.5, 2], [2, 3]), "cross_entropy", "tokens"),
+        (TrainDatum([1, 2], [2, 3], weights=[1.0]), "cross_entropy", "weights"),
+        (TrainDatum([1, 2], [2, 3], weights=[1.0, math.nan]), "cross_entropy", "weights"),
+        (TrainDatum([1, 2], [2, 3], advantages=[1.0, 1.0]), "ppo", "logprobs"),
+        (TrainDatum([1, 2], [2, 3], logprobs=[-1.0, -1.0]), "importance_sampling", "advantages"),
+        (TrainDatum([1, 2], [2, 3], logprobs=[-1.0, math.inf], advantages=[1.0, 1.0]), "dro", "logprobs"),
+        (TrainDatum([1, 2], [2, 3], logprobs=[-1.0, -1.0], advantages=[1.0]), "cispo", "advantages"),
+    ],
+)
 def test_bad_datum_names_the_field(datum, loss, field):
     with pytest.raises(ValueError, match=field):
         prepare_datum(datum, Loss.parse(loss), VOCAB)
 
 
 def test_token_counts():
-    d = TrainDatum([1, 2, 3, 4], [-100, 5, 6, 7], weights=[1.0, 0.0, 2.0, -1.0],
-                   logprobs=[0.0] * 4, advantages=[1.0, 0.0, 0.0, 3.0])
+    d = TrainDatum(
+        [1, 2, 3, 4],
+        [-100, 5, 6, 7],
+        weights=[1.0, 0.0, 2.0, -1.0],
+        logprobs=[0.0] * 4,
+        advantages=[1.0, 0.0, 0.0, 3.0],
+    )
     ce = prepare_datum(d, Loss.parse("cross_entropy"), VOCAB)
     assert (ce.active_tokens, ce.loss_tokens(policy=False)) == (2, 2)  # target set and weight != 0
     pg = prepare_datum(d, Loss.parse("importance_sampling"), VOCAB)
-    assert (pg.active_tokens, pg.loss_tokens(policy=True)) == (3, 1)  # target set; loss tokens also need A != 0
+    assert (pg.active_tokens, pg.loss_tokens(policy=True)) == (
+        3,
+        1,
+    )  # target set; loss tokens also need A != 0

@@ -1,10 +1,12 @@
 """Usage events, the rate card and reports: totals add up, prices come from TOML, costs by phase."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trine.metering.events import PHASES, UsageEvent
 from trine.metering.rates import SHIPPED, RateCard
@@ -14,7 +16,9 @@ T0 = 1_767_600_000.0  # 2026-01-05 08:00 UTC
 
 
 def ev(op="sample", *, t=T0, key="k1", session="s1", run="r1", model="SmolLM2-135M-Instruct", **n):
-    return UsageEvent(time=t, api_key_id=key, session_id=session, run_id=run, base_model=model, operation=op, **n)
+    return UsageEvent(
+        time=t, api_key_id=key, session_id=session, run_id=run, base_model=model, operation=op, **n
+    )
 
 
 @pytest.fixture
@@ -30,10 +34,29 @@ def test_event_validation():
     with pytest.raises(ValueError, match="train_loss"):
         ev("forward_backward", train=3, train_loss=4)
     with pytest.raises(ValueError, match="does not add up"):
-        UsageEvent.from_counts(prompt_tokens=10, prefill=6, prefill_cached=3, time=T0, api_key_id="k",
-                               session_id="s", run_id="r", base_model="m", operation="sample")
-    e = UsageEvent.from_counts(prompt_tokens=10, prefill=6, prefill_cached=4, sample=5, time=T0, api_key_id="k",
-                               session_id="s", run_id="r", base_model="m", operation="sample")
+        UsageEvent.from_counts(
+            prompt_tokens=10,
+            prefill=6,
+            prefill_cached=3,
+            time=T0,
+            api_key_id="k",
+            session_id="s",
+            run_id="r",
+            base_model="m",
+            operation="sample",
+        )
+    e = UsageEvent.from_counts(
+        prompt_tokens=10,
+        prefill=6,
+        prefill_cached=4,
+        sample=5,
+        time=T0,
+        api_key_id="k",
+        session_id="s",
+        run_id="r",
+        base_model="m",
+        operation="sample",
+    )
     assert e.prompt_tokens == 10 and UsageEvent.from_dict(e.to_dict()) == e
 
 
@@ -47,32 +70,42 @@ def test_shipped_card_proportions(card):
     assert card.price("never-heard-of-it").model == "default"
     ids = {m["model_id"] for m in card.as_models_list()}
     assert {"default", "SmolLM2-135M-Instruct", "Qwen3-8B"} <= ids
-    assert all(set(m["pricing"]) >= {"prefill", "prefill_cached", "sample", "train"} for m in card.as_models_list())
+    assert all(
+        set(m["pricing"]) >= {"prefill", "prefill_cached", "sample", "train"} for m in card.as_models_list()
+    )
 
 
 def test_user_card_overrides(tmp_path):
     (tmp_path / "rates.toml").write_text(
         '[models."SmolLM2-135M-Instruct"]\nprefill = 1.0\n\n'
-        '[models."my-model"]\nprefill = 2\nsample = 6\ntrain = 6\nstorage_gb_month = 1\n')
+        '[models."my-model"]\nprefill = 2\nsample = 6\ntrain = 6\nstorage_gb_month = 1\n'
+    )
     card = RateCard.load(home=tmp_path)
     smol = card.price("SmolLM2-135M-Instruct")
-    assert (smol.prefill, smol.prefill_cached, smol.sample) == (1.0, 0.2, 0.03)  # cached re-derived, rest kept
+    assert (smol.prefill, smol.prefill_cached, smol.sample) == (
+        1.0,
+        0.2,
+        0.03,
+    )  # cached re-derived, rest kept
     mine = card.price("My-Model")
     assert (mine.prefill, mine.prefill_cached, mine.train, mine.storage_gb_month) == (2, 0.4, 6, 1)
     assert card.storage_cost("my-model", 3) == 3
     extra = tmp_path / "x.toml"
-    extra.write_text('[models.default]\ntrain = 9\n')
+    extra.write_text("[models.default]\ntrain = 9\n")
     assert RateCard.load(extra, home=tmp_path).price("zzz").train == 9
 
 
-@pytest.mark.parametrize("text, msg", [
-    ('[models.a]\nprefill = -1\nsample = 1\ntrain = 1\n', "prefill"),
-    ('[models.a]\nprefill = 1\nsample = "x"\ntrain = 1\n', "sample"),
-    ('[models.a]\nprefill = 1\ntrain = 1\n', "sample"),
-    ('[models.a]\nprefil = 1\n', "prefil"),
-    ('prices = 1\n', "prices"),
-    ('[models\n', "TOML"),
-])
+@pytest.mark.parametrize(
+    "text, msg",
+    [
+        ("[models.a]\nprefill = -1\nsample = 1\ntrain = 1\n", "prefill"),
+        ('[models.a]\nprefill = 1\nsample = "x"\ntrain = 1\n', "sample"),
+        ("[models.a]\nprefill = 1\ntrain = 1\n", "sample"),
+        ("[models.a]\nprefil = 1\n", "prefil"),
+        ("prices = 1\n", "prices"),
+        ("[models\n", "TOML"),
+    ],
+)
 def test_bad_user_card(tmp_path, text, msg):
     (tmp_path / "rates.toml").write_text(text)
     with pytest.raises(ValueError, match=msg):
@@ -84,8 +117,9 @@ def test_bad_user_card(tmp_path, text, msg):
 def test_cost_by_phase(card):
     e = ev(prefill=1_000_000, prefill_cached=2_000_000, sample=1_000_000)
     c = card.cost(e)
-    assert c == pytest.approx({"prefill": 0.01, "prefill_cached": 0.004, "sample": 0.03, "train": 0.0,
-                               "total": 0.044})
+    assert c == pytest.approx(
+        {"prefill": 0.01, "prefill_cached": 0.004, "sample": 0.03, "train": 0.0, "total": 0.044}
+    )
     f = ev("forward_backward", model="unknown", train=1_000_000, train_loss=10)
     assert card.cost(f)["train"] == pytest.approx(0.30)  # loss tokens are not billed on their own
 
@@ -138,13 +172,36 @@ counts = st.integers(0, 10_000)
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["sample", "forward_backward"]), counts, counts, counts, counts,
-                          st.integers(0, 3), st.sampled_from(["a", "b", "Qwen3-8B"])), max_size=30))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["sample", "forward_backward"]),
+            counts,
+            counts,
+            counts,
+            counts,
+            st.integers(0, 3),
+            st.sampled_from(["a", "b", "Qwen3-8B"]),
+        ),
+        max_size=30,
+    )
+)
 def test_report_totals_property(rows):
     card = RateCard.from_tomls([("shipped", SHIPPED.read_text())])
-    events = [ev(op, prefill=p, prefill_cached=c, sample=s, train=tr, train_loss=min(tr, tr // (1 + l)),
-                 run=f"r{l}", model=m, t=T0 + 1000 * l)
-              for op, p, c, s, tr, l, m in rows]
+    events = [
+        ev(
+            op,
+            prefill=p,
+            prefill_cached=c,
+            sample=s,
+            train=tr,
+            train_loss=min(tr, tr // (1 + l)),
+            run=f"r{l}",
+            model=m,
+            t=T0 + 1000 * l,
+        )
+        for op, p, c, s, tr, l, m in rows
+    ]
     for by in (None, "hour", "run", "model"):
         r = build_report(events, by, card)
         assert r.total.tokens.prompt == sum(e.prompt_tokens for e in events)

@@ -1,4 +1,5 @@
 """The usage router on a real FastAPI app and store, and the `trine usage / estimate / models` commands."""
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,28 @@ def home(tmp_path):
     a, secret_a = store.create_key("alice")
     b, secret_b = store.create_key("bob")
     for i in range(3):
-        store.add_usage(UsageEvent(T0 + 1800 * i, a.id, "sa", f"ra{i % 2}", "SmolLM2-135M-Instruct", "sample",
-                                   prefill=40, prefill_cached=60, sample=32))
-    store.add_usage(UsageEvent(T0, a.id, "sa", "ra0", "SmolLM2-135M-Instruct", "forward_backward",
-                               train=256, train_loss=96))
+        store.add_usage(
+            UsageEvent(
+                T0 + 1800 * i,
+                a.id,
+                "sa",
+                f"ra{i % 2}",
+                "SmolLM2-135M-Instruct",
+                "sample",
+                prefill=40,
+                prefill_cached=60,
+                sample=32,
+            )
+        )
+    store.add_usage(
+        UsageEvent(
+            T0, a.id, "sa", "ra0", "SmolLM2-135M-Instruct", "forward_backward", train=256, train_loss=96
+        )
+    )
     store.add_usage(UsageEvent(T0, b.id, "sb", "rb", "Qwen3-8B", "sample", prefill=1000, sample=5000))
-    store.add_diagnostic(CacheDiagnostic(T0, a.id, "sa", "ra1", "SmolLM2-135M-Instruct", "varying_head", 5, 70))
+    store.add_diagnostic(
+        CacheDiagnostic(T0, a.id, "sa", "ra1", "SmolLM2-135M-Instruct", "varying_head", 5, 70)
+    )
     store.close()
     return tmp_path, {"alice": (a.id, secret_a), "bob": (b.id, secret_b)}
 
@@ -96,8 +113,25 @@ def test_usage_cli_reads_the_data_dir(home):
 
 def test_estimate_and_models_cli(tmp_path):
     runner = CliRunner()
-    out = runner.invoke(main, ["estimate", "--json", "--steps", "2", "--group-size", "4", "--turns", "3",
-                               "--prompt-tokens", "50", "--completion-tokens", "20", "--home", str(tmp_path)])
+    out = runner.invoke(
+        main,
+        [
+            "estimate",
+            "--json",
+            "--steps",
+            "2",
+            "--group-size",
+            "4",
+            "--turns",
+            "3",
+            "--prompt-tokens",
+            "50",
+            "--completion-tokens",
+            "20",
+            "--home",
+            str(tmp_path),
+        ],
+    )
     assert out.exit_code == 0, out.output
     d = json.loads(out.output)
     assert d["with_cache"]["tokens"]["sample"] == 2 * 4 * 3 * 20 and d["dominant_phase"]
@@ -114,9 +148,9 @@ def test_usage_and_models_through_a_real_server(tiny_model_dir, tmp_path):
     """The server mounts the usage router: metered sampling shows up for its key only, through HTTP and
     `trine usage --url`; the models list carries prices."""
     import httpx
+    from serverutil import serve
 
     import trine as trio
-    from serverutil import serve
 
     runner = CliRunner()
     with serve(tiny_model_dir, tmp_path / "home") as srv:
@@ -132,7 +166,10 @@ def test_usage_and_models_through_a_real_server(tiny_model_dir, tmp_path):
         assert mine["total"]["tokens"]["prompt"] == 80 and mine["total"]["tokens"]["sample"] == 2 * 3 * 4
         assert mine["total"]["tokens"]["prefill_cached"] == 32  # the repeat hits the prompt's 2 full blocks
         assert get_remote(srv.url, other, "/usage")["total"]["requests"] == 0
-        assert httpx.get(srv.url + "/api/trine/v1/usage", headers={"X-API-Key": "trine-wrong"}).status_code == 401
+        assert (
+            httpx.get(srv.url + "/api/trine/v1/usage", headers={"X-API-Key": "trine-wrong"}).status_code
+            == 401
+        )
 
         out = runner.invoke(main, ["usage", "--url", srv.url, "--api-key", srv.api_key, "--json"])
         assert out.exit_code == 0, out.output

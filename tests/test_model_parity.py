@@ -1,20 +1,21 @@
 """Our Transformer equals transformers' own implementation of the same weights (fp32, within 1e-4)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from trine.engine.model.lora import Adapter, AdapterBatch
-from trine.engine.api import LoRAConfig
-from trine.engine.model.weights import load_model
-
 from conftest import FAMILIES, build_tiny_model_dir
+
+from trine.engine.api import LoRAConfig
+from trine.engine.model.lora import Adapter, AdapterBatch
+from trine.engine.model.weights import load_model
 
 TOL = 1e-4
 
 
 def hf_model(path):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -38,7 +39,9 @@ def batch_with_padding():
 
 @pytest.fixture(scope="module")
 def untied_dir(tmp_path_factory):
-    return build_tiny_model_dir("llama", tmp_path_factory.mktemp("untied") / "tiny-llama-untied", seed=1, tie=False)
+    return build_tiny_model_dir(
+        "llama", tmp_path_factory.mktemp("untied") / "tiny-llama-untied", seed=1, tie=False
+    )
 
 
 def model_dirs(tiny_model_dirs, untied_dir):
@@ -61,6 +64,7 @@ def test_logits_match_transformers_with_padding(tiny_model_dirs, untied_dir, fam
 @pytest.mark.parametrize("family", FAMILIES + ("llama-untied",))
 def test_lora_logits_match_peft(tiny_model_dirs, untied_dir, family):
     from peft import LoraConfig, get_peft_model
+
     path = model_dirs(tiny_model_dirs, untied_dir)[family]
     ours = load_model(path, "cpu")
     lora = LoRAConfig(rank=8, alpha=32.0)  # attn + mlp + lm_head
@@ -96,7 +100,7 @@ def test_mixed_adapters_in_one_batch_equal_each_row_alone(tiny_model_dir, layout
     with torch.no_grad():
         mixed = model(tokens, adapters=batch)
         for i, a in enumerate(rows):
-            alone = model(tokens[i:i + 1], adapters=AdapterBatch.single(a))
+            alone = model(tokens[i : i + 1], adapters=AdapterBatch.single(a))
             assert (mixed[i] - alone[0]).abs().max() <= TOL
 
 
@@ -117,11 +121,24 @@ def test_a_directory_that_is_not_a_checkpoint_gets_a_clear_error(tmp_path):
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
     import transformers as tf
-    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 64})
+
+    cfg = tf.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     torch.manual_seed(0)
     tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     ours, ref = load_model(tmp_path, "cpu"), hf_model(tmp_path)

@@ -1,6 +1,7 @@
 """Money is fixed-point on every surface: JSON APIs (usage, sample and training results, OpenAI
 usage, Tinker billing, the console), the CLI's JSON and the SDK's `Usage` repr. No `6.7e-07`, no
 `0.014000000000000002`."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ import re
 import httpx
 import pytest
 from click.testing import CliRunner
+from serverutil import serve
 
 import trine as trio
-from serverutil import serve
 from trine.cli.main import main
 from trine.metering.money import dumps, money, money_text
 
@@ -22,7 +23,9 @@ LONG_TAIL = re.compile(r"\.\d{13,}")  # float noise such as 0.014000000000000002
 
 def test_money_text_and_json_are_fixed_point():
     assert money_text(6.7e-07) == "0.00000067" and money_text(4.48e-05) == "0.0000448"
-    assert money_text(0.014000000000000002) == "0.014" and money_text(0) == "0.0" and money_text(12.5) == "12.5"
+    assert (
+        money_text(0.014000000000000002) == "0.014" and money_text(0) == "0.0" and money_text(12.5) == "12.5"
+    )
     text = dumps({"cost": money(6.7e-07), "total": [money(0.1 + 0.2)], "logprob": -1.5e-07})
     assert json.loads(text) == {"cost": 6.7e-07, "total": [0.3], "logprob": -1.5e-07}
     assert '"cost": 0.00000067' in text and '"total": [0.3]' in text
@@ -40,12 +43,15 @@ def test_sdk_usage_repr_is_fixed_point():
 @pytest.fixture(scope="module")
 def used(tiny_model_dir, tmp_path_factory):
     """A server after some training and sampling, with tiny prices (every amount below 1e-4)."""
-    with serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as srv, \
-            trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as service:
+    with (
+        serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as srv,
+        trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as service,
+    ):
         trainer = service.create_lora_training_client(MODEL, rank=4)
         ids = list(range(5, 28))
-        datum = trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]),
-                           loss_fn_inputs={"target_tokens": ids[1:]})
+        datum = trio.Datum(
+            model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]}
+        )
         for _ in range(3):
             trainer.forward_backward([datum], "cross_entropy")
             trainer.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
@@ -55,8 +61,11 @@ def used(tiny_model_dir, tmp_path_factory):
 
 
 def assert_fixed_point(text: str, where: str) -> None:
-    amounts = re.findall(r'"(?:cost|total|prefill|prefill_cached|sample|train|cost_lost|estimated_cost_usd|'
-                         r'effective_rate_usd_per_million_tokens|storage_gb_month)":\s*(-?[0-9.eE+-]+)', text)
+    amounts = re.findall(
+        r'"(?:cost|total|prefill|prefill_cached|sample|train|cost_lost|estimated_cost_usd|'
+        r'effective_rate_usd_per_million_tokens|storage_gb_month)":\s*(-?[0-9.eE+-]+)',
+        text,
+    )
     assert amounts, f"{where}: no amounts found in {text[:300]}"
     bad = [a for a in amounts if EXPONENT.search(a) or LONG_TAIL.search(a)]
     assert not bad, f"{where}: amounts not fixed-point: {bad}"
@@ -75,8 +84,12 @@ def test_every_json_surface_writes_amounts_fixed_point(used):
     assert all(s["cost"] > 0 for s in run.json()["steps"])
     assert_fixed_point(run.text, "console run")
     assert_fixed_point(get("/api/v1/billing/usage/events").text.replace("'", '"'), "tinker billing")
-    chat = httpx.post(f"{srv.url}/v1/chat/completions", headers=h, timeout=60, json={
-        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+    chat = httpx.post(
+        f"{srv.url}/v1/chat/completions",
+        headers=h,
+        timeout=60,
+        json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+    )
     assert chat.status_code == 200 and chat.json()["usage"]["cost"] > 0
     assert_fixed_point(chat.text, "openai usage")
 
@@ -86,7 +99,18 @@ def test_cli_json_writes_amounts_fixed_point(used):
     r = CliRunner().invoke(main, ["usage", "--url", srv.url, "--api-key", srv.api_key, "--json"])
     assert r.exit_code == 0, r.output
     assert_fixed_point(r.stdout, "trine usage --json")
-    r = CliRunner().invoke(main, ["estimate", "--model", "SmolLM2-135M-Instruct", "--prompt-tokens", "3",
-                                  "--completion-tokens", "1", "--json"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "estimate",
+            "--model",
+            "SmolLM2-135M-Instruct",
+            "--prompt-tokens",
+            "3",
+            "--completion-tokens",
+            "1",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert_fixed_point(r.stdout, "trine estimate --json")

@@ -2,6 +2,7 @@
 compute_logprobs and the trainer's forward give it, whatever the batch, the cache split, the
 prefill chunking, the packing of samples or the thread count; seeded samples are identical alone,
 batched, cached or not."""
+
 from __future__ import annotations
 
 import random
@@ -9,14 +10,12 @@ import random
 import pytest
 import torch
 
-from trine.engine.api import LoRAConfig
-from trine.engine.api import Loss
-from trine.engine.api import SampleRequest, SamplingOptions, TrainDatum
-from trine.engine.sampler.sampler import Sampler
-from trine.engine.model.tokenizer import Tokenizer
-from trine.engine.trainer.trainer import Trainer
-from trine.engine.model.weights import load_model
+from trine.engine.api import LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum
 from trine.engine.model import invariant
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+from trine.engine.trainer.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +51,12 @@ def setup(model_dir):
 
 def sample_req(trainer, p, n=1, generate=True):
     opts = SamplingOptions(max_tokens=7, temperature=1.0, seed=11, stop_at_eos=False)
-    return (SampleRequest(f"n{next(_ids)}", list(p), opts, trainer.weights_identity("r"), num_samples=n,
-                          generate=generate), trainer.snapshot("r"))
+    return (
+        SampleRequest(
+            f"n{next(_ids)}", list(p), opts, trainer.weights_identity("r"), num_samples=n, generate=generate
+        ),
+        trainer.snapshot("r"),
+    )
 
 
 def prompts() -> list[list[int]]:
@@ -65,10 +68,16 @@ def prompts() -> list[list[int]]:
     return [base, [7, 8, 9], base[:16], base[:37], base[:53], base[:40] + tail]
 
 
-@pytest.mark.parametrize("family,threads", [("llama", 1), ("llama", 2),
-                                            pytest.param("qwen2", 1, marks=pytest.mark.slow),
-                                            pytest.param("qwen3", 1, marks=pytest.mark.slow)],
-                         indirect=["threads"])
+@pytest.mark.parametrize(
+    "family,threads",
+    [
+        ("llama", 1),
+        ("llama", 2),
+        pytest.param("qwen2", 1, marks=pytest.mark.slow),
+        pytest.param("qwen3", 1, marks=pytest.mark.slow),
+    ],
+    indirect=["threads"],
+)
 def test_sampler_compute_logprobs_and_trainer_agree_exactly(tiny_model_dirs, family, threads):
     model, tok, trainer = setup(tiny_model_dirs[family])
     ps = prompts()
@@ -84,10 +93,14 @@ def test_sampler_compute_logprobs_and_trainer_agree_exactly(tiny_model_dirs, fam
         for sa, sb in zip(a.sequences, b.sequences):
             assert sa.tokens == sb.tokens  # seeded: alone = batched = cached
             assert sa.logprobs == sb.logprobs
-            data.append(TrainDatum(tokens=p + sa.tokens[:-1], target_tokens=[-100] * (len(p) - 1) + sa.tokens))
+            data.append(
+                TrainDatum(tokens=p + sa.tokens[:-1], target_tokens=[-100] * (len(p) - 1) + sa.tokens)
+            )
             want.append(sa.logprobs)
     fwd = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0]
-    computed = batched.run([sample_req(trainer, d.tokens + d.target_tokens[-1:], generate=False) for d in data])
+    computed = batched.run(
+        [sample_req(trainer, d.tokens + d.target_tokens[-1:], generate=False) for d in data]
+    )
     for w, t, c in zip(want, fwd.logprobs, computed):
-        assert t[-len(w):] == w  # the trainer's forward, padded into micro-batches with the others
-        assert c.prompt_logprobs[-len(w):] == w  # compute_logprobs, with other requests in its prefill
+        assert t[-len(w) :] == w  # the trainer's forward, padded into micro-batches with the others
+        assert c.prompt_logprobs[-len(w) :] == w  # compute_logprobs, with other requests in its prefill

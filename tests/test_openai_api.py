@@ -2,6 +2,7 @@
 
 One server per module; the prompts of each test differ, so no test's prefix cache helps another.
 """
+
 from __future__ import annotations
 
 import time
@@ -9,15 +10,17 @@ import time
 import httpx
 import openai
 import pytest
+from serverutil import serve
 from transformers import AutoTokenizer
 
 import trine as trio
-from serverutil import serve
 
 MODEL = "tiny-llama"
 BLOCK = 16
-SYSTEM = ("You are a careful assistant for a test suite. Answer briefly, state your assumptions, "
-          "and never invent facts you were not given in the conversation so far.")
+SYSTEM = (
+    "You are a careful assistant for a test suite. Answer briefly, state your assumptions, "
+    "and never invent facts you were not given in the conversation so far."
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +30,12 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def client(server, key: str | None = None, prefix: str = "/v1") -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + prefix, api_key=key or server.api_key, max_retries=0,
-                         http_client=httpx.Client(trust_env=False, timeout=60))
+    return openai.OpenAI(
+        base_url=server.url + prefix,
+        api_key=key or server.api_key,
+        max_retries=0,
+        http_client=httpx.Client(trust_env=False, timeout=60),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +49,17 @@ def hf_tok(tiny_model_dir):
 
 
 def chat_ids(tok, messages) -> list[int]:
-    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False))
+    return list(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
 
 
 def usage_events(server, request_id: str) -> list[dict]:
-    r = httpx.get(f"{server.url}/api/trine/v1/usage/events", trust_env=False,
-                  headers={"Authorization": f"Bearer {server.api_key}"})
+    r = httpx.get(
+        f"{server.url}/api/trine/v1/usage/events",
+        trust_env=False,
+        headers={"Authorization": f"Bearer {server.api_key}"},
+    )
     r.raise_for_status()
     return [e for e in r.json()["events"] if e["request_id"] == request_id]
 
@@ -56,8 +67,9 @@ def usage_events(server, request_id: str) -> list[dict]:
 # ----------------------------------------------------------------------------- chat and completions
 def test_chat_sync_and_streaming_agree_with_the_chat_template(oai, hf_tok):
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
-    full = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                       extra_body={"return_token_ids": True})
+    full = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
+    )
     choice = full.choices[0]
     assert full.object == "chat.completion" and full.model == MODEL
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
@@ -68,14 +80,23 @@ def test_chat_sync_and_streaming_agree_with_the_chat_template(oai, hf_tok):
 
     # streaming, with a stop string from the middle of the greedy answer
     stop = hf_tok.decode(choice.token_ids[5:7])
-    cut = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                      stop=[stop])
+    cut = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == choice.message.content.split(stop)[0]
     for want, kw in ((full, {}), (cut, {"stop": [stop]})):
-        chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
-                                                  temperature=0, stream=True,
-                                                  stream_options={"include_usage": True}, **kw))
+        chunks = list(
+            oai.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                **kw,
+            )
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == want.choices[0].message.content
@@ -96,8 +117,11 @@ def test_completions_text_and_token_ids_sync_and_streaming(oai, hf_tok):
     assert "".join(lp.tokens) == a.choices[0].text and len(lp.token_logprobs) == 10
     assert all(len(top) == 2 and max(top.values()) >= x for top, x in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
-    chunks = list(oai.completions.create(model=MODEL, prompt=text, max_tokens=10, temperature=0,
-                                         stream=True, logprobs=2))
+    chunks = list(
+        oai.completions.create(
+            model=MODEL, prompt=text, max_tokens=10, temperature=0, stream=True, logprobs=2
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == a.choices[0].text
     assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -108,8 +132,9 @@ def test_all_three_paths_serve_the_same_api(server, hf_tok):
     for prefix in ("/v1", "/api/openai/v1", "/oai/api/v1"):
         c = client(server, prefix=prefix)
         assert [m.id for m in c.models.list()][0] == MODEL
-        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello?"}],
-                                      max_tokens=4, temperature=0)
+        r = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hello?"}], max_tokens=4, temperature=0
+        )
         answers.add(r.choices[0].message.content)
     assert len(answers) == 1
 
@@ -127,23 +152,33 @@ def test_n_choices_share_one_prefill_in_the_metered_usage(server, oai):
     assert event["prefill"] + event["prefill_cached"] == p  # once, not 4 x p
     assert event["prefill"] == p - r.usage.prompt_tokens_details.cached_tokens
     assert event["sample"] == 24
-    report = httpx.get(f"{server.url}/api/trine/v1/usage", params={"run_id": event["run_id"]},
-                       headers={"Authorization": f"Bearer {server.api_key}"}, trust_env=False).json()
+    report = httpx.get(
+        f"{server.url}/api/trine/v1/usage",
+        params={"run_id": event["run_id"]},
+        headers={"Authorization": f"Bearer {server.api_key}"},
+        trust_env=False,
+    ).json()
     total = report["total"]  # what `trine usage --url ...` shows: this run's requests, priced
     assert total["tokens"]["sample"] >= 24
     assert 0 < r.usage.model_extra["cost"] <= total["cost"]["total"]
 
 
 def test_second_turn_hits_the_cache_for_the_conversations_full_blocks(oai, hf_tok):
-    first = [{"role": "system", "content": SYSTEM},
-             {"role": "user", "content": "Plan a three-day walking trip through the hills."}]
-    r1 = oai.chat.completions.create(model=MODEL, messages=first, max_tokens=20, temperature=0,
-                                     extra_body={"return_token_ids": True})
+    first = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Plan a three-day walking trip through the hills."},
+    ]
+    r1 = oai.chat.completions.create(
+        model=MODEL, messages=first, max_tokens=20, temperature=0, extra_body={"return_token_ids": True}
+    )
     assert r1.usage.prompt_tokens_details.cached_tokens == 0
-    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
-                      {"role": "user", "content": "Make the second day shorter."}]
-    r2 = oai.chat.completions.create(model=MODEL, messages=second, max_tokens=4, temperature=0,
-                                     extra_body={"return_token_ids": True})
+    second = first + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "Make the second day shorter."},
+    ]
+    r2 = oai.chat.completions.create(
+        model=MODEL, messages=second, max_tokens=4, temperature=0, extra_body={"return_token_ids": True}
+    )
     seen = r1.prompt_token_ids + r1.choices[0].token_ids  # what the server computed KV for (but the last)
     prompt = r2.prompt_token_ids
     common = next((i for i, (a, b) in enumerate(zip(seen, prompt)) if a != b), min(len(seen), len(prompt)))
@@ -160,9 +195,13 @@ def test_trained_adapter_answers_through_its_checkpoint(server, oai, hf_tok):
     prompt = chat_ids(hf_tok, question)
     target = hf_tok.encode(answer, add_special_tokens=False)
     tokens = prompt + target
-    datum = trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:],
-                                       "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(target)})
+    datum = trio.Datum(
+        model_input=trio.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(target),
+        },
+    )
     with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as svc:
         trainer = svc.create_lora_training_client(MODEL, rank=8, seed=0)
         for _ in range(16):
@@ -170,17 +209,24 @@ def test_trained_adapter_answers_through_its_checkpoint(server, oai, hf_tok):
             trainer.optim_step(trio.AdamParams(learning_rate=5e-3))
         uri = trainer.save_weights_for_sampler("openai-test").result().path
         sampler = svc.create_sampling_client(model_path=uri)
-        sdk = sampler.sample(trio.ModelInput.from_ints(prompt), num_samples=1,
-                             sampling_params=trio.SamplingParams(max_tokens=len(target),
-                                                                 temperature=0.0)).result()
+        sdk = sampler.sample(
+            trio.ModelInput.from_ints(prompt),
+            num_samples=1,
+            sampling_params=trio.SamplingParams(max_tokens=len(target), temperature=0.0),
+        ).result()
     assert uri.startswith("trio://")
     listed = {m.id: m for m in oai.models.list()}
     assert uri in listed and listed[uri].root == MODEL
     ck_id = listed[uri].model_extra["checkpoint_id"]
     assert oai.models.retrieve(uri).id == uri and oai.models.retrieve(MODEL).id == MODEL
     for model in (uri, ck_id):
-        r = oai.chat.completions.create(model=model, messages=question, max_tokens=len(target),
-                                        temperature=0, extra_body={"return_token_ids": True})
+        r = oai.chat.completions.create(
+            model=model,
+            messages=question,
+            max_tokens=len(target),
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
         assert r.model == model
         assert r.choices[0].token_ids == sdk.sequences[0].tokens  # the same weights as the SDK's sampler
         assert r.choices[0].message.content == sdk.sequences[0].text == answer  # it learned the answer
@@ -196,16 +242,23 @@ def test_trained_adapter_answers_through_its_checkpoint(server, oai, hf_tok):
             other.chat.completions.create(model=model, messages=question, max_tokens=2)
         assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     # the owner may name it by a tinker:// path too
-    r = oai.chat.completions.create(model=uri.replace("trio://", "tinker://").replace("/weights/", "/sampler_weights/"),
-                                    messages=question, max_tokens=len(target), temperature=0)
+    r = oai.chat.completions.create(
+        model=uri.replace("trio://", "tinker://").replace("/weights/", "/sampler_weights/"),
+        messages=question,
+        max_tokens=len(target),
+        temperature=0,
+    )
     assert r.choices[0].message.content == answer
 
 
 # ----------------------------------------------------------------------------- errors
 BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}}}}},
-     "response_format.json_schema.schema", "unsupported_value"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}}}}},
+        "response_format.json_schema.schema",
+        "unsupported_value",
+    ),
     ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "unknown_parameter"),
     ({"temperature": 3}, "temperature", "invalid_value"),
@@ -215,8 +268,11 @@ BAD = [
     ({"max_tokens": 100000}, "max_tokens", "context_length_exceeded"),
     ({"stop": [""]}, "stop", "invalid_value"),
     ({"messages": []}, "messages", "invalid_value"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content", "invalid_value"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content",
+        "invalid_value",
+    ),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "invalid_value"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
 ]
@@ -235,14 +291,14 @@ def test_bad_parameters_get_400s_in_openai_error_shape(oai, kw, param, code):
 def test_http_level_errors_keep_the_shape_and_the_server_serves_on(server, oai):
     url, auth = server.url, {"Authorization": f"Bearer {server.api_key}"}
     with httpx.Client(trust_env=False, timeout=30) as h:
-        cases = [(h.post(f"{url}/v1/chat/completions", content=b"{not json", headers=auth), 400),
-                 (h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]},
-                         headers=auth), 400),
-                 (h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]},
-                         headers=auth), 400),
-                 (h.post(f"{url}/v1/chat/completions", json={"model": MODEL}), 401),
-                 (h.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}), 401),
-                 (h.get(f"{url}/v1/embeddings", headers=auth), 404)]
+        cases = [
+            (h.post(f"{url}/v1/chat/completions", content=b"{not json", headers=auth), 400),
+            (h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}, headers=auth), 400),
+            (h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]}, headers=auth), 400),
+            (h.post(f"{url}/v1/chat/completions", json={"model": MODEL}), 401),
+            (h.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}), 401),
+            (h.get(f"{url}/v1/embeddings", headers=auth), 404),
+        ]
     for resp, status in cases:
         assert resp.status_code == status, resp.text
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
@@ -262,8 +318,13 @@ def wait_until_idle(sampler, seconds: float = 5.0) -> dict:
 def test_a_disconnect_mid_stream_frees_its_kv_blocks_at_once(server, oai):
     sampler = server.service.models[MODEL].replicas[0].engine.worker.sampler  # the in-process engine
     before = sampler.stats["sample_tokens"]
-    stream = oai.chat.completions.create(model=MODEL, max_tokens=4000, n=2, stream=True,
-                                         messages=[{"role": "user", "content": "Tell me a very long story."}])
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        max_tokens=4000,
+        n=2,
+        stream=True,
+        messages=[{"role": "user", "content": "Tell me a very long story."}],
+    )
     got = 0
     for chunk in stream:
         got += bool(chunk.choices and chunk.choices[0].delta.content)
@@ -284,9 +345,13 @@ def test_a_disconnect_mid_stream_frees_its_kv_blocks_at_once(server, oai):
     # a client that stops waiting for a whole (non-streamed) answer frees the engine as well
     before = sampler.stats["sample_tokens"]
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", trust_env=False, timeout=1.0,
-                   headers={"Authorization": f"Bearer {server.api_key}"},
-                   json={"model": MODEL, "prompt": "A long tale:", "max_tokens": 4000, "n": 2})
+        httpx.post(
+            f"{server.url}/v1/completions",
+            trust_env=False,
+            timeout=1.0,
+            headers={"Authorization": f"Bearer {server.api_key}"},
+            json={"model": MODEL, "prompt": "A long tale:", "max_tokens": 4000, "n": 2},
+        )
     stats = wait_until_idle(sampler)
     assert stats["running"] == 0 and stats["blocks_used"] == 0
     assert stats["sample_tokens"] - before < 4000
@@ -299,7 +364,9 @@ def test_an_over_long_text_prompt_is_refused_by_its_length_before_tokenizing(ser
     text = "word " * 600_000  # 3 MB of text
     with pytest.raises(openai.BadRequestError) as e:
         if chat:
-            oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2)
+            oai.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2
+            )
         else:
             oai.completions.create(model=MODEL, prompt=text, max_tokens=2)
     err = e.value.body

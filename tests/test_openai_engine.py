@@ -1,16 +1,16 @@
 """The engine pieces streaming needs: per-step deltas, top logprobs, and cancellation that frees KV."""
+
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from trine.engine.api import SampleRequest, SampleResult, SamplingOptions, WeightsIdentity
-from trine.engine.sampler.sampler import Sampler
+from trine.engine.api import SampleCancelled, SampleRequest, SampleResult, SamplingOptions, WeightsIdentity
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.runtime.worker import EngineWorker
-from trine.engine.api import SampleCancelled
+from trine.engine.sampler.sampler import Sampler
 
 W = WeightsIdentity("tiny")
 PROMPT = list(range(300, 340))  # 40 tokens: two full blocks and a partial one
@@ -23,8 +23,7 @@ def model_tok(tiny_model_dir):
 
 def request(rid: str, n: int = 3, max_tokens: int = 8, **opts) -> SampleRequest:
     opts = {"temperature": 1.0, "seed": 7, "stop_at_eos": False, **opts}
-    return SampleRequest(rid, list(PROMPT), SamplingOptions(max_tokens=max_tokens, **opts), W,
-                         num_samples=n)
+    return SampleRequest(rid, list(PROMPT), SamplingOptions(max_tokens=max_tokens, **opts), W, num_samples=n)
 
 
 def test_deltas_concatenate_to_the_result_with_top_logprobs(model_tok):
@@ -78,8 +77,9 @@ def test_cancel_frees_sequences_and_blocks_at_once(model_tok):
 
 def test_worker_stream_yields_deltas_then_result_and_closing_it_cancels(tiny_model_dir):
     async def main():
-        worker = EngineWorker("tiny", tiny_model_dir, device="cpu", num_threads=1,
-                              sampler_options={"kv_cache_bytes": 16 << 20})
+        worker = EngineWorker(
+            "tiny", tiny_model_dir, device="cpu", num_threads=1, sampler_options={"kv_cache_bytes": 16 << 20}
+        )
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, worker.start, loop)
         try:

@@ -3,6 +3,7 @@
 One Ray instance and one Ray-backed server for the module. The last test kills a replica of that
 server, so it stays last in this file.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,16 +12,16 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from serverutil import TEST_OPTIONS, pytrio_env, serve, start
 
 import trine as trio
-from serverutil import TEST_OPTIONS, pytrio_env, serve, start
 from trine.engine.api import SampleRequest, SamplingOptions
 from trine.service import SamplingRunSpec
 from trine.service.routing import Router
 
 ray = pytest.importorskip("ray")
-from trine.engine.api import EngineLost
-from trine.engine.runtime.ray_backend import RayEngine, connect, ray_engines
+from trine.engine.api import EngineLost  # noqa: E402  (after the skip when ray is missing)
+from trine.engine.runtime.ray_backend import RayEngine, connect, ray_engines  # noqa: E402
 
 MODEL = "tiny-llama"
 ENGINE_OPTIONS = {k: TEST_OPTIONS[k] for k in ("device", "sampler_options", "trainer_options")}
@@ -29,8 +30,11 @@ ENGINE_OPTIONS = {k: TEST_OPTIONS[k] for k in ("device", "sampler_options", "tra
 @pytest.fixture(scope="module")
 def ray_server(tiny_model_dir, tmp_path_factory):
     connect(None, num_cpus=2)
-    srv = start(tiny_model_dir, tmp_path_factory.mktemp("ray-home"),
-                engines=ray_engines(2, num_threads=1, options=ENGINE_OPTIONS))
+    srv = start(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("ray-home"),
+        engines=ray_engines(2, num_threads=1, options=ENGINE_OPTIONS),
+    )
     try:
         yield srv
     finally:
@@ -51,7 +55,9 @@ class _FailingActor:
             def remote(self, *args):
                 async def call():
                     raise exc
+
                 return call()
+
         return Method()
 
 
@@ -63,15 +69,19 @@ def test_any_ray_failure_is_a_lost_replica_but_engine_errors_keep_their_type():
         with pytest.raises(EngineLost, match="replica 0"):
             asyncio.run(engine.stats())
         assert "replica 0" in asyncio.run(engine.lost())
-    own = ray.exceptions.RayTaskError("sample", "traceback", ValueError("prompt: too long")).as_instanceof_cause()
+    own = ray.exceptions.RayTaskError(
+        "sample", "traceback", ValueError("prompt: too long")
+    ).as_instanceof_cause()
     engine.actor = _FailingActor(own)
     with pytest.raises(ValueError, match="too long"):
         asyncio.run(engine.stats())
 
 
 def _sft_batch(tokenizer_ids: list[list[int]]) -> list[trio.Datum]:
-    return [trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]),
-                       loss_fn_inputs={"target_tokens": ids[1:]}) for ids in tokenizer_ids]
+    return [
+        trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+        for ids in tokenizer_ids
+    ]
 
 
 def _train_and_sample(srv) -> dict:
@@ -87,16 +97,24 @@ def _train_and_sample(srv) -> dict:
             lps.append([o["logprobs"].tolist() for o in out.loss_fn_outputs])
         uri = tc.save_weights_for_sampler("parity").result().path
         sampler = tc.save_weights_and_get_sampling_client()
-        res = sampler.sample(trio.ModelInput.from_ints(list(range(50, 70))), num_samples=3,
-                             sampling_params=trio.SamplingParams(max_tokens=8, temperature=1.0,
-                                                                 seed=5)).result()
+        res = sampler.sample(
+            trio.ModelInput.from_ints(list(range(50, 70))),
+            num_samples=3,
+            sampling_params=trio.SamplingParams(max_tokens=8, temperature=1.0, seed=5),
+        ).result()
     path = srv.service.store.checkpoint_by_uri(uri).path
-    return {"losses": losses, "logprobs": lps, "weights": load_file(f"{path}/adapter_model.safetensors"),
-            "tokens": [s.tokens for s in res.sequences], "sample_logprobs": [s.logprobs for s in res.sequences]}
+    return {
+        "losses": losses,
+        "logprobs": lps,
+        "weights": load_file(f"{path}/adapter_model.safetensors"),
+        "tokens": [s.tokens for s in res.sequences],
+        "sample_logprobs": [s.logprobs for s in res.sequences],
+    }
 
 
-def test_ray_replica_gives_the_same_samples_losses_and_weights_as_in_process(ray_server, tiny_model_dir,
-                                                                              tmp_path):
+def test_ray_replica_gives_the_same_samples_losses_and_weights_as_in_process(
+    ray_server, tiny_model_dir, tmp_path
+):
     on_ray = _train_and_sample(ray_server)
     with serve(tiny_model_dir, tmp_path / "home") as local:
         in_proc = _train_and_sample(local)
@@ -121,7 +139,9 @@ def _cached_fraction(srv, router: Router, seed: int) -> tuple[float, set[int]]:
 
     def spec(prompt):
         n[0] += 1
-        return SampleRequest(f"q{seed}-{n[0]}", prompt, SamplingOptions(max_tokens=4, temperature=1.0, seed=1))
+        return SampleRequest(
+            f"q{seed}-{n[0]}", prompt, SamplingOptions(max_tokens=4, temperature=1.0, seed=1)
+        )
 
     async def workload():
         cached = prompt_tokens = 0
@@ -134,7 +154,9 @@ def _cached_fraction(srv, router: Router, seed: int) -> tuple[float, set[int]]:
                 if turn:
                     cached += out.usage["cached_tokens"]
                     prompt_tokens += out.usage["prompt_tokens"]
-                prompt = prompt + out.sequences[0].tokens + torch.randint(100, 40000, (12,), generator=g).tolist()
+                prompt = (
+                    prompt + out.sequences[0].tokens + torch.randint(100, 40000, (12,), generator=g).tolist()
+                )
         for _group in range(2):
             prompt = torch.randint(100, 40000, (200,), generator=g).tolist()
             first = await svc.sampling.sample(key, run.id, spec(prompt))
@@ -161,15 +183,22 @@ def test_official_pytrio_client_against_a_ray_backed_server(ray_server):
         client = pytrio.ServiceClient()
         try:
             tc = client.create_lora_training_client(base_model=MODEL, rank=4, seed=2)
-            data = [pytrio.Datum(model_input=pytrio.ModelInput.from_ints(list(range(20, 40))),
-                                 loss_fn_inputs={"target_tokens": list(range(21, 41))})]
+            data = [
+                pytrio.Datum(
+                    model_input=pytrio.ModelInput.from_ints(list(range(20, 40))),
+                    loss_fn_inputs={"target_tokens": list(range(21, 41))},
+                )
+            ]
             first = tc.forward_backward(data, "cross_entropy")
             tc.optim_step(pytrio.AdamParams(learning_rate=1e-2)).result()
             second = tc.forward_backward(data, "cross_entropy").result()
             assert second.metrics["loss_sum"] < first.result().metrics["loss_sum"]
             sampler = tc.save_weights_and_get_sampling_client()
-            out = sampler.sample(pytrio.ModelInput.from_ints([5, 6, 7]), num_samples=2,
-                                 sampling_params=pytrio.SamplingParams(max_tokens=4)).result()
+            out = sampler.sample(
+                pytrio.ModelInput.from_ints([5, 6, 7]),
+                num_samples=2,
+                sampling_params=pytrio.SamplingParams(max_tokens=4),
+            ).result()
             assert len(out.sequences) == 2 and all(len(s.tokens) == 4 for s in out.sequences)
         finally:
             client._runtime.shutdown()
@@ -188,16 +217,26 @@ def test_an_inflight_save_reaches_the_replica_serving_the_target_beside_the_trai
 
         def sample(tag: str):
             async def go():
-                return [await svc.sampling.sample(key, inflight.sampling_run_id,
-                                                  SampleRequest(f"{tag}-{i}", prompt, SamplingOptions(max_tokens=5, temperature=0.0)))
-                        for i in range(3)]
+                return [
+                    await svc.sampling.sample(
+                        key,
+                        inflight.sampling_run_id,
+                        SampleRequest(f"{tag}-{i}", prompt, SamplingOptions(max_tokens=5, temperature=0.0)),
+                    )
+                    for i in range(3)
+                ]
+
             return asyncio.run_coroutine_threadsafe(go(), svc.loop).result(120)
 
         first = sample("a")  # served beside the trainer, which loads version 1 from disk
         assert {o.replica for o in first} == {1 - training_replica}
         assert all(o.sequences[0].weights_versions == [1] * 5 for o in first)
-        data = [trio.Datum(model_input=trio.ModelInput.from_ints(prompt),
-                           loss_fn_inputs={"target_tokens": list(range(301, 341))})]
+        data = [
+            trio.Datum(
+                model_input=trio.ModelInput.from_ints(prompt),
+                loss_fn_inputs={"target_tokens": list(range(301, 341))},
+            )
+        ]
         for _ in range(4):
             trainer.forward_backward(data)
             trainer.optim_step(trio.AdamParams(learning_rate=5e-2))
@@ -209,8 +248,10 @@ def test_an_inflight_save_reaches_the_replica_serving_the_target_beside_the_trai
         second = sample("b")
         assert all(o.sequences[0].weights_versions == [2] * 5 for o in second)
         snapshot = trainer.save_weights_and_get_sampling_client()  # served where it was trained
-        trained = snapshot.sample(trio.ModelInput.from_ints(prompt),
-                                  sampling_params=trio.SamplingParams(max_tokens=5, temperature=0.0))
+        trained = snapshot.sample(
+            trio.ModelInput.from_ints(prompt),
+            sampling_params=trio.SamplingParams(max_tokens=5, temperature=0.0),
+        )
         assert second[0].sequences[0].tokens == trained.result().sequences[0].tokens
         assert second[0].sequences[0].tokens != first[0].sequences[0].tokens
 
@@ -235,8 +276,10 @@ def test_killed_replica_fails_its_events_at_once_others_go_on_and_the_run_restor
         for _ in range(3):  # pipelined: queued and running when the replica dies
             pending += [doomed.forward_backward(batch, "cross_entropy"), doomed.optim_step(adam)]
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sum(
-                live.record.run_id == doomed.training_run_id for live in svc_obj.events.live.values()) < 6:
+        while (
+            time.monotonic() < deadline
+            and sum(live.record.run_id == doomed.training_run_id for live in svc_obj.events.live.values()) < 6
+        ):
             time.sleep(0.01)  # until the server has accepted all six
         t0 = time.monotonic()
         ray.kill(homes[doomed.training_run_id].engine.actor, no_restart=True)
@@ -258,8 +301,11 @@ def test_killed_replica_fails_its_events_at_once_others_go_on_and_the_run_restor
 
         sampler = svc.create_sampling_client(base_model=MODEL)  # sampling is rerouted
         for i in range(4):
-            res = sampler.sample(trio.ModelInput.from_ints([7, 8, 9, i]), num_samples=1,
-                                 sampling_params=trio.SamplingParams(max_tokens=3)).result()
+            res = sampler.sample(
+                trio.ModelInput.from_ints([7, 8, 9, i]),
+                num_samples=1,
+                sampling_params=trio.SamplingParams(max_tokens=3),
+            ).result()
             assert len(res.sequences[0].tokens) == 3
 
         key = svc_obj.authenticate(ray_server.api_key)

@@ -1,5 +1,6 @@
 """Prompt scores in the sampler: prompt_logprobs_last_n reads the cached prefix, alt-token draws,
 target-id logprobs; each against a plain full forward of the tiny model."""
+
 from __future__ import annotations
 
 import random
@@ -7,11 +8,11 @@ import random
 import pytest
 import torch
 
-from trine.engine.model.lora import AdapterBatch
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler.sampler import Sampler
+from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
+from trine.engine.sampler.sampler import Sampler
 
 W = WeightsIdentity("tiny")
 _ids = iter(range(10**9))
@@ -32,8 +33,13 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def req(p, max_tokens=3, *, temperature=0.0, seed=None, **kw) -> SampleRequest:
-    return SampleRequest(f"r{next(_ids)}", list(p), SamplingOptions(max_tokens, temperature, seed=seed,
-                                                                     stop_at_eos=False), W, **kw)
+    return SampleRequest(
+        f"r{next(_ids)}",
+        list(p),
+        SamplingOptions(max_tokens, temperature, seed=seed, stop_at_eos=False),
+        W,
+        **kw,
+    )
 
 
 def full_logprobs(model, tokens):
@@ -91,20 +97,27 @@ def test_target_ids_get_their_logprobs_and_rows_before_the_first_read_the_cache(
     late[38] = [12]
     second = s.run([req(p, 1, target_prompt_ids=late)])[0]
     assert second.usage.cached_tokens == 32  # its first scored row is the last: the prefix came cached
-    torch.testing.assert_close(second.target_prompt_logprobs[38], first.target_prompt_logprobs[38], atol=1e-5,
-                               rtol=0)
+    torch.testing.assert_close(
+        second.target_prompt_logprobs[38], first.target_prompt_logprobs[38], atol=1e-5, rtol=0
+    )
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(prompt_logprobs=True, prompt_logprobs_last_n=0), "prompt_logprobs_last_n"),
-    (dict(prompt_logprobs=True, prompt_logprobs_last_n=5), "prompt_logprobs_last_n"),  # len(prompt) - 1 = 4
-    (dict(prompt_logprobs_last_n=2), "prompt_logprobs_last_n"),  # without prompt logprobs
-    (dict(prompt_alt_tokens_k=-1), "prompt_alt_tokens_k"),
-    (dict(prompt_alt_tokens_k=65), "prompt_alt_tokens_k"),
-    (dict(target_prompt_ids=[[1]]), "target_prompt_logprobs"),  # needs 4 rows
-    (dict(target_prompt_ids=[[], [], [], []]), "target_prompt_logprobs"),  # names no id
-    (dict(target_prompt_ids=[[], [], [], [10**6]]), "target_prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(prompt_logprobs=True, prompt_logprobs_last_n=0), "prompt_logprobs_last_n"),
+        (
+            dict(prompt_logprobs=True, prompt_logprobs_last_n=5),
+            "prompt_logprobs_last_n",
+        ),  # len(prompt) - 1 = 4
+        (dict(prompt_logprobs_last_n=2), "prompt_logprobs_last_n"),  # without prompt logprobs
+        (dict(prompt_alt_tokens_k=-1), "prompt_alt_tokens_k"),
+        (dict(prompt_alt_tokens_k=65), "prompt_alt_tokens_k"),
+        (dict(target_prompt_ids=[[1]]), "target_prompt_logprobs"),  # needs 4 rows
+        (dict(target_prompt_ids=[[], [], [], []]), "target_prompt_logprobs"),  # names no id
+        (dict(target_prompt_ids=[[], [], [], [10**6]]), "target_prompt_logprobs"),
+    ],
+)
 def test_bad_prompt_score_options_raise_naming_the_field(model_tok, bad, field):
     s = sampler(model_tok)
     with pytest.raises(ValueError, match=field):

@@ -3,11 +3,11 @@
 The server hands out `model_id` = the model directory, so pytrio loads the tokenizer from disk
 (offline); pytrio's telemetry is switched off.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from serverutil import pytrio_env, serve
 
 MODEL = "tiny-llama"
@@ -15,8 +15,10 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def trio(tiny_model_dir, tmp_path_factory):
-    with serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as srv, \
-            pytrio_env(srv.url, srv.api_key) as pytrio:
+    with (
+        serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as srv,
+        pytrio_env(srv.url, srv.api_key) as pytrio,
+    ):
         pytrio.server = srv
         yield pytrio
 
@@ -29,8 +31,9 @@ def service(trio):
 
 
 def sft_datum(trio, tokens: list[int]):
-    return trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
-                      loss_fn_inputs={"target_tokens": tokens[1:]})
+    return trio.Datum(
+        model_input=trio.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+    )
 
 
 TEXT = [1, 504, 3330, 314, 253, 1345, 28, 357, 314, 253, 1345, 30, 2]
@@ -62,16 +65,23 @@ def test_pipelined_and_waiting_loops_give_identical_weights(trio, service):
     adam = trio.AdamParams(learning_rate=1e-3)
     a = service.create_lora_training_client(base_model=MODEL, rank=4, seed=7)
     b = service.create_lora_training_client(base_model=MODEL, rank=4, seed=7)
-    futs = [a.forward_backward(data, "cross_entropy"), a.optim_step(adam),
-            a.forward_backward(data, "cross_entropy"), a.optim_step(adam)]
+    futs = [
+        a.forward_backward(data, "cross_entropy"),
+        a.optim_step(adam),
+        a.forward_backward(data, "cross_entropy"),
+        a.optim_step(adam),
+    ]
     a_losses = [futs[0].result().metrics["loss_sum"], futs[2].result().metrics["loss_sum"]]
     b_losses = []
     for _ in range(2):
         b_losses.append(b.forward_backward(data, "cross_entropy").result().metrics["loss_sum"])
         b.optim_step(adam).result()
     assert a_losses == pytest.approx(b_losses, rel=1e-6) and a_losses[1] < a_losses[0]
-    np.testing.assert_allclose(logprobs(a.forward(data, "cross_entropy").result()),
-                               logprobs(b.forward(data, "cross_entropy").result()), atol=1e-6)
+    np.testing.assert_allclose(
+        logprobs(a.forward(data, "cross_entropy").result()),
+        logprobs(b.forward(data, "cross_entropy").result()),
+        atol=1e-6,
+    )
 
 
 def test_rl_loop_with_grouped_samples_and_importance_sampling(trio, service):
@@ -80,9 +90,11 @@ def test_rl_loop_with_grouped_samples_and_importance_sampling(trio, service):
     group = 4
     for _ in range(2):
         sampler = tc.save_weights_and_get_sampling_client()
-        res = sampler.sample(prompt=trio.ModelInput.from_ints(prompt), num_samples=group,
-                             sampling_params=trio.SamplingParams(max_tokens=5, temperature=1.0,
-                                                                 seed=11)).result()
+        res = sampler.sample(
+            prompt=trio.ModelInput.from_ints(prompt),
+            num_samples=group,
+            sampling_params=trio.SamplingParams(max_tokens=5, temperature=1.0, seed=11),
+        ).result()
         assert len(res.sequences) == group
         rewards = [sum(t % 2 == 0 for t in s.tokens) / len(s.tokens) for s in res.sequences]
         mean = sum(rewards) / group
@@ -90,15 +102,20 @@ def test_rl_loop_with_grouped_samples_and_importance_sampling(trio, service):
         for s, r in zip(res.sequences, rewards):
             assert len(s.logprobs) == len(s.tokens) > 0
             p, c = len(prompt), len(s.tokens)
-            data.append(trio.Datum(
-                model_input=trio.ModelInput.from_ints(prompt + s.tokens[:-1]),
-                loss_fn_inputs={"target_tokens": [0] * (p - 1) + s.tokens,
-                                "logprobs": [0.0] * (p - 1) + s.logprobs,
-                                "advantages": [0.0] * (p - 1) + [r - mean] * c}))
+            data.append(
+                trio.Datum(
+                    model_input=trio.ModelInput.from_ints(prompt + s.tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": [0] * (p - 1) + s.tokens,
+                        "logprobs": [0.0] * (p - 1) + s.logprobs,
+                        "advantages": [0.0] * (p - 1) + [r - mean] * c,
+                    },
+                )
+            )
         out = tc.forward_backward(data, "importance_sampling").result()
         # the trainer scores the sampled tokens exactly as the sampler did (same weights)
         for s, o in zip(res.sequences, out.loss_fn_outputs):
-            np.testing.assert_allclose(o["logprobs"].to_numpy()[len(prompt) - 1:], s.logprobs, atol=2e-4)
+            np.testing.assert_allclose(o["logprobs"].to_numpy()[len(prompt) - 1 :], s.logprobs, atol=2e-4)
         assert np.isfinite(out.metrics["loss_sum"])
         tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
 
@@ -119,8 +136,11 @@ def test_save_state_then_restore_gives_the_same_logprobs(trio, service):
     for client in (tc, with_opt):
         client.forward_backward(data, "cross_entropy").result()
         client.optim_step(adam).result()
-    np.testing.assert_allclose(logprobs(with_opt.forward(data, "cross_entropy").result()),
-                               logprobs(tc.forward(data, "cross_entropy").result()), atol=1e-6)
+    np.testing.assert_allclose(
+        logprobs(with_opt.forward(data, "cross_entropy").result()),
+        logprobs(tc.forward(data, "cross_entropy").result()),
+        atol=1e-6,
+    )
     loaded = service.create_lora_training_client(base_model=MODEL, rank=4)
     loaded.load_state(uri).result()  # PATCH before the first op
     np.testing.assert_allclose(logprobs(loaded.forward(data, "cross_entropy").result()), want, atol=1e-6)
@@ -148,6 +168,7 @@ def test_sampler_from_saved_weights_and_checkpoint_rest_api(trio, service, tmp_p
     ck = by_path[saved.path]
     rest.download_checkpoint(ck.checkpoint_id, tmp_path / "ck.tar").result()
     import tarfile
+
     with tarfile.open(tmp_path / "ck.tar") as tf:
         names = {n.rsplit("/", 1)[-1] for n in tf.getnames()}
     assert {"adapter_model.safetensors", "adapter_config.json"} <= names  # a PEFT adapter
@@ -159,7 +180,9 @@ def test_sampler_from_saved_weights_and_checkpoint_rest_api(trio, service, tmp_p
 def test_base_model_sampler_and_capabilities(trio, service):
     assert service.get_supported_models() == [str(trio.server.service.models[MODEL].dir)]
     sampler = service.create_sampling_client(base_model=MODEL)
-    out = sampler.sample(prompt=trio.ModelInput.from_ints(TEXT[:5]), num_samples=2,
-                         sampling_params=trio.SamplingParams(max_tokens=3, temperature=0.7,
-                                                             stop=["\n"])).result()
+    out = sampler.sample(
+        prompt=trio.ModelInput.from_ints(TEXT[:5]),
+        num_samples=2,
+        sampling_params=trio.SamplingParams(max_tokens=3, temperature=0.7, stop=["\n"]),
+    ).result()
     assert len(out.sequences) == 2 and out.input_tokens == 5

@@ -1,4 +1,5 @@
 """Prefix-aware routing: stable block keys, affinity for growing prompts, bounded loads."""
+
 from __future__ import annotations
 
 import random
@@ -25,7 +26,7 @@ def test_conversations_and_groups_stick_to_one_replica_while_loads_stay_bounded(
     router = Router()
     rng = random.Random(0)
     homes = set()
-    for conv in range(20):  # each conversation grows turn by turn: its turns share one replica
+    for _conv in range(20):  # each conversation grows turn by turn: its turns share one replica
         prompt = [rng.randrange(50000) for _ in range(40)]
         seen = set()
         for _turn in range(4):

@@ -1,4 +1,5 @@
 """Sampler on tiny random models: cache equivalence, metering, stops, seeds, adapters, batching."""
+
 from __future__ import annotations
 
 import random
@@ -6,12 +7,11 @@ import random
 import pytest
 import torch
 
+from trine.engine.api import LoRAConfig, SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.model.lora import Adapter
-from trine.engine.api import LoRAConfig
-from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.sampler.sampler import Sampler
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
+from trine.engine.sampler.sampler import Sampler
 
 W = WeightsIdentity("tiny")
 MB = 2**20
@@ -40,21 +40,28 @@ def req(p, max_tokens=6, n=1, weights=W, adapter=None, **opts):
     """A request, paired with the adapter it runs when `weights` names one (Sampler.run/add)."""
     extra = {k: opts.pop(k) for k in ("prompt_logprobs", "topk_prompt_logprobs", "generate") if k in opts}
     opts.setdefault("stop_at_eos", False)
-    r = SampleRequest(f"r{next(_ids)}", list(p), SamplingOptions(max_tokens=max_tokens, **opts),
-                      weights, num_samples=n, **extra)
+    r = SampleRequest(
+        f"r{next(_ids)}",
+        list(p),
+        SamplingOptions(max_tokens=max_tokens, **opts),
+        weights,
+        num_samples=n,
+        **extra,
+    )
     return r if adapter is None else (r, adapter)
 
 
 def full_logprobs(model, tokens, adapter=None):
     """log_softmax of a plain full forward (the training path, no KV pool): [len, vocab]."""
     from trine.engine.model.lora import AdapterBatch
+
     with torch.inference_mode():
         return torch.log_softmax(model(torch.tensor([tokens]), adapters=AdapterBatch.single(adapter))[0], -1)
 
 
 def assert_logprobs_match_full_forward(model, p, seq, adapter=None):
     lp = full_logprobs(model, p + seq.tokens, adapter)
-    want = lp[len(p) - 1:-1].gather(1, torch.tensor(seq.tokens)[:, None])[:, 0]
+    want = lp[len(p) - 1 : -1].gather(1, torch.tensor(seq.tokens)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
 
 
@@ -161,12 +168,13 @@ def test_max_tokens_and_stop_token(model_tok):
     s = make(model_tok)
     p = prompt(12)
     res = s.run([req(p, 7, n=2, seed=3)])[0]
-    assert all(len(x.tokens) == 7 and len(x.logprobs) == 7 and x.stop_reason == "length"
-               for x in res.sequences)
+    assert all(
+        len(x.tokens) == 7 and len(x.logprobs) == 7 and x.stop_reason == "length" for x in res.sequences
+    )
     stop_tok = res.sequences[0].tokens[3]
     first = res.sequences[0].tokens.index(stop_tok)
     stopped = s.run([req(p, 7, n=2, seed=3, stop_token_ids=(stop_tok,))])[0].sequences[0]
-    assert stopped.tokens == res.sequences[0].tokens[:first + 1] and stopped.stop_reason == "stop"
+    assert stopped.tokens == res.sequences[0].tokens[: first + 1] and stopped.stop_reason == "stop"
     tok = model_tok[1]
     assert stopped.text == tok.decode(stopped.tokens[:-1])  # the stop token is not in the text
 
@@ -177,7 +185,7 @@ def test_eos_stops_unless_disabled(model_tok):
     res = s.run([req(p, 7, seed=3)])[0].sequences[0]
     s.eos_ids = frozenset({res.tokens[2]})  # pretend this model's EOS is the third token
     eos = s.run([req(p, 7, seed=3, stop_at_eos=True)])[0].sequences[0]
-    assert eos.tokens == res.tokens[:res.tokens.index(res.tokens[2]) + 1] and eos.stop_reason == "stop"
+    assert eos.tokens == res.tokens[: res.tokens.index(res.tokens[2]) + 1] and eos.stop_reason == "stop"
     assert s.run([req(p, 7, seed=3, stop_at_eos=False)])[0].sequences[0].tokens == res.tokens
 
 
@@ -191,7 +199,7 @@ def test_stop_string_spanning_token_boundaries(model_tok):
     for k in range(len(base.tokens) - 1, 0, -1):
         a, b = texts[k], texts[k + 1]
         if len(a) >= 2 and b.startswith(a) and len(b) >= len(a) + 2 and "\ufffd" not in b:
-            stop = b[len(a) - 2:len(a) + 2]
+            stop = b[len(a) - 2 : len(a) + 2]
             if stop not in texts[k][:-1] and b.find(stop) == len(a) - 2:
                 break
     else:
@@ -199,8 +207,8 @@ def test_stop_string_spanning_token_boundaries(model_tok):
     out = s.run([req(p, 40, seed=11, stop_strings=(stop, "never appears \u2603"))])[0].sequences[0]
     assert out.stop_reason == "stop"
     assert k > 20  # later than the window of tokens the sampler decodes at each step
-    assert out.tokens == base.tokens[:k + 1]  # up to and including the token completing the stop
-    assert out.text == b[:len(a) - 2]
+    assert out.tokens == base.tokens[: k + 1]  # up to and including the token completing the stop
+    assert out.text == b[: len(a) - 2]
     assert len(out.logprobs) == len(out.tokens)
 
 
@@ -231,7 +239,7 @@ def test_top_k_top_p_and_temperature(model_tok):
     # logprobs are the model's own (temperature 1), not the sampling distribution's
     hot = s.run([req(p, 6, temperature=0.5, top_k=5, seed=3)])[0].sequences[0]
     assert_logprobs_match_full_forward(model_tok[0], p, hot)
-    top5 = full_logprobs(model_tok[0], p + hot.tokens)[len(p) - 1:-1].topk(5).indices
+    top5 = full_logprobs(model_tok[0], p + hot.tokens)[len(p) - 1 : -1].topk(5).indices
     assert all(t in row.tolist() for t, row in zip(hot.tokens, top5))
 
 
@@ -247,8 +255,10 @@ def test_mixed_adapters_and_base_in_one_batch(model_tok):
         adapters.append(ad)
     ids = [WeightsIdentity("tiny", "a", 0), WeightsIdentity("tiny", "b", 0), W]
     p = prompt(25)
-    reqs = lambda: [req(p, 6, n=2, seed=4, weights=w, adapter=a)  # noqa: E731
-                    for w, a in zip(ids, adapters + [None])]
+    reqs = lambda: [
+        req(p, 6, n=2, seed=4, weights=w, adapter=a)  # noqa: E731
+        for w, a in zip(ids, adapters + [None])
+    ]
     together = make(model_tok).run(reqs())
     alone = [make(model_tok).run([r])[0] for r in reqs()]
     for t, a, ad in zip(together, alone, adapters + [None]):
@@ -307,20 +317,23 @@ def test_step_api_returns_finished_requests(model_tok):
 
 
 # ----------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("bad, field", [
-    (dict(p=[]), "prompt"),
-    (dict(p=[1, 49152]), "prompt"),
-    (dict(p=[-1]), "prompt"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(n=0), "num_samples"),
-    (dict(max_tokens=5000), "context"),
-    (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(stop_token_ids=(10**6,)), "stop_token_ids"),
-    (dict(stop_strings=("",)), "stop_strings"),
-    (dict(weights=WeightsIdentity("tiny", "run")), "adapter"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(p=[]), "prompt"),
+        (dict(p=[1, 49152]), "prompt"),
+        (dict(p=[-1]), "prompt"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "num_samples"),
+        (dict(max_tokens=5000), "context"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(stop_token_ids=(10**6,)), "stop_token_ids"),
+        (dict(stop_strings=("",)), "stop_strings"),
+        (dict(weights=WeightsIdentity("tiny", "run")), "adapter"),
+    ],
+)
 def test_bad_requests_raise_and_the_sampler_keeps_serving(model_tok, bad, field):
     s = make(model_tok)
     args = dict(p=[5, 6, 7], max_tokens=3)

@@ -1,4 +1,5 @@
 """Token sampling, seeds and stops on hand-made logits and a character tokenizer: no model."""
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,9 @@ def test_a_rows_draws_do_not_depend_on_the_batch_around_it():
 def test_logprobs_are_the_raw_distributions_whatever_the_temperature_and_filters():
     torch.manual_seed(1)
     logits = torch.randn(2, 30)
-    toks, lps, tops = sample(logits, [opts(temperature=0.3, top_p=0.5, top_logprobs=3), opts(top_k=2)],
-                             generators(3, 2))
+    toks, lps, tops = sample(
+        logits, [opts(temperature=0.3, top_p=0.5, top_logprobs=3), opts(top_k=2)], generators(3, 2)
+    )
     raw = torch.log_softmax(logits, -1)
     assert lps == pytest.approx([float(raw[b, t]) for b, t in enumerate(toks)])
     assert [t for t, _ in tops[0]] == raw[0].topk(3).indices.tolist() and tops[1] is None

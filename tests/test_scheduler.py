@@ -3,16 +3,17 @@
 Admission against the KV pool (worst-case reservations), the prefill budget sized by time, the
 order of prefill chunks, and the prefill share: prompts held back while others decode, and the
 debt that decode steps pay."""
+
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trine.engine.sampler.kv_cache import BlockManager
-from trine.engine.sampler.kv_layout import KVLayout
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.sampler.admission import FifoAdmission
+from trine.engine.sampler.kv_cache import BlockManager
+from trine.engine.sampler.kv_layout import KVLayout
 from trine.engine.sampler.scheduler import Scheduler, chunk_rows, fair_order
 from trine.engine.sampler.sequence import Request, Sequence
 from trine.engine.sampler.stops import Stops
@@ -98,7 +99,12 @@ def test_admission_reserves_worst_case_blocks_and_waits_when_they_are_short():
 
 def test_a_request_that_does_not_fit_holds_back_the_ones_behind_it_in_arrival_order():
     sch = Scheduler(pool(8), max_batch_tokens=64)
-    add(sch, request(16, max_tokens=8), request(16, max_tokens=8, first=100), request(2, max_tokens=2, first=200))
+    add(
+        sch,
+        request(16, max_tokens=8),
+        request(16, max_tokens=8, first=100),
+        request(2, max_tokens=2, first=200),
+    )
     sch.schedule()
     assert len(sch.prefilling) == 1 and len(sch.waiting) == 2  # the small third one waits its turn
 
@@ -216,7 +222,7 @@ def test_a_prefill_chunk_never_exceeds_the_budget_padding_included(lefts, budget
     ready = [request(n) for n in lefts]
     rows = chunk_rows(fair_order(ready, {}), budget)  # one tenant: fewest tokens left first
     assert rows and len(rows) * max(take for _, take in rows) <= budget
-    assert [r.prompt_left for r, _ in rows] == sorted(lefts)[:len(rows)]  # fewest tokens left first
+    assert [r.prompt_left for r, _ in rows] == sorted(lefts)[: len(rows)]  # fewest tokens left first
     assert all(take == r.prompt_left for r, take in rows[:-1])  # whole, but the last
 
 
@@ -282,8 +288,9 @@ def test_without_decoders_the_debt_is_forgiven():
     assert sch.schedule().prefill and sch.debt == 0
 
 
-@pytest.mark.parametrize("kw", [dict(max_batch_tokens=0), dict(max_running=0), dict(prefill_share=0),
-                                dict(prefill_step_seconds=0)])
+@pytest.mark.parametrize(
+    "kw", [dict(max_batch_tokens=0), dict(max_running=0), dict(prefill_share=0), dict(prefill_step_seconds=0)]
+)
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         Scheduler(pool(4), **kw)
@@ -291,15 +298,28 @@ def test_bad_settings_are_refused(kw):
 
 # ----------------------------------------------------------------------------- invariants
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "cancel"]), st.integers(1, 40),
-                          st.integers(1, 12), st.integers(1, 3), st.booleans()), max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "step", "step", "step", "cancel"]),
+            st.integers(1, 40),
+            st.integers(1, 12),
+            st.integers(1, 3),
+            st.booleans(),
+        ),
+        max_size=40,
+    )
+)
 def test_reservations_always_balance_and_no_sequence_runs_out_of_blocks(ops):
     """Random arrivals, steps (prefill as planned, then one token for every decoding sequence)
     and cancels: the reservation is always what admitted requests still may allocate."""
     sch = Scheduler(pool(24), max_batch_tokens=16, max_running=6)
     live: list[Request] = []
     for op, n, max_tokens, samples, generate in ops:
-        if op == "add" and sch.blocks_needed(n, max_tokens if generate else 0, samples if generate else 0) <= 24:
+        if (
+            op == "add"
+            and sch.blocks_needed(n, max_tokens if generate else 0, samples if generate else 0) <= 24
+        ):
             live.append(request(n, max_tokens=max_tokens, samples=samples, generate=generate, first=n * 100))
             sch.add(live[-1])
         elif op == "cancel" and live:

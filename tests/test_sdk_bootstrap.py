@@ -1,5 +1,6 @@
 """The SDK's first minutes: fail fast when no server answers, log retries once, read the profile
 `trio login` saved, and raise trio.ValidationError for every bad parameter."""
+
 from __future__ import annotations
 
 import logging
@@ -18,6 +19,7 @@ ENV = ("TRINE_API_KEY", "TRINE_BASE_URL", "PYTRIO_API_KEY", "PYTRIO_BASE_URL", "
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     from serverutil import serve
+
     with serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as srv:
         yield srv
 
@@ -50,10 +52,12 @@ def test_no_server_fails_in_seconds_with_what_to_do(caplog):
 
 
 def test_validation_errors_are_trine_errors():
-    for make, field in ((lambda: trio.SamplingParams(max_tokens=0), "max_tokens"),
-                        (lambda: trio.SamplingParams(max_tokens="many"), "max_tokens"),
-                        (lambda: trio.AdamParams(learning_rate=float("nan")), "learning_rate"),
-                        (lambda: trio.SamplingParams(max_token=3), "max_token")):
+    for make, field in (
+        (lambda: trio.SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: trio.SamplingParams(max_tokens="many"), "max_tokens"),
+        (lambda: trio.AdamParams(learning_rate=float("nan")), "learning_rate"),
+        (lambda: trio.SamplingParams(max_token=3), "max_token"),
+    ):
         with pytest.raises(trio.ValidationError) as e:
             make()
         assert isinstance(e.value, trio.TrineError) and isinstance(e.value, ValueError)
@@ -64,7 +68,9 @@ def test_sdk_reads_the_trio_login_profile(server, clean_env, monkeypatch):
     home = clean_env
     assert load_profile() is None
     (home / ".pytrio").mkdir()
-    (home / ".pytrio" / "config.toml").write_text(f'api_key = "{server.api_key}"\nbase_url = "{server.url}"\n')
+    (home / ".pytrio" / "config.toml").write_text(
+        f'api_key = "{server.api_key}"\nbase_url = "{server.url}"\n'
+    )
     with trio.ServiceClient() as service:  # no argument, no environment: the profile
         assert service.base_url == server.url and service.get_supported_models()
     # a named profile (`trio env use staging`) wins when active

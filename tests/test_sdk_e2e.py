@@ -2,19 +2,20 @@
 
 One server and one ServiceClient per module; each test makes its own training runs.
 """
+
 from __future__ import annotations
 
 import asyncio
-import math
 import json
+import math
 import os
 
 import httpx
 import pytest
 import torch
+from serverutil import serve
 
 import trine as trio
-from serverutil import serve
 from trine.client.batch import Limits
 
 MODEL = "tiny-llama"
@@ -48,13 +49,17 @@ def tokenizer(service):
 
 def sft_datum(tokenizer, text: str) -> trio.Datum:
     ids = tokenizer.encode(text, add_special_tokens=False)
-    return trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+    return trio.Datum(
+        model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]}
+    )
 
 
 def test_sft_loss_falls_and_pipelined_steps_share_cycles(service, tokenizer):
     trainer = service.create_lora_training_client(MODEL, rank=8, seed=0)
-    batch = [sft_datum(tokenizer, "The capital of France is Paris."),
-             sft_datum(tokenizer, "Two plus two equals four.")]
+    batch = [
+        sft_datum(tokenizer, "The capital of France is Paris."),
+        sft_datum(tokenizer, "Two plus two equals four."),
+    ]
     losses, cycles = [], []
     for _ in range(8):
         fb = trainer.forward_backward(batch, "cross_entropy")
@@ -74,9 +79,11 @@ def test_rl_loop_with_importance_sampling(service, tokenizer):
     trainer = service.create_lora_training_client(MODEL, rank=8, seed=1)
     prompt = tokenizer.encode("Count with me: one, two,", add_special_tokens=False)
     params = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
-    for step in range(2):
+    for _step in range(2):
         sampler = trainer.save_weights_and_get_sampling_client()
-        res = sampler.sample(trio.ModelInput.from_ints(prompt), num_samples=4, sampling_params=params).result()
+        res = sampler.sample(
+            trio.ModelInput.from_ints(prompt), num_samples=4, sampling_params=params
+        ).result()
         assert len(res.sequences) == 4
         rewards = [float(len(set(s.tokens))) for s in res.sequences]
         mean = sum(rewards) / len(rewards)
@@ -84,16 +91,22 @@ def test_rl_loop_with_importance_sampling(service, tokenizer):
         for seq, r in zip(res.sequences, rewards):
             assert len(seq.logprobs) == len(seq.tokens) and all(math.isfinite(x) for x in seq.logprobs)
             p = len(prompt) - 1
-            data.append(trio.Datum(model_input=trio.ModelInput.from_ints(prompt + seq.tokens[:-1]),
-                                   loss_fn_inputs={"target_tokens": [-100] * p + seq.tokens,
-                                                   "logprobs": [0.0] * p + seq.logprobs,
-                                                   "advantages": [0.0] * p + [r - mean + 0.5] * len(seq.tokens)}))
+            data.append(
+                trio.Datum(
+                    model_input=trio.ModelInput.from_ints(prompt + seq.tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": [-100] * p + seq.tokens,
+                        "logprobs": [0.0] * p + seq.logprobs,
+                        "advantages": [0.0] * p + [r - mean + 0.5] * len(seq.tokens),
+                    },
+                )
+            )
         fb = trainer.forward_backward(data, "importance_sampling")
         trainer.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
         out = fb.result()
         # the trainer's logprobs of the sampled tokens match the sampler's (same weights)
-        for datum, o, seq in zip(data, out.loss_fn_outputs, res.sequences):
-            trained = o["logprobs"].tolist()[len(prompt) - 1:]
+        for _datum, o, seq in zip(data, out.loss_fn_outputs, res.sequences):
+            trained = o["logprobs"].tolist()[len(prompt) - 1 :]
             assert trained == pytest.approx(seq.logprobs, abs=2e-3)
         assert out.usage.loss_tokens == sum(len(s.tokens) for s in res.sequences)
 
@@ -110,15 +123,20 @@ def test_save_state_then_a_new_client_from_it_gives_the_same_logprobs(service, t
 
     restored = service.create_training_client_from_state(saved.path)
     assert restored.training_run_id != trainer.training_run_id and restored.lora.rank == 8
-    assert restored.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(expected, abs=1e-5)
+    assert restored.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(
+        expected, abs=1e-5
+    )
 
     with_optimizer = service.create_training_client_from_state_with_optimizer(saved.path)
-    assert with_optimizer.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == \
-        pytest.approx(expected, abs=1e-5)
+    assert with_optimizer.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(
+        expected, abs=1e-5
+    )
 
     loaded = service.create_lora_training_client(MODEL, rank=8)
     assert loaded.load_state(saved.path).result() == {}
-    assert loaded.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(expected, abs=1e-5)
+    assert loaded.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(
+        expected, abs=1e-5
+    )
     with pytest.raises(trio.ValidationError, match="before the first training call"):
         loaded.load_state(saved.path)
     other_rank = service.create_lora_training_client(MODEL, rank=4)
@@ -179,8 +197,10 @@ def test_a_pipelined_step_takes_one_clock_cycle_and_a_waiting_one_two(tiny_model
     """With a gather window longer than one HTTP round trip (so a loaded test machine cannot
     split a step), submitting optim_step before waiting puts it in its forward_backward's cycle."""
     batch = [sft_datum(tokenizer, "Clock cycles are shared.")]
-    with serve(tiny_model_dir, tmp_path / "home", gather_seconds=0.3) as srv, \
-            trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as svc:
+    with (
+        serve(tiny_model_dir, tmp_path / "home", gather_seconds=0.3) as srv,
+        trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as svc,
+    ):
         trainer = svc.create_lora_training_client(MODEL, rank=4)
         trainer.forward(batch).result()
         piped = []
@@ -205,13 +225,18 @@ def test_futures_work_with_result_await_and_map(service, tokenizer):
         out = await fb
         await opt
         sampler = await trainer.save_weights_and_get_sampling_client_async()
-        res = await sampler.sample_async(trio.ModelInput.from_ints([1, 2, 3]),
-                                         sampling_params=trio.SamplingParams(max_tokens=2))
+        res = await sampler.sample_async(
+            trio.ModelInput.from_ints([1, 2, 3]), sampling_params=trio.SamplingParams(max_tokens=2)
+        )
         lps = await sampler.compute_logprobs_async(trio.ModelInput.from_ints([1, 2, 3]))
-        both = await asyncio.gather(sampler.sample(trio.ModelInput.from_ints([4, 5]),
-                                                   sampling_params=trio.SamplingParams(max_tokens=1)),
-                                    sampler.sample(trio.ModelInput.from_ints([6, 7]),
-                                                   sampling_params=trio.SamplingParams(max_tokens=1)))
+        both = await asyncio.gather(
+            sampler.sample(
+                trio.ModelInput.from_ints([4, 5]), sampling_params=trio.SamplingParams(max_tokens=1)
+            ),
+            sampler.sample(
+                trio.ModelInput.from_ints([6, 7]), sampling_params=trio.SamplingParams(max_tokens=1)
+            ),
+        )
         return out, res, lps, both
 
     out, res, lps, both = asyncio.run(main())
@@ -226,9 +251,13 @@ def test_futures_work_with_result_await_and_map(service, tokenizer):
 def test_usage_is_reported_by_phase_and_adds_up(service, tokenizer):
     sampler = service.create_sampling_client(base_model=MODEL)
     before = service.usage()
-    prompt = trio.ModelInput.from_ints(tokenizer.encode("A prompt long enough to fill a few cache blocks of sixteen "
-                                                        "tokens each, so that a repeat hits the prefix cache.",
-                                                        add_special_tokens=False))
+    prompt = trio.ModelInput.from_ints(
+        tokenizer.encode(
+            "A prompt long enough to fill a few cache blocks of sixteen "
+            "tokens each, so that a repeat hits the prefix cache.",
+            add_special_tokens=False,
+        )
+    )
     params = trio.SamplingParams(max_tokens=3, temperature=0.0)
     first = sampler.sample(prompt, num_samples=3, sampling_params=params).result().usage
     again = sampler.sample(prompt, num_samples=3, sampling_params=params).result().usage
@@ -242,15 +271,25 @@ def test_usage_is_reported_by_phase_and_adds_up(service, tokenizer):
 
     trainer = service.create_lora_training_client(MODEL, rank=4)
     ids = prompt.to_ints()
-    weighted = trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]),
-                          loss_fn_inputs={"target_tokens": ids[1:], "weights": [0.0] * 10 + [1.0] * (len(ids) - 11)})
+    weighted = trio.Datum(
+        model_input=trio.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [0.0] * 10 + [1.0] * (len(ids) - 11)},
+    )
     train = trainer.forward_backward([weighted]).result().usage
     assert (train.train_tokens, train.loss_tokens) == (len(ids) - 1, len(ids) - 11)
 
     spent = service.usage()
-    for field in ("prompt_tokens", "prefill_tokens", "cached_tokens", "sample_tokens", "train_tokens", "loss_tokens"):
-        assert getattr(spent, field) - getattr(before, field) == \
-            sum(getattr(u, field) for u in (first, again, scored, train)), field
+    for field in (
+        "prompt_tokens",
+        "prefill_tokens",
+        "cached_tokens",
+        "sample_tokens",
+        "train_tokens",
+        "loss_tokens",
+    ):
+        assert getattr(spent, field) - getattr(before, field) == sum(
+            getattr(u, field) for u in (first, again, scored, train)
+        ), field
     assert sampler.usage().sample_tokens == 18 and trainer.usage().train_tokens == len(ids) - 1
 
 
@@ -263,8 +302,11 @@ def test_results_are_priced_from_the_servers_rate_card(service, tokenizer):
     params = trio.SamplingParams(max_tokens=2, temperature=0.0)
     for _ in range(2):  # the second request is partly cached, and cheaper for it
         u = sampler.sample(prompt, num_samples=2, sampling_params=params).result().usage
-        expected = (u.prefill_tokens * price["prefill"] + u.cached_tokens * price["prefill_cached"]
-                    + u.sample_tokens * price["sample"]) / 1e6
+        expected = (
+            u.prefill_tokens * price["prefill"]
+            + u.cached_tokens * price["prefill_cached"]
+            + u.sample_tokens * price["sample"]
+        ) / 1e6
         assert u.cost == pytest.approx(expected, rel=1e-9)
     trainer = service.create_lora_training_client(MODEL, rank=4)
     before = service.usage()
@@ -279,11 +321,22 @@ def test_bad_input_is_refused_client_side_with_clear_messages(service, tokenizer
     with pytest.raises(trio.ValidationError, match="Unsupported loss function"):
         trainer.forward_backward([good], "hinge")
     with pytest.raises(trio.ValidationError, match="outside the vocabulary"):
-        trainer.forward_backward([trio.Datum(model_input=trio.ModelInput.from_ints([1, 10 ** 6]),
-                                             loss_fn_inputs={"target_tokens": [1, 2]})])
+        trainer.forward_backward(
+            [
+                trio.Datum(
+                    model_input=trio.ModelInput.from_ints([1, 10**6]),
+                    loss_fn_inputs={"target_tokens": [1, 2]},
+                )
+            ]
+        )
     with pytest.raises(trio.ValidationError, match=r"target_tokens'\] must have shape"):
-        trainer.forward_backward([trio.Datum(model_input=trio.ModelInput.from_ints([1, 2, 3]),
-                                             loss_fn_inputs={"target_tokens": [1, 2]})])
+        trainer.forward_backward(
+            [
+                trio.Datum(
+                    model_input=trio.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [1, 2]}
+                )
+            ]
+        )
     with pytest.raises(trio.ValidationError, match="logprobs'\\] is required"):
         trainer.forward_backward([good], "importance_sampling")
     with pytest.raises(trio.ValidationError, match="adam_params"):
@@ -298,7 +351,9 @@ def test_bad_input_is_refused_client_side_with_clear_messages(service, tokenizer
     with pytest.raises(trio.ValidationError, match="prompt is empty"):
         sampler.sample(trio.ModelInput.from_ints([]), sampling_params=trio.SamplingParams(max_tokens=1))
     with pytest.raises(trio.ValidationError, match="num_samples"):
-        sampler.sample(trio.ModelInput.from_ints([1]), num_samples=0, sampling_params=trio.SamplingParams(max_tokens=1))
+        sampler.sample(
+            trio.ModelInput.from_ints([1]), num_samples=0, sampling_params=trio.SamplingParams(max_tokens=1)
+        )
     # errors only the server can see come back with its code and message
     with pytest.raises(trio.ControlAPIError) as e:
         service.create_lora_training_client("no-such-model")
@@ -309,9 +364,13 @@ def test_bad_input_is_refused_client_side_with_clear_messages(service, tokenizer
 
 def test_an_event_the_server_refuses_fails_only_its_future(service):
     trainer = service.create_lora_training_client(MODEL, rank=4)
-    ok = trio.Datum(model_input=trio.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3, 4]})
-    policy = trio.Datum(model_input=trio.ModelInput.from_ints([1, 2, 3]),
-                        loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [-1.0] * 3, "advantages": [1.0] * 3})
+    ok = trio.Datum(
+        model_input=trio.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3, 4]}
+    )
+    policy = trio.Datum(
+        model_input=trio.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [-1.0] * 3, "advantages": [1.0] * 3},
+    )
     first = trainer.forward_backward([ok])
     refused = trainer.forward_backward([policy], "ppo", loss_fn_config={"clip_epsilon": 0.2})  # not a ppo key
     after = trainer.forward_backward([ok])
@@ -329,8 +388,9 @@ def test_a_batch_split_into_chunks_equals_the_whole_batch(service, tokenizer):
     a, b = whole.forward_backward(batch).result(), split.forward_backward(batch).result()
     assert b.metrics == pytest.approx(a.metrics, rel=1e-5)
     assert b.usage.train_tokens == a.usage.train_tokens
-    assert [x for o in b.loss_fn_outputs for x in o["logprobs"].tolist()] == \
-        pytest.approx([x for o in a.loss_fn_outputs for x in o["logprobs"].tolist()], abs=1e-5)
+    assert [x for o in b.loss_fn_outputs for x in o["logprobs"].tolist()] == pytest.approx(
+        [x for o in a.loss_fn_outputs for x in o["logprobs"].tolist()], abs=1e-5
+    )
     whole.optim_step(trio.AdamParams(learning_rate=1e-2))
     split.optim_step(trio.AdamParams(learning_rate=1e-2))
     after_a, after_b = whole.forward(batch).result(), split.forward(batch).result()
@@ -351,14 +411,17 @@ def test_forward_backward_custom_matches_cross_entropy(service, tokenizer):
     assert out.metrics["custom_nll"] == pytest.approx(ce_out.metrics["loss_sum"], rel=1e-4)
     for t in (ce, custom):
         t.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
-    assert custom.forward(batch).result().metrics["loss_sum"] == \
-        pytest.approx(ce.forward(batch).result().metrics["loss_sum"], rel=1e-4)
+    assert custom.forward(batch).result().metrics["loss_sum"] == pytest.approx(
+        ce.forward(batch).result().metrics["loss_sum"], rel=1e-4
+    )
 
 
 def test_tokenizer_is_served_by_the_server_and_cached(service, server, tmp_path, monkeypatch):
     trainer = service.create_lora_training_client(MODEL, rank=4)
     local = trainer.get_tokenizer()
-    text = local.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = local.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|im_start|>assistant" in text
     # a client on another machine cannot read the server's model dir: it downloads the files once
     monkeypatch.setenv("TRINE_HOME", str(tmp_path))
@@ -366,6 +429,7 @@ def test_tokenizer_is_served_by_the_server_and_cached(service, server, tmp_path,
     assert (tmp_path / "tokenizers" / MODEL / "tokenizer.json").is_file()
     assert remote.encode("hello there") == local.encode("hello there") and len(remote) == len(local)
     from trine.client.tokenizer import resolve_local
+
     assert resolve_local("/not/on/this/machine", MODEL) is not None  # served from the cache now
     assert resolve_local("/another/model", MODEL) is None  # a different model is not
 
@@ -378,23 +442,34 @@ def test_rest_client_runs_checkpoints_and_downloads(service, tokenizer, tmp_path
     rest = service.create_rest_client()
     listed = rest.list_checkpoints(trainer.training_run_id).result()
     by_path = {c.path: c for c in listed.checkpoints}
-    assert by_path[state.path].checkpoint_type == "training" and by_path[weights.path].checkpoint_type == "sampler"
+    assert (
+        by_path[state.path].checkpoint_type == "training"
+        and by_path[weights.path].checkpoint_type == "sampler"
+    )
     run = rest.get_training_run(trainer.training_run_id).result()
     assert run.training_run_id == trainer.training_run_id and run.lora_rank == 4 and run.is_lora
-    assert trainer.training_run_id in [r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs]
+    assert trainer.training_run_id in [
+        r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs
+    ]
     session = rest.get_session(service.service_session_cuid).result()
     assert trainer.training_run_id in session.training_run_ids
     assert service.service_session_cuid in rest.list_sessions(limit=100).result().sessions
-    sampler = service.create_sampling_client(model_path=weights.path)  # base model resolved from the checkpoint
+    sampler = service.create_sampling_client(
+        model_path=weights.path
+    )  # base model resolved from the checkpoint
     assert rest.get_sampler(sampler.sampling_run_id).result().model_path == weights.path
 
     ck = by_path[weights.path].checkpoint_id
     result = rest.download_checkpoint(ck, tmp_path / "weights.tar").result()
     assert result.file_size_bytes == (tmp_path / "weights.tar").stat().st_size > 0
-    again = rest.download_checkpoint(ck, tmp_path / "weights.tar").result()  # already complete: resumed, 0 bytes
+    again = rest.download_checkpoint(
+        ck, tmp_path / "weights.tar"
+    ).result()  # already complete: resumed, 0 bytes
     assert again.resumed and again.bytes_written == 0 and again.file_size_bytes == result.file_size_bytes
     rest.delete_checkpoint(trainer.training_run_id, ck).result()
-    assert weights.path not in {c.path for c in rest.list_checkpoints(trainer.training_run_id).result().checkpoints}
+    assert weights.path not in {
+        c.path for c in rest.list_checkpoints(trainer.training_run_id).result().checkpoints
+    }
 
 
 def test_service_client_reads_the_environment_and_refuses_a_bad_key(server, monkeypatch):
@@ -426,8 +501,13 @@ def test_service_client_reads_the_environment_and_refuses_a_bad_key(server, monk
 def test_training_client_uses_torch_free_types(service):
     """Tensors from the server come back as TensorData convertible to torch and numpy."""
     trainer = service.create_lora_training_client(MODEL, rank=4)
-    out = trainer.forward([trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7]),
-                                      loss_fn_inputs={"target_tokens": [6, 7, 8]})]).result()
+    out = trainer.forward(
+        [
+            trio.Datum(
+                model_input=trio.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [6, 7, 8]}
+            )
+        ]
+    ).result()
     lp = out.loss_fn_outputs[0]["logprobs"]
     assert lp.dtype == "float32" and lp.to_numpy().shape == (3,) and lp.to_torch().dtype == torch.float32
 
@@ -451,8 +531,9 @@ class LoseFirstResponse(httpx.AsyncBaseTransport):
 def test_lost_responses_are_retried_with_the_same_ids_and_run_once(server, tokenizer):
     batch = [sft_datum(tokenizer, "Retries must not train twice.")]
     adam = trio.AdamParams(learning_rate=2e-2)
-    with trio.ServiceClient(api_key=server.api_key, base_url=server.url,
-                            settings=trio.Settings(retry_initial_delay_s=0.05)) as svc:
+    with trio.ServiceClient(
+        api_key=server.api_key, base_url=server.url, settings=trio.Settings(retry_initial_delay_s=0.05)
+    ) as svc:
         clean = svc.create_lora_training_client(MODEL, rank=4, seed=8)
         expected = [clean.forward_backward(batch), clean.optim_step(adam), clean.forward_backward(batch)]
         expected = [f.result() for f in expected]
@@ -468,8 +549,11 @@ def test_lost_responses_are_retried_with_the_same_ids_and_run_once(server, token
 
         sampler = svc.create_sampling_client(base_model=MODEL)
         http._transport = LoseFirstResponse(http._transport.inner, "/sample")
-        res = sampler.sample(trio.ModelInput.from_ints([1, 2, 3]), num_samples=2,
-                             sampling_params=trio.SamplingParams(max_tokens=3, seed=1)).result(timeout=60)
+        res = sampler.sample(
+            trio.ModelInput.from_ints([1, 2, 3]),
+            num_samples=2,
+            sampling_params=trio.SamplingParams(max_tokens=3, seed=1),
+        ).result(timeout=60)
         assert len(http._transport.lost) == 1 and len(res.sequences) == 2
         key = server.service.authenticate(server.api_key)
         ops = [e.operation for e in server.service.usage_events(key, run_id=flaky.training_run_id)]

@@ -1,9 +1,10 @@
 """`trine serve` and `trine keys` as a user runs them."""
+
 from __future__ import annotations
 
 from click.testing import CliRunner
-
 from serverutil import free_port, run_serve_cli, wait_http
+
 from trine.cli.keys import keys
 from trine.store import Store
 
@@ -24,8 +25,9 @@ def test_keys_create_list_revoke(tmp_path):
 
 def test_fresh_serve_creates_a_key_and_prints_how_to_connect(tiny_model_dir, tmp_path):
     port = free_port()
-    proc, text, key = run_serve_cli(["--model", str(tiny_model_dir), "--port", str(port), "--home",
-                                     str(tmp_path), "--threads", "1"])
+    proc, text, key = run_serve_cli(
+        ["--model", str(tiny_model_dir), "--port", str(port), "--home", str(tmp_path), "--threads", "1"]
+    )
     try:
         assert f"PYTRIO_BASE_URL=http://127.0.0.1:{port}" in text and "tiny-llama" in text
         r = wait_http(f"http://127.0.0.1:{port}/api/openapi/v1/api-key/verify", key)

@@ -1,14 +1,23 @@
 """The service as a second front end sees it: protocol-neutral results, streaming, cancellation."""
+
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 
 import pytest
-
 from serverutil import serve
-from trine.engine.api import (Forward, LoRAConfig, Loss, SampleCancelled, SampleDelta, SampleRequest,
-                              SamplingOptions, TrainDatum)
+
+from trine.engine.api import (
+    Forward,
+    LoRAConfig,
+    Loss,
+    SampleCancelled,
+    SampleDelta,
+    SampleRequest,
+    SamplingOptions,
+    TrainDatum,
+)
 from trine.service import EventResult, InitByUri, SampleOutcome, SamplingRunSpec, TrainingRunSpec
 
 
@@ -22,8 +31,9 @@ def test_neutral_outcomes_stream_retry_and_cancel(tiny_model_dir, tmp_path):
         key = svc.ownership.authenticate(srv.api_key)
         session = svc.runs.create_session(key, "test")
         run = svc.runs.create_sampling_run(key, session.id, SamplingRunSpec("tiny-llama"))
-        spec = SampleRequest("r1", [5, 6, 7, 8, 9], SamplingOptions(max_tokens=6, temperature=1.0, seed=3),
-                             num_samples=2)
+        spec = SampleRequest(
+            "r1", [5, 6, 7, 8, 9], SamplingOptions(max_tokens=6, temperature=1.0, seed=3), num_samples=2
+        )
 
         first = call(svc.sampling.sample(key, run.id, spec))
         assert isinstance(first, SampleOutcome) and len(first.sequences) == 2
@@ -33,6 +43,7 @@ def test_neutral_outcomes_stream_retry_and_cancel(tiny_model_dir, tmp_path):
 
         async def stream(spec):
             return [x async for x in svc.sampling.sample_stream(key, run.id, spec)]
+
         items = call(stream(dataclasses.replace(spec, request_id="r2")))
         final = items[-1]
         assert isinstance(final, SampleOutcome) and all(isinstance(d, SampleDelta) for d in items[:-1])
@@ -48,12 +59,15 @@ def test_neutral_outcomes_stream_retry_and_cancel(tiny_model_dir, tmp_path):
             assert await svc.sampling.cancel(key, run.id, "r3")
             with pytest.raises(SampleCancelled):
                 await task
+
         call(cancelled())
         metered = [e.request_id for e in svc.usage_events(key, run_id=run.id)]
         assert metered == ["r1", "r2"]  # once each; the cancelled request is not metered
 
         # training events: the stored result is neutral (lists of floats), shaped by front ends
-        trun = svc.runs.create_training_run(key, session.id, TrainingRunSpec("tiny-llama", LoRAConfig(rank=4)))
+        trun = svc.runs.create_training_run(
+            key, session.id, TrainingRunSpec("tiny-llama", LoRAConfig(rank=4))
+        )
         tokens = list(range(100, 120))
         init = InitByUri(lora=LoRAConfig(rank=4))
         call(svc.events.submit(key, trun.id, event_id="e1", index=1, step=0, command=init))

@@ -1,12 +1,16 @@
 """Per-run event ordering and the clock-cycle scheduler, with plain functions in place of the engine."""
+
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
+from trine.limits import FORWARD_BACKWARD as FB
+from trine.limits import INIT_RUN
+from trine.limits import OPTIMIZE_STEP as OPT
+from trine.limits import SAVE_STATE as SAVE
 from trine.service.errors import Conflict
-from trine.limits import FORWARD_BACKWARD as FB, INIT_RUN, OPTIMIZE_STEP as OPT, SAVE_STATE as SAVE
 from trine.service.ordering import Pending, RunQueue, plan_cycle, split_phases
 from trine.service.scheduler import ClockScheduler
 
@@ -134,11 +138,12 @@ def test_fixed_cycles_start_on_clock_ticks():
 
 
 def forward(index: int, run: str, tokens: int) -> Pending:
-    from trine.engine.api import Loss
-    from trine.engine.api import Forward
-    from trine.engine.api import TrainDatum
+    from trine.engine.api import Forward, Loss, TrainDatum
+
     data = [TrainDatum([1] * tokens, [1] * tokens, [1.0] * tokens)]
-    return Pending(f"e{run}{index}", run, index, FB, Forward(data, Loss.parse("cross_entropy"), True, False, None))
+    return Pending(
+        f"e{run}{index}", run, index, FB, Forward(data, Loss.parse("cross_entropy"), True, False, None)
+    )
 
 
 def test_one_keys_long_queue_does_not_hold_back_another_keys_step():

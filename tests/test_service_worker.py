@@ -1,22 +1,26 @@
 """The engine worker thread: futures on the asyncio loop, sampling between training micro-batches."""
+
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from trine.engine.api import Loss
-from trine.engine.api import LoRAConfig
-from trine.engine.api import SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
+from trine.engine.api import LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
 from trine.engine.runtime.worker import EngineWorker
 
 
 def test_sampling_is_served_between_training_micro_batches(tiny_model_dir):
     async def main():
         loop = asyncio.get_running_loop()
-        w = EngineWorker("tiny", tiny_model_dir, device="cpu", num_threads=1,
-                         trainer_options={"micro_batch_tokens": 64},
-                         sampler_options={"kv_cache_bytes": 8 << 20})
+        w = EngineWorker(
+            "tiny",
+            tiny_model_dir,
+            device="cpu",
+            num_threads=1,
+            trainer_options={"micro_batch_tokens": 64},
+            sampler_options={"kv_cache_bytes": 8 << 20},
+        )
         await loop.run_in_executor(None, w.start, loop)
         ticks = []
 
@@ -27,13 +31,17 @@ def test_sampling_is_served_between_training_micro_batches(tiny_model_dir):
             def tick():
                 ticks.append(w.sampler.has_work())
                 w.tick()
+
             w.trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))], between_microbatches=tick)
             return "train"
 
         finished = []
         job = w.submit(train)
-        sample = w.sample(SampleRequest("s", [5, 6, 7], SamplingOptions(max_tokens=3, temperature=0),
-                                        WeightsIdentity("tiny")))
+        sample = w.sample(
+            SampleRequest(
+                "s", [5, 6, 7], SamplingOptions(max_tokens=3, temperature=0), WeightsIdentity("tiny")
+            )
+        )
         for fut in (job, sample):
             fut.add_done_callback(lambda f: finished.append("train" if f is job else "sample"))
         bad = w.sample(SampleRequest("bad", [], SamplingOptions(max_tokens=3), WeightsIdentity("tiny")))

@@ -1,4 +1,5 @@
 """The SQLite store: keys are hashed, rows round-trip, data survives reopening, usage is filtered."""
+
 from __future__ import annotations
 
 import sqlite3
@@ -25,13 +26,34 @@ def test_rows_round_trip_and_survive_reopen(tmp_path):
     key, _ = store.create_key("k")
     now = time.time()
     store.add_session(Session("ss_1", key.id, "ACTIVE", "0.2.9", now, now))
-    store.add_training_run(TrainingRun("tr_1", key.id, "ss_1", 1, "tiny", 8, True, False, True, None, "",
-                                       False, "ACTIVE", now, now))
+    store.add_training_run(
+        TrainingRun(
+            "tr_1", key.id, "ss_1", 1, "tiny", 8, True, False, True, None, "", False, "ACTIVE", now, now
+        )
+    )
     store.add_event(EventRecord("event_1", "tr_1", key.id, 1, "trainer.init_run", 0, "accepted", now, now))
     store.update_event("event_1", status="succeeded", cycle=3, response=b"\x81\xa1a\x01")
-    store.add_checkpoint(Checkpoint("ck_1", key.id, "tr_1", "s1", "TRAINING", "trio://tr_1/state/s1",
-                                    str(tmp_path / "x"), 123, "WORKSPACE", "tiny", 8, True, False, True,
-                                    None, 2, now))
+    store.add_checkpoint(
+        Checkpoint(
+            "ck_1",
+            key.id,
+            "tr_1",
+            "s1",
+            "TRAINING",
+            "trio://tr_1/state/s1",
+            str(tmp_path / "x"),
+            123,
+            "WORKSPACE",
+            "tiny",
+            8,
+            True,
+            False,
+            True,
+            None,
+            2,
+            now,
+        )
+    )
     store.close()
 
     store = Store(tmp_path)
@@ -46,9 +68,11 @@ def test_rows_round_trip_and_survive_reopen(tmp_path):
 
 def test_usage_and_diagnostics_are_filtered_by_key_session_run_and_time(tmp_path):
     store = Store(tmp_path)
-    events = [UsageEvent(100.0, "k1", "s1", "r1", "m", "sample", prefill=5, prefill_cached=3, sample=7),
-              UsageEvent(200.0, "k1", "s2", "r2", "m", "forward_backward", train=10, train_loss=4),
-              UsageEvent(300.0, "k2", "s3", "r3", "m", "sample", sample=1)]
+    events = [
+        UsageEvent(100.0, "k1", "s1", "r1", "m", "sample", prefill=5, prefill_cached=3, sample=7),
+        UsageEvent(200.0, "k1", "s2", "r2", "m", "forward_backward", train=10, train_loss=4),
+        UsageEvent(300.0, "k2", "s3", "r3", "m", "sample", sample=1),
+    ]
     for e in events:
         store.add_usage(e)
     assert store.usage_events("k1") == events[:2]

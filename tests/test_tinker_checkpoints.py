@@ -3,6 +3,7 @@ TTL set and cleared (and collected once passed), publish/unpublish (a published 
 readable by other keys), storage usage, downloads from trine itself through signed URLs, and the
 features trine refuses answering 400 with what to use instead.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,6 @@ from pathlib import Path
 import httpx
 import pytest
 from safetensors.numpy import load as load_safetensors
-
 from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
@@ -46,13 +46,18 @@ def saved(sc):
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=11).result()
     tc.forward_backward([datum()], "cross_entropy")
     tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-    return pytypes.SimpleNamespace(tc=tc, sampler=tc.save_weights_for_sampler("ckpt").result().path,
-                                   state=tc.save_state("ckpt-state").result().path)
+    return pytypes.SimpleNamespace(
+        tc=tc,
+        sampler=tc.save_weights_for_sampler("ckpt").result().path,
+        state=tc.save_state("ckpt-state").result().path,
+    )
 
 
 def datum(tokens=TEXT):
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
 
 
 def rest(srv, key=None) -> "tinker.RestClient":
@@ -66,6 +71,7 @@ def listed(srv, path: str, key=None):
 
 def _trio(path: str) -> str:
     from trine.server.tinker.state import to_trio_uri
+
     return to_trio_uri(path)
 
 
@@ -75,6 +81,7 @@ def on_loop(srv, coro):
 
 def test_ttl_is_set_cleared_and_an_expired_checkpoint_is_collected(srv, sc, monkeypatch):
     from trine.service import gc
+
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
     path = tc.save_weights_for_sampler("short-lived").result().path
     keep = tc.save_weights_for_sampler("kept").result().path
@@ -91,15 +98,17 @@ def test_ttl_is_set_cleared_and_an_expired_checkpoint_is_collected(srv, sc, monk
     files = Path(srv.service.store.checkpoint_by_uri(_trio(path)).path)
     assert files.is_dir()
     # two hours later (a fake clock for the collector): the checkpoint and its files are gone
-    monkeypatch.setattr(gc, "time", pytypes.SimpleNamespace(time=lambda: time.time() + 7200,
-                                                            monotonic=time.monotonic))
+    monkeypatch.setattr(
+        gc, "time", pytypes.SimpleNamespace(time=lambda: time.time() + 7200, monotonic=time.monotonic)
+    )
     on_loop(srv, srv.service.collect_garbage())
     run = path.split("/")[2]
     paths = {c.tinker_path for c in r.list_checkpoints(run).result().checkpoints}
     assert path not in paths and keep in paths and not files.exists()
     with pytest.raises(Exception, match="not found"):
         sc.create_sampling_client(model_path=path).result().sample(
-            types.ModelInput.from_ints(TEXT), 1, types.SamplingParams(max_tokens=1)).result()
+            types.ModelInput.from_ints(TEXT), 1, types.SamplingParams(max_tokens=1)
+        ).result()
 
 
 def test_publish_makes_a_checkpoint_readable_by_other_keys_until_unpublished(srv, sc, saved):
@@ -114,20 +123,24 @@ def test_publish_makes_a_checkpoint_readable_by_other_keys_until_unpublished(srv
         assert listed(srv, saved.sampler).public is True
         with pytest.raises(tinker.BadRequestError, match="already public"):
             r.publish_checkpoint_from_tinker_path(saved.sampler).result()
-        theirs = other.create_sampling_client(model_path=saved.sampler).result().compute_logprobs(prompt).result()
+        theirs = (
+            other.create_sampling_client(model_path=saved.sampler).result().compute_logprobs(prompt).result()
+        )
         ours = sc.create_sampling_client(model_path=saved.sampler).result().compute_logprobs(prompt).result()
         assert theirs[1:] == pytest.approx(ours[1:], abs=1e-6)
         assert rest(srv, other_key).get_weights_info_by_tinker_path(saved.sampler).result().lora_rank == 4
         openai = pytest.importorskip("openai")  # the OpenAI plane serves it to them too
         done = openai.OpenAI(base_url=srv.url + "/v1", api_key=other_key, max_retries=0).completions.create(
-            model=saved.sampler, prompt="hi", max_tokens=2)
+            model=saved.sampler, prompt="hi", max_tokens=2
+        )
         assert done.model == saved.sampler and done.usage.completion_tokens == 2
         with pytest.raises(Exception, match="not found"):  # only the owner changes or deletes it
             rest(srv, other_key).delete_checkpoint_from_tinker_path(saved.sampler).result()
         r.publish_checkpoint_from_tinker_path(saved.state).result()  # a published state trains others
         tc = other.create_training_client_from_state(saved.state).result()
         assert tc.forward([datum()], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
-            saved.tc.forward([datum()], "cross_entropy").result().metrics["loss:sum"], rel=1e-5)
+            saved.tc.forward([datum()], "cross_entropy").result().metrics["loss:sum"], rel=1e-5
+        )
         r.unpublish_checkpoint_from_tinker_path(saved.sampler).result()
         r.unpublish_checkpoint_from_tinker_path(saved.state).result()
         assert listed(srv, saved.sampler).public is False
@@ -140,8 +153,11 @@ def test_publish_makes_a_checkpoint_readable_by_other_keys_until_unpublished(srv
 
 
 def test_storage_usage_counts_the_keys_checkpoints_on_disk(srv, saved):
-    usage = tinker.AdminClient(base_url=srv.url, api_key="tml-" + srv.api_key) \
-        .get_current_checkpoint_storage_usage().result()
+    usage = (
+        tinker.AdminClient(base_url=srv.url, api_key="tml-" + srv.api_key)
+        .get_current_checkpoint_storage_usage()
+        .result()
+    )
     key = srv.service.store.key_by_secret(srv.api_key)
     on_disk = [c for c in srv.service.store.checkpoints(key.id)[0] if c.path]
     (row,) = usage.data
@@ -149,12 +165,17 @@ def test_storage_usage_counts_the_keys_checkpoints_on_disk(srv, saved):
     assert row.size_bytes == sum(c.size_bytes for c in on_disk) > 0
     assert row.size_gigabytes == pytest.approx(row.size_bytes / 1e9)
     _, fresh = srv.service.store.create_key("empty")
-    assert tinker.AdminClient(base_url=srv.url, api_key="tml-" + fresh) \
-        .get_current_checkpoint_storage_usage().result().data == []
+    assert (
+        tinker.AdminClient(base_url=srv.url, api_key="tml-" + fresh)
+        .get_current_checkpoint_storage_usage()
+        .result()
+        .data
+        == []
+    )
 
 
 def _archive_route(path: str) -> str:
-    run, kind, name = path[len("tinker://"):].split("/")
+    run, kind, name = path[len("tinker://") :].split("/")
     return f"/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/archive"
 
 
@@ -165,7 +186,9 @@ def test_the_archive_url_downloads_the_peft_adapter_from_trine(srv, saved):
     assert r.status_code == 302 and r.headers["location"] == r.json()["url"]
     assert r.headers["location"].startswith(srv.url + "/api/v1/") and "token=" in r.headers["location"]
     assert r.headers["expires"].endswith("GMT")
-    as_json = httpx.get(srv.url + _archive_route(saved.sampler), params={"redirect": "false"}, headers=headers)
+    as_json = httpx.get(
+        srv.url + _archive_route(saved.sampler), params={"redirect": "false"}, headers=headers
+    )
     assert as_json.status_code == 200 and set(as_json.json()) == {"url", "expires"}
     with urllib.request.urlopen(r.headers["location"]) as f:  # no API key: the URL carries its token
         raw = f.read()
@@ -173,8 +196,11 @@ def test_the_archive_url_downloads_the_peft_adapter_from_trine(srv, saved):
     with tarfile.open(fileobj=io.BytesIO(raw)) as tf:
         names = tf.getnames()
         # the files at the top of the archive, as Tinker's archives hold them
-        assert set(names) == {p.name for p in Path(ck.path).iterdir()} >= {"adapter_config.json",
-                                                                               "adapter_model.safetensors"}
+        assert (
+            set(names)
+            == {p.name for p in Path(ck.path).iterdir()}
+            >= {"adapter_config.json", "adapter_model.safetensors"}
+        )
         config = json.load(tf.extractfile("adapter_config.json"))
         tensors = load_safetensors(tf.extractfile("adapter_model.safetensors").read())
     assert config["r"] == 4 and any(k.endswith("lora_A.weight") for k in tensors)
@@ -190,12 +216,16 @@ def test_the_archive_url_downloads_the_peft_adapter_from_trine(srv, saved):
 def test_per_file_urls_through_the_official_clients_resource(srv, saved):
     async def urls():
         from tinker._client import AsyncTinker
+
         client = AsyncTinker(base_url=srv.url, api_key="tml-" + srv.api_key)
-        run, kind, name = saved.sampler[len("tinker://"):].split("/")
+        run, kind, name = saved.sampler[len("tinker://") :].split("/")
         try:
-            return await client.weights.get_external_weights_urls(model_id=run, checkpoint_id=f"{kind}/{name}")
+            return await client.weights.get_external_weights_urls(
+                model_id=run, checkpoint_id=f"{kind}/{name}"
+            )
         finally:
             await client.close()
+
     got = asyncio.run(urls())
     ck = Path(srv.service.store.checkpoint_by_uri(_trio(saved.sampler)).path)
     assert set(got.urls) == {p.name for p in ck.iterdir()}
@@ -203,30 +233,44 @@ def test_per_file_urls_through_the_official_clients_resource(srv, saved):
         with urllib.request.urlopen(url) as f:
             assert f.read() == (ck / name).read_bytes()
     with pytest.raises(tinker.BadRequestError, match="save_weights_external"):
-        rest(srv).get_external_weights_urls(saved.sampler.replace("/sampler_weights/", "/external_weights/")).result()
+        rest(srv).get_external_weights_urls(
+            saved.sampler.replace("/sampler_weights/", "/external_weights/")
+        ).result()
 
 
 def test_refused_features_name_what_to_use_and_keep_the_client_going(srv, sc):
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
-    with pytest.raises(tinker.BadRequestError, match="save_weights_external .*not supported.*save_weights_for_sampler"):
+    with pytest.raises(
+        tinker.BadRequestError, match="save_weights_external .*not supported.*save_weights_for_sampler"
+    ):
         tc.save_weights_external("hf").result()
-    assert tc.forward_backward([datum()], "cross_entropy").result().metrics["loss:sum"] > 0  # its seq_id was kept
+    assert (
+        tc.forward_backward([datum()], "cross_entropy").result().metrics["loss:sum"] > 0
+    )  # its seq_id was kept
     with pytest.raises(Exception, match="optimizer_params.type 'dimuon': not supported.*AdamW"):
         tc.optim_step(types.DimuonParams(learning_rate=1e-3)).result()
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     with pytest.raises(tinker.BadRequestError, match="dimuon.*AdamW"):
-        sc.create_lora_training_client(base_model=MODEL, rank=4, optimizer=types.DimuonOptimizerConfig()).result()
+        sc.create_lora_training_client(
+            base_model=MODEL, rank=4, optimizer=types.DimuonOptimizerConfig()
+        ).result()
     with pytest.raises(tinker.BadRequestError, match="copy_weights .*not supported.*publish"):
         rest(srv).copy_weights("tinker://x/weights/y", "project").result()
     sampler = tc.save_weights_and_get_sampling_client().result()
-    for chunk in (types.ImageChunk(data=b"x", format="png", expected_tokens=1), types.DmelChunk(dmel=b"x" * 4)):
+    for chunk in (
+        types.ImageChunk(data=b"x", format="png", expected_tokens=1),
+        types.DmelChunk(dmel=b"x" * 4),
+    ):
         prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=TEXT[:3]), chunk])
         with pytest.raises(Exception, match="image and audio chunks are not supported.*encoded_text"):
             sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result()
     from trine.server.tinker.refused import REFUSED
+
     headers = {"X-API-Key": "tml-" + srv.api_key}
     for method, path, feature, _ in REFUSED:
-        r = httpx.request(method, srv.url + "/api/v1" + path.replace("{session_id}", "s"), headers=headers, json={})
+        r = httpx.request(
+            method, srv.url + "/api/v1" + path.replace("{session_id}", "s"), headers=headers, json={}
+        )
         assert r.status_code == 400 and r.json()["code"] == "not_supported", (method, path, r.text)
         assert feature in r.json()["message"] and "use " in r.json()["message"]
 
@@ -237,8 +281,11 @@ def test_tinker_errors_name_tinker_paths(srv, sc):
     with pytest.raises(Exception) as e:
         tc.save_state("taken").result()
     assert path in str(e.value) and "trio://" not in str(e.value)
-    r = httpx.post(f"{srv.url}/api/v1/weights_info", json={"tinker_path": "tinker://nope/weights/x"},
-                   headers={"X-API-Key": "tml-" + srv.api_key})
+    r = httpx.post(
+        f"{srv.url}/api/v1/weights_info",
+        json={"tinker_path": "tinker://nope/weights/x"},
+        headers={"X-API-Key": "tml-" + srv.api_key},
+    )
     assert r.status_code == 404 and "tinker://" in r.json()["message"] and "trio://" not in r.text
 
 
@@ -246,6 +293,7 @@ def test_every_route_the_client_can_call_is_served_or_refused_by_name(srv):
     """Every `/api/v1/...` path in the official client's source answers as a route (a result, a 4xx
     about the request, or a 400 `not_supported`), never the server's bare 404/405 route error."""
     import re
+
     root = Path(tinker.__file__).parent
     paths = set()
     for f in root.rglob("*.py"):
@@ -253,14 +301,19 @@ def test_every_route_the_client_can_call_is_served_or_refused_by_name(srv):
             continue
         paths |= set(re.findall(r'f?"(/api/v1/[^"]+)"', f.read_text()))
     # a checkpoint id is two segments (`weights/<name>`); every other parameter one
-    paths = {re.sub(r"\{([^}]+)\}", lambda m: "weights/x" if m[1] == "checkpoint_id" else "x", p) for p in paths}
+    paths = {
+        re.sub(r"\{([^}]+)\}", lambda m: "weights/x" if m[1] == "checkpoint_id" else "x", p) for p in paths
+    }
     assert len(paths) > 40  # the scan found the client's routes
     headers = {"X-API-Key": "tml-" + srv.api_key}
     missing = []
     with httpx.Client(base_url=srv.url, headers=headers, timeout=60) as http:
         for path in sorted(paths):
-            codes = {http.request(m, path, json={}).json().get("code")
-                     for m in ("GET", "POST", "PUT", "DELETE")} if path != "/api/v1/retrieve_future" else {"ok"}
+            codes = (
+                {http.request(m, path, json={}).json().get("code") for m in ("GET", "POST", "PUT", "DELETE")}
+                if path != "/api/v1/retrieve_future"
+                else {"ok"}
+            )
             if codes <= {"not_found", "method_not_allowed"}:
                 missing.append(path)
     assert missing == []

@@ -3,6 +3,7 @@
 The server returns the model directory as `tokenizer_id`, so `get_tokenizer()` loads offline; the
 key is trine's key in its `tml-` form; telemetry is off.
 """
+
 from __future__ import annotations
 
 import http.server
@@ -11,7 +12,6 @@ import threading
 import httpx
 import numpy as np
 import pytest
-
 from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
@@ -40,9 +40,10 @@ def sc(srv):
 
 
 def datum(tokens=TEXT, weights=None):
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:],
-                                       "weights": weights or [1.0] * (len(tokens) - 1)})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights or [1.0] * (len(tokens) - 1)},
+    )
 
 
 def logprobs(out) -> np.ndarray:
@@ -92,8 +93,12 @@ def test_compute_logprobs_equals_the_trainers_logprobs(sc):
     tc.forward_backward([datum()], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     trained = logprobs(tc.forward([datum()], "cross_entropy").result())
-    sampled = tc.save_weights_and_get_sampling_client().result().compute_logprobs(
-        types.ModelInput.from_ints(TEXT)).result()
+    sampled = (
+        tc.save_weights_and_get_sampling_client()
+        .result()
+        .compute_logprobs(types.ModelInput.from_ints(TEXT))
+        .result()
+    )
     assert sampled[0] is None
     np.testing.assert_allclose(sampled[1:], trained, atol=1e-4)
 
@@ -107,8 +112,14 @@ def test_saved_state_loads_into_a_new_client_with_identical_losses(sc):
     assert path.startswith("tinker://") and path.endswith("/weights/two-steps")
     tc2 = sc.create_training_client_from_state_with_optimizer(path).result()
     for _ in range(2):  # the optimizer state came along: further steps stay identical
-        a = [tc.forward_backward([datum()], "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=1e-2))]
-        b = [tc2.forward_backward([datum()], "cross_entropy"), tc2.optim_step(types.AdamParams(learning_rate=1e-2))]
+        a = [
+            tc.forward_backward([datum()], "cross_entropy"),
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)),
+        ]
+        b = [
+            tc2.forward_backward([datum()], "cross_entropy"),
+            tc2.optim_step(types.AdamParams(learning_rate=1e-2)),
+        ]
         assert a[0].result().metrics["loss:sum"] == pytest.approx(b[0].result().metrics["loss:sum"], rel=1e-6)
         a[1].result(), b[1].result()
 
@@ -122,8 +133,9 @@ def test_named_sampler_weights_are_saved_listed_and_sampled(srv, sc):
     sampler = sc.create_sampling_client(model_path=path).result()
     live = tc.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(TEXT)
-    np.testing.assert_allclose(sampler.compute_logprobs(prompt).result()[1:],
-                               live.compute_logprobs(prompt).result()[1:], atol=1e-5)
+    np.testing.assert_allclose(
+        sampler.compute_logprobs(prompt).result()[1:], live.compute_logprobs(prompt).result()[1:], atol=1e-5
+    )
     out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=3, stop=[])).result()
     assert all(len(s.tokens) == 3 and len(s.logprobs) == 3 for s in out.sequences)
     rest = tinker.RestClient(base_url=srv.url, api_key="tml-" + srv.api_key)
@@ -147,10 +159,14 @@ def test_a_second_key_cannot_see_the_first_keys_runs_or_checkpoints(srv, sc):
             rest.list_checkpoints(run_id).result()
         with pytest.raises(Exception, match="not found"):
             other.create_sampling_client(model_path=path).result().sample(
-                types.ModelInput.from_ints(TEXT), 1, types.SamplingParams(max_tokens=1)).result()
+                types.ModelInput.from_ints(TEXT), 1, types.SamplingParams(max_tokens=1)
+            ).result()
         model_id = tc.get_info().model_id
-        r = httpx.post(f"{srv.url}/api/v1/get_info", json={"model_id": model_id},
-                       headers={"X-API-Key": "tml-" + other_key})
+        r = httpx.post(
+            f"{srv.url}/api/v1/get_info",
+            json={"model_id": model_id},
+            headers={"X-API-Key": "tml-" + other_key},
+        )
         assert r.status_code == 404
     finally:
         other.close("success").result()
@@ -174,9 +190,12 @@ class _LossyProxy(http.server.ThreadingHTTPServer):
 
             def _relay(self):
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
-                r = httpx.request(self.command, proxy.target + self.path, content=body, headers=headers,
-                                  timeout=60)
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")
+                }
+                r = httpx.request(
+                    self.command, proxy.target + self.path, content=body, headers=headers, timeout=60
+                )
                 if self.path == "/api/v1/forward_backward":
                     proxy.forward_backward_posts += 1
                     if proxy.dropped == 0:
@@ -187,7 +206,12 @@ class _LossyProxy(http.server.ThreadingHTTPServer):
                         return
                 self.send_response(r.status_code)
                 for k, v in r.headers.items():
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                    if k.lower() not in (
+                        "content-length",
+                        "transfer-encoding",
+                        "connection",
+                        "content-encoding",
+                    ):
                         self.send_header(k, v)
                 self.send_header("content-length", str(len(r.content)))
                 self.end_headers()
@@ -208,10 +232,18 @@ def test_a_lost_response_is_retried_and_runs_once(srv):
         tc = c.create_lora_training_client(base_model=MODEL, rank=4).result()
         out = tc.forward_backward([datum()], "cross_entropy").result()
         assert proxy.dropped == 1 and proxy.forward_backward_posts == 2  # sent twice
-        run_id = tinker.RestClient(base_url=url, api_key="tml-" + key).list_training_runs().result() \
-            .training_runs[0].training_run_id
-        runs = [e for e in srv.service.usage_events(srv.service.store.key_by_secret(key), run_id=run_id)
-                if e.operation == "forward_backward"]
+        run_id = (
+            tinker.RestClient(base_url=url, api_key="tml-" + key)
+            .list_training_runs()
+            .result()
+            .training_runs[0]
+            .training_run_id
+        )
+        runs = [
+            e
+            for e in srv.service.usage_events(srv.service.store.key_by_secret(key), run_id=run_id)
+            if e.operation == "forward_backward"
+        ]
         assert len(runs) == 1 and runs[0].train == len(TEXT) - 1  # ran once
         assert out.metrics["loss:sum"] > 0
     finally:
@@ -224,19 +256,34 @@ def test_stable_reinforce_trains_on_the_recorded_sampler_logprobs(srv, sc):
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=5).result()
     sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
     prompt = TEXT[:6]
-    seq = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4)).result().sequences[0]
+    seq = (
+        sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4))
+        .result()
+        .sequences[0]
+    )
     tokens = prompt + list(seq.tokens)
     n = len(tokens) - 1
-    d = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                    loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": [0.0] * n,  # ignored: recorded
-                                    "advantages": [0.0] * (len(prompt) - 1) + [1.0] * 4})
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": [0.0] * n,  # ignored: recorded
+            "advantages": [0.0] * (len(prompt) - 1) + [1.0] * 4,
+        },
+    )
 
     def provenance(sid):
         return d.with_provenance(
-            model_input=[types.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
-                         types.SampledProvenanceSpan(sequence_id=sid, length=3)],
-            loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=len(prompt) - 1),
-                            types.SampledProvenanceSpan(sequence_id=sid, length=4)])
+            model_input=[
+                types.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
+                types.SampledProvenanceSpan(sequence_id=sid, length=3),
+            ],
+            loss_fn_inputs=[
+                types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=len(prompt) - 1),
+                types.SampledProvenanceSpan(sequence_id=sid, length=4),
+            ],
+        )
+
     out = tc.forward_backward([provenance(seq.sequence_id)], "stable_reinforce").result()
     # on-policy: the truncated weight is 1, so the loss is -sum(A * logp) over the sampled tokens
     lp = logprobs(out)[-4:]
@@ -250,9 +297,15 @@ def test_gspo_and_usage_of_tinker_traffic(srv, sc):
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=6).result()
     n = len(TEXT) - 1
     lp = logprobs(tc.forward([datum()], "cross_entropy").result())
-    d = types.Datum(model_input=types.ModelInput.from_ints(TEXT[:-1]),
-                    loss_fn_inputs={"target_tokens": TEXT[1:], "logprobs": lp.tolist(),
-                                    "advantages": [1.0] * n, "sequence_ratio_mask": [0.0] * 4 + [1.0] * (n - 4)})
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(TEXT[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TEXT[1:],
+            "logprobs": lp.tolist(),
+            "advantages": [1.0] * n,
+            "sequence_ratio_mask": [0.0] * 4 + [1.0] * (n - 4),
+        },
+    )
     out = tc.forward_backward([d], "gspo").result()
     assert out.metrics["loss:sum"] == pytest.approx(-n, rel=1e-4)  # on-policy: ratio 1 for every token
     rest = tinker.RestClient(base_url=srv.url, api_key="tml-" + srv.api_key)
@@ -264,8 +317,12 @@ def test_gspo_and_usage_of_tinker_traffic(srv, sc):
     admin = tinker.AdminClient(base_url=srv.url, api_key="tml-" + srv.api_key)
     billing = admin.get_billing_usage("2020-01-01T00:00:00Z", "2100-01-01T00:00:00Z").result().data
     kinds = {(e.event_info.type, getattr(e.event_info, "cached", None)) for e in billing}
-    assert {("training", None), ("sampling_prefill", False), ("sampling_prefill", True),
-            ("sampling_sample", None)} <= kinds
+    assert {
+        ("training", None),
+        ("sampling_prefill", False),
+        ("sampling_prefill", True),
+        ("sampling_sample", None),
+    } <= kinds
     assert all(e.estimated_cost_usd is not None and e.bucket_end > e.bucket_start for e in billing)
     trained = sum(e.event_info.token_count for e in billing if e.event_info.type == "training")
     assert trained == sum(e.train for e in usage(srv))  # answered from trine's metering
@@ -273,8 +330,10 @@ def test_gspo_and_usage_of_tinker_traffic(srv, sc):
 
 def test_bad_input_fails_its_future_and_the_client_goes_on(sc):
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
-    out_of_vocab = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 10**6]),
-                               loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})
+    out_of_vocab = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 10**6]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+    )
     with pytest.raises(Exception, match="outside the vocabulary"):
         tc.forward_backward([out_of_vocab], "cross_entropy").result()
     with pytest.raises(Exception, match="not supported"):
@@ -287,13 +346,14 @@ def test_bad_input_fails_its_future_and_the_client_goes_on(sc):
 def test_every_key_has_a_tml_form_that_is_the_same_key(tmp_path):
     from trine.store import Store
     from trine.store.keys import tinker_form
+
     store = Store(tmp_path)
     try:
         rec, secret = store.create_key("k")
         assert tinker_form(secret) == "tml-" + secret
         assert store.key_by_secret(tinker_form(secret)).id == store.key_by_secret(secret).id == rec.id
         assert store.key_by_secret("tml-" + secret[:-1] + "x") is None
-        assert store.key_by_secret(secret[len("trine-"):]) is None  # the prefix is not optional
+        assert store.key_by_secret(secret[len("trine-") :]) is None  # the prefix is not optional
         store.revoke_key(rec.id)
         assert store.key_by_secret(tinker_form(secret)) is None
     finally:
@@ -302,8 +362,10 @@ def test_every_key_has_a_tml_form_that_is_the_same_key(tmp_path):
 
 def test_retrieve_future_long_polls_then_answers_try_again(srv, monkeypatch):
     import asyncio
+
     from trine.server.tinker import futures
     from trine.server.tinker.state import state_of
+
     monkeypatch.setattr(futures, "LONG_POLL_SECONDS", 0.2)
     key = srv.service.store.key_by_secret(srv.api_key)
     table = state_of(type("R", (), {"app": srv._server.config.app})()).futures
@@ -315,19 +377,30 @@ def test_retrieve_future_long_polls_then_answers_try_again(srv, monkeypatch):
 
     async def start():
         table.start(key.id, "tk-slow", work)
+
     asyncio.run_coroutine_threadsafe(start(), srv.service.loop).result()
     headers = {"X-API-Key": "tml-" + srv.api_key}
-    poll = lambda rid: httpx.post(f"{srv.url}/api/v1/retrieve_future", json={"request_id": rid},  # noqa: E731
-                                  headers=headers)
+    poll = lambda rid: httpx.post(
+        f"{srv.url}/api/v1/retrieve_future",
+        json={"request_id": rid},  # noqa: E731
+        headers=headers,
+    )
     r = poll("tk-slow")
-    assert r.status_code == 408 and r.json() == {"type": "try_again", "request_id": "tk-slow",
-                                                 "queue_state": "active"}
+    assert r.status_code == 408 and r.json() == {
+        "type": "try_again",
+        "request_id": "tk-slow",
+        "queue_state": "active",
+    }
     srv.service.loop.call_soon_threadsafe(release.set)
     assert poll("tk-slow").json() == {"done": True}
     assert poll("tk-unknown").status_code == 410  # never submitted (or forgotten): the SDK resubmits
     other = {"X-API-Key": "tml-" + srv.service.store.create_key("o")[1]}
-    assert httpx.post(f"{srv.url}/api/v1/retrieve_future", json={"request_id": "tk-slow"},
-                      headers=other).status_code == 410  # another key's future does not exist for it
+    assert (
+        httpx.post(
+            f"{srv.url}/api/v1/retrieve_future", json={"request_id": "tk-slow"}, headers=other
+        ).status_code
+        == 410
+    )  # another key's future does not exist for it
 
 
 def test_weights_only_restore_prompt_logprobs_and_rest_routes(srv, sc):
@@ -337,16 +410,25 @@ def test_weights_only_restore_prompt_logprobs_and_rest_routes(srv, sc):
     path = tc.save_state("w").result().path
     before = tc.forward([datum()], "cross_entropy").result().metrics["loss:sum"]
     fresh = sc.create_training_client_from_state(path).result()  # weights only: a new optimizer
-    assert fresh.forward([datum()], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(before, rel=1e-6)
+    assert fresh.forward([datum()], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+        before, rel=1e-6
+    )
     sampler = tc.save_weights_and_get_sampling_client().result()
-    out = sampler.sample(types.ModelInput.from_ints(TEXT), 1, types.SamplingParams(max_tokens=1),
-                         include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    out = sampler.sample(
+        types.ModelInput.from_ints(TEXT),
+        1,
+        types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+    ).result()
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(TEXT)
     assert out.topk_prompt_logprobs[0] is None or out.topk_prompt_logprobs[0] == []
     for lp, top in zip(out.prompt_logprobs[1:], out.topk_prompt_logprobs[1:]):
         assert len(top) == 3 and top[0][1] >= lp - 1e-5 and top[0][1] >= top[1][1] >= top[2][1]
     last = sampler.compute_logprobs(types.ModelInput.from_ints(TEXT), prompt_logprobs_last_n=4).result()
-    assert last[:-4] == [None] * (len(TEXT) - 4) and last[-4:] == pytest.approx(out.prompt_logprobs[-4:], abs=1e-5)
+    assert last[:-4] == [None] * (len(TEXT) - 4) and last[-4:] == pytest.approx(
+        out.prompt_logprobs[-4:], abs=1e-5
+    )
     rest = tinker.RestClient(base_url=srv.url, api_key="tml-" + srv.api_key)
     run_id = path.split("/")[2]
     run = rest.get_training_run(run_id).result()
@@ -354,18 +436,27 @@ def test_weights_only_restore_prompt_logprobs_and_rest_routes(srv, sc):
     info = rest.get_weights_info_by_tinker_path(path).result()
     assert info.base_model == MODEL and info.lora_rank == 4 and info.is_lora
     headers = {"X-API-Key": "tml-" + srv.api_key}
-    assert httpx.post(f"{srv.url}/api/v1/telemetry", json={"events": []}, headers=headers).json() == \
-        {"status": "accepted"}
-    sid = httpx.post(f"{srv.url}/api/v1/create_session", json={"sdk_version": "t"}, headers=headers).json()["session_id"]
-    beat = lambda: httpx.post(f"{srv.url}/api/v1/session_heartbeat", json={"session_id": sid},  # noqa: E731
-                              headers=headers)
+    assert httpx.post(f"{srv.url}/api/v1/telemetry", json={"events": []}, headers=headers).json() == {
+        "status": "accepted"
+    }
+    sid = httpx.post(f"{srv.url}/api/v1/create_session", json={"sdk_version": "t"}, headers=headers).json()[
+        "session_id"
+    ]
+    beat = lambda: httpx.post(
+        f"{srv.url}/api/v1/session_heartbeat",
+        json={"session_id": sid},  # noqa: E731
+        headers=headers,
+    )
     assert beat().json() == {"type": "session_heartbeat"}
-    httpx.post(f"{srv.url}/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}}, headers=headers)
+    httpx.post(
+        f"{srv.url}/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}}, headers=headers
+    )
     assert beat().status_code == 410  # a finished session: the SDK stops its heartbeat loop
 
 
 def test_custom_loss_and_legacy_load_state(srv, sc):
     import torch
+
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=8).result()
 
     def mean_nll(data, logprobs_list):  # runs on the client; the server gets a linearised cross_entropy
@@ -373,8 +464,9 @@ def test_custom_loss_and_legacy_load_state(srv, sc):
         return loss, {"custom:mean": float(loss.detach())}
 
     out = tc.forward_backward_custom([datum(), datum(TEXT[3:])], mean_nll).result()
-    expected = -np.mean([logprobs(tc.forward([d], "cross_entropy").result()).mean()
-                         for d in (datum(), datum(TEXT[3:]))])
+    expected = -np.mean(
+        [logprobs(tc.forward([d], "cross_entropy").result()).mean() for d in (datum(), datum(TEXT[3:]))]
+    )
     assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     path = tc.save_state("custom").result().path
@@ -382,37 +474,59 @@ def test_custom_loss_and_legacy_load_state(srv, sc):
     with pytest.warns(FutureWarning):  # deprecated in the SDK, still sent: the legacy load_weights form
         later.load_state_with_optimizer(path).result()
     assert later.forward([datum()], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
-        tc.forward([datum()], "cross_entropy").result().metrics["loss:sum"], rel=1e-6)
+        tc.forward([datum()], "cross_entropy").result().metrics["loss:sum"], rel=1e-6
+    )
 
 
 def test_raw_protobuf_bodies_zstd_and_garbage(srv, sc):
     import zstandard
     from tinker.proto.request_conv import forward_backward_request_to_proto
+
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
     model_id = tc.get_info().model_id
     headers = {"X-API-Key": "tml-" + srv.api_key, "Content-Type": "application/x-protobuf"}
-    req = types.ForwardBackwardRequest(model_id=model_id, seq_id=1, forward_backward_input=types.ForwardBackwardInput(
-        data=[datum()], loss_fn="cross_entropy"))
+    req = types.ForwardBackwardRequest(
+        model_id=model_id,
+        seq_id=1,
+        forward_backward_input=types.ForwardBackwardInput(data=[datum()], loss_fn="cross_entropy"),
+    )
     body = zstandard.ZstdCompressor().compress(forward_backward_request_to_proto(req).SerializeToString())
-    r = httpx.post(f"{srv.url}/api/v1/forward_backward", content=body,
-                   headers={**headers, "Content-Encoding": "zstd"})
+    r = httpx.post(
+        f"{srv.url}/api/v1/forward_backward", content=body, headers={**headers, "Content-Encoding": "zstd"}
+    )
     assert r.status_code == 200 and r.json()["request_id"].endswith("-1")
-    for bad, encoding, what in ((b"\xff\xfe garbage", "identity", "ForwardBackwardRequest"),
-                                (body, "identity", "ForwardBackwardRequest"),  # compressed, undeclared
-                                (b"not zstd", "zstd", "zstd"), (body, "br", "Content-Encoding")):
-        r = httpx.post(f"{srv.url}/api/v1/forward_backward", content=bad,
-                       headers={**headers, "Content-Encoding": encoding})
+    for bad, encoding, what in (
+        (b"\xff\xfe garbage", "identity", "ForwardBackwardRequest"),
+        (body, "identity", "ForwardBackwardRequest"),  # compressed, undeclared
+        (b"not zstd", "zstd", "zstd"),
+        (body, "br", "Content-Encoding"),
+    ):
+        r = httpx.post(
+            f"{srv.url}/api/v1/forward_backward",
+            content=bad,
+            headers={**headers, "Content-Encoding": encoding},
+        )
         assert r.status_code == 400 and what in r.json()["message"], r.text
 
 
 def test_checkpoints_are_shared_with_the_pytrio_front_end(srv, sc):
     import trine as trio
+
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=9).result()
     tc.forward_backward([datum()], "cross_entropy")
     tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
     path = tc.save_weights_for_sampler("shared").result().path
     uri = path.replace("tinker://", "trio://").replace("/sampler_weights/", "/weights/")
     with trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as svc:
-        theirs = svc.create_sampling_client(model_path=uri).compute_logprobs(trio.ModelInput.from_ints(TEXT)).result()
-    ours = sc.create_sampling_client(model_path=path).result().compute_logprobs(types.ModelInput.from_ints(TEXT)).result()
+        theirs = (
+            svc.create_sampling_client(model_path=uri)
+            .compute_logprobs(trio.ModelInput.from_ints(TEXT))
+            .result()
+        )
+    ours = (
+        sc.create_sampling_client(model_path=path)
+        .result()
+        .compute_logprobs(types.ModelInput.from_ints(TEXT))
+        .result()
+    )
     assert theirs[1:] == pytest.approx(ours[1:], abs=1e-5)

@@ -10,6 +10,7 @@ same recipes written with the client directly, small enough to read line by line
   `stable_reinforce` (sampled with `record_stability_info`, tokens named by provenance spans).
 Run `python tests/test_tinker_recipes.py` to print the figures the README quotes.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,13 +36,19 @@ FEWSHOT = [{"role": "user", "content": "What is 4 + 5?"}, {"role": "assistant", 
 
 
 def chat_datum(tok, question: str, answer: str, scale: float) -> types.Datum:
-    prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=False)
-    full = tok.apply_chat_template([{"role": "user", "content": question},
-                                    {"role": "assistant", "content": answer}], tokenize=True, return_dict=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    full = tok.apply_chat_template(
+        [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+        tokenize=True,
+        return_dict=False,
+    )
     weights = [0.0] * (len(prompt) - 1) + [scale] * (len(full) - len(prompt))
-    return types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                       loss_fn_inputs={"target_tokens": full[1:], "weights": weights})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:], "weights": weights},
+    )
 
 
 def sl_basic(sc, model: str, steps: int = 8, batch: int = 4, lr: float = 2e-4) -> list[float]:
@@ -55,21 +62,38 @@ def sl_basic(sc, model: str, steps: int = 8, batch: int = 4, lr: float = 2e-4) -
         raw = [chat_datum(tok, q, a, 1.0) for q, a in pairs]
         n = sum(sum(1 for w in d.loss_fn_inputs["weights"].tolist() if w) for d in raw)
         batches.append(([chat_datum(tok, q, a, 1.0 / n) for q, a in pairs], n))
-    pending = [(tc.forward_backward(batches[0][0], "cross_entropy"),
-                tc.optim_step(types.AdamParams(learning_rate=lr)))]
+    pending = [
+        (
+            tc.forward_backward(batches[0][0], "cross_entropy"),
+            tc.optim_step(types.AdamParams(learning_rate=lr)),
+        )
+    ]
     nll = []
     for i in range(steps):
         if i + 1 < steps:  # submit_ahead = 1
-            pending.append((tc.forward_backward(batches[i + 1][0], "cross_entropy"),
-                            tc.optim_step(types.AdamParams(learning_rate=lr))))
+            pending.append(
+                (
+                    tc.forward_backward(batches[i + 1][0], "cross_entropy"),
+                    tc.optim_step(types.AdamParams(learning_rate=lr)),
+                )
+            )
         fb, opt = pending.pop(0)
         nll.append(fb.result().metrics["loss:sum"])  # weights are 1/N: the mean NLL
         opt.result()
     return nll
 
 
-def math_rl(sc, model: str, loss_fn: str, steps: int = 6, groups: int = 8, group_size: int = 4,
-            lr: float = 3e-4, seed: int = 0, high: int = 10) -> list[float]:
+def math_rl(
+    sc,
+    model: str,
+    loss_fn: str,
+    steps: int = 6,
+    groups: int = 8,
+    group_size: int = 4,
+    lr: float = 3e-4,
+    seed: int = 0,
+    high: int = 10,
+) -> list[float]:
     """Mean reward of each step's samples (before that step's update)."""
     tc = sc.create_lora_training_client(base_model=model, rank=16, seed=seed).result()
     tok = tc.get_tokenizer()
@@ -81,11 +105,23 @@ def math_rl(sc, model: str, loss_fn: str, steps: int = 6, groups: int = 8, group
         problems = [(rng.randrange(high), rng.randrange(high)) for _ in range(groups)]
         futures = []
         for x, y in problems:
-            prompt = tok.apply_chat_template(FEWSHOT + [{"role": "user", "content": f"What is {x} + {y}?"}],
-                                             add_generation_prompt=True, tokenize=True, return_dict=False)
-            futures.append((x + y, prompt, sampler.sample(
-                types.ModelInput.from_ints(prompt), group_size,
-                types.SamplingParams(max_tokens=5, temperature=1.0, seed=rng.randrange(1 << 30)))))
+            prompt = tok.apply_chat_template(
+                FEWSHOT + [{"role": "user", "content": f"What is {x} + {y}?"}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            futures.append(
+                (
+                    x + y,
+                    prompt,
+                    sampler.sample(
+                        types.ModelInput.from_ints(prompt),
+                        group_size,
+                        types.SamplingParams(max_tokens=5, temperature=1.0, seed=rng.randrange(1 << 30)),
+                    ),
+                )
+            )
         data, all_rewards = [], []
         for answer, prompt, fut in futures:
             seqs = fut.result().sequences
@@ -100,19 +136,25 @@ def math_rl(sc, model: str, loss_fn: str, steps: int = 6, groups: int = 8, group
                     continue  # no signal in this sample
                 full = prompt + list(s.tokens)
                 p = len(prompt) - 1
-                d = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                                loss_fn_inputs={"target_tokens": full[1:],
-                                                "logprobs": [0.0] * p + list(s.logprobs),
-                                                "advantages": [0.0] * p + [r - mean] * len(s.tokens)})
+                d = types.Datum(
+                    model_input=types.ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": full[1:],
+                        "logprobs": [0.0] * p + list(s.logprobs),
+                        "advantages": [0.0] * p + [r - mean] * len(s.tokens),
+                    },
+                )
                 if record:
                     d = d.with_provenance(
-                        model_input=[types.PromptProvenanceSpan(sequence_id=s.sequence_id, length=len(prompt)),
-                                     types.SampledProvenanceSpan(sequence_id=s.sequence_id,
-                                                                 length=len(s.tokens) - 1)],
-                        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=s.sequence_id, offset=1,
-                                                                   length=p),
-                                        types.SampledProvenanceSpan(sequence_id=s.sequence_id,
-                                                                    length=len(s.tokens))])
+                        model_input=[
+                            types.PromptProvenanceSpan(sequence_id=s.sequence_id, length=len(prompt)),
+                            types.SampledProvenanceSpan(sequence_id=s.sequence_id, length=len(s.tokens) - 1),
+                        ],
+                        loss_fn_inputs=[
+                            types.PromptProvenanceSpan(sequence_id=s.sequence_id, offset=1, length=p),
+                            types.SampledProvenanceSpan(sequence_id=s.sequence_id, length=len(s.tokens)),
+                        ],
+                    )
                 data.append(d)
         rewards_by_step.append(sum(all_rewards) / len(all_rewards))
         if data:
@@ -123,11 +165,17 @@ def math_rl(sc, model: str, loss_fn: str, steps: int = 6, groups: int = 8, group
 
 def _serve_default(tmp):
     from serverutil import serve
+
     from trine.engine.model.default_model import ensure_default_model
+
     model_dir = ensure_default_model()
     os.environ.update(TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost")
-    return serve(model_dir, tmp, sampler_options={"kv_cache_bytes": 256 << 20, "max_batch_tokens": 2048},
-                 trainer_options={"micro_batch_tokens": 4096}), model_dir.name
+    return serve(
+        model_dir,
+        tmp,
+        sampler_options={"kv_cache_bytes": 256 << 20, "max_batch_tokens": 2048},
+        trainer_options={"micro_batch_tokens": 4096},
+    ), model_dir.name
 
 
 @pytest.mark.slow
@@ -149,16 +197,22 @@ if __name__ == "__main__":  # the figures for the README
     import sys
     import tempfile
     import time
+
     sys.path.insert(0, os.path.dirname(__file__))
     ctx, model = _serve_default(tempfile.mkdtemp())
     with ctx as srv:
         sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-" + srv.api_key)
         t = time.time()
-        print("sl_basic mean NLL per step:", [round(x, 3) for x in sl_basic(sc, model)],
-              f"({time.time() - t:.0f} s)")
+        print(
+            "sl_basic mean NLL per step:",
+            [round(x, 3) for x in sl_basic(sc, model)],
+            f"({time.time() - t:.0f} s)",
+        )
         for loss in ("importance_sampling", "stable_reinforce"):
             t = time.time()
-            print(f"math_rl {loss} mean reward per step:",
-                  [round(x, 3) for x in math_rl(sc, model, loss, steps=int(os.environ.get("STEPS", 6)))],
-                  f"({time.time() - t:.0f} s)")
+            print(
+                f"math_rl {loss} mean reward per step:",
+                [round(x, 3) for x in math_rl(sc, model, loss, steps=int(os.environ.get("STEPS", 6)))],
+                f"({time.time() - t:.0f} s)",
+            )
         sc.close("success").result()

@@ -1,5 +1,6 @@
 """Tinker's sampling extras with the official, unmodified `tinker` client: top-k per sampled token,
 prompt alt-token draws, target prompt logprobs, and prompt_logprobs_last_n on the cached prefix."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,7 +8,6 @@ import itertools
 import httpx
 import numpy as np
 import pytest
-
 from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
@@ -53,8 +53,16 @@ def test_short_top_k_rows_are_padded_with_the_clients_sentinels():
     from tinker.types.topk_logprobs import MASK_LOGPROB
 
     from trine.server.tinker import proto
-    body = proto.sample_response([([5, 6], [-0.5, -1.0], "length")], None, None, 0, 0,
-                                 sequence_topk=[[[(5, -0.5), (7, -2.0)], [(6, -1.0)]]], sequence_topk_k=3)
+
+    body = proto.sample_response(
+        [([5, 6], [-0.5, -1.0], "length")],
+        None,
+        None,
+        0,
+        0,
+        sequence_topk=[[[(5, -0.5), (7, -2.0)], [(6, -1.0)]]],
+        sequence_topk_k=3,
+    )
     seq = deserialize_sample_response(body).sequences[0]
     assert seq.topk_logprobs_np.token_ids.tolist() == [[5, 7, 0], [6, 0, 0]]
     assert seq.topk_logprobs_np.logprobs[1].tolist() == [-1.0, MASK_LOGPROB, MASK_LOGPROB]
@@ -69,7 +77,9 @@ def test_target_prompt_logprobs_equal_compute_logprobs_dense_and_sparse(sampler)
     for target in (types.TensorData.from_torch(ids), types.TensorData.from_torch_sparse(ids, pad_value=-1)):
         out = sample(sampler, target_prompt_logprobs=target)
         got = out.target_prompt_logprobs
-        assert (got.sparse_crow_indices is None) == (target.sparse_crow_indices is None)  # the request's layout
+        assert (got.sparse_crow_indices is None) == (
+            target.sparse_crow_indices is None
+        )  # the request's layout
         dense = got.to_torch()
         assert dense.shape == (len(PROMPT) - 1, 2) and dense.dtype == torch.float32
         np.testing.assert_allclose(dense[:, 0].numpy(), whole[1:], atol=1e-5)
@@ -91,12 +101,15 @@ def test_last_n_reuses_the_cached_prefix_with_the_full_computations_values(srv, 
     prompt = list(range(300, 340))
     whole = sample(sampler, prompt, include_prompt_logprobs=True, topk_prompt_logprobs=2)  # caches it
     assert whole.prompt_cache_hit_tokens == 0
-    last = sample(sampler, prompt, include_prompt_logprobs=True, topk_prompt_logprobs=2, prompt_logprobs_last_n=4)
+    last = sample(
+        sampler, prompt, include_prompt_logprobs=True, topk_prompt_logprobs=2, prompt_logprobs_last_n=4
+    )
     assert last.prompt_cache_hit_tokens == 32  # 2 full blocks; it scored only the last 4 entries
     assert last.prompt_logprobs[:36] == [None] * 36
     np.testing.assert_allclose(last.prompt_logprobs[36:], whole.prompt_logprobs[36:], atol=1e-5)
-    assert [[t for t, _ in row] for row in last.topk_prompt_logprobs[36:]] == \
-        [[t for t, _ in row] for row in whole.topk_prompt_logprobs[36:]]
+    assert [[t for t, _ in row] for row in last.topk_prompt_logprobs[36:]] == [
+        [t for t, _ in row] for row in whole.topk_prompt_logprobs[36:]
+    ]
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt), prompt_logprobs_last_n=4).result()
     np.testing.assert_allclose(scored[36:], whole.prompt_logprobs[36:], atol=1e-5)
     key = srv.service.store.key_by_secret(srv.api_key)
@@ -104,31 +117,65 @@ def test_last_n_reuses_the_cached_prefix_with_the_full_computations_values(srv, 
     assert [(e.prefill, e.prefill_cached) for e in events] == [(8, 32)] * 2  # prompt = computed + cached
 
 
-@pytest.mark.parametrize("extra, field", [
-    ({"topk_sample_logprobs": -1}, "topk_sample_logprobs"),
-    ({"topk_sample_logprobs": 65}, "topk_sample_logprobs"),
-    ({"prompt_alt_tokens_k": -2}, "prompt_alt_tokens_k"),
-    ({"prompt_alt_tokens_k": 10**6}, "prompt_alt_tokens_k"),
-    ({"prompt_logprobs": True, "prompt_logprobs_last_n": 0}, "prompt_logprobs_last_n"),
-    ({"prompt_logprobs": True, "prompt_logprobs_last_n": 40}, "prompt_logprobs_last_n"),
-    ({"prompt_logprobs_last_n": 4}, "prompt_logprobs_last_n"),  # without prompt_logprobs
-    ({"target_prompt_logprobs": {"data": [1] * 39, "dtype": "int64", "shape": [39, 1]}}, None),  # control
-    ({"target_prompt_logprobs": {"data": [1] * 38, "dtype": "int64", "shape": [38, 1]}}, "target_prompt_logprobs"),
-    ({"target_prompt_logprobs": {"data": [1] * 39 * 65, "dtype": "int64", "shape": [39, 65]}},
-     "target_prompt_logprobs"),
-    ({"target_prompt_logprobs": {"data": [1.5] * 39, "dtype": "float32", "shape": [39, 1]}},
-     "target_prompt_logprobs"),
-    ({"target_prompt_logprobs": {"data": [-1] * 39, "dtype": "int64", "shape": [39, 1]}}, "target_prompt_logprobs"),
-    ({"target_prompt_logprobs": {"data": [-5] * 39, "dtype": "int64", "shape": [39, 1]}}, "target_prompt_logprobs"),
-    ({"target_prompt_logprobs": {"data": [3], "dtype": "int64", "shape": [39, 1], "sparse_crow_indices": [0, 1],
-                                 "sparse_col_indices": [0]}}, "target_prompt_logprobs"),
-    ({"target_prompt_logprobs": {"data": [3], "dtype": "int64", "shape": [2**62, 2**62]}}, "target_prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"topk_sample_logprobs": -1}, "topk_sample_logprobs"),
+        ({"topk_sample_logprobs": 65}, "topk_sample_logprobs"),
+        ({"prompt_alt_tokens_k": -2}, "prompt_alt_tokens_k"),
+        ({"prompt_alt_tokens_k": 10**6}, "prompt_alt_tokens_k"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 0}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 40}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs_last_n": 4}, "prompt_logprobs_last_n"),  # without prompt_logprobs
+        ({"target_prompt_logprobs": {"data": [1] * 39, "dtype": "int64", "shape": [39, 1]}}, None),  # control
+        (
+            {"target_prompt_logprobs": {"data": [1] * 38, "dtype": "int64", "shape": [38, 1]}},
+            "target_prompt_logprobs",
+        ),
+        (
+            {"target_prompt_logprobs": {"data": [1] * 39 * 65, "dtype": "int64", "shape": [39, 65]}},
+            "target_prompt_logprobs",
+        ),
+        (
+            {"target_prompt_logprobs": {"data": [1.5] * 39, "dtype": "float32", "shape": [39, 1]}},
+            "target_prompt_logprobs",
+        ),
+        (
+            {"target_prompt_logprobs": {"data": [-1] * 39, "dtype": "int64", "shape": [39, 1]}},
+            "target_prompt_logprobs",
+        ),
+        (
+            {"target_prompt_logprobs": {"data": [-5] * 39, "dtype": "int64", "shape": [39, 1]}},
+            "target_prompt_logprobs",
+        ),
+        (
+            {
+                "target_prompt_logprobs": {
+                    "data": [3],
+                    "dtype": "int64",
+                    "shape": [39, 1],
+                    "sparse_crow_indices": [0, 1],
+                    "sparse_col_indices": [0],
+                }
+            },
+            "target_prompt_logprobs",
+        ),
+        (
+            {"target_prompt_logprobs": {"data": [3], "dtype": "int64", "shape": [2**62, 2**62]}},
+            "target_prompt_logprobs",
+        ),
+    ],
+)
 def test_bad_extras_answer_400_naming_the_field(srv, sampler, extra, field):
     sample(sampler, max_tokens=1)  # the client has its sampling session
-    body = {"sampling_session_id": sampler._sampling_session_id, "seq_id": next(_raw_seq_ids),
-            "num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
-            "sampling_params": {"max_tokens": 1, "temperature": 0.0}, **extra}
+    body = {
+        "sampling_session_id": sampler._sampling_session_id,
+        "seq_id": next(_raw_seq_ids),
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+        "sampling_params": {"max_tokens": 1, "temperature": 0.0},
+        **extra,
+    }
     r = httpx.post(f"{srv.url}/api/v1/asample", json=body, headers={"X-API-Key": "tml-" + srv.api_key})
     if field is None:
         assert r.status_code == 200, r.text

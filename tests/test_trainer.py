@@ -1,18 +1,16 @@
 """Trainer: gradient accumulation, AdamW semantics, batching of many runs, versions, learning."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_losses import random_data, randomize
 
-from trine.engine.api import Loss
+from trine.engine.api import AdamConfig, LoRAConfig, Loss, TrainDatum
 from trine.engine.model.lora import AdapterBatch
-from trine.engine.api import LoRAConfig
-from trine.engine.api import AdamConfig, TrainDatum
 from trine.engine.model.tokenizer import Tokenizer
-from trine.engine.trainer.trainer import Trainer
 from trine.engine.model.weights import load_model
-
-from test_losses import randomize, random_data
+from trine.engine.trainer.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +64,9 @@ def test_optim_step_equals_torch_adamw(model, clip):
     params = dict(trainer.adapter("r").named_parameters())
     ref = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
     opt = torch.optim.AdamW(list(ref.values()), lr=2e-3, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.3)
-    adam = AdamConfig(learning_rate=2e-3, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.3,
-                      grad_clip_norm=clip)
+    adam = AdamConfig(
+        learning_rate=2e-3, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.3, grad_clip_norm=clip
+    )
     for step in range(3):
         trainer.forward_backward([("r", random_data(step, lengths=(8, 6)), Loss.parse("cross_entropy"))])
         for n, p in params.items():
@@ -77,7 +76,9 @@ def test_optim_step_equals_torch_adamw(model, clip):
         opt.zero_grad()
         metrics = trainer.optim_step("r", adam)
         assert metrics == {"grad_norm": pytest.approx(norm, rel=1e-5), "learning_rate": 2e-3}
-        assert_dicts_close({n: p.detach() for n, p in params.items()}, {n: p.detach() for n, p in ref.items()})
+        assert_dicts_close(
+            {n: p.detach() for n, p in params.items()}, {n: p.detach() for n, p in ref.items()}
+        )
         assert all(float(p.grad.abs().max()) == 0.0 for p in params.values())  # zeroed after the step
     if clip:
         assert norm > clip  # clipping was really exercised
@@ -86,8 +87,9 @@ def test_optim_step_equals_torch_adamw(model, clip):
 def test_runs_batched_together_get_the_gradients_each_gets_alone(model):
     data_a, data_b = random_data(4, lengths=(10, 6)), random_data(5, lengths=(13, 3, 8))
     mixed = new_trainer(model, "a", "b")
-    ra, rb = mixed.forward_backward([("a", data_a, Loss.parse("cross_entropy")),
-                                     ("b", data_b, Loss.parse("importance_sampling"))])
+    ra, rb = mixed.forward_backward(
+        [("a", data_a, Loss.parse("cross_entropy")), ("b", data_b, Loss.parse("importance_sampling"))]
+    )
     alone = new_trainer(model, "a", "b")
     sa = alone.forward_backward([("a", data_a, Loss.parse("cross_entropy"))])[0]
     assert_dicts_close(grads(alone, "b"), {n: torch.zeros_like(g) for n, g in grads(alone, "b").items()})
@@ -107,7 +109,9 @@ def test_micro_batching_does_not_change_results(model):
     small = new_trainer(model, "r", micro_batch_tokens=20, logits_chunk_tokens=5)
     calls = []
     rb = big.forward_backward([("r", data, Loss.parse("ppo"))])[0]
-    rs = small.forward_backward([("r", data, Loss.parse("ppo"))], between_microbatches=lambda: calls.append(1))[0]
+    rs = small.forward_backward(
+        [("r", data, Loss.parse("ppo"))], between_microbatches=lambda: calls.append(1)
+    )[0]
     assert len(calls) == 4  # by length, padding counted: [17] [12] [9, 9] [3, 1 (padded to 3)]
     assert rb.loss_sum == pytest.approx(rs.loss_sum, rel=1e-5)
     for p, q in zip(rb.logprobs, rs.logprobs):
@@ -127,7 +131,9 @@ def test_forward_changes_no_gradient_and_reports_what_forward_backward_does(mode
 
 def test_outputs_metrics_and_usage(model):
     trainer = new_trainer(model, "r")
-    d = TrainDatum(tokens=[5, 6, 7, 8, 9], target_tokens=[-100, -100, 7, 8, 9], weights=[1.0, 1.0, 0.0, 2.0, 1.0])
+    d = TrainDatum(
+        tokens=[5, 6, 7, 8, 9], target_tokens=[-100, -100, 7, 8, 9], weights=[1.0, 1.0, 0.0, 2.0, 1.0]
+    )
     res = trainer.forward_backward([("r", [d, d], Loss.parse("cross_entropy"))])[0]
     assert res.usage.train_tokens == 10 and res.usage.loss_tokens == 4 and res.token_count == 4
     for lp, loss in zip(res.logprobs, res.losses):
@@ -147,13 +153,19 @@ def test_data_without_targets_cost_compute_but_no_loss(model):
     assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
 
 
-@pytest.mark.parametrize("entry,field", [
-    (("nope", None, Loss.parse("cross_entropy")), "run_id"),
-    (("r", None, "hinge"), "loss_fn"),
-    (("r", [], Loss.parse("cross_entropy")), "data"),
-    (("r", [TrainDatum([1, 2], [2, 3], weights=[1.0, float("nan")])], Loss.parse("cross_entropy")), "weights"),
-    (("r", [TrainDatum([1, 2], [2, 10**6])], Loss.parse("cross_entropy")), "target_tokens"),
-])
+@pytest.mark.parametrize(
+    "entry,field",
+    [
+        (("nope", None, Loss.parse("cross_entropy")), "run_id"),
+        (("r", None, "hinge"), "loss_fn"),
+        (("r", [], Loss.parse("cross_entropy")), "data"),
+        (
+            ("r", [TrainDatum([1, 2], [2, 3], weights=[1.0, float("nan")])], Loss.parse("cross_entropy")),
+            "weights",
+        ),
+        (("r", [TrainDatum([1, 2], [2, 10**6])], Loss.parse("cross_entropy")), "target_tokens"),
+    ],
+)
 def test_bad_input_fails_before_any_gradient_changes(model, entry, field):
     trainer = new_trainer(model, "r")
     good = ("r", random_data(8, lengths=(6,)), Loss.parse("cross_entropy"))
@@ -189,17 +201,27 @@ def test_versions_snapshots_and_run_lifecycle(model):
         trainer.create_run("r", LoRAConfig(rank=4))
 
 
-@pytest.mark.parametrize("lora,field", [(LoRAConfig(rank=0), "rank"), (LoRAConfig(alpha=-1.0), "alpha"),
-                                        (LoRAConfig(train_attn=False, train_mlp=False, train_unembed=False),
-                                         "train_attn")])
+@pytest.mark.parametrize(
+    "lora,field",
+    [
+        (LoRAConfig(rank=0), "rank"),
+        (LoRAConfig(alpha=-1.0), "alpha"),
+        (LoRAConfig(train_attn=False, train_mlp=False, train_unembed=False), "train_attn"),
+    ],
+)
 def test_bad_lora_config(model, lora, field):
     with pytest.raises(ValueError, match=field):
         Trainer(model, base_model="tiny").create_run("r", lora)
 
 
-@pytest.mark.parametrize("adam,field", [(AdamConfig(learning_rate=-1.0), "learning_rate"),
-                                        (AdamConfig(beta2=1.0), "beta2"),
-                                        (AdamConfig(grad_clip_norm=float("nan")), "grad_clip_norm")])
+@pytest.mark.parametrize(
+    "adam,field",
+    [
+        (AdamConfig(learning_rate=-1.0), "learning_rate"),
+        (AdamConfig(beta2=1.0), "beta2"),
+        (AdamConfig(grad_clip_norm=float("nan")), "grad_clip_norm"),
+    ],
+)
 def test_bad_adam_config(model, adam, field):
     trainer = new_trainer(model, "r")
     with pytest.raises(ValueError, match=field):

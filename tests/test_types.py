@@ -1,4 +1,5 @@
 """The public types: construction, conversion and validation, and field parity with PyTRIO's."""
+
 from __future__ import annotations
 
 import subprocess
@@ -44,15 +45,18 @@ def test_model_input_with_images():
         ImageChunk(data=b"x", format="gif")
 
 
-@pytest.mark.parametrize("value, dtype, shape", [
-    ([1, 2, 3], "int64", [3]),
-    ([0.5, 1.0], "float32", [2]),
-    ([[1, 2], [3, 4]], "int64", [2, 2]),
-    (np.arange(6, dtype=np.int32).reshape(2, 3), "int64", [2, 3]),
-    (np.ones(3, dtype=np.float64), "float32", [3]),
-    (torch.tensor([[1.5], [2.5]], dtype=torch.bfloat16), "float32", [2, 1]),
-    (torch.tensor([7, 8]), "int64", [2]),
-])
+@pytest.mark.parametrize(
+    "value, dtype, shape",
+    [
+        ([1, 2, 3], "int64", [3]),
+        ([0.5, 1.0], "float32", [2]),
+        ([[1, 2], [3, 4]], "int64", [2, 2]),
+        (np.arange(6, dtype=np.int32).reshape(2, 3), "int64", [2, 3]),
+        (np.ones(3, dtype=np.float64), "float32", [3]),
+        (torch.tensor([[1.5], [2.5]], dtype=torch.bfloat16), "float32", [2, 1]),
+        (torch.tensor([7, 8]), "int64", [2]),
+    ],
+)
 def test_tensor_data_from_lists_numpy_and_torch(value, dtype, shape):
     t = TensorData.model_validate(value)
     assert (t.dtype, t.shape) == (dtype, shape)
@@ -74,9 +78,14 @@ def test_tensor_data_validation():
 
 
 def test_datum_coerces_loss_inputs():
-    d = trio.Datum(model_input=ModelInput.from_ints([1, 2]),
-                   loss_fn_inputs={"target_tokens": [2, 3], "weights": np.array([0.0, 1.0]),
-                                   "advantages": torch.tensor([0.5, 0.5])})
+    d = trio.Datum(
+        model_input=ModelInput.from_ints([1, 2]),
+        loss_fn_inputs={
+            "target_tokens": [2, 3],
+            "weights": np.array([0.0, 1.0]),
+            "advantages": torch.tensor([0.5, 0.5]),
+        },
+    )
     assert d.loss_fn_inputs["target_tokens"].dtype == "int64"
     assert d.loss_fn_inputs["weights"].dtype == "float32"
     assert d.loss_fn_inputs["advantages"].data == [0.5, 0.5]
@@ -88,18 +97,35 @@ def test_sampling_params_defaults_validation_and_wire():
     p = trio.SamplingParams()
     assert (p.max_tokens, p.seed, p.stop, p.temperature, p.top_k, p.top_p) == (None, None, None, 1, -1, 1)
     assert trio.SamplingParams(max_tokens=4, stop="\n").to_wire() == {
-        "max_tokens": 4, "temperature": 1, "top_k": -1, "top_p": 1, "stop": ["\n"]}
+        "max_tokens": 4,
+        "temperature": 1,
+        "top_k": -1,
+        "top_p": 1,
+        "stop": ["\n"],
+    }
     assert trio.SamplingParams(max_tokens=4, stop=[2, 3], seed=7).to_wire()["stop_token_ids"] == [2, 3]
     assert trio.SamplingParams(max_tokens=4, stop=["a", "b"]).to_wire()["stop"] == ["a", "b"]
-    for bad, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
-                       ({"top_k": 0}, "top_k"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p")]:
+    for bad, field in [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ]:
         with pytest.raises(ValueError, match=field):
             trio.SamplingParams(**bad)
 
 
 def test_adam_params_defaults_and_validation():
     a = trio.AdamParams()
-    assert (a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm) == (1e-4, 0.9, 0.95, 1e-12, 0, 0)
+    assert (a.learning_rate, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_clip_norm) == (
+        1e-4,
+        0.9,
+        0.95,
+        1e-12,
+        0,
+        0,
+    )
     with pytest.raises(ValueError, match="learning_rate"):
         trio.AdamParams(learning_rate=-1)
     with pytest.raises(ValueError, match="beta2"):
@@ -117,12 +143,19 @@ def test_lora_config_validation():
 
 
 def test_usage_sums_by_phase_and_reads_the_wire():
-    a = Usage.from_wire({"input_tokens": 9, "prompt_tokens": 10, "prefill_tokens": 4, "cached_tokens": 6,
-                         "sample_tokens": 5})
+    a = Usage.from_wire(
+        {"input_tokens": 9, "prompt_tokens": 10, "prefill_tokens": 4, "cached_tokens": 6, "sample_tokens": 5}
+    )
     b = Usage.from_wire({"train_tokens": 12, "loss_tokens": 3, "cost": 0.5})
     total = a + b
-    assert (total.prompt_tokens, total.prefill_tokens, total.cached_tokens, total.sample_tokens,
-            total.train_tokens, total.loss_tokens) == (10, 4, 6, 5, 12, 3)
+    assert (
+        total.prompt_tokens,
+        total.prefill_tokens,
+        total.cached_tokens,
+        total.sample_tokens,
+        total.train_tokens,
+        total.loss_tokens,
+    ) == (10, 4, 6, 5, 12, 3)
     assert a.cost is None and b.cost == 0.5 and total.cost is None
     assert (b + b).cost == 1.0
     assert (total - a) == b.model_copy(update={"cost": None}) and (b + b - b) == b
@@ -143,5 +176,6 @@ def test_same_type_names_and_fields_as_pytrio():
         assert set(theirs.model_fields) <= set(ours.model_fields), name
         for field, info in theirs.model_fields.items():
             if not info.is_required():
-                assert ours.model_fields[field].get_default(call_default_factory=True) == \
-                    info.get_default(call_default_factory=True), (name, field)
+                assert ours.model_fields[field].get_default(call_default_factory=True) == info.get_default(
+                    call_default_factory=True
+                ), (name, field)

@@ -7,6 +7,7 @@ against the code and that every limit the code defines is listed here.
 
 Engine facts are read in `_engine()` alone: when engine modules move, that is the one place to change.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -21,6 +22,7 @@ def _engine():
     from trine.engine import api
     from trine.engine.sampler import sampler, scheduler
     from trine.engine.trainer import losses
+
     return api, losses, sampler, scheduler
 
 
@@ -57,8 +59,12 @@ def loss_rows() -> list[dict]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0] in api.LOSS_NAMES:
             formulas[cells[0]] = (cells[1], cells[2])
-    fields = {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high", "beta": "beta",
-              "kl_coeff": "kl_coeff"}
+    fields = {
+        "clip_low_threshold": "clip_low",
+        "clip_high_threshold": "clip_high",
+        "beta": "beta",
+        "kl_coeff": "kl_coeff",
+    }
     rows = []
     for name in api.LOSS_NAMES:
         resolved = api.Loss.parse(name)
@@ -70,17 +76,39 @@ def loss_rows() -> list[dict]:
         else:
             divisor = "active tokens (target ≠ −100)"
         inputs, formula = formulas.get(name, ("?", "?"))
-        rows.append({"name": name, "inputs": inputs, "formula": formula, "divisor": divisor,
-                     "config": {k: getattr(resolved, fields[k]) for k in keys}})
+        rows.append(
+            {
+                "name": name,
+                "inputs": inputs,
+                "formula": formula,
+                "divisor": divisor,
+                "config": {k: getattr(resolved, fields[k]) for k in keys},
+            }
+        )
     return rows
 
 
 def losses_table() -> str:
-    rows = [[_code(r["name"]), r["inputs"], _code(r["formula"]),
-             ", ".join(f"`{k}` = {_number(v)}" for k, v in r["config"].items()) or "none", r["divisor"]]
-            for r in loss_rows()]
-    return _table(["loss", "inputs", "per-token loss (summed over tokens)", "`loss_fn_config` keys (default)",
-                   "PyTRIO planes divide the gradient by"], rows)
+    rows = [
+        [
+            _code(r["name"]),
+            r["inputs"],
+            _code(r["formula"]),
+            ", ".join(f"`{k}` = {_number(v)}" for k, v in r["config"].items()) or "none",
+            r["divisor"],
+        ]
+        for r in loss_rows()
+    ]
+    return _table(
+        [
+            "loss",
+            "inputs",
+            "per-token loss (summed over tokens)",
+            "`loss_fn_config` keys (default)",
+            "PyTRIO planes divide the gradient by",
+        ],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------------------- limits
@@ -88,8 +116,11 @@ def losses_table() -> str:
 # (where, attribute, what it bounds). tests/test_docs_tables.py fails when trine.limits gains a limit
 # this list does not name, so a new limit is documented when it is added.
 LIMITS = [
-    ("limits", "LORA_RANK_MIN", "smallest LoRA rank a server accepts (the SDK's `LoraConfig` asks 4 to 64, "
-     "as PyTRIO does)"),
+    (
+        "limits",
+        "LORA_RANK_MIN",
+        "smallest LoRA rank a server accepts (the SDK's `LoraConfig` asks 4 to 64, as PyTRIO does)",
+    ),
     ("limits", "LORA_RANK_MAX", "largest LoRA rank a server accepts"),
     ("limits", "MAX_WAITING_EVENTS_PER_RUN", "training events a run may have accepted and not yet executed"),
     ("limits", "CHECKPOINT_NAME_MAX", "characters in a checkpoint name (letters, digits, `.`, `_`, `-`)"),
@@ -109,10 +140,16 @@ LIMITS = [
     ("limits", "MAX_PAGE_SIZE", "`limit` of every list route"),
     ("limits", "MAX_TTL_SECONDS", "a checkpoint's `ttl_seconds` (100 years)"),
     ("KeyLimits", "live_runs", "live training runs per API key (429 `key_limit_live_runs`)"),
-    ("KeyLimits", "adapter_bytes", "adapter memory per key: weights, gradients, Adam moments "
-     "(429 `key_limit_adapter_memory`)"),
-    ("KeyLimits", "queued_tokens", "training tokens accepted and not yet run, per key "
-     "(429 `key_limit_queued_tokens`)"),
+    (
+        "KeyLimits",
+        "adapter_bytes",
+        "adapter memory per key: weights, gradients, Adam moments (429 `key_limit_adapter_memory`)",
+    ),
+    (
+        "KeyLimits",
+        "queued_tokens",
+        "training tokens accepted and not yet run, per key (429 `key_limit_queued_tokens`)",
+    ),
     ("openai", "MAX_TOP_LOGPROBS", "OpenAI `top_logprobs`"),
     ("openai", "MAX_STOP_STRINGS", "OpenAI `stop` strings"),
     ("openai", "DEFAULT_COMPLETION_TOKENS", "`max_tokens` of `/v1/completions` when not given"),
@@ -128,15 +165,18 @@ LIMITS = [
 
 def limit_value(where: str, name: str):
     from trine import limits
+
     if where == "limits":
         return getattr(limits, name)
     if where == "KeyLimits":
         return getattr(limits.KeyLimits(), name)
     if where == "openai":
         from trine.server.openai import params
+
         return getattr(params, name)
     if where == "service":
         from trine.service import scheduler
+
         return getattr(scheduler, name)
     _, _, sampler, _ = _engine()
     return inspect.signature(sampler.Sampler.__init__).parameters[name].default
@@ -144,6 +184,7 @@ def limit_value(where: str, name: str):
 
 def limits_table() -> str:
     from trine import limits
+
     rows = [[_code(name), _number(limit_value(where, name)), what] for where, name, what in LIMITS]
     for name, (lo, hi, closed) in limits.ADAM_BOUNDS.items():
         close = "]" if closed else ")"
@@ -157,13 +198,27 @@ def limits_table() -> str:
 
 def rates_table() -> str:
     from trine.metering.rates import SHIPPED, RateCard
+
     card = RateCard.from_tomls([(str(SHIPPED), SHIPPED.read_text())])
+
     def usd(v: float) -> str:
         return f"{v:.6f}".rstrip("0").rstrip(".")
-    rows = [[_code(p.model), usd(p.prefill), usd(p.prefill_cached), usd(p.sample), usd(p.train),
-             usd(p.storage_gb_month), p.note] for p in card.rows.values()]
-    return _table(["model", "prefill", "prefill_cached", "sample", "train", "storage (per GB-month)", "note"],
-                  rows)
+
+    rows = [
+        [
+            _code(p.model),
+            usd(p.prefill),
+            usd(p.prefill_cached),
+            usd(p.sample),
+            usd(p.train),
+            usd(p.storage_gb_month),
+            p.note,
+        ]
+        for p in card.rows.values()
+    ]
+    return _table(
+        ["model", "prefill", "prefill_cached", "sample", "train", "storage (per GB-month)", "note"], rows
+    )
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -171,18 +226,23 @@ def rates_table() -> str:
 
 def openai_refused_table() -> str:
     from trine.server.openai import params
-    rows = [[_code(k), ", ".join(_code(_json(v)) for v in values if v is not None) or "absent", why]
-            for k, (values, why) in sorted(params.NEUTRAL.items())]
+
+    rows = [
+        [_code(k), ", ".join(_code(_json(v)) for v in values if v is not None) or "absent", why]
+        for k, (values, why) in sorted(params.NEUTRAL.items())
+    ]
     return _table(["parameter", "accepted only as", "why other values are refused"], rows)
 
 
 def _json(v) -> str:
     import json
+
     return json.dumps(v)
 
 
 def tinker_refused_table() -> str:
     from trine.server.tinker import refused
+
     rows = [[f"`{m} /api/v1{p}`", feature, instead] for m, p, feature, instead in refused.REFUSED]
     return _table(["route", "feature", "use instead"], rows)
 
@@ -194,6 +254,7 @@ def cli_reference() -> str:
     import importlib
 
     import click
+
     from trine.cli.main import COMMANDS
 
     parts = []
@@ -249,6 +310,7 @@ def render(markdown: str, where: str = "") -> str:
         if name not in TABLES:
             raise ValueError(f"{where}: unknown generated table {name!r}; known: {', '.join(sorted(TABLES))}")
         return TABLES[name]()
+
     return MARKER.sub(one, markdown)
 
 

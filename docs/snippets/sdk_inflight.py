@@ -12,18 +12,25 @@ with trio.ServiceClient() as service:
         rewards = [sum(c.isdigit() for c in t) / max(len(t), 1) for t in texts]
         mean = sum(rewards) / len(rewards)
         n = prompt.length - 1
-        return [trio.Datum(model_input=trio.ModelInput.from_ints((prompt.to_ints() + s.tokens)[:-1]),
-                           loss_fn_inputs={"target_tokens": [-100] * n + s.tokens,
-                                           "logprobs": [0.0] * n + s.logprobs,   # exact behaviour logprobs
-                                           "advantages": [0.0] * n + [r - mean] * len(s.tokens)})
-                for s, r in zip(batch.sequences, rewards) if s.tokens]
+        return [
+            trio.Datum(
+                model_input=trio.ModelInput.from_ints((prompt.to_ints() + s.tokens)[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": [-100] * n + s.tokens,
+                    "logprobs": [0.0] * n + s.logprobs,  # exact behaviour logprobs
+                    "advantages": [0.0] * n + [r - mean] * len(s.tokens),
+                },
+            )
+            for s, r in zip(batch.sequences, rewards)
+            if s.tokens
+        ]
 
-    sampler = trainer.inflight_sampling_client()                            # version 1
+    sampler = trainer.inflight_sampling_client()  # version 1
     pending = sampler.sample(prompt, num_samples=8, sampling_params=params)  # decodes while we train
     for step in range(3):
         batch, pending = pending.result(), sampler.sample(prompt, num_samples=8, sampling_params=params)
-        print(step, [s.weights_versions for s in batch.sequences][:2])      # per token: which save
+        print(step, [s.weights_versions for s in batch.sequences][:2])  # per token: which save
         trainer.forward_backward(datums_from(batch), "importance_sampling")
         trainer.optim_step(trio.AdamParams(learning_rate=1e-4))
-        sampler = trainer.inflight_sampling_client()                       # moves `pending` to new weights
+        sampler = trainer.inflight_sampling_client()  # moves `pending` to new weights
     pending.result()

@@ -3,12 +3,13 @@
 `import trine as trio` ports PyTRIO code by its import line: the clients, futures and types
 have PyTRIO's names, signatures and defaults. Importing trine loads neither torch nor the engine.
 """
+
 __version__ = "0.1.0"
 
 from . import types  # noqa: E402
 from .client import (  # noqa: E402
-    APIFuture,
     ActorAPIError,
+    APIFuture,
     AuthError,
     ControlAPIError,
     EventFailedError,
@@ -47,11 +48,39 @@ from .types import (  # noqa: E402
 PyTrioError = TrineError  # the name PyTRIO code catches
 
 __all__ = [
-    "APIFuture", "ActorAPIError", "AdamParams", "AuthError", "Checkpoint", "ControlAPIError", "Datum",
-    "EncodedTextChunk", "EventFailedError", "ForwardBackwardOutput", "GetInfoResponse",
-    "GetServerCapabilitiesResponse", "ImageChunk", "LoraConfig", "ModelInput", "OptimStepResponse",
-    "PyTrioError", "RestClient", "RunBrokenError", "SampleResponse", "SampleSequence", "SampledSequence",
-    "SamplingClient", "SamplingParams", "SaveWeightsForSamplerResponse", "SaveWeightsResponse",
-    "ServiceClient", "Settings", "TensorData", "TrainingClient", "TrineError", "Usage", "ValidationError",
-    "configure", "types",
+    "APIFuture",
+    "ActorAPIError",
+    "AdamParams",
+    "AuthError",
+    "Checkpoint",
+    "ControlAPIError",
+    "Datum",
+    "EncodedTextChunk",
+    "EventFailedError",
+    "ForwardBackwardOutput",
+    "GetInfoResponse",
+    "GetServerCapabilitiesResponse",
+    "ImageChunk",
+    "LoraConfig",
+    "ModelInput",
+    "OptimStepResponse",
+    "PyTrioError",
+    "RestClient",
+    "RunBrokenError",
+    "SampleResponse",
+    "SampleSequence",
+    "SampledSequence",
+    "SamplingClient",
+    "SamplingParams",
+    "SaveWeightsForSamplerResponse",
+    "SaveWeightsResponse",
+    "ServiceClient",
+    "Settings",
+    "TensorData",
+    "TrainingClient",
+    "TrineError",
+    "Usage",
+    "ValidationError",
+    "configure",
+    "types",
 ]

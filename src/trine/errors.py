@@ -7,6 +7,7 @@
 - EventFailedError: the server ran a training event and it failed (the run may go on).
 - RunBrokenError: a training run can take no more events (a chunk of a split batch failed).
 """
+
 from __future__ import annotations
 
 

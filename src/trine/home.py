@@ -1,4 +1,5 @@
 """The data dir: `--home DIR`, else `$TRINE_HOME`, else `~/.trine`. One definition for every part."""
+
 from __future__ import annotations
 
 import os

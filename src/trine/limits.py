@@ -2,6 +2,7 @@
 engine). Plain constants and checks that raise ValueError naming the field and the fix; no imports
 from the rest of trine, so every layer can use them.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,10 @@ TEMPORARY_CHECKPOINT_TTL_SECONDS = 6 * 3600
 
 def check_checkpoint_name(name, field: str = "name") -> str:
     if not isinstance(name, str) or len(name) > CHECKPOINT_NAME_MAX or not CHECKPOINT_NAME.match(name):
-        raise ValueError(f"{field} {name!r}: use 1-{CHECKPOINT_NAME_MAX} letters, digits, '.', '_' or "
-                         "'-', starting with a letter or digit")
+        raise ValueError(
+            f"{field} {name!r}: use 1-{CHECKPOINT_NAME_MAX} letters, digits, '.', '_' or "
+            "'-', starting with a letter or digit"
+        )
     return name
 
 
@@ -64,11 +67,13 @@ def check_stops(stop_strings, stop_token_ids) -> None:
         raise ValueError(f"stop: {len(stop_strings)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
     longest = max((len(s) for s in stop_strings if isinstance(s, str)), default=0)
     if longest > MAX_STOP_STRING_CHARS:
-        raise ValueError(f"stop: a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} "
-                         "are allowed")
+        raise ValueError(
+            f"stop: a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} are allowed"
+        )
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"stop_token_ids: {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
-                         "are allowed")
+        raise ValueError(
+            f"stop_token_ids: {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"
+        )
 
 
 def check_prompt_length(prompt_tokens: int, max_tokens: int, context: int, model: str) -> None:
@@ -77,8 +82,10 @@ def check_prompt_length(prompt_tokens: int, max_tokens: int, context: int, model
         raise ValueError("prompt: send at least one token")
     total = prompt_tokens + max_tokens
     if total > context:
-        raise ValueError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                         f"exceeds {model}'s context of {context} tokens")
+        raise ValueError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+            f"exceeds {model}'s context of {context} tokens"
+        )
 
 
 # ---------------------------------------------------------------------------- request bodies
@@ -95,26 +102,41 @@ MAX_TTL_SECONDS = 100 * 365 * 86400  # a checkpoint's time to live: at most a ce
 
 def check_ttl_seconds(ttl, field: str = "ttl_seconds"):
     """A checkpoint's time to live: None (never expires) or whole seconds up to a century."""
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= MAX_TTL_SECONDS):
-        raise ValueError(f"{field} {ttl!r}: use 1 to {MAX_TTL_SECONDS} seconds (100 years), or none to never "
-                         "expire")
+    if ttl is not None and (
+        isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= MAX_TTL_SECONDS
+    ):
+        raise ValueError(
+            f"{field} {ttl!r}: use 1 to {MAX_TTL_SECONDS} seconds (100 years), or none to never expire"
+        )
     return ttl
+
 
 # ---------------------------------------------------------------------------- optimizer
 # AdamParams field -> (low, high, high included): sane ranges, checked before a step is queued
-ADAM_BOUNDS = {"learning_rate": (0.0, 10.0, True), "beta1": (0.0, 1.0, False), "beta2": (0.0, 1.0, False),
-               "eps": (0.0, 1.0, True), "weight_decay": (0.0, 100.0, True),
-               "grad_clip_norm": (0.0, math.inf, False)}
+ADAM_BOUNDS = {
+    "learning_rate": (0.0, 10.0, True),
+    "beta1": (0.0, 1.0, False),
+    "beta2": (0.0, 1.0, False),
+    "eps": (0.0, 1.0, True),
+    "weight_decay": (0.0, 100.0, True),
+    "grad_clip_norm": (0.0, math.inf, False),
+}
 
 
 def check_adam_value(name: str, v) -> None:
     """Raise ValueError unless AdamParams field `name` holds a finite number in its range."""
     lo, hi, closed = ADAM_BOUNDS[name]
-    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= lo
-          and (v <= hi if closed else v < hi))
+    ok = (
+        not isinstance(v, bool)
+        and isinstance(v, (int, float))
+        and math.isfinite(v)
+        and v >= lo
+        and (v <= hi if closed else v < hi)
+    )
     if not ok:
         rng = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}{']' if closed else ')'}"
         raise ValueError(f"AdamParams.{name} must be a finite number {rng}, got {v!r}")
+
 
 # ---------------------------------------------------------------------------- per API key
 

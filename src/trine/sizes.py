@@ -1,5 +1,6 @@
 """How sizes are written for people, in one place: the CLI's tables and the console (which shows the
 text the server sends) agree to the byte. Decimal units, as disk and download tools count them."""
+
 from __future__ import annotations
 
 _UNITS = ("B", "KB", "MB", "GB", "TB")

@@ -10,7 +10,7 @@ dro), and a forward_backward's `loss_tokens` usage is the positions that move th
 tokens for cross_entropy, advantage tokens for the policy losses. Vectorised with numpy (no torch, so
 the SDK uses it too); `start` skips leading positions (an auto-shifted datum's
 first target scores nothing).
-"""
+"""  # noqa: E501  (a table)
 
 from __future__ import annotations
 
@@ -55,7 +55,9 @@ def count_tokens(
     advantage = 0
     if policy:
         if advantages is not None:
-            advantage = int(np.count_nonzero(active & (np.asarray(advantages, dtype=np.float64)[start:] != 0)))
+            advantage = int(
+                np.count_nonzero(active & (np.asarray(advantages, dtype=np.float64)[start:] != 0))
+            )
     elif weights is not None:
         active &= np.asarray(weights, dtype=np.float64)[start:] != 0
     return TokenCounts(1, int(np.count_nonzero(active)), advantage)

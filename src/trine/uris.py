@@ -5,6 +5,7 @@ training state (trine's `state`), its `sampler_weights` are sampler weights (tri
 front ends, the OpenAI routes and the SDK map with these two pure functions (no server imports), so
 every surface accepts both forms. Invariant: `to_tinker_path(to_trio_uri(p)) == p` for a valid `p`.
 """
+
 from __future__ import annotations
 
 TRIO_SCHEME = "trio://"
@@ -18,9 +19,11 @@ def to_trio_uri(path: str, field: str = "path") -> str:
     Raises ValueError naming `field` (the request field that carried `path`) and the expected form
     for anything else."""
     if not isinstance(path, str) or not path.startswith(TINKER_SCHEME):
-        raise ValueError(f"{field} {path!r}: use a tinker://<run>/<weights|sampler_weights>/<name> path "
-                         "returned by save_state or save_weights_for_sampler")
-    parts = path[len(TINKER_SCHEME):].split("/")
+        raise ValueError(
+            f"{field} {path!r}: use a tinker://<run>/<weights|sampler_weights>/<name> path "
+            "returned by save_state or save_weights_for_sampler"
+        )
+    parts = path[len(TINKER_SCHEME) :].split("/")
     if len(parts) != 3 or parts[1] not in _TO_TRIO or not parts[0] or not parts[2]:
         raise ValueError(f"{field} {path!r}: expected tinker://<run>/<weights|sampler_weights>/<name>")
     return f"{TRIO_SCHEME}{parts[0]}/{_TO_TRIO[parts[1]]}/{parts[2]}"
@@ -28,7 +31,7 @@ def to_trio_uri(path: str, field: str = "path") -> str:
 
 def to_tinker_path(uri: str) -> str:
     """`trio://<run>/state/<name>` -> `tinker://<run>/weights/<name>` (weights -> sampler_weights)."""
-    run, kind, name = uri[len(TRIO_SCHEME):].split("/", 2)
+    run, kind, name = uri[len(TRIO_SCHEME) :].split("/", 2)
     return f"{TINKER_SCHEME}{run}/{_TO_TINKER[kind]}/{name}"
 
 

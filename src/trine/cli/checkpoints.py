@@ -1,4 +1,5 @@
 """`trine checkpoints`: the checkpoints of a data dir or of a server (training states and sampler weights)."""
+
 from __future__ import annotations
 
 import datetime
@@ -19,8 +20,11 @@ def server_of(url: str | None, home) -> str | None:
 
 @click.command()
 @click.option("--home", default=None, help="Data dir to read directly (default $TRINE_HOME or ~/.trine).")
-@click.option("--url", default=None, help="List a server's checkpoints instead (default $TRINE_BASE_URL, "
-                                          "unless --home is given).")
+@click.option(
+    "--url",
+    default=None,
+    help="List a server's checkpoints instead (default $TRINE_BASE_URL, unless --home is given).",
+)
 @click.option("--api-key", default=None, help="API key for --url (default $TRINE_API_KEY).")
 @click.option("--run", "run_id", default=None, help="Only this training run's checkpoints.")
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
@@ -29,31 +33,69 @@ def checkpoints(home, url, api_key, run_id, as_json):
     step, size, expiry. `trine export ID OUT` writes one as a PEFT adapter or a merged model."""
     server = server_of(url, home)
     try:
-        records = remote_records(server, remote.api_key(api_key), run_id) if server else local_records(home, run_id)
+        records = (
+            remote_records(server, remote.api_key(api_key), run_id) if server else local_records(home, run_id)
+        )
     except (ValueError, ConnectionError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
         print_json(records)
         return
-    cols = [Column("id"), Column("uri", fold=True), Column("kind"), Column("base model", fold=True),
-            Column("step", numeric=True), Column("size", numeric=True), Column("created"), Column("expires")]
-    rows = [(r["id"], r["uri"], r["kind"].lower(), r["base_model"], str(r["step"]), size(r["size_bytes"]),
-             when(r["created_at"]), when(r["expires_at"], never="never")) for r in records]
+    cols = [
+        Column("id"),
+        Column("uri", fold=True),
+        Column("kind"),
+        Column("base model", fold=True),
+        Column("step", numeric=True),
+        Column("size", numeric=True),
+        Column("created"),
+        Column("expires"),
+    ]
+    rows = [
+        (
+            r["id"],
+            r["uri"],
+            r["kind"].lower(),
+            r["base_model"],
+            str(r["step"]),
+            size(r["size_bytes"]),
+            when(r["created_at"]),
+            when(r["expires_at"], never="never"),
+        )
+        for r in records
+    ]
     if not server:
         cols.append(Column("path", fold=True))
         rows = [(*row, r["path"] or "(in memory)") for row, r in zip(rows, records)]
-    print_table("checkpoints" + (f" on {server}" if server else ""), cols, rows,
-                empty="no checkpoints" + (f" for run {run_id}" if run_id else ""))
+    print_table(
+        "checkpoints" + (f" on {server}" if server else ""),
+        cols,
+        rows,
+        empty="no checkpoints" + (f" for run {run_id}" if run_id else ""),
+    )
 
 
 def local_records(home, run_id: str | None) -> list[dict]:
     from trine.store import Store
 
     rows, _ = Store(trine_home(home)).checkpoints(training_run_id=run_id)
-    return [{"id": c.id, "uri": c.uri, "name": c.name, "kind": c.kind, "visibility": c.visibility,
-             "base_model": c.base_model, "training_run_id": c.training_run_id, "step": c.step,
-             "size_bytes": c.size_bytes, "path": c.path, "created_at": c.created_at,
-             "expires_at": c.expires_at} for c in rows]
+    return [
+        {
+            "id": c.id,
+            "uri": c.uri,
+            "name": c.name,
+            "kind": c.kind,
+            "visibility": c.visibility,
+            "base_model": c.base_model,
+            "training_run_id": c.training_run_id,
+            "step": c.step,
+            "size_bytes": c.size_bytes,
+            "path": c.path,
+            "created_at": c.created_at,
+            "expires_at": c.expires_at,
+        }
+        for c in rows
+    ]
 
 
 def remote_records(url: str, key: str, run_id: str | None) -> list[dict]:
@@ -67,17 +109,31 @@ def remote_records(url: str, key: str, run_id: str | None) -> list[dict]:
         total = (page.get("cursor") or {}).get("total", len(items))
         if not page["checkpoints"] or len(items) >= total:
             break
-    return [{"id": c["checkpoint_cuid"], "uri": c["checkpoint_uri"], "name": c["name"],
-             "kind": c["checkpoint_type"], "visibility": c["visibility"], "base_model": c["model_spec_cuid"],
-             "training_run_id": c["training_run_cuid"], "step": c["step"], "size_bytes": c["size_bytes"],
-             "downloadable": c["is_uploaded"], "created_at": _timestamp(c["created_at"]),
-             "expires_at": _timestamp(c["expired_at"])} for c in items]
+    return [
+        {
+            "id": c["checkpoint_cuid"],
+            "uri": c["checkpoint_uri"],
+            "name": c["name"],
+            "kind": c["checkpoint_type"],
+            "visibility": c["visibility"],
+            "base_model": c["model_spec_cuid"],
+            "training_run_id": c["training_run_cuid"],
+            "step": c["step"],
+            "size_bytes": c["size_bytes"],
+            "downloadable": c["is_uploaded"],
+            "created_at": _timestamp(c["created_at"]),
+            "expires_at": _timestamp(c["expired_at"]),
+        }
+        for c in items
+    ]
 
 
 def in_memory(uri: str) -> click.BadParameter:
-    return click.BadParameter(f"{uri} is a temporary snapshot held in the server's memory; save it with "
-                              "`save_weights_for_sampler(name)` or `save_state(name)` and export that",
-                              param_hint="CHECKPOINT")
+    return click.BadParameter(
+        f"{uri} is a temporary snapshot held in the server's memory; save it with "
+        "`save_weights_for_sampler(name)` or `save_state(name)` and export that",
+        param_hint="CHECKPOINT",
+    )
 
 
 def _timestamp(iso: str | None) -> float | None:
@@ -96,10 +152,15 @@ def download(url: str, key: str, checkpoint: str, into: Path) -> dict:
         uri = as_trio_uri(checkpoint)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="CHECKPOINT") from None
-    found = [r for r in remote_records(url, key, None) if checkpoint in (r["id"], r["uri"]) or uri == r["uri"]]
+    found = [
+        r for r in remote_records(url, key, None) if checkpoint in (r["id"], r["uri"]) or uri == r["uri"]
+    ]
     if not found:
-        raise click.BadParameter(f"{checkpoint!r} is not a checkpoint id or URI of this key on {url} "
-                                 "(see `trine checkpoints --url URL`)", param_hint="CHECKPOINT")
+        raise click.BadParameter(
+            f"{checkpoint!r} is not a checkpoint id or URI of this key on {url} "
+            "(see `trine checkpoints --url URL`)",
+            param_hint="CHECKPOINT",
+        )
     ck = found[0]
     if not ck["downloadable"]:
         raise in_memory(ck["uri"])

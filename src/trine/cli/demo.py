@@ -5,6 +5,7 @@ Everything goes through `trine.ServiceClient` over HTTP on a loopback port, exac
 own training loop would; the demo owns no model code. Each training step is pipelined
 (forward_backward and optim_step are submitted before waiting), so it takes one clock cycle.
 """
+
 from __future__ import annotations
 
 import random
@@ -30,8 +31,9 @@ GRPO_HEADER = "  step  reward  prefill  cached  sample      loss   train  cycle"
 
 
 def chat_prompt(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -41,8 +43,10 @@ def sft_datum(trio, tokenizer, question: str, answer: str):
     completion = tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)
     tokens = prompt + completion
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
-    return trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
-                      loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+    return trio.Datum(
+        model_input=trio.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
 
 
 def reward(text: str, n: int) -> float:
@@ -64,11 +68,16 @@ def grpo_datums(trio, prompt: list[int], sequences, rewards: list[float]):
             continue
         tokens = prompt + seq.tokens
         n_prompt = len(prompt) - 1
-        data.append(trio.Datum(
-            model_input=trio.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={"target_tokens": [-100] * n_prompt + seq.tokens,
-                            "logprobs": [0.0] * n_prompt + list(seq.logprobs),
-                            "advantages": [0.0] * n_prompt + [r - mean] * len(seq.tokens)}))
+        data.append(
+            trio.Datum(
+                model_input=trio.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": [-100] * n_prompt + seq.tokens,
+                    "logprobs": [0.0] * n_prompt + list(seq.logprobs),
+                    "advantages": [0.0] * n_prompt + [r - mean] * len(seq.tokens),
+                },
+            )
+        )
     return data
 
 
@@ -83,21 +92,39 @@ def usage_table(stages: list[tuple[str, object]], total):
     if priced:
         table.add_column("cost (USD)", justify="right")
     for name, u in [*stages, ("total", total)]:
-        cells = [f"{u.prefill_tokens:,}", f"{u.cached_tokens:,}", f"{u.sample_tokens:,}", f"{u.train_tokens:,}",
-                 f"{u.loss_tokens:,}"] + ([f"{u.cost:.6f}"] if priced else [])
+        cells = [
+            f"{u.prefill_tokens:,}",
+            f"{u.cached_tokens:,}",
+            f"{u.sample_tokens:,}",
+            f"{u.train_tokens:,}",
+            f"{u.loss_tokens:,}",
+        ] + ([f"{u.cost:.6f}"] if priced else [])
         table.add_row(name, *cells, style="bold" if name == "total" else None)
     return table
 
 
-def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed: int = 0,
-            rank: int = 16, group_size: int = 4, prompts_per_step: int = 4, max_tokens: int = 8):
+def run_job(
+    service,
+    model: str,
+    *,
+    sft_steps: int,
+    rl_steps: int,
+    console,
+    seed: int = 0,
+    rank: int = 16,
+    group_size: int = 4,
+    prompts_per_step: int = 4,
+    max_tokens: int = 8,
+):
     """The demo's training job, through the SDK only. Returns the usage of each stage."""
-    import trine as trio
     from rich.progress import Progress
 
+    import trine as trio
+
     rng = random.Random(seed)
-    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=seed, name="demo-sft",
-                                                  tags=["demo", "sft"])
+    trainer = service.create_lora_training_client(
+        base_model=model, rank=rank, seed=seed, name="demo-sft", tags=["demo", "sft"]
+    )
     tokenizer = trainer.get_tokenizer()
     stages = []
 
@@ -115,8 +142,10 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
             opt = trainer.optim_step(adam)  # submitted before waiting: same clock cycle
             out, _ = fb.result(), opt.result()
             losses.append(out.metrics["loss_mean"])
-            console.print(f"  {step + 1:>4}  {out.metrics['loss_mean']:>8.4f}  {out.usage.train_tokens:>12,}  "
-                          f"{out.usage.loss_tokens:>11,}  {out.cycle:>5}")
+            console.print(
+                f"  {step + 1:>4}  {out.metrics['loss_mean']:>8.4f}  {out.usage.train_tokens:>12,}  "
+                f"{out.usage.loss_tokens:>11,}  {out.cycle:>5}"
+            )
             progress.advance(task)
     stages.append(("SFT", service.usage() - before))
     if losses:
@@ -124,20 +153,24 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
 
     before = service.usage()
     sampler = trainer.save_weights_and_get_sampling_client()
-    reply = sampler.sample(trio.ModelInput.from_ints(chat_prompt(tokenizer, HELD_OUT_QUESTION)),
-                           sampling_params=trio.SamplingParams(max_tokens=24, temperature=0.0,
-                                                               stop=["<|im_end|>"])).result()
+    reply = sampler.sample(
+        trio.ModelInput.from_ints(chat_prompt(tokenizer, HELD_OUT_QUESTION)),
+        sampling_params=trio.SamplingParams(max_tokens=24, temperature=0.0, stop=["<|im_end|>"]),
+    ).result()
     console.print(f"  held-out question: {HELD_OUT_QUESTION!r}\n  answer: {reply.sequences[0].text!r}")
     stages.append(("eval", service.usage() - before))
 
     # -- GRPO: a verifiable task, group-relative advantages, importance sampling ---------------
     # A second run on the same server: a fresh adapter (the SFT one now answers every question
     # with its fact).
-    console.rule(f"[bold]GRPO[/bold]: {rl_steps} steps, {prompts_per_step} prompts x {group_size} samples, "
-                 "a new LoRA run")
+    console.rule(
+        f"[bold]GRPO[/bold]: {rl_steps} steps, {prompts_per_step} prompts x {group_size} samples, "
+        "a new LoRA run"
+    )
     before = service.usage()
-    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=seed, name="demo-grpo",
-                                                  tags=["demo", "grpo"])
+    trainer = service.create_lora_training_client(
+        base_model=model, rank=rank, seed=seed, name="demo-grpo", tags=["demo", "grpo"]
+    )
     params = trio.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=["<|im_end|>", "\n"])
     mean_rewards = []
     console.print(GRPO_HEADER)
@@ -147,8 +180,10 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
             sampler = trainer.save_weights_and_get_sampling_client()
             numbers = [rng.randint(1, 99) for _ in range(prompts_per_step)]
             prompts = [chat_prompt(tokenizer, RL_PROMPT.format(n=n)) for n in numbers]
-            futures = [sampler.sample(trio.ModelInput.from_ints(p), num_samples=group_size,
-                                      sampling_params=params) for p in prompts]  # all in flight together
+            futures = [
+                sampler.sample(trio.ModelInput.from_ints(p), num_samples=group_size, sampling_params=params)
+                for p in prompts
+            ]  # all in flight together
             data, rewards, sample_usage = [], [], trio.Usage()
             for n, prompt, fut in zip(numbers, prompts, futures):
                 res = fut.result()
@@ -156,8 +191,10 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
                 rewards += group
                 sample_usage = sample_usage + res.usage
                 data += grpo_datums(trio, prompt, res.sequences, group)
-            line = (f"  {step + 1:>4}  {statistics.fmean(rewards):>6.2f}  {sample_usage.prefill_tokens:>7,}  "
-                    f"{sample_usage.cached_tokens:>6,}  {sample_usage.sample_tokens:>6,}")
+            line = (
+                f"  {step + 1:>4}  {statistics.fmean(rewards):>6.2f}  {sample_usage.prefill_tokens:>7,}  "
+                f"{sample_usage.cached_tokens:>6,}  {sample_usage.sample_tokens:>6,}"
+            )
             if data:
                 fb = trainer.forward_backward(data, "importance_sampling")
                 opt = trainer.optim_step(trio.AdamParams(learning_rate=2e-3))
@@ -176,12 +213,19 @@ def run_job(service, model: str, *, sft_steps: int, rl_steps: int, console, seed
 
 
 @click.command()
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="A Hugging Face checkpoint dir to serve (default: SmolLM2-135M-Instruct, set up on first use).")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="A Hugging Face checkpoint dir to serve (default: SmolLM2-135M-Instruct, set up on first use).",
+)
 @click.option("--sft-steps", default=10, show_default=True, type=click.IntRange(0, 1000))
 @click.option("--rl-steps", default=4, show_default=True, type=click.IntRange(0, 1000))
-@click.option("--home", type=click.Path(file_okay=False, path_type=Path),
-              help="Data dir for the embedded server (default: $TRINE_HOME or ~/.trine).")
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Data dir for the embedded server (default: $TRINE_HOME or ~/.trine).",
+)
 @click.option("--seed", default=0, show_default=True)
 def demo(model_dir: Path | None, sft_steps: int, rl_steps: int, home: Path | None, seed: int):
     """Start an embedded server, run SFT then GRPO through the SDK, and print usage by phase."""
@@ -202,14 +246,17 @@ def demo(model_dir: Path | None, sft_steps: int, rl_steps: int, home: Path | Non
     try:
         console.print(f"trine server at [bold]{server.url}[/bold], model [bold]{model_dir.name}[/bold]")
         with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as service:
-            stages = run_job(service, model_dir.name, sft_steps=sft_steps, rl_steps=rl_steps, console=console,
-                             seed=seed)
+            stages = run_job(
+                service, model_dir.name, sft_steps=sft_steps, rl_steps=rl_steps, console=console, seed=seed
+            )
             total = service.usage()
         console.print()
         console.print(usage_table(stages, total))
-        console.print("prompt tokens = prefill computed + prefill cached;\n"
-                      "train computed counts every position, train in loss only those with a\n"
-                      "non-zero weight or advantage.")
+        console.print(
+            "prompt tokens = prefill computed + prefill cached;\n"
+            "train computed counts every position, train in loss only those with a\n"
+            "non-zero weight or advantage."
+        )
         console.print(f"demo finished in {time.monotonic() - started:.0f} s")
     finally:
         server.stop()

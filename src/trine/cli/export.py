@@ -1,4 +1,5 @@
 """`trine export CHECKPOINT OUT [--merged]`: a saved checkpoint as a PEFT adapter or a merged model."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,8 +28,11 @@ def checkpoint_dir(checkpoint: str, home: Path) -> Path:
     finally:
         store.close()
     if ck is None:
-        raise click.BadParameter(f"{checkpoint!r} is not a directory, nor a checkpoint URI or id in {home} "
-                                 "(see `trine checkpoints`)", param_hint="CHECKPOINT")
+        raise click.BadParameter(
+            f"{checkpoint!r} is not a directory, nor a checkpoint URI or id in {home} "
+            "(see `trine checkpoints`)",
+            param_hint="CHECKPOINT",
+        )
     if not ck.path:
         raise in_memory(ck.uri)
     return Path(ck.path)
@@ -39,6 +43,7 @@ def named_model_dir(adapter_dir: Path, home: Path) -> Path | None:
     import json
 
     from trine.engine.trainer.checkpoint import ADAPTER_CONFIG, trine_facts
+
     cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     name = trine_facts(adapter_dir).get("base_model") or cfg.get("base_model_name_or_path") or ""
     candidate = home / "models" / Path(str(name)).name
@@ -48,14 +53,27 @@ def named_model_dir(adapter_dir: Path, home: Path) -> Path | None:
 @click.command()
 @click.argument("checkpoint")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--merged", is_flag=True,
-              help="Write a full Hugging Face model (weights merged, tokenizer and chat template copied) "
-                   "instead of a PEFT adapter.")
-@click.option("--base", "base_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="The base model's directory (default: the one the checkpoint records).")
-@click.option("--home", default=None, help="Data dir whose checkpoints URIs refer to (default $TRINE_HOME or ~/.trine).")
-@click.option("--url", default=None, help="Download CHECKPOINT from this server first (default $TRINE_BASE_URL, "
-                                          "unless --home is given or CHECKPOINT is a directory).")
+@click.option(
+    "--merged",
+    is_flag=True,
+    help="Write a full Hugging Face model (weights merged, tokenizer and chat template copied) "
+    "instead of a PEFT adapter.",
+)
+@click.option(
+    "--base",
+    "base_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="The base model's directory (default: the one the checkpoint records).",
+)
+@click.option(
+    "--home", default=None, help="Data dir whose checkpoints URIs refer to (default $TRINE_HOME or ~/.trine)."
+)
+@click.option(
+    "--url",
+    default=None,
+    help="Download CHECKPOINT from this server first (default $TRINE_BASE_URL, "
+    "unless --home is given or CHECKPOINT is a directory).",
+)
 @click.option("--api-key", default=None, help="API key for --url (default $TRINE_API_KEY).")
 def export(checkpoint, out, merged, base_dir, home, url, api_key):
     """Export CHECKPOINT (a checkpoint id or trio:// URI as `trine checkpoints` lists them, a

@@ -1,4 +1,5 @@
 """`trine keys`: create, list and revoke API keys of a data dir."""
+
 from __future__ import annotations
 
 import click
@@ -11,6 +12,7 @@ from .output import Column, print_json, print_table, when
 
 def _store(home):
     from trine.store import Store
+
     return Store(trine_home(home))
 
 
@@ -27,10 +29,13 @@ def create(name, home):
     try:
         rec, secret = _store(home).create_key(name)
     except ValueError as e:
-        raise click.UsageError(str(e))
+        raise click.UsageError(str(e)) from None
     click.echo(secret)
-    click.echo(f"(key id {rec.id}, name {rec.name!r}; store it now, it cannot be shown again; "
-               f"the tinker client takes the same key as {tinker_form(secret)})", err=True)
+    click.echo(
+        f"(key id {rec.id}, name {rec.name!r}; store it now, it cannot be shown again; "
+        f"the tinker client takes the same key as {tinker_form(secret)})",
+        err=True,
+    )
 
 
 @keys.command("list")
@@ -38,14 +43,25 @@ def create(name, home):
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def list_keys(home, as_json):
     """List key ids, names and creation times (never the keys themselves)."""
-    records = [{"id": k.id, "name": k.name, "created_at": k.created_at, "revoked_at": k.revoked_at,
-                "status": "revoked" if k.revoked_at else "active"} for k in _store(home).keys()]
+    records = [
+        {
+            "id": k.id,
+            "name": k.name,
+            "created_at": k.created_at,
+            "revoked_at": k.revoked_at,
+            "status": "revoked" if k.revoked_at else "active",
+        }
+        for k in _store(home).keys()
+    ]
     if as_json:
         print_json(records)
         return
-    print_table("API keys", [Column("id"), Column("name", fold=True), Column("created"), Column("status")],
-                [(r["id"], r["name"], when(r["created_at"]), r["status"]) for r in records],
-                empty="no API keys (`trine keys create --name NAME` makes one)")
+    print_table(
+        "API keys",
+        [Column("id"), Column("name", fold=True), Column("created"), Column("status")],
+        [(r["id"], r["name"], when(r["created_at"]), r["status"]) for r in records],
+        empty="no API keys (`trine keys create --name NAME` makes one)",
+    )
 
 
 @keys.command("revoke")

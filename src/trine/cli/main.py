@@ -1,4 +1,5 @@
 """The `trine` command. Each subcommand lives in its own module and is imported only when run."""
+
 from __future__ import annotations
 
 import importlib

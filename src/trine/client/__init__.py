@@ -1,4 +1,5 @@
 """The trine SDK: ServiceClient, TrainingClient, SamplingClient, RestClient and their futures."""
+
 from ..errors import (
     ActorAPIError,
     AuthError,
@@ -15,6 +16,19 @@ from .sampling import SamplingClient
 from .service import ServiceClient, configure
 from .training import TrainingClient
 
-__all__ = ["APIFuture", "ActorAPIError", "AuthError", "ControlAPIError", "EventFailedError", "RestClient",
-           "RunBrokenError", "SamplingClient", "ServiceClient", "Settings", "TrainingClient", "TrineError",
-           "ValidationError", "configure"]
+__all__ = [
+    "APIFuture",
+    "ActorAPIError",
+    "AuthError",
+    "ControlAPIError",
+    "EventFailedError",
+    "RestClient",
+    "RunBrokenError",
+    "SamplingClient",
+    "ServiceClient",
+    "Settings",
+    "TrainingClient",
+    "TrineError",
+    "ValidationError",
+    "configure",
+]

@@ -5,14 +5,15 @@ Every datum is validated before anything is sent (errors name the sample and fie
 the server can normalise each chunk's gradient by the full batch. Chunks keep input order and
 split greedily at the run's `max_batch_size` samples / `max_tokens_per_request` tokens.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from ..types import Datum, ImageChunk, ModelInput
 from ..errors import ValidationError
 from ..tokens import TokenCounts, count_tokens
+from ..types import Datum, ImageChunk, ModelInput
 from .wire import model_input_to_wire
 
 LOSS_INPUTS = {
@@ -45,16 +46,24 @@ class Plan:
     totals: dict  # gradient_accumulation, identical for every chunk
 
     def payloads(self, loss_fn_config: dict | None, auto_shift: bool) -> list[dict]:
-        return [{"data": chunk, "auto_shift": auto_shift,
-                 "loss": {"type": self.loss_fn, "config": dict(loss_fn_config or {})},
-                 "gradient_accumulation": self.totals} for chunk in self.chunks]
+        return [
+            {
+                "data": chunk,
+                "auto_shift": auto_shift,
+                "loss": {"type": self.loss_fn, "config": dict(loss_fn_config or {})},
+                "gradient_accumulation": self.totals,
+            }
+            for chunk in self.chunks
+        ]
 
 
 def normalize_loss_fn(loss_fn: str) -> str:
     name = loss_fn.strip().lower() if isinstance(loss_fn, str) else loss_fn
     if name not in LOSS_INPUTS:
-        raise ValidationError(f"Unsupported loss function type: {loss_fn!r} (use one of {', '.join(LOSS_INPUTS)})",
-                              code="validation.unsupported_loss")
+        raise ValidationError(
+            f"Unsupported loss function type: {loss_fn!r} (use one of {', '.join(LOSS_INPUTS)})",
+            code="validation.unsupported_loss",
+        )
     return name
 
 
@@ -69,7 +78,9 @@ def _fill_image_length(datum: Datum, i: int) -> ModelInput:
     known = sum(len(c) if not isinstance(c, ImageChunk) else (c.expected_tokens or 0) for c in mi.chunks)
     n = len(datum.loss_fn_inputs["target_tokens"].data) - known
     if n <= 0:
-        raise ValidationError(f"data[{i}].model_input: cannot infer the image's expected_tokens from target_tokens")
+        raise ValidationError(
+            f"data[{i}].model_input: cannot infer the image's expected_tokens from target_tokens"
+        )
     chunks = list(mi.chunks)
     chunks[missing[0]] = chunks[missing[0]].model_copy(update={"expected_tokens": n})
     return ModelInput(chunks=chunks)
@@ -78,7 +89,9 @@ def _fill_image_length(datum: Datum, i: int) -> ModelInput:
 def _floats(datum: Datum, name: str, n: int, i: int) -> list[float]:
     t = datum.loss_fn_inputs[name]
     if t.shape != [n]:
-        raise ValidationError(f"data[{i}].loss_fn_inputs['{name}'] must have shape [{n}] (the input length), got {t.shape}")
+        raise ValidationError(
+            f"data[{i}].loss_fn_inputs['{name}'] must have shape [{n}] (the input length), got {t.shape}"
+        )
     values = [float(v) for v in t.data]
     for k, v in enumerate(values):
         if not math.isfinite(v):
@@ -86,10 +99,11 @@ def _floats(datum: Datum, name: str, n: int, i: int) -> list[float]:
     return values
 
 
-def plan_batch(data: list[Datum], *, loss_fn: str, auto_shift: bool, limits: Limits,
-               vocab_size: int) -> Plan:
+def plan_batch(data: list[Datum], *, loss_fn: str, auto_shift: bool, limits: Limits, vocab_size: int) -> Plan:
     if not data:
-        raise ValidationError("data: the batch is empty; pass at least one Datum", code="validation.empty_training_data")
+        raise ValidationError(
+            "data: the batch is empty; pass at least one Datum", code="validation.empty_training_data"
+        )
     loss = normalize_loss_fn(loss_fn)
     start = 1 if auto_shift else 0
     wire_data: list[tuple[dict, int]] = []
@@ -111,30 +125,43 @@ def plan_batch(data: list[Datum], *, loss_fn: str, auto_shift: bool, limits: Lim
                 continue
             for tok in c.tokens:
                 if not 0 <= tok < vocab_size:
-                    raise ValidationError(f"data[{i}].model_input token {pos} = {tok} is outside the vocabulary "
-                                          f"[0, {vocab_size})", code="validation.token_id_out_of_range")
+                    raise ValidationError(
+                        f"data[{i}].model_input token {pos} = {tok} is outside the vocabulary "
+                        f"[0, {vocab_size})",
+                        code="validation.token_id_out_of_range",
+                    )
                 pos += 1
         if limits.max_seq_len is not None and n > limits.max_seq_len:
-            raise ValidationError(f"data[{i}] has {n} tokens, more than the model's max_seq_len {limits.max_seq_len}",
-                                  code="validation.training_sample_too_long")
+            raise ValidationError(
+                f"data[{i}] has {n} tokens, more than the model's max_seq_len {limits.max_seq_len}",
+                code="validation.training_sample_too_long",
+            )
         if limits.max_tokens_per_request is not None and n > limits.max_tokens_per_request:
-            raise ValidationError(f"data[{i}] has {n} tokens, more than max_tokens_per_request "
-                                  f"{limits.max_tokens_per_request}", code="validation.training_sample_too_large")
+            raise ValidationError(
+                f"data[{i}] has {n} tokens, more than max_tokens_per_request {limits.max_tokens_per_request}",
+                code="validation.training_sample_too_large",
+            )
         target = datum.loss_fn_inputs["target_tokens"]
         if target.dtype != "int64":
-            raise ValidationError(f"data[{i}].loss_fn_inputs['target_tokens'] must be integers (int64), got {target.dtype}")
+            raise ValidationError(
+                f"data[{i}].loss_fn_inputs['target_tokens'] must be integers (int64), got {target.dtype}"
+            )
         if target.shape != [n]:
-            raise ValidationError(f"data[{i}].loss_fn_inputs['target_tokens'] must have shape [{n}] "
-                                  f"(the input length), got {target.shape}")
+            raise ValidationError(
+                f"data[{i}].loss_fn_inputs['target_tokens'] must have shape [{n}] "
+                f"(the input length), got {target.shape}"
+            )
         targets = [int(t) for t in target.data]
         for k, t in enumerate(targets):
             if t != -100 and not 0 <= t < vocab_size:
-                raise ValidationError(f"data[{i}].loss_fn_inputs['target_tokens'][{k}] = {t} is outside the vocabulary "
-                                      f"[0, {vocab_size}) (use -100 to ignore a position)",
-                                      code="validation.token_id_out_of_range")
+                raise ValidationError(
+                    f"data[{i}].loss_fn_inputs['target_tokens'][{k}] = {t} is outside the vocabulary "
+                    f"[0, {vocab_size}) (use -100 to ignore a position)",
+                    code="validation.token_id_out_of_range",
+                )
         wire = {"model_input": model_input_to_wire(mi, json=False), "target_ids": targets}
         if loss == "cross_entropy":
-            weights = (_floats(datum, "weights", n, i) if "weights" in datum.loss_fn_inputs else [1.0] * n)
+            weights = _floats(datum, "weights", n, i) if "weights" in datum.loss_fn_inputs else [1.0] * n
             wire["weights"] = weights
             totals += count_tokens(targets, policy=False, weights=weights, start=start)
         else:
@@ -150,14 +177,18 @@ def plan_batch(data: list[Datum], *, loss_fn: str, auto_shift: bool, limits: Lim
     current: list[dict] = []
     tokens = 0
     for wire, n in wire_data:
-        full = ((limits.max_batch_size is not None and len(current) + 1 > limits.max_batch_size)
-                or (limits.max_tokens_per_request is not None and tokens + n > limits.max_tokens_per_request))
+        full = (limits.max_batch_size is not None and len(current) + 1 > limits.max_batch_size) or (
+            limits.max_tokens_per_request is not None and tokens + n > limits.max_tokens_per_request
+        )
         if current and full:
             chunks.append(current)
             current, tokens = [], 0
         current.append(wire)
         tokens += n
     chunks.append(current)
-    counts = {"total_samples": len(data), "total_active_tokens": totals.active_tokens,
-              "total_advantage_tokens": totals.advantage_tokens}
+    counts = {
+        "total_samples": len(data),
+        "total_active_tokens": totals.active_tokens,
+        "total_advantage_tokens": totals.advantage_tokens,
+    }
     return Plan(loss_fn=loss, chunks=chunks, totals=counts)

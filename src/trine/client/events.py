@@ -12,6 +12,7 @@ every retry), or any failure of one chunk of a split forward_backward, breaks th
 raise RunBrokenError (the gradient state is unknown).
 Futures resolve to the server's whole terminal event response (result, usage, cycle...).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,15 +56,25 @@ class EventQueue:
         """Admit a group of events atomically (no await: nothing can interleave)."""
         if self.broken:
             raise RunBrokenError(self.broken, code="training.run_broken")
-        items = [_Queued(event_type, p, Future(), ends_step=event_type == FORWARD_BACKWARD and k == len(payloads) - 1,
-                         breaks_run=event_type == FORWARD_BACKWARD and len(payloads) > 1)
-                 for k, p in enumerate(payloads)]
+        items = [
+            _Queued(
+                event_type,
+                p,
+                Future(),
+                ends_step=event_type == FORWARD_BACKWARD and k == len(payloads) - 1,
+                breaks_run=event_type == FORWARD_BACKWARD and len(payloads) > 1,
+            )
+            for k, p in enumerate(payloads)
+        ]
         for item in items:
             self._queue.put_nowait(item)
         return [item.future for item in items]
 
     def _break(self, reason: str) -> None:
-        self.broken = self.broken or f"training run {self.run_id} cannot continue: {reason}; create a new training client"
+        self.broken = (
+            self.broken
+            or f"training run {self.run_id} cannot continue: {reason}; create a new training client"
+        )
 
     async def _dispatch(self) -> None:
         try:
@@ -82,8 +93,15 @@ class EventQueue:
                 settle(item.future, exc=RunBrokenError(self.broken, code="training.run_broken"))
                 continue
             event_id = new_event_id()
-            body = event_envelope(item.type, item.payload, event_id=event_id, index=self.index, step=self.step,
-                                  run_id=self.run_id, sdk_version=self.sdk_version)
+            body = event_envelope(
+                item.type,
+                item.payload,
+                event_id=event_id,
+                index=self.index,
+                step=self.step,
+                run_id=self.run_id,
+                sdk_version=self.sdk_version,
+            )
             try:
                 await self._slots.acquire()
                 response = await self._post(event_id, body)
@@ -109,8 +127,9 @@ class EventQueue:
                 task.add_done_callback(self._polls.discard)
 
     async def _post(self, event_id: str, body: bytes) -> dict:
-        r = await self.conn.request("POST", "v1/events", content=body,
-                                    headers={"Content-Type": MSGPACK, "Accept": MSGPACK})
+        r = await self.conn.request(
+            "POST", "v1/events", content=body, headers={"Content-Type": MSGPACK, "Accept": MSGPACK}
+        )
         if r.status_code == 409:
             try:
                 self.conn.raise_for_error(r, "event submit")
@@ -120,16 +139,21 @@ class EventQueue:
                 raise
         response = self.conn.raise_for_error(r, "event submit")
         if not isinstance(response, dict) or response.get("event_id") != event_id:
-            raise ActorAPIError(f"the server answered event {event_id} with a different event",
-                                code="actor.event_mismatch")
+            raise ActorAPIError(
+                f"the server answered event {event_id} with a different event", code="actor.event_mismatch"
+            )
         return response
 
     async def _poll(self, item: _Queued, event_id: str) -> None:
         wait = self.settings.poll_wait_s
         try:
             while not item.future.done():
-                r = await self.conn.request("GET", f"v1/events/{event_id}", timeout=wait + 15,
-                                            headers={"Accept": MSGPACK, "Prefer": f"wait={wait}"})
+                r = await self.conn.request(
+                    "GET",
+                    f"v1/events/{event_id}",
+                    timeout=wait + 15,
+                    headers={"Accept": MSGPACK, "Prefer": f"wait={wait}"},
+                )
                 response = self.conn.raise_for_error(r, f"event {event_id} poll")
                 if isinstance(response, dict) and response.get("status") in TERMINAL:
                     self._finish(item, response)
@@ -152,8 +176,14 @@ class EventQueue:
         error = response.get("error") or {}
         if item.breaks_run:
             self._break("a chunk of a split forward_backward failed")
-        settle(item.future, exc=EventFailedError(response.get("event_id", ""), str(error.get("code", "")),
-                                                  str(error.get("message", "the event failed"))))
+        settle(
+            item.future,
+            exc=EventFailedError(
+                response.get("event_id", ""),
+                str(error.get("code", "")),
+                str(error.get("message", "the event failed")),
+            ),
+        )
 
 
 def _closed() -> TrineError:

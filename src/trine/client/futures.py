@@ -1,5 +1,6 @@
 """APIFuture: what every client call returns at once. `.result(timeout)` blocks; `await fut`
 works in any event loop; `.map(fn)` derives a future (cancelling it cancels the source)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -14,6 +14,7 @@ Control (`{root}/api/...`): JSON, authenticated with the API key (X-API-Key + Be
 Actor (from the run's `actor.endpoint`): authenticated with the run's short-lived JWT, renewed
 through control when within 300 s of expiry or after a 401 (once per failed token).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,8 +54,12 @@ def normalize_base_url(url: str) -> str:
     return url
 
 
-async def send_with_retry(send: Callable[[], Awaitable[httpx.Response]], settings: Settings, what: str = "request",
-                          window_s: float | None = None) -> httpx.Response:
+async def send_with_retry(
+    send: Callable[[], Awaitable[httpx.Response]],
+    settings: Settings,
+    what: str = "request",
+    window_s: float | None = None,
+) -> httpx.Response:
     """Call `send` until it gives a non-retryable response or the retry window closes
     (`window_s`, default `settings.retry_window_s`). `what` names the request in the log."""
     window = settings.retry_window_s if window_s is None else window_s
@@ -76,7 +81,11 @@ async def send_with_retry(send: Callable[[], Awaitable[httpx.Response]], setting
         if first_failure is None:
             first_failure = now
             if window > 0:
-                reason = f"{type(error).__name__}: {error}" if error is not None else f"HTTP {response.status_code}"
+                reason = (
+                    f"{type(error).__name__}: {error}"
+                    if error is not None
+                    else f"HTTP {response.status_code}"
+                )
                 log.warning("%s failed (%s); retrying for up to %.0f s", what, reason, window)
         if now - first_failure >= window:
             if error is not None:
@@ -104,22 +113,38 @@ class ControlHTTP:
         self.root = normalize_base_url(base_url)
         self.settings = settings
         self.client = httpx.AsyncClient(
-            base_url=self.root + "/api/", timeout=settings.request_timeout_s,
-            headers={"X-API-Key": api_key, "Authorization": f"Bearer {api_key}"})
+            base_url=self.root + "/api/",
+            timeout=settings.request_timeout_s,
+            headers={"X-API-Key": api_key, "Authorization": f"Bearer {api_key}"},
+        )
 
-    async def call(self, method: str, path: str, *, json: dict | None = None,
-                   params: dict | None = None, retry: bool = True, retry_window_s: float | None = None,
-                   timeout: float | None = None) -> dict:
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: dict | None = None,
+        params: dict | None = None,
+        retry: bool = True,
+        retry_window_s: float | None = None,
+        timeout: float | None = None,
+    ) -> dict:
         """The JSON object a control endpoint returns; `retry=False` tries once (used at exit),
         `retry_window_s` shortens the retry window, `timeout` the per-attempt timeout."""
         kw = {"timeout": timeout} if timeout is not None else {}
         send = lambda: self.client.request(method, path, json=json, params=params, **kw)  # noqa: E731
         try:
-            response = await (send_with_retry(send, self.settings, f"{method} /api/{path}", retry_window_s)
-                              if retry else send())
+            response = await (
+                send_with_retry(send, self.settings, f"{method} /api/{path}", retry_window_s)
+                if retry
+                else send()
+            )
         except httpx.TransportError as e:
-            raise ControlAPIError(f"cannot reach the trine server at {self.root} ({type(e).__name__}: {e}); "
-                                  "is `trine serve` running there?", code="network_error") from e
+            raise ControlAPIError(
+                f"cannot reach the trine server at {self.root} ({type(e).__name__}: {e}); "
+                "is `trine serve` running there?",
+                code="network_error",
+            ) from e
         try:
             body = response.json() if response.content.strip() else {}
         except ValueError:
@@ -127,11 +152,18 @@ class ControlHTTP:
         if response.status_code >= 400:
             code, message, details = error_fields(body)
             cls = AuthError if response.status_code == 401 else ControlAPIError
-            raise cls(message or f"control request {method} /api/{path} failed with HTTP {response.status_code}",
-                      code=code, status_code=response.status_code, details=details)
+            raise cls(
+                message or f"control request {method} /api/{path} failed with HTTP {response.status_code}",
+                code=code,
+                status_code=response.status_code,
+                details=details,
+            )
         if not isinstance(body, dict):
-            raise ControlAPIError(f"control request {method} /api/{path} did not return a JSON object",
-                                  code="invalid_response", status_code=response.status_code)
+            raise ControlAPIError(
+                f"control request {method} /api/{path} did not return a JSON object",
+                code="invalid_response",
+                status_code=response.status_code,
+            )
         return body
 
     async def get_bytes(self, path: str) -> bytes:
@@ -139,14 +171,20 @@ class ControlHTTP:
         try:
             response = await send_with_retry(lambda: self.client.get(path), self.settings, f"GET /api/{path}")
         except httpx.TransportError as e:
-            raise ControlAPIError(f"cannot reach the trine server at {self.root} ({e})", code="network_error") from e
+            raise ControlAPIError(
+                f"cannot reach the trine server at {self.root} ({e})", code="network_error"
+            ) from e
         if response.status_code >= 400:
             try:
                 code, message, details = error_fields(response.json())
             except ValueError:
                 code, message, details = "", "", {}
-            raise ControlAPIError(message or f"GET /api/{path} failed with HTTP {response.status_code}",
-                                  code=code, status_code=response.status_code, details=details)
+            raise ControlAPIError(
+                message or f"GET /api/{path} failed with HTTP {response.status_code}",
+                code=code,
+                status_code=response.status_code,
+                details=details,
+            )
         return response.content
 
     async def aclose(self) -> None:
@@ -164,8 +202,14 @@ class ActorConnection:
     """The actor endpoint of one run with its JWT. `renew` asks control for new credentials
     (a response with `actor` and `actor_jwt`)."""
 
-    def __init__(self, actor: dict, actor_jwt: dict, renew: Callable[[], Awaitable[dict]],
-                 settings: Settings, client: httpx.AsyncClient):
+    def __init__(
+        self,
+        actor: dict,
+        actor_jwt: dict,
+        renew: Callable[[], Awaitable[dict]],
+        settings: Settings,
+        client: httpx.AsyncClient,
+    ):
         self.settings = settings
         self.client = client  # shared by every actor connection of a ServiceClient
         self._renew_fn = renew
@@ -185,28 +229,50 @@ class ActorConnection:
         if failed_token is not None and failed_token != self.token:
             return  # someone renewed already
         if self._renewing is None or self._renewing.done():
+
             async def run():
                 r = await self._renew_fn()
                 self._apply(r["actor"], r["actor_jwt"])
+
             self._renewing = asyncio.ensure_future(run())
         await asyncio.shield(self._renewing)
 
-    async def request(self, method: str, path: str, *, content: bytes | None = None,
-                      json: dict | None = None, headers: dict | None = None,
-                      timeout: float | None = None) -> httpx.Response:
-        if self.expires_at is not None and (self.expires_at - datetime.now(timezone.utc)).total_seconds() < 300:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | None = None,
+        json: dict | None = None,
+        headers: dict | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
+        if (
+            self.expires_at is not None
+            and (self.expires_at - datetime.now(timezone.utc)).total_seconds() < 300
+        ):
             await self.renew()
         for attempt in range(2):
             token = self.token
             h = {**(headers or {}), "Authorization": f"Bearer {token}"}
             try:
                 response = await send_with_retry(
-                    lambda: self.client.request(method, self.endpoint + path, content=content, json=json,
-                                                headers=h, timeout=timeout or self.settings.request_timeout_s),
-                    self.settings, f"{method} {self.endpoint}{path}")
+                    lambda h=h: self.client.request(
+                        method,
+                        self.endpoint + path,
+                        content=content,
+                        json=json,
+                        headers=h,
+                        timeout=timeout or self.settings.request_timeout_s,
+                    ),
+                    self.settings,
+                    f"{method} {self.endpoint}{path}",
+                )
             except httpx.TransportError as e:
-                raise ActorAPIError(f"cannot reach the actor at {self.endpoint} ({type(e).__name__}: {e})",
-                                    code="network_error") from e
+                raise ActorAPIError(
+                    f"cannot reach the actor at {self.endpoint} ({type(e).__name__}: {e})",
+                    code="network_error",
+                ) from e
             if response.status_code == 401 and attempt == 0:
                 await self.renew(failed_token=token)
                 continue
@@ -222,8 +288,12 @@ class ActorConnection:
             body = None
         if response.status_code >= 400:
             code, message, details = error_fields(body)
-            raise ActorAPIError(message or f"{what} failed with HTTP {response.status_code}",
-                                code=code, status_code=response.status_code, details=details)
+            raise ActorAPIError(
+                message or f"{what} failed with HTTP {response.status_code}",
+                code=code,
+                status_code=response.status_code,
+                details=details,
+            )
         if body is None:
             raise TrineError(f"{what}: the server sent an undecodable body", code="invalid_response")
         return body

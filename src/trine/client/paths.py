@@ -1,4 +1,5 @@
 """Checkpoint paths the SDK accepts: `trio://` URIs and the Tinker form of the same checkpoints."""
+
 from __future__ import annotations
 
 from ..errors import ValidationError

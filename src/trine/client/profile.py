@@ -7,6 +7,7 @@ the active one named by `$PYTRIO_ENV` or `env.toml`'s `active_env`. A profile is
 
 Reading never fails a client: an unreadable or malformed profile counts as no profile.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,10 @@ def _read(path: Path) -> dict:
 def profile_path(home: Path | None = None) -> Path:
     """The active profile's config.toml (it may not exist)."""
     root = (home or Path.home()) / ".pytrio"
-    env = os.environ.get("PYTRIO_ENV", "").strip() or str(_read(root / "env.toml").get("active_env", "")).strip()
+    env = (
+        os.environ.get("PYTRIO_ENV", "").strip()
+        or str(_read(root / "env.toml").get("active_env", "")).strip()
+    )
     if env in ("", "default", "(default)") or not _ENV_NAME.match(env):
         return root / "config.toml"
     return root / "envs" / env / "config.toml"

@@ -1,5 +1,6 @@
 """RestClient: metadata of runs, sessions, samplers and checkpoints, and checkpoint downloads.
 Every method returns an APIFuture (`.result()` or `await`); `*_async` methods return the value."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,16 +43,28 @@ def _checkpoint(c: dict) -> Checkpoint:
     kind = {"TRAINING": "training", "SAMPLER": "sampler"}.get(c["checkpoint_type"])
     if kind is None:
         raise TrineError(f"unknown checkpoint_type {c['checkpoint_type']!r}", code="invalid_response")
-    return Checkpoint(checkpoint_id=c["checkpoint_cuid"], checkpoint_type=kind, time=c["created_at"],
-                      path=c["checkpoint_uri"], size_bytes=c.get("size_bytes"), expires_at=c.get("expired_at"))
+    return Checkpoint(
+        checkpoint_id=c["checkpoint_cuid"],
+        checkpoint_type=kind,
+        time=c["created_at"],
+        path=c["checkpoint_uri"],
+        size_bytes=c.get("size_bytes"),
+        expires_at=c.get("expired_at"),
+    )
 
 
 def _training_run(r: dict) -> TrainingRun:
     rank = r.get("lora_rank") or 0
-    return TrainingRun(training_run_id=r["training_run_cuid"], base_model=r["base_model"],
-                       model_owner=r["workspace_cuid"], is_lora=r["is_lora"], corrupted=r.get("corrupted", False),
-                       lora_rank=rank if r["is_lora"] and rank > 0 else None, last_request_time=r["updated_at"],
-                       user_metadata=r.get("user_metadata"))
+    return TrainingRun(
+        training_run_id=r["training_run_cuid"],
+        base_model=r["base_model"],
+        model_owner=r["workspace_cuid"],
+        is_lora=r["is_lora"],
+        corrupted=r.get("corrupted", False),
+        lora_rank=rank if r["is_lora"] and rank > 0 else None,
+        last_request_time=r["updated_at"],
+        user_metadata=r.get("user_metadata"),
+    )
 
 
 class RestClient:
@@ -67,23 +80,34 @@ class RestClient:
 
     async def get_training_run_async(self, training_run_id: str, access_scope: str = "owned") -> TrainingRun:
         _require("training_run_id", training_run_id)
-        r = await self._rt.run_async(self._control.call("GET", f"openapi/v1/training-runs/{training_run_id}",
-                                                        params={"access_scope": access_scope}))
+        r = await self._rt.run_async(
+            self._control.call(
+                "GET", f"openapi/v1/training-runs/{training_run_id}", params={"access_scope": access_scope}
+            )
+        )
         return _training_run(r)
 
     def get_training_run(self, training_run_id: str, access_scope: str = "owned") -> APIFuture[TrainingRun]:
         _require("training_run_id", training_run_id)
         return self._future(self.get_training_run_async(training_run_id, access_scope))
 
-    async def list_training_runs_async(self, limit: int = 20, offset: int = 0,
-                                       access_scope: str = "owned") -> TrainingRunsResponse:
-        r = await self._rt.run_async(self._control.call("GET", "openapi/v1/training-runs", params={
-            "limit": limit, "offset": offset, "access_scope": access_scope}))
-        return TrainingRunsResponse(training_runs=[_training_run(x) for x in r["training_runs"]],
-                                    cursor=_cursor(r["cursor"]))
+    async def list_training_runs_async(
+        self, limit: int = 20, offset: int = 0, access_scope: str = "owned"
+    ) -> TrainingRunsResponse:
+        r = await self._rt.run_async(
+            self._control.call(
+                "GET",
+                "openapi/v1/training-runs",
+                params={"limit": limit, "offset": offset, "access_scope": access_scope},
+            )
+        )
+        return TrainingRunsResponse(
+            training_runs=[_training_run(x) for x in r["training_runs"]], cursor=_cursor(r["cursor"])
+        )
 
-    def list_training_runs(self, limit: int = 20, offset: int = 0,
-                           access_scope: str = "owned") -> APIFuture[TrainingRunsResponse]:
+    def list_training_runs(
+        self, limit: int = 20, offset: int = 0, access_scope: str = "owned"
+    ) -> APIFuture[TrainingRunsResponse]:
         return self._future(self.list_training_runs_async(limit, offset, access_scope))
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -94,9 +118,13 @@ class RestClient:
         items: list[dict] = []
         offset = 0
         while True:
-            page = await self._rt.run_async(self._control.call(
-                "GET", f"openapi/v1/training-runs/{training_run_id}/checkpoints",
-                params={"limit": 200, "offset": offset}))
+            page = await self._rt.run_async(
+                self._control.call(
+                    "GET",
+                    f"openapi/v1/training-runs/{training_run_id}/checkpoints",
+                    params={"limit": 200, "offset": offset},
+                )
+            )
             items += page["checkpoints"]
             cursor = page["cursor"]
             offset = cursor["offset"] + cursor["limit"]
@@ -109,20 +137,30 @@ class RestClient:
         return self._future(self.list_checkpoints_async(training_run_id))
 
     async def list_user_checkpoints_async(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
-        page = await self._rt.run_async(self._control.call("GET", "openapi/v1/checkpoints",
-                                                           params={"limit": limit, "offset": offset}))
-        return CheckpointsListResponse(checkpoints=[_checkpoint(c) for c in page["checkpoints"]],
-                                       cursor=_cursor(page["cursor"]))
+        page = await self._rt.run_async(
+            self._control.call("GET", "openapi/v1/checkpoints", params={"limit": limit, "offset": offset})
+        )
+        return CheckpointsListResponse(
+            checkpoints=[_checkpoint(c) for c in page["checkpoints"]], cursor=_cursor(page["cursor"])
+        )
 
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[CheckpointsListResponse]:
         return self._future(self.list_user_checkpoints_async(limit, offset))
 
     async def get_checkpoint_download_url_async(self, checkpoint_id: str) -> CheckpointDownloadSource:
         _require("checkpoint_id", checkpoint_id)
-        r = await self._rt.run_async(self._control.call("GET", f"openapi/v1/checkpoints/{checkpoint_id}/download-url"))
-        return CheckpointDownloadSource(checkpoint_id=checkpoint_id, url=r["url"], expires=r["expires_at"],
-                                        source=r["source"], checkpoint_status=r["checkpoint_status"],
-                                        tls_cert_pem=r.get("tls_cert_pem"), tls_not_after=r.get("tls_not_after"))
+        r = await self._rt.run_async(
+            self._control.call("GET", f"openapi/v1/checkpoints/{checkpoint_id}/download-url")
+        )
+        return CheckpointDownloadSource(
+            checkpoint_id=checkpoint_id,
+            url=r["url"],
+            expires=r["expires_at"],
+            source=r["source"],
+            checkpoint_status=r["checkpoint_status"],
+            tls_cert_pem=r.get("tls_cert_pem"),
+            tls_not_after=r.get("tls_not_after"),
+        )
 
     def get_checkpoint_download_url(self, checkpoint_id: str) -> APIFuture[CheckpointDownloadSource]:
         _require("checkpoint_id", checkpoint_id)
@@ -142,8 +180,9 @@ class RestClient:
         headers = {"Range": f"bytes={start}-"} if start else {}
         path.parent.mkdir(parents=True, exist_ok=True)
         written = 0
-        async with self._rt.actor_http.stream("GET", source.url, headers=headers, follow_redirects=True,
-                                              timeout=None) as r:
+        async with self._rt.actor_http.stream(
+            "GET", source.url, headers=headers, follow_redirects=True, timeout=None
+        ) as r:
             if r.status_code == 416 and start:
                 status, resumed = 416, True
             elif r.status_code in (200, 206):
@@ -155,9 +194,17 @@ class RestClient:
                         written += len(block)
             else:
                 await r.aread()
-                raise TrineError(f"checkpoint download failed with HTTP {r.status_code}", status_code=r.status_code)
-        return CheckpointDownloadResult(checkpoint_id=checkpoint_id, path=str(path), bytes_written=written,
-                                        file_size_bytes=path.stat().st_size, status_code=status, resumed=resumed)
+                raise TrineError(
+                    f"checkpoint download failed with HTTP {r.status_code}", status_code=r.status_code
+                )
+        return CheckpointDownloadResult(
+            checkpoint_id=checkpoint_id,
+            path=str(path),
+            bytes_written=written,
+            file_size_bytes=path.stat().st_size,
+            status_code=status,
+            resumed=resumed,
+        )
 
     async def _download_into(self, checkpoint_id: str, directory: Path) -> CheckpointDownloadResult:
         """Download the archive next to `directory`'s files and extract them into it: the directory
@@ -166,24 +213,29 @@ class RestClient:
         archive = directory / f".{checkpoint_id}.tar.part"
         result = await self._download(checkpoint_id, archive, resume=True)
         try:
-            files = await asyncio.get_running_loop().run_in_executor(None, extract_checkpoint, archive, directory)
+            files = await asyncio.get_running_loop().run_in_executor(
+                None, extract_checkpoint, archive, directory
+            )
         finally:
             archive.unlink(missing_ok=True)
-        return result.model_copy(update={"path": str(directory),
-                                         "file_size_bytes": sum(f.stat().st_size for f in files)})
+        return result.model_copy(
+            update={"path": str(directory), "file_size_bytes": sum(f.stat().st_size for f in files)}
+        )
 
     def _download_job(self, checkpoint_id: str, destination_path: str | Path, resume: bool):
         if str(destination_path).endswith(("/", os.sep)) or Path(destination_path).is_dir():
             return self._download_into(checkpoint_id, Path(destination_path))
         return self._download(checkpoint_id, Path(destination_path), resume)
 
-    async def download_checkpoint_async(self, checkpoint_id: str, destination_path: str | Path, *,
-                                        resume: bool = True) -> CheckpointDownloadResult:
+    async def download_checkpoint_async(
+        self, checkpoint_id: str, destination_path: str | Path, *, resume: bool = True
+    ) -> CheckpointDownloadResult:
         _require("checkpoint_id", checkpoint_id)
         return await self._rt.run_async(self._download_job(checkpoint_id, destination_path, resume))
 
-    def download_checkpoint(self, checkpoint_id: str, destination_path: str | Path, *,
-                            resume: bool = True) -> APIFuture[CheckpointDownloadResult]:
+    def download_checkpoint(
+        self, checkpoint_id: str, destination_path: str | Path, *, resume: bool = True
+    ) -> APIFuture[CheckpointDownloadResult]:
         """Download a checkpoint. Into a directory (one that exists, or a path ending in `/`): its
         files are extracted there, ready for `peft`. Otherwise `destination_path` is the tar archive
         itself (resuming a partial file)."""
@@ -204,29 +256,44 @@ class RestClient:
 
     async def get_session_async(self, session_id: str, access_scope: str = "owned") -> GetSessionResponse:
         _require("session_id", session_id)
-        r = await self._rt.run_async(self._control.call("GET", f"openapi/v1/service-sessions/{session_id}",
-                                                        params={"access_scope": access_scope}))
-        return GetSessionResponse(training_run_ids=r["training_run_cuids"], sampler_ids=r["sampling_run_cuids"])
+        r = await self._rt.run_async(
+            self._control.call(
+                "GET", f"openapi/v1/service-sessions/{session_id}", params={"access_scope": access_scope}
+            )
+        )
+        return GetSessionResponse(
+            training_run_ids=r["training_run_cuids"], sampler_ids=r["sampling_run_cuids"]
+        )
 
     def get_session(self, session_id: str, access_scope: str = "owned") -> APIFuture[GetSessionResponse]:
         _require("session_id", session_id)
         return self._future(self.get_session_async(session_id, access_scope))
 
-    async def list_sessions_async(self, limit: int = 20, offset: int = 0,
-                                  access_scope: str = "owned") -> ListSessionsResponse:
-        r = await self._rt.run_async(self._control.call("GET", "openapi/v1/service-sessions", params={
-            "limit": limit, "offset": offset, "access_scope": access_scope}))
+    async def list_sessions_async(
+        self, limit: int = 20, offset: int = 0, access_scope: str = "owned"
+    ) -> ListSessionsResponse:
+        r = await self._rt.run_async(
+            self._control.call(
+                "GET",
+                "openapi/v1/service-sessions",
+                params={"limit": limit, "offset": offset, "access_scope": access_scope},
+            )
+        )
         return ListSessionsResponse(sessions=[s["service_session_cuid"] for s in r["service_sessions"]])
 
-    def list_sessions(self, limit: int = 20, offset: int = 0,
-                      access_scope: str = "owned") -> APIFuture[ListSessionsResponse]:
+    def list_sessions(
+        self, limit: int = 20, offset: int = 0, access_scope: str = "owned"
+    ) -> APIFuture[ListSessionsResponse]:
         return self._future(self.list_sessions_async(limit, offset, access_scope))
 
     async def get_sampler_async(self, sampler_id: str) -> GetSamplerResponse:
         _require("sampler_id", sampler_id)
         r = await self._rt.run_async(self._control.call("GET", f"openapi/v1/sampling-runs/{sampler_id}"))
-        return GetSamplerResponse(sampler_id=r["sampling_run_cuid"], base_model=r["base_model"],
-                                  model_path=r.get("source_checkpoint_uri"))
+        return GetSamplerResponse(
+            sampler_id=r["sampling_run_cuid"],
+            base_model=r["base_model"],
+            model_path=r.get("source_checkpoint_uri"),
+        )
 
     def get_sampler(self, sampler_id: str) -> APIFuture[GetSamplerResponse]:
         _require("sampler_id", sampler_id)

@@ -5,6 +5,7 @@ Sync methods run a coroutine on that loop and block until it returns (which for 
 sampling calls is right after the request is admitted: they return an APIFuture). `*_async`
 methods await the same coroutine from the caller's own loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from ..types import Usage
 from ..errors import TrineError
+from ..types import Usage
 from .http import ControlHTTP, Settings
 
 T = TypeVar("T")
@@ -55,7 +56,9 @@ class Runtime:
         self.flush_on_close: set[asyncio.Task] = set()  # requests close() lets finish (logged metrics)
 
         async def make_clients():
-            return ControlHTTP(base_url, api_key, settings), httpx.AsyncClient(timeout=settings.request_timeout_s)
+            return ControlHTTP(base_url, api_key, settings), httpx.AsyncClient(
+                timeout=settings.request_timeout_s
+            )
 
         self.control, self.actor_http = self.run_sync(make_clients())
 
@@ -68,7 +71,9 @@ class Runtime:
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
             coro.close()
-            raise RuntimeError("a blocking trine call was made from the SDK's own loop; use the *_async method")
+            raise RuntimeError(
+                "a blocking trine call was made from the SDK's own loop; use the *_async method"
+            )
         return self._submit(coro).result()
 
     async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:

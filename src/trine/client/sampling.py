@@ -5,14 +5,15 @@ training run's inflight weights, which move with its inflight saves).
 APIFuture; at most `max_samples_in_flight` requests per client are on the wire together. A retried
 request reuses its request id, so the server can deduplicate it.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
-from ..types import ModelInput, PromptLogprobs, SampleResponse, SampleSequence, SamplingParams, Usage
 from ..errors import ActorAPIError, ValidationError
+from ..types import ModelInput, PromptLogprobs, SampleResponse, SampleSequence, SamplingParams, Usage
 from .futures import APIFuture
 from .http import ActorConnection
 from .runtime import UsageLedger
@@ -30,12 +31,16 @@ def _check_prompt(prompt: ModelInput, *, logprobs: bool) -> None:
     if prompt.is_empty:
         raise ValidationError("prompt is empty", code="validation.empty_prompt")
     if logprobs and prompt.has_images:
-        raise ValidationError("prompt logprobs are not available for prompts with images",
-                              code="validation.image_logprobs_unsupported")
+        raise ValidationError(
+            "prompt logprobs are not available for prompts with images",
+            code="validation.image_logprobs_unsupported",
+        )
     for c in prompt.chunks:
         bad = [t for t in getattr(c, "tokens", ()) if t < 0]
         if bad:
-            raise ValidationError(f"prompt token ids must be >= 0, got {bad[0]}", code="validation.token_id_out_of_range")
+            raise ValidationError(
+                f"prompt token ids must be >= 0, got {bad[0]}", code="validation.token_id_out_of_range"
+            )
 
 
 class SamplingClient:
@@ -47,36 +52,60 @@ class SamplingClient:
         self.model_id: str = run["model_id"]
         self.model_alias: str = run.get("model_alias") or run["model_id"]
         self._conn = ActorConnection(
-            run["actor"], run["actor_jwt"],
+            run["actor"],
+            run["actor_jwt"],
             lambda: self._rt.control.call("POST", f"openapi/v1/sampling-runs/{self.sampling_run_id}/renew"),
-            self._rt.settings, self._rt.actor_http)
+            self._rt.settings,
+            self._rt.actor_http,
+        )
         self._slots: asyncio.Semaphore | None = None
         self._usage = UsageLedger(parent=self._rt.usage)
 
-    def _request(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
-                 include_prompt_logprobs: bool, topk_prompt_logprobs: int, return_text: bool,
-                 return_token_logprobs: bool) -> dict:
+    def _request(
+        self,
+        prompt: ModelInput,
+        num_samples: int,
+        sampling_params: SamplingParams,
+        include_prompt_logprobs: bool,
+        topk_prompt_logprobs: int,
+        return_text: bool,
+        return_token_logprobs: bool,
+    ) -> dict:
         _check_prompt(prompt, logprobs=include_prompt_logprobs or topk_prompt_logprobs > 0)
         if not isinstance(sampling_params, SamplingParams):
-            raise ValidationError(f"sampling_params must be a trine.SamplingParams, got {type(sampling_params).__name__}")
+            raise ValidationError(
+                f"sampling_params must be a trine.SamplingParams, got {type(sampling_params).__name__}"
+            )
         if sampling_params.max_tokens is None:
-            raise ValidationError("sampling_params.max_tokens must be set (> 0)", code="validation.invalid_sampling_request")
+            raise ValidationError(
+                "sampling_params.max_tokens must be set (> 0)", code="validation.invalid_sampling_request"
+            )
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValidationError(f"num_samples must be an int >= 1, got {num_samples!r}")
         if not isinstance(topk_prompt_logprobs, int) or topk_prompt_logprobs < 0:
             raise ValidationError(f"topk_prompt_logprobs must be an int >= 0, got {topk_prompt_logprobs!r}")
-        return {"request_id": new_request_id(), "prompt": model_input_to_wire(prompt, json=True),
-                "sampling_params": sampling_params.to_wire(), "num_samples": num_samples,
-                "return_text": return_text, "return_token_logprobs": return_token_logprobs,
-                "return_prompt_logprobs": include_prompt_logprobs, "topk_prompt_logprobs": topk_prompt_logprobs}
+        return {
+            "request_id": new_request_id(),
+            "prompt": model_input_to_wire(prompt, json=True),
+            "sampling_params": sampling_params.to_wire(),
+            "num_samples": num_samples,
+            "return_text": return_text,
+            "return_token_logprobs": return_token_logprobs,
+            "return_prompt_logprobs": include_prompt_logprobs,
+            "topk_prompt_logprobs": topk_prompt_logprobs,
+        }
 
     async def _post(self, body: dict) -> dict:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._rt.settings.max_samples_in_flight)
         async with self._slots:
-            r = await self._conn.request("POST", f"v1/sampling-runs/{self.sampling_run_id}/sample", json=body,
-                                         headers={"Accept": "application/json"},
-                                         timeout=self._rt.settings.sampling_timeout_s)
+            r = await self._conn.request(
+                "POST",
+                f"v1/sampling-runs/{self.sampling_run_id}/sample",
+                json=body,
+                headers={"Accept": "application/json"},
+                timeout=self._rt.settings.sampling_timeout_s,
+            )
         if r.status_code >= 400:
             self._conn.raise_for_error(r, "sample")
         try:
@@ -90,30 +119,57 @@ class SamplingClient:
         usage = Usage.from_wire(usage_wire, cost=response.get("cost"))
         self._usage.add(usage)
         return SampleResponse(
-            sequences=[SampleSequence(tokens=s.get("tokens") or [], text=s.get("text"),
-                                      logprobs=s.get("logprobs") or [], stop_reason=s.get("stop_reason") or "",
-                                      weights_versions=s.get("weights_versions"))
-                       for s in response.get("sequences") or []],
+            sequences=[
+                SampleSequence(
+                    tokens=s.get("tokens") or [],
+                    text=s.get("text"),
+                    logprobs=s.get("logprobs") or [],
+                    stop_reason=s.get("stop_reason") or "",
+                    weights_versions=s.get("weights_versions"),
+                )
+                for s in response.get("sequences") or []
+            ],
             prompt_logprobs=response.get("prompt_logprobs") or [],
             topk_prompt_logprobs=response.get("topk_prompt_logprobs") or [],
             input_tokens=int(usage_wire.get("input_tokens") or 0),
             output_tokens=int(usage_wire.get("output_tokens") or 0),
-            usage=usage)
+            usage=usage,
+        )
 
-    def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams = _DEFAULT_PARAMS,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-               return_text: bool = True) -> APIFuture[SampleResponse]:
+    def sample(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams = _DEFAULT_PARAMS,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        return_text: bool = True,
+    ) -> APIFuture[SampleResponse]:
         """`num_samples` completions of `prompt` (they share one prefill). Each sequence has
         tokens, one logprob per token, text and stop_reason; `.usage` has tokens by phase."""
-        body = self._request(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs,
-                             return_text, True)
+        body = self._request(
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs,
+            topk_prompt_logprobs,
+            return_text,
+            True,
+        )
         return APIFuture(self._rt.spawn(self._post(body))).map(self._parse)
 
-    async def sample_async(self, prompt: ModelInput, num_samples: int = 1,
-                           sampling_params: SamplingParams = _DEFAULT_PARAMS, include_prompt_logprobs: bool = False,
-                           topk_prompt_logprobs: int = 0, return_text: bool = True) -> SampleResponse:
-        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
-                                 topk_prompt_logprobs, return_text)
+    async def sample_async(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams = _DEFAULT_PARAMS,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        return_text: bool = True,
+    ) -> SampleResponse:
+        return await self.sample(
+            prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs, return_text
+        )
 
     def _parse_logprobs(self, response: dict) -> PromptLogprobs:
         parsed = self._parse(response)

@@ -4,6 +4,7 @@ and creates training, sampling and REST clients that share its runtime (one back
 The session is closed (`ENDED`) by `close()`, by leaving a `with` block, or when the client and
 every client derived from it are garbage collected or the interpreter exits.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,9 +12,15 @@ import weakref
 from typing import Any
 
 from .. import __version__
-from ..types import GetServerCapabilitiesResponse, LoraConfig, ModelOperationCapabilities, SupportedModel, Usage
-from . import tokenizer as tok
 from ..errors import AuthError, ValidationError
+from ..types import (
+    GetServerCapabilitiesResponse,
+    LoraConfig,
+    ModelOperationCapabilities,
+    SupportedModel,
+    Usage,
+)
+from . import tokenizer as tok
 from .http import Settings
 from .paths import checkpoint_uri
 from .profile import load_profile
@@ -32,7 +39,9 @@ def configure(api_key: str | None = None, base_url: str | None = None, **setting
     known = set(Settings.__dataclass_fields__)
     unknown = sorted(set(settings) - known)
     if unknown:
-        raise ValueError(f"configure: unknown option(s) {unknown}; use api_key, base_url or one of {sorted(known)}")
+        raise ValueError(
+            f"configure: unknown option(s) {unknown}; use api_key, base_url or one of {sorted(known)}"
+        )
     if api_key is not None:
         _configured["api_key"] = api_key
     if base_url is not None:
@@ -61,10 +70,15 @@ def _labels(name: str | None, tags: list[str] | None, user_metadata: dict[str, s
 
 def _close_session(runtime: Runtime, session_id: str) -> None:
     """Finalizer: one best-effort close request (no retries: never hang an exiting program)."""
+
     async def close():
         try:
-            await runtime.control.call("POST", f"openapi/v1/service-sessions/{session_id}/close",
-                                       json={"status": "ENDED"}, retry=False)
+            await runtime.control.call(
+                "POST",
+                f"openapi/v1/service-sessions/{session_id}/close",
+                json={"status": "ENDED"},
+                retry=False,
+            )
         except Exception:  # noqa: BLE001 - the server ends idle sessions on its own
             pass
 
@@ -90,13 +104,18 @@ class Session:
                 raise ValidationError("create_sampling_client needs base_model or model_path")
             base_model = (await self.find_checkpoint(model_path))["base_model"]
         run = await self.runtime.control.call(
-            "POST", f"openapi/v1/service-sessions/{self.session_id}/sampling-runs",
-            json={"base_model": base_model, "source_checkpoint_uri": model_path or ""})
+            "POST",
+            f"openapi/v1/service-sessions/{self.session_id}/sampling-runs",
+            json={"base_model": base_model, "source_checkpoint_uri": model_path or ""},
+        )
         return SamplingClient(self, run)
 
     async def find_checkpoint(self, path: str) -> dict:
-        return await self.runtime.control.call("GET", "openapi/v1/training-runs/by-checkpoint-uri",
-                                               params={"checkpoint_uri": checkpoint_uri(path)})
+        return await self.runtime.control.call(
+            "GET",
+            "openapi/v1/training-runs/by-checkpoint-uri",
+            params={"checkpoint_uri": checkpoint_uri(path)},
+        )
 
     def get_tokenizer(self, model_id: str, model_alias: str) -> Any:
         """The served model's tokenizer (transformers), cached per model for this session."""
@@ -112,8 +131,9 @@ class Session:
 
 
 class ServiceClient:
-    def __init__(self, api_key: str | None = None, base_url: str | None = None, *,
-                 settings: Settings | None = None):
+    def __init__(
+        self, api_key: str | None = None, base_url: str | None = None, *, settings: Settings | None = None
+    ):
         """Connect to a trine server at `base_url` with `api_key`. Unset, they come from
         `trine.configure(...)`, then $TRINE_BASE_URL / $TRINE_API_KEY, then $PYTRIO_BASE_URL /
         $PYTRIO_API_KEY (so a PyTRIO setup pointed at trine works as is), then the profile that
@@ -124,28 +144,42 @@ class ServiceClient:
         profile = None
         if api_key is None and not (_configured.get("api_key") or _env("TRINE_API_KEY", "PYTRIO_API_KEY")):
             profile = load_profile()
-        base_url = (base_url or _configured.get("base_url") or _env("TRINE_BASE_URL", "PYTRIO_BASE_URL")
-                    or (profile.base_url if profile else "") or DEFAULT_BASE_URL)
+        base_url = (
+            base_url
+            or _configured.get("base_url")
+            or _env("TRINE_BASE_URL", "PYTRIO_BASE_URL")
+            or (profile.base_url if profile else "")
+            or DEFAULT_BASE_URL
+        )
         if api_key is None:
-            api_key = (_configured.get("api_key") or _env("TRINE_API_KEY", "PYTRIO_API_KEY")
-                       or (profile.api_key if profile else ""))
+            api_key = (
+                _configured.get("api_key")
+                or _env("TRINE_API_KEY", "PYTRIO_API_KEY")
+                or (profile.api_key if profile else "")
+            )
         api_key = api_key.strip()
         if settings is None:
             settings = Settings(**_configured.get("settings", {}))
         if not api_key:
-            raise AuthError("no API key: pass ServiceClient(api_key=...) or set TRINE_API_KEY "
-                            "(`trine serve` prints one; `trine keys create --name NAME` makes more)",
-                            code="auth.missing_api_key")
+            raise AuthError(
+                "no API key: pass ServiceClient(api_key=...) or set TRINE_API_KEY "
+                "(`trine serve` prints one; `trine keys create --name NAME` makes more)",
+                code="auth.missing_api_key",
+            )
         self.base_url = base_url
         runtime = Runtime(base_url, api_key, settings)
 
         async def open_session():
             # the first contact: fail fast if nothing answers (the long retry window is for restarts)
-            identity = await runtime.control.call("GET", "openapi/v1/api-key/verify",
-                                                  retry_window_s=settings.connect_check_s,
-                                                  timeout=max(settings.connect_check_s, 1.0))
-            session = await runtime.control.call("POST", "openapi/v1/service-sessions",
-                                                 json={"sdk_version": __version__})
+            identity = await runtime.control.call(
+                "GET",
+                "openapi/v1/api-key/verify",
+                retry_window_s=settings.connect_check_s,
+                timeout=max(settings.connect_check_s, 1.0),
+            )
+            session = await runtime.control.call(
+                "POST", "openapi/v1/service-sessions", json={"sdk_version": __version__}
+            )
             return identity, session
 
         try:
@@ -184,47 +218,89 @@ class ServiceClient:
 
     # -- training ----------------------------------------------------------------------------
 
-    async def _create_training_run(self, base_model: str, lora: LoraConfig, source: str, restore_optimizer: bool,
-                                   labels: dict | None = None):
-        body = {"base_model": base_model, "lora_rank": lora.rank, "train_mlp": lora.train_mlp,
-                "train_attn": lora.train_attn, "train_unembed": lora.train_unembed,
-                "source_checkpoint_uri": source, "restore_optimizer": restore_optimizer, **(labels or {})}
+    async def _create_training_run(
+        self,
+        base_model: str,
+        lora: LoraConfig,
+        source: str,
+        restore_optimizer: bool,
+        labels: dict | None = None,
+    ):
+        body = {
+            "base_model": base_model,
+            "lora_rank": lora.rank,
+            "train_mlp": lora.train_mlp,
+            "train_attn": lora.train_attn,
+            "train_unembed": lora.train_unembed,
+            "source_checkpoint_uri": source,
+            "restore_optimizer": restore_optimizer,
+            **(labels or {}),
+        }
         if lora.seed is not None:
             body["seed"] = lora.seed
-        run = await self._rt.control.call("POST", f"openapi/v1/service-sessions/{self.service_session_cuid}/training-runs",
-                                          json=body)
-        return TrainingClient(self._session, run, lora, source_checkpoint=source or None,
-                              load_optimizer=restore_optimizer)
+        run = await self._rt.control.call(
+            "POST", f"openapi/v1/service-sessions/{self.service_session_cuid}/training-runs", json=body
+        )
+        return TrainingClient(
+            self._session, run, lora, source_checkpoint=source or None, load_optimizer=restore_optimizer
+        )
 
-    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
-                                    train_mlp: bool = True, train_attn: bool = True,
-                                    train_unembed: bool = True, *, name: str | None = None,
-                                    tags: list[str] | None = None,
-                                    user_metadata: dict[str, str] | None = None) -> TrainingClient:
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        *,
+        name: str | None = None,
+        tags: list[str] | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> TrainingClient:
         """A new training run: a fresh LoRA adapter of `rank` on `base_model`. `name`, `tags` and
         `user_metadata` label it in the console, `trine runs` and `trine usage --by run`."""
         if not isinstance(base_model, str) or not base_model:
             raise ValidationError("base_model must be a model name, e.g. 'SmolLM2-135M-Instruct'")
-        lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
-        return self._rt.run_sync(self._create_training_run(base_model, lora, "", False,
-                                                           _labels(name, tags, user_metadata)))
+        lora = LoraConfig(
+            rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
+        )
+        return self._rt.run_sync(
+            self._create_training_run(base_model, lora, "", False, _labels(name, tags, user_metadata))
+        )
 
-    async def create_lora_training_client_async(self, base_model: str, rank: int = 32, seed: int | None = None,
-                                                train_mlp: bool = True, train_attn: bool = True,
-                                                train_unembed: bool = True, *, name: str | None = None,
-                                                tags: list[str] | None = None,
-                                                user_metadata: dict[str, str] | None = None) -> TrainingClient:
+    async def create_lora_training_client_async(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        *,
+        name: str | None = None,
+        tags: list[str] | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> TrainingClient:
         if not isinstance(base_model, str) or not base_model:
             raise ValidationError("base_model must be a model name, e.g. 'SmolLM2-135M-Instruct'")
-        lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
-        return await self._rt.run_async(self._create_training_run(base_model, lora, "", False,
-                                                                  _labels(name, tags, user_metadata)))
+        lora = LoraConfig(
+            rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
+        )
+        return await self._rt.run_async(
+            self._create_training_run(base_model, lora, "", False, _labels(name, tags, user_metadata))
+        )
 
     async def _from_state(self, path: str, restore_optimizer: bool) -> TrainingClient:
         path = checkpoint_uri(path)
         info = await self._session.find_checkpoint(path)
-        lora = LoraConfig(rank=info["lora_rank"], seed=info.get("seed"), train_mlp=info["train_mlp"],
-                          train_attn=info["train_attn"], train_unembed=info["train_unembed"])
+        lora = LoraConfig(
+            rank=info["lora_rank"],
+            seed=info.get("seed"),
+            train_mlp=info["train_mlp"],
+            train_attn=info["train_attn"],
+            train_unembed=info["train_unembed"],
+        )
         return await self._create_training_run("", lora, path, restore_optimizer)
 
     def create_training_client_from_state(self, path: str) -> TrainingClient:
@@ -243,12 +319,15 @@ class ServiceClient:
 
     # -- sampling, metadata ------------------------------------------------------------------
 
-    def create_sampling_client(self, base_model: str | None = None, model_path: str | None = None) -> SamplingClient:
+    def create_sampling_client(
+        self, base_model: str | None = None, model_path: str | None = None
+    ) -> SamplingClient:
         """A sampler on `base_model`, or on saved weights `model_path` (a `trio://` or `tinker://` path)."""
         return self._rt.run_sync(self._session.create_sampling_client(base_model, model_path))
 
-    async def create_sampling_client_async(self, base_model: str | None = None,
-                                           model_path: str | None = None) -> SamplingClient:
+    async def create_sampling_client_async(
+        self, base_model: str | None = None, model_path: str | None = None
+    ) -> SamplingClient:
         return await self._rt.run_async(self._session.create_sampling_client(base_model, model_path))
 
     async def _get_server_capabilities(self) -> GetServerCapabilitiesResponse:
@@ -261,14 +340,26 @@ class ServiceClient:
 
         def caps(item: dict, key: str, available: str) -> ModelOperationCapabilities:
             c = item.get(key) or {}
-            return ModelOperationCapabilities(available=bool(item.get(available)), max_batch_size=c.get("max_batch_size"),
-                                              max_tokens_per_request=c.get("max_tokens_per_request"),
-                                              max_seq_len=c.get("max_seq_len"))
+            return ModelOperationCapabilities(
+                available=bool(item.get(available)),
+                max_batch_size=c.get("max_batch_size"),
+                max_tokens_per_request=c.get("max_tokens_per_request"),
+                max_seq_len=c.get("max_seq_len"),
+            )
 
-        return GetServerCapabilitiesResponse(supported_models=[
-            SupportedModel(model_name=m["model_id"], max_context_length=m.get("context_length"), alias=m.get("alias"),
-                           pricing=m.get("pricing"), training=caps(m, "trainer", "train_available"),
-                           sampling=caps(m, "sampler", "sample_available")) for m in items])
+        return GetServerCapabilitiesResponse(
+            supported_models=[
+                SupportedModel(
+                    model_name=m["model_id"],
+                    max_context_length=m.get("context_length"),
+                    alias=m.get("alias"),
+                    pricing=m.get("pricing"),
+                    training=caps(m, "trainer", "train_available"),
+                    sampling=caps(m, "sampler", "sample_available"),
+                )
+                for m in items
+            ]
+        )
 
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
         return self._rt.run_sync(self._get_server_capabilities())

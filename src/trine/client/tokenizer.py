@@ -6,6 +6,7 @@ host), load it from there. Otherwise fetch the tokenizer files from the server o
 `$TRINE_HOME/tokenizers/<model>/` (written to a temporary dir, then renamed: the cache dir is
 either absent or complete; `.model_id` records which server model it came from) and load that.
 """
+
 from __future__ import annotations
 
 import re

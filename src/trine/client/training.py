@@ -5,6 +5,7 @@ submit forward_backward and optim_step without waiting, one clock cycle per step
 The first stateful call sends `trainer.init_run` and waits for it (the server loads the model
 there); `load_state*` is allowed only before that.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +17,19 @@ import uuid
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ..limits import (CHECKPOINT_NAME, CHECKPOINT_NAME_MAX, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP,
-                      SAVE_STATE, SAVE_WEIGHTS, TEMPORARY_CHECKPOINT_TTL_SECONDS)
 from .. import __version__
+from ..errors import TrineError, ValidationError
+from ..limits import (
+    CHECKPOINT_NAME,
+    CHECKPOINT_NAME_MAX,
+    FORWARD,
+    FORWARD_BACKWARD,
+    INIT_RUN,
+    OPTIMIZE_STEP,
+    SAVE_STATE,
+    SAVE_WEIGHTS,
+    TEMPORARY_CHECKPOINT_TTL_SECONDS,
+)
 from ..types import (
     AdamParams,
     Datum,
@@ -32,7 +43,6 @@ from ..types import (
     Usage,
 )
 from .batch import Limits, Plan, plan_batch
-from ..errors import TrineError, ValidationError
 from .events import EventQueue
 from .futures import APIFuture, gather
 from .http import ActorConnection
@@ -56,10 +66,15 @@ def normalize_checkpoint_name(name: str) -> str:
         raise ValidationError(f"checkpoint name must be a str, got {type(name).__name__}")
     normalized = name.replace(" ", "-")
     if not CHECKPOINT_NAME.fullmatch(normalized):
-        raise ValidationError(f"checkpoint name {name!r} is invalid: use letters, digits, '.', '_' and '-', "
-                              "starting with a letter or digit", code="validation.invalid_checkpoint_name")
+        raise ValidationError(
+            f"checkpoint name {name!r} is invalid: use letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit",
+            code="validation.invalid_checkpoint_name",
+        )
     if len(normalized) > CHECKPOINT_NAME_MAX:
-        normalized = normalized[:CHECKPOINT_NAME_MAX - 20] + hashlib.sha256(normalized.encode()).hexdigest()[:20]
+        normalized = (
+            normalized[: CHECKPOINT_NAME_MAX - 20] + hashlib.sha256(normalized.encode()).hexdigest()[:20]
+        )
     return normalized
 
 
@@ -85,8 +100,15 @@ class _Heartbeat:
 
 
 class TrainingClient:
-    def __init__(self, session: Session, run: dict, lora: LoraConfig, *,
-                 source_checkpoint: str | None = None, load_optimizer: bool = False):
+    def __init__(
+        self,
+        session: Session,
+        run: dict,
+        lora: LoraConfig,
+        *,
+        source_checkpoint: str | None = None,
+        load_optimizer: bool = False,
+    ):
         self._session = session
         self._rt = session.runtime
         self.training_run_id: str = run["training_run_cuid"]
@@ -120,10 +142,19 @@ class TrainingClient:
                 conn = ActorConnection(*self._actor, self._renew, self._rt.settings, self._rt.actor_http)
                 self._queue = EventQueue(conn, self.training_run_id, self._rt.settings, __version__)
                 self._heartbeat.task = asyncio.ensure_future(_heartbeat_loop(conn))
-            lora = {"rank": self.lora.rank, "seed": self.lora.seed, "train_mlp": self.lora.train_mlp,
-                    "train_attn": self.lora.train_attn, "train_unembed": self.lora.train_unembed}
-            payload = {"base_model": self.model_id, "lora_config": lora, "load_optimizer": self._load_optimizer,
-                       "checkpoint_uri": self._source_checkpoint}
+            lora = {
+                "rank": self.lora.rank,
+                "seed": self.lora.seed,
+                "train_mlp": self.lora.train_mlp,
+                "train_attn": self.lora.train_attn,
+                "train_unembed": self.lora.train_unembed,
+            }
+            payload = {
+                "base_model": self.model_id,
+                "lora_config": lora,
+                "load_optimizer": self._load_optimizer,
+                "checkpoint_uri": self._source_checkpoint,
+            }
             (future,) = self._queue.submit(INIT_RUN, [payload])
             await asyncio.wrap_future(future)
             self._initialized = True
@@ -140,13 +171,15 @@ class TrainingClient:
     def _plan(self, data: list[Datum], loss_fn: str, auto_shift: bool) -> Plan:
         if not isinstance(data, list):
             raise ValidationError(f"data must be a list of Datum, got {type(data).__name__}")
-        return plan_batch(data, loss_fn=loss_fn, auto_shift=auto_shift, limits=self._limits,
-                          vocab_size=self.vocab_size())
+        return plan_batch(
+            data, loss_fn=loss_fn, auto_shift=auto_shift, limits=self._limits, vocab_size=self.vocab_size()
+        )
 
     # -- forward / forward_backward ---------------------------------------------------------
 
-    async def _submit_forward(self, event_type: str, plan: Plan, loss_fn_config: dict | None,
-                              auto_shift: bool) -> APIFuture[ForwardBackwardOutput]:
+    async def _submit_forward(
+        self, event_type: str, plan: Plan, loss_fn_config: dict | None, auto_shift: bool
+    ) -> APIFuture[ForwardBackwardOutput]:
         futures = await self._submit(event_type, plan.payloads(loss_fn_config, auto_shift))
         expected = [len(c) for c in plan.chunks]
         return gather(futures).map(functools.partial(self._parse_forward, expected=expected))
@@ -158,50 +191,80 @@ class TrainingClient:
             result = response.get("result") or {}
             chunk_outputs = result.get("loss_fn_outputs")
             if not isinstance(chunk_outputs, list) or len(chunk_outputs) != n:
-                raise TrineError(f"the server returned a malformed forward result for chunk {k}",
-                                 code="invalid_response")
+                raise TrineError(
+                    f"the server returned a malformed forward result for chunk {k}", code="invalid_response"
+                )
             outputs += [{name: tensor_from_wire(t) for name, t in out.items()} for out in chunk_outputs]
             loss_sum += float(result["metrics"]["loss_sum"])
             count += int(result["metrics"]["token_count"])
         self._usage.add(usage)
         return ForwardBackwardOutput(
             loss_fn_outputs=outputs,
-            metrics={"loss_sum": loss_sum, "loss_mean": loss_sum / count if count else 0.0, "token_count": count},
-            usage=usage, cycle=_cycle(responses))
+            metrics={
+                "loss_sum": loss_sum,
+                "loss_mean": loss_sum / count if count else 0.0,
+                "token_count": count,
+            },
+            usage=usage,
+            cycle=_cycle(responses),
+        )
 
-    def forward(self, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None,
-                auto_shift: bool = False) -> APIFuture[ForwardBackwardOutput]:
+    def forward(
+        self,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Losses and per-token logprobs without touching gradients."""
         plan = self._plan(data, loss_fn, auto_shift)
         return self._rt.run_sync(self._submit_forward(FORWARD, plan, loss_fn_config, auto_shift))
 
-    async def forward_async(self, data: list[Datum], loss_fn: str = "cross_entropy",
-                            loss_fn_config: dict | None = None, auto_shift: bool = False) -> APIFuture[ForwardBackwardOutput]:
+    async def forward_async(
+        self,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
         plan = await asyncio.to_thread(self._plan, data, loss_fn, auto_shift)
         return await self._rt.run_async(self._submit_forward(FORWARD, plan, loss_fn_config, auto_shift))
 
-    def forward_backward(self, data: list[Datum], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict | None = None, auto_shift: bool = False) -> APIFuture[ForwardBackwardOutput]:
+    def forward_backward(
+        self,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Accumulate the gradient of the summed per-token loss over `data` (split into chunks that
         share the whole batch's totals when the run's limits require it)."""
         plan = self._plan(data, loss_fn, auto_shift)
         return self._rt.run_sync(self._submit_forward(FORWARD_BACKWARD, plan, loss_fn_config, auto_shift))
 
-    async def forward_backward_async(self, data: list[Datum], loss_fn: str = "cross_entropy",
-                                     loss_fn_config: dict | None = None,
-                                     auto_shift: bool = False) -> APIFuture[ForwardBackwardOutput]:
+    async def forward_backward_async(
+        self,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
         plan = await asyncio.to_thread(self._plan, data, loss_fn, auto_shift)
         return await self._rt.run_async(
-            self._submit_forward(FORWARD_BACKWARD, plan, loss_fn_config, auto_shift))
+            self._submit_forward(FORWARD_BACKWARD, plan, loss_fn_config, auto_shift)
+        )
 
-    def _custom_linearization(self, data: list[Datum], forward: ForwardBackwardOutput, loss_fn,
-                              loss_fn_config: dict | None) -> tuple[list[Datum], dict[str, float]]:
+    def _custom_linearization(
+        self, data: list[Datum], forward: ForwardBackwardOutput, loss_fn, loss_fn_config: dict | None
+    ) -> tuple[list[Datum], dict[str, float]]:
         """Run the user's torch loss on the forward logprobs; return cross_entropy data whose
         weights are -dL/dlogprob, so the server's (linear) backward gives the same gradient."""
         try:
-            import torch
+            import torch  # noqa: F401  (the loss below is the user's torch code)
         except ImportError as e:
-            raise TrineError("forward_backward_custom needs torch installed", code="dependency.missing_torch") from e
+            raise TrineError(
+                "forward_backward_custom needs torch installed", code="dependency.missing_torch"
+            ) from e
         logprobs = []
         for out in forward.loss_fn_outputs:
             if "logprobs" not in out:
@@ -215,23 +278,33 @@ class TrainingClient:
         linear = []
         for datum, lp in zip(data, logprobs):
             if lp.grad is None:
-                raise ValidationError("forward_backward_custom: the loss has no gradient with respect to the "
-                                      "logprobs; return a tensor computed from them")
-            linear.append(Datum(model_input=datum.model_input,
-                                loss_fn_inputs={"target_tokens": datum.loss_fn_inputs["target_tokens"],
-                                                "weights": TensorData.from_torch(-lp.grad)}))
+                raise ValidationError(
+                    "forward_backward_custom: the loss has no gradient with respect to the "
+                    "logprobs; return a tensor computed from them"
+                )
+            linear.append(
+                Datum(
+                    model_input=datum.model_input,
+                    loss_fn_inputs={
+                        "target_tokens": datum.loss_fn_inputs["target_tokens"],
+                        "weights": TensorData.from_torch(-lp.grad),
+                    },
+                )
+            )
         return linear, {k: float(v) for k, v in (metrics or {}).items()}
 
-    def forward_backward_custom(self, data: list[Datum], loss_fn, loss_fn_config: dict | None = None
-                                ) -> APIFuture[ForwardBackwardOutput]:
+    def forward_backward_custom(
+        self, data: list[Datum], loss_fn, loss_fn_config: dict | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         """`loss_fn(data, logprobs: list[torch.Tensor]) -> (loss, metrics)` computed locally with
         torch; blocks for the forward pass, then returns the backward pass's future."""
         forward = self.forward(data).result()
         linear, metrics = self._custom_linearization(data, forward, loss_fn, loss_fn_config)
         return self.forward_backward(linear).map(lambda out: _merge_metrics(out, metrics))
 
-    async def forward_backward_custom_async(self, data: list[Datum], loss_fn, loss_fn_config: dict | None = None
-                                            ) -> APIFuture[ForwardBackwardOutput]:
+    async def forward_backward_custom_async(
+        self, data: list[Datum], loss_fn, loss_fn_config: dict | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         forward = await (await self.forward_async(data))
         linear, metrics = self._custom_linearization(data, forward, loss_fn, loss_fn_config)
         return (await self.forward_backward_async(linear)).map(lambda out: _merge_metrics(out, metrics))
@@ -258,14 +331,25 @@ class TrainingClient:
     async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         return await self._rt.run_async(self._optim_step(adam_params))
 
-    async def _save(self, event_type: str, name: str, ttl_seconds: int | None, overwrite: bool,
-                    visibility: str, kind: str = "snapshot") -> APIFuture[dict]:
+    async def _save(
+        self,
+        event_type: str,
+        name: str,
+        ttl_seconds: int | None,
+        overwrite: bool,
+        visibility: str,
+        kind: str = "snapshot",
+    ) -> APIFuture[dict]:
         if ttl_seconds is not None and (not isinstance(ttl_seconds, int) or ttl_seconds <= 0):
             raise ValidationError(f"ttl_seconds must be a positive int or None, got {ttl_seconds!r}")
         if kind not in ("snapshot", "inflight"):
             raise ValidationError(f"kind must be 'snapshot' or 'inflight', got {kind!r}")
-        payload = {"name": normalize_checkpoint_name(name), "ttl_seconds": ttl_seconds, "overwrite": overwrite,
-                   "visibility": visibility}
+        payload = {
+            "name": normalize_checkpoint_name(name),
+            "ttl_seconds": ttl_seconds,
+            "overwrite": overwrite,
+            "visibility": visibility,
+        }
         if kind != "snapshot":  # trine's extension of the save_weights payload
             payload["kind"] = kind
         (future,) = await self._submit(event_type, [payload])
@@ -273,36 +357,48 @@ class TrainingClient:
 
     async def _save_state(self, name, ttl_seconds, overwrite) -> APIFuture[SaveWeightsResponse]:
         future = await self._save(SAVE_STATE, name, ttl_seconds, overwrite, "WORKSPACE")
-        return future.map(lambda c: SaveWeightsResponse(path=c["uri"], model=c.get("model_id") or self.model_id,
-                                                        size=int(c.get("size_bytes") or 0)))
+        return future.map(
+            lambda c: SaveWeightsResponse(
+                path=c["uri"], model=c.get("model_id") or self.model_id, size=int(c.get("size_bytes") or 0)
+            )
+        )
 
-    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
-                   ) -> APIFuture[SaveWeightsResponse]:
+    def save_state(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
+    ) -> APIFuture[SaveWeightsResponse]:
         """Save weights + optimizer state; `.path` resumes training (create_training_client_from_state)."""
         return self._rt.run_sync(self._save_state(name, ttl_seconds, overwrite))
 
-    async def save_state_async(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
-                               ) -> APIFuture[SaveWeightsResponse]:
+    async def save_state_async(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
+    ) -> APIFuture[SaveWeightsResponse]:
         return await self._rt.run_async(self._save_state(name, ttl_seconds, overwrite))
 
-    async def _save_weights_for_sampler(self, name, ttl_seconds, visibility="WORKSPACE", kind="snapshot"
-                                        ) -> APIFuture[SaveWeightsForSamplerResponse]:
+    async def _save_weights_for_sampler(
+        self, name, ttl_seconds, visibility="WORKSPACE", kind="snapshot"
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
         future = await self._save(SAVE_WEIGHTS, name, ttl_seconds, False, visibility, kind)
-        return future.map(lambda c: SaveWeightsForSamplerResponse(
-            path=c["uri"], model=c.get("model_id") or self.model_id, size=int(c.get("size_bytes") or 0)))
+        return future.map(
+            lambda c: SaveWeightsForSamplerResponse(
+                path=c["uri"], model=c.get("model_id") or self.model_id, size=int(c.get("size_bytes") or 0)
+            )
+        )
 
-    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None
-                                 ) -> APIFuture[SaveWeightsForSamplerResponse]:
+    def save_weights_for_sampler(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """Save the adapter (PEFT format) for sampling; `.path` goes to create_sampling_client."""
         return self._rt.run_sync(self._save_weights_for_sampler(name, ttl_seconds))
 
-    async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None
-                                             ) -> APIFuture[SaveWeightsForSamplerResponse]:
+    async def save_weights_for_sampler_async(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
         return await self._rt.run_async(self._save_weights_for_sampler(name, ttl_seconds))
 
     async def _save_weights_and_get_sampling_client(self, kind: str = "snapshot") -> SamplingClient:
-        future = await self._save_weights_for_sampler(f"temp-sampling-{uuid.uuid4().hex}", TEMP_SAMPLING_TTL_S,
-                                                      "TEMPORARY", kind)
+        future = await self._save_weights_for_sampler(
+            f"temp-sampling-{uuid.uuid4().hex}", TEMP_SAMPLING_TTL_S, "TEMPORARY", kind
+        )
         saved = await future
         return await self._session.create_sampling_client(self.model_alias, saved.path)
 
@@ -335,23 +431,34 @@ class TrainingClient:
     async def _load_state(self, path: str, with_optimizer: bool) -> APIFuture[dict]:
         async with self._init_lock:
             if self._queue is not None:
-                raise ValidationError("load_state must be called before the first training call of this client; "
-                                      "use create_training_client_from_state instead",
-                                      code="validation.already_initialized")
+                raise ValidationError(
+                    "load_state must be called before the first training call of this client; "
+                    "use create_training_client_from_state instead",
+                    code="validation.already_initialized",
+                )
             path = checkpoint_uri(path)
             source = await self._session.find_checkpoint(path)
-            mismatches = [f"{field} (this run {mine!r}, checkpoint {theirs!r})" for field, mine, theirs in (
-                ("base_model", self.model_id, source.get("base_model")),
-                ("lora_rank", self.lora.rank, source.get("lora_rank")),
-                ("train_mlp", self.lora.train_mlp, source.get("train_mlp")),
-                ("train_attn", self.lora.train_attn, source.get("train_attn")),
-                ("train_unembed", self.lora.train_unembed, source.get("train_unembed"))) if mine != theirs]
+            mismatches = [
+                f"{field} (this run {mine!r}, checkpoint {theirs!r})"
+                for field, mine, theirs in (
+                    ("base_model", self.model_id, source.get("base_model")),
+                    ("lora_rank", self.lora.rank, source.get("lora_rank")),
+                    ("train_mlp", self.lora.train_mlp, source.get("train_mlp")),
+                    ("train_attn", self.lora.train_attn, source.get("train_attn")),
+                    ("train_unembed", self.lora.train_unembed, source.get("train_unembed")),
+                )
+                if mine != theirs
+            ]
             if mismatches:
-                raise ValidationError("Checkpoint configuration is incompatible: " + ", ".join(mismatches),
-                                      code="validation.checkpoint_config_mismatch")
+                raise ValidationError(
+                    "Checkpoint configuration is incompatible: " + ", ".join(mismatches),
+                    code="validation.checkpoint_config_mismatch",
+                )
             run = await self._rt.control.call(
-                "PATCH", f"openapi/v1/service-sessions/{self._session.session_id}/training-runs/{self.training_run_id}",
-                json={"source_checkpoint_uri": path, "restore_optimizer": with_optimizer})
+                "PATCH",
+                f"openapi/v1/service-sessions/{self._session.session_id}/training-runs/{self.training_run_id}",
+                json={"source_checkpoint_uri": path, "restore_optimizer": with_optimizer},
+            )
             self._actor = (run["actor"], run["actor_jwt"])
             self._limits = Limits.from_wire(run.get("trainer"))
             self._source_checkpoint = run.get("source_checkpoint_uri") or path
@@ -394,8 +501,9 @@ class TrainingClient:
         task = asyncio.current_task()
         self._rt.flush_on_close.add(task)  # a script's last log_metrics is sent before the session closes
         try:
-            return await self._rt.control.call("POST", f"trine/v1/training-runs/{self.training_run_id}/metrics",
-                                               json=body)
+            return await self._rt.control.call(
+                "POST", f"trine/v1/training-runs/{self.training_run_id}/metrics", json=body
+            )
         finally:
             self._rt.flush_on_close.discard(task)
 
@@ -416,8 +524,12 @@ class TrainingClient:
         return self._session.get_tokenizer(self.model_id, self.model_alias)
 
     def get_info(self) -> GetInfoResponse:
-        return GetInfoResponse(training_run_id=self.training_run_id, model_id=self.model_id,
-                               base_model=self.model_alias, lora_config=self.lora)
+        return GetInfoResponse(
+            training_run_id=self.training_run_id,
+            model_id=self.model_id,
+            base_model=self.model_alias,
+            lora_config=self.lora,
+        )
 
     def usage(self) -> Usage:
         """Tokens by phase used by this client's finished calls."""
@@ -441,9 +553,11 @@ async def _heartbeat_loop(conn: ActorConnection) -> None:
     while True:
         interval = 60.0
         try:
-            r = await conn.client.post(conn.endpoint + "v1/client/heartbeat",
-                                       json={"sdk": "trine", "sdk_version": __version__},
-                                       headers={"Authorization": f"Bearer {conn.token}", "Accept": "application/json"})
+            r = await conn.client.post(
+                conn.endpoint + "v1/client/heartbeat",
+                json={"sdk": "trine", "sdk_version": __version__},
+                headers={"Authorization": f"Bearer {conn.token}", "Accept": "application/json"},
+            )
             if r.status_code == 401:
                 await conn.renew(failed_token=None)
             elif r.status_code < 400:

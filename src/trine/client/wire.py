@@ -3,6 +3,7 @@
 Wire tensors are maps with exactly {dtype, shape, encoding, data: bin}; model inputs are
 `{"chunks": [...]}` with image bytes as msgpack bin (events) or base64 (JSON).
 """
+
 from __future__ import annotations
 
 import base64
@@ -32,8 +33,11 @@ def model_input_to_wire(model_input: ModelInput, *, json: bool) -> dict:
         if isinstance(c, EncodedTextChunk):
             chunks.append({"type": "encoded_text", "tokens": list(c.tokens)})
         else:
-            chunk = {"type": "image", "format": c.format,
-                     "data": base64.b64encode(c.data).decode("ascii") if json else c.data}
+            chunk = {
+                "type": "image",
+                "format": c.format,
+                "data": base64.b64encode(c.data).decode("ascii") if json else c.data,
+            }
             if json or c.expected_tokens is not None:
                 chunk["expected_tokens"] = c.expected_tokens
             chunks.append(chunk)
@@ -48,14 +52,21 @@ def tensor_from_wire(t: dict) -> TensorData:
     return TensorData.from_numpy(arr)
 
 
-def event_envelope(event_type: str, payload: dict, *, event_id: str, index: int, step: int,
-                   run_id: str, sdk_version: str) -> bytes:
+def event_envelope(
+    event_type: str, payload: dict, *, event_id: str, index: int, step: int, run_id: str, sdk_version: str
+) -> bytes:
     body = {
         "version": 1,
         "event_id": event_id,
         "type": event_type,
-        "metadata": {"index": index, "step": step, "timestamp": int(time.time() * 1000),
-                     "sdk": SDK_NAME, "sdk_version": sdk_version, "run_id": run_id},
+        "metadata": {
+            "index": index,
+            "step": step,
+            "timestamp": int(time.time() * 1000),
+            "sdk": SDK_NAME,
+            "sdk_version": sdk_version,
+            "run_id": run_id,
+        },
         "payload": _drop_none(payload),
     }
     return msgpack.packb(body, use_bin_type=True)

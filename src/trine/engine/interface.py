@@ -50,7 +50,8 @@ Invariants
   whole cycle, unless the engine itself fails.
 - Calls are served in arrival order per engine; sampling keeps running between the micro-batches of
   a training cycle.
-"""
+"""  # noqa: E501  (a table)
+
 from __future__ import annotations
 
 import abc

@@ -20,6 +20,7 @@ At most one diagnostic per request (the first pattern in that order that fires).
 the last `history` prompts per (api key, run), for the `max_runs` most recently active runs.
 Thread-safe: the service may call `observe` from the engine's callback threads.
 """
+
 from __future__ import annotations
 
 import threading
@@ -53,8 +54,9 @@ class _Seen:
 
 
 class PrefixDiagnostics:
-    def __init__(self, *, history: int = 16, max_runs: int = 1024, min_shared: int = 32,
-                 variation_window: int = 64):
+    def __init__(
+        self, *, history: int = 16, max_runs: int = 1024, min_shared: int = 32, variation_window: int = 64
+    ):
         """min_shared: the identical run after a varying head must be at least this long (and longer than
         twice everything before it) to count; variation_window: how far past the divergence to look for it."""
         self.history, self.max_runs = history, max_runs
@@ -62,19 +64,33 @@ class PrefixDiagnostics:
         self._runs: OrderedDict[tuple[str, str], deque[_Seen]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def observe(self, api_key_id: str, session_id: str, run_id: str, base_model: str, request_id: str,
-                prompt_tokens: list[int], cached_tokens: int, completion_tokens_list: list[list[int]],
-                decode: Callable[[list[int]], str]) -> list[CacheDiagnostic]:
+    def observe(
+        self,
+        api_key_id: str,
+        session_id: str,
+        run_id: str,
+        base_model: str,
+        request_id: str,
+        prompt_tokens: list[int],
+        cached_tokens: int,
+        completion_tokens_list: list[list[int]],
+        decode: Callable[[list[int]], str],
+    ) -> list[CacheDiagnostic]:
         """Check one finished sampling request against this run's recent history, then remember it."""
         prompt = list(prompt_tokens)
         with self._lock:
             hist = self._runs.get((api_key_id, run_id))
             past = list(hist) if hist else []
-        found = (self._retokenized(prompt, past, decode)
-                 or self._varying_head(prompt, cached_tokens, past)
-                 or self._split_group(prompt, cached_tokens, completion_tokens_list, past))
-        seen = _Seen(prompt, [prompt + list(c) for c in completion_tokens_list],
-                     single=len(completion_tokens_list) == 1)
+        found = (
+            self._retokenized(prompt, past, decode)
+            or self._varying_head(prompt, cached_tokens, past)
+            or self._split_group(prompt, cached_tokens, completion_tokens_list, past)
+        )
+        seen = _Seen(
+            prompt,
+            [prompt + list(c) for c in completion_tokens_list],
+            single=len(completion_tokens_list) == 1,
+        )
         with self._lock:
             hist = self._runs.pop((api_key_id, run_id), None) or deque(maxlen=self.history)
             hist.appendleft(seen)
@@ -84,9 +100,19 @@ class PrefixDiagnostics:
         if found is None:
             return []
         pattern, pos, lost = found
-        return [CacheDiagnostic(time=time.time(), api_key_id=api_key_id, session_id=session_id, run_id=run_id,
-                                base_model=base_model, pattern=pattern, diverge_position=pos,
-                                tokens_lost=lost, request_id=request_id)]
+        return [
+            CacheDiagnostic(
+                time=time.time(),
+                api_key_id=api_key_id,
+                session_id=session_id,
+                run_id=run_id,
+                base_model=base_model,
+                pattern=pattern,
+                diverge_position=pos,
+                tokens_lost=lost,
+                request_id=request_id,
+            )
+        ]
 
     def _retokenized(self, prompt, past, decode):
         text = None
@@ -135,7 +161,7 @@ def _squash(text: str) -> str:
 
 def _extends(a: list[int], b: list[int]) -> bool:
     """a starts with b (checks the last token first: cheap when they differ)."""
-    return len(a) >= len(b) and (not b or a[len(b) - 1] == b[-1]) and a[:len(b)] == b
+    return len(a) >= len(b) and (not b or a[len(b) - 1] == b[-1]) and a[: len(b)] == b
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -158,10 +184,10 @@ def _shared_run(a: list[int], b: list[int], d: int, window: int) -> tuple[int, i
     divergence d in both; returns (j, n), j being where it starts in `a`."""
     index: dict[tuple[int, ...], list[int]] = {}
     for j2 in range(d, min(len(b) - KGRAM, d + window) + 1):
-        index.setdefault(tuple(b[j2:j2 + KGRAM]), []).append(j2)
+        index.setdefault(tuple(b[j2 : j2 + KGRAM]), []).append(j2)
     best, covered = (0, 0), {}  # covered: diagonal j2 - j -> end of the run already measured on it
     for j in range(d, min(len(a) - KGRAM, d + window) + 1):
-        for j2 in index.get(tuple(a[j:j + KGRAM]), ()):
+        for j2 in index.get(tuple(a[j : j + KGRAM]), ()):
             if covered.get(j2 - j, -1) > j:
                 continue  # inside a run already measured: a shorter suffix of it
             n = KGRAM

@@ -19,12 +19,13 @@ The model follows how trine executes (engine/sampler.py, engine/trainer.py):
 Invariant: `with_cache` and `without_cache` have the same prompt, sample, train and loss tokens; only
 the split of prompt tokens into computed and cached differs.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from .rates import RateCard
 from .money import fmt_money
+from .rates import RateCard
 from .report import PhaseTokens, ReportRow
 
 
@@ -43,8 +44,17 @@ class JobShape:
     block_size: int = 16  # the KV cache block size of the server
 
     def __post_init__(self):
-        minimum = {"steps": 1, "prompts_per_step": 1, "group_size": 1, "turns": 1, "prompt_tokens": 1,
-                   "completion_tokens": 0, "system_tokens": 0, "train_passes": 0, "block_size": 1}
+        minimum = {
+            "steps": 1,
+            "prompts_per_step": 1,
+            "group_size": 1,
+            "turns": 1,
+            "prompt_tokens": 1,
+            "completion_tokens": 0,
+            "system_tokens": 0,
+            "train_passes": 0,
+            "block_size": 1,
+        }
         for name, lo in minimum.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -77,9 +87,13 @@ class Estimate:
         return (before - self.with_cache.cost["total"]) / before if before else 0.0
 
     def to_dict(self) -> dict:
-        return {"shape": asdict(self.shape), "with_cache": self.with_cache.to_dict(),
-                "without_cache": self.without_cache.to_dict(), "dominant_phase": self.dominant_phase,
-                "cache_savings": self.cache_savings}
+        return {
+            "shape": asdict(self.shape),
+            "with_cache": self.with_cache.to_dict(),
+            "without_cache": self.without_cache.to_dict(),
+            "dominant_phase": self.dominant_phase,
+            "cache_savings": self.cache_savings,
+        }
 
 
 def estimate(shape: JobShape, rate_card: RateCard) -> Estimate:
@@ -134,37 +148,48 @@ def render(est: Estimate, console=None, wall=None) -> None:
 
     console = console or Console()
     s, w, wo = est.shape, est.with_cache, est.without_cache
-    console.print(f"[bold]{s.model}[/bold]: {s.steps} steps × {s.prompts_per_step} prompts × group "
-                  f"{s.group_size}, {s.turns} turn(s) of {s.prompt_tokens} prompt + {s.completion_tokens} "
-                  f"completion tokens, system {s.system_tokens}, {s.train_passes} training pass(es)"
-                  + (f" over {100 * s.trained_fraction:.0f}% of trajectories" if s.trained_fraction < 1 else ""))
+    console.print(
+        f"[bold]{s.model}[/bold]: {s.steps} steps × {s.prompts_per_step} prompts × group "
+        f"{s.group_size}, {s.turns} turn(s) of {s.prompt_tokens} prompt + {s.completion_tokens} "
+        f"completion tokens, system {s.system_tokens}, {s.train_passes} training pass(es)"
+        + (f" over {100 * s.trained_fraction:.0f}% of trajectories" if s.trained_fraction < 1 else "")
+    )
     t = Table(title_justify="left")
     t.add_column("phase", no_wrap=True)
     for name in ("tokens", "cost", "tokens, no cache", "cost, no cache"):
         t.add_column(name, justify="right")
     for ph in ("prefill", "prefill_cached", "sample", "train"):
-        t.add_row(ph, f"{getattr(w.tokens, ph):,}", fmt_money(w.cost[ph]),
-                  f"{getattr(wo.tokens, ph):,}", fmt_money(wo.cost[ph]))
+        t.add_row(
+            ph,
+            f"{getattr(w.tokens, ph):,}",
+            fmt_money(w.cost[ph]),
+            f"{getattr(wo.tokens, ph):,}",
+            fmt_money(wo.cost[ph]),
+        )
     t.add_row("train_loss", f"{w.tokens.train_loss:,}", "", f"{wo.tokens.train_loss:,}", "")
     t.add_row("total", "", fmt_money(w.cost["total"]), "", fmt_money(wo.cost["total"]), style="bold")
     console.print(t)
     hit = w.tokens.cache_hit_rate
-    console.print(f"sampling requests: {w.requests:,} · prefix-cache hit rate: "
-                  f"{'-' if hit is None else f'{100 * hit:.1f}%'} · the cache saves {100 * est.cache_savings:.1f}%")
+    console.print(
+        f"sampling requests: {w.requests:,} · prefix-cache hit rate: "
+        f"{'-' if hit is None else f'{100 * hit:.1f}%'} · the cache saves {100 * est.cache_savings:.1f}%"
+    )
     if est.dominant_phase:
         share = w.cost[est.dominant_phase] / w.cost["total"]
         console.print(f"dominant phase: [bold]{est.dominant_phase}[/bold] ({100 * share:.0f}% of the cost)")
     if wall is None:
-        console.print("wall clock: not measured on this machine for this model yet; add --measure "
-                      "(a short benchmark through an embedded server, about a minute)")
+        console.print(
+            "wall clock: not measured on this machine for this model yet; add --measure "
+            "(a short benchmark through an embedded server, about a minute)"
+        )
         return
     from .wallclock import describe, fmt_duration
 
     sec = wall.seconds
-    console.print(f"wall clock on this machine: [bold]about {fmt_duration(sec['total'])}[/bold] for "
-                  f"{fmt_money(w.cost['total'])} {est.currency} (prefill {fmt_duration(sec['prefill'])}, "
-                  f"sample {fmt_duration(sec['sample'])}, train {fmt_duration(sec['train'])}; phases added, "
-                  "not overlapped)")
+    console.print(
+        f"wall clock on this machine: [bold]about {fmt_duration(sec['total'])}[/bold] for "
+        f"{fmt_money(w.cost['total'])} {est.currency} (prefill {fmt_duration(sec['prefill'])}, "
+        f"sample {fmt_duration(sec['sample'])}, train {fmt_duration(sec['train'])}; phases added, "
+        "not overlapped)"
+    )
     console.print(f"  throughput {describe(wall.throughput)}")
-
-

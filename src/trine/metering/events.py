@@ -3,6 +3,7 @@
 Invariants: for every event, prompt tokens = prefill + prefill_cached; `train_loss <= train`.
 A report's totals are sums over these events, nothing else.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -35,15 +36,19 @@ class UsageEvent:
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"UsageEvent.{phase} must be a non-negative int, got {n!r}")
         if self.train_loss > self.train:
-            raise ValueError(f"UsageEvent.train_loss ({self.train_loss}) exceeds train ({self.train}): "
-                             "loss positions are a subset of the computed positions")
+            raise ValueError(
+                f"UsageEvent.train_loss ({self.train_loss}) exceeds train ({self.train}): "
+                "loss positions are a subset of the computed positions"
+            )
 
     @classmethod
     def from_counts(cls, *, prompt_tokens: int, prefill: int, prefill_cached: int, **fields) -> UsageEvent:
         """An event from an engine's counters, checking prompt = prefill (computed) + prefill_cached."""
         if prompt_tokens != prefill + prefill_cached:
-            raise ValueError(f"usage does not add up: prompt_tokens={prompt_tokens} but prefill={prefill} + "
-                             f"prefill_cached={prefill_cached}; the engine must count every prompt token once")
+            raise ValueError(
+                f"usage does not add up: prompt_tokens={prompt_tokens} but prefill={prefill} + "
+                f"prefill_cached={prefill_cached}; the engine must count every prompt token once"
+            )
         return cls(prefill=prefill, prefill_cached=prefill_cached, **fields)
 
     @classmethod

@@ -2,11 +2,13 @@
 
     GET /api/trine/v1/usage?session_id=&run_id=&since=&by=   -> Report.to_dict() (tokens, cost, diagnostics)
     GET /api/trine/v1/usage/events?session_id=&run_id=&since= -> {"events": [...], "diagnostics": [...]}
-    GET /api/trine/v1/rates                                   -> {"currency", "models": rate_card.as_models_list()}
+    GET /api/trine/v1/rates                                   -> {"currency", "models":
+    rate_card.as_models_list()}
 
 Invariant: a key only ever sees its own usage: every query is filtered by the api key id that
 `authenticate` returns, whatever the query parameters say.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -29,8 +31,11 @@ class MoneyJSONResponse(JSONResponse):
         return dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
-def make_usage_router(get_store: Callable[..., Any], authenticate: Callable[..., Any],
-                      rate_card: RateCard | Callable[[], RateCard] | None = None) -> APIRouter:
+def make_usage_router(
+    get_store: Callable[..., Any],
+    authenticate: Callable[..., Any],
+    rate_card: RateCard | Callable[[], RateCard] | None = None,
+) -> APIRouter:
     """get_store: a FastAPI dependency returning the store (`usage_events`, `diagnostics`), e.g.
     `def get_store(request: Request): return request.app.state.service.store` (annotate `request`,
     at module level, or FastAPI reads it as a query parameter);
@@ -50,8 +55,14 @@ def make_usage_router(get_store: Callable[..., Any], authenticate: Callable[...,
         return store.usage_events(key_id, **kw), store.diagnostics(key_id, **kw)
 
     @router.get("/usage")
-    def usage(session_id: str | None = None, run_id: str | None = None, since: str | None = None,
-              by: str | None = None, store=Depends(get_store), key=Depends(authenticate)):
+    def usage(
+        session_id: str | None = None,
+        run_id: str | None = None,
+        since: str | None = None,
+        by: str | None = None,
+        store=Depends(get_store),
+        key=Depends(authenticate),
+    ):
         if by is not None and by not in GROUPINGS:
             return _bad(f"by: {by!r} is not a grouping; use one of {', '.join(GROUPINGS)}")
         try:
@@ -63,8 +74,13 @@ def make_usage_router(get_store: Callable[..., Any], authenticate: Callable[...,
         return build_report(events, by, current_card(), diags, filters, runs).to_dict()
 
     @router.get("/usage/events")
-    def usage_events(session_id: str | None = None, run_id: str | None = None, since: str | None = None,
-                     store=Depends(get_store), key=Depends(authenticate)):
+    def usage_events(
+        session_id: str | None = None,
+        run_id: str | None = None,
+        since: str | None = None,
+        store=Depends(get_store),
+        key=Depends(authenticate),
+    ):
         try:
             events, diags = query(store, key, session_id, run_id, since)
         except ValueError as e:

@@ -12,6 +12,7 @@ Tinker billing, the console) and the SDK's `Usage` use:
 - `fmt_money(x, decimals)` is the fixed-width column form of tables (`0.000005`).
 Invariant: `float(money_text(x)) == money(x)`, and no surface prints an exponent for an amount.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,8 +68,17 @@ class _Encoder(json.JSONEncoder):
 
         enc = json.encoder.encode_basestring_ascii if self.ensure_ascii else json.encoder.encode_basestring
         return json.encoder._make_iterencode(
-            {} if self.check_circular else None, self.default, enc, self.indent, floatstr,
-            self.key_separator, self.item_separator, self.sort_keys, self.skipkeys, _one_shot)(o, 0)
+            {} if self.check_circular else None,
+            self.default,
+            enc,
+            self.indent,
+            floatstr,
+            self.key_separator,
+            self.item_separator,
+            self.sort_keys,
+            self.skipkeys,
+            _one_shot,
+        )(o, 0)
 
 
 def dumps(obj, **kw) -> str:

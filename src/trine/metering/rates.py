@@ -5,9 +5,11 @@ file override them row by row (a row given there replaces the fields it names). 
 is a finite number >= 0; `price(model)` always answers (unknown models get the "default" row).
 `train_loss` tokens are never billed on their own: they are a subset of the computed `train` tokens.
 """
+
 from __future__ import annotations
 
 import math
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -24,8 +26,6 @@ BILLED_PHASES = ("prefill", "prefill_cached", "sample", "train")
 CACHED_FRACTION = 0.2  # prefill_cached = 0.2 x prefill when a row omits it
 _ROW_KEYS = {*BILLED_PHASES, "storage_gb_month", "note"}
 _TOP_KEYS = {"currency", "storage_gb_month", "models"}
-
-
 
 
 def model_key(name: str) -> str:
@@ -52,14 +52,15 @@ class RateCard:
 
     def __init__(self, rows: dict[str, ModelPrices], currency: str = "USD", sources: tuple[str, ...] = ()):
         if DEFAULT_ROW not in rows:
-            raise ValueError(f'a rate card needs a [models.{DEFAULT_ROW}] row for models it does not name')
+            raise ValueError(f"a rate card needs a [models.{DEFAULT_ROW}] row for models it does not name")
         self.rows = rows  # model_key -> prices
         self.currency = currency
         self.sources = sources  # files read, in order
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, home: str | Path | None = None) -> RateCard:
-        """The shipped card, then `<home>/rates.toml` (home defaults to $TRINE_HOME) if it exists, then `path`."""
+        """The shipped card, then `<home>/rates.toml` (home defaults to $TRINE_HOME) if it exists, then
+        `path`."""
         files = [SHIPPED]
         user = Path(home or trine_home()) / "rates.toml"
         if user.is_file():
@@ -82,8 +83,10 @@ class RateCard:
                 raise ValueError(f"rate card {source} is not valid TOML: {e}") from None
             unknown = set(doc) - _TOP_KEYS
             if unknown:
-                raise ValueError(f"rate card {source}: unknown top-level key(s) {sorted(unknown)}; "
-                                 f"allowed: {sorted(_TOP_KEYS)}")
+                raise ValueError(
+                    f"rate card {source}: unknown top-level key(s) {sorted(unknown)}; "
+                    f"allowed: {sorted(_TOP_KEYS)}"
+                )
             currency = doc.get("currency", currency)
             if "storage_gb_month" in doc:
                 storage = _price(doc["storage_gb_month"], f"{source}: storage_gb_month")
@@ -92,8 +95,10 @@ class RateCard:
                     raise ValueError(f'rate card {source}: models."{name}" must be a table of prices')
                 bad = set(row) - _ROW_KEYS
                 if bad:
-                    raise ValueError(f'rate card {source}: models."{name}" has unknown field(s) {sorted(bad)}; '
-                                     f"allowed: {sorted(_ROW_KEYS)}")
+                    raise ValueError(
+                        f'rate card {source}: models."{name}" has unknown field(s) {sorted(bad)}; '
+                        f"allowed: {sorted(_ROW_KEYS)}"
+                    )
                 for k, v in row.items():
                     if k != "note":
                         _price(v, f'{source}: models."{name}".{k}')
@@ -107,11 +112,14 @@ class RateCard:
             if missing:
                 raise ValueError(f'rate card: models."{r["model"]}" needs {missing} (USD per million tokens)')
             rows[key] = ModelPrices(
-                model=r["model"], prefill=float(r["prefill"]),
+                model=r["model"],
+                prefill=float(r["prefill"]),
                 prefill_cached=float(r.get("prefill_cached", CACHED_FRACTION * r["prefill"])),
-                sample=float(r["sample"]), train=float(r["train"]),
+                sample=float(r["sample"]),
+                train=float(r["train"]),
                 storage_gb_month=float(r.get("storage_gb_month", storage if storage is not None else 0.0)),
-                note=str(r.get("note", "")))
+                note=str(r.get("note", "")),
+            )
         return cls(rows, currency, tuple(s for s, _ in texts))
 
     @classmethod
@@ -121,8 +129,10 @@ class RateCard:
         for m in models:
             p = m["pricing"]
             rows[model_key(m["model_id"])] = ModelPrices(
-                m["model_id"], *(_price(p[k], f'{m["model_id"]}.{k}') for k in (*BILLED_PHASES, "storage_gb_month")),
-                note=m.get("description", ""))
+                m["model_id"],
+                *(_price(p[k], f"{m['model_id']}.{k}") for k in (*BILLED_PHASES, "storage_gb_month")),
+                note=m.get("description", ""),
+            )
         return cls(rows, currency)
 
     def price(self, model: str) -> ModelPrices:
@@ -134,9 +144,11 @@ class RateCard:
         row = self.rows.get(model_key(model))
         if row is None:
             names = ", ".join(sorted(p.model for k, p in self.rows.items() if k != DEFAULT_ROW))
-            raise ValueError(f"model {model!r} is not on the rate card ({names}, or `default` for the "
-                             f"default row); add a [models.\"{model}\"] row to $TRINE_HOME/rates.toml or "
-                             "a file passed with --rates")
+            raise ValueError(
+                f"model {model!r} is not on the rate card ({names}, or `default` for the "
+                f'default row); add a [models."{model}"] row to $TRINE_HOME/rates.toml or '
+                "a file passed with --rates"
+            )
         return row
 
     def cost(self, usage, model: str | None = None) -> dict[str, float]:
@@ -154,14 +166,20 @@ class RateCard:
     def pricing(self, model: str) -> dict:
         """The prices that apply to `model`, as a JSON-ready dict (for a models-list item's "pricing")."""
         p = self.price(model)
-        return {"currency": self.currency, "unit": "per_million_tokens",
-                **{k: money(getattr(p, k)) for k in (*BILLED_PHASES, "storage_gb_month")}, "rate_row": p.model}
+        return {
+            "currency": self.currency,
+            "unit": "per_million_tokens",
+            **{k: money(getattr(p, k)) for k in (*BILLED_PHASES, "storage_gb_month")},
+            "rate_row": p.model,
+        }
 
     def as_models_list(self) -> list[dict]:
         """Every row as `{"model_id", "description", "pricing"}`: extra fields a models-list item can carry
         (the PyTRIO client ignores fields it does not know)."""
-        return [{"model_id": p.model, "description": p.note, "pricing": self.pricing(p.model)}
-                for p in self.rows.values()]
+        return [
+            {"model_id": p.model, "description": p.note, "pricing": self.pricing(p.model)}
+            for p in self.rows.values()
+        ]
 
 
 def _price(v, where: str) -> float:

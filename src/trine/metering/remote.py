@@ -1,4 +1,5 @@
 """Read usage, rates and the model list from a running trine server (what `trine usage/models --url` use)."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,12 @@ def get_json(url: str, key: str, path: str, params: dict | None = None, timeout:
     """GET {url}{path} with the API key (sent as X-API-Key and Bearer, like the PyTRIO client)."""
     params = {k: v for k, v in (params or {}).items() if v is not None}
     try:
-        r = httpx.get(url + path, params=params, timeout=timeout,
-                      headers={"X-API-Key": key, "Authorization": f"Bearer {key}"})
+        r = httpx.get(
+            url + path,
+            params=params,
+            timeout=timeout,
+            headers={"X-API-Key": key, "Authorization": f"Bearer {key}"},
+        )
     except httpx.HTTPError as e:
         raise ConnectionError(f"cannot reach the trine server at {url}: {e}") from None
     if r.status_code >= 400:

@@ -7,6 +7,7 @@ base model, so a row mixing models is still priced correctly. Every event is val
 (`UsageEvent.__post_init__`: non-negative counts, loss <= train), and prompt = prefill + prefill_cached
 holds by construction.
 """
+
 from __future__ import annotations
 
 import time as _time
@@ -22,9 +23,9 @@ TIME_FORMATS = {"minute": "%Y-%m-%d %H:%MZ", "hour": "%Y-%m-%d %H:00Z", "day": "
 
 FIXES = {
     "retokenized_history": "build each turn by appending to the sampler's returned tokens; "
-                           "do not re-tokenize the history text",
+    "do not re-tokenize the history text",
     "varying_head": "put fixed content (system prompt, tool definitions) first and varying content "
-                    "(dates, ids, the question) after it",
+    "(dates, ids, the question) after it",
     "split_group": "send one request with num_samples=N instead of N requests of one sample",
 }
 
@@ -86,10 +87,16 @@ class ReportRow:
 
     def to_dict(self) -> dict:
         t = self.tokens
-        out = {"key": self.key, "info": self.info, "requests": self.requests,
-               "tokens": {**t.to_dict(), "prompt": t.prompt},
-               "cost": {k: money(v) for k, v in self.cost.items()}, "cache_hit_rate": t.cache_hit_rate, "loss_fraction": t.loss_fraction,
-               "dominant_phase": self.dominant_phase}
+        out = {
+            "key": self.key,
+            "info": self.info,
+            "requests": self.requests,
+            "tokens": {**t.to_dict(), "prompt": t.prompt},
+            "cost": {k: money(v) for k, v in self.cost.items()},
+            "cache_hit_rate": t.cache_hit_rate,
+            "loss_fraction": t.loss_fraction,
+            "dominant_phase": self.dominant_phase,
+        }
         if self.parts:
             out["parts"] = {k: p.to_dict() for k, p in self.parts.items()}
         return out
@@ -97,8 +104,14 @@ class ReportRow:
     @classmethod
     def from_dict(cls, d: dict) -> ReportRow:
         tok = PhaseTokens(**{f.name: d["tokens"][f.name] for f in fields(PhaseTokens)})
-        return cls(key=d["key"], requests=d["requests"], tokens=tok, cost=dict(d["cost"]), info=d.get("info") or {},
-                   parts={k: cls.from_dict(p) for k, p in (d.get("parts") or {}).items()})
+        return cls(
+            key=d["key"],
+            requests=d["requests"],
+            tokens=tok,
+            cost=dict(d["cost"]),
+            info=d.get("info") or {},
+            parts={k: cls.from_dict(p) for k, p in (d.get("parts") or {}).items()},
+        )
 
 
 @dataclass
@@ -126,19 +139,28 @@ class Report:
     filters: dict = field(default_factory=dict)  # session_id / run_id / since the events were selected by
 
     def to_dict(self) -> dict:
-        return {"by": self.by, "currency": self.currency, "filters": self.filters,
-                "total": self.total.to_dict(), "rows": [r.to_dict() for r in self.rows],
-                "diagnostics": [d.to_dict() for d in self.diagnostics]}
+        return {
+            "by": self.by,
+            "currency": self.currency,
+            "filters": self.filters,
+            "total": self.total.to_dict(),
+            "rows": [r.to_dict() for r in self.rows],
+            "diagnostics": [d.to_dict() for d in self.diagnostics],
+        }
 
     def to_json(self, **kw) -> str:
         return dumps(self.to_dict(), **kw)
 
     @classmethod
     def from_dict(cls, d: dict) -> Report:
-        return cls(by=d["by"], rows=[ReportRow.from_dict(r) for r in d["rows"]],
-                   total=ReportRow.from_dict(d["total"]),
-                   diagnostics=[PatternSummary(**p) for p in d.get("diagnostics", [])],
-                   currency=d.get("currency", "USD"), filters=d.get("filters", {}))
+        return cls(
+            by=d["by"],
+            rows=[ReportRow.from_dict(r) for r in d["rows"]],
+            total=ReportRow.from_dict(d["total"]),
+            diagnostics=[PatternSummary(**p) for p in d.get("diagnostics", [])],
+            currency=d.get("currency", "USD"),
+            filters=d.get("filters", {}),
+        )
 
 
 def group_key(e: UsageEvent, by: str) -> str:
@@ -162,27 +184,52 @@ def describe_runs(store, run_ids) -> dict[str, dict]:
             continue
         tr = store.training_run(rid)
         if tr is not None:
-            out[rid] = {"kind": "training", "name": tr.name or f"training #{tr.run_index}", "tags": tr.tag_list,
-                        "model": tr.base_model, "created_at": tr.created_at,
-                        "lora": {"rank": tr.lora_rank, "train_mlp": tr.train_mlp, "train_attn": tr.train_attn,
-                                 "train_unembed": tr.train_unembed, "seed": tr.seed},
-                        "optimizer": tr.optimizer_settings, "metrics": store.last_metrics(rid)}
+            out[rid] = {
+                "kind": "training",
+                "name": tr.name or f"training #{tr.run_index}",
+                "tags": tr.tag_list,
+                "model": tr.base_model,
+                "created_at": tr.created_at,
+                "lora": {
+                    "rank": tr.lora_rank,
+                    "train_mlp": tr.train_mlp,
+                    "train_attn": tr.train_attn,
+                    "train_unembed": tr.train_unembed,
+                    "seed": tr.seed,
+                },
+                "optimizer": tr.optimizer_settings,
+                "metrics": store.last_metrics(rid),
+            }
             continue
         sr = store.sampling_run(rid)
         if sr is not None:
             ck = store.checkpoint(sr.checkpoint_id) if sr.checkpoint_id else None
-            name = f"sampler of {ck.name}" if ck is not None else ("sampler" if sr.checkpoint_id else "base model")
+            name = (
+                f"sampler of {ck.name}"
+                if ck is not None
+                else ("sampler" if sr.checkpoint_id else "base model")
+            )
             owner = sr.training_run_id or ""
-            out[rid] = {"kind": "sampling", "name": name, "model": sr.base_model, "created_at": sr.created_at,
-                        "training_run_id": owner}
+            out[rid] = {
+                "kind": "sampling",
+                "name": name,
+                "model": sr.base_model,
+                "created_at": sr.created_at,
+                "training_run_id": owner,
+            }
             if owner:
                 pending.append(owner)
     return out
 
 
-def build_report(events: list[UsageEvent], by: str | None = None, rate_card: RateCard | None = None,
-                 diagnostics: list[CacheDiagnostic] = (), filters: dict | None = None,
-                 run_info: dict[str, dict] | None = None) -> Report:
+def build_report(
+    events: list[UsageEvent],
+    by: str | None = None,
+    rate_card: RateCard | None = None,
+    diagnostics: list[CacheDiagnostic] = (),
+    filters: dict | None = None,
+    run_info: dict[str, dict] | None = None,
+) -> Report:
     """Aggregate events into a total and, with `by`, one row per group (sorted by key). By run, a
     sampler attributed to a training run (`run_info[sampler]["training_run_id"]`) counts in that
     run's row, which then has `parts` (training, sampling); rows carry `run_info[run_id]` as info."""
@@ -211,10 +258,17 @@ def build_report(events: list[UsageEvent], by: str | None = None, rate_card: Rat
         if "sampling" in rows[owner].parts:
             rows[owner].parts["sampling"].info = {"runs": len(ids)}
     for r in rows.values():  # a training run without samplers needs no breakdown
-        r.parts = {k: r.parts[k] for k in ("training", "sampling") if k in r.parts} if "sampling" in r.parts else {}
-    return Report(by=by, rows=[rows[k] for k in sorted(rows)], total=total,
-                  diagnostics=summarize_diagnostics(diagnostics, rate_card),
-                  currency=rate_card.currency, filters=filters or {})
+        r.parts = (
+            {k: r.parts[k] for k in ("training", "sampling") if k in r.parts} if "sampling" in r.parts else {}
+        )
+    return Report(
+        by=by,
+        rows=[rows[k] for k in sorted(rows)],
+        total=total,
+        diagnostics=summarize_diagnostics(diagnostics, rate_card),
+        currency=rate_card.currency,
+        filters=filters or {},
+    )
 
 
 def summarize_diagnostics(diags: list[CacheDiagnostic], rate_card: RateCard) -> list[PatternSummary]:
@@ -224,14 +278,19 @@ def summarize_diagnostics(diags: list[CacheDiagnostic], rate_card: RateCard) -> 
         if not ds:
             continue
         lost = sum(d.tokens_lost for d in ds)
-        cost = sum(d.tokens_lost * (rate_card.price(d.base_model).prefill
-                                    - rate_card.price(d.base_model).prefill_cached) / 1e6 for d in ds)
+        cost = sum(
+            d.tokens_lost
+            * (rate_card.price(d.base_model).prefill - rate_card.price(d.base_model).prefill_cached)
+            / 1e6
+            for d in ds
+        )
         pos = Counter(d.diverge_position for d in ds).most_common(1)[0][0]
         out.append(PatternSummary(pattern, len(ds), lost, cost, pos, FIXES[pattern]))
     return out
 
 
 # ---- rendering ---------------------------------------------------------------------------------------
+
 
 def render(report: Report, console=None) -> None:
     """Print the report: a table of tokens by phase per group, cost by phase, then cache diagnostics."""
@@ -251,36 +310,69 @@ def render(report: Report, console=None) -> None:
     for name in ("req", "prefill", "cached", "sample", "train", "loss", "hit"):
         t.add_column(name, justify="right")
     t.add_column(report.currency, justify="right", no_wrap=True)
+
     def add(key, r, labels, **style):
         tk = r.tokens
-        t.add_row(key, *labels, f"{r.requests:,}", f"{tk.prefill:,}", f"{tk.prefill_cached:,}", f"{tk.sample:,}",
-                  f"{tk.train:,}", f"{tk.train_loss:,}", fmt_pct(tk.cache_hit_rate), fmt_money(r.cost["total"]),
-                  **style)
+        t.add_row(
+            key,
+            *labels,
+            f"{r.requests:,}",
+            f"{tk.prefill:,}",
+            f"{tk.prefill_cached:,}",
+            f"{tk.sample:,}",
+            f"{tk.train:,}",
+            f"{tk.train_loss:,}",
+            fmt_pct(tk.cache_hit_rate),
+            fmt_money(r.cost["total"]),
+            **style,
+        )
 
     for r in report.rows + [report.total]:
         i = r.info
-        labels = [i.get("name", ""), i.get("model", ""), fmt_time(i.get("created_at")), fmt_lora(i.get("lora")),
-                  fmt_optimizer(i.get("optimizer")), fmt_metrics(i.get("metrics"))] if by_run else []
+        labels = (
+            [
+                i.get("name", ""),
+                i.get("model", ""),
+                fmt_time(i.get("created_at")),
+                fmt_lora(i.get("lora")),
+                fmt_optimizer(i.get("optimizer")),
+                fmt_metrics(i.get("metrics")),
+            ]
+            if by_run
+            else []
+        )
         last = r is not report.total and r is report.rows[-1]
         add(r.key, r, labels, style="bold" if r is report.total else None, end_section=last and not r.parts)
         for i, (kind, p) in enumerate(r.parts.items()):
             what = f"{p.info.get('runs', 0)} sampler(s)" if kind == "sampling" else "training"
-            add(f"  {'└' if i == len(r.parts) - 1 else '├'} {what}", p, [""] * len(labels), style="dim",
-                end_section=last and i == len(r.parts) - 1)
+            add(
+                f"  {'└' if i == len(r.parts) - 1 else '├'} {what}",
+                p,
+                [""] * len(labels),
+                style="dim",
+                end_section=last and i == len(r.parts) - 1,
+            )
     console.print(t)
     tk, c = report.total.tokens, report.total.cost
-    console.print("cached = prompt tokens served from the prefix cache; hit = cached / prompt; "
-                  f"loss = train positions with non-zero weight ({fmt_pct(tk.loss_fraction)} of train)")
-    parts = [f"{ph} {fmt_money(c[ph])} ({fmt_pct(c[ph] / c['total'] if c['total'] else None)})" for ph in BILLED_PHASES]
+    console.print(
+        "cached = prompt tokens served from the prefix cache; hit = cached / prompt; "
+        f"loss = train positions with non-zero weight ({fmt_pct(tk.loss_fraction)} of train)"
+    )
+    parts = [
+        f"{ph} {fmt_money(c[ph])} ({fmt_pct(c[ph] / c['total'] if c['total'] else None)})"
+        for ph in BILLED_PHASES
+    ]
     console.print(f"cost by phase ({report.currency}): " + " · ".join(parts))
     if report.total.dominant_phase:
         console.print(f"dominant phase: [bold]{report.total.dominant_phase}[/bold]")
     if report.diagnostics:
         console.print("[bold]prefix-cache diagnostics[/bold]")
     for p in report.diagnostics:
-        console.print(f"  [bold]{p.pattern}[/bold]: {p.requests:,} request(s), {p.tokens_lost:,} prompt tokens "
-                      f"prefilled that could have been cached ({report.currency} {fmt_money(p.cost_lost)}); "
-                      f"prompts diverge at token {p.diverge_position}\n    fix: {p.fix}")
+        console.print(
+            f"  [bold]{p.pattern}[/bold]: {p.requests:,} request(s), {p.tokens_lost:,} prompt tokens "
+            f"prefilled that could have been cached ({report.currency} {fmt_money(p.cost_lost)}); "
+            f"prompts diverge at token {p.diverge_position}\n    fix: {p.fix}"
+        )
 
 
 def fmt_lora(lora: dict | None) -> str:
@@ -295,8 +387,10 @@ def fmt_optimizer(opt: dict | None) -> str:
     """The AdamW settings of the last optim_step: `lr 0.0001 b 0.9/0.95 wd 0 clip 0`; "" before any."""
     if not opt:
         return ""
-    return (f"lr {opt['learning_rate']:g} b {opt['beta1']:g}/{opt['beta2']:g} wd {opt['weight_decay']:g} "
-            f"clip {opt['grad_clip_norm']:g}")
+    return (
+        f"lr {opt['learning_rate']:g} b {opt['beta1']:g}/{opt['beta2']:g} wd {opt['weight_decay']:g} "
+        f"clip {opt['grad_clip_norm']:g}"
+    )
 
 
 def fmt_metrics(metrics: dict | None) -> str:

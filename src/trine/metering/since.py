@@ -1,4 +1,5 @@
 """Parse the `--since` / `since=` filter of usage queries into unix seconds."""
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,10 @@ def parse_since(text: str | float | int, now: float | None = None) -> float:
     try:
         dt = datetime.fromisoformat(s.replace("Z", "+00:00"))
     except ValueError:
-        raise ValueError(f"since: {text!r} is not a time; use unix seconds, an age like 2h or 1d, "
-                         "or an ISO date such as 2026-01-05T08:00") from None
+        raise ValueError(
+            f"since: {text!r} is not a time; use unix seconds, an age like 2h or 1d, "
+            "or an ISO date such as 2026-01-05T08:00"
+        ) from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     return dt.timestamp()

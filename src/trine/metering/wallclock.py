@@ -15,6 +15,7 @@ examples) takes about this long; a pipelined loop can take less. Invariants: the
 never made from a measurement of another model, and it says which batch the step time was
 measured at (the nearest one stored when the job's own batch was not measured).
 """
+
 from __future__ import annotations
 
 import json
@@ -56,9 +57,11 @@ def predict(shape, tokens, tp: Throughput) -> WallClock:
     """Seconds by phase of a job (`shape`: a JobShape; `tokens`: its PhaseTokens with the cache)."""
     decode_steps = shape.steps * shape.turns * shape.completion_tokens
     optim_steps = shape.steps if shape.train_passes > 0 else 0
-    s = {"prefill": tokens.prefill / tp.prefill_tokens_per_s,
-         "sample": decode_steps * tp.decode_step_s,
-         "train": tokens.train / tp.train_tokens_per_s + optim_steps * tp.optim_step_s}
+    s = {
+        "prefill": tokens.prefill / tp.prefill_tokens_per_s,
+        "sample": decode_steps * tp.decode_step_s,
+        "train": tokens.train / tp.train_tokens_per_s + optim_steps * tp.optim_step_s,
+    }
     s["total"] = sum(s.values())
     return WallClock(s, tp)
 
@@ -68,7 +71,9 @@ def load(home: Path, model: str, batch: int) -> Throughput | None:
     path = Path(home) / FILE
     if not path.is_file():
         return None
-    entries = [Throughput(**e) for e in json.loads(path.read_text()) if model_key(e["model"]) == model_key(model)]
+    entries = [
+        Throughput(**e) for e in json.loads(path.read_text()) if model_key(e["model"]) == model_key(model)
+    ]
     return min(entries, key=lambda t: (abs(t.batch - batch), -t.measured_at), default=None)
 
 
@@ -97,6 +102,8 @@ def fmt_duration(seconds: float) -> str:
 
 def describe(tp: Throughput) -> str:
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(tp.measured_at))
-    return (f"measured on this machine {when} ({tp.device}, {tp.threads} thread(s)): prefill "
-            f"{tp.prefill_tokens_per_s:,.0f} tokens/s, a decode step of {tp.batch} sequences "
-            f"{1000 * tp.decode_step_s:,.0f} ms, training {tp.train_tokens_per_s:,.0f} tokens/s")
+    return (
+        f"measured on this machine {when} ({tp.device}, {tp.threads} thread(s)): prefill "
+        f"{tp.prefill_tokens_per_s:,.0f} tokens/s, a decode step of {tp.batch} sequences "
+        f"{1000 * tp.decode_step_s:,.0f} ms, training {tp.train_tokens_per_s:,.0f} tokens/s"
+    )

@@ -8,6 +8,7 @@ response's last byte. Authentication records the key's name with `note_key` (the
 dependency and the actor plane's token check both do). `trine serve --quiet` turns the log off by
 raising the logger's level; with no handler configured (tests, embedded servers) nothing prints.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,14 @@ class AccessLog:
             await self.app(scope, receive, send_and_note)
         finally:
             ms = (time.perf_counter() - start) * 1e3
-            log.info("%s %s %d key=%s %.1f ms", scope["method"], scope["path"], status,
-                     scope.get(KEY_NAME, "-"), ms)
+            log.info(
+                "%s %s %d key=%s %.1f ms",
+                scope["method"],
+                scope["path"],
+                status,
+                scope.get(KEY_NAME, "-"),
+                ms,
+            )
 
 
 def configure(quiet: bool) -> None:

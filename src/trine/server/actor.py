@@ -2,6 +2,7 @@
 heartbeats, and sampling (JSON). Shapes follow the official `pytrio` 0.2.9 client
 (docs/architecture.md, "Front ends").
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,6 +46,7 @@ def envelope(svc: Service, rec: EventRecord) -> bytes:
     def model_id(name: str) -> str:
         m = svc.queries.find_model(name)
         return m.model_id if m else name
+
     return event_envelope(rec, EventResult.of(rec), model_id)
 
 
@@ -52,14 +54,25 @@ def envelope(svc: Service, rec: EventRecord) -> bytes:
 async def submit_event(request: Request):
     key, run_id = _caller(request, "training")
     body = await read_body(request, MAX_EVENT_BYTES)
-    env, command, fingerprint, notes = await asyncio.get_running_loop().run_in_executor(None, parse_event, body)
+    env, command, fingerprint, notes = await asyncio.get_running_loop().run_in_executor(
+        None, parse_event, body
+    )
     if env.metadata.run_id and env.metadata.run_id != run_id:
-        raise NotFound(f"training run {env.metadata.run_id} not found (this token is for {run_id})",
-                       code="training_run_not_found")
+        raise NotFound(
+            f"training run {env.metadata.run_id} not found (this token is for {run_id})",
+            code="training_run_not_found",
+        )
     svc = service_of(request)
-    rec = await svc.events.submit(key, run_id, event_id=env.event_id, index=env.metadata.index,
-                                  step=env.metadata.step, command=command, fingerprint=fingerprint,
-                                  notes=notes)
+    rec = await svc.events.submit(
+        key,
+        run_id,
+        event_id=env.event_id,
+        index=env.metadata.index,
+        step=env.metadata.step,
+        command=command,
+        fingerprint=fingerprint,
+        notes=notes,
+    )
     return Response(envelope(svc, rec), status_code=200 if rec.response else 202, media_type=MSGPACK)
 
 
@@ -83,8 +96,9 @@ async def sample(sampling_run_id: str, request: Request):
     key, run_id = _caller(request, "sampling")
     if run_id != sampling_run_id:
         raise NotFound(f"sampling run {sampling_run_id} not found", code="sampling_run_not_found")
-    body = await json_object(request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object",
-                             empty_ok=False)
+    body = await json_object(
+        request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object", empty_ok=False
+    )
     req, shape, fingerprint = parse_sample(body)
     task = asyncio.ensure_future(service_of(request).sampling.sample(key, sampling_run_id, req, fingerprint))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if unawaited

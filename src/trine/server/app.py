@@ -9,6 +9,7 @@ Every error leaves as `{"code", "message"}` with a 4xx status for anything the c
 (`internal_error`) means a bug in trine, and the server keeps serving (the connection too).
 Body limits count the bytes actually read; connection limits are in `connections.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,11 @@ EMBEDDED_KEY_FILE = "embedded.key"
 def body_limit(path: str) -> int:
     """The most bytes a request body to `path` may have (the actor plane checks smaller per-route
     limits itself)."""
-    if (path.startswith("/api/") and path not in tinker.LARGE_BODY_PATHS
-            and not path.startswith(openai.API_PREFIX)):  # these routes check their own limits
+    if (
+        path.startswith("/api/")
+        and path not in tinker.LARGE_BODY_PATHS
+        and not path.startswith(openai.API_PREFIX)
+    ):  # these routes check their own limits
         return MAX_CONTROL_BYTES
     return MAX_BODY_BYTES
 
@@ -68,8 +72,14 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
         finally:
             await service.stop()
 
-    app = FastAPI(title="trine", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
-                  default_response_class=MoneyJSONResponse)  # amounts fixed-point (metering/money.py)
+    app = FastAPI(
+        title="trine",
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+        default_response_class=MoneyJSONResponse,
+    )  # amounts fixed-point (metering/money.py)
     app.state.service = service
     app.state.signer = signer
 
@@ -82,8 +92,11 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
         parts = []
         for err in e.errors()[:3]:
             parts.append(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}")
-        code = "invalid_request_body" if any(err["type"] == "json_invalid" for err in e.errors()) \
+        code = (
+            "invalid_request_body"
+            if any(err["type"] == "json_invalid" for err in e.errors())
             else "validation_failed"
+        )
         return _error(400, code, "; ".join(parts))
 
     @app.exception_handler(StarletteHTTPException)
@@ -99,7 +112,11 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     async def root(request: Request):
         if "text/html" in request.headers.get("accept", ""):  # a browser: the web console
             return RedirectResponse("/console", status_code=307)
-        return {"service": "trine", "models": [m.name for m in service.queries.models()], "console": "/console"}
+        return {
+            "service": "trine",
+            "models": [m.name for m in service.queries.models()],
+            "console": "/console",
+        }
 
     app.add_middleware(AccessLog)  # one INFO line per request on `trine.access`
     app.include_router(control.router)
@@ -180,11 +197,20 @@ class ServerHandle:
         self.stop()
 
 
-def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
-                 cycle_seconds: float = 0.0, routers: tuple[APIRouter, ...] = (),
-                 log_level: str = "warning", startup_timeout: float = 600.0,
-                 max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT,
-                 **service_options) -> ServerHandle:
+def start_server(
+    models,
+    *,
+    home: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    cycle_seconds: float = 0.0,
+    routers: tuple[APIRouter, ...] = (),
+    log_level: str = "warning",
+    startup_timeout: float = 600.0,
+    max_connections: int = MAX_CONNECTIONS,
+    header_timeout: float = HEADER_TIMEOUT,
+    **service_options,
+) -> ServerHandle:
     """Serve `models` in a background thread; returns once the models are loaded and the port is open.
 
     home: the data dir (default `$TRINE_HOME` or ~/.trine). port 0 picks a free port.
@@ -195,13 +221,17 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
     key = embedded_key(service.ownership, home)
     app = create_app(service, TokenSigner(home), routers=routers)
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only when proto says TCP
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
-    server = GuardedServer(uvicorn_config(app, log_level=log_level, max_connections=max_connections,
-                                           header_timeout=header_timeout))
+    server = GuardedServer(
+        uvicorn_config(
+            app, log_level=log_level, max_connections=max_connections, header_timeout=header_timeout
+        )
+    )
     errors: list[BaseException] = []
 
     def run():
@@ -224,11 +254,26 @@ def start_server(models, *, home: str | Path | None = None, host: str = "127.0.0
     return ServerHandle(f"http://{url_host}:{bound}", key, home, service, server, thread)
 
 
-def run_forever(app: FastAPI, host: str, port: int, log_level: str = "info", *,
-                max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT) -> None:
+def run_forever(
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    *,
+    max_connections: int = MAX_CONNECTIONS,
+    header_timeout: float = HEADER_TIMEOUT,
+) -> None:
     """Serve in the foreground (the `trine serve` command) until interrupted."""
-    GuardedServer(uvicorn_config(app, host=host, port=port, log_level=log_level,
-                                  max_connections=max_connections, header_timeout=header_timeout)).run()
+    GuardedServer(
+        uvicorn_config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            max_connections=max_connections,
+            header_timeout=header_timeout,
+        )
+    ).run()
 
 
 __all__ = ["create_app", "start_server", "ServerHandle", "resolve_models", "embedded_key", "run_forever"]

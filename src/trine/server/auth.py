@@ -4,6 +4,7 @@ The signing secret is 32 random bytes in `$TRINE_HOME/secret.key` (mode 0600), c
 so tokens survive a restart and nobody without the data dir can mint one. A token names its API key,
 its subject (a run or a checkpoint) and its kind; it expires after `ttl` seconds.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,26 +40,34 @@ class TokenSigner:
     def issue(self, *, key_id: str, subject: str, kind: str, ttl: float | None = None) -> tuple[str, float]:
         """A token and its expiry (unix seconds)."""
         exp = time.time() + (ttl or self.ttl)
-        token = jwt.encode({"key": key_id, "sub": subject, "kind": kind, "exp": int(exp)},
-                           self._secret, algorithm=ALGORITHM)
+        token = jwt.encode(
+            {"key": key_id, "sub": subject, "kind": kind, "exp": int(exp)}, self._secret, algorithm=ALGORITHM
+        )
         return token, float(int(exp))
 
     def verify(self, token: str | None, kind: str | tuple[str, ...]) -> dict:
         if not token:
-            raise Unauthorized("send the actor token as `Authorization: Bearer <token>` (renew it through "
-                               "the control plane)")
+            raise Unauthorized(
+                "send the actor token as `Authorization: Bearer <token>` (renew it through the control plane)"
+            )
         try:
-            claims = jwt.decode(token, self._secret, algorithms=[ALGORITHM],
-                                options={"require": ["exp", "sub", "key", "kind"]})
+            claims = jwt.decode(
+                token,
+                self._secret,
+                algorithms=[ALGORITHM],
+                options={"require": ["exp", "sub", "key", "kind"]},
+            )
         except jwt.ExpiredSignatureError:
-            raise Unauthorized("the actor token expired; renew it through the control plane",
-                               code="token_expired") from None
+            raise Unauthorized(
+                "the actor token expired; renew it through the control plane", code="token_expired"
+            ) from None
         except jwt.InvalidTokenError:
             raise Unauthorized("the actor token is not valid for this server", code="invalid_token") from None
         kinds = (kind,) if isinstance(kind, str) else kind
         if claims["kind"] not in kinds:
-            raise Unauthorized(f"this token is for a {claims['kind']} endpoint, not this one",
-                               code="invalid_token")
+            raise Unauthorized(
+                f"this token is for a {claims['kind']} endpoint, not this one", code="invalid_token"
+            )
         return claims
 
 

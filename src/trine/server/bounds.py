@@ -4,6 +4,7 @@ Every integer a client sends is checked against the range the server can hold (a
 integer, a torch seed) before anything is queued or stored, so an out-of-range value is a 400
 naming the field, never a 500 or a half-done write. Floats that parametrise computation are finite.
 """
+
 from __future__ import annotations
 
 from typing import Annotated

@@ -4,6 +4,7 @@ A misbehaving client can trigger the same warning thousands of times a second (i
 a request that hits the same bug). `ConditionLog.report(condition, ...)` logs a condition the first
 time it happens and then at most once per `every` seconds, with how many times it happened since.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,9 @@ class ConditionLog:
         self._seen: dict[str, _Seen] = {}
         self._lock = threading.Lock()
 
-    def report(self, condition: str, message: str, *args, level: int = logging.WARNING,
-               exc_info=None) -> bool:
+    def report(
+        self, condition: str, message: str, *args, level: int = logging.WARNING, exc_info=None
+    ) -> bool:
         """Log `message % args` if `condition` is new or was last logged `every` seconds ago.
         Returns whether a line was written."""
         now = time.monotonic()

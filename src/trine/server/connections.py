@@ -18,6 +18,7 @@ finishes its headers, and such connections count against nothing until they do. 
   client sees the answer and not a connection reset;
 - each of these, and asyncio's own accept errors, is logged once per condition (`ConditionLog`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -80,8 +81,11 @@ class GuardedH11Protocol(H11Protocol):
         reg.fresh[self] = None
         super().connection_made(transport)
         if reg.open > reg.cap:
-            conditions.report("connection cap", "more than %d open connections: closing the oldest "
-                              "ones without a request", reg.cap)
+            conditions.report(
+                "connection cap",
+                "more than %d open connections: closing the oldest ones without a request",
+                reg.cap,
+            )
             victim = reg.victim(self)
             victim._close()
             if victim is self:
@@ -136,16 +140,30 @@ class GuardedH11Protocol(H11Protocol):
         """uvicorn's answer to a request h11 cannot parse, as JSON `{code, message}`; then the
         connection drains the client's input before closing (see the module docstring)."""
         if len(self.conn.trailing_data[0]) > DEFAULT_MAX_INCOMPLETE_EVENT_SIZE:
-            status, code, message = 431, "request_header_fields_too_large", (
-                f"headers: the request line and headers exceed {DEFAULT_MAX_INCOMPLETE_EVENT_SIZE} bytes; "
-                "send shorter headers (an API key is a few dozen characters)")
+            status, code, message = (
+                431,
+                "request_header_fields_too_large",
+                (
+                    "headers: the request line and headers exceed "
+                    f"{DEFAULT_MAX_INCOMPLETE_EVENT_SIZE} bytes; "
+                    "send shorter headers (an API key is a few dozen characters)"
+                ),
+            )
         else:
-            status, code, message = 400, "invalid_http_request", (
-                "request line or headers: not valid HTTP/1.1 (check the request line, the header syntax, "
-                "and that Content-Length is a non-negative integer)")
+            status, code, message = (
+                400,
+                "invalid_http_request",
+                (
+                    "request line or headers: not valid HTTP/1.1 (check the request line, the header syntax, "
+                    "and that Content-Length is a non-negative integer)"
+                ),
+            )
         body = json.dumps({"code": code, "message": message}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         self._disarm()
         self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers)))
         self.transport.write(self.conn.send(h11.Data(data=body)))
@@ -167,19 +185,31 @@ class GuardedH11Protocol(H11Protocol):
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None
-        conditions.report("header timeout", "closing connections that send no complete request "
-                          "headers within %.0f s", self.header_timeout)
+        conditions.report(
+            "header timeout",
+            "closing connections that send no complete request headers within %.0f s",
+            self.header_timeout,
+        )
         self._close()
 
 
 def guarded_protocol(max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT) -> type:
     """The protocol class of one server: its own connection registry and limits."""
-    return type("GuardedH11", (GuardedH11Protocol,), {"registry": Connections(max_connections),
-                                                        "header_timeout": header_timeout})
+    return type(
+        "GuardedH11",
+        (GuardedH11Protocol,),
+        {"registry": Connections(max_connections), "header_timeout": header_timeout},
+    )
 
 
-def uvicorn_config(app, *, log_level: str = "warning", max_connections: int = MAX_CONNECTIONS,
-                   header_timeout: float = HEADER_TIMEOUT, **kw) -> uvicorn.Config:
+def uvicorn_config(
+    app,
+    *,
+    log_level: str = "warning",
+    max_connections: int = MAX_CONNECTIONS,
+    header_timeout: float = HEADER_TIMEOUT,
+    **kw,
+) -> uvicorn.Config:
     """The server's uvicorn settings (one worker, no access log, the guarded protocol).
 
     uvicorn's `backlog` is also how many connections asyncio accepts in one loop turn before any of
@@ -188,8 +218,15 @@ def uvicorn_config(app, *, log_level: str = "warning", max_connections: int = MA
     without a request, and the descriptors stay near the cap. `GuardedServer` then widens the
     kernel's queue of connections waiting to be accepted back to `LISTEN_QUEUE`."""
     kw.setdefault("backlog", accept_batch(max_connections))
-    return uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_keep_alive=KEEP_ALIVE_SECONDS,
-                          access_log=False, http=guarded_protocol(max_connections, header_timeout), **kw)
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="on",
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        access_log=False,
+        http=guarded_protocol(max_connections, header_timeout),
+        **kw,
+    )
 
 
 class GuardedServer(uvicorn.Server):
@@ -213,9 +250,17 @@ def accept_batch(max_connections: int) -> int:
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     """Route asyncio's loop errors (e.g. `accept()` failing with EMFILE, once per attempt) through
     the condition log, so a flood writes one line, not one per occurrence."""
+
     def handler(loop, context):
         message = context.get("message", "asyncio error")
         exc = context.get("exception")
-        conditions.report(f"loop {message} {type(exc).__name__ if exc else ''}", "%s: %s", message,
-                          exc or "", level=logging.ERROR, exc_info=exc)
+        conditions.report(
+            f"loop {message} {type(exc).__name__ if exc else ''}",
+            "%s: %s",
+            message,
+            exc or "",
+            level=logging.ERROR,
+            exc_info=exc,
+        )
+
     loop.set_exception_handler(handler)

@@ -4,6 +4,7 @@ and the body (read within a limit, parsed as JSON, validated with pydantic).
 Every route and dependency here is `async`: it runs on the event loop, where every change of
 service state happens (FastAPI would run a plain `def` in a thread pool).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,14 +44,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refusing more than `limit` bytes (413) without reading it all first."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"body: {declared} bytes exceeds the limit of {limit} bytes; split the batch "
-                       "into smaller requests")
+        raise TooLarge(
+            f"body: {declared} bytes exceeds the limit of {limit} bytes; split the batch "
+            "into smaller requests"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise TooLarge(f"body exceeds the limit of {limit} bytes; split the batch into smaller "
-                           "requests")
+            raise TooLarge(f"body exceeds the limit of {limit} bytes; split the batch into smaller requests")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -65,8 +67,9 @@ def parse_json(raw: bytes, empty_ok: bool = True) -> Any:
         raise InvalidRequest("body: not valid JSON", code="invalid_request_body") from None
 
 
-async def json_object(request: Request, limit: int | None = None, what: str = "send a JSON object",
-                      empty_ok: bool = True) -> dict:
+async def json_object(
+    request: Request, limit: int | None = None, what: str = "send a JSON object", empty_ok: bool = True
+) -> dict:
     """The body as a JSON object (an empty body is `{}` when `empty_ok`), read within `limit` bytes
     if given; anything else is a 400 ending with `what`."""
     raw = await (read_body(request, limit) if limit is not None else request.body())

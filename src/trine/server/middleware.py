@@ -9,6 +9,7 @@ Invariants
   keep-alive connection stays open for the client's next request. A RecursionError can only come
   from input nested too deeply to parse: it is a 400.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,13 @@ class BodyLimit:
         limit = self.limit_for(scope["path"])
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            return await send_error(send, 413, "request_too_large", f"body: {int(declared)} bytes exceeds "
-                                    f"the limit of {limit} bytes for {scope['path']}", close=True)
+            return await send_error(
+                send,
+                413,
+                "request_too_large",
+                f"body: {int(declared)} bytes exceeds the limit of {limit} bytes for {scope['path']}",
+                close=True,
+            )
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -53,8 +59,13 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return await send_error(send, 413, "request_too_large", f"body: more than {limit} bytes "
-                                        f"(the limit for {scope['path']})", close=True)
+                return await send_error(
+                    send,
+                    413,
+                    "request_too_large",
+                    f"body: more than {limit} bytes (the limit for {scope['path']})",
+                    close=True,
+                )
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -91,13 +102,27 @@ class InternalErrors:
             await self.app(scope, receive, tracked_send)
         except RecursionError:
             if not started:
-                await send_error(send, 400, "invalid_request_body", "body: nested too deeply to parse; "
-                                 "send a flatter JSON or MessagePack document")
+                await send_error(
+                    send,
+                    400,
+                    "invalid_request_body",
+                    "body: nested too deeply to parse; send a flatter JSON or MessagePack document",
+                )
         except Exception as e:
             template = getattr(scope.get("route"), "path", scope.get("path", ""))  # ids do not split it
             route = f"{scope.get('method', '')} {template}"
-            conditions.report(f"500 {route} {type(e).__name__}", "unhandled error on %s", route,
-                              level=logging.ERROR, exc_info=e)
+            conditions.report(
+                f"500 {route} {type(e).__name__}",
+                "unhandled error on %s",
+                route,
+                level=logging.ERROR,
+                exc_info=e,
+            )
             if not started:
-                await send_error(send, 500, "internal_error", f"an internal error in trine ({type(e).__name__}) "
-                                 "answered this request; the server logged it and keeps serving")
+                await send_error(
+                    send,
+                    500,
+                    "internal_error",
+                    f"an internal error in trine ({type(e).__name__}) "
+                    "answered this request; the server logged it and keeps serving",
+                )

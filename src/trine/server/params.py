@@ -4,6 +4,7 @@ parameters (which Tinker's front end shares).
 Unknown keys are ignored; every error is an InvalidRequest whose message names the field
 (`sampling_params.top_k: ...`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,6 +33,7 @@ class TextChunk(Body):
 
 class ImageChunk(Body):
     """An image or audio (`dmel`) chunk: parsed only to be refused by name."""
+
     type: Literal["image", "image_asset_pointer", "dmel"]
     format: str = ""
 
@@ -41,8 +43,11 @@ class ModelInputBody(Body):
 
     def tokens(self, field: str) -> list[int]:
         if any(isinstance(c, ImageChunk) for c in self.chunks):
-            raise InvalidRequest(f"{field}: image and audio chunks are not supported; the served models are "
-                                 "text-only: send encoded_text chunks (token ids)", code="not_supported")
+            raise InvalidRequest(
+                f"{field}: image and audio chunks are not supported; the served models are "
+                "text-only: send encoded_text chunks (token ids)",
+                code="not_supported",
+            )
         return [t for c in self.chunks for t in c.tokens]
 
 
@@ -73,22 +78,37 @@ def parse_sample(body: dict, *, stop_at_eos: bool = True) -> tuple[SampleRequest
     b = parse_model(SampleBody, body)
     options = sampling_options(b.sampling_params, stop_at_eos=stop_at_eos)
     compute_logprobs = b.return_prompt_logprobs and not b.return_token_logprobs
-    req = SampleRequest(request_id=b.request_id, prompt=b.prompt.tokens("prompt"), options=options,
-                        num_samples=b.num_samples, prompt_logprobs=b.return_prompt_logprobs,
-                        topk_prompt_logprobs=b.topk_prompt_logprobs, generate=not compute_logprobs)
+    req = SampleRequest(
+        request_id=b.request_id,
+        prompt=b.prompt.tokens("prompt"),
+        options=options,
+        num_samples=b.num_samples,
+        prompt_logprobs=b.return_prompt_logprobs,
+        topk_prompt_logprobs=b.topk_prompt_logprobs,
+        generate=not compute_logprobs,
+    )
     fingerprint = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     return req, SampleShape(b.return_text, b.return_token_logprobs), fingerprint
 
 
-def sampling_options(p: SamplingParamsBody, *, stop_at_eos: bool = True, top_logprobs: int = 0) -> SamplingOptions:
+def sampling_options(
+    p: SamplingParamsBody, *, stop_at_eos: bool = True, top_logprobs: int = 0
+) -> SamplingOptions:
     """The engine's sampling options of a `sampling_params` body."""
     if p.top_k != -1 and p.top_k < 1:
         raise InvalidRequest(f"sampling_params.top_k {p.top_k}: use -1 (off) or a positive integer")
     stop = tuple([p.stop] if isinstance(p.stop, str) else p.stop or ())
-    return SamplingOptions(max_tokens=p.max_tokens, temperature=float(p.temperature), top_p=float(p.top_p),
-                           top_k=p.top_k, seed=p.seed, stop_strings=stop,
-                           stop_token_ids=tuple(p.stop_token_ids or ()), stop_at_eos=stop_at_eos,
-                           top_logprobs=top_logprobs)
+    return SamplingOptions(
+        max_tokens=p.max_tokens,
+        temperature=float(p.temperature),
+        top_p=float(p.top_p),
+        top_k=p.top_k,
+        seed=p.seed,
+        stop_strings=stop,
+        stop_token_ids=tuple(p.stop_token_ids or ()),
+        stop_at_eos=stop_at_eos,
+        top_logprobs=top_logprobs,
+    )
 
 
 class _Optim(Body):
@@ -99,5 +119,13 @@ def optim_step(body: dict, prefix: str = "") -> OptimStep:
     """The optim step of `{"adam_params": {...}}` (trine.types.AdamParams: its fields, defaults and
     bounds)."""
     a = parse_model(_Optim, body, prefix).adam_params
-    return OptimStep(AdamConfig(learning_rate=a.learning_rate, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
-                                weight_decay=a.weight_decay, grad_clip_norm=a.grad_clip_norm))
+    return OptimStep(
+        AdamConfig(
+            learning_rate=a.learning_rate,
+            beta1=a.beta1,
+            beta2=a.beta2,
+            eps=a.eps,
+            weight_decay=a.weight_decay,
+            grad_clip_norm=a.grad_clip_norm,
+        )
+    )

@@ -11,6 +11,7 @@
 
 The key comes as `X-API-Key` (or Bearer); another key's run is a 404, as everywhere.
 """
+
 from __future__ import annotations
 
 import csv
@@ -43,8 +44,12 @@ async def log_metrics(run_id: str, request: Request, key: ApiKey = Depends(api_k
 
 
 @router.get("/training-runs/{run_id}/metrics")
-async def get_metrics(run_id: str, request: Request, format: str = Query("json", pattern="^(json|csv)$"),
-                      key: ApiKey = Depends(api_key)):
+async def get_metrics(
+    run_id: str,
+    request: Request,
+    format: str = Query("json", pattern="^(json|csv)$"),
+    key: ApiKey = Depends(api_key),
+):
     columns, rows = metrics_table(service_of(request), key, run_id)
     if format == "json":
         return {"run_id": run_id, "columns": columns, "rows": rows}
@@ -52,8 +57,11 @@ async def get_metrics(run_id: str, request: Request, format: str = Query("json",
     w = csv.writer(out, lineterminator="\n")
     w.writerow(columns)
     w.writerows([["" if v is None else repr(v) if isinstance(v, float) else v for v in row] for row in rows])
-    return Response(out.getvalue(), media_type="text/csv",
-                    headers={"Content-Disposition": f'attachment; filename="{run_id}-metrics.csv"'})
+    return Response(
+        out.getvalue(),
+        media_type="text/csv",
+        headers={"Content-Disposition": f'attachment; filename="{run_id}-metrics.csv"'},
+    )
 
 
 @router.get("/training-runs")

@@ -4,6 +4,7 @@ protocol-neutral results: event envelopes (MessagePack) and sample responses (JS
 The service stores neutral results; these functions run on every read, so a retry or long-poll
 gets the same bytes as the first answer.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,7 @@ class SampleShape:
 def wire_tensor(values, dtype: str = "<f4") -> dict:
     """A PyTRIO WireTensor map: raw little-endian bytes, shape [N] (N >= 1)."""
     arr = np.ascontiguousarray(np.asarray(values, dtype=dtype))
-    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "encoding": "raw_le",
-            "data": arr.tobytes()}
+    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "encoding": "raw_le", "data": arr.tobytes()}
 
 
 def event_envelope(rec: EventRecord, res: EventResult | None, model_id: Callable[[str], str]) -> bytes:
@@ -40,8 +40,13 @@ def event_envelope(rec: EventRecord, res: EventResult | None, model_id: Callable
     if res is None:
         return msgpack.packb(env, use_bin_type=True)
     env["status"] = res.status
-    env["usage"] = {"input_tokens": res.train_tokens, "output_tokens": 0, "train_tokens": res.train_tokens,
-                    "loss_tokens": res.loss_tokens, "cost": money(res.cost)}
+    env["usage"] = {
+        "input_tokens": res.train_tokens,
+        "output_tokens": 0,
+        "train_tokens": res.train_tokens,
+        "loss_tokens": res.loss_tokens,
+        "cost": money(res.cost),
+    }
     env["cycle"] = res.cycle
     if res.error:
         env["error"] = {"code": res.error["code"], "message": res.error["message"]}
@@ -59,13 +64,19 @@ def unshift(values: list[list[float]]) -> list[list[float]]:
 def _event_result(type_: str, res: EventResult, model_id: Callable[[str], str]) -> dict:
     if res.checkpoint is not None:
         ck = res.checkpoint
-        return {"checkpoint": {"uri": ck["uri"], "model_id": model_id(ck["base_model"]),
-                               "size_bytes": ck["size_bytes"], "checkpoint_cuid": ck["checkpoint_id"],
-                               "cuid": ck["checkpoint_id"], "type": ck["kind"]}}
+        return {
+            "checkpoint": {
+                "uri": ck["uri"],
+                "model_id": model_id(ck["base_model"]),
+                "size_bytes": ck["size_bytes"],
+                "checkpoint_cuid": ck["checkpoint_id"],
+                "cuid": ck["checkpoint_id"],
+                "type": ck["kind"],
+            }
+        }
     if res.logprobs is not None:
         logprobs = unshift(res.logprobs) if res.notes.get("auto_shift") else res.logprobs
-        return {"loss_fn_outputs": [{"logprobs": wire_tensor(lp)} for lp in logprobs],
-                "metrics": res.metrics}
+        return {"loss_fn_outputs": [{"logprobs": wire_tensor(lp)} for lp in logprobs], "metrics": res.metrics}
     return {"metrics": res.metrics} if type_ == OPTIMIZE_STEP else {}
 
 
@@ -73,20 +84,38 @@ def sample_response(out: SampleOutcome, shape: SampleShape) -> bytes:
     seqs = []
     for s in out.sequences:
         lps = s.logprobs if shape.return_token_logprobs else []
-        seqs.append({"tokens": s.tokens, "text": s.text if shape.return_text else None,
-                     "logprobs": [_json_float(x) for x in lps], "stop_reason": s.stop_reason})
+        seqs.append(
+            {
+                "tokens": s.tokens,
+                "text": s.text if shape.return_text else None,
+                "logprobs": [_json_float(x) for x in lps],
+                "stop_reason": s.stop_reason,
+            }
+        )
         if s.weights_versions is not None:  # inflight samplers (an extension stock clients ignore)
             seqs[-1]["weights_versions"] = s.weights_versions
     u = out.usage
-    body = {"request_id": out.request_id, "sampling_run": out.sampling_run, "sequences": seqs,
-            "prompt_logprobs": _json_floats(out.prompt_logprobs),
-            "topk_prompt_logprobs": (
-                [None if pos is None else [[int(t), _json_float(lp)] for t, lp in pos]
-                 for pos in out.topk_prompt_logprobs]
-                if out.topk_prompt_logprobs is not None else None),
-            "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["sample_tokens"], **u,
-                      "cost": money(out.cost)},
-            "model": out.model}
+    body = {
+        "request_id": out.request_id,
+        "sampling_run": out.sampling_run,
+        "sequences": seqs,
+        "prompt_logprobs": _json_floats(out.prompt_logprobs),
+        "topk_prompt_logprobs": (
+            [
+                None if pos is None else [[int(t), _json_float(lp)] for t, lp in pos]
+                for pos in out.topk_prompt_logprobs
+            ]
+            if out.topk_prompt_logprobs is not None
+            else None
+        ),
+        "usage": {
+            "input_tokens": u["prompt_tokens"],
+            "output_tokens": u["sample_tokens"],
+            **u,
+            "cost": money(out.cost),
+        },
+        "model": out.model,
+    }
     return dumps(body).encode()
 
 

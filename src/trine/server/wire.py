@@ -1,9 +1,11 @@
-"""PyTRIO actor-plane event bodies (MessagePack) -> engine ops and service commands. Shapes follow the official
+"""PyTRIO actor-plane event bodies (MessagePack) -> engine ops and service commands. Shapes follow the
+official
 `pytrio` 0.2.9 client (docs/architecture.md, "Front ends"); sample bodies are in params.py.
 
 Unknown keys are ignored (the client never sends any); every error becomes an InvalidRequest whose
 message names the field (`payload.data.0.target_ids: ...`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,9 +14,17 @@ from typing import Any, Literal
 import msgpack
 from pydantic import Field
 
-from ..limits import (END_RUN, EVENT_TYPES, FORWARD, FORWARD_BACKWARD, INIT_RUN, OPTIMIZE_STEP, SAVE_STATE,
-                      SAVE_WEIGHTS)
 from ..engine.api import EndRun, Forward, LoRAConfig, Loss, TrainDatum
+from ..limits import (
+    END_RUN,
+    EVENT_TYPES,
+    FORWARD,
+    FORWARD_BACKWARD,
+    INIT_RUN,
+    OPTIMIZE_STEP,
+    SAVE_STATE,
+    SAVE_WEIGHTS,
+)
 from ..service import InitByUri, InvalidRequest, SaveByName, TrainingCommand
 from ..tokens import TokenCounts
 from .bounds import Count, Int64, Positive, Seed, TtlSeconds
@@ -83,7 +93,9 @@ class SavePayload(Body):
     ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
     visibility: str = "WORKSPACE"
-    kind: Literal["snapshot", "inflight"] = "snapshot"  # trine's extension (save_weights); stock clients omit it
+    kind: Literal["snapshot", "inflight"] = (
+        "snapshot"  # trine's extension (save_weights); stock clients omit it
+    )
 
 
 class EndRunPayload(Body):
@@ -95,8 +107,10 @@ def decode_msgpack(body: bytes) -> dict:
     try:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as e:
-        raise InvalidRequest(f"body: not valid MessagePack ({type(e).__name__}); send the event as a "
-                             "MessagePack map", code="invalid_request_body") from None
+        raise InvalidRequest(
+            f"body: not valid MessagePack ({type(e).__name__}); send the event as a MessagePack map",
+            code="invalid_request_body",
+        ) from None
     if not isinstance(obj, dict):
         raise InvalidRequest("body: the event must be a MessagePack map", code="invalid_request_body")
     return obj
@@ -108,11 +122,14 @@ def parse_event(body: bytes) -> tuple[Envelope, TrainingCommand, str, dict]:
     by (`auto_shift`: shapes.unshift undoes the shift on the answer)."""
     env = parse_model(Envelope, decode_msgpack(body))
     if env.type not in EVENT_TYPES:
-        raise InvalidRequest(f"type {env.type!r} is not an event type; use one of "
-                             f"{', '.join(EVENT_TYPES)}")
+        raise InvalidRequest(f"type {env.type!r} is not an event type; use one of {', '.join(EVENT_TYPES)}")
     command = parse_command(env.type, env.payload)
     packed = msgpack.packb([env.type, env.metadata.index, env.metadata.step, env.payload], use_bin_type=True)
-    notes = {"auto_shift": True} if env.type in (FORWARD, FORWARD_BACKWARD) and env.payload.get("auto_shift") else {}
+    notes = (
+        {"auto_shift": True}
+        if env.type in (FORWARD, FORWARD_BACKWARD) and env.payload.get("auto_shift")
+        else {}
+    )
     return env, command, hashlib.sha256(packed).hexdigest(), notes
 
 
@@ -120,31 +137,55 @@ def parse_command(type_: str, payload: dict) -> TrainingCommand:
     if type_ == INIT_RUN:
         p = parse_model(InitRunPayload, payload, "payload")
         c = p.lora_config
-        lora = LoRAConfig(rank=c.rank, seed=c.seed, train_mlp=c.train_mlp, train_attn=c.train_attn,
-                          train_unembed=c.train_unembed)
-        return InitByUri(lora=lora, base_model=p.base_model, checkpoint_uri=p.checkpoint_uri or "",
-                         load_optimizer=p.load_optimizer)
+        lora = LoRAConfig(
+            rank=c.rank,
+            seed=c.seed,
+            train_mlp=c.train_mlp,
+            train_attn=c.train_attn,
+            train_unembed=c.train_unembed,
+        )
+        return InitByUri(
+            lora=lora,
+            base_model=p.base_model,
+            checkpoint_uri=p.checkpoint_uri or "",
+            load_optimizer=p.load_optimizer,
+        )
     if type_ in (FORWARD, FORWARD_BACKWARD):
         p = parse_model(ForwardPayload, payload, "payload")
         ga = p.gradient_accumulation
-        totals = None if ga is None else TokenCounts(ga.total_samples, ga.total_active_tokens,
-                                                      ga.total_advantage_tokens)
+        totals = (
+            None
+            if ga is None
+            else TokenCounts(ga.total_samples, ga.total_active_tokens, ga.total_advantage_tokens)
+        )
         try:
             loss = Loss.parse(p.loss.type, dict(p.loss.config))
         except ValueError as e:
             raise InvalidRequest(f"payload.loss: {e}") from None
-        return Forward(data=[_datum(d, i, p.auto_shift) for i, d in enumerate(p.data)], loss=loss,
-                       backward=type_ == FORWARD_BACKWARD, normalise=True, totals=totals,
-                       totals_field="payload.gradient_accumulation")
+        return Forward(
+            data=[_datum(d, i, p.auto_shift) for i, d in enumerate(p.data)],
+            loss=loss,
+            backward=type_ == FORWARD_BACKWARD,
+            normalise=True,
+            totals=totals,
+            totals_field="payload.gradient_accumulation",
+        )
     if type_ == OPTIMIZE_STEP:
         return optim_step(payload, "payload")
     if type_ in (SAVE_STATE, SAVE_WEIGHTS):
         p = parse_model(SavePayload, payload, "payload")
         if p.kind == "inflight" and type_ == SAVE_STATE:
-            raise InvalidRequest("payload.kind 'inflight' is for save_weights (sampler weights), not save_state")
-        return SaveByName(kind="state" if type_ == SAVE_STATE else "weights", name=p.name,
-                          visibility=p.visibility, ttl_seconds=p.ttl_seconds, overwrite=p.overwrite,
-                          inflight=p.kind == "inflight")
+            raise InvalidRequest(
+                "payload.kind 'inflight' is for save_weights (sampler weights), not save_state"
+            )
+        return SaveByName(
+            kind="state" if type_ == SAVE_STATE else "weights",
+            name=p.name,
+            visibility=p.visibility,
+            ttl_seconds=p.ttl_seconds,
+            overwrite=p.overwrite,
+            inflight=p.kind == "inflight",
+        )
     assert type_ == END_RUN
     return EndRun(parse_model(EndRunPayload, payload, "payload").reason)
 
@@ -153,18 +194,36 @@ def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
     where = f"payload.data.{i}"
     tokens = d.model_input.tokens(f"{where}.model_input")
     n = len(tokens)
-    fields = {"target_ids": d.target_ids, "weights": d.weights, "logprobs": d.logprobs,
-              "advantages": d.advantages, "sequence_ratio_mask": d.sequence_ratio_mask}
+    fields = {
+        "target_ids": d.target_ids,
+        "weights": d.weights,
+        "logprobs": d.logprobs,
+        "advantages": d.advantages,
+        "sequence_ratio_mask": d.sequence_ratio_mask,
+    }
     for name, values in fields.items():
         if values is not None and len(values) != n:
-            raise InvalidRequest(f"{where}.{name} has {len(values)} values; model_input has {n} tokens "
-                                 "and every per-token field needs exactly one value per token")
-    targets, weights, logprobs, advantages, ratio_mask = (d.target_ids, d.weights, d.logprobs,
-                                                          d.advantages, d.sequence_ratio_mask)
+            raise InvalidRequest(
+                f"{where}.{name} has {len(values)} values; model_input has {n} tokens "
+                "and every per-token field needs exactly one value per token"
+            )
+    targets, weights, logprobs, advantages, ratio_mask = (
+        d.target_ids,
+        d.weights,
+        d.logprobs,
+        d.advantages,
+        d.sequence_ratio_mask,
+    )
     if auto_shift:  # wire targets are labels of their own position: score target j from j-1
         targets = list(targets[1:]) + [-100]
         weights, logprobs, advantages, ratio_mask = (
-            None if v is None else list(v[1:]) + [0.0]
-            for v in (weights, logprobs, advantages, ratio_mask))
-    return TrainDatum(tokens=tokens, target_tokens=list(targets), weights=weights, logprobs=logprobs,
-                      advantages=advantages, sequence_ratio_mask=ratio_mask)
+            None if v is None else list(v[1:]) + [0.0] for v in (weights, logprobs, advantages, ratio_mask)
+        )
+    return TrainDatum(
+        tokens=tokens,
+        target_tokens=list(targets),
+        weights=weights,
+        logprobs=logprobs,
+        advantages=advantages,
+        sequence_ratio_mask=ratio_mask,
+    )

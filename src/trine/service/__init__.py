@@ -8,15 +8,50 @@ from .errors import Conflict, InvalidRequest, NotFound, ServiceError, TooLarge, 
 from .models import Replica, ServedModel
 from .results import EventResult, SampleOutcome
 from .tokenizers import ModelTokenizer
-from .views import (ApiKey, Checkpoint, CycleView, EventRecord, ModelView, ReplicaStats, SamplingRun, Session,
-                    SessionView, TrainingRun)
+from .views import (
+    ApiKey,
+    Checkpoint,
+    CycleView,
+    EventRecord,
+    ModelView,
+    ReplicaStats,
+    SamplingRun,
+    Session,
+    SessionView,
+    TrainingRun,
+)
 
-__all__ = ["Service", "ServedModel", "Replica",
-           # commands
-           "TrainingRunSpec", "SamplingRunSpec", "RunLabels", "InitByUri", "SaveByName", "TrainingCommand",
-           # results and views
-           "EventResult", "SampleOutcome", "ModelTokenizer", "ModelView",
-           "SessionView", "CycleView", "ReplicaStats", "ApiKey", "Checkpoint", "EventRecord", "SamplingRun",
-           "Session", "TrainingRun",
-           # errors
-           "ServiceError", "InvalidRequest", "NotFound", "Conflict", "Unauthorized", "TooLarge", "TooManyRequests"]
+__all__ = [
+    "Service",
+    "ServedModel",
+    "Replica",
+    # commands
+    "TrainingRunSpec",
+    "SamplingRunSpec",
+    "RunLabels",
+    "InitByUri",
+    "SaveByName",
+    "TrainingCommand",
+    # results and views
+    "EventResult",
+    "SampleOutcome",
+    "ModelTokenizer",
+    "ModelView",
+    "SessionView",
+    "CycleView",
+    "ReplicaStats",
+    "ApiKey",
+    "Checkpoint",
+    "EventRecord",
+    "SamplingRun",
+    "Session",
+    "TrainingRun",
+    # errors
+    "ServiceError",
+    "InvalidRequest",
+    "NotFound",
+    "Conflict",
+    "Unauthorized",
+    "TooLarge",
+    "TooManyRequests",
+]

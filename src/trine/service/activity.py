@@ -1,4 +1,5 @@
 """When each training run last showed life (an event or a heartbeat), for idle collection (gc.py)."""
+
 from __future__ import annotations
 
 import time

@@ -11,14 +11,14 @@ Invariants
 - An evicted in-memory snapshot is on disk (and its record has a path) before any later request
   for it is served, or its waiters see it gone (`checkpoint_unavailable`).
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 
+from ..engine.api import EngineLost, LoRAConfig
 from ..engine.trainer.checkpoint import by_uri
-from ..engine.api import EngineLost
-from ..engine.api import LoRAConfig
 from ..store import Checkpoint, Store
 from .errors import Conflict
 from .models import Replica
@@ -47,15 +47,19 @@ class AdapterCache:
         self._spawn(self._evict(rep, checkpoint_id, fut, spill))
 
     def holders(self, replicas: list[Replica], checkpoint_id: str) -> list[Replica]:
-        return [r for r in replicas if r.alive and (checkpoint_id in r.adapters or checkpoint_id in r.loading)]
+        return [
+            r for r in replicas if r.alive and (checkpoint_id in r.adapters or checkpoint_id in r.loading)
+        ]
 
     def forget(self, replicas: list[Replica], checkpoint_id: str) -> None:
         """The checkpoint was deleted: free its weights everywhere (no spill). Callable from any
         thread (a sync endpoint); the cache itself changes only on the event loop."""
+
         def forget():
             for rep in replicas:
                 if checkpoint_id in rep.adapters:
                     self._start_eviction(rep, checkpoint_id, spill=False)
+
         self._on_loop(forget)
 
     async def ensure(self, rep: Replica, checkpoint_id: str) -> None:
@@ -67,9 +71,11 @@ class AdapterCache:
             return
         ck = self.store.checkpoint(checkpoint_id)
         if ck is None or not ck.path:
-            raise Conflict("the checkpoint behind this sampler is gone (expired, deleted, or a temporary "
-                           "snapshot lost in a server restart); create a sampler from a saved checkpoint",
-                           code="checkpoint_unavailable")
+            raise Conflict(
+                "the checkpoint behind this sampler is gone (expired, deleted, or a temporary "
+                "snapshot lost in a server restart); create a sampler from a saved checkpoint",
+                code="checkpoint_unavailable",
+            )
         fut = rep.loading[checkpoint_id] = asyncio.get_running_loop().create_future()
         try:
             await rep.engine.load_adapter(checkpoint_id, ck.path)
@@ -78,8 +84,10 @@ class AdapterCache:
             raise
         except Exception as e:
             fut.set_result(False)
-            raise Conflict(f"checkpoint {ck.uri} could not be loaded: {by_uri(str(e), ck.path, ck.uri)}",
-                           code="checkpoint_invalid") from None
+            raise Conflict(
+                f"checkpoint {ck.uri} could not be loaded: {by_uri(str(e), ck.path, ck.uri)}",
+                code="checkpoint_invalid",
+            ) from None
         finally:
             rep.loading.pop(checkpoint_id, None)
         fut.set_result(True)
@@ -107,8 +115,13 @@ class AdapterCache:
 
     async def _spill(self, rep: Replica, ck: Checkpoint) -> None:
         path = str(self.store.checkpoint_dir / ck.api_key_id / ck.training_run_id / "weights" / ck.name)
-        lora = LoRAConfig(rank=ck.lora_rank, train_attn=ck.train_attn, train_mlp=ck.train_mlp,
-                          train_unembed=ck.train_unembed, seed=ck.seed or 0)
+        lora = LoRAConfig(
+            rank=ck.lora_rank,
+            train_attn=ck.train_attn,
+            train_mlp=ck.train_mlp,
+            train_unembed=ck.train_unembed,
+            seed=ck.seed or 0,
+        )
         try:
             size = await rep.engine.spill_adapter(ck.id, lora, path)
         except Exception as e:

@@ -8,6 +8,7 @@ Download archives live apart from the checkpoint directories, named by checkpoin
 (`$TRINE_HOME/archives/<id>.tar`): an overwrite creates a new checkpoint id, so a download never
 serves the old weights, and no checkpoint name (`w` and `w.tar`) can collide with an archive.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,15 +29,23 @@ from .ownership import Ownership
 
 
 class Checkpoints:
-    def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
-                 adapters: AdapterCache):
+    def __init__(
+        self, store: Store, ownership: Ownership, models: dict[str, ServedModel], adapters: AdapterCache
+    ):
         self.store = store
         self.ownership = ownership
         self.models = models
         self.adapters = adapters
 
-    def record_saved(self, m: ServedModel, run: TrainingRun, save: commands.SaveByName, op: Save,
-                     size_bytes: int, inflight_version: int = 0) -> Checkpoint:
+    def record_saved(
+        self,
+        m: ServedModel,
+        run: TrainingRun,
+        save: commands.SaveByName,
+        op: Save,
+        size_bytes: int,
+        inflight_version: int = 0,
+    ) -> Checkpoint:
         """The record of a save that just succeeded (replacing an overwritten one): `save` as the
         client asked it, `op` where it went; an inflight save's target version."""
         old = self.store.checkpoint_by_uri(op.uri)
@@ -45,21 +54,42 @@ class Checkpoints:
             self.adapters.forget(m.replicas, old.id)
             self._unlink_archives(old.id)
         now = time.time()
-        ttl = save.ttl_seconds or (TEMPORARY_CHECKPOINT_TTL_SECONDS if save.visibility == "TEMPORARY" else None)
-        ck = Checkpoint(op.checkpoint_id, run.api_key_id, run.id, save.name,
-                        "TRAINING" if op.kind == "state" else "SAMPLER", op.uri, op.path,
-                        size_bytes, save.visibility, m.name, run.lora_rank, run.train_mlp,
-                        run.train_attn, run.train_unembed, run.seed, self.training_step(run), now,
-                        now + ttl if ttl else None, inflight_version=inflight_version)
+        ttl = save.ttl_seconds or (
+            TEMPORARY_CHECKPOINT_TTL_SECONDS if save.visibility == "TEMPORARY" else None
+        )
+        ck = Checkpoint(
+            op.checkpoint_id,
+            run.api_key_id,
+            run.id,
+            save.name,
+            "TRAINING" if op.kind == "state" else "SAMPLER",
+            op.uri,
+            op.path,
+            size_bytes,
+            save.visibility,
+            m.name,
+            run.lora_rank,
+            run.train_mlp,
+            run.train_attn,
+            run.train_unembed,
+            run.seed,
+            self.training_step(run),
+            now,
+            now + ttl if ttl else None,
+            inflight_version=inflight_version,
+        )
         self.store.add_checkpoint(ck)
         return ck
 
     def training_step(self, run: TrainingRun) -> int:
         """The run's training step: the optim steps it has completed, counted from the step of the
         checkpoint it was restored from (so a resumed run goes on numbering where its source stopped)."""
-        source = self.store.checkpoint_by_uri(run.source_checkpoint_uri) if run.source_checkpoint_uri else None
-        return (source.step if source is not None else 0) + self.store.count_events(run.id, OPTIMIZE_STEP,
-                                                                                   "succeeded")
+        source = (
+            self.store.checkpoint_by_uri(run.source_checkpoint_uri) if run.source_checkpoint_uri else None
+        )
+        return (source.step if source is not None else 0) + self.store.count_events(
+            run.id, OPTIMIZE_STEP, "succeeded"
+        )
 
     def forget(self, ck: Checkpoint) -> None:
         """Delete the record, the weights held by any replica, and the files."""
@@ -95,11 +125,15 @@ class Checkpoints:
         """Publish (every key may sample, restore and download it) or unpublish a checkpoint."""
         ck = self.ownership.checkpoint(key, checkpoint_id)
         if bool(ck.public) == public:
-            raise Conflict(f"checkpoint {ck.uri} is already {'public' if public else 'private'}",
-                           code="checkpoint_already_public" if public else "checkpoint_not_public")
+            raise Conflict(
+                f"checkpoint {ck.uri} is already {'public' if public else 'private'}",
+                code="checkpoint_already_public" if public else "checkpoint_not_public",
+            )
         if public and not ck.path:
-            raise InvalidRequest(f"checkpoint {ck.uri} is a temporary snapshot held in memory; publish a "
-                                 "named save", code="checkpoint_invalid_type")
+            raise InvalidRequest(
+                f"checkpoint {ck.uri} is a temporary snapshot held in memory; publish a named save",
+                code="checkpoint_invalid_type",
+            )
         self.store.update_checkpoint(ck.id, public=public)
         return self.store.checkpoint(ck.id)
 
@@ -115,8 +149,10 @@ class Checkpoints:
         """A tar file of the checkpoint directory (built once, atomically), for downloads: its files
         under one directory named after the checkpoint, or (`flat`) at the top of the archive."""
         if not ck.path or not Path(ck.path).is_dir():
-            raise Conflict(f"checkpoint {ck.uri} has no files to download (a temporary snapshot held in "
-                           "memory)", code="checkpoint_not_downloadable")
+            raise Conflict(
+                f"checkpoint {ck.uri} has no files to download (a temporary snapshot held in memory)",
+                code="checkpoint_not_downloadable",
+            )
         tar = self.archive_path(ck.id, flat)
         if not tar.is_file():
             await asyncio.get_running_loop().run_in_executor(None, _write_tar, Path(ck.path), tar, flat)

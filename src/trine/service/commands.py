@@ -15,7 +15,7 @@ is defined here only where its meaning differs from the engine's:
 
 Field names are the engine's; a front end maps its protocol's names onto them (and names its wire
 fields in the errors it raises itself).
-"""
+"""  # noqa: E501  (a table)
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ cycles), quotas.py (per-key limits), idempotency.py (one request id, one piece o
 Runs on the asyncio loop; the engines (one per replica) are reached only through
 `engine.interface.Engine`, and only from the service.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,14 +62,27 @@ EngineFactory = Callable[[str, Path], list[Engine]]  # (model name, dir) -> its 
 
 
 class Service:
-    def __init__(self, store: Store, models: dict[str, str | Path], *, cycle_seconds: float = 0.0,
-                 gather_seconds: float = 0.02, device: str | None = None,
-                 num_threads: int | None = None, sampler_options: dict | None = None,
-                 trainer_options: dict | None = None, max_adapters: int = 32,
-                 run_idle_seconds: float = 3600.0, gc_interval: float = 60.0,
-                 rate_card: RateCard | None = None, engines: EngineFactory | None = None,
-                 router: Router | None = None, key_limits: KeyLimits | None = None,
-                 dtype: str | None = None, batch_invariant: bool = False):
+    def __init__(
+        self,
+        store: Store,
+        models: dict[str, str | Path],
+        *,
+        cycle_seconds: float = 0.0,
+        gather_seconds: float = 0.02,
+        device: str | None = None,
+        num_threads: int | None = None,
+        sampler_options: dict | None = None,
+        trainer_options: dict | None = None,
+        max_adapters: int = 32,
+        run_idle_seconds: float = 3600.0,
+        gc_interval: float = 60.0,
+        rate_card: RateCard | None = None,
+        engines: EngineFactory | None = None,
+        router: Router | None = None,
+        key_limits: KeyLimits | None = None,
+        dtype: str | None = None,
+        batch_invariant: bool = False,
+    ):
         if not models:
             raise ValueError("models: serve at least one base model")
         self.store = store
@@ -79,9 +93,19 @@ class Service:
             from ..engine.runtime.local import LocalEngine
 
             def engines(name: str, path: Path) -> list[Engine]:
-                return [LocalEngine(name, path, device=device, num_threads=num_threads,
-                                    sampler_options=sampler_options, trainer_options=trainer_options,
-                                    dtype=dtype, batch_invariant=batch_invariant)]
+                return [
+                    LocalEngine(
+                        name,
+                        path,
+                        device=device,
+                        num_threads=num_threads,
+                        sampler_options=sampler_options,
+                        trainer_options=trainer_options,
+                        dtype=dtype,
+                        batch_invariant=batch_invariant,
+                    )
+                ]
+
         self.models: dict[str, ServedModel] = {}
         for name, path in models.items():
             path = Path(path).resolve()
@@ -99,17 +123,44 @@ class Service:
         self.checkpoints = Checkpoints(store, self.ownership, self.models, self.adapters)
         self.quotas = KeyQuotas(store, self.models, key_limits)
         self.inflight = Inflight(store, self.adapters, self._spawn)
-        self.events = Events(store, self.ownership, self.models, self.checkpoints, self.activity,
-                             self.rate_card, self._replica_lost, self.quotas, self.inflight)
+        self.events = Events(
+            store,
+            self.ownership,
+            self.models,
+            self.checkpoints,
+            self.activity,
+            self.rate_card,
+            self._replica_lost,
+            self.quotas,
+            self.inflight,
+        )
         self.faults = Faults(store, self.events)
-        self.runs = Runs(store, self.ownership, self.models, self.checkpoints, self.activity,
-                         self.events, self.quotas, self.inflight)
-        self.sampling = Sampling(store, self.ownership, self.models, self.adapters, self.rate_card,
-                                 self._spawn, self._replica_lost, router or Router(), inflight=self.inflight)
+        self.runs = Runs(
+            store,
+            self.ownership,
+            self.models,
+            self.checkpoints,
+            self.activity,
+            self.events,
+            self.quotas,
+            self.inflight,
+        )
+        self.sampling = Sampling(
+            store,
+            self.ownership,
+            self.models,
+            self.adapters,
+            self.rate_card,
+            self._spawn,
+            self._replica_lost,
+            router or Router(),
+            inflight=self.inflight,
+        )
         self.queries = Queries(store, self.ownership, self.models)
         self.metrics = Metrics(store, self.ownership)
-        self.gc = GarbageCollector(store, self.models, self.checkpoints, self.runs, self.events,
-                                   self.activity, run_idle_seconds)
+        self.gc = GarbageCollector(
+            store, self.models, self.checkpoints, self.runs, self.events, self.activity, run_idle_seconds
+        )
         # the calls embedders and tests reach for first
         self.authenticate = self.ownership.authenticate
         self.usage_events = self.queries.usage_events
@@ -133,8 +184,12 @@ class Service:
             m.info = infos[0]
             m.tokenizer = await self.loop.run_in_executor(None, ModelTokenizer, m.name, m.dir)
             for rep in m.replicas:
-                rep.scheduler = ClockScheduler(self.events.executor(m, rep), cycle_seconds=self.cycle_seconds,
-                                               gather_seconds=self.gather_seconds, first_cycle=first_cycle)
+                rep.scheduler = ClockScheduler(
+                    self.events.executor(m, rep),
+                    cycle_seconds=self.cycle_seconds,
+                    gather_seconds=self.gather_seconds,
+                    first_cycle=first_cycle,
+                )
                 rep.scheduler.start()
                 self._spawn(self.faults.watch(m, rep))
         self._gc_task = self.loop.create_task(self.gc.loop(self.gc_interval))

@@ -3,6 +3,7 @@
 They subclass ValueError (bad input is a ValueError throughout trine). The server turns them into
 `{"code", "message"}` bodies; a failed event carries the same pair.
 """
+
 from __future__ import annotations
 
 
@@ -41,4 +42,3 @@ class TooLarge(ServiceError):
 
 class TooManyRequests(ServiceError):
     status, code = 429, "too_many_requests"
-

@@ -19,6 +19,7 @@ Invariants
 - Usage is metered once per succeeded forward / forward_backward / optim_step, when it settles.
 - An event whose engine replica is lost fails at once with `worker_lost`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,15 @@ from dataclasses import dataclass, field
 from ..engine import api
 from ..engine.api import CycleEvent, EngineLost, EventOutcome, Forward, Op, RunShare, Save, TrainingCycle
 from ..engine.prepare import prepare_forward
-from ..limits import (CHECKPOINT_VISIBILITIES, FORWARD, FORWARD_BACKWARD, OPTIMIZE_STEP,
-                      check_checkpoint_name, check_lora_rank, check_ttl_seconds)
+from ..limits import (
+    CHECKPOINT_VISIBILITIES,
+    FORWARD,
+    FORWARD_BACKWARD,
+    OPTIMIZE_STEP,
+    check_checkpoint_name,
+    check_lora_rank,
+    check_ttl_seconds,
+)
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
 from ..store import ApiKey, EventRecord, Store, TrainingRun
@@ -67,9 +75,18 @@ class LiveEvent:
 
 
 class Events:
-    def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
-                 checkpoints: Checkpoints, activity: Activity, rate_card: RateCard, on_lost,
-                 quotas: "KeyQuotas | None" = None, inflight: "Inflight | None" = None):
+    def __init__(
+        self,
+        store: Store,
+        ownership: Ownership,
+        models: dict[str, ServedModel],
+        checkpoints: Checkpoints,
+        activity: Activity,
+        rate_card: RateCard,
+        on_lost,
+        quotas: "KeyQuotas | None" = None,
+        inflight: "Inflight | None" = None,
+    ):
         self.quotas = quotas  # per-key limits on queued work
         self.inflight = inflight  # inflight saves move their run's target (inflight.py)
         self.store = store
@@ -80,13 +97,23 @@ class Events:
         self.rate_card = rate_card
         self.on_lost = on_lost  # (model, replica, reason): a replica died (faults.py)
         self.live: dict[str, LiveEvent] = {}
-        self._accepting = SingleFlight(what=lambda event_id: f"event_id {event_id.split('~', 1)[0]}",
-                                       code="event_id_reused")  # stored event id -> its acceptance
+        self._accepting = SingleFlight(
+            what=lambda event_id: f"event_id {event_id.split('~', 1)[0]}", code="event_id_reused"
+        )  # stored event id -> its acceptance
 
     # ------------------------------------------------------------------ accepting
-    async def submit(self, key: ApiKey, run_id: str, *, event_id: str, index: int, step: int,
-                     command: commands.TrainingCommand, fingerprint: str = "",
-                     notes: dict | None = None) -> EventRecord:
+    async def submit(
+        self,
+        key: ApiKey,
+        run_id: str,
+        *,
+        event_id: str,
+        index: int,
+        step: int,
+        command: commands.TrainingCommand,
+        fingerprint: str = "",
+        notes: dict | None = None,
+    ) -> EventRecord:
         """Accept `command` as event `index` of the run (or return the state of the event already
         accepted under `event_id`).
 
@@ -99,8 +126,11 @@ class Events:
             self.ownership.event(key, run_id, known)
             self._accepting.check(stored_id, known.fingerprint, fingerprint)
             return known
-        return await self._accepting.run(stored_id, fingerprint, lambda: self._accept(
-            key, run_id, stored_id, index, step, command, fingerprint, notes or {}))
+        return await self._accepting.run(
+            stored_id,
+            fingerprint,
+            lambda: self._accept(key, run_id, stored_id, index, step, command, fingerprint, notes or {}),
+        )
 
     def _stored_id(self, run_id: str, event_id: str) -> str:
         """`event_id`, or `event_id~run_id` when another run used that id first."""
@@ -109,8 +139,17 @@ class Events:
             return event_id
         return f"{event_id}~{run_id}"
 
-    async def _accept(self, key: ApiKey, run_id: str, event_id: str, index: int, step: int,
-                      command: commands.TrainingCommand, fingerprint: str, notes: dict) -> EventRecord:
+    async def _accept(
+        self,
+        key: ApiKey,
+        run_id: str,
+        event_id: str,
+        index: int,
+        step: int,
+        command: commands.TrainingCommand,
+        fingerprint: str,
+        notes: dict,
+    ) -> EventRecord:
         r = self.ownership.active_run(key, run_id)
         m = self.models[r.base_model]
         if isinstance(command, Forward):
@@ -124,8 +163,9 @@ class Events:
         type_ = api.event_type(command)
         pend = Pending(event_id, run_id, index, type_, op)
         now = time.time()
-        rec = EventRecord(event_id, run_id, key.id, index, type_, step, "accepted", now, now,
-                          fingerprint=fingerprint)
+        rec = EventRecord(
+            event_id, run_id, key.id, index, type_, step, "accepted", now, now, fingerprint=fingerprint
+        )
         self.store.add_event(rec)  # stored first: a failed write leaves nothing queued
         try:
             rep.scheduler.queue(run_id, tenant=key.id).add(pend)
@@ -144,8 +184,12 @@ class Events:
     def _op(self, key: ApiKey, r: TrainingRun, m: ServedModel, command: commands.TrainingCommand) -> Op:
         """Check a (non-forward) command against the run and the model; its engine op."""
         if isinstance(command, commands.InitByUri):
-            return api.InitRun(lora=command.lora, checkpoint_path=self._init_checkpoint(key, m, command),
-                               load_optimizer=command.load_optimizer, checkpoint_uri=command.checkpoint_uri)
+            return api.InitRun(
+                lora=command.lora,
+                checkpoint_path=self._init_checkpoint(key, m, command),
+                load_optimizer=command.load_optimizer,
+                checkpoint_uri=command.checkpoint_uri,
+            )
         if isinstance(command, commands.SaveByName):
             return self._save_target(key, r, command)
         return command
@@ -159,8 +203,9 @@ class Events:
             return ""
         ck = self.ownership.restorable(key, c.checkpoint_uri, c.load_optimizer)
         if resolve_model(self.models, ck.base_model) is not m:
-            raise InvalidRequest(f"checkpoint {c.checkpoint_uri} was trained on {ck.base_model}, the run uses "
-                                 f"{m.name}")
+            raise InvalidRequest(
+                f"checkpoint {c.checkpoint_uri} was trained on {ck.base_model}, the run uses {m.name}"
+            )
         return ck.path
 
     def _save_target(self, key: ApiKey, r: TrainingRun, c: commands.SaveByName) -> Save:
@@ -174,16 +219,21 @@ class Events:
         uri = f"trio://{r.id}/{part}/{c.name}"
         existing = self.store.checkpoint_by_uri(uri)
         if (existing is not None or uri in self._reserved_uris()) and not c.overwrite:
-            raise Conflict(f"checkpoint {uri} already exists; pick another name or save with "
-                           "overwrite=True", code="checkpoint_exists")
+            raise Conflict(
+                f"checkpoint {uri} already exists; pick another name or save with overwrite=True",
+                code="checkpoint_exists",
+            )
         path = ""
         if c.kind == "state" or c.visibility == "WORKSPACE":
             path = str(self.store.checkpoint_dir / key.id / r.id / part / c.name)
         return Save(kind=c.kind, checkpoint_id=new_id("ck"), path=path, uri=uri, inflight=c.inflight)
 
     def _reserved_uris(self) -> set[str]:
-        return {live.pending.op.uri for live in self.live.values()
-                if isinstance(live.pending.op, Save) and not live.done.is_set()}
+        return {
+            live.pending.op.uri
+            for live in self.live.values()
+            if isinstance(live.pending.op, Save) and not live.done.is_set()
+        }
 
     # ------------------------------------------------------------------ reading
     async def event(self, key: ApiKey, run_id: str, event_id: str, wait: float = 0.0) -> EventRecord:
@@ -207,9 +257,13 @@ class Events:
 
     def queued_tokens(self, api_key_id: str) -> int:
         """Tokens of the key's forward events accepted and not yet running."""
-        return sum(live.pending.op.tokens for live in self.live.values()
-                   if live.record.api_key_id == api_key_id and live.record.status == "accepted"
-                   and isinstance(live.pending.op, Forward))
+        return sum(
+            live.pending.op.tokens
+            for live in self.live.values()
+            if live.record.api_key_id == api_key_id
+            and live.record.status == "accepted"
+            and isinstance(live.pending.op, Forward)
+        )
 
     def busy(self, run_id: str) -> bool:
         return any(live.record.run_id == run_id for live in self.live.values())
@@ -217,6 +271,7 @@ class Events:
     # ------------------------------------------------------------------ executing
     def executor(self, m: ServedModel, rep: Replica):
         """The scheduler's `execute` for one replica: run the plan there, settle every event."""
+
         async def execute(plan: CyclePlan) -> None:
             cycle = TrainingCycle(plan.number, {})
             for run_id, evs in plan.runs.items():
@@ -229,8 +284,12 @@ class Events:
                 outcomes = (await rep.engine.run_cycle(cycle)).outcomes
             except EngineLost as e:
                 self.on_lost(m, rep, str(e))  # fails this plan's events and the rest of the replica's
-                outcomes = _all_failed(plan, "worker_lost", f"the engine replica running this event was "
-                                       f"lost ({e}); restore the run from a saved state and send it again")
+                outcomes = _all_failed(
+                    plan,
+                    "worker_lost",
+                    f"the engine replica running this event was "
+                    f"lost ({e}); restore the run from a saved state and send it again",
+                )
             except Exception as e:  # the worker died or stopped
                 outcomes = _all_failed(plan, "internal_error", f"engine failure: {e}")
             for run_id, evs in plan.runs.items():
@@ -240,31 +299,51 @@ class Events:
                         self.settle(m, live, outcomes[ev.event_id], plan.number)
                 if self.store.training_run(run_id) is not None:
                     self.store.update_training_run(run_id, last_cycle=plan.number)
+
         return execute
 
     def settle(self, m: ServedModel, live: LiveEvent, out: EventOutcome, cycle: int | None) -> None:
         rec, op = live.record, live.pending.op
         run = self.store.training_run(rec.run_id)
-        res = EventResult("failed" if out.error else "succeeded", cycle=cycle,
-                          train_tokens=out.train_tokens, loss_tokens=out.loss_tokens, notes=live.notes)
+        res = EventResult(
+            "failed" if out.error else "succeeded",
+            cycle=cycle,
+            train_tokens=out.train_tokens,
+            loss_tokens=out.loss_tokens,
+            notes=live.notes,
+        )
         if out.error:
             res.error = {"code": out.error[0], "message": out.error[1]}
         else:
             res.logprobs, res.losses, res.metrics = out.logprobs, out.losses, out.metrics
             if isinstance(op, Save):
-                ck = self.checkpoints.record_saved(m, run, live.command, op, out.size_bytes, out.weights_version)
+                ck = self.checkpoints.record_saved(
+                    m, run, live.command, op, out.size_bytes, out.weights_version
+                )
                 if op.kind == "weights":  # the cycle published the snapshot on this replica
                     self.checkpoints.adapters.remember(live.replica, ck.id)
-                res.checkpoint = {"uri": ck.uri, "checkpoint_id": ck.id, "kind": ck.kind,
-                                  "size_bytes": ck.size_bytes, "base_model": m.name}
+                res.checkpoint = {
+                    "uri": ck.uri,
+                    "checkpoint_id": ck.id,
+                    "kind": ck.kind,
+                    "size_bytes": ck.size_bytes,
+                    "base_model": m.name,
+                }
                 if op.inflight:  # ... and moved the run's inflight target there
                     res.checkpoint["weights_version"] = out.weights_version
                     self.inflight.published(m, run.id, live.replica, out.weights_version, ck.id)
             if rec.type in OPERATION:
-                event = UsageEvent(time=time.time(), api_key_id=rec.api_key_id,
-                                   session_id=run.session_id, run_id=run.id, base_model=m.name,
-                                   operation=OPERATION[rec.type], request_id=rec.id,
-                                   train=out.train_tokens, train_loss=out.loss_tokens)
+                event = UsageEvent(
+                    time=time.time(),
+                    api_key_id=rec.api_key_id,
+                    session_id=run.session_id,
+                    run_id=run.id,
+                    base_model=m.name,
+                    operation=OPERATION[rec.type],
+                    request_id=rec.id,
+                    train=out.train_tokens,
+                    train_loss=out.loss_tokens,
+                )
                 self.store.add_usage(event)
                 res.cost = self.rate_card.cost(event)["total"]
         self._finish(live, res)
@@ -283,22 +362,26 @@ class Events:
     def fail_waiting(self, rep: Replica, run_id: str, code: str, message: str) -> None:
         """Drop a run's queue on `rep` and fail the events that were waiting in it."""
         q = rep.scheduler.drop(run_id) if rep.scheduler else None
-        for pend in (q.waiting.values() if q else ()):
+        for pend in q.waiting.values() if q else ():
             live = self.live.get(pend.event_id)
             if live is not None:
                 self.fail(live, code, message)
 
     def fail_unfinished_after_restart(self) -> None:
         for rec in self.store.unfinished_events():
-            res = EventResult.failure("server_restarted", "the server restarted while this event was "
-                                      "queued or running, and the run's in-memory weights were lost; "
-                                      "restore the run from a saved state and send it again")
+            res = EventResult.failure(
+                "server_restarted",
+                "the server restarted while this event was "
+                "queued or running, and the run's in-memory weights were lost; "
+                "restore the run from a saved state and send it again",
+            )
             self.store.update_event(rec.id, status="failed", response=res.pack())
 
 
 def _share(ph) -> RunShare:
     def events(pending: list[Pending]) -> list[CycleEvent]:
         return [CycleEvent(p.event_id, p.type, p.op) for p in pending]
+
     return RunShare(events(ph.pre), events(ph.forward), events(ph.optim), events(ph.post))
 
 
@@ -319,5 +402,3 @@ def _invalid_unless(check, value) -> None:
         check(value)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
-
-

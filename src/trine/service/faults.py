@@ -10,6 +10,7 @@ Invariants
 - Usage stays exact: failed events are never metered; a sample request in flight there is retried
   on another replica and metered once, when it succeeds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,9 +41,11 @@ class Faults:
             return
         rep.alive = False
         log.error("engine replica %d of %s lost: %s", rep.index, m.name, reason)
-        message = (f"engine replica {rep.index} of {m.name} was lost ({reason}) while this event was "
-                   "queued or running; restore the run from a saved state "
-                   "(create_training_client_from_state) and send it again")
+        message = (
+            f"engine replica {rep.index} of {m.name} was lost ({reason}) while this event was "
+            "queued or running; restore the run from a saved state "
+            "(create_training_client_from_state) and send it again"
+        )
         for live in list(self.events.live.values()):
             if live.replica is rep:
                 self.events.fail(live, "worker_lost", message)

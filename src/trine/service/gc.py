@@ -7,6 +7,7 @@ Invariants
   that were only in memory are forgotten.
 - A run is ended for idleness only when nothing of it is queued or running.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,16 @@ log = logging.getLogger("trine.service")
 
 
 class GarbageCollector:
-    def __init__(self, store: Store, models: dict[str, ServedModel], checkpoints: Checkpoints,
-                 runs: Runs, events: Events, activity: Activity, run_idle_seconds: float):
+    def __init__(
+        self,
+        store: Store,
+        models: dict[str, ServedModel],
+        checkpoints: Checkpoints,
+        runs: Runs,
+        events: Events,
+        activity: Activity,
+        run_idle_seconds: float,
+    ):
         self.store = store
         self.models = models
         self.checkpoints = checkpoints

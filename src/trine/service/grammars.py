@@ -6,6 +6,7 @@ JSON is generated compact (`", "` and `": "` separators, no other whitespace), a
 writes it: a schema then admits one spelling per value, and a model cannot pad its output with
 whitespace until max_tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,14 @@ COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator"
 def json_schema(schema: dict) -> str:
     """The grammar of one JSON value that matches `schema`."""
     import llguidance
+
     return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=COMPACT)
 
 
 def lark(text: str) -> str:
     """The grammar of a Lark grammar (llguidance's dialect: `%json {schema}` embeds a JSON schema)."""
     import llguidance
+
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
@@ -34,4 +37,5 @@ def problem(grammar: str) -> str:
     """Why `grammar` cannot be compiled (e.g. a JSON schema keyword llguidance does not
     implement), or "" when it can."""
     import llguidance
+
     return llguidance.LLMatcher.validate_grammar(grammar)

@@ -17,6 +17,7 @@ Invariants
 - When the training run ends its target is dropped on every replica; its inflight samplers then
   answer `run_ended`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,8 +70,11 @@ class Inflight:
         except EngineLost:
             raise
         except ValueError as e:  # the engine no longer holds what the target named
-            raise Conflict(f"the inflight weights of training run {r.inflight_run_id} could not be "
-                           f"loaded ({e}); sample again", code="checkpoint_unavailable") from None
+            raise Conflict(
+                f"the inflight weights of training run {r.inflight_run_id} could not be "
+                f"loaded ({e}); sample again",
+                code="checkpoint_unavailable",
+            ) from None
 
     async def _ensure(self, rep: Replica, run_id: str, version: int) -> None:
         if rep.targets.get(run_id, 0) >= version:
@@ -79,8 +83,11 @@ class Inflight:
         async with lock:
             t = self.targets.get(run_id)
             if t is None:
-                raise Conflict(f"training run {run_id} has ended: its inflight weights are gone; create "
-                               "a sampling client from a saved checkpoint", code="run_ended")
+                raise Conflict(
+                    f"training run {run_id} has ended: its inflight weights are gone; create "
+                    "a sampling client from a saved checkpoint",
+                    code="run_ended",
+                )
             if rep.targets.get(run_id, 0) >= version:
                 return
             if rep is not t.replica:

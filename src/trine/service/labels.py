@@ -10,6 +10,7 @@ Invariants
 - A training run inherits its session's labels: the session's tags and metadata join its own, and
   the session's name names it when it has none.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,10 @@ def checked(labels: RunLabels, field: str = "") -> RunLabels:
     for k, v in meta.items():
         v = v if isinstance(v, str) else json.dumps(v)
         if not isinstance(k, str) or len(k) > MAX_TAG_CHARS or len(v) > MAX_METADATA_VALUE_CHARS:
-            raise InvalidRequest(f"{at}user_metadata[{str(k)[:80]!r}]: keys are strings of at most "
-                                 f"{MAX_TAG_CHARS} characters, values at most {MAX_METADATA_VALUE_CHARS}")
+            raise InvalidRequest(
+                f"{at}user_metadata[{str(k)[:80]!r}]: keys are strings of at most "
+                f"{MAX_TAG_CHARS} characters, values at most {MAX_METADATA_VALUE_CHARS}"
+            )
         clean[k] = v
     name = labels.name or clean.get("name", "")
     if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
@@ -47,8 +50,9 @@ def checked(labels: RunLabels, field: str = "") -> RunLabels:
         raise InvalidRequest(f"{at}tags: send a list of strings")
     tags = _unique(t.strip() for t in tags if t.strip())
     if len(tags) > MAX_TAGS or any(len(t) > MAX_TAG_CHARS or "," in t for t in tags):
-        raise InvalidRequest(f"{at}tags: at most {MAX_TAGS} tags of at most {MAX_TAG_CHARS} characters, "
-                             "without commas")
+        raise InvalidRequest(
+            f"{at}tags: at most {MAX_TAGS} tags of at most {MAX_TAG_CHARS} characters, without commas"
+        )
     for k in ("name", "tags"):  # held as the labels themselves (`as_metadata` puts them back)
         clean.pop(k, None)
     return RunLabels(name.strip(), tuple(tags), clean)
@@ -56,20 +60,29 @@ def checked(labels: RunLabels, field: str = "") -> RunLabels:
 
 def inherit(own: RunLabels, session: RunLabels) -> RunLabels:
     """A run's labels with its session's (see the module docstring)."""
-    return RunLabels(own.name or session.name, tuple(_unique([*session.tags, *own.tags])),
-                     {**session.user_metadata, **own.user_metadata})
+    return RunLabels(
+        own.name or session.name,
+        tuple(_unique([*session.tags, *own.tags])),
+        {**session.user_metadata, **own.user_metadata},
+    )
 
 
 def stored(labels: RunLabels) -> dict:
     """The record fields (`name`, `tags`, `user_metadata`) of checked labels."""
-    return {"name": labels.name, "tags": json.dumps(list(labels.tags)) if labels.tags else "",
-            "user_metadata": json.dumps(labels.user_metadata) if labels.user_metadata else ""}
+    return {
+        "name": labels.name,
+        "tags": json.dumps(list(labels.tags)) if labels.tags else "",
+        "user_metadata": json.dumps(labels.user_metadata) if labels.user_metadata else "",
+    }
 
 
 def of_record(rec) -> RunLabels:
     """The labels a session or training run record holds."""
-    return RunLabels(rec.name or "", tuple(json.loads(rec.tags)) if rec.tags else (),
-                     json.loads(rec.user_metadata) if rec.user_metadata else {})
+    return RunLabels(
+        rec.name or "",
+        tuple(json.loads(rec.tags)) if rec.tags else (),
+        json.loads(rec.user_metadata) if rec.user_metadata else {},
+    )
 
 
 def _tags_of(value) -> list:

@@ -9,6 +9,7 @@ Invariants
   MAX_POINTS_PER_RUN points. Anything else is an InvalidRequest naming the field and the fix.
 - The same (run, step, name) logged again replaces the earlier value.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,27 +35,38 @@ class Metrics:
         """Store `values` (name -> number) at `step` of the key's training run `run_id`."""
         r = self.ownership.training_run(key, run_id)
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT64_MAX:
-            raise InvalidRequest(f"step: {step!r} is not an integer in 0..{INT64_MAX}; pass step=n, the "
-                                 "training step the values belong to")
+            raise InvalidRequest(
+                f"step: {step!r} is not an integer in 0..{INT64_MAX}; pass step=n, the "
+                "training step the values belong to"
+            )
         if not isinstance(values, dict) or not values:
-            raise InvalidRequest("values: send a non-empty object of metric name -> number, "
-                                 "e.g. {\"reward\": 0.5}")
+            raise InvalidRequest(
+                'values: send a non-empty object of metric name -> number, e.g. {"reward": 0.5}'
+            )
         if len(values) > MAX_METRICS_PER_CALL:
-            raise InvalidRequest(f"values: {len(values)} metrics in one call; at most "
-                                 f"{MAX_METRICS_PER_CALL} are allowed")
+            raise InvalidRequest(
+                f"values: {len(values)} metrics in one call; at most {MAX_METRICS_PER_CALL} are allowed"
+            )
         now = time.time()
         points = []
         for name, value in values.items():
             if not isinstance(name, str) or not METRIC_NAME.match(name):
-                raise InvalidRequest(f"values: metric name {str(name)[:80]!r} is invalid: use letters, digits "
-                                     "and _ . / : - (at most 128 characters, not starting with a symbol)")
+                raise InvalidRequest(
+                    f"values: metric name {str(name)[:80]!r} is invalid: use letters, digits "
+                    "and _ . / : - (at most 128 characters, not starting with a symbol)"
+                )
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise InvalidRequest(f"values.{name}: {value!r} is not a finite number; log a float "
-                                     "(convert tensors with float(x))")
+                raise InvalidRequest(
+                    f"values.{name}: {value!r} is not a finite number; log a float "
+                    "(convert tensors with float(x))"
+                )
             points.append(MetricPoint(r.id, key.id, step, name, float(value), now))
         if self.store.count_metrics(r.id) + len(points) > MAX_POINTS_PER_RUN:
-            raise TooManyRequests(f"training run {r.id} holds {MAX_POINTS_PER_RUN:,} metric points, the most "
-                                  "one run keeps; log less often or start a new run", code="metrics_limit")
+            raise TooManyRequests(
+                f"training run {r.id} holds {MAX_POINTS_PER_RUN:,} metric points, the most "
+                "one run keeps; log less often or start a new run",
+                code="metrics_limit",
+            )
         self.store.add_metrics(points)
         return points
 

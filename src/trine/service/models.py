@@ -9,6 +9,7 @@ Invariants
 - A run's events only ever go to the replica it was placed on; a replica that is lost takes its
   runs with it (they are marked interrupted by the service, see `events.py`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -66,14 +67,15 @@ class ServedModel:
         rep = self.placement.get(run_id)
         if rep is not None:
             if not rep.alive:
-                raise Conflict(f"training run {run_id} lived on an engine replica that was lost; "
-                               "restore it from a saved state with create_training_client_from_state",
-                               code="run_interrupted")
+                raise Conflict(
+                    f"training run {run_id} lived on an engine replica that was lost; "
+                    "restore it from a saved state with create_training_client_from_state",
+                    code="run_interrupted",
+                )
             return rep
         live = self.live_replicas()
         if not live:
-            raise Conflict(f"no engine replica of {self.name} is running", code="worker_lost",
-                           status=503)
+            raise Conflict(f"no engine replica of {self.name} is running", code="worker_lost", status=503)
         rep = min(live, key=lambda r: (len(r.runs), r.inflight_samples, r.index))
         rep.runs.add(run_id)
         self.placement[run_id] = rep
@@ -92,5 +94,7 @@ def resolve_model(models: dict[str, ServedModel], name_or_id: str) -> ServedMode
     for m in models.values():
         if s in (m.name, m.model_id, m.dir.name) or s.rstrip("/").split("/")[-1] == m.name:
             return m
-    raise NotFound(f"base_model {name_or_id!r} is not served here; served models: "
-                   f"{', '.join(models)}", code="model_not_found")
+    raise NotFound(
+        f"base_model {name_or_id!r} is not served here; served models: {', '.join(models)}",
+        code="model_not_found",
+    )

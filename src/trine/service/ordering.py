@@ -15,14 +15,24 @@ Invariants
   its optimize_step follows its last forward). So one key's long queue delays another key's step
   by at most about its share of a cycle.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..limits import (
+    END_RUN,
+    FORWARD,
+    FORWARD_BACKWARD,
+    INIT_RUN,
+    MAX_WAITING_EVENTS_PER_RUN,
+    OPTIMIZE_STEP,
+    REFUSED,
+    SAVE_STATE,
+    SAVE_WEIGHTS,
+)
 from .errors import Conflict, TooManyRequests
-from ..limits import (END_RUN, FORWARD, FORWARD_BACKWARD, INIT_RUN, MAX_WAITING_EVENTS_PER_RUN, OPTIMIZE_STEP,
-                      REFUSED, SAVE_STATE, SAVE_WEIGHTS)
 
 _PRE, _FWD, _OPT, _POST = 0, 1, 2, 3
 _FWD_TYPES = (FORWARD, FORWARD_BACKWARD)
@@ -44,8 +54,13 @@ class Pending:
 class RunQueue:
     """The not-yet-executed events of one training run, released in index order."""
 
-    def __init__(self, run_id: str, next_index: int = 1, max_waiting: int = MAX_WAITING_EVENTS_PER_RUN,
-                 tenant: str = ""):
+    def __init__(
+        self,
+        run_id: str,
+        next_index: int = 1,
+        max_waiting: int = MAX_WAITING_EVENTS_PER_RUN,
+        tenant: str = "",
+    ):
         self.run_id = run_id
         self.tenant = tenant  # the API key id that owns the run
         self.next_index = next_index
@@ -54,16 +69,23 @@ class RunQueue:
 
     def add(self, ev: Pending) -> None:
         if ev.index < self.next_index:
-            raise Conflict(f"event index {ev.index} of run {self.run_id} was already used; the next "
-                           f"index is {self.next_index}", code="index_conflict")
+            raise Conflict(
+                f"event index {ev.index} of run {self.run_id} was already used; the next "
+                f"index is {self.next_index}",
+                code="index_conflict",
+            )
         other = self.waiting.get(ev.index)
         if other is not None and other.event_id != ev.event_id:
-            raise Conflict(f"event index {ev.index} of run {self.run_id} is taken by event "
-                           f"{other.event_id}; send a new event with the next index",
-                           code="index_conflict")
+            raise Conflict(
+                f"event index {ev.index} of run {self.run_id} is taken by event "
+                f"{other.event_id}; send a new event with the next index",
+                code="index_conflict",
+            )
         if len(self.waiting) >= self.max_waiting:
-            raise TooManyRequests(f"run {self.run_id} already has {self.max_waiting} events waiting; "
-                                  "wait for some to finish before sending more")
+            raise TooManyRequests(
+                f"run {self.run_id} already has {self.max_waiting} events waiting; "
+                "wait for some to finish before sending more"
+            )
         self.waiting[ev.index] = ev
 
     def ready(self) -> bool:

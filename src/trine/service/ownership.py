@@ -5,6 +5,7 @@ key's object is a NotFound, exactly as if it did not exist. The one exception is
 checkpoint its owner published (`Checkpoint.public`): any key may sample, restore or download it;
 only the owner may change or delete it.
 """
+
 from __future__ import annotations
 
 from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, Store, TrainingRun
@@ -27,8 +28,10 @@ class Ownership:
             raise Unauthorized("send the API key as `X-API-Key: <key>` or `Authorization: Bearer <key>`")
         key = self.store.key_by_secret(secret.strip())
         if key is None:
-            raise Unauthorized("the API key is not valid (create one with `trine keys create --name NAME`)",
-                               code="unauthorized")
+            raise Unauthorized(
+                "the API key is not valid (create one with `trine keys create --name NAME`)",
+                code="unauthorized",
+            )
         return key
 
     def create_key(self, name: str) -> str:
@@ -42,8 +45,9 @@ class Ownership:
         return key
 
     def session(self, key: ApiKey, session_id: str) -> Session:
-        return owned(self.store.session(session_id), key, f"service session {session_id}",
-                     "service_session_not_found")
+        return owned(
+            self.store.session(session_id), key, f"service session {session_id}", "service_session_not_found"
+        )
 
     def training_run(self, key: ApiKey, run_id: str) -> TrainingRun:
         return owned(self.store.training_run(run_id), key, f"training run {run_id}", "training_run_not_found")
@@ -52,17 +56,24 @@ class Ownership:
         return owned(self.store.sampling_run(run_id), key, f"sampling run {run_id}", "sampling_run_not_found")
 
     def checkpoint(self, key: ApiKey, checkpoint_id: str) -> Checkpoint:
-        return owned(self.store.checkpoint(checkpoint_id), key, f"checkpoint {checkpoint_id}",
-                     "checkpoint_not_found")
+        return owned(
+            self.store.checkpoint(checkpoint_id), key, f"checkpoint {checkpoint_id}", "checkpoint_not_found"
+        )
 
     def checkpoint_by_uri(self, key: ApiKey, uri: str) -> Checkpoint:
-        return owned(self.store.checkpoint_by_uri((uri or "").strip()), key,
-                     f"checkpoint {uri!r}", "checkpoint_not_found",
-                     ": use the path a save returned (trio://<run>/state/<name> or trio://<run>/weights/<name>)")
+        return owned(
+            self.store.checkpoint_by_uri((uri or "").strip()),
+            key,
+            f"checkpoint {uri!r}",
+            "checkpoint_not_found",
+            ": use the path a save returned (trio://<run>/state/<name> or trio://<run>/weights/<name>)",
+        )
 
     def readable_by_uri(self, key: ApiKey, uri: str) -> Checkpoint:
         """A checkpoint the key owns or one its owner published (to sample, restore or download)."""
-        return self._readable(self.store.checkpoint_by_uri((uri or "").strip())) or self.checkpoint_by_uri(key, uri)
+        return self._readable(self.store.checkpoint_by_uri((uri or "").strip())) or self.checkpoint_by_uri(
+            key, uri
+        )
 
     def readable(self, key: ApiKey, checkpoint_id: str) -> Checkpoint:
         return self._readable(self.store.checkpoint(checkpoint_id)) or self.checkpoint(key, checkpoint_id)
@@ -80,32 +91,43 @@ class Ownership:
     def active_session(self, key: ApiKey, session_id: str) -> Session:
         s = self.session(key, session_id)
         if s.status != "ACTIVE":
-            raise Conflict(f"service session {session_id} is {s.status}; create a new ServiceClient",
-                           code="service_session_closed")
+            raise Conflict(
+                f"service session {session_id} is {s.status}; create a new ServiceClient",
+                code="service_session_closed",
+            )
         return s
 
     def active_run(self, key: ApiKey, run_id: str) -> TrainingRun:
         r = self.training_run(key, run_id)
         if r.status == "INTERRUPTED":
-            raise Conflict(f"training run {run_id} was interrupted (a server restart or a lost engine "
-                           "replica) and its weights are gone; restore it from a saved state with "
-                           "create_training_client_from_state", code="run_interrupted")
+            raise Conflict(
+                f"training run {run_id} was interrupted (a server restart or a lost engine "
+                "replica) and its weights are gone; restore it from a saved state with "
+                "create_training_client_from_state",
+                code="run_interrupted",
+            )
         if r.status != "ACTIVE":
-            raise Conflict(f"training run {run_id} has ended ({r.status}); create a new training client",
-                           code="run_ended")
+            raise Conflict(
+                f"training run {run_id} has ended ({r.status}); create a new training client",
+                code="run_ended",
+            )
         return r
 
     def restorable(self, key: ApiKey, uri: str, restore_optimizer: bool) -> Checkpoint:
         """A checkpoint a training run can start from (the key's own or a published one)."""
         ck = self.readable_by_uri(key, uri)
         if not ck.path:
-            raise InvalidRequest(f"checkpoint {uri} is a temporary sampler snapshot held in memory; "
-                                 "training can restore saved states (save_state) or named weights",
-                                 code="checkpoint_invalid_type")
+            raise InvalidRequest(
+                f"checkpoint {uri} is a temporary sampler snapshot held in memory; "
+                "training can restore saved states (save_state) or named weights",
+                code="checkpoint_invalid_type",
+            )
         if restore_optimizer and ck.kind != "TRAINING":
-            raise InvalidRequest(f"checkpoint {uri} holds sampler weights only (save_weights_for_sampler): "
-                                 "it has no optimizer state. Restore its weights with a fresh optimizer "
-                                 "(create_training_client_from_state / load_state), or restore a checkpoint "
-                                 "saved with save_state(name) to keep the optimizer",
-                                 code="checkpoint_has_no_optimizer_state")
+            raise InvalidRequest(
+                f"checkpoint {uri} holds sampler weights only (save_weights_for_sampler): "
+                "it has no optimizer state. Restore its weights with a fresh optimizer "
+                "(create_training_client_from_state / load_state), or restore a checkpoint "
+                "saved with save_state(name) to keep the optimizer",
+                code="checkpoint_has_no_optimizer_state",
+            )
         return ck

@@ -8,6 +8,7 @@ Invariant: every answer holds only the asking key's objects; another key's objec
 exactly as if it did not exist. Engine counters are server-wide numbers that name nobody; in the
 cycle lists of `replica_stats` only the key's own runs are named, the others are counted.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,13 +70,15 @@ class Queries:
         trs, _ = self._store.training_runs(key.id, session_id=s.id)
         return SessionView(s, [r.id for r in trs], [r.id for r in self.sampling_runs(key, session_id=s.id)])
 
-    def training_runs(self, key: ApiKey, limit: int | None = None,
-                      offset: int = 0) -> tuple[list[TrainingRun], int]:
+    def training_runs(
+        self, key: ApiKey, limit: int | None = None, offset: int = 0
+    ) -> tuple[list[TrainingRun], int]:
         """A page of the key's training runs, oldest first, and how many there are."""
         return self._store.training_runs(key.id, limit=limit, offset=offset)
 
-    def sampling_runs(self, key: ApiKey, session_id: str | None = None,
-                      training_run_id: str | None = None) -> list[SamplingRun]:
+    def sampling_runs(
+        self, key: ApiKey, session_id: str | None = None, training_run_id: str | None = None
+    ) -> list[SamplingRun]:
         """The key's sampling runs (of one session; attributed to one training run), oldest first."""
         return self._store.sampling_runs(key.id, session_id=session_id, training_run_id=training_run_id)
 
@@ -97,15 +100,22 @@ class Queries:
         return rec
 
     # ------------------------------------------------------------------ checkpoints, usage
-    def checkpoints(self, key: ApiKey, *, training_run_id: str | None = None, limit: int | None = None,
-                    offset: int = 0) -> tuple[list[Checkpoint], int]:
+    def checkpoints(
+        self, key: ApiKey, *, training_run_id: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> tuple[list[Checkpoint], int]:
         """A page of the key's checkpoints (of one of its training runs), oldest first, and the count."""
         if training_run_id is not None:
             self._ownership.training_run(key, training_run_id)
         return self._store.checkpoints(key.id, training_run_id=training_run_id, limit=limit, offset=offset)
 
-    def usage_events(self, key: ApiKey, *, session_id: str | None = None, run_id: str | None = None,
-                     since: float | None = None) -> list[UsageEvent]:
+    def usage_events(
+        self,
+        key: ApiKey,
+        *,
+        session_id: str | None = None,
+        run_id: str | None = None,
+        since: float | None = None,
+    ) -> list[UsageEvent]:
         return self._store.usage_events(key.id, session_id=session_id, run_id=run_id, since=since)
 
     # ------------------------------------------------------------------ models
@@ -140,19 +150,42 @@ class Queries:
 
 def _model_view(m: ServedModel) -> ModelView:
     info = m.info  # None until the engines started
-    return ModelView(m.name, m.model_id, info.architecture if info else None, info.vocab_size if info else 0,
-                     info.max_seq_len if info else 0, len(m.replicas))
+    return ModelView(
+        m.name,
+        m.model_id,
+        info.architecture if info else None,
+        info.vocab_size if info else 0,
+        info.max_seq_len if info else 0,
+        len(m.replicas),
+    )
 
 
-def _replica_view(m: ServedModel, rep: Replica, st: EngineStats | BaseException, own: set[str]) -> ReplicaStats:
+def _replica_view(
+    m: ServedModel, rep: Replica, st: EngineStats | BaseException, own: set[str]
+) -> ReplicaStats:
     queues = list(rep.scheduler.queues.values()) if rep.scheduler else []
-    base = dict(model=m.name, replica=rep.index, alive=rep.alive and not isinstance(st, BaseException),
-                cycle=rep.scheduler.cycle if rep.scheduler else 0,
-                train_runs_waiting=sum(1 for q in queues if q.waiting),
-                train_events_waiting=sum(len(q.waiting) for q in queues))
+    base = dict(
+        model=m.name,
+        replica=rep.index,
+        alive=rep.alive and not isinstance(st, BaseException),
+        cycle=rep.scheduler.cycle if rep.scheduler else 0,
+        train_runs_waiting=sum(1 for q in queues if q.waiting),
+        train_events_waiting=sum(len(q.waiting) for q in queues),
+    )
     if isinstance(st, BaseException):
         return ReplicaStats(**base, error=f"{type(st).__name__}: {st}")
-    cycles = [CycleView(c.number, c.seconds, c.events, [r for r in c.runs if r in own],
-                        sum(r not in own for r in c.runs)) for c in reversed(st.recent_cycles[-RECENT_CYCLES:])]
-    return ReplicaStats(**base, where=st.replica, sampler=dict(st.sampler), engine_jobs=st.queued_jobs,
-                        training_runs=st.runs, sampler_adapters=st.adapters, cycles=cycles)
+    cycles = [
+        CycleView(
+            c.number, c.seconds, c.events, [r for r in c.runs if r in own], sum(r not in own for r in c.runs)
+        )
+        for c in reversed(st.recent_cycles[-RECENT_CYCLES:])
+    ]
+    return ReplicaStats(
+        **base,
+        where=st.replica,
+        sampler=dict(st.sampler),
+        engine_jobs=st.queued_jobs,
+        training_runs=st.runs,
+        sampler_adapters=st.adapters,
+        cycles=cycles,
+    )

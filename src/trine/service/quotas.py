@@ -6,6 +6,7 @@ refused with 429 naming the limit, before anything is created or queued.
 Adapter memory is estimated from the run's LoRA shape: rank x (in + out features of every
 targeted layer) fp32 parameters, held four times (weights, gradients, two Adam moments).
 """
+
 from __future__ import annotations
 
 from ..engine.api import Forward, LoRAConfig, Op
@@ -19,8 +20,9 @@ COPIES = 4  # weights, gradients, Adam's two moments
 
 def adapter_bytes(m: ServedModel, rank: int, train_mlp: bool, train_attn: bool, train_unembed: bool) -> int:
     features = m.info.lora_features if m.info is not None else {}
-    targets = LoRAConfig(rank=rank, train_mlp=train_mlp, train_attn=train_attn,
-                         train_unembed=train_unembed).target_names()
+    targets = LoRAConfig(
+        rank=rank, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
+    ).target_names()
     return rank * sum(features.get(t, 0) for t in targets) * 4 * COPIES
 
 
@@ -30,27 +32,36 @@ class KeyQuotas:
         self.models = models
         self.limits = limits or KeyLimits()
 
-    def check_new_run(self, key: ApiKey, m: ServedModel, rank: int, train_mlp: bool, train_attn: bool,
-                      train_unembed: bool) -> None:
+    def check_new_run(
+        self, key: ApiKey, m: ServedModel, rank: int, train_mlp: bool, train_attn: bool, train_unembed: bool
+    ) -> None:
         live, count = self.store.training_runs(key.id, status="ACTIVE")
         if count >= self.limits.live_runs:
-            raise TooManyRequests(f"this key already has {count} live training runs, the limit per key "
-                                  f"(live_runs = {self.limits.live_runs}); close sessions or finish runs first",
-                                  code="key_limit_live_runs")
+            raise TooManyRequests(
+                f"this key already has {count} live training runs, the limit per key "
+                f"(live_runs = {self.limits.live_runs}); close sessions or finish runs first",
+                code="key_limit_live_runs",
+            )
         held = sum(self._run_bytes(r) for r in live)
         new = adapter_bytes(m, rank, train_mlp, train_attn, train_unembed)
         if held + new > self.limits.adapter_bytes:
-            raise TooManyRequests(f"a rank-{rank} run needs about {new / 2**20:.0f} MiB of adapter memory and "
-                                  f"this key's live runs hold {held / 2**20:.0f} MiB; the limit per key is "
-                                  f"{self.limits.adapter_bytes / 2**20:.0f} MiB (adapter_bytes): use a lower "
-                                  "rank or finish runs first", code="key_limit_adapter_memory")
+            raise TooManyRequests(
+                f"a rank-{rank} run needs about {new / 2**20:.0f} MiB of adapter memory and "
+                f"this key's live runs hold {held / 2**20:.0f} MiB; the limit per key is "
+                f"{self.limits.adapter_bytes / 2**20:.0f} MiB (adapter_bytes): use a lower "
+                "rank or finish runs first",
+                code="key_limit_adapter_memory",
+            )
 
     def check_queue(self, key: ApiKey, op: Op, queued_tokens: int) -> None:
         """`queued_tokens`: the key's forward tokens accepted and not yet run."""
         if isinstance(op, Forward) and queued_tokens + op.tokens > self.limits.queued_tokens:
-            raise TooManyRequests(f"this key has {queued_tokens} training tokens queued; {op.tokens} more would "
-                                  f"pass the limit per key (queued_tokens = {self.limits.queued_tokens}): wait "
-                                  "for queued events to finish", code="key_limit_queued_tokens")
+            raise TooManyRequests(
+                f"this key has {queued_tokens} training tokens queued; {op.tokens} more would "
+                f"pass the limit per key (queued_tokens = {self.limits.queued_tokens}): wait "
+                "for queued events to finish",
+                code="key_limit_queued_tokens",
+            )
 
     def _run_bytes(self, r: TrainingRun) -> int:
         m = self.models.get(r.base_model)

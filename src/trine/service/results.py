@@ -1,7 +1,9 @@
 """What the service stores and answers, protocol-neutral: the results of training events and sample
-requests (a sample stream yields the engine's own `SampleDelta`s). Each front end shapes them on read, so a retry or
+requests (a sample stream yields the engine's own `SampleDelta`s). Each front end shapes them on read, so a
+retry or
 long-poll gets the same answer as the first call.
 """
+
 from __future__ import annotations
 
 import json

@@ -20,6 +20,7 @@ prefix on every replica.
 
 `random` routing (for the benchmark's baseline) ignores prompts.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -46,11 +47,11 @@ def block_keys(identity: str, prompt: list[int], block_size: int, max_blocks: in
     n = min(len(prompt) // block_size, max_blocks)
     if n == 0:
         return []
-    tokens = np.asarray(prompt[:n * block_size], dtype="<i4").tobytes()
+    tokens = np.asarray(prompt[: n * block_size], dtype="<i4").tobytes()
     step = 4 * block_size
     keys, prev = [], _digest(identity.encode())
     for b in range(n):
-        prev = _digest(prev.to_bytes(8, "little") + tokens[b * step:(b + 1) * step])
+        prev = _digest(prev.to_bytes(8, "little") + tokens[b * step : (b + 1) * step])
         keys.append(prev)
     return keys
 
@@ -107,6 +108,8 @@ class Router:
     def _ring(self, n: int) -> tuple[list[int], list[int]]:
         ring = self._rings.get(n)
         if ring is None:
-            pts = sorted((_digest(f"replica-{i}-{v}".encode()), i) for i in range(n) for v in range(VIRTUAL_NODES))
+            pts = sorted(
+                (_digest(f"replica-{i}-{v}".encode()), i) for i in range(n) for v in range(VIRTUAL_NODES)
+            )
             ring = self._rings[n] = ([p for p, _ in pts], [i for _, i in pts])
         return ring

@@ -8,6 +8,7 @@ Invariants
 - A sampling run is attributed to at most one of its key's training runs: the one named in its
   spec, else the one that saved its checkpoint; usage reports by run count it there.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,9 +17,9 @@ import time
 from ..limits import check_lora_rank
 from ..store import ApiKey, SamplingRun, Session, Store, TrainingRun
 from ..store.keys import new_id
+from . import labels as run_labels
 from .activity import Activity
 from .checkpoints import Checkpoints
-from . import labels as run_labels
 from .commands import RunLabels, SamplingRunSpec, TrainingRunSpec
 from .errors import Conflict, InvalidRequest, NotFound
 from .events import Events
@@ -31,9 +32,17 @@ log = logging.getLogger("trine.service")
 
 
 class Runs:
-    def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel],
-                 checkpoints: Checkpoints, activity: Activity, events: Events,
-                 quotas: KeyQuotas | None = None, inflight: Inflight | None = None):
+    def __init__(
+        self,
+        store: Store,
+        ownership: Ownership,
+        models: dict[str, ServedModel],
+        checkpoints: Checkpoints,
+        activity: Activity,
+        events: Events,
+        quotas: KeyQuotas | None = None,
+        inflight: Inflight | None = None,
+    ):
         self.store = store
         self.ownership = ownership
         self.models = models
@@ -73,18 +82,28 @@ class Runs:
             source = self.ownership.restorable(key, spec.source_checkpoint_uri, spec.restore_optimizer)
             m = resolve_model(self.models, source.base_model)
             if spec.base_model and resolve_model(self.models, spec.base_model) is not m:
-                raise InvalidRequest(f"base_model {spec.base_model!r} differs from the checkpoint's base model "
-                                     f"{source.base_model!r}; leave base_model empty to use it")
+                raise InvalidRequest(
+                    f"base_model {spec.base_model!r} differs from the checkpoint's base model "
+                    f"{source.base_model!r}; leave base_model empty to use it"
+                )
             rank, train_mlp, train_attn, train_unembed = (
-                source.lora_rank, source.train_mlp, source.train_attn, source.train_unembed)
+                source.lora_rank,
+                source.train_mlp,
+                source.train_attn,
+                source.train_unembed,
+            )
             seed = source.seed if lora.seed is None else lora.seed
         else:
             if not spec.base_model:
-                raise InvalidRequest("base_model is empty: name a served model or give "
-                                     "source_checkpoint_uri")
+                raise InvalidRequest("base_model is empty: name a served model or give source_checkpoint_uri")
             m = resolve_model(self.models, spec.base_model)
             rank, train_mlp, train_attn, train_unembed, seed = (
-                lora.rank, lora.train_mlp, lora.train_attn, lora.train_unembed, lora.seed)
+                lora.rank,
+                lora.train_mlp,
+                lora.train_attn,
+                lora.train_unembed,
+                lora.seed,
+            )
         try:
             check_lora_rank(rank)
         except ValueError as e:
@@ -93,34 +112,65 @@ class Runs:
         if self.quotas is not None:
             self.quotas.check_new_run(key, m, rank, train_mlp, train_attn, train_unembed)
         now = time.time()
-        r = TrainingRun(new_id("tr"), key.id, s.id, self.store.count_runs(s.id) + 1, m.name,
-                        rank, train_mlp, train_attn, train_unembed, seed,
-                        source.uri if source else "", bool(spec.restore_optimizer), "ACTIVE", now, now,
-                        **run_labels.stored(labels))
+        r = TrainingRun(
+            new_id("tr"),
+            key.id,
+            s.id,
+            self.store.count_runs(s.id) + 1,
+            m.name,
+            rank,
+            train_mlp,
+            train_attn,
+            train_unembed,
+            seed,
+            source.uri if source else "",
+            bool(spec.restore_optimizer),
+            "ACTIVE",
+            now,
+            now,
+            **run_labels.stored(labels),
+        )
         m.place(r.id)  # by load, now: refuses at once when no replica runs
         self.store.add_training_run(r)
         self.activity.touch(r.id)
         return r
 
-    def update_training_run(self, key: ApiKey, session_id: str, run_id: str, *,
-                            source_checkpoint_uri: str, restore_optimizer: bool) -> TrainingRun:
+    def update_training_run(
+        self,
+        key: ApiKey,
+        session_id: str,
+        run_id: str,
+        *,
+        source_checkpoint_uri: str,
+        restore_optimizer: bool,
+    ) -> TrainingRun:
         """Bind a checkpoint to a run before its first event (PyTRIO `load_state`)."""
         self.ownership.session(key, session_id)
         r = self.ownership.active_run(key, run_id)
         if r.session_id != session_id:
-            raise NotFound(f"training run {run_id} is not in session {session_id}",
-                           code="training_run_not_found")
+            raise NotFound(
+                f"training run {run_id} is not in session {session_id}", code="training_run_not_found"
+            )
         if r.started:
-            raise Conflict(f"training run {run_id} has already started; load a checkpoint into a new "
-                           "training client instead", code="training_run_started")
+            raise Conflict(
+                f"training run {run_id} has already started; load a checkpoint into a new "
+                "training client instead",
+                code="training_run_started",
+            )
         ck = self.ownership.restorable(key, source_checkpoint_uri, restore_optimizer)
         if resolve_model(self.models, ck.base_model).name != r.base_model:
-            raise InvalidRequest(f"checkpoint {ck.uri} was trained on {ck.base_model}, this run uses "
-                                 f"{r.base_model}")
-        self.store.update_training_run(r.id, source_checkpoint_uri=ck.uri,
-                                       restore_optimizer=bool(restore_optimizer),
-                                       lora_rank=ck.lora_rank, train_mlp=ck.train_mlp,
-                                       train_attn=ck.train_attn, train_unembed=ck.train_unembed)
+            raise InvalidRequest(
+                f"checkpoint {ck.uri} was trained on {ck.base_model}, this run uses {r.base_model}"
+            )
+        self.store.update_training_run(
+            r.id,
+            source_checkpoint_uri=ck.uri,
+            restore_optimizer=bool(restore_optimizer),
+            lora_rank=ck.lora_rank,
+            train_mlp=ck.train_mlp,
+            train_attn=ck.train_attn,
+            train_unembed=ck.train_unembed,
+        )
         return self.store.training_run(r.id)
 
     def heartbeat(self, key: ApiKey, run_id: str) -> None:
@@ -135,8 +185,9 @@ class Runs:
             return
         rep = m.unplace(r.id)
         if rep is not None:
-            self.events.fail_waiting(rep, r.id, "run_ended",
-                                     f"training run {r.id} ended ({status}) before this event ran")
+            self.events.fail_waiting(
+                rep, r.id, "run_ended", f"training run {r.id} ended ({status}) before this event ran"
+            )
             if rep.alive:
                 try:
                     await rep.engine.drop_run(r.id)
@@ -156,8 +207,10 @@ class Runs:
             ck = self.ownership.readable_by_uri(key, spec.source_checkpoint_uri)
             m = resolve_model(self.models, ck.base_model)
             if spec.base_model and resolve_model(self.models, spec.base_model) is not m:
-                raise InvalidRequest(f"base_model {spec.base_model!r} differs from the checkpoint's base "
-                                     f"model {ck.base_model!r}")
+                raise InvalidRequest(
+                    f"base_model {spec.base_model!r} differs from the checkpoint's base "
+                    f"model {ck.base_model!r}"
+                )
         else:
             m = resolve_model(self.models, spec.base_model)
         owner = ck.training_run_id if ck else ""
@@ -165,8 +218,20 @@ class Runs:
             owner = self.ownership.training_run(key, spec.training_run_id).id
         now = time.time()
         inflight = ck is not None and ck.inflight_version > 0
-        r = SamplingRun(new_id("sr"), key.id, s.id, self.store.count_runs(s.id) + 1, m.name,
-                        ck.uri if ck else "", ck.id if ck else "", "ACTIVE", now, now, owner,
-                        ck.training_run_id if inflight else "", ck.inflight_version if inflight else 0)
+        r = SamplingRun(
+            new_id("sr"),
+            key.id,
+            s.id,
+            self.store.count_runs(s.id) + 1,
+            m.name,
+            ck.uri if ck else "",
+            ck.id if ck else "",
+            "ACTIVE",
+            now,
+            now,
+            owner,
+            ck.training_run_id if inflight else "",
+            ck.inflight_version if inflight else 0,
+        )
         self.store.add_sampling_run(r)
         return r

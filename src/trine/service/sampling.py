@@ -14,6 +14,7 @@ Invariants
   they go to replicas other than the one training the run, so sampling overlaps training there
   (PipelineRL's and AReaL's split of inference and training workers).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,15 +55,17 @@ class Sampling:
     on_lost: object  # (model, replica, reason): a replica died (faults.py)
     router: Router = field(default_factory=Router)
     diagnostics: PrefixDiagnostics = field(default_factory=PrefixDiagnostics)
-    _running: SingleFlight = field(default_factory=lambda: SingleFlight(
-        what=lambda k: f"request_id {k[1]}", code="request_id_reused"))
+    _running: SingleFlight = field(
+        default_factory=lambda: SingleFlight(what=lambda k: f"request_id {k[1]}", code="request_id_reused")
+    )
     # the latest stored outcomes (json, fingerprint): a retry finds them without reading the store
     _recent: OrderedDict = field(default_factory=OrderedDict)
     _serving: dict[tuple[str, str], Replica] = field(default_factory=dict)  # request -> its replica
     inflight: Inflight | None = None  # the inflight targets inflight sampling runs follow
 
-    async def sample(self, key: ApiKey, sampling_run_id: str, req: SampleRequest,
-                     fingerprint: str = "") -> SampleOutcome:
+    async def sample(
+        self, key: ApiKey, sampling_run_id: str, req: SampleRequest, fingerprint: str = ""
+    ) -> SampleOutcome:
         """Run one sampling request (`req` as the front end built it: the client's request id, no
         weights). Retries (same request_id) get the stored outcome, or join the request still
         running; `fingerprint` identifies the body a retry must repeat ("" = unchecked)."""
@@ -75,11 +78,15 @@ class Sampling:
                 self._running.check(dedup, stored[1], fingerprint)
                 return SampleOutcome.from_json(stored[0])
             if r.status != "ACTIVE":
-                raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
-                               code="run_ended")
+                raise Conflict(
+                    f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
+                    code="run_ended",
+                )
         return await self._running.run(dedup, fingerprint, lambda: self._sample(key, r, req, fingerprint))
 
-    async def _sample(self, key: ApiKey, r: SamplingRun, req: SampleRequest, fingerprint: str) -> SampleOutcome:
+    async def _sample(
+        self, key: ApiKey, r: SamplingRun, req: SampleRequest, fingerprint: str
+    ) -> SampleOutcome:
         m = self.models[r.base_model]
         engine_req = self._engine_request(key, m, r, req)
         for attempt in range(len(m.replicas)):  # a lost replica: reroute to another one
@@ -92,12 +99,16 @@ class Sampling:
             except EngineLost as e:
                 self.on_lost(m, rep, str(e))
                 if attempt == len(m.replicas) - 1:
-                    raise Conflict(f"every engine replica of {m.name} was lost; try again later",
-                                   code="worker_lost", status=503) from None
+                    raise Conflict(
+                        f"every engine replica of {m.name} was lost; try again later",
+                        code="worker_lost",
+                        status=503,
+                    ) from None
         return await self._record(key, r, m, req, res, rep, fingerprint)
 
-    async def sample_stream(self, key: ApiKey, sampling_run_id: str,
-                            req: SampleRequest) -> AsyncIterator[SampleDelta | SampleOutcome]:
+    async def sample_stream(
+        self, key: ApiKey, sampling_run_id: str, req: SampleRequest
+    ) -> AsyncIterator[SampleDelta | SampleOutcome]:
         """Token chunks as the engine produces them (one per sequence per engine step), then the
         SampleOutcome (stored and metered like `sample`). Closing the iterator early cancels the
         request, which frees its KV blocks at once; what it computed until then is metered."""
@@ -105,11 +116,14 @@ class Sampling:
         dedup = (r.id, req.request_id)
         stored = self._recent.get(dedup) or await asyncio.to_thread(self.store.sample_result, *dedup)
         if stored is not None or dedup in self._running:
-            raise Conflict(f"request_id {req.request_id!r} was already used in sampling run {r.id}; "
-                           "send a new id", code="request_id_conflict")
+            raise Conflict(
+                f"request_id {req.request_id!r} was already used in sampling run {r.id}; send a new id",
+                code="request_id_conflict",
+            )
         if r.status != "ACTIVE":
-            raise Conflict(f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
-                           code="run_ended")
+            raise Conflict(
+                f"sampling run {r.id} has ended ({r.status}); create a new sampling client", code="run_ended"
+            )
         m = self.models[r.base_model]
         engine_req = self._engine_request(key, m, r, req)
         rep = self._route(m, r, req)
@@ -125,15 +139,25 @@ class Sampling:
                             yield dataclasses.replace(item, request_id=req.request_id)
         except EngineLost as e:
             self.on_lost(m, rep, str(e))
-            raise Conflict("the engine replica serving this request was lost; send it again",
-                           code="worker_lost", status=503) from None
+            raise Conflict(
+                "the engine replica serving this request was lost; send it again",
+                code="worker_lost",
+                status=503,
+            ) from None
         finally:
             if res is None:  # closed early, or failed: meter what the engine computed (if anything)
                 self.spawn(self._record_cancelled(key, r, m, req, rep, engine_req.request_id))
         yield await self._record(key, r, m, req, res, rep)
 
-    async def _record_cancelled(self, key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest,
-                                rep: Replica, engine_request_id: str) -> None:
+    async def _record_cancelled(
+        self,
+        key: ApiKey,
+        r: SamplingRun,
+        m: ServedModel,
+        req: SampleRequest,
+        rep: Replica,
+        engine_request_id: str,
+    ) -> None:
         """Meter a cancelled request's partial work; engine.cancel() answers it once per request
         (a refused or already-finished request answers None)."""
         try:
@@ -175,26 +199,52 @@ class Sampling:
         elif r.checkpoint_id:
             await self.adapters.ensure(rep, r.checkpoint_id)
 
-    def _engine_request(self, key: ApiKey, m: ServedModel, r: SamplingRun, req: SampleRequest) -> SampleRequest:
+    def _engine_request(
+        self, key: ApiKey, m: ServedModel, r: SamplingRun, req: SampleRequest
+    ) -> SampleRequest:
         """`req` as the engine runs it: an engine-wide id, the run's weights (an inflight target's
         version is the engine's to resolve) and the caller as its tenant. The engine checks it."""
-        return dataclasses.replace(req, request_id=f"{r.id}/{req.request_id}",
-                                   weights=WeightsIdentity(m.name, _weights_name(r), 0),
-                                   inflight=bool(r.inflight_run_id), tenant=key.id)
+        return dataclasses.replace(
+            req,
+            request_id=f"{r.id}/{req.request_id}",
+            weights=WeightsIdentity(m.name, _weights_name(r), 0),
+            inflight=bool(r.inflight_run_id),
+            tenant=key.id,
+        )
 
-    async def _record(self, key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest, res: SampleResult,
-                      rep: Replica, fingerprint: str = "") -> SampleOutcome:
+    async def _record(
+        self,
+        key: ApiKey,
+        r: SamplingRun,
+        m: ServedModel,
+        req: SampleRequest,
+        res: SampleResult,
+        rep: Replica,
+        fingerprint: str = "",
+    ) -> SampleOutcome:
         """Meter a finished request and store its outcome (for retries), in one transaction off the
         event loop; the outcome is in `_recent` before any retry can miss it."""
         u = res.usage
         event = self._usage_event(key, r, m, req, res)
         out = SampleOutcome(
-            req.request_id, r.id, m.name, res.sequences,
-            res.prompt_logprobs, res.topk_prompt_logprobs,
-            {"prompt_tokens": u.prompt_tokens, "prefill_tokens": u.prefill_tokens,
-             "cached_tokens": u.cached_tokens, "sample_tokens": u.sample_tokens},
-            self.rate_card.cost(event)["total"], rep.index, res.prompt_alt_tokens, res.prompt_alt_logprobs,
-            res.target_prompt_logprobs)
+            req.request_id,
+            r.id,
+            m.name,
+            res.sequences,
+            res.prompt_logprobs,
+            res.topk_prompt_logprobs,
+            {
+                "prompt_tokens": u.prompt_tokens,
+                "prefill_tokens": u.prefill_tokens,
+                "cached_tokens": u.cached_tokens,
+                "sample_tokens": u.sample_tokens,
+            },
+            self.rate_card.cost(event)["total"],
+            rep.index,
+            res.prompt_alt_tokens,
+            res.prompt_alt_logprobs,
+            res.target_prompt_logprobs,
+        )
         stored = (out.to_json(), fingerprint)
         self._recent[(r.id, req.request_id)] = stored
         while len(self._recent) > RECENT_OUTCOMES:
@@ -205,20 +255,30 @@ class Sampling:
         return out
 
     @staticmethod
-    def _usage_event(key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest,
-                     res: SampleResult) -> UsageEvent:
+    def _usage_event(
+        key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest, res: SampleResult
+    ) -> UsageEvent:
         u = res.usage
         return UsageEvent.from_counts(
-            prompt_tokens=u.prompt_tokens, prefill=u.prefill_tokens, prefill_cached=u.cached_tokens,
-            time=time.time(), api_key_id=key.id, session_id=r.session_id, run_id=r.id,
-            base_model=m.name, operation="sample" if req.generate else "compute_logprobs",
-            request_id=req.request_id, sample=u.sample_tokens)
+            prompt_tokens=u.prompt_tokens,
+            prefill=u.prefill_tokens,
+            prefill_cached=u.cached_tokens,
+            time=time.time(),
+            api_key_id=key.id,
+            session_id=r.session_id,
+            run_id=r.id,
+            base_model=m.name,
+            operation="sample" if req.generate else "compute_logprobs",
+            request_id=req.request_id,
+            sample=u.sample_tokens,
+        )
 
     def _route(self, m: ServedModel, r: SamplingRun, req: SampleRequest) -> Replica:
         live = m.live_replicas()
         if not live:
-            raise Conflict(f"no engine replica of {m.name} is running; try again later",
-                           code="worker_lost", status=503)
+            raise Conflict(
+                f"no engine replica of {m.name} is running; try again later", code="worker_lost", status=503
+            )
         if r.checkpoint_id and not r.inflight_run_id:
             ck = self.store.checkpoint(r.checkpoint_id)
             if ck is not None and not ck.path:  # held in memory by the replica that trained it
@@ -232,13 +292,24 @@ class Sampling:
             replicas = [rep for rep in live if rep is not trainer] or live
         return self.router.route(replicas, identity, req.prompt, m.info.block_size)
 
-    async def _diagnose(self, key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest,
-                        res: SampleResult) -> None:
+    async def _diagnose(
+        self, key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest, res: SampleResult
+    ) -> None:
         try:
             found = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: self.diagnostics.observe(
-                    key.id, r.session_id, r.id, m.name, req.request_id, req.prompt,
-                    res.usage.cached_tokens, [s.tokens for s in res.sequences], m.tokenizer.decode))
+                None,
+                lambda: self.diagnostics.observe(
+                    key.id,
+                    r.session_id,
+                    r.id,
+                    m.name,
+                    req.request_id,
+                    req.prompt,
+                    res.usage.cached_tokens,
+                    [s.tokens for s in res.sequences],
+                    m.tokenizer.decode,
+                ),
+            )
             for d in found:
                 self.store.add_diagnostic(d)
         except Exception:  # diagnostics are advisory; never fail a request over them

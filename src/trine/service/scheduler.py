@@ -11,6 +11,7 @@ forward_backward into one trainer call, then applies their optim steps). A cycle
 A cycle's forward events hold about `cycle_tokens` tokens at most, shared fairly by the keys with
 work ready (ordering.py), so one key's long queue cannot hold back another key's step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,15 @@ CYCLE_TOKENS = 65536  # forward tokens per cycle, shared by the keys with work r
 
 
 class ClockScheduler:
-    def __init__(self, execute: Callable[[CyclePlan], Awaitable[None]], *, cycle_seconds: float = 0.0,
-                 gather_seconds: float = 0.02, first_cycle: int = 0, cycle_tokens: int | None = CYCLE_TOKENS):
+    def __init__(
+        self,
+        execute: Callable[[CyclePlan], Awaitable[None]],
+        *,
+        cycle_seconds: float = 0.0,
+        gather_seconds: float = 0.02,
+        first_cycle: int = 0,
+        cycle_tokens: int | None = CYCLE_TOKENS,
+    ):
         if cycle_seconds < 0 or gather_seconds < 0:
             raise ValueError("cycle_seconds and gather_seconds must be >= 0")
         self.execute = execute

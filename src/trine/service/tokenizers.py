@@ -5,6 +5,7 @@ The chat template is applied by `transformers` (exactly as `tokenizer.apply_chat
 add_generation_prompt=True)`), loaded from the model directory on first use (transformers takes
 about 2 s to import); nothing is fetched from a hub. Blocking calls: run them in a thread.
 """
+
 from __future__ import annotations
 
 import threading
@@ -52,15 +53,18 @@ class ModelTokenizer:
         template) or `messages` (the template refused them)."""
         tok = self._chat_tokenizer()
         if not tok.chat_template:
-            raise InvalidRequest(f"model {self.name} has no chat template; send a plain text prompt (a completion) "
-                                 "instead",
-                                 code="model_without_chat_template")
+            raise InvalidRequest(
+                f"model {self.name} has no chat template; send a plain text prompt (a completion) instead",
+                code="model_without_chat_template",
+            )
         try:
-            ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
+            ids = tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         except Exception as e:  # the template refused the conversation (e.g. role order)
-            raise InvalidRequest(f"messages: the chat template of {self.name} refused them: {e}",
-                                 code="invalid_messages") from None
+            raise InvalidRequest(
+                f"messages: the chat template of {self.name} refused them: {e}", code="invalid_messages"
+            ) from None
         return list(ids)
 
     def tool_call_format(self) -> str | None:
@@ -70,21 +74,36 @@ class ModelTokenizer:
         Probed once, by rendering a conversation with a tool."""
         if self._tool_format is None:
             tok = self._chat_tokenizer()
-            probe = {"type": "function", "function": {"name": "trine_probe_tool", "description": "",
-                                                      "parameters": {"type": "object", "properties": {}}}}
+            probe = {
+                "type": "function",
+                "function": {
+                    "name": "trine_probe_tool",
+                    "description": "",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
             try:
-                text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe],
-                                               add_generation_prompt=True, tokenize=False) \
-                    if tok.chat_template else ""
+                text = (
+                    tok.apply_chat_template(
+                        [{"role": "user", "content": "hi"}],
+                        tools=[probe],
+                        add_generation_prompt=True,
+                        tokenize=False,
+                    )
+                    if tok.chat_template
+                    else ""
+                )
             except Exception:  # a template that cannot render tools
                 text = ""
-            self._tool_format = ("" if "trine_probe_tool" not in text else
-                                 "hermes" if tool_calls.OPEN in text else "other")
+            self._tool_format = (
+                "" if "trine_probe_tool" not in text else "hermes" if tool_calls.OPEN in text else "other"
+            )
         return self._tool_format or None
 
     def _chat_tokenizer(self):
         with self._lock:
             if self._chat is None:
                 from transformers import AutoTokenizer
+
                 self._chat = AutoTokenizer.from_pretrained(str(self.dir), local_files_only=True)
             return self._chat

@@ -5,6 +5,7 @@
 model emit calls (constrained decoding), byte for byte in the format `parse` reads and the chat
 template renders for past calls.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,17 +52,25 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
     return text[:start], calls
 
 
-def forcing_grammar(tools: dict[str, dict | None], several: bool, open_id: int | None = None,
-                    close_id: int | None = None) -> str:
+def forcing_grammar(
+    tools: dict[str, dict | None], several: bool, open_id: int | None = None, close_id: int | None = None
+) -> str:
     """The grammar of one call (`several`: one or more) to any of `tools` (name -> the JSON schema
     of its arguments, None for none), with the arguments matching that tool's schema. `open_id` /
     `close_id`: the tokenizer's own token for `<tool_call>` / `</tool_call>` when it has one (as
     Qwen's does), which the call must then use: constrained decoding never spells an added token
     out of plain-text pieces."""
-    alternatives = " | ".join(grammars.embedded_json({
-        "type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-        "properties": {"name": {"const": name}, "arguments": params or NO_PARAMETERS}})
-        for name, params in tools.items())
+    alternatives = " | ".join(
+        grammars.embedded_json(
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "arguments"],
+                "properties": {"name": {"const": name}, "arguments": params or NO_PARAMETERS},
+            }
+        )
+        for name, params in tools.items()
+    )
     start = 'start: call ("\\n" call)*' if several else "start: call"
     open_ = f"<[{open_id}]>" if open_id is not None else f'"{OPEN}"'
     close = f"<[{close_id}]>" if close_id is not None else f'"{CLOSE}"'

@@ -4,14 +4,25 @@ The stored records (API keys, sessions, runs, checkpoints, events) are the store
 dataclasses, re-exported here so front ends read them without reaching the store; every other
 view is built by the service from its live state (models, engine replicas, clock cycles).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, TrainingRun
 
-__all__ = ["ApiKey", "Checkpoint", "EventRecord", "SamplingRun", "Session", "TrainingRun", "ModelView",
-           "SessionView", "CycleView", "ReplicaStats"]
+__all__ = [
+    "ApiKey",
+    "Checkpoint",
+    "EventRecord",
+    "SamplingRun",
+    "Session",
+    "TrainingRun",
+    "ModelView",
+    "SessionView",
+    "CycleView",
+    "ReplicaStats",
+]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ Each table mirrors a dataclass (records.py, metering.events): its columns are th
 so rows round-trip without hand-written mappings. Every method is one short transaction; nothing here
 holds the lock across I/O other than SQLite's own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,9 +66,11 @@ class Store:
                 self._add_missing_columns(table, [(f.name, _column_type(f)) for f in dataclasses.fields(cls)])
                 for col in indexes:
                     self._db.execute(f"CREATE INDEX IF NOT EXISTS ix_{table}_{col} ON {table}({col})")
-            self._db.execute("CREATE TABLE IF NOT EXISTS sample_results (sampling_run_id TEXT, "
-                             "request_id TEXT, response BLOB, created_at REAL, "
-                             "PRIMARY KEY (sampling_run_id, request_id))")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS sample_results (sampling_run_id TEXT, "
+                "request_id TEXT, response BLOB, created_at REAL, "
+                "PRIMARY KEY (sampling_run_id, request_id))"
+            )
             self._add_missing_columns("sample_results", [("fingerprint", "TEXT")])
 
     def _add_missing_columns(self, table: str, columns: list[tuple[str, str]]) -> None:
@@ -98,8 +101,17 @@ class Store:
         sets = ", ".join(f"{k} = ?" for k in fields)
         self._exec(f"UPDATE {table} SET {sets} WHERE id = ?", (*fields.values(), pk))
 
-    def _select(self, table: str, where: str = "1", args: tuple = (), *, order: str = "",
-                limit: int | None = None, offset: int = 0, skip: tuple[str, ...] = ()) -> list:
+    def _select(
+        self,
+        table: str,
+        where: str = "1",
+        args: tuple = (),
+        *,
+        order: str = "",
+        limit: int | None = None,
+        offset: int = 0,
+        skip: tuple[str, ...] = (),
+    ) -> list:
         """Rows as dataclasses; columns named in `skip` are not read (their fields are None)."""
         cls = TABLES[table][0]
         fields = dataclasses.fields(cls)
@@ -112,9 +124,14 @@ class Store:
         rows = self._exec(sql, args)
         out = []
         for row in rows:
-            vals = {f.name: (bool(v) if v is not None and _column_type(f) == "INTEGER"
-                             and str(f.type).startswith("bool") else v)
-                    for f, v in zip(fields, row)}
+            vals = {
+                f.name: (
+                    bool(v)
+                    if v is not None and _column_type(f) == "INTEGER" and str(f.type).startswith("bool")
+                    else v
+                )
+                for f, v in zip(fields, row)
+            }
             out.append(cls(**vals))
         return out
 
@@ -131,8 +148,7 @@ class Store:
         if not name or not name.strip():
             raise ValueError("key name: give a non-empty --name")
         secret = generate_key()
-        rec = ApiKey(id=new_id("key"), name=name.strip(), key_hash=hash_key(secret),
-                     created_at=time.time())
+        rec = ApiKey(id=new_id("key"), name=name.strip(), key_hash=hash_key(secret), created_at=time.time())
         self._insert("api_keys", rec)
         return rec, secret
 
@@ -160,8 +176,9 @@ class Store:
         return self._one("sessions", "id = ?", (session_id,))
 
     def sessions(self, api_key_id: str, limit: int = 20, offset: int = 0) -> tuple[list[Session], int]:
-        rows = self._select("sessions", "api_key_id = ?", (api_key_id,), order="created_at",
-                            limit=limit, offset=offset)
+        rows = self._select(
+            "sessions", "api_key_id = ?", (api_key_id,), order="created_at", limit=limit, offset=offset
+        )
         return rows, self._count("sessions", "api_key_id = ?", (api_key_id,))
 
     def update_session(self, session_id: str, **fields) -> None:
@@ -173,12 +190,17 @@ class Store:
     def training_run(self, run_id: str) -> TrainingRun | None:
         return self._one("training_runs", "id = ?", (run_id,))
 
-    def training_runs(self, api_key_id: str | None = None, *, session_id: str | None = None,
-                      status: str | None = None, limit: int | None = None,
-                      offset: int = 0) -> tuple[list[TrainingRun], int]:
+    def training_runs(
+        self,
+        api_key_id: str | None = None,
+        *,
+        session_id: str | None = None,
+        status: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> tuple[list[TrainingRun], int]:
         where, args = self._filters(api_key_id=api_key_id, session_id=session_id, status=status)
-        rows = self._select("training_runs", where, args, order="created_at", limit=limit,
-                            offset=offset)
+        rows = self._select("training_runs", where, args, order="created_at", limit=limit, offset=offset)
         return rows, self._count("training_runs", where, args)
 
     def update_training_run(self, run_id: str, **fields) -> None:
@@ -190,18 +212,26 @@ class Store:
     def sampling_run(self, run_id: str) -> SamplingRun | None:
         return self._one("sampling_runs", "id = ?", (run_id,))
 
-    def sampling_runs(self, api_key_id: str | None = None, *, session_id: str | None = None,
-                      status: str | None = None, training_run_id: str | None = None) -> list[SamplingRun]:
-        where, args = self._filters(api_key_id=api_key_id, session_id=session_id, status=status,
-                                    training_run_id=training_run_id)
+    def sampling_runs(
+        self,
+        api_key_id: str | None = None,
+        *,
+        session_id: str | None = None,
+        status: str | None = None,
+        training_run_id: str | None = None,
+    ) -> list[SamplingRun]:
+        where, args = self._filters(
+            api_key_id=api_key_id, session_id=session_id, status=status, training_run_id=training_run_id
+        )
         return self._select("sampling_runs", where, args, order="created_at")
 
     def update_sampling_run(self, run_id: str, **fields) -> None:
         self._update("sampling_runs", run_id, updated_at=time.time(), **fields)
 
     def count_runs(self, session_id: str) -> int:
-        return (self._count("training_runs", "session_id = ?", (session_id,))
-                + self._count("sampling_runs", "session_id = ?", (session_id,)))
+        return self._count("training_runs", "session_id = ?", (session_id,)) + self._count(
+            "sampling_runs", "session_id = ?", (session_id,)
+        )
 
     @staticmethod
     def _filters(**kw) -> tuple[str, tuple]:
@@ -217,16 +247,20 @@ class Store:
 
     def events(self, run_id: str, *, responses: bool = True) -> list[EventRecord]:
         """A run's events in index order; `responses=False` leaves `response` None (a cheap listing)."""
-        return self._select("events", "run_id = ?", (run_id,), order="idx",
-                            skip=() if responses else ("response",))
+        return self._select(
+            "events", "run_id = ?", (run_id,), order="idx", skip=() if responses else ("response",)
+        )
 
     def event_responses(self, event_ids: list[str]) -> dict[str, bytes]:
         """The stored responses of these events (those that have one)."""
         out: dict[str, bytes] = {}
         for i in range(0, len(event_ids), 500):
-            part = event_ids[i:i + 500]
-            rows = self._exec(f"SELECT id, response FROM events WHERE response IS NOT NULL AND id IN "
-                              f"({', '.join('?' for _ in part)})", tuple(part))
+            part = event_ids[i : i + 500]
+            rows = self._exec(
+                f"SELECT id, response FROM events WHERE response IS NOT NULL AND id IN "
+                f"({', '.join('?' for _ in part)})",
+                tuple(part),
+            )
             out.update((r[0], r[1]) for r in rows)
         return out
 
@@ -250,23 +284,35 @@ class Store:
     def sample_result(self, sampling_run_id: str, request_id: str) -> tuple[bytes, str | None] | None:
         """The stored response of a sample request and the fingerprint of the request it answered
         ("" or None: not recorded), in one read; None when nothing is stored."""
-        rows = self._exec("SELECT response, fingerprint FROM sample_results WHERE sampling_run_id = ? AND "
-                          "request_id = ?", (sampling_run_id, request_id))
+        rows = self._exec(
+            "SELECT response, fingerprint FROM sample_results WHERE sampling_run_id = ? AND request_id = ?",
+            (sampling_run_id, request_id),
+        )
         return (rows[0][0], rows[0][1]) if rows else None
 
-    def add_sample_result(self, sampling_run_id: str, request_id: str, response: bytes,
-                          fingerprint: str = "", usage: UsageEvent | None = None) -> None:
+    def add_sample_result(
+        self,
+        sampling_run_id: str,
+        request_id: str,
+        response: bytes,
+        fingerprint: str = "",
+        usage: UsageEvent | None = None,
+    ) -> None:
         """Store a sample request's response, and its usage in the same transaction."""
         with self._lock:
             self._db.execute("BEGIN")
             try:
-                self._db.execute("INSERT OR REPLACE INTO sample_results (sampling_run_id, request_id, response, "
-                                 "created_at, fingerprint) VALUES (?, ?, ?, ?, ?)",
-                                 (sampling_run_id, request_id, response, time.time(), fingerprint))
+                self._db.execute(
+                    "INSERT OR REPLACE INTO sample_results (sampling_run_id, request_id, response, "
+                    "created_at, fingerprint) VALUES (?, ?, ?, ?, ?)",
+                    (sampling_run_id, request_id, response, time.time(), fingerprint),
+                )
                 if usage is not None:
                     d = dataclasses.asdict(usage)
-                    self._db.execute(f"INSERT INTO usage_events ({', '.join(d)}) VALUES "
-                                     f"({', '.join('?' for _ in d)})", tuple(d.values()))
+                    self._db.execute(
+                        f"INSERT INTO usage_events ({', '.join(d)}) VALUES ({', '.join('?' for _ in d)})",
+                        tuple(d.values()),
+                    )
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -282,13 +328,19 @@ class Store:
     def checkpoint_by_uri(self, uri: str) -> Checkpoint | None:
         return self._one("checkpoints", "uri = ?", (uri,))
 
-    def checkpoints(self, api_key_id: str | None = None, *, training_run_id: str | None = None,
-                    visibility: str | None = None, limit: int | None = None,
-                    offset: int = 0) -> tuple[list[Checkpoint], int]:
-        where, args = self._filters(api_key_id=api_key_id, training_run_id=training_run_id,
-                                    visibility=visibility)
-        rows = self._select("checkpoints", where, args, order="created_at", limit=limit,
-                            offset=offset)
+    def checkpoints(
+        self,
+        api_key_id: str | None = None,
+        *,
+        training_run_id: str | None = None,
+        visibility: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> tuple[list[Checkpoint], int]:
+        where, args = self._filters(
+            api_key_id=api_key_id, training_run_id=training_run_id, visibility=visibility
+        )
+        rows = self._select("checkpoints", where, args, order="created_at", limit=limit, offset=offset)
         return rows, self._count("checkpoints", where, args)
 
     def update_checkpoint(self, checkpoint_id: str, **fields) -> None:
@@ -304,11 +356,15 @@ class Store:
             self._db.execute("BEGIN")
             try:
                 for p in points:
-                    self._db.execute("DELETE FROM run_metrics WHERE run_id = ? AND step = ? AND name = ?",
-                                     (p.run_id, p.step, p.name))
+                    self._db.execute(
+                        "DELETE FROM run_metrics WHERE run_id = ? AND step = ? AND name = ?",
+                        (p.run_id, p.step, p.name),
+                    )
                     d = dataclasses.asdict(p)
-                    self._db.execute(f"INSERT INTO run_metrics ({', '.join(d)}) VALUES "
-                                     f"({', '.join('?' for _ in d)})", tuple(d.values()))
+                    self._db.execute(
+                        f"INSERT INTO run_metrics ({', '.join(d)}) VALUES ({', '.join('?' for _ in d)})",
+                        tuple(d.values()),
+                    )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -323,24 +379,39 @@ class Store:
 
     def last_metrics(self, run_id: str) -> dict[str, float]:
         """Each metric's value at the highest step the run logged it at."""
-        rows = self._exec("SELECT name, value FROM run_metrics m WHERE run_id = ? AND step = "
-                          "(SELECT MAX(step) FROM run_metrics WHERE run_id = m.run_id AND name = m.name) "
-                          "ORDER BY name", (run_id,))
+        rows = self._exec(
+            "SELECT name, value FROM run_metrics m WHERE run_id = ? AND step = "
+            "(SELECT MAX(step) FROM run_metrics WHERE run_id = m.run_id AND name = m.name) "
+            "ORDER BY name",
+            (run_id,),
+        )
         return {r[0]: r[1] for r in rows}
 
     # ------------------------------------------------------------------ usage and diagnostics
     def add_usage(self, event: UsageEvent) -> None:
         self._insert("usage_events", event)
 
-    def usage_events(self, api_key_id: str, *, session_id: str | None = None,
-                     run_id: str | None = None, since: float | None = None) -> list[UsageEvent]:
+    def usage_events(
+        self,
+        api_key_id: str,
+        *,
+        session_id: str | None = None,
+        run_id: str | None = None,
+        since: float | None = None,
+    ) -> list[UsageEvent]:
         return self._timed("usage_events", api_key_id, session_id, run_id, since)
 
     def add_diagnostic(self, d: CacheDiagnostic) -> None:
         self._insert("diagnostics", d)
 
-    def diagnostics(self, api_key_id: str, *, session_id: str | None = None,
-                    run_id: str | None = None, since: float | None = None) -> list[CacheDiagnostic]:
+    def diagnostics(
+        self,
+        api_key_id: str,
+        *,
+        session_id: str | None = None,
+        run_id: str | None = None,
+        since: float | None = None,
+    ) -> list[CacheDiagnostic]:
         return self._timed("diagnostics", api_key_id, session_id, run_id, since)
 
     def _timed(self, table, api_key_id, session_id, run_id, since) -> list:

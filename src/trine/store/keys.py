@@ -4,6 +4,7 @@ Every key also has a Tinker form, `tml-` + the key (`tml-trine-...`), because th
 client refuses keys that do not start with `tml-`. Both forms carry the same secret and name the
 same key: the prefix is stripped before hashing, so it adds nothing an attacker could guess.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,7 +36,7 @@ def tinker_form(key: str) -> str:
 
 def canonical_key(key: str) -> str:
     """The trine form of a key given in either form."""
-    return key[len(TINKER_PREFIX):] if key.startswith(TINKER_PREFIX + KEY_PREFIX) else key
+    return key[len(TINKER_PREFIX) :] if key.startswith(TINKER_PREFIX + KEY_PREFIX) else key
 
 
 def hash_key(key: str) -> str:

@@ -1,4 +1,5 @@
 """Rows of the database as plain dataclasses; each table's columns are its dataclass's fields."""
+
 from __future__ import annotations
 
 import json

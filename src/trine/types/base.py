@@ -4,6 +4,7 @@ Building a type with bad values raises `trine.ValidationError` (a `TrineError` a
 naming the type and the field, e.g. `SamplingParams.max_tokens must be > 0, got 0`, never a raw
 pydantic error. (`model_validate`, which the server uses on wire bodies, keeps pydantic's error.)
 """
+
 from __future__ import annotations
 
 from pydantic import BaseModel as _PydanticBaseModel
@@ -33,5 +34,6 @@ class BaseModel(_PydanticBaseModel):
         try:
             super().__init__(**data)
         except _PydanticValidationError as e:
-            raise ValidationError(validation_message(type(self).__name__, e),
-                                  code=f"validation.invalid_{type(self).__name__}") from None
+            raise ValidationError(
+                validation_message(type(self).__name__, e), code=f"validation.invalid_{type(self).__name__}"
+            ) from None

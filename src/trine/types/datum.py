@@ -1,4 +1,5 @@
 """Datum: one training example, the model input plus the named loss inputs (all coerced to TensorData)."""
+
 from __future__ import annotations
 
 from typing import Any

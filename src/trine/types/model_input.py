@@ -3,6 +3,7 @@
 Invariant: `len(model_input)` is the number of model positions, i.e. text tokens plus each image's
 `expected_tokens`; it is undefined (ValueError) while an image lacks `expected_tokens`.
 """
+
 from __future__ import annotations
 
 import base64
@@ -82,7 +83,9 @@ class ModelInput(BaseModel):
         tokens: list[int] = []
         for chunk in self.chunks:
             if isinstance(chunk, ImageChunk):
-                raise ValueError("ModelInput.to_ints: the input contains image chunks, which have no token ids")
+                raise ValueError(
+                    "ModelInput.to_ints: the input contains image chunks, which have no token ids"
+                )
             tokens.extend(chunk.tokens)
         return tokens
 

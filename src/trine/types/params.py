@@ -2,6 +2,7 @@
 
 Defaults equal PyTRIO's. Invalid values raise ValueError naming the field.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,9 @@ class SamplingParams(BaseModel):
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"SamplingParams.max_tokens must be > 0, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}"
+            )
         if self.top_k != -1 and self.top_k <= 0:
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or > 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -35,8 +38,12 @@ class SamplingParams(BaseModel):
 
     def to_wire(self) -> dict:
         """The PyTRIO wire form: `stop` strings and `stop_token_ids` are separate fields."""
-        out: dict = {"max_tokens": self.max_tokens, "temperature": self.temperature,
-                     "top_k": self.top_k, "top_p": self.top_p}
+        out: dict = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+        }
         if self.seed is not None:
             out["seed"] = self.seed
         stop = self.stop
@@ -49,7 +56,9 @@ class SamplingParams(BaseModel):
             elif all(isinstance(s, str) for s in items):
                 out["stop"] = items
             else:
-                raise ValueError("SamplingParams.stop must be a str, a list of str, or a list of int token ids")
+                raise ValueError(
+                    "SamplingParams.stop must be a str, a list of str, or a list of int token ids"
+                )
         return out
 
 

@@ -1,5 +1,6 @@
 """What the clients' futures resolve to. Same names and fields as PyTRIO, plus trine's `usage`
 (tokens by phase, see `Usage`) and, for training events, the clock `cycle` that ran them."""
+
 from __future__ import annotations
 
 from typing import Literal

@@ -1,4 +1,5 @@
 """RestClient results: runs, sessions, samplers and checkpoints (PyTRIO's names and fields)."""
+
 from __future__ import annotations
 
 from datetime import datetime

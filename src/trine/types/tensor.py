@@ -4,6 +4,7 @@ Built from a torch tensor, a numpy array or a (nested) list of numbers: floats b
 integers int64. Invariant: prod(shape) == len(data). torch is never imported here; a torch tensor
 is recognised only if the caller already imported torch.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ class TensorData(BaseModel):
         if isinstance(value, (list, tuple)):
             arr = np.asarray(value)
             if arr.dtype.kind not in "iuf" and arr.size > 0:
-                raise ValueError("TensorData: only lists of numbers are allowed (got "
-                                 f"numpy dtype {arr.dtype})")
+                raise ValueError(
+                    f"TensorData: only lists of numbers are allowed (got numpy dtype {arr.dtype})"
+                )
             return cls.from_numpy(arr.astype(np.float32) if arr.size == 0 else arr).model_dump()
         return value
 
@@ -52,8 +54,10 @@ class TensorData(BaseModel):
         if any(d < 0 for d in self.shape):
             raise ValueError(f"TensorData.shape: negative dimension in {self.shape}")
         if math.prod(self.shape) != len(self.data):
-            raise ValueError(f"TensorData: {len(self.data)} values do not fit shape {self.shape} "
-                             f"(expected {math.prod(self.shape)})")
+            raise ValueError(
+                f"TensorData: {len(self.data)} values do not fit shape {self.shape} "
+                f"(expected {math.prod(self.shape)})"
+            )
         if self.dtype == "float32":
             self.data = [float(x) for x in self.data]
         else:
@@ -94,7 +98,9 @@ class TensorData(BaseModel):
         """A torch tensor of this dtype and shape (imports torch; raises ImportError without it)."""
         import torch
 
-        return torch.tensor(self.data, dtype=torch.float32 if self.dtype == "float32" else torch.int64).reshape(self.shape)
+        return torch.tensor(
+            self.data, dtype=torch.float32 if self.dtype == "float32" else torch.int64
+        ).reshape(self.shape)
 
     def tolist(self) -> list:
         return list(self.data)

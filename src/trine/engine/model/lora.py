@@ -11,6 +11,7 @@ Invariants
 - Target names are PEFT's (`q_proj`, ..., `lm_head`), so adapters export and load as PEFT's.
 - A new adapter is the identity on the base model (B starts at zero); its parameters are fp32.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..api import LoRAConfig
 from .invariant import linear
+
 
 def lora_features(model: nn.Module) -> dict[str, int]:
     """Per LoRA target name, in + out features summed over the layers: a rank-r adapter on targets

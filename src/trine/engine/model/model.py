@@ -13,6 +13,7 @@ Invariants
   are bit for bit the same in a decode step, a prefill chunk (cached prefix or not) and the
   training forward, whatever else is in the batch.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,20 +58,31 @@ class ModelConfig:
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = None
         if rope.get("rope_type", rope.get("type")) == "llama3":
-            scaling = (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
-                       rope["original_max_position_embeddings"])
+            scaling = (
+                rope["factor"],
+                rope["low_freq_factor"],
+                rope["high_freq_factor"],
+                rope["original_max_position_embeddings"],
+            )
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads), head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
             qk_norm=model_type == "qwen3",
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            model_type=model_type, eos_token_ids=eos,
+            model_type=model_type,
+            eos_token_ids=eos,
         )
 
 
@@ -234,9 +246,14 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,
-                      adapters: AdapterBatch | None = None, pad_mask: torch.Tensor | None = None,
-                      kv: KVContext | None = None) -> torch.Tensor:
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        adapters: AdapterBatch | None = None,
+        pad_mask: torch.Tensor | None = None,
+        kv: KVContext | None = None,
+    ) -> torch.Tensor:
         """tokens, positions [B, T] -> final normed hidden states [B, T, hidden].
 
         Without `kv`: causal attention within each row; `pad_mask` [B, T] (True = real token,

@@ -1,4 +1,5 @@
 """The tokenizer a model directory ships: tokenizer.json, its special tokens and chat template."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,13 @@ class Tokenizer:
 
     def files(self) -> list[Path]:
         """The files a client needs to rebuild this tokenizer locally."""
-        names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "special_tokens_map.json", "generation_config.json")
+        names = (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "special_tokens_map.json",
+            "generation_config.json",
+        )
         return [self.dir / n for n in names if (self.dir / n).is_file()]
 
     def added_token_id(self, text: str) -> int | None:

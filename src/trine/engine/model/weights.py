@@ -4,6 +4,7 @@ A directory holds config.json, one or many *.safetensors (optionally with an ind
 tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja). Nothing here ever
 reaches a model hub.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,9 @@ def read_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
 
 
-def load_model(path: str | Path, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None) -> Transformer:
+def load_model(
+    path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> Transformer:
     """Build the model from `path/config.json` and load every *.safetensors file into it."""
     path = Path(path)
     cfg = read_config(path)
@@ -67,8 +69,10 @@ def load_model(path: str | Path, device: torch.device | str | None = None,
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match a {cfg.model_type} model: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{path}: weights do not match a {cfg.model_type} model: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(dtype)

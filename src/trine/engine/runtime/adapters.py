@@ -37,7 +37,9 @@ class AdapterTable:
     def snapshot(self, checkpoint_id: str) -> Adapter:
         adapter = self._snapshots.get(checkpoint_id)
         if adapter is None:
-            raise ValueError(f"checkpoint {checkpoint_id} is not held by this engine; load it (load_adapter) first")
+            raise ValueError(
+                f"checkpoint {checkpoint_id} is not held by this engine; load it (load_adapter) first"
+            )
         return adapter
 
     # ------------------------------------------------------------------ inflight targets
@@ -65,14 +67,20 @@ class AdapterTable:
         if req.inflight:
             held = self._targets.get(name)
             if held is None:
-                raise ValueError(f"inflight target {name!r} is not held by this engine; publish it "
-                                 "(publish_target) before sampling from it")
+                raise ValueError(
+                    f"inflight target {name!r} is not held by this engine; publish it "
+                    "(publish_target) before sampling from it"
+                )
             version, adapter = held
-            return dataclasses.replace(req, weights=dataclasses.replace(req.weights, version=version)), adapter
+            return dataclasses.replace(
+                req, weights=dataclasses.replace(req.weights, version=version)
+            ), adapter
         if name is None:
             return req, None
         adapter = self._snapshots.get(name)
         if adapter is None:
-            raise ValueError(f"adapter {name!r} is not loaded on this engine; load it (load_adapter) before "
-                             "sampling from it")
+            raise ValueError(
+                f"adapter {name!r} is not loaded on this engine; load it (load_adapter) before "
+                "sampling from it"
+            )
         return req, adapter

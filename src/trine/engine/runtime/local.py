@@ -3,6 +3,7 @@
 Every call becomes a job or a sample request in the worker's inbox; results come back as asyncio
 futures on the caller's loop. The Ray backend runs one of these inside each replica actor.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,23 +12,49 @@ from collections import deque
 from pathlib import Path
 from typing import AsyncIterator
 
-from ..trainer.cycle import CycleRunner, drop_run, load_adapter, publish_target, spill_adapter
-from ..api import CycleResult, CycleStats, EngineInfo, EngineStats, LoRAConfig, SampleDelta, SampleRequest, SampleResult, TrainingCycle
+from ..api import (
+    CycleResult,
+    CycleStats,
+    EngineInfo,
+    EngineStats,
+    LoRAConfig,
+    SampleDelta,
+    SampleRequest,
+    SampleResult,
+    TrainingCycle,
+)
 from ..interface import Engine
 from ..model.lora import lora_features
+from ..trainer.cycle import CycleRunner, drop_run, load_adapter, publish_target, spill_adapter
 from .worker import EngineWorker
 
 RECENT_CYCLES = 32
 
 
 class LocalEngine(Engine):
-    def __init__(self, name: str, model_dir: str | Path, *, device: str | None = None,
-                 num_threads: int | None = None, sampler_options: dict | None = None,
-                 trainer_options: dict | None = None, replica: str = "local", dtype: str | None = None,
-                 batch_invariant: bool = False):
-        self.worker = EngineWorker(name, model_dir, device=device, num_threads=num_threads,
-                                   sampler_options=sampler_options, trainer_options=trainer_options,
-                                   dtype=dtype, batch_invariant=batch_invariant)
+    def __init__(
+        self,
+        name: str,
+        model_dir: str | Path,
+        *,
+        device: str | None = None,
+        num_threads: int | None = None,
+        sampler_options: dict | None = None,
+        trainer_options: dict | None = None,
+        replica: str = "local",
+        dtype: str | None = None,
+        batch_invariant: bool = False,
+    ):
+        self.worker = EngineWorker(
+            name,
+            model_dir,
+            device=device,
+            num_threads=num_threads,
+            sampler_options=sampler_options,
+            trainer_options=trainer_options,
+            dtype=dtype,
+            batch_invariant=batch_invariant,
+        )
         self.replica = replica
         self.recent_cycles: deque[CycleStats] = deque(maxlen=RECENT_CYCLES)
         self._runner = CycleRunner(self.worker)
@@ -36,9 +63,17 @@ class LocalEngine(Engine):
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.worker.start, loop)
         w = self.worker
-        self.info = EngineInfo(w.name, str(w.model_dir), w.vocab_size, w.max_seq_len,
-                               w.model.cfg.model_type, w.sampler.block_size, str(w.model.device), self.replica,
-                               lora_features(w.model))
+        self.info = EngineInfo(
+            w.name,
+            str(w.model_dir),
+            w.vocab_size,
+            w.max_seq_len,
+            w.model.cfg.model_type,
+            w.sampler.block_size,
+            str(w.model.device),
+            self.replica,
+            lora_features(w.model),
+        )
         return self.info
 
     async def stop(self) -> None:
@@ -59,8 +94,7 @@ class LocalEngine(Engine):
 
     async def run_cycle(self, cycle: TrainingCycle) -> CycleResult:
         res = await self.worker.submit(lambda w: self._runner.run(cycle))
-        self.recent_cycles.append(CycleStats(cycle.number, list(cycle.runs),
-                                             len(res.outcomes), res.seconds))
+        self.recent_cycles.append(CycleStats(cycle.number, list(cycle.runs), len(res.outcomes), res.seconds))
         return res
 
     async def drop_run(self, run_id: str) -> None:
@@ -84,6 +118,13 @@ class LocalEngine(Engine):
     async def stats(self) -> EngineStats:
         """Read without queueing behind a cycle (counters may be one step apart)."""
         w = self.worker
-        return EngineStats(w.name, self.replica, dict(w.sampler.stats), queued_jobs=w.queued_jobs,
-                           pending_samples=w.pending_samples, runs=w.trainer.num_runs,
-                           adapters=len(w.adapters), recent_cycles=list(self.recent_cycles))
+        return EngineStats(
+            w.name,
+            self.replica,
+            dict(w.sampler.stats),
+            queued_jobs=w.queued_jobs,
+            pending_samples=w.pending_samples,
+            runs=w.trainer.num_runs,
+            adapters=len(w.adapters),
+            recent_cycles=list(self.recent_cycles),
+        )

@@ -16,6 +16,7 @@ Invariants
 - Errors the engine raises reach the caller as the engine raised them (Ray's wrapper is removed), so
   a ValueError is still a ValueError with the engine's message.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,17 @@ from typing import AsyncIterator
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from ..api import CycleResult, EngineInfo, EngineLost, EngineStats, LoRAConfig, SampleDelta, SampleRequest, SampleResult, TrainingCycle
+from ..api import (
+    CycleResult,
+    EngineInfo,
+    EngineLost,
+    EngineStats,
+    LoRAConfig,
+    SampleDelta,
+    SampleRequest,
+    SampleResult,
+    TrainingCycle,
+)
 from ..interface import Engine
 from .local import LocalEngine
 from .ray_cluster import watch_local_cluster
@@ -93,8 +104,16 @@ class ReplicaActor:
 class RayEngine(Engine):
     """The service-side handle of one replica actor."""
 
-    def __init__(self, name: str, model_dir: str | Path, index: int, *, num_threads: int = 1,
-                 num_gpus: float = 0, options: dict | None = None):
+    def __init__(
+        self,
+        name: str,
+        model_dir: str | Path,
+        index: int,
+        *,
+        num_threads: int = 1,
+        num_gpus: float = 0,
+        options: dict | None = None,
+    ):
         self.name = name
         self.index = index
         opts = dict(options or {})
@@ -102,8 +121,11 @@ class RayEngine(Engine):
         if num_gpus:
             opts.setdefault("device", "cuda")
         self.actor = ReplicaActor.options(
-            num_cpus=0 if num_gpus else num_threads, num_gpus=num_gpus, max_concurrency=1000,
-            max_restarts=0, max_task_retries=0,
+            num_cpus=0 if num_gpus else num_threads,
+            num_gpus=num_gpus,
+            max_concurrency=1000,
+            max_restarts=0,
+            max_task_retries=0,
         ).remote(name, str(model_dir), f"ray:{name}/{index}", opts)
 
     async def _call(self, method: str, *args):
@@ -200,6 +222,9 @@ def ray_engines(replicas: int, *, num_threads: int = 1, options: dict | None = N
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
 
     def engines(name: str, model_dir: Path) -> list[Engine]:
-        return [RayEngine(name, model_dir, i, num_threads=num_threads, num_gpus=gpus, options=options)
-                for i in range(replicas)]
+        return [
+            RayEngine(name, model_dir, i, num_threads=num_threads, num_gpus=gpus, options=options)
+            for i in range(replicas)
+        ]
+
     return engines

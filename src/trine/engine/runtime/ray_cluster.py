@@ -9,6 +9,7 @@ GCS, raylet, log monitor and worker processes), SIGTERM then SIGKILL. Linux only
 /proc); elsewhere a killed trine's Ray processes end when Ray notices (about a minute).
 A cluster trine joined (`--ray auto`, `--ray ray://...`) is never stopped by trine.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -54,9 +55,13 @@ def watch_local_cluster() -> None:
     if not Path("/proc/self/cmdline").exists():
         return
     _release()  # one watching a cluster stopped before (ray.shutdown() called directly)
-    _watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, Path(session_dir()).name],
-                                 stdin=subprocess.PIPE, start_new_session=True,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _watchdog = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, Path(session_dir()).name],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def stop_local_cluster() -> None:

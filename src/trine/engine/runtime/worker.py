@@ -19,6 +19,7 @@ Between jobs, and between training micro-batches (`tick`, passed as the Trainer'
 `between_microbatches`), the thread admits newly arrived sample requests and runs one sampler step,
 so sampling never waits for a whole training cycle.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,12 +34,12 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from ..model.lora import Adapter
-from .adapters import AdapterTable
 from ..api import SampleCancelled, SampleDelta, SampleRequest, SampleResult
-from ..model.tokenizer import Tokenizer
 from ..model import invariant
+from ..model.lora import Adapter
+from ..model.tokenizer import Tokenizer
 from ..model.weights import load_model, parse_dtype
+from .adapters import AdapterTable
 
 log = logging.getLogger("trine.worker")
 
@@ -61,10 +62,18 @@ def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None =
 class EngineWorker:
     """Owns one base model. Create it, then `start(loop)` (loads the weights, blocks until ready)."""
 
-    def __init__(self, name: str, model_dir: str | Path, *, device: str | None = None,
-                 num_threads: int | None = None, sampler_options: dict | None = None,
-                 trainer_options: dict | None = None, dtype: str | None = None,
-                 batch_invariant: bool = False):
+    def __init__(
+        self,
+        name: str,
+        model_dir: str | Path,
+        *,
+        device: str | None = None,
+        num_threads: int | None = None,
+        sampler_options: dict | None = None,
+        trainer_options: dict | None = None,
+        dtype: str | None = None,
+        batch_invariant: bool = False,
+    ):
         self.name = name
         self.batch_invariant = batch_invariant  # invariant.enable: sampler = trainer, bit for bit
         self.model_dir = Path(model_dir).resolve()
@@ -90,8 +99,7 @@ class EngineWorker:
     def start(self, loop: asyncio.AbstractEventLoop, timeout: float | None = None) -> None:
         self.loop = loop
         self.exited = loop.create_future()  # set to the reason when the thread ends
-        self._thread = threading.Thread(target=self._main, name=f"trine-engine-{self.name}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"trine-engine-{self.name}", daemon=True)
         self._thread.start()
         self._ready.wait(timeout)
         if self._start_error is not None:
@@ -173,6 +181,7 @@ class EngineWorker:
                 torch.set_num_threads(self.num_threads)
             from ..sampler.sampler import Sampler
             from ..trainer.trainer import Trainer
+
             if self.batch_invariant:
                 invariant.enable(True)
             self.model = load_model(self.model_dir, device=self.device, dtype=self.dtype)

@@ -6,6 +6,7 @@ scheduler asks `peek(held)` for the next request whose tenant is not `held` (a t
 concurrency limit); when it fits the KV pool, `pop(r)` admits it; when it does not, admission stops
 for this step.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -15,6 +15,7 @@ Invariants
 - A complete grammar allows only the end-of-sequence tokens, so a constrained sample ends with EOS
   (or at max_tokens, or a stop string) like any other: constrained requests must stop at EOS.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ class Grammars:
     def compile(self, grammar: str) -> "llguidance.LLMatcher":
         """The matcher of `grammar` at its start. ValueError naming `grammar` if it does not compile."""
         import llguidance
+
         m = llguidance.LLMatcher(self._tokens(), grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"grammar: {m.get_error()}")
@@ -56,6 +58,7 @@ class Grammars:
         if not rows:
             return logits
         from llguidance.numpy import fill_next_token_bitmask_par
+
         # one bit per token (bit t % 32 of little-endian word t // 32); unconstrained rows allow all
         bitmask = np.full((len(seqs), (self._tokens().vocab_size + 31) // 32), -1, dtype=np.int32)
         bitmask[rows] = 0
@@ -79,12 +82,17 @@ class Grammars:
     def _tokens(self) -> "llguidance.LLTokenizer":
         if self._table is None:
             import llguidance
-            self._table = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=max(self.vocab_size, self.tokenizer.vocab_size),
-                                                 eos_token=self.eos_ids)
+
+            self._table = llguidance.LLTokenizer(
+                self.tokenizer.to_json(),
+                n_vocab=max(self.vocab_size, self.tokenizer.vocab_size),
+                eos_token=self.eos_ids,
+            )
         return self._table
 
     def _exec(self) -> "llguidance.LLExecutor":
         if self._executor is None:
             import llguidance
+
             self._executor = llguidance.LLExecutor()
         return self._executor

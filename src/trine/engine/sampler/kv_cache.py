@@ -20,6 +20,7 @@ Invariants
 - Evicting a block removes its key before the block is reused, so a reused block is never served
   for its old content.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -45,8 +46,9 @@ def block_key(parent: object, tokens: list[int] | tuple[int, ...]) -> int:
     return hash((parent, tuple(tokens)))
 
 
-def chain_hashes(identity: WeightsIdentity, tokens: list[int], block_size: int,
-                 start: int = 0, parent: int | None = None) -> list[int]:
+def chain_hashes(
+    identity: WeightsIdentity, tokens: list[int], block_size: int, start: int = 0, parent: int | None = None
+) -> list[int]:
     """Chained keys of the full blocks of `tokens`, from block `start` on.
 
     `parent` is the key of block `start - 1` (ignored when start == 0, where the root is
@@ -55,7 +57,7 @@ def chain_hashes(identity: WeightsIdentity, tokens: list[int], block_size: int,
     keys = []
     prev: object = identity if start == 0 else parent
     for b in range(start, len(tokens) // block_size):
-        prev = block_key(prev, tokens[b * block_size:(b + 1) * block_size])
+        prev = block_key(prev, tokens[b * block_size : (b + 1) * block_size])
         keys.append(prev)
     return keys
 
@@ -79,9 +81,16 @@ class NoFreeBlocks(RuntimeError):
 class BlockManager:
     """A fixed KV pool of `num_blocks` blocks with reference counting and an LRU prefix cache."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.block_size = block_size
@@ -100,15 +109,23 @@ class BlockManager:
         self.evictions = 0
 
     @staticmethod
-    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
     @classmethod
-    def from_budget(cls, memory_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                    block_size: int = 16, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> "BlockManager":
+    def from_budget(
+        cls,
+        memory_bytes: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "BlockManager":
         """As many blocks as fit in `memory_bytes` (K and V, every layer)."""
         per = cls.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
         if memory_bytes < per:
@@ -185,12 +202,11 @@ class BlockManager:
         bs = self.block_size
         s = src * bs
         for d in dsts:
-            self.k[:, d * bs:d * bs + n] = self.k[:, s:s + n]
-            self.v[:, d * bs:d * bs + n] = self.v[:, s:s + n]
+            self.k[:, d * bs : d * bs + n] = self.k[:, s : s + n]
+            self.v[:, d * bs : d * bs + n] = self.v[:, s : s + n]
 
     # ------------------------------------------------------------------ prefix cache
-    def match(self, identity: WeightsIdentity, tokens: list[int],
-              keys: list[int] | None = None) -> list[int]:
+    def match(self, identity: WeightsIdentity, tokens: list[int], keys: list[int] | None = None) -> list[int]:
         """Block ids of the longest cached full-block prefix of `tokens`, each with one more ref.
 
         `keys` are the chain keys of `tokens` (`chain_hashes`), if the caller already has them.
@@ -204,8 +220,11 @@ class BlockManager:
             if bid is None:
                 break
             block = self.blocks[bid]
-            if (block.identity != identity or block.parent != parent
-                    or block.tokens != tuple(tokens[i * bs:(i + 1) * bs])):
+            if (
+                block.identity != identity
+                or block.parent != parent
+                or block.tokens != tuple(tokens[i * bs : (i + 1) * bs])
+            ):
                 break  # hash collision: never serve it
             out.append(bid)
             parent = key
@@ -214,8 +233,14 @@ class BlockManager:
         self.incref(out)  # takes hit blocks off the LRU list until released again
         return out
 
-    def register(self, block_id: int, key: int, parent: object, identity: WeightsIdentity,
-                 tokens: list[int] | tuple[int, ...]) -> bool:
+    def register(
+        self,
+        block_id: int,
+        key: int,
+        parent: object,
+        identity: WeightsIdentity,
+        tokens: list[int] | tuple[int, ...],
+    ) -> bool:
         """Key a full, in-use block whose KV is computed. False if the key is already taken (the
         content is cached in another block) or the block already has a key."""
         block = self.blocks[block_id]

@@ -12,13 +12,14 @@ Invariants
   `WeightsIdentity` for block 0), so KV is only ever served to the same weights and tokens. Blocks
   a `mixed` request (an inflight one whose weights changed under it) computes are never keyed.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ..model.invariant import KEY_TILE
-from .kv_cache import BlockManager, block_key
 from ..model.model import KVContext
+from .kv_cache import BlockManager, block_key
 from .sequence import Request, Sequence
 
 
@@ -32,13 +33,16 @@ class KVLayout:
 
     def slots(self, block_lists: list[list[int]], length: int) -> torch.Tensor:
         """[B, length] pool slots of positions 0..length-1 of each row's blocks (padding: slot 0)."""
-        return self.slots_at(block_lists, torch.arange(length, device=self.device).expand(len(block_lists), length))
+        return self.slots_at(
+            block_lists, torch.arange(length, device=self.device).expand(len(block_lists), length)
+        )
 
     def slots_at(self, block_lists: list[list[int]], positions: torch.Tensor) -> torch.Tensor:
         """[B, n] pool slots of `positions` [B, n] of each row's blocks (past its blocks: in block 0)."""
         width = max(max(len(b) for b in block_lists), 1)
-        table = torch.tensor([b + [0] * (width - len(b)) for b in block_lists], dtype=torch.long,
-                             device=self.device).view(len(block_lists), width)
+        table = torch.tensor(
+            [b + [0] * (width - len(b)) for b in block_lists], dtype=torch.long, device=self.device
+        ).view(len(block_lists), width)
         blocks = table.gather(1, (positions // self.block_size).clamp(max=width - 1))
         return blocks * self.block_size + positions % self.block_size
 
@@ -52,7 +56,7 @@ class KVLayout:
         T, L = max(take for _, take in rows), max(ends)
         tokens = torch.zeros(len(rows), T, dtype=torch.long)
         for i, (r, _) in enumerate(rows):
-            tokens[i, :ends[i] - starts[i]] = torch.tensor(r.req.prompt[starts[i]:ends[i]])
+            tokens[i, : ends[i] - starts[i]] = torch.tensor(r.req.prompt[starts[i] : ends[i]])
         start = torch.tensor(starts)[:, None]
         positions = (start + torch.arange(T)[None]).to(dev)  # padded queries: past the end
         read = self.slots([r.blocks for r, _ in rows], L)
@@ -93,11 +97,13 @@ class KVLayout:
         own_from = torch.tensor([shared[p] for p, g in enumerate(groups) for _ in g], device=dev)
         own_len = torch.tensor([lens[i] for i in order], device=dev) - own_from
         S = -(-int(own_len.max()) // kt) * kt
-        own_slots = self.slots_at([seqs[i].blocks for i in order], own_from[:, None] + torch.arange(S, device=dev))
+        own_slots = self.slots_at(
+            [seqs[i].blocks for i in order], own_from[:, None] + torch.arange(S, device=dev)
+        )
         rows = torch.full((P, Q), -1, dtype=torch.long)  # packed query -> index into `order`
         start = 0
         for p, g in enumerate(groups):
-            rows[p, :len(g)] = torch.arange(start, start + len(g))
+            rows[p, : len(g)] = torch.arange(start, start + len(g))
             start += len(g)
         rows = rows.to(dev)
         k = rows.clamp(min=0)  # padding queries borrow a real sequence's keys: never all-masked
@@ -139,7 +145,9 @@ class KVLayout:
             return
         bs, w = self.block_size, r.req.weights
         for b in range(start // bs, end // bs):
-            self.kv.register(r.blocks[b], r.keys[b], r.keys[b - 1] if b else w, w, r.req.prompt[b * bs:(b + 1) * bs])
+            self.kv.register(
+                r.blocks[b], r.keys[b], r.keys[b - 1] if b else w, w, r.req.prompt[b * bs : (b + 1) * bs]
+            )
 
     def cache_decoded(self, seqs: list[Sequence]) -> None:
         """Key each sequence's block that this decode step's input token (its last) filled."""
@@ -151,6 +159,6 @@ class KVLayout:
                 b = len(s.tokens) // bs - 1
                 w = s.request.req.weights
                 parent = s.keys[b - 1] if b else w
-                toks = s.tokens[b * bs:]
+                toks = s.tokens[b * bs :]
                 s.keys.append(block_key(parent, toks))
                 self.kv.register(s.blocks[b], s.keys[-1], parent, w, toks)

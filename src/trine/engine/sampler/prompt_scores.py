@@ -14,17 +14,17 @@ Invariants
   empty). `prompt_logprobs_last_n` moves it for prompt logprobs and their top-k only; draws and
   targets keep theirs.
 """
+
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Callable
 
-import secrets
-
 import torch
 
-from ..model.invariant import log_probs
 from ..api import SampleRequest
+from ..model.invariant import log_probs
 from .sampling import TopLogprobs, draw, sample_seed
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call
@@ -33,8 +33,13 @@ _DRAWS_INDEX = 1 << 63  # the draws' generator: sample_seed(seed, index) with an
 
 def scores_prompt(req: SampleRequest) -> bool:
     """Whether the request computes anything at prompt positions (then prefill runs `extend`)."""
-    return bool(req.prompt_logprobs or req.topk_prompt_logprobs or not req.generate
-                or req.prompt_alt_tokens_k or req.target_prompt_ids)
+    return bool(
+        req.prompt_logprobs
+        or req.topk_prompt_logprobs
+        or not req.generate
+        or req.prompt_alt_tokens_k
+        or req.target_prompt_ids
+    )
 
 
 def logprobs_from(req: SampleRequest) -> int:
@@ -85,8 +90,13 @@ class PromptScores:
         rows = [[] for _ in range(start)] if req.target_prompt_ids else []
         return cls([None] * (start + 1), [None] * (start + 1), targets=rows, gen=gen)
 
-    def extend(self, req: SampleRequest, logits_of: Callable[[torch.Tensor], torch.Tensor],
-               hidden: torch.Tensor, start: int) -> None:
+    def extend(
+        self,
+        req: SampleRequest,
+        logits_of: Callable[[torch.Tensor], torch.Tensor],
+        hidden: torch.Tensor,
+        start: int,
+    ) -> None:
         """Add the scores of the positions whose hidden states [1, T, H] start at `start`: entries
         start + 1 on (this object holds entries 0..start). `logits_of` maps hidden states to logits."""
         prompt, k, alt_k = req.prompt, req.topk_prompt_logprobs, req.prompt_alt_tokens_k
@@ -98,9 +108,9 @@ class PromptScores:
         self.targets += [[] for _ in range(skipped)] if req.target_prompt_ids else []
         for a in range(first, stop, LOGITS_CHUNK):
             b = min(a + LOGITS_CHUNK, stop)
-            logits = logits_of(hidden[:, a - start:b - start])[0].float()
+            logits = logits_of(hidden[:, a - start : b - start])[0].float()
             logp = log_probs(logits)
-            nxt = torch.tensor(prompt[a + 1:b + 1], device=logp.device)
+            nxt = torch.tensor(prompt[a + 1 : b + 1], device=logp.device)
             self.logprobs += logp.gather(1, nxt[:, None])[:, 0].tolist()
             if k:
                 v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
@@ -127,11 +137,13 @@ class PromptScores:
         lps = [None] * min(cut, len(self.logprobs)) + self.logprobs[cut:]
         tops = [None] * min(cut, len(self.topk)) + self.topk[cut:]
         wants_lps = req.prompt_logprobs or not req.generate
-        return dict(prompt_logprobs=lps if wants_lps else None,
-                    topk_prompt_logprobs=tops if req.topk_prompt_logprobs else None,
-                    prompt_alt_tokens=self.alt_tokens if req.prompt_alt_tokens_k else None,
-                    prompt_alt_logprobs=self.alt_logprobs if req.prompt_alt_tokens_k else None,
-                    target_prompt_logprobs=self.targets if req.target_prompt_ids else None)
+        return dict(
+            prompt_logprobs=lps if wants_lps else None,
+            topk_prompt_logprobs=tops if req.topk_prompt_logprobs else None,
+            prompt_alt_tokens=self.alt_tokens if req.prompt_alt_tokens_k else None,
+            prompt_alt_logprobs=self.alt_logprobs if req.prompt_alt_tokens_k else None,
+            target_prompt_logprobs=self.targets if req.target_prompt_ids else None,
+        )
 
 
 def _gather_rows(logp: torch.Tensor, rows: list[list[int]]) -> list[list[float]]:
@@ -141,7 +153,7 @@ def _gather_rows(logp: torch.Tensor, rows: list[list[int]]) -> list[list[float]]
         return [[] for _ in rows]
     idx = torch.tensor([ids + [0] * (width - len(ids)) for ids in rows], device=logp.device)
     got = logp.gather(1, idx).tolist()
-    return [g[:len(ids)] for g, ids in zip(got, rows)]
+    return [g[: len(ids)] for g, ids in zip(got, rows)]
 
 
 def check_prompt_scores(req: SampleRequest, vocab_size: int, max_width: int) -> None:
@@ -152,7 +164,9 @@ def check_prompt_scores(req: SampleRequest, vocab_size: int, max_width: int) -> 
         if not (req.prompt_logprobs or req.topk_prompt_logprobs or not req.generate):
             raise ValueError("prompt_logprobs_last_n: applies to prompt logprobs; ask for them too")
         if not 1 <= last_n <= n - 1:
-            raise ValueError(f"prompt_logprobs_last_n: must be from 1 to len(prompt) - 1 = {n - 1}, got {last_n}")
+            raise ValueError(
+                f"prompt_logprobs_last_n: must be from 1 to len(prompt) - 1 = {n - 1}, got {last_n}"
+            )
     if not 0 <= req.prompt_alt_tokens_k <= max_width:
         raise ValueError(f"prompt_alt_tokens_k: must be in [0, {max_width}], got {req.prompt_alt_tokens_k}")
     ids = req.target_prompt_ids

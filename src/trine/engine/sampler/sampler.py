@@ -28,6 +28,7 @@ Invariants
   it computes from then on is keyed in the prefix cache, so no later request is served KV of
   weights other than its own. Each sampled token records the version that produced it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,30 +36,40 @@ import time
 
 import torch
 
-from ...limits import MAX_TOPK_PROMPT_LOGPROBS
-from .grammar import Grammars
-from .admission import FairAdmission, FifoAdmission
-from .kv_cache import BlockManager, default_kv_cache_bytes
-from .kv_layout import KVLayout
+from ...limits import MAX_TOPK_PROMPT_LOGPROBS, check_prompt_length
+from ..api import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
+from ..model.tokenizer import Tokenizer
+from .admission import FairAdmission, FifoAdmission
+from .grammar import Grammars
+from .kv_cache import BlockManager, default_kv_cache_bytes
+from .kv_layout import KVLayout
 from .prompt_scores import PromptScores, check_prompt_scores, scores_prompt
-from ...limits import check_prompt_length
-from ..api import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
 from .sampling import check_sampling_options, generators, sample
 from .scheduler import TENANT_SHARE, Scheduler
 from .sequence import Request, Sequence
 from .stops import Stops, check_stop_options, final_text
-from ..model.tokenizer import Tokenizer
 
 
 class Sampler:
     """Samples from one base model (and any of its LoRA adapters) with continuous batching."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, kv_cache_bytes: int | None = None,
-                 block_size: int = 16, max_batch_tokens: int = 2048, max_running: int = 64,
-                 enable_prefix_cache: bool = True, prefill_share: float = 0.5,
-                 prefill_step_seconds: float = 0.25, tenant_share: float = TENANT_SHARE, fair: bool = True):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        kv_cache_bytes: int | None = None,
+        block_size: int = 16,
+        max_batch_tokens: int = 2048,
+        max_running: int = 64,
+        enable_prefix_cache: bool = True,
+        prefill_share: float = 0.5,
+        prefill_step_seconds: float = 0.25,
+        tenant_share: float = TENANT_SHARE,
+        fair: bool = True,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = model.cfg
@@ -66,19 +77,39 @@ class Sampler:
         self.block_size = block_size
         self.kv = BlockManager.from_budget(
             kv_cache_bytes if kv_cache_bytes is not None else default_kv_cache_bytes(self.device),
-            self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, block_size, model.dtype, self.device)
-        self.scheduler = Scheduler(self.kv, max_batch_tokens=max_batch_tokens, max_running=max_running,
-                                   prefix_cache=enable_prefix_cache, prefill_share=prefill_share,
-                                   prefill_step_seconds=prefill_step_seconds, tenant_share=tenant_share,
-                                   admission=FairAdmission() if fair else FifoAdmission())
+            self.cfg.num_layers,
+            self.cfg.num_kv_heads,
+            self.cfg.head_dim,
+            block_size,
+            model.dtype,
+            self.device,
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            max_batch_tokens=max_batch_tokens,
+            max_running=max_running,
+            prefix_cache=enable_prefix_cache,
+            prefill_share=prefill_share,
+            prefill_step_seconds=prefill_step_seconds,
+            tenant_share=tenant_share,
+            admission=FairAdmission() if fair else FifoAdmission(),
+        )
         self.layout = KVLayout(self.kv, enable_prefix_cache)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.cfg.eos_token_ids)
         self.grammars = Grammars(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._live: dict[str, Request] = {}  # queued or running, by request id
         self._deltas: list[SampleDelta] = []  # streaming requests' new tokens this step
         self._carry: list[SampleResult] = []  # finished during run() but not run()'s own
-        self._counters = dict(requests=0, prompt_tokens=0, prefill_tokens=0, cached_tokens=0,
-                              sample_tokens=0, steps=0, prefill_forwards=0, decode_forwards=0)
+        self._counters = dict(
+            requests=0,
+            prompt_tokens=0,
+            prefill_tokens=0,
+            cached_tokens=0,
+            sample_tokens=0,
+            steps=0,
+            prefill_forwards=0,
+            decode_forwards=0,
+        )
 
     # ------------------------------------------------------------------ public API
     def add(self, req: SampleRequest, adapter: Adapter | None = None) -> None:
@@ -89,8 +120,13 @@ class Sampler:
         self._enqueue(req, adapter)
 
     def _enqueue(self, req: SampleRequest, adapter: Adapter | None) -> None:
-        r = Request(req, Stops.of(req.options, self.eos_ids), scores_prompt(req), adapter=adapter,
-                    version=req.weights.version)
+        r = Request(
+            req,
+            Stops.of(req.options, self.eos_ids),
+            scores_prompt(req),
+            adapter=adapter,
+            version=req.weights.version,
+        )
         if req.generate and req.options.grammar:
             r.matcher = self.grammars.compile(req.options.grammar)
         self._live[req.request_id] = r
@@ -160,11 +196,21 @@ class Sampler:
     @property
     def stats(self) -> dict:
         kv, sch = self.kv, self.scheduler
-        return dict(self._counters, cache_hit_blocks=kv.hit_blocks, cache_queried_blocks=kv.queried_blocks,
-                    cache_evictions=kv.evictions, blocks_total=kv.num_blocks, blocks_used=kv.num_used,
-                    blocks_free=kv.num_free, blocks_cached=kv.num_cached, blocks_reserved=sch.reserved,
-                    block_size=self.block_size, waiting=len(sch.waiting), prefilling=len(sch.prefilling),
-                    running=len(sch.running))
+        return dict(
+            self._counters,
+            cache_hit_blocks=kv.hit_blocks,
+            cache_queried_blocks=kv.queried_blocks,
+            cache_evictions=kv.evictions,
+            blocks_total=kv.num_blocks,
+            blocks_used=kv.num_used,
+            blocks_free=kv.num_free,
+            blocks_cached=kv.num_cached,
+            blocks_reserved=sch.reserved,
+            block_size=self.block_size,
+            waiting=len(sch.waiting),
+            prefilling=len(sch.prefilling),
+            running=len(sch.running),
+        )
 
     @torch.inference_mode()
     def step(self) -> list[SampleResult]:
@@ -194,13 +240,15 @@ class Sampler:
         compute_logprobs)."""
         tokens, positions, kvc = self.layout.prefill(rows)
         adapters = self._adapters([r for r, _ in rows])
-        hidden = self.model.hidden_states(tokens, positions, AdapterBatch.from_rows(adapters, self.device), kv=kvc)
+        hidden = self.model.hidden_states(
+            tokens, positions, AdapterBatch.from_rows(adapters, self.device), kv=kvc
+        )
         self._counters["prefill_forwards"] += 1
         finished, forked, last = [], [], []  # last: (row, its last prompt position, its samples)
         for i, (r, take) in enumerate(rows):
             start = r.prefilled
             if r.scores_prompt:
-                self._extend_prompt_scores(r, hidden[i:i + 1, :take], start, adapters[i])
+                self._extend_prompt_scores(r, hidden[i : i + 1, :take], start, adapters[i])
             self.layout.cache_prompt(r, start, start + take)
             r.prefilled = start + take
             if r.prompt_left:
@@ -214,15 +262,20 @@ class Sampler:
         if forked:
             dev = self.device
             rows_at = torch.tensor([i for i, _, _ in last], device=dev)
-            logits = self.model.logits(hidden[rows_at, torch.tensor([p for _, p, _ in last], device=dev)],
-                                       AdapterBatch.from_rows([adapters[i] for i, _, _ in last], dev))
-            per_seq = torch.repeat_interleave(torch.arange(len(last), device=dev),
-                                              torch.tensor([k for _, _, k in last], device=dev))
+            logits = self.model.logits(
+                hidden[rows_at, torch.tensor([p for _, p, _ in last], device=dev)],
+                AdapterBatch.from_rows([adapters[i] for i, _, _ in last], dev),
+            )
+            per_seq = torch.repeat_interleave(
+                torch.arange(len(last), device=dev), torch.tensor([k for _, _, k in last], device=dev)
+            )
             finished += self._advance(forked, logits.index_select(0, per_seq))
             self.scheduler.start([s for s in forked if s.stop_reason is None])
         return finished
 
-    def _extend_prompt_scores(self, r: Request, hidden: torch.Tensor, start: int, adapter: Adapter | None) -> None:
+    def _extend_prompt_scores(
+        self, r: Request, hidden: torch.Tensor, start: int, adapter: Adapter | None
+    ) -> None:
         """Add the prompt scores of a chunk (hidden states [1, take, H] from position `start`)."""
         if r.scores is None:  # the first computed chunk: the positions before `start` came from the cache
             r.scores = PromptScores.of(r.req, start)
@@ -241,8 +294,10 @@ class Sampler:
         req, full = r.req, len(r.req.prompt) // self.block_size
         reserve = self.scheduler.sample_reserve(r)
         gens = generators(req.options.seed, req.num_samples)
-        r.seqs = [Sequence(r, list(req.prompt), blocks, list(r.keys[:full]), gen, reserve, j)
-                  for j, (blocks, gen) in enumerate(zip(self.layout.fork(r), gens))]
+        r.seqs = [
+            Sequence(r, list(req.prompt), blocks, list(r.keys[:full]), gen, reserve, j)
+            for j, (blocks, gen) in enumerate(zip(self.layout.fork(r), gens))
+        ]
         r.running = len(r.seqs)
         if r.matcher is not None:
             for s in r.seqs:
@@ -283,10 +338,18 @@ class Sampler:
             if s.stop_reason is not None:
                 self._retire(s)
             if r.req.stream:
-                self._deltas.append(SampleDelta(r.req.request_id, s.index, [tok], [lp],
-                                                None if top is None else [top], s.stop_reason,
-                                                s.text if s.stop_reason else None,
-                                                [r.version] if r.req.inflight else None))
+                self._deltas.append(
+                    SampleDelta(
+                        r.req.request_id,
+                        s.index,
+                        [tok],
+                        [lp],
+                        None if top is None else [top],
+                        s.stop_reason,
+                        s.text if s.stop_reason else None,
+                        [r.version] if r.req.inflight else None,
+                    )
+                )
             if r.running == 0:
                 finished.append(self._result(r))
         return finished
@@ -305,8 +368,17 @@ class Sampler:
     def _result(self, r: Request) -> SampleResult:
         self._live.pop(r.req.request_id, None)
         k = r.req.options.top_logprobs
-        seqs = [SampledSequence(s.out, s.logprobs, s.text, s.stop_reason, s.top if k else None,
-                                s.versions if r.req.inflight else None) for s in r.seqs]
+        seqs = [
+            SampledSequence(
+                s.out,
+                s.logprobs,
+                s.text,
+                s.stop_reason,
+                s.top if k else None,
+                s.versions if r.req.inflight else None,
+            )
+            for s in r.seqs
+        ]
         scores = r.scores.answer(r.req) if r.scores is not None else {"prompt_logprobs": None}
         return SampleResult(r.req.request_id, seqs, usage=r.usage, **scores)
 
@@ -317,8 +389,11 @@ class Sampler:
             raise ValueError(f"request_id {req.request_id!r} is already queued or running")
         if n == 0:
             raise ValueError("prompt: is empty; give at least one token")
-        if any(not isinstance(t, int) for t in req.prompt) or min(req.prompt) < 0 \
-                or max(req.prompt) >= cfg.vocab_size:
+        if (
+            any(not isinstance(t, int) for t in req.prompt)
+            or min(req.prompt) < 0
+            or max(req.prompt) >= cfg.vocab_size
+        ):
             raise ValueError(f"prompt: token ids must be ints in [0, {cfg.vocab_size})")
         if req.num_samples < 1:
             raise ValueError(f"num_samples: must be >= 1, got {req.num_samples}")
@@ -335,11 +410,15 @@ class Sampler:
             check_sampling_options(opts, cfg.vocab_size)
             check_stop_options(opts, cfg.vocab_size)
             if opts.grammar and not opts.stop_at_eos:
-                raise ValueError("grammar: constrained decoding needs stop_at_eos (a complete grammar "
-                                 "allows only the end-of-sequence token)")
+                raise ValueError(
+                    "grammar: constrained decoding needs stop_at_eos (a complete grammar "
+                    "allows only the end-of-sequence token)"
+                )
         check_prompt_length(n, max_new, cfg.max_position_embeddings, req.weights.base_model)
         need = self.scheduler.blocks_needed(n, max_new, req.num_samples if req.generate else 0)
         if need > self.kv.num_blocks:
-            raise ValueError(f"prompt + max_tokens: {n} + {max_new} tokens x {req.num_samples} samples "
-                             f"need {need} KV blocks, the pool has {self.kv.num_blocks}; lower "
-                             f"max_tokens or num_samples, or give the sampler a larger kv_cache_bytes")
+            raise ValueError(
+                f"prompt + max_tokens: {n} + {max_new} tokens x {req.num_samples} samples "
+                f"need {need} KV blocks, the pool has {self.kv.num_blocks}; lower "
+                f"max_tokens or num_samples, or give the sampler a larger kv_cache_bytes"
+            )

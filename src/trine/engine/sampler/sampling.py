@@ -12,6 +12,7 @@ Invariants
   grammar (grammar.py) the logits arrive masked, so logprobs are of the distribution renormalised
   over the tokens the grammar allows: the one the token was drawn from.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,8 @@ import secrets
 
 import torch
 
-from ..model.invariant import log_probs
 from ..api import SamplingOptions
+from ..model.invariant import log_probs
 
 _MASK64 = 2**64 - 1
 
@@ -45,8 +46,9 @@ def generators(seed: int | None, n: int) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(sample_seed(seed, j)) for j in range(n)]
 
 
-def sample(logits: torch.Tensor, options: list[SamplingOptions], gens: list[torch.Generator]
-           ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
+def sample(
+    logits: torch.Tensor, options: list[SamplingOptions], gens: list[torch.Generator]
+) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """One token per row of `logits` [B, V] under its row's options: (tokens, their logprobs, each
     row's top-logprobs list, or None where its options ask for none)."""
     logits = logits.float()
@@ -56,8 +58,11 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], gens: list[torc
         tok = logits.argmax(-1)
     else:
         x = _filtered(logits, options, greedy)
-        u = torch.tensor([float(torch.rand((), generator=g)) if not gr else 0.0 for g, gr in zip(gens, greedy)],
-                         dtype=torch.float64, device=x.device)
+        u = torch.tensor(
+            [float(torch.rand((), generator=g)) if not gr else 0.0 for g, gr in zip(gens, greedy)],
+            dtype=torch.float64,
+            device=x.device,
+        )
         tok = draw(x, u[:, None])[:, 0]
         if any(greedy):
             tok = torch.where(torch.tensor(greedy, device=x.device), logits.argmax(-1), tok)
@@ -74,7 +79,11 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions], gens: list[torc
 def _filtered(logits: torch.Tensor, options: list[SamplingOptions], greedy: list[bool]) -> torch.Tensor:
     """Logits divided by each row's temperature, -inf outside its top-k and top-p."""
     temps = [1.0 if g else o.temperature for o, g in zip(options, greedy)]
-    x = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=logits.device)[:, None]
+    x = (
+        logits
+        if all(t == 1.0 for t in temps)
+        else logits / torch.tensor(temps, device=logits.device)[:, None]
+    )
     ks = [o.top_k if o.top_k > 0 else 0 for o in options]
     if any(ks):
         kmax = min(max(ks), x.shape[-1])
@@ -84,7 +93,9 @@ def _filtered(logits: torch.Tensor, options: list[SamplingOptions], greedy: list
         thr = torch.where(torch.tensor(ks, device=x.device)[:, None] > 0, thr, -math.inf)
         x = x.masked_fill(x < thr, -math.inf)
     if any(o.top_p < 1 for o in options):
-        top_p = torch.tensor([o.top_p if o.top_p < 1 else math.inf for o in options], device=x.device)[:, None]
+        top_p = torch.tensor([o.top_p if o.top_p < 1 else math.inf for o in options], device=x.device)[
+            :, None
+        ]
         sx, si = x.sort(dim=-1, descending=True)
         sp = sx.softmax(-1)
         drop = (sp.cumsum(-1) - sp) > top_p  # keep the smallest prefix reaching top_p

@@ -9,7 +9,8 @@ fit stops admission for this step. A tenant that already holds work may hold at 
 `tenant_window` seconds: its further requests wait (they are never refused), so one tenant's flood
 leaves room for another active tenant's request to start at once. A tenant alone (no other one
 seen within the window) may use the whole engine: the share costs a single user nothing. A
-request fits when its worst-case KV blocks (the prompt's, plus every sample decoding to `max_tokens`) fit the pool: free
+request fits when its worst-case KV blocks (the prompt's, plus every sample decoding to `max_tokens`) fit the
+pool: free
 + evictable blocks minus what admitted requests have reserved. So a running sequence never runs
 out of blocks and nothing is ever preempted. At admission a request looks up the longest cached
 full-block prefix of `prompt[:-1]` (the last prompt token is always computed: its logits give the
@@ -35,6 +36,7 @@ positive. So a long prompt adds about `prefill_share` to the per-token latency o
 after it however costly its chunks are, while a batch of requests sent together (a GRPO step) is
 prefilled at full speed and decodes as one batch.
 """
+
 from __future__ import annotations
 
 import time
@@ -95,10 +97,20 @@ class Scheduler:
     sequences' `reserve`, and never exceeds the pool's free + evictable blocks, so `grow` never
     runs out of blocks."""
 
-    def __init__(self, kv: BlockManager, *, max_batch_tokens: int = 2048, max_running: int = 64,
-                 prefix_cache: bool = True, prefill_share: float = 0.5, prefill_step_seconds: float = 0.25,
-                 admission: AdmissionPolicy | None = None, tenant_share: float = TENANT_SHARE,
-                 tenant_window: float = 60.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        kv: BlockManager,
+        *,
+        max_batch_tokens: int = 2048,
+        max_running: int = 64,
+        prefix_cache: bool = True,
+        prefill_share: float = 0.5,
+        prefill_step_seconds: float = 0.25,
+        admission: AdmissionPolicy | None = None,
+        tenant_share: float = TENANT_SHARE,
+        tenant_window: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         if not (prefill_share > 0 and prefill_step_seconds > 0):
@@ -207,7 +219,11 @@ class Scheduler:
         if unpaid:  # only prompts newer than every decoding request, and short
             newest = max(s.request.order for s in decoding)
             ready = [r for r in ready if r.order > newest and r.prompt_left <= self.max_batch_tokens]
-        rows = chunk_rows(fair_order(ready, self._served()), self._prefill_budget(bool(decoding))) if ready else []
+        rows = (
+            chunk_rows(fair_order(ready, self._served()), self._prefill_budget(bool(decoding)))
+            if ready
+            else []
+        )
         return StepPlan(decoding, rows, charged=bool(decoding) and not unpaid)
 
     def _served(self) -> dict[str, int]:
@@ -253,12 +269,15 @@ class Scheduler:
         wait while other tenants' are admitted."""
         admitted: list[Request] = []
         # keys of blocks still being prefilled: a request whose uncached prefix starts there waits
-        pending = {k for r in self.prefilling for k in r.keys[r.prefilled // self.block_size:]}
+        pending = {k for r in self.prefilling for k in r.keys[r.prefilled // self.block_size :]}
         running = len(self.running) + sum(r.samples for r in self.prefilling)
         samples, blocks = self._tenant_holdings()
         shared = self._sharing(samples)
-        held = {t for t in samples if t in shared
-                and (samples[t] >= self.tenant_running or blocks[t] >= self.tenant_blocks)}
+        held = {
+            t
+            for t in samples
+            if t in shared and (samples[t] >= self.tenant_running or blocks[t] >= self.tenant_blocks)
+        }
         while (r := self.waiting.peek(held)) is not None:
             if (admitted or self.running or self.prefilling) and running + r.samples > self.max_running:
                 break
@@ -266,14 +285,17 @@ class Scheduler:
             if t in held:  # a policy that does not skip held tenants: nothing more this step
                 break
             need = self.blocks_needed(len(r.req.prompt), r.max_new, r.samples)
-            if samples[t] and t in shared and (samples[t] + r.samples > self.tenant_running
-                                               or blocks[t] + need > self.tenant_blocks):
+            if (
+                samples[t]
+                and t in shared
+                and (samples[t] + r.samples > self.tenant_running or blocks[t] + need > self.tenant_blocks)
+            ):
                 held.add(t)  # over its share with this one: it waits, other tenants go on
                 continue
             if not self._allocate(r, pending):
                 break
             self.waiting.pop(r)
-            pending.update(r.keys[r.prefilled // self.block_size:])
+            pending.update(r.keys[r.prefilled // self.block_size :])
             running += r.samples
             self._hold(samples, blocks, r)
             admitted.append(r)
@@ -320,9 +342,12 @@ class Scheduler:
         if self.prefix_cache:
             r.keys = chain_hashes(req.weights, req.prompt, bs)
         reads = r.cacheable
-        matched = [] if not reads or not self.prefix_cache else \
-            kv.match(req.weights, req.prompt[:reads], r.keys[:reads // bs])
-        if reads and r.keys[len(matched):len(matched) + 1] and r.keys[len(matched)] in pending:
+        matched = (
+            []
+            if not reads or not self.prefix_cache
+            else kv.match(req.weights, req.prompt[:reads], r.keys[: reads // bs])
+        )
+        if reads and r.keys[len(matched) : len(matched) + 1] and r.keys[len(matched)] in pending:
             kv.release(matched)  # the next block is being computed now: hit it when it is done
             return False
         prompt_blocks = -(-n // bs)

@@ -15,13 +15,14 @@ Invariants
   steps, when its inflight target is published anew (`Sampler.publish`). A request whose KV then
   spans two versions is `mixed`: none of its blocks computed from then on is keyed in the cache.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .prompt_scores import cacheable
 from ..api import SampleRequest, SampleUsage
+from .prompt_scores import cacheable
 from .stops import Stops
 
 if TYPE_CHECKING:

@@ -10,6 +10,7 @@ Invariants
   Each token decodes only a window of recent tokens (wide enough for the longest stop string);
   the whole text is decoded once, when a stop string is seen, to cut it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ class Stops:
             return None
         text = tokenizer.decode(out)
         hits = [i for i in (text.find(x) for x in self.strings) if i >= 0]
-        return text[:min(hits)] if hits else None
+        return text[: min(hits)] if hits else None
 
 
 def final_text(out: list[int], stop_reason: str | None, tokenizer: Tokenizer) -> str:

@@ -1,1 +1,2 @@
-"""The trainer: LoRA training runs (forward_backward, optim_step), losses, clock-cycle execution and checkpoints."""
+"""The trainer: LoRA training runs (forward_backward, optim_step), losses, clock-cycle execution and
+checkpoints."""

@@ -14,6 +14,7 @@ Invariants
   of the directory): a crash mid-write leaves the previous file intact and no partial file behind.
 - `adapter_config.json` is written last, so a directory that has one also has its weights.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,8 +76,13 @@ def adapter_state(adapter: Adapter) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_peft_adapter(adapter: Adapter, lora: LoRAConfig, path: str | Path, base_model: str,
-                      base_model_dir: str | Path | None = None) -> int:
+def save_peft_adapter(
+    adapter: Adapter,
+    lora: LoRAConfig,
+    path: str | Path,
+    base_model: str,
+    base_model_dir: str | Path | None = None,
+) -> int:
     """Write `adapter` as a PEFT LoRA adapter directory at `path`. Returns the bytes written.
 
     `base_model_name_or_path` is the base model's directory when known (`base_model_dir`), so
@@ -86,11 +92,19 @@ def save_peft_adapter(adapter: Adapter, lora: LoRAConfig, path: str | Path, base
     path.mkdir(parents=True, exist_ok=True)
     facts = {"base_model": base_model, "base_model_dir": str(base_model_dir) if base_model_dir else None}
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
         "base_model_name_or_path": str(base_model_dir) if base_model_dir else base_model,
-        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
-        "target_modules": sorted(lora.target_names()), "fan_in_fan_out": False, "use_rslora": False,
-        "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(lora.target_names()),
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
     }
     meta = {"trine_lora": json.dumps(asdict(lora))}
     written = atomic_write(path / ADAPTER_WEIGHTS, save(adapter_state(adapter), metadata=meta))
@@ -122,20 +136,28 @@ def read_lora_config(path: str | Path) -> LoRAConfig:
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
     if cfg.get("bias", "none") != "none" or cfg.get("fan_in_fan_out") or cfg.get("modules_to_save"):
-        raise ValueError(f"{cfg_file}: only plain LoRA is supported (bias 'none', no fan_in_fan_out, "
-                         "no modules_to_save)")
+        raise ValueError(
+            f"{cfg_file}: only plain LoRA is supported (bias 'none', no fan_in_fan_out, no modules_to_save)"
+        )
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     names = {t.rsplit(".", 1)[-1] for t in targets}
     unsupported = sorted(names - set(LORA_ATTN + LORA_MLP + LORA_UNEMBED))
     if unsupported:
-        raise ValueError(f"{cfg_file}: target_modules {unsupported} are not supported "
-                         f"(LoRA targets: {', '.join(LORA_ATTN + LORA_MLP + LORA_UNEMBED)})")
+        raise ValueError(
+            f"{cfg_file}: target_modules {unsupported} are not supported "
+            f"(LoRA targets: {', '.join(LORA_ATTN + LORA_MLP + LORA_UNEMBED)})"
+        )
     rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     if cfg.get("use_rslora"):
         alpha = alpha * math.sqrt(rank)  # rsLoRA scales by alpha / sqrt(r); ours by alpha / r
-    return LoRAConfig(rank=rank, alpha=alpha, train_attn=bool(names & set(LORA_ATTN)),
-                      train_mlp=bool(names & set(LORA_MLP)), train_unembed=bool(names & set(LORA_UNEMBED)))
+    return LoRAConfig(
+        rank=rank,
+        alpha=alpha,
+        train_attn=bool(names & set(LORA_ATTN)),
+        train_mlp=bool(names & set(LORA_MLP)),
+        train_unembed=bool(names & set(LORA_UNEMBED)),
+    )
 
 
 def load_peft_adapter(model: Transformer, path: str | Path) -> tuple[Adapter, LoRAConfig]:
@@ -151,8 +173,10 @@ def load_peft_adapter(model: Transformer, path: str | Path) -> tuple[Adapter, Lo
     expected = {peft_key(m, w) for m in adapter.module_names() for w in "AB"}
     unexpected = sorted(set(state) - expected)
     if unexpected:
-        raise ValueError(f"{path / ADAPTER_WEIGHTS}: keys {unexpected[:3]} do not match this model's LoRA "
-                         f"modules (expected keys like {peft_key('model.layers.0.self_attn.q_proj', 'A')})")
+        raise ValueError(
+            f"{path / ADAPTER_WEIGHTS}: keys {unexpected[:3]} do not match this model's LoRA "
+            f"modules (expected keys like {peft_key('model.layers.0.self_attn.q_proj', 'A')})"
+        )
     with torch.no_grad():
         for module in adapter.module_names():
             a, b = adapter.pair(module)
@@ -162,8 +186,10 @@ def load_peft_adapter(model: Transformer, path: str | Path) -> tuple[Adapter, Lo
                 continue
             for param, key in ((a, ka), (b, kb)):
                 if tuple(state[key].shape) != tuple(param.shape):
-                    raise ValueError(f"{path / ADAPTER_WEIGHTS}: {key} has shape {tuple(state[key].shape)}, "
-                                     f"this model needs {tuple(param.shape)}")
+                    raise ValueError(
+                        f"{path / ADAPTER_WEIGHTS}: {key} has shape {tuple(state[key].shape)}, "
+                        f"this model needs {tuple(param.shape)}"
+                    )
                 param.copy_(state[key])
     return adapter, lora
 
@@ -187,8 +213,10 @@ def load_optimizer_state(adapter: Adapter, optimizer: torch.optim.Optimizer, pat
     """Restore what `save_optimizer_state` wrote into a fresh optimizer over `adapter`'s parameters."""
     file = Path(path) / OPTIMIZER_STATE
     if not file.is_file():
-        raise ValueError(f"{path} holds no optimizer state ({OPTIMIZER_STATE}); it is a sampler checkpoint: "
-                         "load it without the optimizer")
+        raise ValueError(
+            f"{path} holds no optimizer state ({OPTIMIZER_STATE}); it is a sampler checkpoint: "
+            "load it without the optimizer"
+        )
     tensors = load_file(str(file))
     for module in adapter.module_names():
         for which, param in zip("AB", adapter.pair(module)):
@@ -197,8 +225,10 @@ def load_optimizer_state(adapter: Adapter, optimizer: torch.optim.Optimizer, pat
                 continue
             exp_avg, exp_avg_sq = tensors[f"exp_avg/{key}"], tensors[f"exp_avg_sq/{key}"]
             if exp_avg.shape != param.shape or exp_avg_sq.shape != param.shape:
-                raise ValueError(f"{file}: optimizer state for {key} has shape {tuple(exp_avg.shape)}, "
-                                 f"the adapter needs {tuple(param.shape)}")
+                raise ValueError(
+                    f"{file}: optimizer state for {key} has shape {tuple(exp_avg.shape)}, "
+                    f"the adapter needs {tuple(param.shape)}"
+                )
             optimizer.state[param] = {
                 "step": tensors[f"step/{key}"].reshape(()).clone(),
                 "exp_avg": exp_avg.to(param.device, param.dtype),

@@ -10,6 +10,7 @@ op that was not (a direct caller's) is checked by the trainer before it computes
 batched call raises ValueError the entries are retried one by one and only the culprit fails. Any other
 exception fails the events of that call with `internal_error`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,9 +22,21 @@ import traceback
 import uuid
 from pathlib import Path
 
-from .checkpoint import by_uri, load_peft_adapter, save_peft_adapter
-from ..api import CycleEvent, CycleResult, EndRun, EventOutcome, Forward, InitRun, LoRAConfig, OptimStep, Refused, Save, TrainingCycle
+from ..api import (
+    CycleEvent,
+    CycleResult,
+    EndRun,
+    EventOutcome,
+    Forward,
+    InitRun,
+    LoRAConfig,
+    OptimStep,
+    Refused,
+    Save,
+    TrainingCycle,
+)
 from ..model.lora import Adapter
+from .checkpoint import by_uri, load_peft_adapter, save_peft_adapter
 from .trainer import ForwardResult
 
 log = logging.getLogger("trine.cycle")
@@ -31,22 +44,39 @@ log = logging.getLogger("trine.cycle")
 
 def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
     if not math.isfinite(res.loss_sum):
-        return EventOutcome(error=("non_finite_loss", f"the loss is {res.loss_sum}: check the logprobs "
-                                   "and advantages (policy losses) or weights you sent"))
+        return EventOutcome(
+            error=(
+                "non_finite_loss",
+                f"the loss is {res.loss_sum}: check the logprobs "
+                "and advantages (policy losses) or weights you sent",
+            )
+        )
     logprobs = [[float(x) for x in lp] for lp in res.logprobs]
     losses = [[float(x) for x in loss] for loss in res.losses]
-    metrics = {"loss_sum": float(res.loss_sum), "loss_mean": float(res.loss_mean),
-               "token_count": int(res.token_count)}
-    return EventOutcome(logprobs=logprobs, losses=losses, metrics=metrics,
-                        train_tokens=res.usage.train_tokens, loss_tokens=res.usage.loss_tokens)
+    metrics = {
+        "loss_sum": float(res.loss_sum),
+        "loss_mean": float(res.loss_mean),
+        "token_count": int(res.token_count),
+    }
+    return EventOutcome(
+        logprobs=logprobs,
+        losses=losses,
+        metrics=metrics,
+        train_tokens=res.usage.train_tokens,
+        loss_tokens=res.usage.loss_tokens,
+    )
 
 
 def _failed(e: BaseException) -> EventOutcome:
     if isinstance(e, ValueError):
         return EventOutcome(error=(getattr(e, "code", "validation_failed"), str(e)))
     log.error("engine error:\n%s", traceback.format_exc())
-    return EventOutcome(error=("internal_error", f"an internal error in the engine ({type(e).__name__}); the "
-                               "server logged it"))
+    return EventOutcome(
+        error=(
+            "internal_error",
+            f"an internal error in the engine ({type(e).__name__}); the server logged it",
+        )
+    )
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
@@ -97,8 +127,12 @@ class CycleRunner:
                 out[ev.event_id] = self._single(run_id, ev)
                 self.w.tick()
         for backward in (False, True):
-            entries = [(run_id, ev) for run_id, share in cycle.runs.items() for ev in share.forward
-                       if ev.op.backward == backward]
+            entries = [
+                (run_id, ev)
+                for run_id, share in cycle.runs.items()
+                for ev in share.forward
+                if ev.op.backward == backward
+            ]
             if entries:
                 out.update(self._forward(entries, backward))
                 self.w.tick()
@@ -138,8 +172,7 @@ class CycleRunner:
 
     def _call(self, live, backward):
         batch = [(run_id, ev.op.data, ev.op.loss, ev.op.denominator, ev.op.counts) for run_id, ev in live]
-        return self.trainer.forward_backward(batch, backward=backward,
-                                             between_microbatches=self.w.tick)
+        return self.trainer.forward_backward(batch, backward=backward, between_microbatches=self.w.tick)
 
     def _single(self, run_id: str, ev: CycleEvent) -> EventOutcome:
         op = ev.op
@@ -171,8 +204,10 @@ class CycleRunner:
                     raise FileNotFoundError(op.checkpoint_path)
                 self.trainer.load_state(run_id, Path(op.checkpoint_path), with_optimizer=op.load_optimizer)
             except FileNotFoundError:  # deleted after the event was accepted (or while it loaded)
-                error = ValueError(f"checkpoint {op.checkpoint_uri} not found: it was deleted after this "
-                                   "restore was accepted; restore from another checkpoint")
+                error = ValueError(
+                    f"checkpoint {op.checkpoint_uri} not found: it was deleted after this "
+                    "restore was accepted; restore from another checkpoint"
+                )
                 error.code = "checkpoint_not_found"
                 raise error from None
             except (ValueError, OSError) as e:
@@ -202,8 +237,13 @@ class CycleRunner:
 
 
 def _not_initialized(run_id: str) -> EventOutcome:
-    return EventOutcome(error=("run_not_initialized", f"training run {run_id} has no weights: its "
-                               "init_run event did not succeed; create a new training client"))
+    return EventOutcome(
+        error=(
+            "run_not_initialized",
+            f"training run {run_id} has no weights: its "
+            "init_run event did not succeed; create a new training client",
+        )
+    )
 
 
 def drop_run(worker, run_id: str) -> None:
@@ -230,5 +270,6 @@ def load_adapter(worker, checkpoint_id: str, path: str) -> int:
 def spill_adapter(worker, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
     """Write an in-memory snapshot to disk so it can leave memory (worker thread)."""
     adapter = worker.adapters.snapshot(checkpoint_id)
-    return save_dir(Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, worker.name,
-                                                              worker.model.source_dir))
+    return save_dir(
+        Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, worker.name, worker.model.source_dir)
+    )

@@ -20,6 +20,7 @@ Invariants
 - Every file written is mode 0644 (readable by all, writable by the owner), whatever mode the
   writer (safetensors writes 0600) or the base model's own files had.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_MODEL_NAME, TRINE_FACTS, read_lora_config, trine_facts
+from .checkpoint import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    BASE_MODEL_NAME,
+    TRINE_FACTS,
+    read_lora_config,
+    trine_facts,
+)
 
 _PEFT_PREFIX = "base_model.model."
 SHARD_INDEX = "model.safetensors.index.json"
@@ -125,8 +133,10 @@ def export_merged(adapter_dir: str | Path, out: str | Path, base_dir: str | Path
             if name in tensors:
                 w = tensors[name]
                 if tuple(w.shape) != tuple(delta.shape):
-                    raise ValueError(f"{adapter_dir}: the adapter for {name} has shape {tuple(delta.shape)}, "
-                                     f"the base model's weight is {tuple(w.shape)}")
+                    raise ValueError(
+                        f"{adapter_dir}: the adapter for {name} has shape {tuple(delta.shape)}, "
+                        f"the base model's weight is {tuple(w.shape)}"
+                    )
                 tensors[name] = (w.float() + delta).to(w.dtype).contiguous()
                 merged.add(name)
         tmp = out / f".{shard.name}.tmp"
@@ -135,8 +145,10 @@ def export_merged(adapter_dir: str | Path, out: str | Path, base_dir: str | Path
         weight_map.update(dict.fromkeys(tensors, shard.name))
     missing = sorted(set(deltas) - merged)
     if missing:
-        raise ValueError(f"{adapter_dir}: adapted weights {missing[:3]} are not in {base}: "
-                         "is it the base model this adapter was trained on?")
+        raise ValueError(
+            f"{adapter_dir}: adapted weights {missing[:3]} are not in {base}: "
+            "is it the base model this adapter was trained on?"
+        )
     if (base / SHARD_INDEX).is_file():
         index = json.loads((base / SHARD_INDEX).read_text())
         _write_json(out / SHARD_INDEX, {**index, "weight_map": weight_map})
@@ -145,7 +157,13 @@ def export_merged(adapter_dir: str | Path, out: str | Path, base_dir: str | Path
             _copy(f, out / f.name)
     if untie:
         config["tie_word_embeddings"] = False
-    _write_json(out / TRINE_FACTS, {"base_model": trine_facts(adapter_dir).get("base_model") or base.name,
-                                    "base_model_dir": str(base.resolve()), "merged_from": str(adapter_dir)})
+    _write_json(
+        out / TRINE_FACTS,
+        {
+            "base_model": trine_facts(adapter_dir).get("base_model") or base.name,
+            "base_model_dir": str(base.resolve()),
+            "merged_from": str(adapter_dir),
+        },
+    )
     _write_json(out / "config.json", config)
     return out

@@ -38,6 +38,7 @@ Invariants
 - Inputs were checked once, when their event was accepted (`engine/prepare.py`); nothing here
   checks them again.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api import IGNORE_INDEX, Loss, TrainDatum
+
 
 @dataclass
 class LossInputs:
@@ -79,8 +81,9 @@ class LossInputs:
         return LossInputs(*(torch.cat(ts) for ts in zip(*(p._fields() for p in parts))))
 
 
-def sequence_log_ratios(logp: torch.Tensor, inputs: LossInputs, segments: torch.Tensor,
-                        num_segments: int) -> torch.Tensor:
+def sequence_log_ratios(
+    logp: torch.Tensor, inputs: LossInputs, segments: torch.Tensor, num_segments: int
+) -> torch.Tensor:
     """For each position, the mean of `logp - q` over the masked positions of its segment (datum):
     GSPO's sequence log-ratio, as a constant (no gradient). 0 for a segment with no masked position."""
     mask = inputs.ratio_mask.to(logp.dtype)
@@ -137,8 +140,11 @@ def datum_tensors(datum: TrainDatum, loss: Loss) -> PreparedDatum:
     n = tokens.numel()
     mask = targets != IGNORE_INDEX
     if loss.is_policy:
-        inputs = LossInputs(torch.ones(n), torch.tensor(datum.logprobs, dtype=torch.float32),
-                            torch.tensor(datum.advantages, dtype=torch.float32))
+        inputs = LossInputs(
+            torch.ones(n),
+            torch.tensor(datum.logprobs, dtype=torch.float32),
+            torch.tensor(datum.advantages, dtype=torch.float32),
+        )
         if loss.name == "gspo":
             if datum.sequence_ratio_mask is not None:
                 inputs.ratio_mask = torch.tensor(datum.sequence_ratio_mask, dtype=torch.float32) * mask

@@ -31,6 +31,7 @@ Invariants
 - All input is validated before any computation touches gradients.
 - `snapshot` returns a detached copy that the trainer never modifies (one per version).
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,15 +45,15 @@ from typing import Callable
 
 import torch
 
-from ...tokens import TokenCounts
 from ...limits import ADAM_BOUNDS, check_adam_value, check_lora_rank
-from . import checkpoint
-from ..model.invariant import log_probs
+from ...tokens import TokenCounts
 from ..api import AdamConfig, LoRAConfig, Loss, WeightsIdentity
-from .losses import LossInputs, PreparedDatum, datum_tensors, loss_values, sequence_log_ratios
+from ..model.invariant import log_probs
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
 from ..prepare import check_datum
+from . import checkpoint
+from .losses import LossInputs, PreparedDatum, datum_tensors, loss_values, sequence_log_ratios
 
 
 @dataclass
@@ -99,8 +100,14 @@ class ForwardResult:
 class Trainer:
     """Training runs (LoRA adapter + AdamW state) on one frozen base model."""
 
-    def __init__(self, model: Transformer, *, base_model: str, micro_batch_tokens: int = 4096,
-                 logits_chunk_tokens: int = 1024):
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        base_model: str,
+        micro_batch_tokens: int = 4096,
+        logits_chunk_tokens: int = 1024,
+    ):
         if micro_batch_tokens < 1 or logits_chunk_tokens < 1:
             raise ValueError("micro_batch_tokens and logits_chunk_tokens must be >= 1")
         model.requires_grad_(False)  # the base is frozen and shared; only adapters train
@@ -155,13 +162,19 @@ class Trainer:
             raise ValueError(f"run_id {run_id!r} is not a training run on {self.base_model}")
         return run
 
-    def _install(self, run_id: str, lora: LoRAConfig, adapter: Adapter,
-                 optimizer: torch.optim.AdamW | None = None) -> None:
+    def _install(
+        self, run_id: str, lora: LoRAConfig, adapter: Adapter, optimizer: torch.optim.AdamW | None = None
+    ) -> None:
         self._runs[run_id] = _Run(lora, adapter, optimizer or _new_optimizer(adapter), next(self._versions))
 
     # ------------------------------------------------------------------ forward / backward
-    def forward_backward(self, batch: list[tuple], *, backward: bool = True,
-                         between_microbatches: Callable[[], None] | None = None) -> list[ForwardResult]:
+    def forward_backward(
+        self,
+        batch: list[tuple],
+        *,
+        backward: bool = True,
+        between_microbatches: Callable[[], None] | None = None,
+    ) -> list[ForwardResult]:
         """One ForwardResult per (run_id, data, loss[, denominator]) entry, in order (`loss`: a `Loss`).
 
         The data of all entries are packed together. `denominator` (a number >= 1, or None for the
@@ -172,8 +185,9 @@ class Trainer:
         logps = [torch.zeros(len(r.datum)) for r in rows]
         losses = [torch.zeros(len(r.datum)) for r in rows]
         for mb in self._micro_batches(rows):
-            self._run_micro_batch([rows[i] for i in mb], [logps[i] for i in mb], [losses[i] for i in mb],
-                                  backward)
+            self._run_micro_batch(
+                [rows[i] for i in mb], [logps[i] for i in mb], [losses[i] for i in mb], backward
+            )
             if between_microbatches is not None:
                 between_microbatches()
         results = [ForwardResult([], [], 0.0, 0, TrainUsage()) for _ in batch]
@@ -189,7 +203,9 @@ class Trainer:
 
     def _prepare(self, batch) -> list[_Row]:
         if not isinstance(batch, (list, tuple)) or not batch:
-            raise ValueError("batch must be a non-empty list of (run_id, data, loss[, denominator[, counts]])")
+            raise ValueError(
+                "batch must be a non-empty list of (run_id, data, loss[, denominator[, counts]])"
+            )
         vocab = self.model.cfg.vocab_size
         rows = []
         for e, entry in enumerate(batch):
@@ -198,7 +214,9 @@ class Trainer:
             counts = rest[1] if len(rest) > 1 else None  # a prepared op's: checked at acceptance
             adapter = self._run(run_id).adapter
             if not isinstance(loss, Loss):
-                raise ValueError(f"batch[{e}] loss_fn {loss!r}: pass a parsed Loss (Loss.parse(name, config))")
+                raise ValueError(
+                    f"batch[{e}] loss_fn {loss!r}: pass a parsed Loss (Loss.parse(name, config))"
+                )
             if not isinstance(data, (list, tuple)) or not data:
                 raise ValueError(f"batch[{e}] data must be a non-empty list of TrainDatum")
             if counts is None:
@@ -213,7 +231,10 @@ class Trainer:
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i].datum))
         batches: list[list[int]] = []
         for i in order:  # a micro-batch's first row is its longest
-            if batches and (len(batches[-1]) + 1) * len(rows[batches[-1][0]].datum) <= self.micro_batch_tokens:
+            if (
+                batches
+                and (len(batches[-1]) + 1) * len(rows[batches[-1][0]].datum) <= self.micro_batch_tokens
+            ):
                 batches[-1].append(i)
             else:
                 batches.append([i])
@@ -222,8 +243,9 @@ class Trainer:
             first_seen.setdefault(id(row.adapter), len(first_seen))
         return [sorted(mb, key=lambda i: first_seen[id(rows[i].adapter)]) for mb in batches]
 
-    def _run_micro_batch(self, rows: list[_Row], logps: list[torch.Tensor], losses: list[torch.Tensor],
-                         backward: bool) -> None:
+    def _run_micro_batch(
+        self, rows: list[_Row], logps: list[torch.Tensor], losses: list[torch.Tensor], backward: bool
+    ) -> None:
         model, device = self.model, self.model.device
         B, T = len(rows), max(len(row.datum) for row in rows)
         tokens = torch.zeros(B, T, dtype=torch.long)
@@ -242,8 +264,11 @@ class Trainer:
         loss_of = torch.tensor([losses_in_mb.index(row.loss) for row in rows])[row_of].to(device)
         inputs = LossInputs.cat([row.datum.inputs.select(row.datum.active) for row in rows]).to(device)
         tgt = targets.reshape(-1)[active].to(device)
-        scales = None if all(row.grad_scale == 1.0 for row in rows) else \
-            torch.tensor([row.grad_scale for row in rows])[row_of].to(device)
+        scales = (
+            None
+            if all(row.grad_scale == 1.0 for row in rows)
+            else torch.tensor([row.grad_scale for row in rows])[row_of].to(device)
+        )
 
         adapters = AdapterBatch.from_rows([row.adapter for row in rows], device=device)
         positions = torch.arange(T).expand(B, T)
@@ -252,14 +277,17 @@ class Trainer:
             sel = h.reshape(B * T, -1).index_select(0, active.to(device))
         train = backward and sel.requires_grad
         # Each LM-head chunk reads its own leaf, so its gradient is exactly that chunk's rows.
-        pieces = [p.requires_grad_(train) for p in sel.detach().split(self.logits_chunk_tokens)] \
-            if active.numel() else []
+        pieces = (
+            [p.requires_grad_(train) for p in sel.detach().split(self.logits_chunk_tokens)]
+            if active.numel()
+            else []
+        )
         token_spans = _token_spans(adapters, counts)
         if active.numel() and any(loss.sequence_level for loss in losses_in_mb):
             # gspo: every token's ratio needs its datum's mean log-ratio first (values only)
             inputs.seq_log_ratio = sequence_log_ratios(
-                self._target_logprobs(sel.detach(), tgt, adapters, token_spans), inputs,
-                row_of.to(device), B)
+                self._target_logprobs(sel.detach(), tgt, adapters, token_spans), inputs, row_of.to(device), B
+            )
         logp_all = torch.empty(active.numel(), device=device)
         loss_all = torch.empty(active.numel(), device=device)
         for i, hs in zip(range(0, active.numel(), self.logits_chunk_tokens), pieces):
@@ -269,8 +297,9 @@ class Trainer:
                 logits = model.lm_head(hs, chunk_adapters).float()
             z = log_probs(logits.detach())
             logp = z.gather(1, tgt[i:j, None]).squeeze(1)
-            loss_t, g = _losses_and_grads(losses_in_mb, loss_of[i:j], logp, inputs.select(slice(i, j)),
-                                          need_grad=backward)
+            loss_t, g = _losses_and_grads(
+                losses_in_mb, loss_of[i:j], logp, inputs.select(slice(i, j)), need_grad=backward
+            )
             logp_all[i:j], loss_all[i:j] = logp, loss_t
             if scales is not None and g is not None:
                 g = g * scales[i:j]
@@ -286,15 +315,17 @@ class Trainer:
             logps[r][idx] = part_logp.detach().float().cpu()
             losses[r][idx] = part_loss.detach().float().cpu()
 
-    def _target_logprobs(self, sel: torch.Tensor, tgt: torch.Tensor, adapters: AdapterBatch,
-                         token_spans) -> torch.Tensor:
+    def _target_logprobs(
+        self, sel: torch.Tensor, tgt: torch.Tensor, adapters: AdapterBatch, token_spans
+    ) -> torch.Tensor:
         """log p(target) for hidden states `sel`, LM-head chunk by chunk, without gradients."""
         out = []
         with torch.no_grad():
             for i in range(0, sel.shape[0], self.logits_chunk_tokens):
                 j = min(i + self.logits_chunk_tokens, sel.shape[0])
-                chunk_adapters = adapters if token_spans is None else \
-                    _chunk_adapters(token_spans, i, j, sel.device)
+                chunk_adapters = (
+                    adapters if token_spans is None else _chunk_adapters(token_spans, i, j, sel.device)
+                )
                 z = log_probs(self.model.lm_head(sel[i:j], chunk_adapters))
                 out.append(z.gather(1, tgt[i:j, None]).squeeze(1))
         return torch.cat(out)
@@ -315,11 +346,17 @@ class Trainer:
         norm = float(norm)
         if not math.isfinite(norm):
             run.optimizer.zero_grad(set_to_none=False)
-            raise ValueError("gradients are not finite (NaN or inf); the step was skipped and the gradients "
-                             "cleared: lower the loss weights / advantages or the learning rate")
+            raise ValueError(
+                "gradients are not finite (NaN or inf); the step was skipped and the gradients "
+                "cleared: lower the loss weights / advantages or the learning rate"
+            )
         for group in run.optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                         weight_decay=adam.weight_decay)
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=False)
         run.version = next(self._versions)
@@ -332,14 +369,16 @@ class Trainer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         written = checkpoint.save_optimizer_state(run.adapter, run.optimizer, path)
-        return written + checkpoint.save_peft_adapter(run.adapter, run.lora, path, self.base_model,
-                                                        self.model.source_dir)
+        return written + checkpoint.save_peft_adapter(
+            run.adapter, run.lora, path, self.base_model, self.model.source_dir
+        )
 
     def save_weights(self, run_id: str, path: Path) -> int:
         """Write the sampler weights only (a PEFT adapter directory); bytes written."""
         run = self._run(run_id)
-        return checkpoint.save_peft_adapter(run.adapter, run.lora, Path(path), self.base_model,
-                                            self.model.source_dir)
+        return checkpoint.save_peft_adapter(
+            run.adapter, run.lora, Path(path), self.base_model, self.model.source_dir
+        )
 
     def load_state(self, run_id: str, path: Path, *, with_optimizer: bool) -> None:
         """(Re)build run `run_id` from a checkpoint directory: its adapter and LoRA config, and its
@@ -380,8 +419,9 @@ def _chunk_adapters(spans: list[tuple[Adapter, int, int]], i: int, j: int, devic
     return AdapterBatch([(a, torch.arange(s, e, device=device)) for a, s, e in cut], cut)
 
 
-def _losses_and_grads(losses: list[Loss], loss_of: torch.Tensor, logp: torch.Tensor, inputs: LossInputs,
-                      need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _losses_and_grads(
+    losses: list[Loss], loss_of: torch.Tensor, logp: torch.Tensor, inputs: LossInputs, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token losses and dloss/dlogp for positions whose loss is losses[loss_of[k]]."""
     with torch.enable_grad():
         x = logp.detach().requires_grad_(need_grad)
@@ -410,10 +450,16 @@ def return_freed_memory() -> None:
 def _grad_scale(denominator, where: str) -> float:
     if denominator is None:
         return 1.0
-    if isinstance(denominator, bool) or not isinstance(denominator, (int, float)) \
-            or not math.isfinite(denominator) or denominator < 1:
-        raise ValueError(f"{where} denominator must be a finite number >= 1 (or None for the plain sum), "
-                         f"got {denominator!r}")
+    if (
+        isinstance(denominator, bool)
+        or not isinstance(denominator, (int, float))
+        or not math.isfinite(denominator)
+        or denominator < 1
+    ):
+        raise ValueError(
+            f"{where} denominator must be a finite number >= 1 (or None for the plain sum), "
+            f"got {denominator!r}"
+        )
     return 1.0 / float(denominator)
 
 
@@ -422,7 +468,9 @@ def _check_lora(lora: LoRAConfig) -> LoRAConfig:
     if not (isinstance(lora.alpha, (int, float)) and math.isfinite(lora.alpha) and lora.alpha > 0):
         raise ValueError(f"lora alpha must be a positive number, got {lora.alpha!r}")
     if not lora.target_names():
-        raise ValueError("lora config trains nothing: set at least one of train_attn, train_mlp, train_unembed")
+        raise ValueError(
+            "lora config trains nothing: set at least one of train_attn, train_mlp, train_unembed"
+        )
     return lora
 
 

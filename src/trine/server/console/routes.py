@@ -16,6 +16,7 @@ The pages also call the API the SDK and `trine usage` use: api-key/verify (sign-
 report (`/api/trine/v1/usage`), checkpoint delete and download-url. Every JSON route takes the
 key as `X-API-Key` (the SDK's header) through `context.api_key`, and reads only that key's data.
 """
+
 from __future__ import annotations
 
 from importlib.resources import files
@@ -29,11 +30,17 @@ from .runs import checkpoint_row, list_runs, run_detail
 from .server_stats import server_stats
 
 STATIC = files("trine.server.console") / "static"
-ASSETS = {"console.js": "text/javascript", "pages-runs.js": "text/javascript",
-          "pages-compare.js": "text/javascript", "pages-checkpoints.js": "text/javascript",
-          "pages-usage.js": "text/javascript", "console.css": "text/css",
-          "chart.umd.min.js": "text/javascript", "chart.js.LICENSE.md": "text/plain",
-          "favicon.svg": "image/svg+xml"}
+ASSETS = {
+    "console.js": "text/javascript",
+    "pages-runs.js": "text/javascript",
+    "pages-compare.js": "text/javascript",
+    "pages-checkpoints.js": "text/javascript",
+    "pages-usage.js": "text/javascript",
+    "console.css": "text/css",
+    "chart.umd.min.js": "text/javascript",
+    "chart.js.LICENSE.md": "text/plain",
+    "favicon.svg": "image/svg+xml",
+}
 
 router = APIRouter()
 
@@ -57,13 +64,23 @@ async def checkpoints(request: Request, key: ApiKey = Depends(api_key)):
     svc = service_of(request)
     cks, _ = svc.queries.checkpoints(key)
     samplers = svc.queries.sampling_runs(key)
-    return {"checkpoints": [checkpoint_row(c) for c in reversed(cks)],
-            "samplers": [{"id": s.id, "training_run_id": s.training_run_id or None, "model": s.base_model,
-                          "state": s.status,
-                          "session_id": s.session_id, "checkpoint_id": s.checkpoint_id or None,
-                          "source_checkpoint_uri": s.source_checkpoint_uri or None,
-                          "created_at": s.created_at, "last_active": s.updated_at}
-                         for s in sorted(samplers, key=lambda s: -s.created_at)]}
+    return {
+        "checkpoints": [checkpoint_row(c) for c in reversed(cks)],
+        "samplers": [
+            {
+                "id": s.id,
+                "training_run_id": s.training_run_id or None,
+                "model": s.base_model,
+                "state": s.status,
+                "session_id": s.session_id,
+                "checkpoint_id": s.checkpoint_id or None,
+                "source_checkpoint_uri": s.source_checkpoint_uri or None,
+                "created_at": s.created_at,
+                "last_active": s.updated_at,
+            }
+            for s in sorted(samplers, key=lambda s: -s.created_at)
+        ],
+    }
 
 
 @api.get("/server")
@@ -79,8 +96,7 @@ router.include_router(api)
 def asset(name: str) -> Response:
     if name not in ASSETS:
         return Response(f"no console asset {name!r}", status_code=404, media_type="text/plain")
-    return FileResponse(str(STATIC / name), media_type=ASSETS[name],
-                        headers={"Cache-Control": "no-cache"})
+    return FileResponse(str(STATIC / name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/console", include_in_schema=False)

@@ -10,6 +10,7 @@ A *step* is one forward_backward group (the chunks the SDK sends with the same `
 closed by the optim_step that follows it. A step's loss is its chunks' `loss_mean` weighted by their
 `token_count`, which for a single chunk is that event's `loss_mean`.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -44,8 +45,15 @@ def event_outcome(rec: EventRecord, res: EventResult | None) -> RunEventOutcome:
     if res is None:
         return RunEventOutcome(rec.status, cycle=rec.cycle)
     error = f"{res.error.get('code')}: {res.error.get('message')}" if res.error else None
-    return RunEventOutcome(res.status, dict(res.metrics or {}), res.train_tokens, res.loss_tokens,
-                        res.cost, rec.cycle if res.cycle is None else res.cycle, error)
+    return RunEventOutcome(
+        res.status,
+        dict(res.metrics or {}),
+        res.train_tokens,
+        res.loss_tokens,
+        res.cost,
+        rec.cycle if res.cycle is None else res.cycle,
+        error,
+    )
 
 
 # Decoded results of finished events by event id. A finished event's result never changes and
@@ -148,18 +156,33 @@ def run_json(svc: Service, key: ApiKey, r: TrainingRun, events: list[EventRecord
     """A run's row in the run list: `steps` = optim steps done; last activity from its events."""
     events = svc.queries.run_events(key, r.id) if events is None else events
     last = max([r.updated_at, *(e.updated_at for e in events)])
-    return {"id": r.id, "name": r.name or None, "tags": r.tag_list, "user_metadata": r.metadata,
-            "model": r.base_model, "rank": r.lora_rank, "state": r.status,
-            "lora": {"rank": r.lora_rank, "train_mlp": r.train_mlp, "train_attn": r.train_attn,
-                     "train_unembed": r.train_unembed, "seed": r.seed},
-            "optimizer": r.optimizer_settings, "last_metrics": svc.metrics.last(key, r.id),
-            "samplers": len(svc.queries.sampling_runs(key, training_run_id=r.id)),
-            "session_id": r.session_id,
-            "steps": sum(e.type == OPTIMIZE_STEP and e.status == "succeeded" for e in events),
-            "last_cycle": r.last_cycle, "created_at": r.created_at, "last_active": last,
-            "events": len(events),
-            "pending": sum(e.status in ("accepted", "running") for e in events),
-            "source_checkpoint_uri": r.source_checkpoint_uri or None}
+    return {
+        "id": r.id,
+        "name": r.name or None,
+        "tags": r.tag_list,
+        "user_metadata": r.metadata,
+        "model": r.base_model,
+        "rank": r.lora_rank,
+        "state": r.status,
+        "lora": {
+            "rank": r.lora_rank,
+            "train_mlp": r.train_mlp,
+            "train_attn": r.train_attn,
+            "train_unembed": r.train_unembed,
+            "seed": r.seed,
+        },
+        "optimizer": r.optimizer_settings,
+        "last_metrics": svc.metrics.last(key, r.id),
+        "samplers": len(svc.queries.sampling_runs(key, training_run_id=r.id)),
+        "session_id": r.session_id,
+        "steps": sum(e.type == OPTIMIZE_STEP and e.status == "succeeded" for e in events),
+        "last_cycle": r.last_cycle,
+        "created_at": r.created_at,
+        "last_active": last,
+        "events": len(events),
+        "pending": sum(e.status in ("accepted", "running") for e in events),
+        "source_checkpoint_uri": r.source_checkpoint_uri or None,
+    }
 
 
 def list_runs(svc: Service, key: ApiKey, limit: int = 200) -> list[dict]:
@@ -175,24 +198,44 @@ def run_detail(svc: Service, key: ApiKey, run_id: str) -> dict:
     events = svc.queries.run_events(key, r.id)
     results = outcomes(svc.queries, key, events)
     cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
-    return {"run": run_json(svc, key, r, events),
-            "steps": [{**asdict(s), "cost": money(s.cost)} for s in run_steps(events, results)],
-            "metrics": {name: [list(p) for p in pts] for name, pts in svc.metrics.series(key, r.id).items()},
-            "checkpoints": [checkpoint_row(c) for c in cks],
-            "failures": [{"index": e.idx, "type": e.type, "error": results[e.id].error}
-                         for e in events if e.status == "failed"][-20:]}
+    return {
+        "run": run_json(svc, key, r, events),
+        "steps": [{**asdict(s), "cost": money(s.cost)} for s in run_steps(events, results)],
+        "metrics": {name: [list(p) for p in pts] for name, pts in svc.metrics.series(key, r.id).items()},
+        "checkpoints": [checkpoint_row(c) for c in cks],
+        "failures": [
+            {"index": e.idx, "type": e.type, "error": results[e.id].error}
+            for e in events
+            if e.status == "failed"
+        ][-20:],
+    }
 
 
 def checkpoint_row(c) -> dict:
-    return {"id": c.id, "run_id": c.training_run_id, "name": c.name, "kind": c.kind, "uri": c.uri,
-            "size_bytes": c.size_bytes, "size": fmt_size(c.size_bytes), "visibility": c.visibility,
-            "model": c.base_model,
-            "rank": c.lora_rank, "step": c.step, "created_at": c.created_at,
-            "expires_at": c.expires_at, "downloadable": bool(c.path)}
+    return {
+        "id": c.id,
+        "run_id": c.training_run_id,
+        "name": c.name,
+        "kind": c.kind,
+        "uri": c.uri,
+        "size_bytes": c.size_bytes,
+        "size": fmt_size(c.size_bytes),
+        "visibility": c.visibility,
+        "model": c.base_model,
+        "rank": c.lora_rank,
+        "step": c.step,
+        "created_at": c.created_at,
+        "expires_at": c.expires_at,
+        "downloadable": bool(c.path),
+    }
 
 
-TRAINING_COLUMNS = (("train:loss", "loss"), ("train:grad_norm", "grad_norm"),
-                    ("train:learning_rate", "learning_rate"), ("train:seconds", "seconds"))
+TRAINING_COLUMNS = (
+    ("train:loss", "loss"),
+    ("train:grad_norm", "grad_norm"),
+    ("train:learning_rate", "learning_rate"),
+    ("train:seconds", "seconds"),
+)
 
 
 def metrics_table(svc: Service, key: ApiKey, run_id: str) -> tuple[list[str], list[list]]:

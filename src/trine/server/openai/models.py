@@ -8,6 +8,7 @@ Every OpenAI request samples through the service's ordinary sampling path, in a 
 the caller's "openai" session (one run per key and model, created on first use), so it is metered,
 priced and reported by `trine usage` like any other sampling request.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,9 +35,13 @@ class ModelTarget:
 
 def _not_found() -> OpenAIError:
     # the name is not echoed: it may be another key's checkpoint
-    return OpenAIError(404, "The model does not exist or you do not have access to it. "
-                       "GET /v1/models lists the served models and your sampler checkpoints.",
-                       param="model", code="model_not_found")
+    return OpenAIError(
+        404,
+        "The model does not exist or you do not have access to it. "
+        "GET /v1/models lists the served models and your sampler checkpoints.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def resolve(service: Service, key: ApiKey, model: str) -> ModelTarget:
@@ -62,8 +67,10 @@ def listing(service: Service, key: ApiKey) -> list[dict]:
     """The served base models, then the key's sampler checkpoints (newest last)."""
     created = int(service.started_at)
     served = [m.name for m in service.queries.models()]
-    out = [{"id": name, "object": "model", "created": created, "owned_by": "trine",
-            "root": name, "parent": None} for name in served]
+    out = [
+        {"id": name, "object": "model", "created": created, "owned_by": "trine", "root": name, "parent": None}
+        for name in served
+    ]
     cks, _ = service.queries.checkpoints(key)
     for ck in cks:
         if ck.kind == "SAMPLER" and ck.base_model in served:
@@ -72,15 +79,28 @@ def listing(service: Service, key: ApiKey) -> list[dict]:
 
 
 def card(ck: Checkpoint) -> dict:
-    return {"id": ck.uri, "object": "model", "created": int(ck.created_at), "owned_by": ck.api_key_id,
-            "root": ck.base_model, "parent": ck.base_model, "checkpoint_id": ck.id}
+    return {
+        "id": ck.uri,
+        "object": "model",
+        "created": int(ck.created_at),
+        "owned_by": ck.api_key_id,
+        "root": ck.base_model,
+        "parent": ck.base_model,
+        "checkpoint_id": ck.id,
+    }
 
 
 def model_card(service: Service, key: ApiKey, target: ModelTarget) -> dict:
     if target.checkpoint is not None:
         return card(target.checkpoint)
-    return {"id": target.base, "object": "model", "created": int(service.started_at),
-            "owned_by": "trine", "root": target.base, "parent": None}
+    return {
+        "id": target.base,
+        "object": "model",
+        "created": int(service.started_at),
+        "owned_by": "trine",
+        "root": target.base,
+        "parent": None,
+    }
 
 
 class SamplingRuns:

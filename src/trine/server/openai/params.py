@@ -6,6 +6,7 @@ Parameters trine honours are checked here with OpenAI's ranges (plus the extensi
 served differently from what it asked for. Values that ask for the default (`presence_penalty: 0`,
 `logit_bias: {}`, ...) are accepted. Chat's tools and structured output: structured.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,8 +20,22 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # tighter than trine's own limit (limits.MAX_STOP_STRINGS): OpenAI allows a few
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-          "stop_token_ids", "logprobs", "stream", "stream_options", "user", "return_token_ids"}
+COMMON = {
+    "model",
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "stream",
+    "stream_options",
+    "user",
+    "return_token_ids",
+}
 STRUCTURED = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # structured.py
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | STRUCTURED
 COMPLETION = COMMON | {"prompt"}
@@ -32,18 +47,28 @@ NOT_STORED = "responses are not stored"
 LEGACY = "not supported on /v1/completions here"
 # parameter -> (the values that mean "not used", which are accepted; why other values are refused)
 NEUTRAL: dict[str, tuple[tuple, str]] = {
-    "tools": ((None, []), TOOLS), "tool_choice": ((None, "none"), TOOLS),
-    "functions": ((None, []), FUNCTIONS), "function_call": ((None, "none"), FUNCTIONS),
+    "tools": ((None, []), TOOLS),
+    "tool_choice": ((None, "none"), TOOLS),
+    "functions": ((None, []), FUNCTIONS),
+    "function_call": ((None, "none"), FUNCTIONS),
     "parallel_tool_calls": ((None, False, True), TOOLS),
     "response_format": ((None, {"type": "text"}), TOOLS),
-    "logit_bias": ((None, {}), SAMPLER), "presence_penalty": ((None, 0), SAMPLER),
-    "frequency_penalty": ((None, 0), SAMPLER), "repetition_penalty": ((None, 1), SAMPLER),
-    "min_p": ((None, 0), SAMPLER), "modalities": ((None, ["text"]), TEXT_ONLY),
-    "audio": ((None,), TEXT_ONLY), "prediction": ((None,), TEXT_ONLY),
-    "reasoning_effort": ((None,), TEXT_ONLY), "web_search_options": ((None,), TEXT_ONLY),
-    "store": ((None, False), NOT_STORED), "metadata": ((None, {}), NOT_STORED),
+    "logit_bias": ((None, {}), SAMPLER),
+    "presence_penalty": ((None, 0), SAMPLER),
+    "frequency_penalty": ((None, 0), SAMPLER),
+    "repetition_penalty": ((None, 1), SAMPLER),
+    "min_p": ((None, 0), SAMPLER),
+    "modalities": ((None, ["text"]), TEXT_ONLY),
+    "audio": ((None,), TEXT_ONLY),
+    "prediction": ((None,), TEXT_ONLY),
+    "reasoning_effort": ((None,), TEXT_ONLY),
+    "web_search_options": ((None,), TEXT_ONLY),
+    "store": ((None, False), NOT_STORED),
+    "metadata": ((None, {}), NOT_STORED),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
-    "echo": ((None, False), LEGACY), "suffix": ((None, ""), LEGACY), "best_of": ((None, 1), LEGACY),
+    "echo": ((None, False), LEGACY),
+    "suffix": ((None, ""), LEGACY),
+    "best_of": ((None, 1), LEGACY),
 }
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's legacy API
 
@@ -93,8 +118,9 @@ def parse_chat(body: Any) -> Generation:
 def parse_completion(body: Any) -> Generation:
     body = _object(body)
     _refuse_unsupported(body, COMPLETION)
-    g = Generation(False, _model(body), None, _prompt(body.get("prompt")),
-                   max_tokens=DEFAULT_COMPLETION_TOKENS)
+    g = Generation(
+        False, _model(body), None, _prompt(body.get("prompt")), max_tokens=DEFAULT_COMPLETION_TOKENS
+    )
     _common(body, g)
     if body.get("logprobs") is not None:  # completions: an int, the number of top logprobs
         g.top_logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
@@ -112,20 +138,31 @@ def _object(body: Any) -> dict:
 def _refuse_unsupported(body: dict, known: set[str]) -> None:
     unknown = sorted(k for k in body if k not in known and k not in NEUTRAL)
     if unknown:
-        raise OpenAIError(400, f"unrecognized request argument(s): {', '.join(unknown)}",
-                          param=unknown[0], code="unknown_parameter")
+        raise OpenAIError(
+            400,
+            f"unrecognized request argument(s): {', '.join(unknown)}",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
     refused = sorted(k for k in body if k in NEUTRAL and k not in known and body[k] not in NEUTRAL[k][0])
     if refused:
         why = "; ".join(f"{k}: {NEUTRAL[k][1]}" for k in refused)
-        raise OpenAIError(400, f"unsupported parameter(s): {why}. Remove {'it' if len(refused) == 1 else 'them'}.",
-                          param=refused[0], code="unsupported_parameter")
+        raise OpenAIError(
+            400,
+            f"unsupported parameter(s): {why}. Remove {'it' if len(refused) == 1 else 'them'}.",
+            param=refused[0],
+            code="unsupported_parameter",
+        )
 
 
 def _model(body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
-        raise bad_param("model", "name a served model or one of your sampler checkpoints "
-                        "(GET /v1/models lists them)", "missing_required_parameter")
+        raise bad_param(
+            "model",
+            "name a served model or one of your sampler checkpoints (GET /v1/models lists them)",
+            "missing_required_parameter",
+        )
     return model.strip()
 
 
@@ -144,12 +181,13 @@ def _common(body: dict, g: Generation) -> None:
         g.top_k = _int(body, "top_k", -1, INT64_MAX)
         g.top_k = -1 if g.top_k == 0 else g.top_k  # 0 and -1 both mean off
     if body.get("seed") is not None:
-        g.seed = _int(body, "seed", -2**63, 2**63 - 1)
+        g.seed = _int(body, "seed", -(2**63), 2**63 - 1)
     g.stop = _stop(body.get("stop"))
     if body.get("stop_token_ids") is not None:
         ids = body["stop_token_ids"]
-        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-                                            for t in ids):
+        if not isinstance(ids, list) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids
+        ):
             raise bad_param("stop_token_ids", "must be a list of token ids (non-negative integers)")
         g.stop_token_ids = tuple(ids)
     g.return_token_ids = _bool(body, "return_token_ids")
@@ -200,8 +238,9 @@ def _stop(stop: Any) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad_param("stop", "must be a non-empty string or a list of non-empty strings")
     if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
-        raise bad_param("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
-                        "characters each")
+        raise bad_param(
+            "stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each"
+        )
     return tuple(stops)
 
 
@@ -212,10 +251,17 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_param(f"{where}.content", f"part {i} is {kind!r}; only text parts "
-                                '({"type": "text", "text": ...}) are supported: the served models are text-only')
+                raise bad_param(
+                    f"{where}.content",
+                    f"part {i} is {kind!r}; only text parts "
+                    '({"type": "text", "text": ...}) are supported: the served models are text-only',
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise bad_param(f"{where}.content", "must be a string or a list of text parts")
@@ -223,8 +269,11 @@ def _text(content: Any, where: str) -> str:
 
 def _messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise bad_param("messages", "must be a non-empty list of {role, content} objects",
-                        "missing_required_parameter" if messages is None else "invalid_value")
+        raise bad_param(
+            "messages",
+            "must be a non-empty list of {role, content} objects",
+            "missing_required_parameter" if messages is None else "invalid_value",
+        )
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -232,16 +281,19 @@ def _messages(messages: Any) -> list[dict]:
             raise bad_param(where, "must be an object with role and content")
         role = m.get("role")
         if role == "function" or m.get("function_call"):
-            raise OpenAIError(400, f"{where}: function messages are {FUNCTIONS}", param=where,
-                              code="unsupported_parameter")
+            raise OpenAIError(
+                400, f"{where}: function messages are {FUNCTIONS}", param=where, code="unsupported_parameter"
+            )
         if role not in ROLES:
             raise bad_param(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
         calls = m.get("tool_calls") if role == "assistant" else None
         if m.get("content") is None and not calls:
             raise bad_param(f"{where}.content", "is missing")
         # "developer" is OpenAI's newer name for the system message; chat templates know "system"
-        msg = {"role": "system" if role == "developer" else role,
-               "content": "" if m.get("content") is None else _text(m["content"], where)}
+        msg = {
+            "role": "system" if role == "developer" else role,
+            "content": "" if m.get("content") is None else _text(m["content"], where),
+        }
         if calls:
             msg["tool_calls"] = assistant_tool_calls(calls, where)
         if role == "tool" and isinstance(m.get("tool_call_id"), str):
@@ -257,11 +309,21 @@ def _prompt(prompt: Any) -> str | list[int]:
         if not prompt:
             raise bad_param("prompt", "is empty")
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                   for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_param("prompt", f"a batch of {len(prompt)} prompts; send one prompt per request "
-                        "(use n for several completions of one prompt)", "unsupported_value")
-    raise bad_param("prompt", "must be a string or a non-empty list of token ids",
-                    "missing_required_parameter" if prompt is None else "invalid_value")
+        raise bad_param(
+            "prompt",
+            f"a batch of {len(prompt)} prompts; send one prompt per request "
+            "(use n for several completions of one prompt)",
+            "unsupported_value",
+        )
+    raise bad_param(
+        "prompt",
+        "must be a string or a non-empty list of token ids",
+        "missing_required_parameter" if prompt is None else "invalid_value",
+    )

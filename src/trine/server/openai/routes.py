@@ -7,6 +7,7 @@ A request becomes one sampling request of the service (all `n` choices share one
 `data: [DONE]`; a client that disconnects mid-stream cancels the request, which frees its
 sequences and KV blocks at once. Every failure answers in OpenAI's error shape.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,10 +20,10 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ...engine.api import SampleDelta, SampleRequest, SamplingOptions
 from ...limits import MAX_SAMPLE_BYTES
 from ...metering.http import MoneyJSONResponse
 from ...metering.money import dumps
-from ...engine.api import SampleDelta, SampleRequest, SamplingOptions
 from ...service import ApiKey, Service, ServiceError, tool_calls
 from ..context import caller_key, read_body, service_of
 from . import models as targets
@@ -34,8 +35,21 @@ from .text import ModelText, TextStream
 log = logging.getLogger("trine.server.openai")
 API_PREFIX = "/api/openai/v1"  # PyTRIO's path for it (checks its own body limit, in OpenAI's shape)
 PREFIXES = ("/v1", API_PREFIX, "/oai/api/v1")
-PARAMS = ("model", "messages", "prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "seed",
-          "stop", "stop_token_ids", "top_logprobs", "logprobs")
+PARAMS = (
+    "model",
+    "messages",
+    "prompt",
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "top_logprobs",
+    "logprobs",
+)
 ENDED = ("run_ended", "service_session_closed")  # the remembered sampling run is gone: make another
 
 
@@ -63,6 +77,7 @@ def state_of(request: Request) -> OpenAIState:
 
 def _guard(handler):
     """Run a route; any error leaves in OpenAI's shape (and the server keeps serving)."""
+
     async def route(request: Request):
         try:
             return await handler(request)
@@ -73,6 +88,7 @@ def _guard(handler):
         except Exception as e:  # a bug in trine: say so in OpenAI's shape, keep serving
             log.exception("unhandled error on %s %s", request.method, request.url.path)
             return _internal(e).response()
+
     route.__name__ = handler.__name__
     return route
 
@@ -116,17 +132,27 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     prompt = await text.prompt_ids(g.messages, g.prompt, context, g.structured.tools, g.tool_messages)
     max_tokens = _max_tokens(g, len(prompt), context)
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
-    options = SamplingOptions(max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                              seed=g.seed, stop_strings=g.stop, stop_token_ids=g.stop_token_ids,
-                              top_logprobs=g.top_logprobs, grammar=g.structured.grammar_on(text.tokenizer))
+    options = SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        seed=g.seed,
+        stop_strings=g.stop,
+        stop_token_ids=g.stop_token_ids,
+        top_logprobs=g.top_logprobs,
+        grammar=g.structured.grammar_on(text.tokenizer),
+    )
     spec = SampleRequest(request_id=rid, prompt=prompt, options=options, num_samples=g.n)
     first, items = await _unless_disconnected(request, _start(st, key, target, spec, g.stream))
     created = int(time.time())
     if not g.stream:
         return MoneyJSONResponse(shapes.response(g, rid, created, prompt, first, text.token_text))
-    return StreamingResponse(_events(g, rid, created, first, items, text),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        _events(g, rid, created, first, items, text),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 async def _unless_disconnected(request: Request, work):
@@ -154,17 +180,25 @@ async def _disconnect(request: Request) -> None:
 def _max_tokens(g: Generation, prompt: int, context: int) -> int:
     """The tokens to generate: as asked, or (unset) up to the end of the model's context."""
     if prompt >= context or (g.max_tokens is not None and prompt + g.max_tokens > context):
-        param = "max_tokens" if g.max_tokens is not None and prompt < context else \
-            ("messages" if g.chat else "prompt")
-        raise OpenAIError(400, f"{param}: this model's maximum context length is {context} tokens; the "
-                          f"prompt has {prompt} tokens and max_tokens is {g.max_tokens or 'unset'}. "
-                          "Shorten the prompt or lower max_tokens.", param=param,
-                          code="context_length_exceeded")
+        param = (
+            "max_tokens"
+            if g.max_tokens is not None and prompt < context
+            else ("messages" if g.chat else "prompt")
+        )
+        raise OpenAIError(
+            400,
+            f"{param}: this model's maximum context length is {context} tokens; the "
+            f"prompt has {prompt} tokens and max_tokens is {g.max_tokens or 'unset'}. "
+            "Shorten the prompt or lower max_tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )
     return g.max_tokens if g.max_tokens is not None else context - prompt
 
 
-async def _start(st: OpenAIState, key: ApiKey, target: targets.ModelTarget, spec: SampleRequest,
-                 stream: bool):
+async def _start(
+    st: OpenAIState, key: ApiKey, target: targets.ModelTarget, spec: SampleRequest, stream: bool
+):
     """Start sampling. Streaming: wait for the first chunk, so that a refused request is a plain
     HTTP error; returns (that chunk, the iterator of the rest). Otherwise: returns (the
     SampleOutcome, None)."""
@@ -201,6 +235,7 @@ async def _events(g: Generation, rid: str, created: int, first, items, text: Mod
         yield first
         async for item in items:
             yield item
+
     try:
         if g.chat:
             for i in range(g.n):
@@ -224,12 +259,22 @@ def _internal(e: Exception) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
-def _delta_chunk(g: Generation, rid: str, created: int, d: SampleDelta, stream: TextStream,
-                 offsets: list[int], text: ModelText) -> dict:
+def _delta_chunk(
+    g: Generation,
+    rid: str,
+    created: int,
+    d: SampleDelta,
+    stream: TextStream,
+    offsets: list[int],
+    text: ModelText,
+) -> dict:
     calls = None
     if d.stop_reason:
-        content, calls, finish = shapes.reply(g, d.text, d.stop_reason) if g.chat else \
-            (d.text, None, shapes.FINISH.get(d.stop_reason, "stop"))
+        content, calls, finish = (
+            shapes.reply(g, d.text, d.stop_reason)
+            if g.chat
+            else (d.text, None, shapes.FINISH.get(d.stop_reason, "stop"))
+        )
         piece = stream.finish((content or "") if calls else d.text)
     else:
         piece, finish = stream.add(d.tokens), None
@@ -239,11 +284,11 @@ def _delta_chunk(g: Generation, rid: str, created: int, d: SampleDelta, stream: 
         if g.chat:
             lp = shapes.chat_logprobs(text.token_text, d.tokens, d.logprobs, tops)
         else:
-            lp = shapes.completion_logprobs(text.token_text, d.tokens, d.logprobs, tops,
-                                            offsets[d.sequence])
+            lp = shapes.completion_logprobs(text.token_text, d.tokens, d.logprobs, tops, offsets[d.sequence])
             offsets[d.sequence] += sum(len(t) for t in lp["tokens"])
-    return shapes.chunk(g, rid, created, d.sequence, text=piece, logprobs=lp, finish=finish,
-                        token_ids=d.tokens, calls=calls)
+    return shapes.chunk(
+        g, rid, created, d.sequence, text=piece, logprobs=lp, finish=finish, token_ids=d.tokens, calls=calls
+    )
 
 
 def _sse(obj: dict) -> str:
@@ -251,8 +296,12 @@ def _sse(obj: dict) -> str:
 
 
 async def unknown_route(request: Request):
-    raise OpenAIError(404, f"Invalid URL ({request.method} {request.url.path}): this server serves "
-                      "/v1/models, /v1/chat/completions and /v1/completions", code="unknown_url")
+    raise OpenAIError(
+        404,
+        f"Invalid URL ({request.method} {request.url.path}): this server serves "
+        "/v1/models, /v1/chat/completions and /v1/completions",
+        code="unknown_url",
+    )
 
 
 router = APIRouter()
@@ -261,5 +310,6 @@ for _prefix in PREFIXES:
     router.add_api_route(f"{_prefix}/models/{{model:path}}", _guard(get_model), methods=["GET"])
     router.add_api_route(f"{_prefix}/chat/completions", _guard(chat_completions), methods=["POST"])
     router.add_api_route(f"{_prefix}/completions", _guard(completions), methods=["POST"])
-    router.add_api_route(f"{_prefix}/{{path:path}}", _guard(unknown_route),
-                         methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    router.add_api_route(
+        f"{_prefix}/{{path:path}}", _guard(unknown_route), methods=["GET", "POST", "PUT", "PATCH", "DELETE"]
+    )

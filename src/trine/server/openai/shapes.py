@@ -4,6 +4,7 @@
 summed over the choices, and `prompt_tokens_details.cached_tokens` from the prefix cache; trine
 adds `cost` (the request's price on the server's rate card, in its currency).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -24,16 +25,22 @@ def reply(g: Generation, text: str, stop_reason: str) -> tuple[str | None, list[
     finish = FINISH.get(stop_reason, "stop")
     if not calls:
         return content, None, finish
-    return content if content.strip() else None, tool_calls_json(calls), \
-        "tool_calls" if finish == "stop" else finish
+    return (
+        content if content.strip() else None,
+        tool_calls_json(calls),
+        "tool_calls" if finish == "stop" else finish,
+    )
 
 
 def usage(out: SampleOutcome) -> dict:
     u = out.usage
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["sample_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["sample_tokens"],
-            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
-            "cost": money(out.cost)}
+    return {
+        "prompt_tokens": u["prompt_tokens"],
+        "completion_tokens": u["sample_tokens"],
+        "total_tokens": u["prompt_tokens"] + u["sample_tokens"],
+        "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
+        "cost": money(out.cost),
+    }
 
 
 def _finite(x: float) -> float:
@@ -62,13 +69,17 @@ def completion_logprobs(token_text, tokens, logprobs, tops, offset: int = 0) -> 
     for t in texts:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": texts, "token_logprobs": [_finite(x) for x in logprobs],
-            "top_logprobs": [{token_text(t): _finite(v) for t, v in top} for top in tops] if tops
-            else None, "text_offset": offsets}
+    return {
+        "tokens": texts,
+        "token_logprobs": [_finite(x) for x in logprobs],
+        "top_logprobs": [{token_text(t): _finite(v) for t, v in top} for top in tops] if tops else None,
+        "text_offset": offsets,
+    }
 
 
-def response(g: Generation, rid: str, created: int, prompt: list[int], out: SampleOutcome,
-             token_text) -> dict:
+def response(
+    g: Generation, rid: str, created: int, prompt: list[int], out: SampleOutcome, token_text
+) -> dict:
     choices = []
     for i, s in enumerate(out.sequences):
         lp = None
@@ -82,25 +93,46 @@ def response(g: Generation, rid: str, created: int, prompt: list[int], out: Samp
                 message["tool_calls"] = calls
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
-            choices.append({"index": i, "text": s.text, "logprobs": lp,
-                            "finish_reason": FINISH.get(s.stop_reason, "stop")})
+            choices.append(
+                {
+                    "index": i,
+                    "text": s.text,
+                    "logprobs": lp,
+                    "finish_reason": FINISH.get(s.stop_reason, "stop"),
+                }
+            )
         if g.return_token_ids:
             choices[-1]["token_ids"] = list(s.tokens)
-    body = {"id": rid, "object": "chat.completion" if g.chat else "text_completion",
-            "created": created, "model": g.model, "choices": choices,
-            "usage": usage(out), "system_fingerprint": None}
+    body = {
+        "id": rid,
+        "object": "chat.completion" if g.chat else "text_completion",
+        "created": created,
+        "model": g.model,
+        "choices": choices,
+        "usage": usage(out),
+        "system_fingerprint": None,
+    }
     if g.return_token_ids:
         body["prompt_token_ids"] = list(prompt)
     return body
 
 
-def chunk(g: Generation, rid: str, created: int, index: int, *, text: str | None = None,
-          role: bool = False, logprobs: dict | None = None, finish: str | None = None,
-          token_ids: list[int] | None = None, calls: list[dict] | None = None) -> dict:
+def chunk(
+    g: Generation,
+    rid: str,
+    created: int,
+    index: int,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    logprobs: dict | None = None,
+    finish: str | None = None,
+    token_ids: list[int] | None = None,
+    calls: list[dict] | None = None,
+) -> dict:
     """One stream chunk for choice `index`; `calls` (chat): the choice's tool calls, whole."""
     if g.chat:
-        delta = {"role": "assistant", "content": ""} if role else \
-            ({"content": text} if text else {})
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         if calls:
             delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -108,14 +140,26 @@ def chunk(g: Generation, rid: str, created: int, index: int, *, text: str | None
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if g.return_token_ids and token_ids is not None:
         choice["token_ids"] = token_ids
-    out = {"id": rid, "object": "chat.completion.chunk" if g.chat else "text_completion",
-           "created": created, "model": g.model, "choices": [choice], "system_fingerprint": None}
+    out = {
+        "id": rid,
+        "object": "chat.completion.chunk" if g.chat else "text_completion",
+        "created": created,
+        "model": g.model,
+        "choices": [choice],
+        "system_fingerprint": None,
+    }
     if g.include_usage:
         out["usage"] = None
     return out
 
 
 def usage_chunk(g: Generation, rid: str, created: int, out: SampleOutcome) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if g.chat else "text_completion",
-            "created": created, "model": g.model, "choices": [], "usage": usage(out),
-            "system_fingerprint": None}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if g.chat else "text_completion",
+        "created": created,
+        "model": g.model,
+        "choices": [],
+        "usage": usage(out),
+        "system_fingerprint": None,
+    }

@@ -11,6 +11,7 @@ OpenAI's `message.tool_calls`.
   schema); it cannot be combined with tools the model may call.
 Every check names the field it refuses (400).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,12 @@ class Structured:
         call's tags are that tokenizer's own `<tool_call>` tokens where it has them."""
         if self.forced is None:
             return self.grammar
-        return tool_calls.forcing_grammar(self.forced, self.several, tokenizer.added_token_id(tool_calls.OPEN),
-                                          tokenizer.added_token_id(tool_calls.CLOSE))
+        return tool_calls.forcing_grammar(
+            self.forced,
+            self.several,
+            tokenizer.added_token_id(tool_calls.OPEN),
+            tokenizer.added_token_id(tool_calls.CLOSE),
+        )
 
 
 def parse_structured(body: dict) -> Structured:
@@ -54,8 +59,11 @@ def parse_structured(body: dict) -> Structured:
         raise bad_param("parallel_tool_calls", f"must be true or false, got {parallel!r}")
     json_grammar = _response_format(body.get("response_format"))
     if json_grammar and choice != "none":
-        raise bad_param("response_format", "cannot be combined with tools the model may call: set "
-                        'tool_choice to "none", or drop response_format')
+        raise bad_param(
+            "response_format",
+            "cannot be combined with tools the model may call: set "
+            'tool_choice to "none", or drop response_format',
+        )
     if choice == "none":
         return Structured(grammar=json_grammar)
     if choice == "auto":
@@ -68,8 +76,14 @@ def parse_structured(body: dict) -> Structured:
 
 def tool_calls_json(calls: list[tool_calls.ToolCall]) -> list[dict]:
     """OpenAI's `message.tool_calls`: a fresh id per call, arguments as a JSON string."""
-    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+    return [
+        {
+            "id": f"call_{secrets.token_hex(12)}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
+        for c in calls
+    ]
 
 
 def assistant_tool_calls(calls: Any, where: str) -> list[dict]:
@@ -90,8 +104,9 @@ def assistant_tool_calls(calls: Any, where: str) -> list[dict]:
             args = None
         if not isinstance(args, dict):
             raise bad_param(f"{at}.function.arguments", "must be a JSON object (as a string)")
-        out.append({"id": c.get("id"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+        out.append(
+            {"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
     return out
 
 
@@ -105,8 +120,11 @@ def _tools(tools: Any) -> dict[str, dict]:
     for i, t in enumerate(tools):
         at = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise bad_param(at, 'must be {"type": "function", "function": {"name", "description", '
-                            '"parameters"}}; only function tools are supported')
+            raise bad_param(
+                at,
+                'must be {"type": "function", "function": {"name", "description", '
+                '"parameters"}}; only function tools are supported',
+            )
         fn = t["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not NAME.match(name):
@@ -118,8 +136,10 @@ def _tools(tools: Any) -> dict[str, dict]:
             raise bad_param(f"{at}.function.parameters", "must be a JSON schema object")
         if params is not None:
             _checked(grammars.json_schema(params), f"{at}.function.parameters")
-        out[name] = {"type": "function", "function": {k: v for k, v in fn.items()
-                                                     if k in ("name", "description", "parameters", "strict")}}
+        out[name] = {
+            "type": "function",
+            "function": {k: v for k, v in fn.items() if k in ("name", "description", "parameters", "strict")},
+        }
     return out
 
 
@@ -129,16 +149,24 @@ def _choice(choice: Any, tools: dict[str, dict]) -> tuple[str, str | None]:
         return ("auto" if tools else "none"), None
     if isinstance(choice, dict):
         fn = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad_param("tool_choice", 'must be "none", "auto", "required" or {"type": "function", '
-                            '"function": {"name": ...}}')
+        if (
+            choice.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise bad_param(
+                "tool_choice",
+                'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            )
         if fn["name"] not in tools:
             raise bad_param("tool_choice", f"names function {fn['name']!r}, which is not in tools")
         return "named", fn["name"]
     if choice not in CHOICES:
-        raise bad_param("tool_choice", f'must be "none", "auto", "required" or a named function, got {choice!r}')
+        raise bad_param(
+            "tool_choice", f'must be "none", "auto", "required" or a named function, got {choice!r}'
+        )
     if choice != "none" and not tools:
-        raise bad_param("tool_choice", f'is {choice!r} but no tools are given; add tools or drop tool_choice')
+        raise bad_param("tool_choice", f"is {choice!r} but no tools are given; add tools or drop tool_choice")
     return choice, None
 
 
@@ -159,13 +187,16 @@ def _response_format(fmt: Any) -> str:
         if not isinstance(schema, dict):
             raise bad_param("response_format.json_schema.schema", "must be a JSON schema object")
         return _checked(grammars.json_schema(schema), "response_format.json_schema.schema")
-    raise bad_param("response_format", 'must be {"type": "text"}, {"type": "json_object"} or '
-                    '{"type": "json_schema", "json_schema": {...}}')
+    raise bad_param(
+        "response_format",
+        'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}',
+    )
 
 
 def _checked(grammar: str, param: str) -> str:
     problem = grammars.problem(grammar)
     if problem:
-        raise bad_param(param, f"constrained decoding cannot use this schema: {problem.strip()}",
-                        "unsupported_value")
+        raise bad_param(
+            param, f"constrained decoding cannot use this schema: {problem.strip()}", "unsupported_value"
+        )
     return grammar

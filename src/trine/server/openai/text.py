@@ -2,6 +2,7 @@
 model's chat template, or completion text) and incremental decoding for streams. The tokenizer and
 its chat template are the service's (`Queries.tokenizer`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,14 @@ class ModelText:
             return prompt
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    async def prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None,
-                         context: int, tools: list[dict] | None = None, tool_messages: bool = False) -> list[int]:
+    async def prompt_ids(
+        self,
+        messages: list[dict] | None,
+        prompt: str | list[int] | None,
+        context: int,
+        tools: list[dict] | None = None,
+        tool_messages: bool = False,
+    ) -> list[int]:
         """The prompt's token ids, encoded off the event loop. A text longer than `context` tokens
         could possibly be, counted in characters, is refused before it is tokenized. A chat with
         `tools` (or with past tool calls and results) needs a chat template that supports tools in
@@ -30,14 +37,19 @@ class ModelText:
         chars = _chars(messages if messages is not None else prompt)
         if chars > self.tokenizer.most_chars(context):
             param = "messages" if messages is not None else "prompt"
-            raise OpenAIError(400, f"{param}: {chars} characters of text exceed this model's maximum context "
-                              f"length of {context} tokens. Shorten the prompt.", param=param,
-                              code="context_length_exceeded")
+            raise OpenAIError(
+                400,
+                f"{param}: {chars} characters of text exceed this model's maximum context "
+                f"length of {context} tokens. Shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
         def chat() -> list[int]:
             if tools or tool_messages:
                 self.require_tools("tools" if tools else "messages")
             return self.tokenizer.chat_prompt(messages, tools)
+
         fn = chat if messages is not None else (lambda: self.completion_prompt(prompt))
         return await asyncio.get_running_loop().run_in_executor(None, fn)
 
@@ -48,13 +60,24 @@ class ModelText:
         if fmt == "hermes":
             return
         name = self.tokenizer.name
-        why = (f"the chat template of {name} renders tools, but not as the <tool_call> JSON blocks "
-               "(Hermes format, as Qwen-family templates) that trine parses tool calls from") if fmt else \
-            (f"the chat template of {name} has no tools support (it does not render tool definitions or "
-             "tool results), so the model was never shown how to call them")
-        raise OpenAIError(400, f"{param}: {why}. Serve a model whose chat template supports tools "
-                          "(Qwen-family templates do), or send the conversation without tools.",
-                          param=param, code="unsupported_parameter")
+        why = (
+            (
+                f"the chat template of {name} renders tools, but not as the <tool_call> JSON blocks "
+                "(Hermes format, as Qwen-family templates) that trine parses tool calls from"
+            )
+            if fmt
+            else (
+                f"the chat template of {name} has no tools support (it does not render tool definitions or "
+                "tool results), so the model was never shown how to call them"
+            )
+        )
+        raise OpenAIError(
+            400,
+            f"{param}: {why}. Serve a model whose chat template supports tools "
+            "(Qwen-family templates do), or send the conversation without tools.",
+            param=param,
+            code="unsupported_parameter",
+        )
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -89,10 +112,10 @@ class TextStream:
 
     def add(self, tokens: list[int]) -> str:
         self.tokens += tokens
-        before = self.tok.decode(self.tokens[self.prefix:self.read])
-        now = self.tok.decode(self.tokens[self.prefix:])
+        before = self.tok.decode(self.tokens[self.prefix : self.read])
+        now = self.tok.decode(self.tokens[self.prefix :])
         if len(now) > len(before) and not now.endswith("\ufffd"):
-            self.text += now[len(before):]
+            self.text += now[len(before) :]
             self.prefix, self.read = self.read, len(self.tokens)
         if self.stopped:
             return ""
@@ -102,11 +125,11 @@ class TextStream:
             end = cut
         else:
             end = len(self.text) - self.hold
-        piece = self.text[self.sent:end] if end > self.sent else ""
+        piece = self.text[self.sent : end] if end > self.sent else ""
         self.sent += len(piece)
         return piece
 
     def finish(self, final_text: str) -> str:
         """The rest of the final text (the engine's, cut at the stop string, without a stop token)."""
-        sent = self.text[:self.sent]
-        return final_text[len(sent):] if final_text.startswith(sent) else ""
+        sent = self.text[: self.sent]
+        return final_text[len(sent) :] if final_text.startswith(sent) else ""

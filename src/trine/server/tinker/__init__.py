@@ -4,6 +4,7 @@ Same server, port, keys (in their `tml-` form) and service as the PyTRIO planes:
 ordering, the prefix cache and metering are the service's; this package only translates. See
 docs/architecture.md ("Front ends") for the protocol and README "Tinker users" for the user's view.
 """
+
 from __future__ import annotations
 
 from fastapi import APIRouter
@@ -29,16 +30,22 @@ class TinkerRoute(APIRoute):
                 return await handler(request)
             except ServiceError as e:
                 return error_response(e)
+
         return route
 
 
 def make_router() -> APIRouter:
     router = APIRouter(route_class=TinkerRoute)
-    for r in (rest.router, checkpoints.router, training.router, sampling.router,
-              futures.make_router(state_of, caller_key), refused.router):
+    for r in (
+        rest.router,
+        checkpoints.router,
+        training.router,
+        sampling.router,
+        futures.make_router(state_of, caller_key),
+        refused.router,
+    ):
         for route in r.routes:
-            router.add_api_route(route.path, route.endpoint, methods=list(route.methods),
-                                 response_model=None)
+            router.add_api_route(route.path, route.endpoint, methods=list(route.methods), response_model=None)
     return router
 
 

@@ -11,6 +11,7 @@ are what Tinker SDKs read; `?redirect=false` gets `{url, expires}` as JSON inste
 A published checkpoint stays its owner's (only the owner may change its TTL, unpublish or delete
 it); every key may sample it, train from it, read its weights info and download it.
 """
+
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -46,22 +47,35 @@ class TtlBody(_Body):
 
 
 def checkpoint_json(c: Checkpoint) -> dict:
-    return {"checkpoint_id": to_tinker_path(c.uri).split("/", 3)[3], "tinker_path": to_tinker_path(c.uri),
-            "checkpoint_type": "training" if c.kind == "TRAINING" else "sampler",
-            "time": iso(c.created_at), "size_bytes": c.size_bytes, "public": bool(c.public),
-            "expires_at": iso(c.expires_at)}
+    return {
+        "checkpoint_id": to_tinker_path(c.uri).split("/", 3)[3],
+        "tinker_path": to_tinker_path(c.uri),
+        "checkpoint_type": "training" if c.kind == "TRAINING" else "sampler",
+        "time": iso(c.created_at),
+        "size_bytes": c.size_bytes,
+        "public": bool(c.public),
+        "expires_at": iso(c.expires_at),
+    }
 
 
 def training_run_json(svc, key, r) -> dict:
     cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
-    last = {kind: max((c for c in cks if c.kind == kind), key=lambda c: c.created_at, default=None)
-            for kind in ("TRAINING", "SAMPLER")}
-    return {"training_run_id": r.id, "base_model": r.base_model, "model_owner": key.name, "is_lora": True,
-            "corrupted": r.status == "INTERRUPTED", "lora_rank": r.lora_rank,
-            "last_request_time": iso(r.updated_at),
-            "last_checkpoint": checkpoint_json(last["TRAINING"]) if last["TRAINING"] else None,
-            "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None,
-            "user_metadata": as_metadata(r) or None}
+    last = {
+        kind: max((c for c in cks if c.kind == kind), key=lambda c: c.created_at, default=None)
+        for kind in ("TRAINING", "SAMPLER")
+    }
+    return {
+        "training_run_id": r.id,
+        "base_model": r.base_model,
+        "model_owner": key.name,
+        "is_lora": True,
+        "corrupted": r.status == "INTERRUPTED",
+        "lora_rank": r.lora_rank,
+        "last_request_time": iso(r.updated_at),
+        "last_checkpoint": checkpoint_json(last["TRAINING"]) if last["TRAINING"] else None,
+        "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None,
+        "user_metadata": as_metadata(r) or None,
+    }
 
 
 def _run_id(st: TinkerState, key: ApiKey, id_: str) -> str:
@@ -73,10 +87,13 @@ def _run_id(st: TinkerState, key: ApiKey, id_: str) -> str:
 def _path(st: TinkerState, key: ApiKey, run_id: str, kind: str, name: str) -> str:
     """The checkpoint's trio:// uri; external weights are refused with what to use instead."""
     if kind == "external_weights":
-        raise InvalidRequest("external_weights: trine does not export external (merged) weights "
-                             "(save_weights_external); download the LoRA adapter of a sampler checkpoint "
-                             "(tinker://<run>/sampler_weights/<name>) with GET .../archive, or merge it "
-                             "into the base model with `trine export <checkpoint> <dir> --merged`", code="not_supported")
+        raise InvalidRequest(
+            "external_weights: trine does not export external (merged) weights "
+            "(save_weights_external); download the LoRA adapter of a sampler checkpoint "
+            "(tinker://<run>/sampler_weights/<name>) with GET .../archive, or merge it "
+            "into the base model with `trine export <checkpoint> <dir> --merged`",
+            code="not_supported",
+        )
     return to_trio_uri(f"tinker://{_run_id(st, key, run_id)}/{kind}/{name}")
 
 
@@ -92,12 +109,17 @@ def _readable(request: Request, run_id: str, kind: str, name: str) -> tuple[ApiK
 
 # ---------------------------------------------------------------------------- runs and listings
 @router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
-                             offset: int = Query(0, ge=0, le=INT64_MAX)):
+async def list_training_runs(
+    request: Request,
+    limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
+    offset: int = Query(0, ge=0, le=INT64_MAX),
+):
     svc, _, key = caller(request)
     rows, total = svc.queries.training_runs(key, limit, offset)
-    return {"training_runs": [training_run_json(svc, key, r) for r in rows],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+    return {
+        "training_runs": [training_run_json(svc, key, r) for r in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": total},
+    }
 
 
 @router.get("/training_runs/{run_id}")
@@ -114,12 +136,17 @@ async def run_checkpoints(run_id: str, request: Request):
 
 
 @router.get("/checkpoints")
-async def list_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE_SIZE),
-                           offset: int = Query(0, ge=0, le=INT64_MAX)):
+async def list_checkpoints(
+    request: Request,
+    limit: int = Query(100, ge=1, le=MAX_PAGE_SIZE),
+    offset: int = Query(0, ge=0, le=INT64_MAX),
+):
     svc, _, key = caller(request)
     rows, total = svc.queries.checkpoints(key, limit=limit, offset=offset)
-    return {"checkpoints": [checkpoint_json(c) for c in rows if c.path],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+    return {
+        "checkpoints": [checkpoint_json(c) for c in rows if c.path],
+        "cursor": {"offset": offset, "limit": limit, "total_count": total},
+    }
 
 
 @router.post("/weights_info")
@@ -127,8 +154,14 @@ async def weights_info(request: Request):
     svc, _, key = caller(request)
     b = parse_model(WeightsInfoBody, await json_object(request))
     c = svc.ownership.readable_by_uri(key, to_trio_uri(b.tinker_path, "tinker_path"))
-    return {"base_model": c.base_model, "is_lora": True, "lora_rank": c.lora_rank,
-            "train_unembed": c.train_unembed, "train_mlp": c.train_mlp, "train_attn": c.train_attn}
+    return {
+        "base_model": c.base_model,
+        "is_lora": True,
+        "lora_rank": c.lora_rank,
+        "train_unembed": c.train_unembed,
+        "train_mlp": c.train_mlp,
+        "train_attn": c.train_attn,
+    }
 
 
 @router.get("/billing/usage/checkpoints/current")
@@ -137,13 +170,27 @@ async def storage_usage(request: Request, project_id: str | None = None):
     svc, _, key = caller(request)
     stored = svc.checkpoints.stored(key)
     size = sum(c.size_bytes for c in stored)
-    rates = {svc.rate_card.price(c.base_model).storage_gb_month for c in stored} or \
-        {svc.rate_card.price(m.name).storage_gb_month for m in svc.queries.models()}
+    rates = {svc.rate_card.price(c.base_model).storage_gb_month for c in stored} or {
+        svc.rate_card.price(m.name).storage_gb_month for m in svc.queries.models()
+    }
     cost = sum(svc.rate_card.storage_cost(c.base_model, c.size_bytes / GB) for c in stored)
-    return {"effective_rate_usd_per_gigabyte_month": rates.pop() if len(rates) == 1 else None,
-            "data": [{"project_id": None, "org_user_urn": None, "user_email": None, "user_name": key.name,
-                      "checkpoint_count": len(stored), "size_bytes": size, "size_gigabytes": size / GB,
-                      "estimated_monthly_cost_usd": cost}] if stored else []}
+    return {
+        "effective_rate_usd_per_gigabyte_month": rates.pop() if len(rates) == 1 else None,
+        "data": [
+            {
+                "project_id": None,
+                "org_user_urn": None,
+                "user_email": None,
+                "user_name": key.name,
+                "checkpoint_count": len(stored),
+                "size_bytes": size,
+                "size_gigabytes": size / GB,
+                "estimated_monthly_cost_usd": cost,
+            }
+        ]
+        if stored
+        else [],
+    }
 
 
 # ---------------------------------------------------------------------------- one checkpoint
@@ -159,8 +206,9 @@ async def set_ttl(run_id: str, kind: str, name: str, request: Request):
     """`{"ttl_seconds": N}`: expire N seconds from now (then the garbage collector deletes it);
     `{"ttl_seconds": null}`: never."""
     svc, key, ck = _owned(request, run_id, kind, name)
-    b = parse_model(TtlBody, await json_object(request, what='send {"ttl_seconds": <seconds or null>}',
-                                               empty_ok=False))
+    b = parse_model(
+        TtlBody, await json_object(request, what='send {"ttl_seconds": <seconds or null>}', empty_ok=False)
+    )
     return checkpoint_json(svc.checkpoints.set_ttl(key, ck.id, b.ttl_seconds))
 
 
@@ -180,11 +228,13 @@ async def unpublish(run_id: str, kind: str, name: str, request: Request):
 def _signed(request: Request, key: ApiKey, ck: Checkpoint, path: str) -> tuple[str, datetime]:
     """A URL on this server for `path` (under /api/v1) that carries its own download token."""
     if not ck.path:
-        raise InvalidRequest(f"checkpoint {ck.uri} is a temporary snapshot held in memory and has no "
-                             "files; save it with a name to download it", code="checkpoint_not_downloadable")
+        raise InvalidRequest(
+            f"checkpoint {ck.uri} is a temporary snapshot held in memory and has no "
+            "files; save it with a name to download it",
+            code="checkpoint_not_downloadable",
+        )
     token, exp = signer_of(request).issue(key_id=key.id, subject=ck.id, kind="download")
-    return (f"{request.base_url}api/v1/{path}?token={token}",
-            datetime.fromtimestamp(exp, timezone.utc))
+    return (f"{request.base_url}api/v1/{path}?token={token}", datetime.fromtimestamp(exp, timezone.utc))
 
 
 @router.get(CHECKPOINT + "/archive")
@@ -194,8 +244,9 @@ async def archive_url(run_id: str, kind: str, name: str, request: Request, redir
     body = {"url": url, "expires": expires.isoformat()}
     if not redirect:
         return body
-    return JSONResponse(body, status_code=302,
-                        headers={"Location": url, "Expires": format_datetime(expires, usegmt=True)})
+    return JSONResponse(
+        body, status_code=302, headers={"Location": url, "Expires": format_datetime(expires, usegmt=True)}
+    )
 
 
 @router.get(CHECKPOINT + "/external_weights_urls")
@@ -205,7 +256,9 @@ async def file_urls(run_id: str, kind: str, name: str, request: Request):
     for f in _files(ck):
         urls[f.name], expires = _signed(request, key, ck, f"checkpoint_files/{ck.id}/{f.name}")
     if not urls:
-        raise InvalidRequest(f"checkpoint {ck.uri} has no files to download", code="checkpoint_not_downloadable")
+        raise InvalidRequest(
+            f"checkpoint {ck.uri} has no files to download", code="checkpoint_not_downloadable"
+        )
     return {"urls": urls, "expires": expires.isoformat()}
 
 

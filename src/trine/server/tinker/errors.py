@@ -12,6 +12,7 @@ Invariants
   reused `seq_id` (or sample `seq_id`) with a different body, a 409 with `x-should-retry: false`
   (the SDK never sends that itself; a client that does must not be answered the first call's result).
 """
+
 from __future__ import annotations
 
 import re
@@ -24,18 +25,20 @@ _TRIO_PATH = re.compile(r"trio://([^/\s'\"]+)/(state|weights)/([^\s'\",;)]+)")
 _TINKER_KIND = {"state": "weights", "weights": "sampler_weights"}
 _NOT_OWNED = {
     "training_run_not_found": "training_run_id not found: use a training run id (or model_id) this API "
-                              "key created",
+    "key created",
     "checkpoint_not_found": "tinker_path not found: use a tinker://<run>/<weights|sampler_weights>/<name> "
-                            "path that a save by this API key returned",
+    "path that a save by this API key returned",
     "service_session_not_found": "session_id not found: use a session_id that create_session returned to "
-                                 "this API key",
+    "this API key",
     "sampling_run_not_found": "sampling_session_id not found: use a sampler this API key created "
-                              "(create_sampling_client or save_weights_and_get_sampling_client)",
+    "(create_sampling_client or save_weights_and_get_sampling_client)",
     "event_not_found": "request not found: use a request_id this API key submitted",
 }
 REUSED = ("event_id_reused", "request_id_reused")
-_REUSED_MESSAGE = ("seq_id: already used by this client for a different request; a retry must resend the "
-                   "same body, and a new call takes the next seq_id")
+_REUSED_MESSAGE = (
+    "seq_id: already used by this client for a different request; a retry must resend the "
+    "same body, and a new call takes the next seq_id"
+)
 
 
 def tinker_paths(message: str) -> str:

@@ -13,6 +13,7 @@ Answers of `retrieve_future`, as SDK 0.38 reads them:
 - unknown id (never submitted by this key, or forgotten `KEEP_SECONDS` after it finished, or lost
   in a restart): HTTP 410, on which the SDK resubmits a sample.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,8 +62,9 @@ class _Entry:
 class FutureTable:
     entries: dict[str, _Entry] = field(default_factory=dict)
 
-    def start(self, api_key_id: str, request_id: str, make: Callable[[], Awaitable[Reply]],
-              fingerprint: str = "") -> None:
+    def start(
+        self, api_key_id: str, request_id: str, make: Callable[[], Awaitable[Reply]], fingerprint: str = ""
+    ) -> None:
         """Start `make()` as the future `request_id`, unless that future exists already: then the
         request must be the one it was started for (`fingerprint`, "" = not checked), else 409."""
         self._purge()
@@ -77,6 +79,7 @@ class FutureTable:
             entry.done_at = time.monotonic()
             if not task.cancelled():
                 task.exception()  # retrieved: a future nobody polls must not log "never retrieved"
+
         entry.task.add_done_callback(finished)
         self.entries[request_id] = entry
 
@@ -94,7 +97,10 @@ def failure_body(e: BaseException) -> dict:
     if isinstance(e, Failure):
         return {"error": tinker_paths(e.message), "category": e.category}
     if isinstance(e, ServiceError):
-        return {"error": public_message(e.code, e.message), "category": "user" if e.status < 500 else "server"}
+        return {
+            "error": public_message(e.code, e.message),
+            "category": "user" if e.status < 500 else "server",
+        }
     return {"error": f"{type(e).__name__}: {e}", "category": "server"}
 
 
@@ -109,18 +115,26 @@ def make_router(state_of, api_key) -> APIRouter:
         except ValueError:
             body = None
         if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
-            return JSONResponse({"code": "invalid_request_body",
-                                 "message": "body: send {\"request_id\": \"...\"}"}, status_code=400)
+            return JSONResponse(
+                {"code": "invalid_request_body", "message": 'body: send {"request_id": "..."}'},
+                status_code=400,
+            )
         rid = body["request_id"]
         task = state_of(request).futures.get(key.id, rid)
         if task is None:
-            return JSONResponse({"code": "future_not_found",  # the id is not echoed: it may be another key's
-                                 "message": "request_id: unknown to this API key here, or expired; submit "
-                                            "the request again"}, status_code=410)
+            return JSONResponse(
+                {
+                    "code": "future_not_found",  # the id is not echoed: it may be another key's
+                    "message": "request_id: unknown to this API key here, or expired; submit "
+                    "the request again",
+                },
+                status_code=410,
+            )
         await asyncio.wait({task}, timeout=LONG_POLL_SECONDS)
         if not task.done():  # 408 + try_again body: the SDK polls again (a 200 try_again would log a warning)
-            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"},
-                                status_code=408)
+            return JSONResponse(
+                {"type": "try_again", "request_id": rid, "queue_state": "active"}, status_code=408
+            )
         if task.cancelled():
             return {"error": "the request was cancelled by a server shutdown", "category": "server"}
         if task.exception() is not None:

@@ -9,6 +9,7 @@ trine's one extension: a sampled sequence of an inflight sampler carries, as fie
 `tokens`), the inflight weights version that produced each token. Stock clients ignore the
 unknown field.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,9 +60,12 @@ def decompress(body: bytes, encoding: str | None) -> bytes:
     if not encoding or encoding.lower() == "identity":
         return body
     if encoding.lower() != "zstd":
-        raise InvalidRequest(f"Content-Encoding {encoding!r} is not supported; send zstd or nothing",
-                             code="invalid_request_body")
+        raise InvalidRequest(
+            f"Content-Encoding {encoding!r} is not supported; send zstd or nothing",
+            code="invalid_request_body",
+        )
     import zstandard
+
     try:
         return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_DECOMPRESSED_BYTES)
     except zstandard.ZstdError as e:
@@ -79,8 +83,9 @@ def _tensor(t, where: str, size: int) -> np.ndarray:
     elif t.dtype in _NUMPY:
         dtype = _NUMPY[t.dtype]
     else:
-        raise InvalidRequest(f"{where}: dtype {t.dtype} is not a tensor dtype (float32, int64, int32, "
-                             "bfloat16)")
+        raise InvalidRequest(
+            f"{where}: dtype {t.dtype} is not a tensor dtype (float32, int64, int32, bfloat16)"
+        )
 
     def read(raw: bytes, dt, what: str) -> np.ndarray:
         if len(raw) % np.dtype(dt).itemsize:
@@ -94,8 +99,14 @@ def _tensor(t, where: str, size: int) -> np.ndarray:
         crow = read(t.sparse_csr.crow_indices, np.int64, "sparse_csr.crow_indices")
         col = read(t.sparse_csr.col_indices, np.int64, "sparse_csr.col_indices")
         rows, cols = shape
-        if (len(crow) != rows + 1 or len(col) != len(values) or (len(col) and (col.min() < 0 or col.max() >= cols))
-                or crow[0] != 0 or crow[-1] != len(values) or np.any(np.diff(crow) < 0)):
+        if (
+            len(crow) != rows + 1
+            or len(col) != len(values)
+            or (len(col) and (col.min() < 0 or col.max() >= cols))
+            or crow[0] != 0
+            or crow[-1] != len(values)
+            or np.any(np.diff(crow) < 0)
+        ):
             raise InvalidRequest(f"{where}: the sparse CSR indices do not describe a {rows}x{cols} tensor")
         dense = np.zeros((rows, cols), dtype=dtype)
         row_of = np.repeat(np.arange(rows), np.diff(crow))
@@ -118,9 +129,11 @@ def _tokens(chunks, where: str) -> list[int]:
                 raise InvalidRequest(f"{where}.model_input[{k}].tokens: not int32 values")
             out.extend(np.frombuffer(raw, dtype=np.int32).tolist())
         else:
-            raise InvalidRequest(f"{where}.model_input[{k}]: {kind or 'image/audio'} chunks are not "
-                                 "supported; the served models are text-only: send encoded_text chunks",
-                                 code="not_supported")
+            raise InvalidRequest(
+                f"{where}.model_input[{k}]: {kind or 'image/audio'} chunks are not "
+                "supported; the served models are text-only: send encoded_text chunks",
+                code="not_supported",
+            )
     return out
 
 
@@ -152,8 +165,9 @@ def decode_forward_backward(body: bytes):
     try:
         msg.ParseFromString(body)
     except Exception as e:  # DecodeError and friends
-        raise InvalidRequest(f"body: not a ForwardBackwardRequest protobuf ({type(e).__name__})",
-                             code="invalid_request_body") from None
+        raise InvalidRequest(
+            f"body: not a ForwardBackwardRequest protobuf ({type(e).__name__})", code="invalid_request_body"
+        ) from None
     if not msg.model_id:
         raise InvalidRequest("model_id: empty; send the id create_model returned")
     return msg
@@ -174,49 +188,82 @@ def forward_backward_body(msg) -> ForwardBackwardBody:
         for name, t in d.loss_fn_inputs.items():
             if name not in KNOWN_INPUTS:
                 hint = "; give clip thresholds in loss_fn_config" if "threshold" in name else ""
-                raise InvalidRequest(f"{where}.loss_fn_inputs[{name!r}] is not a loss input trine uses "
-                                     f"({', '.join(KNOWN_INPUTS)}){hint}")
+                raise InvalidRequest(
+                    f"{where}.loss_fn_inputs[{name!r}] is not a loss input trine uses "
+                    f"({', '.join(KNOWN_INPUTS)}){hint}"
+                )
             arr = _tensor(t, f"{where}.loss_fn_inputs[{name!r}]", n)
             if arr.size != n:
-                raise InvalidRequest(f"{where}.loss_fn_inputs[{name!r}] has {arr.size} values; it needs one "
-                                     f"per input token ({n})")
+                raise InvalidRequest(
+                    f"{where}.loss_fn_inputs[{name!r}] has {arr.size} values; it needs one "
+                    f"per input token ({n})"
+                )
             inputs[name] = arr
         if "target_tokens" not in inputs:
             raise InvalidRequest(f"{where}.loss_fn_inputs['target_tokens'] is required")
         targets = inputs["target_tokens"]
         if targets.dtype.kind == "f":
-            if (not np.all(np.isfinite(targets)) or np.any(targets != np.round(targets))
-                    or np.any(np.abs(targets) >= 2.0 ** 62)):
+            if (
+                not np.all(np.isfinite(targets))
+                or np.any(targets != np.round(targets))
+                or np.any(np.abs(targets) >= 2.0**62)
+            ):
                 raise InvalidRequest(f"{where}.loss_fn_inputs['target_tokens'] must hold integers")
         floats = {k: [float(x) for x in inputs[k].astype(np.float64)] for k in FLOAT_INPUTS if k in inputs}
         for k, vs in floats.items():
             if not all(math.isfinite(x) for x in vs):
                 raise InvalidRequest(f"{where}.loss_fn_inputs[{k!r}] holds NaN or infinite values")
-        data.append(TrainDatum(tokens=tokens, target_tokens=[int(x) for x in targets.astype(np.int64)],
-                               weights=floats.get("weights"), logprobs=floats.get("logprobs"),
-                               advantages=floats.get("advantages"),
-                               sequence_ratio_mask=floats.get("sequence_ratio_mask")))
+        data.append(
+            TrainDatum(
+                tokens=tokens,
+                target_tokens=[int(x) for x in targets.astype(np.int64)],
+                weights=floats.get("weights"),
+                logprobs=floats.get("logprobs"),
+                advantages=floats.get("advantages"),
+                sequence_ratio_mask=floats.get("sequence_ratio_mask"),
+            )
+        )
         runs = _spans(d.loss_fn_input_spans, f"{where}.loss_fn_input_spans")
         if runs and sum(s.length for s in runs) != n:
-            raise InvalidRequest(f"{where}.loss_fn_input_spans cover {sum(s.length for s in runs)} "
-                                 f"positions; they must tile all {n} loss rows")
+            raise InvalidRequest(
+                f"{where}.loss_fn_input_spans cover {sum(s.length for s in runs)} "
+                f"positions; they must tile all {n} loss rows"
+            )
         spans.append(runs)
-    return ForwardBackwardBody(msg.model_id, int(msg.seq_id), msg.loss_fn or "cross_entropy",
-                               _loss_config(msg), bool(msg.forward_only), data, spans)
+    return ForwardBackwardBody(
+        msg.model_id,
+        int(msg.seq_id),
+        msg.loss_fn or "cross_entropy",
+        _loss_config(msg),
+        bool(msg.forward_only),
+        data,
+        spans,
+    )
 
 
 # ---------------------------------------------------------------------------- results
 def forward_backward_output(logprobs: list[list[float]], metrics: dict[str, float]) -> bytes:
     """A ForwardBackwardOutput: one ArrayRecord holding every datum's `logprobs` (float32)."""
-    flat = np.concatenate([np.asarray(lp, dtype=np.float32) for lp in logprobs]) if logprobs \
+    flat = (
+        np.concatenate([np.asarray(lp, dtype=np.float32) for lp in logprobs])
+        if logprobs
         else np.zeros(0, np.float32)
+    )
     offsets = np.cumsum([0] + [4 * len(lp) for lp in logprobs]).astype(np.int64)
-    record = pb.ArrayRecord(type_tag="LossFnOutput", num_datums=len(logprobs),
-                            fields={"logprobs": pb.BatchedTensor(data=flat.tobytes(),
-                                                                 offsets=offsets.tobytes(),
-                                                                 dtype=pb.DTYPE_FLOAT32)})
-    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record],
-                                   metrics={k: float(v) for k, v in metrics.items()})
+    record = pb.ArrayRecord(
+        type_tag="LossFnOutput",
+        num_datums=len(logprobs),
+        fields={
+            "logprobs": pb.BatchedTensor(
+                data=flat.tobytes(), offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32
+            )
+        },
+    )
+    out = pb.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord",
+        loss_fn_outputs=[record],
+        metrics={k: float(v) for k, v in metrics.items()},
+    )
     return out.SerializeToString()
 
 
@@ -229,8 +276,9 @@ def _topk(rows: list, k: int) -> "pb.TopkLogprobs":
     return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
 
 
-def tensor(values: np.ndarray, shape: tuple[int, ...], csr: tuple[list[int], list[int]] | None = None
-           ) -> "pb.Tensor":
+def tensor(
+    values: np.ndarray, shape: tuple[int, ...], csr: tuple[list[int], list[int]] | None = None
+) -> "pb.Tensor":
     """A proto Tensor of float32 or int64 `values`: dense in row-major order, or the values of a
     sparse CSR tensor with the (crow, col) indices `csr`."""
     dtype = pb.DTYPE_INT64 if values.dtype.kind in "iu" else pb.DTYPE_FLOAT32
@@ -238,8 +286,11 @@ def tensor(values: np.ndarray, shape: tuple[int, ...], csr: tuple[list[int], lis
     if csr is None:
         return pb.Tensor(dense=raw, dtype=dtype, shape=list(shape))
     crow, col = (np.asarray(x, dtype=np.int64).tobytes() for x in csr)
-    return pb.Tensor(sparse_csr=pb.SparseCsr(values=raw, crow_indices=crow, col_indices=col), dtype=dtype,
-                     shape=list(shape))
+    return pb.Tensor(
+        sparse_csr=pb.SparseCsr(values=raw, crow_indices=crow, col_indices=col),
+        dtype=dtype,
+        shape=list(shape),
+    )
 
 
 def _varint(n: int) -> bytes:
@@ -257,20 +308,29 @@ def _int32_field(number: int, values: list[int]) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(data)) + data
 
 
-def sample_response(sequences: list[tuple[list[int], list[float] | None, str]],
-                    prompt_logprobs: list[float | None] | None, topk_prompt: list | None, topk_k: int,
-                    cache_hit_tokens: int, *, sequence_topk: list[list | None] | None = None,
-                    sequence_topk_k: int = 0, target_prompt_logprobs: "pb.Tensor | None" = None,
-                    prompt_alt_tokens: "tuple[pb.Tensor, pb.Tensor] | None" = None,
-                    weights_versions: list[list[int] | None] | None = None) -> bytes:
+def sample_response(
+    sequences: list[tuple[list[int], list[float] | None, str]],
+    prompt_logprobs: list[float | None] | None,
+    topk_prompt: list | None,
+    topk_k: int,
+    cache_hit_tokens: int,
+    *,
+    sequence_topk: list[list | None] | None = None,
+    sequence_topk_k: int = 0,
+    target_prompt_logprobs: "pb.Tensor | None" = None,
+    prompt_alt_tokens: "tuple[pb.Tensor, pb.Tensor] | None" = None,
+    weights_versions: list[list[int] | None] | None = None,
+) -> bytes:
     """A SampleResponse. `sequences`: (tokens, logprobs, stop_reason "stop" | "length");
     `sequence_topk`: each sequence's top logprobs per token, sent `sequence_topk_k` wide (dense,
     with the client's sentinels where a row is shorter); `weights_versions`: per sequence, its tokens'
     inflight weights versions (None: fixed weights)."""
     seqs = []
     for i, (tokens, lps, stop) in enumerate(sequences):
-        s = pb.SampledSequence(stop_reason=pb.STOP_REASON_LENGTH if stop == "length" else pb.STOP_REASON_STOP,
-                               tokens=np.asarray(tokens, dtype=np.int32).tobytes())
+        s = pb.SampledSequence(
+            stop_reason=pb.STOP_REASON_LENGTH if stop == "length" else pb.STOP_REASON_STOP,
+            tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
+        )
         if lps is not None:
             s.logprobs = np.asarray(lps, dtype=np.float32).tobytes()
         if sequence_topk is not None and sequence_topk_k > 0:
@@ -280,12 +340,15 @@ def sample_response(sequences: list[tuple[list[int], list[float] | None, str]],
         seqs.append(s)
     out = pb.SampleResponse(sequences=seqs, prompt_cache_hit_tokens=int(cache_hit_tokens))
     if prompt_logprobs is not None:
-        out.prompt_logprobs = np.asarray([math.nan if x is None else x for x in prompt_logprobs],
-                                         dtype=np.float32).tobytes()
+        out.prompt_logprobs = np.asarray(
+            [math.nan if x is None else x for x in prompt_logprobs], dtype=np.float32
+        ).tobytes()
     if topk_prompt is not None and topk_k > 0:
         out.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt, topk_k))
     if target_prompt_logprobs is not None:
         out.target_prompt_logprobs.CopyFrom(target_prompt_logprobs)
     if prompt_alt_tokens is not None:
-        out.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(tokens=prompt_alt_tokens[0], logprobs=prompt_alt_tokens[1]))
+        out.prompt_alt_tokens.CopyFrom(
+            pb.PromptAltTokens(tokens=prompt_alt_tokens[0], logprobs=prompt_alt_tokens[1])
+        )
     return out.SerializeToString()

@@ -7,6 +7,7 @@ Routes the client only calls when the client config turns a feature on (`auth/to
 `retrieve_futures`, `join_sampling_session`, `create_custom_loss`, `cancel_future`) are refused too,
 for clients that ignore the config.
 """
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -18,27 +19,60 @@ router = APIRouter(prefix="/api/v1")
 
 # (method, path, the feature, what to use instead)
 REFUSED = (
-    ("POST", "/copy_weights", "copy_weights (projects)",
-     "trine has no projects; share a checkpoint with other API keys by publishing it "
-     "(publish_checkpoint_from_tinker_path) and train from it with create_training_client_from_state"),
-    ("PUT", "/sessions/{session_id}/project", "assign_session_project (projects)",
-     "trine has no projects; everything is scoped by API key"),
+    (
+        "POST",
+        "/copy_weights",
+        "copy_weights (projects)",
+        "trine has no projects; share a checkpoint with other API keys by publishing it "
+        "(publish_checkpoint_from_tinker_path) and train from it with create_training_client_from_state",
+    ),
+    (
+        "PUT",
+        "/sessions/{session_id}/project",
+        "assign_session_project (projects)",
+        "trine has no projects; everything is scoped by API key",
+    ),
     ("POST", "/sessions/search", "search_sessions", "list_sessions and get_session"),
-    ("GET", "/sessions/{session_id}/trace_export", "export_session_trace",
-     "trine's web console (/console) and its usage API (GET /api/trine/v1/usage)"),
+    (
+        "GET",
+        "/sessions/{session_id}/trace_export",
+        "export_session_trace",
+        "trine's web console (/console) and its usage API (GET /api/trine/v1/usage)",
+    ),
     ("GET", "/audit", "get_audit_log", "the server's access log (logger trine.access)"),
     ("GET", "/auth/apikey/me", "the API key endpoint", "`trine keys list` on the server"),
     ("DELETE", "/auth/apikey/me", "the API key endpoint", "`trine keys revoke` on the server"),
-    ("POST", "/auth/token", "JWT authentication", "send the API key as X-API-Key (the client config has "
-     "pjwt_auth_enabled false)"),
-    ("POST", "/retrieve_futures", "retrieve_futures", "retrieve_future for each request (the client config "
-     "has sample_use_retrieve_futures false)"),
-    ("POST", "/join_sampling_session", "join_sampling_session", "create_sampling_session (the client config "
-     "has sample_join_sampling_session false)"),
-    ("POST", "/create_custom_loss", "server-side custom losses", "forward_backward_custom, which runs the loss "
-     "on the client (the client config has custom_loss_server_side false)"),
-    ("POST", "/cancel_future", "cancelling a request", "let it finish (the dynamic config has "
-     "sample_cancel_enabled false)"),
+    (
+        "POST",
+        "/auth/token",
+        "JWT authentication",
+        "send the API key as X-API-Key (the client config has pjwt_auth_enabled false)",
+    ),
+    (
+        "POST",
+        "/retrieve_futures",
+        "retrieve_futures",
+        "retrieve_future for each request (the client config has sample_use_retrieve_futures false)",
+    ),
+    (
+        "POST",
+        "/join_sampling_session",
+        "join_sampling_session",
+        "create_sampling_session (the client config has sample_join_sampling_session false)",
+    ),
+    (
+        "POST",
+        "/create_custom_loss",
+        "server-side custom losses",
+        "forward_backward_custom, which runs the loss "
+        "on the client (the client config has custom_loss_server_side false)",
+    ),
+    (
+        "POST",
+        "/cancel_future",
+        "cancelling a request",
+        "let it finish (the dynamic config has sample_cancel_enabled false)",
+    ),
 )
 
 
@@ -46,6 +80,7 @@ def _refusal(feature: str, instead: str):
     async def refuse(request: Request):
         caller(request)  # like every Tinker route: the key first
         raise InvalidRequest(f"{feature} is not supported by trine; use {instead}", code="not_supported")
+
     return refuse
 
 

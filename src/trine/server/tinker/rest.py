@@ -6,6 +6,7 @@ The client config turns off what a self-hosted server does not need: no JWT exch
 (`pjwt_auth_enabled`), custom losses run on the client (`custom_loss_server_side`), no
 retrieve_futures poller, plain httpx transport, uncompressed forward_backward bodies.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -23,12 +24,19 @@ from ..context import json_object, parse_model
 from .state import caller
 
 router = APIRouter(prefix="/api/v1")
-CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_key",
-                 "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
-                 "parallel_fwdbwd_chunks": True, "fwdbwd_max_chunk_len": 1024,
-                 "fwdbwd_max_chunk_bytes_count": 5_000_000, "sample_use_retrieve_futures": False,
-                 "sample_join_sampling_session": False, "custom_loss_server_side": False,
-                 "sample_no_retries": False}
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "credential_default_source": "api_key",
+    "use_pyqwest_transport": False,
+    "proto_compress_fwdbwd": False,
+    "parallel_fwdbwd_chunks": True,
+    "fwdbwd_max_chunk_len": 1024,
+    "fwdbwd_max_chunk_bytes_count": 5_000_000,
+    "sample_use_retrieve_futures": False,
+    "sample_join_sampling_session": False,
+    "custom_loss_server_side": False,
+    "sample_no_retries": False,
+}
 FINISH_STATUS = {"success": "ENDED", "errored": "CANCELLED", "interrupted": "CANCELLED"}
 
 
@@ -92,8 +100,12 @@ async def telemetry(request: Request):
 @router.get("/get_server_capabilities")
 async def capabilities(request: Request):
     svc, _, _ = caller(request)
-    return {"supported_models": [{"model_name": m.name, "max_context_length": m.max_seq_len,
-                                  "trainable": True, "sampleable": True} for m in svc.queries.models()]}
+    return {
+        "supported_models": [
+            {"model_name": m.name, "max_context_length": m.max_seq_len, "trainable": True, "sampleable": True}
+            for m in svc.queries.models()
+        ]
+    }
 
 
 # ---------------------------------------------------------------------------- sessions
@@ -111,8 +123,9 @@ async def session_heartbeat(request: Request):
     b = await _json(request, SessionBody)
     s = svc.ownership.session(key, b.session_id)
     if s.status != "ACTIVE":
-        return JSONResponse({"code": "session_finished", "message": f"session {s.id} is {s.status}"},
-                            status_code=410)
+        return JSONResponse(
+            {"code": "session_finished", "message": f"session {s.id} is {s.status}"}, status_code=410
+        )
     for m in st.models.values():  # keeps the session's training runs from being collected as idle
         if m.session_id == s.id and m.api_key_id == key.id:
             svc.runs.heartbeat(key, m.run_id)
@@ -128,8 +141,11 @@ async def finish_session(session_id: str, request: Request):
 
 
 @router.get("/sessions")
-async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
-                        offset: int = Query(0, ge=0, le=INT64_MAX)):
+async def list_sessions(
+    request: Request,
+    limit: int = Query(20, ge=1, le=MAX_PAGE_SIZE),
+    offset: int = Query(0, ge=0, le=INT64_MAX),
+):
     svc, _, key = caller(request)
     rows, _ = svc.queries.sessions(key, limit, offset)
     return {"sessions": [s.id for s in rows]}
@@ -164,23 +180,34 @@ async def billing_usage(request: Request, starting_on: str | None = None, ending
             continue
         hour = int(e.time // 3600) * 3600
         cost = svc.rate_card.cost(e)
-        for kind, cached, count, phase in (("training", None, e.train, "train"),
-                                           ("sampling_prefill", False, e.prefill, "prefill"),
-                                           ("sampling_prefill", True, e.prefill_cached, "prefill_cached"),
-                                           ("sampling_sample", None, e.sample, "sample")):
+        for kind, cached, count, phase in (
+            ("training", None, e.train, "train"),
+            ("sampling_prefill", False, e.prefill, "prefill"),
+            ("sampling_prefill", True, e.prefill_cached, "prefill_cached"),
+            ("sampling_sample", None, e.sample, "sample"),
+        ):
             if count:
                 b = buckets[(hour, e.base_model, e.session_id, kind, cached)]
                 b[0] += count
                 b[1] += cost.get(phase, 0.0)
     data = []
-    for (hour, model, session, kind, cached), (count, cost) in sorted(buckets.items(), key=lambda kv: kv[0][:4]):
+    for (hour, model, session, kind, cached), (count, cost) in sorted(
+        buckets.items(), key=lambda kv: kv[0][:4]
+    ):
         info = {"type": kind, "token_count": int(count)}
         if cached is not None:
             info["cached"] = cached
-        data.append({"bucket_start": iso(hour), "bucket_end": iso(hour + 3600), "base_model": model,
-                     "user_id": key.id, "user_name": key.name, "session_id": session,
-                     "estimated_cost_usd": money(cost),
-                     "effective_rate_usd_per_million_tokens": money(cost * 1e6 / count) if count else None,
-                     "event_info": info})
+        data.append(
+            {
+                "bucket_start": iso(hour),
+                "bucket_end": iso(hour + 3600),
+                "base_model": model,
+                "user_id": key.id,
+                "user_name": key.name,
+                "session_id": session,
+                "estimated_cost_usd": money(cost),
+                "effective_rate_usd_per_million_tokens": money(cost * 1e6 / count) if count else None,
+                "event_info": info,
+            }
+        )
     return {"data": data, "sessions": {}}
-

@@ -8,6 +8,7 @@ per row (`SampleRequest.target_prompt_ids`); `TargetLayout` keeps where each id 
 has the request's shape and layout (CSR stays CSR), with 0.0 where the request had -1.
 Every error is an InvalidRequest naming the wire field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,25 +63,36 @@ class TargetLayout:
 
 
 def parse_extras(body: dict, prompt_len: int, prompt_logprobs: bool) -> tuple[dict, TargetLayout | None]:
-    """SampleRequest fields (keywords; `top_logprobs` is a SamplingOptions one) of a Tinker sample body, and the layout of
+    """SampleRequest fields (keywords; `top_logprobs` is a SamplingOptions one) of a Tinker sample body, and
+    the layout of
     its target_prompt_logprobs (None when it sent none)."""
     e = parse_model(Extras, {k: body[k] for k in Extras.model_fields if body.get(k) is not None})
     last_n = e.prompt_logprobs_last_n
     if last_n is not None:
         if not prompt_logprobs:
-            raise InvalidRequest("prompt_logprobs_last_n: applies to prompt logprobs; set prompt_logprobs "
-                                 "(include_prompt_logprobs=True)")
+            raise InvalidRequest(
+                "prompt_logprobs_last_n: applies to prompt logprobs; set prompt_logprobs "
+                "(include_prompt_logprobs=True)"
+            )
         if last_n > prompt_len - 1:
-            raise InvalidRequest(f"prompt_logprobs_last_n {last_n}: use 1 to len(prompt) - 1 = {prompt_len - 1}")
+            raise InvalidRequest(
+                f"prompt_logprobs_last_n {last_n}: use 1 to len(prompt) - 1 = {prompt_len - 1}"
+            )
     layout = ids = None
     if e.target_prompt_logprobs is not None:
         layout = _layout(e.target_prompt_logprobs, prompt_len)
         ids = _rows(layout)
         if not any(ids):
-            raise InvalidRequest("target_prompt_logprobs: names no token id (every cell is -1); name at "
-                                 "least one, or leave the field out")
-    return dict(top_logprobs=e.topk_sample_logprobs, prompt_alt_tokens_k=e.prompt_alt_tokens_k,
-                prompt_logprobs_last_n=last_n, target_prompt_ids=ids), layout
+            raise InvalidRequest(
+                "target_prompt_logprobs: names no token id (every cell is -1); name at "
+                "least one, or leave the field out"
+            )
+    return dict(
+        top_logprobs=e.topk_sample_logprobs,
+        prompt_alt_tokens_k=e.prompt_alt_tokens_k,
+        prompt_logprobs_last_n=last_n,
+        target_prompt_ids=ids,
+    ), layout
 
 
 def _layout(t: WireTensor, prompt_len: int) -> TargetLayout:
@@ -102,8 +114,14 @@ def _layout(t: WireTensor, prompt_len: int) -> TargetLayout:
             raise InvalidRequest(f"{field}.data: {len(cells)} values do not fill the shape [{rows}, {width}]")
         return TargetLayout((rows, width), cells, None)
     crow, col = np.asarray(t.sparse_crow_indices, np.int64), np.asarray(t.sparse_col_indices, np.int64)
-    if (len(crow) != rows + 1 or len(col) != len(cells) or crow[0] != 0 or crow[-1] != len(cells)
-            or np.any(np.diff(crow) < 0) or (len(col) and (col.min() < 0 or col.max() >= width))):
+    if (
+        len(crow) != rows + 1
+        or len(col) != len(cells)
+        or crow[0] != 0
+        or crow[-1] != len(cells)
+        or np.any(np.diff(crow) < 0)
+        or (len(col) and (col.min() < 0 or col.max() >= width))
+    ):
         raise InvalidRequest(f"{field}: the sparse CSR indices do not describe a {rows}x{width} tensor")
     return TargetLayout((rows, width), cells, (crow.tolist(), col.tolist()))
 
@@ -114,4 +132,4 @@ def _rows(layout: TargetLayout) -> list[list[int]]:
     if layout.csr is None:
         return [[int(x) for x in r if x != -1] for r in layout.cells.reshape(rows, width)]
     crow = layout.csr[0]
-    return [[int(x) for x in layout.cells[crow[i]:crow[i + 1]] if x != -1] for i in range(rows)]
+    return [[int(x) for x in layout.cells[crow[i] : crow[i + 1]] if x != -1] for i in range(rows)]

@@ -11,6 +11,7 @@ carry each token's weights version (proto.WEIGHTS_VERSIONS_FIELD).
 only before `prompt_logprobs_last_n` (0 hit tokens without it). The fields beyond PyTRIO's sample
 body (top-k per sampled token, alt-token draws, target ids) are parsed in `sample_extras`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,11 +21,11 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from ...engine.api import SampleRequest
 from ...limits import MAX_SAMPLE_BYTES, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
 from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
 from ..bounds import Int64
 from ..context import json_object, parse_model
-from ...engine.api import SampleRequest
 from ..params import ModelInputBody, SamplingParamsBody, sampling_options
 from . import proto
 from .futures import Reply
@@ -34,8 +35,9 @@ from .state import TinkerState, caller, to_tinker_path, to_trio_uri
 router = APIRouter(prefix="/api/v1")
 
 
-def sampling_session(svc: Service, st: TinkerState, key: ApiKey, session_id: str, seq: int,
-                     base_model: str, source_uri: str) -> str:
+def sampling_session(
+    svc: Service, st: TinkerState, key: ApiKey, session_id: str, seq: int, base_model: str, source_uri: str
+) -> str:
     """The sampling run behind (session, sampling_session_seq_id), created once (retries reuse it)."""
     known = st.samplers.get((session_id, seq))
     if known is not None and svc.ownership.sampling_run(key, known):
@@ -55,8 +57,9 @@ async def create_sampling_session(request: Request):
     uri = to_trio_uri(b["model_path"], "model_path") if b.get("model_path") else ""
     if not uri and not b.get("base_model"):
         raise InvalidRequest("create_sampling_session: send base_model or model_path")
-    sid = sampling_session(svc, st, key, b["session_id"], b["sampling_session_seq_id"],
-                           b.get("base_model") or "", uri)
+    sid = sampling_session(
+        svc, st, key, b["session_id"], b["sampling_session_seq_id"], b.get("base_model") or "", uri
+    )
     return {"type": "create_sampling_session", "sampling_session_id": sid}
 
 
@@ -64,12 +67,16 @@ async def create_sampling_session(request: Request):
 async def get_sampler(sampler_id: str, request: Request):
     svc, st, key = caller(request)
     r = svc.ownership.sampling_run(key, sampler_id)
-    return {"sampler_id": r.id, "base_model": svc.queries.model(r.base_model).model_id,  # a tokenizer dir
-            "model_path": to_tinker_path(r.source_checkpoint_uri) if r.source_checkpoint_uri else None}
+    return {
+        "sampler_id": r.id,
+        "base_model": svc.queries.model(r.base_model).model_id,  # a tokenizer dir
+        "model_path": to_tinker_path(r.source_checkpoint_uri) if r.source_checkpoint_uri else None,
+    }
 
 
 class SamplingSessionBody(BaseModel):
     """The types of a `create_sampling_session` body."""
+
     model_config = ConfigDict(extra="allow")
     session_id: str | None = None
     sampling_session_seq_id: Int64 | None = None
@@ -79,6 +86,7 @@ class SamplingSessionBody(BaseModel):
 
 class AsampleBody(BaseModel):
     """The types of an `asample` body's top-level fields (their values are checked where used)."""
+
     model_config = ConfigDict(extra="allow")
     sampling_session_id: str | None = None
     seq_id: Int64 | None = None
@@ -94,7 +102,9 @@ class AsampleBody(BaseModel):
 @router.post("/asample")
 async def asample(request: Request):
     svc, st, key = caller(request)
-    b = await json_object(request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object", empty_ok=False)
+    b = await json_object(
+        request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object", empty_ok=False
+    )
     parse_model(AsampleBody, b)
     sid, seq = b.get("sampling_session_id"), b.get("seq_id")
     if not isinstance(sid, str) or not isinstance(seq, int):
@@ -119,10 +129,20 @@ async def asample(request: Request):
     topk = b.get("topk_prompt_logprobs") or 0
     if not 0 <= topk <= MAX_TOPK_PROMPT_LOGPROBS:
         raise InvalidRequest(f"topk_prompt_logprobs {topk}: use 0 to {MAX_TOPK_PROMPT_LOGPROBS}")
-    options = sampling_options(params, stop_at_eos=not no_stop,  # Tinker: [] disables every stop, EOS included
-                               top_logprobs=top_logprobs)
-    spec = SampleRequest(request_id=f"tk-{seq}", prompt=prompt, options=options, num_samples=n,
-                         prompt_logprobs=with_prompt_logprobs, topk_prompt_logprobs=topk, **fields)
+    options = sampling_options(
+        params,
+        stop_at_eos=not no_stop,  # Tinker: [] disables every stop, EOS included
+        top_logprobs=top_logprobs,
+    )
+    spec = SampleRequest(
+        request_id=f"tk-{seq}",
+        prompt=prompt,
+        options=options,
+        num_samples=n,
+        prompt_logprobs=with_prompt_logprobs,
+        topk_prompt_logprobs=topk,
+        **fields,
+    )
     fingerprint = hashlib.sha256(json.dumps(b, sort_keys=True).encode()).hexdigest()
     record = bool(b.get("record_stability_info"))
     sequence_ids = [f"{request_id}:{i}" for i in range(spec.num_samples)]
@@ -134,16 +154,34 @@ async def asample(request: Request):
                 st.stability.record(key.id, seq_id, s.tokens, s.logprobs)
         plp = out.prompt_logprobs if b.get("prompt_logprobs") else None
         rows, k = len(spec.prompt) - 1, spec.prompt_alt_tokens_k
-        alt = None if not k else (proto.tensor(np.asarray(out.prompt_alt_tokens, np.int64), (rows, k)),
-                                  proto.tensor(np.asarray(out.prompt_alt_logprobs, np.float32), (rows, k)))
-        target = None if targets is None else proto.tensor(targets.values(out.target_prompt_logprobs),
-                                                            targets.shape, targets.csr)
-        return Reply(proto.sample_response(
-            [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences], plp,
-            out.topk_prompt_logprobs, spec.topk_prompt_logprobs, out.usage["cached_tokens"],
-            sequence_topk=[s.top_logprobs for s in out.sequences], sequence_topk_k=spec.options.top_logprobs,
-            target_prompt_logprobs=target, prompt_alt_tokens=alt,
-            weights_versions=[s.weights_versions for s in out.sequences]), proto.PROTOBUF)
+        alt = (
+            None
+            if not k
+            else (
+                proto.tensor(np.asarray(out.prompt_alt_tokens, np.int64), (rows, k)),
+                proto.tensor(np.asarray(out.prompt_alt_logprobs, np.float32), (rows, k)),
+            )
+        )
+        target = (
+            None
+            if targets is None
+            else proto.tensor(targets.values(out.target_prompt_logprobs), targets.shape, targets.csr)
+        )
+        return Reply(
+            proto.sample_response(
+                [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences],
+                plp,
+                out.topk_prompt_logprobs,
+                spec.topk_prompt_logprobs,
+                out.usage["cached_tokens"],
+                sequence_topk=[s.top_logprobs for s in out.sequences],
+                sequence_topk_k=spec.options.top_logprobs,
+                target_prompt_logprobs=target,
+                prompt_alt_tokens=alt,
+                weights_versions=[s.weights_versions for s in out.sequences],
+            ),
+            proto.PROTOBUF,
+        )
+
     st.futures.start(key.id, request_id, finish, fingerprint)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
-

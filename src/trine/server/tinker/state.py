@@ -11,6 +11,7 @@ Invariants
 - The maps live in memory: after a restart the old runs are INTERRUPTED anyway (their weights are
   gone), and checkpoints stay reachable by their `tinker://` paths, which need no map.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,9 +19,9 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from ... import uris
-from ...uris import TINKER_SCHEME, to_tinker_path  # noqa: F401 (the front end's routes import them from here)
 from ...service import ApiKey, InvalidRequest, NotFound, Service, ServiceError
 from ...service.stability import StabilityRecords
+from ...uris import TINKER_SCHEME, to_tinker_path  # noqa: F401 (the front end's routes import them from here)
 from ..context import caller_key, service_of
 from .futures import FutureTable
 
@@ -51,9 +52,11 @@ class TinkerState:
     def model(self, key: ApiKey, model_id: str) -> Model:
         m = self.models.get(model_id)
         if m is None or m.api_key_id != key.id:
-            raise NotFound("model_id not found: use the id create_model returned to this API key (ids "
-                           "do not survive a server restart; restore from a saved state)",
-                           code="model_not_found")
+            raise NotFound(
+                "model_id not found: use the id create_model returned to this API key (ids "
+                "do not survive a server restart; restore from a saved state)",
+                code="model_not_found",
+            )
         return m
 
 
@@ -67,9 +70,13 @@ def state_of(request: Request) -> TinkerState:
 def caller(request: Request) -> tuple[Service, TinkerState, ApiKey]:
     """The service, the Tinker state and the authenticated key of a request."""
     from .proto import pb
+
     if pb is None:
-        raise ServiceError("the Tinker API needs the `tinker` package (Python >= 3.11): "
-                           "pip install tinker==0.38.0", code="tinker_unavailable", status=501)
+        raise ServiceError(
+            "the Tinker API needs the `tinker` package (Python >= 3.11): pip install tinker==0.38.0",
+            code="tinker_unavailable",
+            status=501,
+        )
     return service_of(request), state_of(request), caller_key(request)
 
 

@@ -11,6 +11,7 @@ calls in seq_id order exactly once, however the SDK's parallel chunks arrive, an
 (same seq_id) joins the first. Losses are summed per token (no normalisation: Tinker's contract);
 metric keys are `name:reduction` so the SDK can combine chunks (`loss:sum`, `clock_cycle:unique`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,10 +22,21 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from ...limits import MAX_EVENT_BYTES
 from ...engine.api import Forward, LoRAConfig, Loss, Refused
-from ...service import (ApiKey, EventResult, InitByUri, InvalidRequest, RunLabels, SaveByName, Service, ServiceError,
-                        TooManyRequests, TrainingCommand, TrainingRunSpec)
+from ...limits import MAX_EVENT_BYTES
+from ...service import (
+    ApiKey,
+    EventResult,
+    InitByUri,
+    InvalidRequest,
+    RunLabels,
+    SaveByName,
+    Service,
+    ServiceError,
+    TooManyRequests,
+    TrainingCommand,
+    TrainingRunSpec,
+)
 from ..bounds import Count, Seed, SeqId, TtlSeconds
 from ..context import json_object, parse_model, read_body
 from ..params import optim_step as parse_optim_step
@@ -92,9 +104,11 @@ async def _json(request: Request, cls):
 def _check_optimizer(config: dict | None, field: str = "optimizer_config") -> None:
     kind = (config or {}).get("type", "adam")
     if kind not in ("adam", "adamw"):
-        raise InvalidRequest(f"{field}.type {kind!r}: not supported; trine trains with AdamW only: create "
-                             "the model with the default optimizer and send AdamParams to optim_step",
-                             code="not_supported")
+        raise InvalidRequest(
+            f"{field}.type {kind!r}: not supported; trine trains with AdamW only: create "
+            "the model with the default optimizer and send AdamParams to optim_step",
+            code="not_supported",
+        )
 
 
 # ---------------------------------------------------------------------------- event plumbing
@@ -118,8 +132,17 @@ async def _settled(svc: Service, key: ApiKey, run_id: str, event_id: str):
 Shape = Callable[[EventResult], Awaitable[Reply]]
 
 
-async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: Model, seq_id: int,
-                  command: TrainingCommand | InvalidRequest, shape: Shape, body: BaseModel | bytes) -> dict:
+async def _submit(
+    svc: Service,
+    st: TinkerState,
+    key: ApiKey,
+    model_id: str,
+    m: Model,
+    seq_id: int,
+    command: TrainingCommand | InvalidRequest,
+    shape: Shape,
+    body: BaseModel | bytes,
+) -> dict:
     """Queue `command` as the model's call `seq_id`; `body` is the request as sent (its fingerprint:
     a retry of the call must repeat it, another body under the same seq_id is a 409). A refused
     call (`command` already an InvalidRequest, or refused by the service) still takes its index,
@@ -129,8 +152,16 @@ async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: 
     fingerprint = _fingerprint(body)
 
     async def submit(command: TrainingCommand) -> None:
-        await svc.events.submit(key, m.run_id, event_id=event_id, index=seq_id + 1, step=0, command=command,
-                                fingerprint=fingerprint)
+        await svc.events.submit(
+            key,
+            m.run_id,
+            event_id=event_id,
+            index=seq_id + 1,
+            step=0,
+            command=command,
+            fingerprint=fingerprint,
+        )
+
     try:
         if isinstance(command, InvalidRequest):
             raise command
@@ -142,6 +173,7 @@ async def _submit(svc: Service, st: TinkerState, key: ApiKey, model_id: str, m: 
 
     async def finish() -> Reply:
         return await shape(_outcome(await _settled(svc, key, m.run_id, event_id)))
+
     st.futures.start(key.id, event_id, finish)
     return {"request_id": event_id, "model_id": model_id}
 
@@ -162,17 +194,32 @@ def _command_or_refusal(build: Callable[[], TrainingCommand]) -> TrainingCommand
 def _json_reply(obj) -> Shape:
     async def shape(res):
         return Reply.json(obj)
+
     return shape
 
 
 def _lora(run) -> LoRAConfig:
-    return LoRAConfig(rank=run.lora_rank, seed=run.seed, train_mlp=run.train_mlp, train_attn=run.train_attn,
-                      train_unembed=run.train_unembed)
+    return LoRAConfig(
+        rank=run.lora_rank,
+        seed=run.seed,
+        train_mlp=run.train_mlp,
+        train_attn=run.train_attn,
+        train_unembed=run.train_unembed,
+    )
 
 
 # ---------------------------------------------------------------------------- models
-async def _create(svc: Service, st: TinkerState, key: ApiKey, session_id: str, model_seq_id: int,
-                  make_run, init_of, reply: dict, body: BaseModel) -> dict:
+async def _create(
+    svc: Service,
+    st: TinkerState,
+    key: ApiKey,
+    session_id: str,
+    model_seq_id: int,
+    make_run,
+    init_of,
+    reply: dict,
+    body: BaseModel,
+) -> dict:
     """Create the training run behind model `<session>:train:<seq>` once (a retry joins), and queue
     its init as event index 1."""
     model_id = model_id_of(session_id, model_seq_id)
@@ -180,8 +227,9 @@ async def _create(svc: Service, st: TinkerState, key: ApiKey, session_id: str, m
         st.models[model_id] = Model(make_run().id, key.id, session_id)
     m = st.model(key, model_id)
     run = svc.ownership.training_run(key, m.run_id)
-    return await _submit(svc, st, key, model_id, m, 0, init_of(run), _json_reply({**reply, "model_id": model_id}),
-                         body)
+    return await _submit(
+        svc, st, key, model_id, m, 0, init_of(run), _json_reply({**reply, "model_id": model_id}), body
+    )
 
 
 @router.post("/create_model")
@@ -191,12 +239,30 @@ async def create_model(request: Request):
     _check_optimizer(b.optimizer_config)
     lora = b.lora_config or LoraBody()
     return await _create(
-        svc, st, key, b.session_id, b.model_seq_id,
-        lambda: svc.runs.create_training_run(key, b.session_id, TrainingRunSpec(
-            b.base_model, LoRAConfig(rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
-                                     train_attn=lora.train_attn, train_unembed=lora.train_unembed),
-            labels=RunLabels(user_metadata=b.user_metadata or {}))),
-        lambda run: InitByUri(lora=_lora(run), base_model=run.base_model), {"type": "create_model"}, b)
+        svc,
+        st,
+        key,
+        b.session_id,
+        b.model_seq_id,
+        lambda: svc.runs.create_training_run(
+            key,
+            b.session_id,
+            TrainingRunSpec(
+                b.base_model,
+                LoRAConfig(
+                    rank=lora.rank,
+                    seed=lora.seed,
+                    train_mlp=lora.train_mlp,
+                    train_attn=lora.train_attn,
+                    train_unembed=lora.train_unembed,
+                ),
+                labels=RunLabels(user_metadata=b.user_metadata or {}),
+            ),
+        ),
+        lambda run: InitByUri(lora=_lora(run), base_model=run.base_model),
+        {"type": "create_model"},
+        b,
+    )
 
 
 @router.post("/load_weights")
@@ -209,18 +275,28 @@ async def load_weights(request: Request):
         if b.model_seq_id is None:
             raise InvalidRequest("model_seq_id: required with session_id (create-from-state)")
         return await _create(
-            svc, st, key, b.session_id, b.model_seq_id,
-            lambda: svc.runs.create_training_run(key, b.session_id, TrainingRunSpec(
-                b.base_model or "", LoRAConfig(rank=1), uri, b.optimizer)),
-            lambda run: InitByUri(lora=_lora(run), checkpoint_uri=uri, load_optimizer=b.optimizer), reply, b)
+            svc,
+            st,
+            key,
+            b.session_id,
+            b.model_seq_id,
+            lambda: svc.runs.create_training_run(
+                key, b.session_id, TrainingRunSpec(b.base_model or "", LoRAConfig(rank=1), uri, b.optimizer)
+            ),
+            lambda run: InitByUri(lora=_lora(run), checkpoint_uri=uri, load_optimizer=b.optimizer),
+            reply,
+            b,
+        )
     if b.model_id is None or b.seq_id is None:
         raise InvalidRequest("load_weights: send model_id and seq_id, or session_id and model_seq_id")
     m = st.model(key, b.model_id)
     run = svc.ownership.training_run(key, m.run_id)
-    command = _command_or_refusal(lambda: InitByUri(lora=_lora(run), checkpoint_uri=to_trio_uri(b.path),
-                                                    load_optimizer=b.optimizer))
-    return await _submit(svc, st, key, b.model_id, m, b.seq_id, command,
-                         _json_reply({**reply, "model_id": b.model_id}), b)
+    command = _command_or_refusal(
+        lambda: InitByUri(lora=_lora(run), checkpoint_uri=to_trio_uri(b.path), load_optimizer=b.optimizer)
+    )
+    return await _submit(
+        svc, st, key, b.model_id, m, b.seq_id, command, _json_reply({**reply, "model_id": b.model_id}), b
+    )
 
 
 @router.post("/get_info")
@@ -229,12 +305,21 @@ async def get_info(request: Request):
     b = await _json(request, ModelCall)
     run = svc.ownership.training_run(key, st.model(key, b.model_id).run_id)
     served = svc.queries.model(run.base_model)
-    return {"type": "get_info", "model_id": b.model_id, "model_name": run.base_model, "is_lora": True,
-            "lora_rank": run.lora_rank, "optimizer_config": {"type": "adam"},
-            # the directory, not the name: samplers made from this client take model_data.model_name
-            # as their base model and load their tokenizer from it (offline)
-            "model_data": {"arch": served.architecture, "model_name": served.model_id,
-                           "tokenizer_id": served.model_id}}
+    return {
+        "type": "get_info",
+        "model_id": b.model_id,
+        "model_name": run.base_model,
+        "is_lora": True,
+        "lora_rank": run.lora_rank,
+        "optimizer_config": {"type": "adam"},
+        # the directory, not the name: samplers made from this client take model_data.model_name
+        # as their base model and load their tokenizer from it (offline)
+        "model_data": {
+            "arch": served.architecture,
+            "model_name": served.model_id,
+            "tokenizer_id": served.model_id,
+        },
+    }
 
 
 # ---------------------------------------------------------------------------- training
@@ -248,9 +333,14 @@ def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: proto.ForwardBac
         for k, s in enumerate(spans):
             if s.sampled and s.length:
                 try:
-                    q[pos:pos + s.length] = st.stability.sampled_logprobs(
-                        key.id, s.sequence_id, s.offset, s.length, d.target_tokens[pos:pos + s.length],
-                        f"data[{i}].loss_fn_input_spans[{k}]")
+                    q[pos : pos + s.length] = st.stability.sampled_logprobs(
+                        key.id,
+                        s.sequence_id,
+                        s.offset,
+                        s.length,
+                        d.target_tokens[pos : pos + s.length],
+                        f"data[{i}].loss_fn_input_spans[{k}]",
+                    )
                 except ValueError as e:
                     raise InvalidRequest(str(e), code="stability_info_missing") from None
             pos += s.length
@@ -261,15 +351,18 @@ def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: proto.ForwardBac
 @router.post("/forward_backward")
 async def forward_backward(request: Request):
     svc, st, key = caller(request)
-    raw = proto.decompress(await read_body(request, MAX_EVENT_BYTES),
-                           request.headers.get("content-encoding"))
+    raw = proto.decompress(await read_body(request, MAX_EVENT_BYTES), request.headers.get("content-encoding"))
     msg = await asyncio.get_running_loop().run_in_executor(None, proto.decode_forward_backward, raw)
     m = st.model(key, msg.model_id)
     if msg.seq_id < 1:
         raise InvalidRequest(f"seq_id {msg.seq_id}: training calls start at 1")
     try:
         body = await asyncio.get_running_loop().run_in_executor(None, proto.forward_backward_body, msg)
-        data = _with_recorded_logprobs(st, key, body) if body.loss_fn.lower() == "stable_reinforce" else body.data
+        data = (
+            _with_recorded_logprobs(st, key, body)
+            if body.loss_fn.lower() == "stable_reinforce"
+            else body.data
+        )
         try:
             loss = Loss.parse(body.loss_fn, body.loss_config)
         except ValueError as e:
@@ -283,8 +376,10 @@ async def forward_backward(request: Request):
         if res.cycle is not None:
             metrics["clock_cycle:unique"] = float(res.cycle)
         return Reply(proto.forward_backward_output(res.logprobs or [], metrics), proto.PROTOBUF)
-    return await _submit(svc, st, key, msg.model_id, m, msg.seq_id, command, shape,
-                         msg.SerializeToString(deterministic=True))
+
+    return await _submit(
+        svc, st, key, msg.model_id, m, msg.seq_id, command, shape, msg.SerializeToString(deterministic=True)
+    )
 
 
 def _seq(b: ModelCall) -> int:
@@ -303,16 +398,19 @@ async def optim_step(request: Request):
         if b.optimizer_params is not None:
             _check_optimizer(b.optimizer_params, "optimizer_params")
         return parse_optim_step({"adam_params": b.adam_params})
+
     command = _command_or_refusal(build)
 
     async def shape(res):
         return Reply.json({"type": "optim_step", "metrics": res.metrics})
+
     return await _submit(svc, st, key, b.model_id, m, _seq(b), command, shape, b)
 
 
 def _path_reply(type_: str) -> Shape:
     async def shape(res):
         return Reply.json({"type": type_, "path": to_tinker_path(res.checkpoint["uri"])})
+
     return shape
 
 
@@ -327,24 +425,34 @@ async def _save(request: Request, sampler: bool) -> dict:
     shape = _path_reply(type_)
     inflight = b.kind == "inflight"  # the run's inflight samplers follow this save
     if not sampler:
-        command = SaveByName(kind="state", name=b.path or f"state-{seq}", ttl_seconds=b.ttl_seconds,
-                             overwrite=b.overwrite)
+        command = SaveByName(
+            kind="state", name=b.path or f"state-{seq}", ttl_seconds=b.ttl_seconds, overwrite=b.overwrite
+        )
     elif b.kind not in ("snapshot", "inflight"):
         command = InvalidRequest(f"kind {b.kind!r}: use 'snapshot' or 'inflight'")
     elif b.path:
-        command = SaveByName(kind="weights", name=b.path, ttl_seconds=b.ttl_seconds, overwrite=b.overwrite,
-                             inflight=inflight)
+        command = SaveByName(
+            kind="weights", name=b.path, ttl_seconds=b.ttl_seconds, overwrite=b.overwrite, inflight=inflight
+        )
     elif b.sampling_session_seq_id is None:
         command = InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
     else:
-        command = SaveByName(kind="weights", name=f"sampler-{seq}", visibility="TEMPORARY",
-                             ttl_seconds=b.ttl_seconds, overwrite=True, inflight=inflight)
+        command = SaveByName(
+            kind="weights",
+            name=f"sampler-{seq}",
+            visibility="TEMPORARY",
+            ttl_seconds=b.ttl_seconds,
+            overwrite=True,
+            inflight=inflight,
+        )
         sampler_seq = b.sampling_session_seq_id
 
         async def shape(res):
             from .sampling import sampling_session
+
             sid = sampling_session(svc, st, key, m.session_id, sampler_seq, "", res.checkpoint["uri"])
             return Reply.json({"type": type_, "sampling_session_id": sid})
+
     return await _submit(svc, st, key, b.model_id, m, seq, command, shape, b)
 
 
@@ -367,9 +475,12 @@ async def save_weights_external(request: Request):
     """Refused with what to use instead; the call still takes its seq_id (the SDK numbered it)."""
     svc, st, key = caller(request)
     b = await _json(request, SaveExternalBody)
-    refusal = InvalidRequest("save_weights_external (merged weights in Hugging Face format) is not supported "
-                             "by trine; use save_weights_for_sampler(name) and download the LoRA adapter "
-                             "with GET .../archive (Tinker's checkpoint archive URL), or merge it into the "
-                             "base model with `trine export <checkpoint> <dir> --merged`", code="not_supported")
+    refusal = InvalidRequest(
+        "save_weights_external (merged weights in Hugging Face format) is not supported "
+        "by trine; use save_weights_for_sampler(name) and download the LoRA adapter "
+        "with GET .../archive (Tinker's checkpoint archive URL), or merge it into the "
+        "base model with `trine export <checkpoint> <dir> --merged`",
+        code="not_supported",
+    )
     await _submit(svc, st, key, b.model_id, st.model(key, b.model_id), _seq(b), refusal, _json_reply({}), b)
     raise refusal
