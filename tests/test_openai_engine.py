@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -28,8 +29,7 @@ def request(rid: str, n: int = 3, max_tokens: int = 8, **opts) -> SampleRequest:
 
 def test_deltas_concatenate_to_the_result_with_top_logprobs(model_tok):
     sampler = Sampler(*model_tok, kv_cache_bytes=16 << 20)
-    req = request("a", top_logprobs=3)
-    req.stream = True
+    req = dataclasses.replace(request("a", top_logprobs=3), stream=True)
     sampler.add(req)
     deltas, result, steps = [], None, 0
     while result is None:
