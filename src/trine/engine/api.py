@@ -228,7 +228,7 @@ ADVANTAGE_NORMALISED = ("dro",)  # divided by advantage tokens; every other loss
 
 @dataclass(frozen=True)
 class Loss:
-    """A loss by name with its resolved config (engine/losses.py computes it). Build it with
+    """A loss by name with its resolved config (engine/trainer/losses.py computes it). Build it with
     `Loss.parse`, which names the field of any bad value. clip_low/clip_high are bounds on the
     ratio p/q, as in Tinker (0.8 and 1.2 clip at 1 -/+ 0.2), not epsilons."""
 

@@ -3,8 +3,8 @@
 One `Engine` serves one base model: its weights, KV block pool + prefix cache, sampler, trainer
 (training runs with their LoRA adapters and optimizer state) and a table of sampler adapters keyed
 by checkpoint id. Two backends implement it:
-- `engine.local.LocalEngine`: an engine thread inside the server process (the default);
-- `engine.ray_backend.RayEngine`: one replica as a Ray actor (`trine serve --ray`), which holds a
+- `engine.runtime.local.LocalEngine`: an engine thread inside the server process (the default);
+- `engine.runtime.ray_backend.RayEngine`: one replica as a Ray actor (`trine serve --ray`), which holds a
   LocalEngine in its own process.
 
 Calls (all async on the service's event loop; every argument and result is a plain dataclass of

@@ -1,6 +1,6 @@
 """Predict a job's tokens and cost by phase from its shape, with and without the prefix cache.
 
-The model follows how trine executes (engine/sampler.py, engine/trainer.py):
+The model follows how trine executes (engine/sampler/sampler.py, engine/trainer/trainer.py):
 - Each step samples `prompts_per_step` groups. A group's first turn is one request with
   num_samples=group_size: its prompt (system + prompt tokens) is prefilled once, and each sample decodes
   `completion_tokens`. Later turns continue each trajectory separately (one request per sample) with

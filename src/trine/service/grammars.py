@@ -1,6 +1,6 @@
 """Grammars for constrained decoding, in llguidance's format: the plain string an engine request
 carries (`SamplingOptions.grammar`) and the engine compiles against its
-own tokenizer (engine/grammar.py).
+own tokenizer (engine/sampler/grammar.py).
 
 JSON is generated compact (`", "` and `": "` separators, no other whitespace), as `json.dumps`
 writes it: a schema then admits one spelling per value, and a model cannot pad its output with

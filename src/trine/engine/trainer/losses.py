@@ -2,7 +2,7 @@
 
 Every loss is a function of the target-token log-probability `logp` alone (elementwise), plus the
 datum's fixed inputs. Losses are **summed** over tokens here; the trainer may divide a call's
-gradient by a denominator (PyTRIO's whole-batch token count, see `engine/normalisation.py`),
+gradient by a denominator (PyTRIO's whole-batch token count, see `engine/prepare.py`),
 otherwise normalisation is the user's, folded into `weights` or `advantages` (Tinker semantics).
 
 | name | inputs | per-token loss |

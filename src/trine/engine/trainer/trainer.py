@@ -5,7 +5,7 @@ A run is a LoRA `Adapter` with its own AdamW state; many runs share the base mod
 run's adapter), so each run's gradient lands only in its own adapter.
 
 Each entry of a `forward_backward` batch names its run, its data, its parsed `Loss` (the service
-parses it once, when it accepts the event) and optionally a `denominator` (engine/normalisation.py:
+parses it once, when it accepts the event) and optionally a `denominator` (engine/prepare.py:
 the whole logical batch's token count, so chunks of one batch add up to its gradient); its gradient
 is the gradient of its summed loss divided by that number. Without one the loss is the plain sum
 (the Tinker API). The reported `loss_sum`, per-token losses and logprobs never depend on it.
