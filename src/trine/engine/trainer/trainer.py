@@ -4,11 +4,13 @@ A run is a LoRA `Adapter` with its own AdamW state; many runs share the base mod
 `forward_backward` call packs the data of many runs into the same micro-batches (each row uses its
 run's adapter), so each run's gradient lands only in its own adapter.
 
-Each entry of a `forward_backward` batch names its run, its data, its parsed `Loss` (the service
-parses it once, when it accepts the event) and optionally a `denominator` (engine/prepare.py:
-the whole logical batch's token count, so chunks of one batch add up to its gradient); its gradient
-is the gradient of its summed loss divided by that number. Without one the loss is the plain sum
-(the Tinker API). The reported `loss_sum`, per-token losses and logprobs never depend on it.
+Each entry of a `forward_backward` batch names its run, its data, its parsed `Loss`, optionally a
+`denominator` (engine/prepare.py: the whole logical batch's token count, so chunks of one batch add
+up to its gradient) and the datums' counts. A prepared op (every event the service accepted) brings
+its counts and is not checked again; an entry without them (a direct caller's) is checked first,
+by the same `check_datum`. Its gradient is the gradient of its summed loss divided by the
+denominator; without one the loss is the plain sum (the Tinker API). The reported `loss_sum`,
+per-token losses and logprobs never depend on it.
 
 How a micro-batch is computed
 1. Rows are sorted by length and grouped so rows x longest row <= `micro_batch_tokens` (padding
