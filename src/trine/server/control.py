@@ -7,205 +7,44 @@ PyTRIO ignores extra keys here, so trine adds a few of its own (e.g. `last_cycle
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.api import LoRAConfig
 from ..limits import MAX_PAGE_SIZE
 from ..service import (
     ApiKey,
-    Checkpoint,
     NotFound,
     RunLabels,
-    SamplingRun,
     SamplingRunSpec,
-    Service,
-    Session,
-    TrainingRun,
     TrainingRunSpec,
 )
-from ..service.labels import as_metadata
 from .auth import iso
-from .bounds import INT64_MAX, Int64, Seed
+from .bounds import INT64_MAX
 from .context import api_key, parse_json, parse_model, service_of, signer_of
+from .control_bodies import (
+    SamplingRunCreate,
+    SessionClose,
+    SessionCreate,
+    TrainingRunCreate,
+    TrainingRunUpdate,
+)
+from .control_shapes import (
+    _capability,
+    _model_id,
+    actor_binding,
+    checkpoint_json,
+    cursor,
+    sampling_run_json,
+    session_json,
+    training_run_json,
+)
 
 SDK_VERSION = "0.2.9"
 
 
 router = APIRouter(prefix="/api")
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class SessionCreate(_Body):
-    sdk_version: str = ""
-    user_metadata: dict[str, Any] | None = None
-    name: str = ""  # trine's own: runs made in the session take these labels (see service/labels.py)
-    tags: list[str] = []
-
-    def labels(self) -> RunLabels:
-        return RunLabels(self.name, tuple(self.tags), self.user_metadata or {})
-
-
-class SessionClose(_Body):
-    status: str = Field(default="ENDED", pattern="^(ENDED|CANCELLED)$")
-
-
-class TrainingRunCreate(_Body):
-    base_model: str = ""
-    lora_rank: Int64 = 32
-    train_mlp: bool = True
-    train_attn: bool = True
-    train_unembed: bool = True
-    source_checkpoint_uri: str = ""
-    restore_optimizer: bool = False
-    seed: Seed | None = None
-    name: str = ""  # trine's own (the trine SDK sends them; PyTRIO never does)
-    tags: list[str] = []
-    user_metadata: dict[str, Any] | None = None
-
-
-class TrainingRunUpdate(_Body):
-    source_checkpoint_uri: str = Field(min_length=1)
-    restore_optimizer: bool = False
-
-
-class SamplingRunCreate(_Body):
-    base_model: str = ""
-    source_checkpoint_uri: str = ""
-
-
-# ---------------------------------------------------------------------------- shapes
-def _capability(svc: Service, model_name: str) -> dict:
-    m = svc.queries.model(model_name)
-    return {"max_batch_size": None, "max_tokens_per_request": None, "max_seq_len": m.max_seq_len}
-
-
-def _model_id(svc: Service, name: str) -> str:
-    """The model_id PyTRIO clients see for a record's base model (its name if no longer served)."""
-    m = svc.queries.find_model(name)
-    return m.model_id if m else name
-
-
-def actor_binding(request: Request, key: ApiKey, subject: str, kind: str) -> dict:
-    token, exp = signer_of(request).issue(key_id=key.id, subject=subject, kind=kind)
-    return {
-        "actor": {
-            "actor_cuid": "trine",
-            "endpoint": str(request.base_url) + "actor",
-            "connect_mode": "direct",
-            "tls_enabled": False,
-            "tls_cert_pem": None,
-            "tls_not_after": None,
-        },
-        "actor_jwt": {"token": token, "expires_at": iso(exp)},
-    }
-
-
-def session_json(s: Session) -> dict:
-    return {
-        "service_session_cuid": s.id,
-        "workspace_cuid": s.api_key_id,
-        "status": s.status,
-        "sdk_version": s.sdk_version,
-        "created_at": iso(s.created_at),
-        "updated_at": iso(s.updated_at),
-    }
-
-
-def training_run_json(svc: Service, r: TrainingRun) -> dict:
-    params = {
-        "restore_optimizer": r.restore_optimizer,
-        "lora_rank": r.lora_rank,
-        "seed": r.seed,
-        "train_mlp": r.train_mlp,
-        "train_attn": r.train_attn,
-        "train_unembed": r.train_unembed,
-    }
-    return {
-        "training_run_cuid": r.id,
-        "base_model": _model_id(svc, r.base_model),
-        "model_alias": r.base_model,
-        "service_session_cuid": r.session_id,
-        "workspace_cuid": r.api_key_id,
-        "status": r.status,
-        "run_index": r.run_index,
-        "model_spec_cuid": r.base_model,
-        "is_lora": True,
-        "source_checkpoint_uri": r.source_checkpoint_uri or None,
-        **params,
-        "corrupted": r.status == "INTERRUPTED",
-        "corrupted_reason": (
-            "its weights were lost (a server restart or a lost engine replica)"
-            if r.status == "INTERRUPTED"
-            else None
-        ),
-        "training_params": params,
-        "created_at": iso(r.created_at),
-        "updated_at": iso(r.updated_at),
-        "last_cycle": r.last_cycle,
-        "name": r.name or None,
-        "tags": r.tag_list,
-        "user_metadata": as_metadata(r) or None,
-    }
-
-
-def checkpoint_json(svc: Service, c: Checkpoint) -> dict:
-    model_id = _model_id(svc, c.base_model)
-    return {
-        "cuid": c.id,
-        "checkpoint_cuid": c.id,
-        "training_run_cuid": c.training_run_id,
-        "workspace_cuid": c.api_key_id,
-        "name": c.name,
-        "checkpoint_type": c.kind,
-        "status": "READY",
-        "checkpoint_uri": c.uri,
-        "model": model_id,
-        "base_model": model_id,
-        "model_spec_cuid": c.base_model,
-        "task_id": c.training_run_id,
-        "task_name": None,
-        "task_created_at": iso(c.created_at),
-        "task_status": "SUCCEEDED",
-        "step": c.step,
-        "path": c.uri,
-        "created_at": iso(c.created_at),
-        "uploaded_at": None,
-        "size_bytes": c.size_bytes,
-        "lora_rank": c.lora_rank,
-        "is_uploaded": bool(c.path),
-        "expired_at": iso(c.expires_at),
-        "visibility": c.visibility,
-    }
-
-
-def sampling_run_json(svc: Service, r: SamplingRun) -> dict:
-    m = svc.queries.model(r.base_model)
-    return {
-        "sampling_run_cuid": r.id,
-        "service_session_cuid": r.session_id,
-        "workspace_cuid": r.api_key_id,
-        "status": r.status,
-        "base_model": m.model_id,
-        "model_id": m.model_id,
-        "alias": m.name,
-        "run_index": r.run_index,
-        "model_spec_cuid": m.name,
-        "model_alias": m.name,
-        "source_checkpoint_uri": r.source_checkpoint_uri or None,
-        "created_at": iso(r.created_at),
-        "updated_at": iso(r.updated_at),
-    }
-
-
-def cursor(offset: int, limit: int, total: int) -> dict:
-    return {"offset": offset, "limit": limit, "total": total}
 
 
 # ---------------------------------------------------------------------------- identity, platform
