@@ -57,10 +57,6 @@ def enable(on: bool) -> None:
     _enabled = bool(on)
 
 
-def enabled() -> bool:
-    return _enabled
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear whose output rows do not depend on how many other rows the call holds."""
     if not _enabled:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...service import ApiKey, Checkpoint, InvalidRequest, NotFound, SamplingRunSpec, Service
-from ..tinker.state import TINKER_SCHEME, to_trio_uri
+from ...uris import TINKER_SCHEME
+from ..tinker.state import to_trio_uri
 from .errors import OpenAIError
 
 SESSION_SDK = "openai"

@@ -25,9 +25,10 @@ from pydantic import BaseModel, ConfigDict
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...service import ApiKey, Checkpoint, InvalidRequest, NotFound, Service
 from ...service.labels import as_metadata
+from ...uris import to_tinker_path
 from ..context import json_object, parse_model, service_of, signer_of
 from .rest import iso
-from .state import TinkerState, caller, to_tinker_path, to_trio_uri
+from .state import TinkerState, caller, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
 CHECKPOINT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"  # kind: weights | sampler_weights

@@ -24,13 +24,14 @@ from pydantic import BaseModel, ConfigDict
 from ...engine.api import SampleRequest
 from ...limits import MAX_SAMPLE_BYTES, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
 from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
+from ...uris import to_tinker_path
 from ..bounds import Int64
 from ..context import json_object, parse_model
 from ..params import ModelInputBody, SamplingParamsBody, sampling_options
 from . import proto
 from .futures import Reply
 from .sample_extras import parse_extras
-from .state import TinkerState, caller, to_tinker_path, to_trio_uri
+from .state import TinkerState, caller, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
 

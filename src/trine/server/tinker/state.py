@@ -21,7 +21,6 @@ from fastapi import Request
 from ... import uris
 from ...service import ApiKey, InvalidRequest, NotFound, Service, ServiceError
 from ...service.stability import StabilityRecords
-from ...uris import TINKER_SCHEME, to_tinker_path  # noqa: F401 (the front end's routes import them from here)
 from ..context import caller_key, service_of
 from .futures import FutureTable
 

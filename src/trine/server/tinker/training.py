@@ -37,13 +37,14 @@ from ...service import (
     TrainingCommand,
     TrainingRunSpec,
 )
+from ...uris import to_tinker_path
 from ..bounds import Count, Seed, SeqId, TtlSeconds
 from ..context import json_object, parse_model, read_body
 from ..params import optim_step as parse_optim_step
 from . import proto
 from .errors import REUSED, public_message
 from .futures import Failure, Reply
-from .state import Model, TinkerState, caller, model_id_of, to_tinker_path, to_trio_uri
+from .state import Model, TinkerState, caller, model_id_of, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
 
