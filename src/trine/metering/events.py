@@ -1,6 +1,7 @@
 """What metering records: one usage event per engine call, one diagnostic per cache-unfriendly prompt.
 
-Invariants: for every event, prompt tokens = prefill + prefill_cached; `train_loss <= train`.
+Invariants: for every event, prompt tokens = prefill + prefill_cached; `train <= train_sequence`
+(a prefix shared by several datums is computed once) and `train_loss <= train_sequence`.
 A report's totals are sums over these events, nothing else.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-PHASES = ("prefill", "prefill_cached", "sample", "train", "train_loss")
+PHASES = ("prefill", "prefill_cached", "sample", "train", "train_loss", "train_sequence")
 OPERATIONS = ("sample", "compute_logprobs", "forward", "forward_backward", "optim_step")
 PATTERNS = ("retokenized_history", "varying_head", "split_group")  # CacheDiagnostic.pattern values
 
@@ -25,20 +26,30 @@ class UsageEvent:
     prefill: int = 0  # prompt tokens computed
     prefill_cached: int = 0  # prompt tokens served from the prefix cache
     sample: int = 0  # generated tokens, all samples
-    train: int = 0  # every computed training position (forward or forward_backward)
+    train: int = 0  # training positions computed (forward or forward_backward): what is priced
     train_loss: int = 0  # positions with non-zero weight or advantage
+    # positions of the sequences as sent ("the entire sequence"); more than `train` when datums share
+    # a prefix that was computed once. 0 (or absent, in events stored before it) means `train`.
+    train_sequence: int = 0
 
     def __post_init__(self):
+        if not self.train_sequence:
+            self.train_sequence = self.train
         if self.operation not in OPERATIONS:
             raise ValueError(f"UsageEvent.operation must be one of {OPERATIONS}, got {self.operation!r}")
         for phase in PHASES:
             n = getattr(self, phase)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"UsageEvent.{phase} must be a non-negative int, got {n!r}")
-        if self.train_loss > self.train:
+        if self.train > self.train_sequence:
             raise ValueError(
-                f"UsageEvent.train_loss ({self.train_loss}) exceeds train ({self.train}): "
-                "loss positions are a subset of the computed positions"
+                f"UsageEvent.train ({self.train}) exceeds train_sequence ({self.train_sequence}): "
+                "a position is computed at most once"
+            )
+        if self.train_loss > self.train_sequence:
+            raise ValueError(
+                f"UsageEvent.train_loss ({self.train_loss}) exceeds train_sequence ({self.train_sequence}): "
+                "loss positions are a subset of the positions sent"
             )
 
     @classmethod

@@ -35,8 +35,9 @@ class PhaseTokens:
     prefill: int = 0
     prefill_cached: int = 0
     sample: int = 0
-    train: int = 0
+    train: int = 0  # computed
     train_loss: int = 0
+    train_sequence: int = 0  # as sent
 
     def add(self, e) -> None:
         for ph in PHASES:
@@ -50,6 +51,11 @@ class PhaseTokens:
     def cache_hit_rate(self) -> float | None:
         """Cached / prompt tokens; None when nothing was prompted."""
         return self.prefill_cached / self.prompt if self.prompt else None
+
+    @property
+    def train_saved_fraction(self) -> float | None:
+        """The part of the training tokens sent that a shared prefix spared computing."""
+        return 1 - self.train / self.train_sequence if self.train_sequence else None
 
     @property
     def loss_fraction(self) -> float | None:
@@ -307,7 +313,7 @@ def render(report: Report, console=None) -> None:
     if by_run:
         for name in ("name", "model", "created", "lora", "optimizer", "last metrics"):
             t.add_column(name, overflow="fold")
-    for name in ("req", "prefill", "cached", "sample", "train", "loss", "hit"):
+    for name in ("req", "prefill", "cached", "sample", "train", "sent", "loss", "hit"):
         t.add_column(name, justify="right")
     t.add_column(report.currency, justify="right", no_wrap=True)
 
@@ -321,6 +327,7 @@ def render(report: Report, console=None) -> None:
             f"{tk.prefill_cached:,}",
             f"{tk.sample:,}",
             f"{tk.train:,}",
+            f"{tk.train_sequence:,}",
             f"{tk.train_loss:,}",
             fmt_pct(tk.cache_hit_rate),
             fmt_money(r.cost["total"]),

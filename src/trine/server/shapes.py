@@ -45,6 +45,7 @@ def event_envelope(rec: EventRecord, res: EventResult | None, model_id: Callable
         "output_tokens": 0,
         "train_tokens": res.train_tokens,
         "loss_tokens": res.loss_tokens,
+        "train_sequence_tokens": res.train_sequence_tokens or res.train_tokens,  # trine's; PyTRIO ignores it
         "cost": money(res.cost),
     }
     env["cycle"] = res.cycle

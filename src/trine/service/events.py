@@ -310,6 +310,7 @@ class Events:
             cycle=cycle,
             train_tokens=out.train_tokens,
             loss_tokens=out.loss_tokens,
+            train_sequence_tokens=out.train_sequence_tokens,
             notes=live.notes,
         )
         if out.error:
@@ -343,6 +344,7 @@ class Events:
                     request_id=rec.id,
                     train=out.train_tokens,
                     train_loss=out.loss_tokens,
+                    train_sequence=out.train_sequence_tokens,
                 )
                 self.store.add_usage(event)
                 res.cost = self.rate_card.cost(event)["total"]

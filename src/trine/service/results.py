@@ -26,8 +26,9 @@ class EventResult:
     losses: list[list[float]] | None = None
     metrics: dict = field(default_factory=dict)
     checkpoint: dict | None = None
-    train_tokens: int = 0
+    train_tokens: int = 0  # computed
     loss_tokens: int = 0
+    train_sequence_tokens: int = 0  # as sent (0 in results stored before it: train_tokens)
     cost: float = 0.0
     cycle: int | None = None
     notes: dict = field(default_factory=dict)  # the front end's, kept for shaping its answer

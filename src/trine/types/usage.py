@@ -1,7 +1,8 @@
 """Usage by phase, with the engine's field names.
 
-Sampling fills prompt/prefill/cached/sample tokens, training fills train/loss tokens.
-Invariants: prompt_tokens == prefill_tokens + cached_tokens; loss_tokens <= train_tokens.
+Sampling fills prompt/prefill/cached/sample tokens, training fills train/loss/sequence tokens.
+Invariants: prompt_tokens == prefill_tokens + cached_tokens; train_tokens <= train_sequence_tokens
+(a prefix several datums share is computed once); loss_tokens <= train_sequence_tokens.
 `cost` is set only when the server reports one; a sum has a cost only if every term had one. Costs
 are rounded and shown fixed-point as everywhere in trine (`trine.metering.money`).
 """
@@ -18,6 +19,7 @@ PHASE_FIELDS = (
     "sample_tokens",
     "train_tokens",
     "loss_tokens",
+    "train_sequence_tokens",
 )
 
 
@@ -26,8 +28,9 @@ class Usage(BaseModel):
     prefill_tokens: int = 0  # prompt tokens computed
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     sample_tokens: int = 0  # generated tokens, all samples together
-    train_tokens: int = 0  # every computed training position
+    train_tokens: int = 0  # training positions computed (what is priced)
     loss_tokens: int = 0  # positions with a non-zero weight or advantage
+    train_sequence_tokens: int = 0  # training positions of the datums as sent
     cost: float | None = None
 
     def __add__(self, other: Usage) -> Usage:
@@ -46,6 +49,7 @@ class Usage(BaseModel):
         """Read the trine fields from a response's `usage` map (unknown keys are ignored)."""
         usage = usage or {}
         fields = {f: int(usage.get(f) or 0) for f in PHASE_FIELDS}
+        fields["train_sequence_tokens"] = fields["train_sequence_tokens"] or fields["train_tokens"]
         c = usage.get("cost", cost)
         return cls(**fields, cost=money(c))
 

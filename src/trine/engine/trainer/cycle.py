@@ -63,6 +63,7 @@ def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
         losses=losses,
         metrics=metrics,
         train_tokens=res.usage.train_tokens,
+        train_sequence_tokens=res.usage.sequence_tokens,
         loss_tokens=res.usage.loss_tokens,
     )
 

@@ -80,8 +80,9 @@ class _Row:
 
 @dataclass
 class TrainUsage:
-    train_tokens: int = 0  # every computed position
+    train_tokens: int = 0  # positions computed
     loss_tokens: int = 0  # positions with a non-zero weight or advantage
+    sequence_tokens: int = 0  # positions of the datums as sent
 
 
 @dataclass
@@ -200,6 +201,7 @@ class Trainer:
             res.loss_sum += float(loss.double().sum())
             res.token_count += row.counts.active_tokens
             res.usage.train_tokens += len(row.datum)
+            res.usage.sequence_tokens += len(row.datum)
             res.usage.loss_tokens += row.counts.loss_tokens(row.loss.is_policy)
         return results
 
