@@ -2,7 +2,7 @@
 
 A page asks for one with a marker on a line of its own, `<!-- trine:table NAME -->`; `TABLES` maps each
 NAME to a function returning Markdown. An unknown NAME fails the build (so `mkdocs build --strict`, which
-`make test` runs, fails too), and `tests/test_docs_tables.py` calls the same functions to check them
+`make test` runs, fails too), and `tests/docs/test_docs_tables.py` calls the same functions to check them
 against the code and that every limit the code defines is listed here.
 
 Engine facts are read in `_engine()` alone: when engine modules move, that is the one place to change.
@@ -113,7 +113,7 @@ def losses_table() -> str:
 
 # ---------------------------------------------------------------------------- limits
 
-# (where, attribute, what it bounds). tests/test_docs_tables.py fails when trine.limits gains a limit
+# (where, attribute, what it bounds). tests/docs/test_docs_tables.py fails when trine.limits gains a limit
 # this list does not name, so a new limit is documented when it is added.
 LIMITS = [
     (

@@ -15,10 +15,10 @@ renderer is named explicitly (`role_colon`).
   the cookbook's table (`build_config_blueprint` asks `model_info.get_recommended_renderer_name` first and
   that raises `ConfigurationError: Unknown model`), and `python -m tinker_cookbook.supervised.train`
   fails in chz ("Nested entrypoints must take a type annotated argument"). So `python
-  tests/test_tinker_cookbook.py sl_basic KEY=VALUE...` builds `supervised.train.Config` with chz from
+  tests/server/test_tinker_cookbook.py sl_basic KEY=VALUE...` builds `supervised.train.Config` with chz from
   sl_basic's own values (lr 2e-4 linear, 1 epoch, all assistant messages) plus the arguments, swaps in
   the bundled conversations file as the recipe's comment shows, and calls the recipe's `main` unchanged.
-Run `python tests/test_tinker_cookbook.py` to print the figures the README quotes.
+Run `python tests/server/test_tinker_cookbook.py` to print the figures the README quotes.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def math_rl(
 
 
 def _serve_default(home: Path):
-    """The slow tier's SmolLM2 server (tests/test_tinker_recipes.py) and the model's directory."""
+    """The slow tier's SmolLM2 server (tests/server/test_tinker_recipes.py) and the model's directory."""
     sys.path.insert(0, str(HERE))
     from test_tinker_recipes import _serve_default as serve_smollm2
 

@@ -38,7 +38,9 @@ pytestmark = pytest.mark.skipif(
     "chromium-driver when run as root (or: apt-get install chromium chromium-driver)",
 )
 
-SHOTS = Path(os.environ.get("TRINE_CONSOLE_SHOTS", Path(__file__).parent.parent / "benchmarks/out/console"))
+SHOTS = Path(
+    os.environ.get("TRINE_CONSOLE_SHOTS", Path(__file__).resolve().parents[2] / "benchmarks/out/console")
+)
 
 
 @pytest.fixture(scope="module")

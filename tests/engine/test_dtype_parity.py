@@ -1,7 +1,7 @@
 """bf16 against fp32: the engine in bfloat16 (what CUDA runs) stays close to fp32, with stated
 tolerances, so the GPU path is not untested code.
 
-On CPU by default; `TRINE_TEST_DEVICE=cuda pytest tests/test_dtype_parity.py` runs the same suite
+On CPU by default; `TRINE_TEST_DEVICE=cuda pytest tests/engine/test_dtype_parity.py` runs the same suite
 on a GPU. Measured on CPU (tiny random models, 2-core machine) and stated as tolerances:
 - sampler vs trainer, bf16: the sampled tokens' logprobs equal the trainer's forward logprobs
   exactly on CPU (the kernels are batch invariant in bf16 too); on CUDA within BF16_SELF_ATOL.

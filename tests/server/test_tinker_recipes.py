@@ -1,6 +1,6 @@
 """Slow tier: cookbook-shaped loops with the official tinker client on the real SmolLM2 weights.
 
-tests/test_tinker_cookbook.py runs tinker-cookbook 0.6.1's recipes themselves; these loops are the
+tests/server/test_tinker_cookbook.py runs tinker-cookbook 0.6.1's recipes themselves; these loops are the
 same recipes written with the client directly, small enough to read line by line:
 - `sl_basic`: supervised learning on chat conversations, loss on the assistant tokens only,
   weights 1/N (Tinker sums), `submit_ahead` pipelining;
@@ -8,7 +8,7 @@ same recipes written with the client directly, small enough to read line by line
   groups of 4, advantages centred per group; operands below 10 rather than the recipe's 100, which a
   135M model never gets right), once with `importance_sampling` and once with
   `stable_reinforce` (sampled with `record_stability_info`, tokens named by provenance spans).
-Run `python tests/test_tinker_recipes.py` to print the figures the README quotes.
+Run `python tests/server/test_tinker_recipes.py` to print the figures the README quotes.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ if __name__ == "__main__":  # the figures for the README
     import tempfile
     import time
 
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: serverutil
     ctx, model = _serve_default(tempfile.mkdtemp())
     with ctx as srv:
         sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-" + srv.api_key)

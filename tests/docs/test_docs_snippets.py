@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from serverutil import serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SNIPPETS = sorted((ROOT / "docs" / "snippets").glob("*.py"))
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
