@@ -226,6 +226,8 @@ class ServerHandle:
     _thread: threading.Thread
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Drain and stop (connections.py), within about `timeout` seconds."""
+        self._server.shutdown_timeout = min(self._server.shutdown_timeout, timeout)
         self._server.should_exit = True
         self._thread.join(timeout)
 
