@@ -7,7 +7,9 @@ service API (`Service.sample`, no HTTP). Every round uses fresh system prompts, 
 SmolLM2-135M-Instruct by default (`--model DIR` for any other), fp32 on CPU, 1 torch thread per
 engine. Configurations run interleaved, round by round; figures are medians over `--rounds`.
 
-- replicas2_vs_1: requests/s with 2 Ray replicas x 1 thread over 1 Ray replica x 1 thread.
+- replicas2_vs_1: requests/s with 2 Ray replicas x 1 thread over 1 Ray replica x 1 thread;
+  replicas2_vs_1_rounds: that ratio in each round (its configurations ran back to back), and
+  replicas2_vs_1_spread: their max - min, so an unstable gain shows as such.
 - routed_cached_fraction / random_cached_fraction / single_cached_fraction: prompt tokens served
   from the prefix cache with prefix-aware routing over 2 replicas, random routing over 2 replicas,
   and one replica (the ceiling).
@@ -138,8 +140,11 @@ async def run(args, model: Path, home: Path) -> dict:
     def med(name, field):
         return statistics.median(r[field] for r in res[name])
 
+    per_round = [two["rps"] / one["rps"] for one, two in zip(res["one"], res["routed"])]
     return {
         "replicas2_vs_1": med("routed", "rps") / med("one", "rps"),
+        "replicas2_vs_1_rounds": [round(x, 3) for x in per_round],
+        "replicas2_vs_1_spread": max(per_round) - min(per_round),
         "rps_one_replica": med("one", "rps"),
         "rps_two_replicas": med("routed", "rps"),
         "routed_cached_fraction": med("routed", "cached_fraction"),
@@ -180,10 +185,10 @@ def main() -> None:
     finally:
         ray.shutdown()
     if args.json:
-        print(json.dumps({k: round(v, 4) for k, v in result.items()}))
+        print(json.dumps({k: v if isinstance(v, list) else round(v, 4) for k, v in result.items()}))
     else:
         for k, v in result.items():
-            print(f"{k:24s} {v:.3f}")
+            print(f"{k:24s} {v}" if isinstance(v, list) else f"{k:24s} {v:.3f}")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,7 @@ LIMITS = [
     ("sampler", "max_running", "sequences decoding at once per engine"),
     ("sampler", "max_batch_tokens", "prompt positions prefilled per engine step"),
     ("sampler", "prefill_step_seconds", "target seconds of one prefill chunk while others decode"),
+    ("sampler", "idle_prefill_seconds", "target seconds of one prefill chunk when nothing decodes"),
     ("sampler", "prefill_share", "share of decode time an old or long prompt's prefill may take"),
     ("sampler", "tenant_share", "share of `max_running` and the KV pool a key holds while another is active"),
     ("sampler", "block_size", "tokens per KV block: the prefix cache's unit"),

@@ -198,14 +198,29 @@ def test_the_prefill_budget_follows_the_measured_step_time_while_others_decode()
 
 
 def test_when_nothing_decodes_whole_prompts_prefill_in_one_forward():
-    sch = Scheduler(pool(4096), max_batch_tokens=2048)
+    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0)
     group = [request(512, first=1000 * i, samples=8) for i in range(4)]  # a GRPO step
     add(sch, *group)
-    assert prefill(sch, seconds=5.0) == [(r, 512) for r in group]  # slow or not: nobody waits
+    assert prefill(sch, seconds=0.5) == [(r, 512) for r in group]  # nothing measured: all of it
     long = request(3000, generate=False, first=9000)
     add(sch, long)
     sch.running = []  # the group's samples finished
-    assert prefill(sch, seconds=5.0) == [(long, 2048)]  # at most max_batch_tokens
+    assert prefill(sch, seconds=0.5) == [(long, 2048)]  # at most max_batch_tokens
+
+
+def test_when_nothing_decodes_a_slow_prefill_is_bounded_by_time_so_a_newcomer_starts_soon():
+    """A prompt of many thousand tokens alone on the engine (prompt logprobs: nothing decodes)
+    takes chunks of about `idle_prefill_seconds`, so a short request arriving waits one of them."""
+    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0)
+    long = request(8000, generate=False)
+    add(sch, long)
+    assert prefill(sch, seconds=8.0) == [(long, 2048)]  # nothing measured yet: the whole budget
+    assert prefill(sch, seconds=1.0) == [(long, 256)]  # 2048 took 8 s: 256 take 1 s
+    short = request(8, max_tokens=4, first=20000)
+    add(sch, short)
+    rows = prefill(sch, seconds=0.1)  # the next step starts with the newcomer, whole
+    assert rows[0] == (short, 8) and len(rows) * 8 <= 256
+    assert sch.running and sch.running[0].request is short
 
 
 def test_prompts_with_the_fewest_tokens_left_go_first_and_the_longest_takes_the_rest():

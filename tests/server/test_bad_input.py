@@ -281,6 +281,8 @@ PUBLIC = sorted(
     [
         ("GET", "/", 200),
         ("GET", "/api/sdk/bootstrap", 200),
+        ("GET", "/health", 200),  # status and free disk space, for orchestrators
+        ("GET", "/metrics", 200),
         ("POST", "/api/telemetry/event", 204),
         ("GET", "/console", 200),
         ("GET", "/console/{page:path}", 200),

@@ -177,6 +177,22 @@ def key_hint(store, home: Path, new_key: str | None) -> str:
     type=click.FloatRange(min=0.1),
     help="Seconds a connection may take to send complete request headers.",
 )
+@click.option(
+    "--shutdown-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=1.0),
+    help="On SIGTERM, refuse new work (503), let accepted work finish, and exit 0 within this many "
+    "seconds: work still queued then fails with server_shutting_down, running samples are cancelled.",
+)
+@click.option(
+    "--disk-reserve-mb",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Refuse new events, samples and checkpoint saves (507 disk_full) while fewer than this many "
+    "MiB are free in the data dir or the checkpoint dir; 0 = no check.",
+)
 @click.option("--quiet", is_flag=True, help="No access log (one line per request, on by default).")
 def serve(
     models,
@@ -193,6 +209,8 @@ def serve(
     log_level,
     max_connections,
     header_timeout,
+    shutdown_timeout,
+    disk_reserve_mb,
     quiet,
 ):
     """Serve base models for training and sampling over the PyTRIO protocol."""
@@ -228,6 +246,7 @@ def serve(
         engines=engines,
         dtype=dtype,
         batch_invariant=batch_invariant,
+        disk_reserve_bytes=disk_reserve_mb << 20,
     )
     app = create_app(service, TokenSigner(home))
     url = f"http://{host}:{port}"
@@ -253,7 +272,13 @@ def serve(
     sys.stdout.flush()
     try:
         run_forever(
-            app, host, port, log_level, max_connections=max_connections, header_timeout=header_timeout
+            app,
+            host,
+            port,
+            log_level,
+            max_connections=max_connections,
+            header_timeout=header_timeout,
+            shutdown_timeout=shutdown_timeout,
         )
     finally:
         if ray_address == "local":  # the cluster --ray started here stops with the server

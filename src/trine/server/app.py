@@ -6,8 +6,11 @@ OpenAI-compatible API, the web console) over one `Service`.
 
 Every error leaves as `{"code", "message"}` with a 4xx status for anything the caller can fix
 (the OpenAI-compatible routes answer in OpenAI's shape instead, see server/openai/); a 500
-(`internal_error`) means a bug in trine, and the server keeps serving (the connection too).
-Body limits count the bytes actually read; connection limits are in `connections.py`.
+(`internal_error`) means a bug in trine, and the server keeps serving (the connection too). A
+full disk is 507 `disk_full` (naming the path and its free bytes), a server shutting down 503
+`server_shutting_down` with Retry-After. `GET /health` and `GET /metrics` (Prometheus text) need
+no key: status and free disk space. Body limits count the bytes actually read; connection limits
+and the bounded shutdown are in `connections.py`.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from pathlib import Path
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..diskspace import DiskFull
 from ..home import trine_home
 from ..limits import MAX_BODY_BYTES, MAX_CONTROL_BYTES
 from ..metering.http import MoneyJSONResponse, make_usage_router
@@ -36,7 +40,14 @@ from ..service.queries import UsageLedger
 from . import actor, console, context, control, openai, runs_api, tinker
 from .access_log import AccessLog
 from .auth import TokenSigner
-from .connections import HEADER_TIMEOUT, MAX_CONNECTIONS, GuardedServer, quiet_accept_errors, uvicorn_config
+from .connections import (
+    HEADER_TIMEOUT,
+    MAX_CONNECTIONS,
+    SHUTDOWN_TIMEOUT,
+    GuardedServer,
+    quiet_accept_errors,
+    uvicorn_config,
+)
 from .middleware import BodyLimit, InternalErrors
 
 EMBEDDED_KEY_FILE = "embedded.key"
@@ -54,8 +65,8 @@ def body_limit(path: str) -> int:
     return MAX_BODY_BYTES
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"code": code, "message": message}, status_code=status)
+def _error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"code": code, "message": message}, status_code=status, headers=headers)
 
 
 def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRouter, ...] = ()) -> FastAPI:
@@ -85,6 +96,11 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, e: ServiceError):
+        retry_after = getattr(e, "retry_after", None)
+        return _error(e.status, e.code, e.message, {"Retry-After": str(retry_after)} if retry_after else None)
+
+    @app.exception_handler(DiskFull)
+    async def disk_full(request: Request, e: DiskFull):
         return _error(e.status, e.code, e.message)
 
     @app.exception_handler(RequestValidationError)
@@ -117,6 +133,29 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
             "models": [m.name for m in service.queries.models()],
             "console": "/console",
         }
+
+    @app.get("/health")
+    async def health():
+        """Liveness for load balancers and orchestrators (no key): 503 while shutting down."""
+        draining = service.gate.draining
+        body = {"status": "shutting_down" if draining else "ok", "free_bytes": service.free_space()}
+        return JSONResponse(body, status_code=503 if draining else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus text (no key): free disk space where the server writes, and whether it drains."""
+        lines = [
+            "# HELP trine_disk_free_bytes Bytes free where trine writes (-1: unknown).",
+            "# TYPE trine_disk_free_bytes gauge",
+        ]
+        for where, free in service.free_space().items():
+            lines.append(f'trine_disk_free_bytes{{dir="{where}"}} {free}')
+        lines += [
+            "# HELP trine_shutting_down 1 while the server drains for shutdown.",
+            "# TYPE trine_shutting_down gauge",
+            f"trine_shutting_down {int(service.gate.draining)}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     app.add_middleware(AccessLog)  # one INFO line per request on `trine.access`
     app.include_router(control.router)
@@ -187,6 +226,8 @@ class ServerHandle:
     _thread: threading.Thread
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Drain and stop (connections.py), within about `timeout` seconds."""
+        self._server.shutdown_timeout = min(self._server.shutdown_timeout, timeout)
         self._server.should_exit = True
         self._thread.join(timeout)
 
@@ -209,6 +250,7 @@ def start_server(
     startup_timeout: float = 600.0,
     max_connections: int = MAX_CONNECTIONS,
     header_timeout: float = HEADER_TIMEOUT,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
     **service_options,
 ) -> ServerHandle:
     """Serve `models` in a background thread; returns once the models are loaded and the port is open.
@@ -230,7 +272,9 @@ def start_server(
     server = GuardedServer(
         uvicorn_config(
             app, log_level=log_level, max_connections=max_connections, header_timeout=header_timeout
-        )
+        ),
+        drain=service.drain,
+        shutdown_timeout=shutdown_timeout,
     )
     errors: list[BaseException] = []
 
@@ -262,8 +306,10 @@ def run_forever(
     *,
     max_connections: int = MAX_CONNECTIONS,
     header_timeout: float = HEADER_TIMEOUT,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
 ) -> None:
-    """Serve in the foreground (the `trine serve` command) until interrupted."""
+    """Serve in the foreground (the `trine serve` command) until interrupted; SIGTERM or Ctrl-C
+    drains and exits within `shutdown_timeout` seconds (connections.py)."""
     GuardedServer(
         uvicorn_config(
             app,
@@ -272,7 +318,10 @@ def run_forever(
             log_level=log_level,
             max_connections=max_connections,
             header_timeout=header_timeout,
-        )
+        ),
+        drain=app.state.service.drain,
+        shutdown_timeout=shutdown_timeout,
+        hard_exit=True,
     ).run()
 
 

@@ -17,6 +17,11 @@ finishes its headers, and such connections count against nothing until they do. 
   and discards what the client is still sending for up to `DRAIN_SECONDS` before closing, so the
   client sees the answer and not a connection reset;
 - each of these, and asyncio's own accept errors, is logged once per condition (`ConditionLog`).
+
+Shutdown is bounded (`GuardedServer`, `shutdown_timeout`): on SIGTERM the server keeps listening
+while the app drains (new work 503, results still readable), then closes its connections, then
+stops the app; with `hard_exit` (the `trine serve` process) the process exits 0 at the deadline
+whatever is still running.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
+import sys
+import threading
+import time
+from typing import Awaitable, Callable
 
 import h11
 import uvicorn
@@ -39,6 +49,7 @@ HEADER_TIMEOUT = 10.0
 MAX_CONNECTIONS = 1024
 KEEP_ALIVE_SECONDS = 75
 DRAIN_SECONDS = 2.0
+SHUTDOWN_TIMEOUT = 30.0
 LISTEN_QUEUE = 2048  # connections the kernel holds until accepted (uvicorn's default backlog)
 
 
@@ -232,7 +243,43 @@ def uvicorn_config(
 class GuardedServer(uvicorn.Server):
     """uvicorn's server, whose listening sockets queue up to `LISTEN_QUEUE` connections in the
     kernel however few asyncio accepts per loop turn (`config.backlog`): a burst then waits in
-    that queue instead of having its SYNs dropped, and so do the valid clients behind it."""
+    that queue instead of having its SYNs dropped, and so do the valid clients behind it.
+
+    Its shutdown takes at most `shutdown_timeout` seconds: `drain(seconds)` (the app's: refuse new
+    work, let accepted work finish, end what is left) gets the first 70 %, still listening;
+    uvicorn's own graceful close and the app's lifespan shutdown get the rest. With `hard_exit`,
+    a watchdog ends the process (exit 0) at the deadline if a thread still holds it."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        *,
+        drain: Callable[[float], Awaitable[None]] | None = None,
+        shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+        hard_exit: bool = False,
+    ):
+        super().__init__(config)
+        self.drain = drain
+        self.shutdown_timeout = shutdown_timeout
+        self.hard_exit = hard_exit
+
+    async def shutdown(self, sockets=None) -> None:
+        begun = time.monotonic()
+        budget = self.shutdown_timeout
+        if self.hard_exit:
+            _exit_at(begun + budget)
+        if self.drain is not None and not self.force_exit:
+            log.info("shutting down: draining for up to %.0f s", 0.7 * budget)
+            try:
+                await asyncio.wait_for(self.drain(0.7 * budget), 0.8 * budget)
+            except Exception:  # the drain is best effort: the deadline is not
+                log.exception("draining failed")
+        left = budget - (time.monotonic() - begun)
+        self.config.timeout_graceful_shutdown = max(0.1, 0.5 * left)
+        await super().shutdown(sockets)
+        # uvicorn re-raises a captured SIGTERM once it has stopped, and the default action kills the
+        # process (status -15): a shutdown SIGTERM asked for, finished, exits 0 instead
+        self._captured_signals = [sig for sig in self._captured_signals if sig != signal.SIGTERM]
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -240,6 +287,20 @@ class GuardedServer(uvicorn.Server):
             for listener in server.sockets:
                 with socket.socket(fileno=os.dup(listener.fileno())) as s:  # the same socket, another fd
                     s.listen(max(LISTEN_QUEUE, self.config.backlog))
+
+
+def _exit_at(deadline: float) -> None:
+    """Exit the process (status 0) at `deadline` (time.monotonic()) unless it has ended by then:
+    a shutdown that systemd or Kubernetes would otherwise SIGKILL ends on its own terms."""
+
+    def watchdog():
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        log.warning("shutdown took its whole --shutdown-timeout; exiting now")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    threading.Thread(target=watchdog, name="trine-shutdown-watchdog", daemon=True).start()
 
 
 def accept_batch(max_connections: int) -> int:

@@ -23,7 +23,13 @@ adapters.py (sampler adapters per replica, spill to disk), inflight.py (the movi
 inflight samplers follow), gc.py (restart recovery, expiry, idle
 runs), faults.py (lost engine replicas), routing.py (prefix-aware routing across replicas),
 models.py (base models, engine replicas, run placement), scheduler.py and ordering.py (clock
-cycles), quotas.py (per-key limits), idempotency.py (one request id, one piece of work).
+cycles), quotas.py (per-key limits), idempotency.py (one request id, one piece of work),
+gate.py (no new work while draining for shutdown or short of disk space).
+
+Shutdown (`drain(seconds)`, then `stop()`): new work is refused at once (503
+`server_shutting_down`); accepted events and running samples get until the deadline to finish;
+then the events still queued or running fail with `server_shutting_down`, and the samples still
+running are cancelled, what they computed metered.
 
 Runs on the asyncio loop; the engines (one per replica) are reached only through
 `engine.interface.Engine`, and only from the service.
@@ -32,10 +38,12 @@ Runs on the asyncio loop; the engines (one per replica) are reached only through
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Callable
 
+from ..diskspace import DEFAULT_RESERVE_BYTES
 from ..engine.interface import Engine
 from ..limits import KeyLimits
 from ..metering.rates import RateCard
@@ -43,8 +51,9 @@ from ..store import Store
 from .activity import Activity
 from .adapters import AdapterCache
 from .checkpoints import Checkpoints
-from .events import Events
+from .events import MISSING_INDEX_SECONDS, Events
 from .faults import Faults
+from .gate import WorkGate
 from .gc import GarbageCollector
 from .inflight import Inflight
 from .metrics import Metrics
@@ -57,6 +66,8 @@ from .runs import Runs
 from .sampling import Sampling
 from .scheduler import ClockScheduler
 from .tokenizers import ModelTokenizer
+
+log = logging.getLogger("trine.service")
 
 EngineFactory = Callable[[str, Path], list[Engine]]  # (model name, dir) -> its replicas' engines
 
@@ -82,6 +93,8 @@ class Service:
         key_limits: KeyLimits | None = None,
         dtype: str | None = None,
         batch_invariant: bool = False,
+        disk_reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+        missing_index_seconds: float = MISSING_INDEX_SECONDS,
     ):
         if not models:
             raise ValueError("models: serve at least one base model")
@@ -118,6 +131,7 @@ class Service:
         self.started_at = time.time()
 
         self.ownership = Ownership(store)
+        self.gate = WorkGate(store.home, store.checkpoint_dir, disk_reserve_bytes)
         self.activity = Activity()
         self.adapters = AdapterCache(store, max_adapters, self._spawn, self._on_loop)
         self.checkpoints = Checkpoints(store, self.ownership, self.models, self.adapters)
@@ -133,6 +147,8 @@ class Service:
             self._replica_lost,
             self.quotas,
             self.inflight,
+            gate=self.gate,
+            missing_index_seconds=missing_index_seconds,
         )
         self.faults = Faults(store, self.events)
         self.runs = Runs(
@@ -155,6 +171,7 @@ class Service:
             self._replica_lost,
             router or Router(),
             inflight=self.inflight,
+            gate=self.gate,
         )
         self.queries = Queries(store, self.ownership, self.models)
         self.metrics = Metrics(store, self.ownership)
@@ -193,6 +210,33 @@ class Service:
                 rep.scheduler.start()
                 self._spawn(self.faults.watch(m, rep))
         self._gc_task = self.loop.create_task(self.gc.loop(self.gc_interval))
+
+    async def drain(self, seconds: float) -> None:
+        """Refuse new work now; give accepted events and running samples `seconds` to finish; then
+        fail the events left (`server_shutting_down`) and cancel the samples left, metering them."""
+        self.gate.drain(seconds)
+        deadline = time.monotonic() + seconds
+        while (self.events.progressing() or self.sampling.running()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        failed = self.events.fail_all(
+            "server_shutting_down",
+            "the server shut down before this event ran to the end; the run's in-memory weights "
+            "are lost: restore it from a saved state once the server has restarted, and send it again",
+        )
+        cancelled = await self.sampling.cancel_all()
+        settle_by = time.monotonic() + 1.0  # let the cancelled requests' answers go out
+        while self.sampling.running() and time.monotonic() < settle_by:
+            await asyncio.sleep(0.02)
+        if failed or cancelled:
+            log.warning(
+                "shutdown deadline: failed %d queued or running event(s), cancelled %d sample(s)",
+                failed,
+                cancelled,
+            )
+
+    def free_space(self) -> dict[str, int]:
+        """Free bytes in the data dir and the checkpoint dir (gate.py); -1: unknown."""
+        return self.gate.free_space()
 
     async def stop(self) -> None:
         self.faults.stopping = True

@@ -42,3 +42,13 @@ class TooLarge(ServiceError):
 
 class TooManyRequests(ServiceError):
     status, code = 429, "too_many_requests"
+
+
+class ShuttingDown(ServiceError):
+    """New work while the server drains for shutdown; answered with Retry-After (seconds)."""
+
+    status, code = 503, "server_shutting_down"
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -18,6 +18,12 @@ Invariants
   long-poll always finds it. Front ends shape it on read.
 - Usage is metered once per succeeded forward / forward_backward / optim_step, when it settles.
 - An event whose engine replica is lost fails at once with `worker_lost`.
+- An event that arrives before a lower index waits at most `missing_index_seconds` for it; then it
+  fails with `event_index_missing`, naming the index that never arrived, and leaves the queue (its
+  index may be sent again). A refused event (a 4xx/5xx answer) takes no index.
+- New work passes the `WorkGate` (gate.py) first: none while the server drains for shutdown, none
+  without the disk space it may need. A full disk while settling keeps the result in memory
+  (readable, `unstored`) instead of losing it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ..diskspace import DiskFull
 from ..engine import api
 from ..engine.api import CycleEvent, EngineLost, EventOutcome, Forward, Op, RunShare, Save, TrainingCycle
 from ..engine.prepare import prepare_forward
@@ -49,6 +56,7 @@ from . import commands
 from .activity import Activity
 from .checkpoints import Checkpoints
 from .errors import Conflict, InvalidRequest, NotFound
+from .gate import WorkGate
 from .idempotency import SingleFlight
 from .inflight import Inflight
 from .models import Replica, ServedModel, resolve_model
@@ -58,6 +66,7 @@ from .quotas import KeyQuotas
 from .results import EventResult
 
 log = logging.getLogger("trine.service")
+MISSING_INDEX_SECONDS = 60.0  # how long an event waits for a lower index that has not arrived
 OPERATION = {FORWARD: "forward", FORWARD_BACKWARD: "forward_backward", OPTIMIZE_STEP: "optim_step"}
 
 
@@ -86,7 +95,12 @@ class Events:
         on_lost,
         quotas: "KeyQuotas | None" = None,
         inflight: "Inflight | None" = None,
+        gate: WorkGate | None = None,
+        missing_index_seconds: float = MISSING_INDEX_SECONDS,
     ):
+        self.gate = gate  # refuses new work while draining or short of disk space
+        self.missing_index_seconds = missing_index_seconds
+        self.unstored: dict[str, EventRecord] = {}  # settled, but the disk was too full to store it
         self.quotas = quotas  # per-key limits on queued work
         self.inflight = inflight  # inflight saves move their run's target (inflight.py)
         self.store = store
@@ -152,6 +166,9 @@ class Events:
     ) -> EventRecord:
         r = self.ownership.active_run(key, run_id)
         m = self.models[r.base_model]
+        if self.gate is not None:
+            saves = isinstance(command, (commands.SaveByName, Save))
+            self.gate.admit(f"event {event_id.split('~', 1)[0]} (index {index})", checkpoint=saves)
         if isinstance(command, Forward):
             op = await asyncio.get_running_loop().run_in_executor(None, _prepared, command, m)
             r = self.ownership.active_run(key, run_id)  # it may have ended meanwhile
@@ -167,11 +184,16 @@ class Events:
             event_id, run_id, key.id, index, type_, step, "accepted", now, now, fingerprint=fingerprint
         )
         self.store.add_event(rec)  # stored first: a failed write leaves nothing queued
+        q = rep.scheduler.queue(run_id, tenant=key.id)
         try:
-            rep.scheduler.queue(run_id, tenant=key.id).add(pend)
+            q.add(pend)
         except BaseException:
             self.store.delete_event(rec.id)
             raise
+        if index > q.next_index:  # a lower index has not arrived yet: wait for it, boundedly
+            asyncio.get_running_loop().call_later(
+                self.missing_index_seconds, self._missing_index, rep, run_id, event_id
+            )
         if not r.started:
             self.store.update_training_run(r.id, started=True)
         if isinstance(command, api.OptimStep):  # the settings a run listing shows as last used
@@ -253,7 +275,29 @@ class Events:
 
     def record(self, event_id: str) -> EventRecord | None:
         live = self.live.get(event_id)
-        return live.record if live is not None else self.store.event(event_id)
+        if live is not None:
+            return live.record
+        return self.unstored.get(event_id) or self.store.event(event_id)
+
+    def _missing_index(self, rep: Replica, run_id: str, event_id: str) -> None:
+        """Fail `event_id` if it still waits for a lower index (its queue's next) that never came."""
+        live = self.live.get(event_id)
+        q = rep.scheduler.queues.get(run_id) if rep.scheduler else None
+        if live is None or q is None or live.record.status != "accepted":
+            return
+        index = live.pending.index
+        if q.waiting.get(index) is not live.pending or q.next_index >= index:
+            return
+        missing = q.next_index
+        q.waiting.pop(index)
+        self.fail(
+            live,
+            "event_index_missing",
+            f"metadata.index: event index {missing} of run {run_id} never arrived (waited "
+            f"{self.missing_index_seconds:g} s), and events run in index order; send index {missing} "
+            f"(an event the server refused took no index), then send this event ({index}) again "
+            "under a new event id",
+        )
 
     def queued_tokens(self, api_key_id: str) -> int:
         """Tokens of the key's forward events accepted and not yet running."""
@@ -264,6 +308,17 @@ class Events:
             and live.record.status == "accepted"
             and isinstance(live.pending.op, Forward)
         )
+
+    def progressing(self) -> bool:
+        """Some accepted event is running or can run (not only waiting for a missing index)."""
+        for live in self.live.values():
+            if live.record.status == "running":
+                return True
+            sched = live.replica.scheduler
+            q = sched.queues.get(live.record.run_id) if sched is not None else None
+            if q is not None and q.ready():
+                return True
+        return False
 
     def busy(self, run_id: str) -> bool:
         return any(live.record.run_id == run_id for live in self.live.values())
@@ -296,7 +351,10 @@ class Events:
                 for ev in evs:
                     live = self.live.get(ev.event_id)
                     if live is not None:
-                        self.settle(m, live, outcomes[ev.event_id], plan.number)
+                        try:
+                            self.settle(m, live, outcomes[ev.event_id], plan.number)
+                        except DiskFull as e:  # its checkpoint or usage row could not be stored
+                            self._finish(live, EventResult.failure(e.code, str(e)))
                 if self.store.training_run(run_id) is not None:
                     self.store.update_training_run(run_id, last_cycle=plan.number)
 
@@ -357,9 +415,26 @@ class Events:
     def _finish(self, live: LiveEvent, res: EventResult) -> None:
         rec = live.record
         rec.status, rec.cycle, rec.response = res.status, res.cycle, res.pack()
-        self.store.update_event(rec.id, status=rec.status, cycle=rec.cycle, response=rec.response)
+        try:
+            self.store.update_event(rec.id, status=rec.status, cycle=rec.cycle, response=rec.response)
+            self.unstored.pop(rec.id, None)
+        except DiskFull as e:  # readable from memory until the server stops (a restart fails it)
+            log.error("event %s settled but could not be stored: %s", rec.id, e)
+            self.unstored[rec.id] = rec
         live.done.set()
         self.live.pop(rec.id, None)
+
+    def fail_all(self, code: str, message: str) -> int:
+        """Fail every event accepted and not settled (queued or running) and empty the queues;
+        how many. A cycle still running in an engine settles none of them afterwards."""
+        failed = list(self.live.values())
+        for live in failed:
+            sched = live.replica.scheduler
+            q = sched.queues.get(live.record.run_id) if sched is not None else None
+            if q is not None:
+                q.waiting.pop(live.pending.index, None)
+            self.fail(live, code, message)
+        return len(failed)
 
     def fail_waiting(self, rep: Replica, run_id: str, code: str, message: str) -> None:
         """Drop a run's queue on `rep` and fail the events that were waiting in it."""

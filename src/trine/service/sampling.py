@@ -13,6 +13,11 @@ Invariants
   version or newer (inflight.py); their outcomes name each token's weights version. On a pool
   they go to replicas other than the one training the run, so sampling overlaps training there
   (PipelineRL's and AReaL's split of inference and training workers).
+- A finished request whose outcome a full disk keeps from the store still answers its caller (and
+  a retry, from `_recent`); the outcome and its usage are stored with the next request's.
+- New requests pass the `WorkGate` (gate.py). At a shutdown's deadline `cancel_all` cancels the
+  requests still running, meters what each computed (once), and their callers get 503
+  `server_shutting_down`.
 """
 
 from __future__ import annotations
@@ -21,18 +26,28 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from ..engine.api import EngineLost, SampleDelta, SampleRequest, SampleResult, WeightsIdentity
+from ..diskspace import DiskFull
+from ..engine.api import (
+    EngineLost,
+    SampleCancelled,
+    SampleDelta,
+    SampleRequest,
+    SampleResult,
+    WeightsIdentity,
+)
 from ..metering.diagnostics import PrefixDiagnostics
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
 from ..store import ApiKey, SamplingRun, Store
 from .adapters import AdapterCache
-from .errors import Conflict, InvalidRequest, ServiceError
+from .errors import Conflict, InvalidRequest, ServiceError, ShuttingDown
+from .gate import RESTART_SECONDS, WorkGate
 from .idempotency import SingleFlight
 from .inflight import Inflight
 from .models import Replica, ServedModel
@@ -62,6 +77,12 @@ class Sampling:
     _recent: OrderedDict = field(default_factory=OrderedDict)
     _serving: dict[tuple[str, str], Replica] = field(default_factory=dict)  # request -> its replica
     inflight: Inflight | None = None  # the inflight targets inflight sampling runs follow
+    gate: WorkGate | None = None  # refuses new requests while draining or short of disk space
+    # request -> (key, run, request) while it runs, to meter it if shutdown cancels it
+    _callers: dict[tuple[str, str], tuple] = field(default_factory=dict)
+    _metered: set[str] = field(default_factory=set)  # engine request ids cancel_all metered
+    _unwritten: list[tuple] = field(default_factory=list)  # outcomes a full disk kept from the store
+    _unwritten_lock: threading.Lock = field(default_factory=threading.Lock)
 
     async def sample(
         self, key: ApiKey, sampling_run_id: str, req: SampleRequest, fingerprint: str = ""
@@ -82,6 +103,7 @@ class Sampling:
                     f"sampling run {r.id} has ended ({r.status}); create a new sampling client",
                     code="run_ended",
                 )
+            self._admit(req)
         return await self._running.run(dedup, fingerprint, lambda: self._sample(key, r, req, fingerprint))
 
     async def _sample(
@@ -92,7 +114,7 @@ class Sampling:
         for attempt in range(len(m.replicas)):  # a lost replica: reroute to another one
             rep = self._route(m, r, req)
             try:
-                async with self._serving_on(rep, r, req):
+                async with self._serving_on(rep, key, r, req):
                     await self._ensure_weights(rep, r)
                     res: SampleResult = await rep.engine.sample(engine_req)
                 break
@@ -124,12 +146,13 @@ class Sampling:
             raise Conflict(
                 f"sampling run {r.id} has ended ({r.status}); create a new sampling client", code="run_ended"
             )
+        self._admit(req)
         m = self.models[r.base_model]
         engine_req = self._engine_request(key, m, r, req)
         rep = self._route(m, r, req)
         res = None
         try:
-            async with self._serving_on(rep, r, req):
+            async with self._serving_on(rep, key, r, req):
                 await self._ensure_weights(rep, r)
                 async with contextlib.aclosing(rep.engine.sample_stream(engine_req)) as items:
                     async for item in items:  # closing this iterator closes the engine's: it cancels
@@ -164,23 +187,61 @@ class Sampling:
             partial = await rep.engine.cancel(engine_request_id)
         except Exception:  # the replica is gone: it has nothing to report
             return
+        if engine_request_id in self._metered:  # cancel_all metered it
+            self._metered.discard(engine_request_id)
+            return
         if partial is not None and partial.usage.prompt_tokens:
             self.store.add_usage(self._usage_event(key, r, m, req, partial))
 
     @contextlib.asynccontextmanager
-    async def _serving_on(self, rep: Replica, r: SamplingRun, req: SampleRequest):
-        """Count the request against `rep`'s load while it runs; engine ValueErrors become 400s."""
+    async def _serving_on(self, rep: Replica, key: ApiKey, r: SamplingRun, req: SampleRequest):
+        """Count the request against `rep`'s load while it runs; engine ValueErrors become 400s,
+        a cancellation by shutdown a 503."""
         rep.inflight_samples += 1
         self._serving[(r.id, req.request_id)] = rep
+        self._callers[(r.id, req.request_id)] = (key, r, req)
         try:
             yield
         except ServiceError:
             raise
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        except SampleCancelled:
+            if self.gate is None or not self.gate.draining:
+                raise
+            raise ShuttingDown(
+                f"request_id {req.request_id}: the server is shutting down and stopped this sample "
+                "(what it computed is metered); send it again once the server has restarted",
+                retry_after=RESTART_SECONDS,
+            ) from None
         finally:
             rep.inflight_samples -= 1
             self._serving.pop((r.id, req.request_id), None)
+            self._callers.pop((r.id, req.request_id), None)
+
+    def _admit(self, req: SampleRequest) -> None:
+        if self.gate is not None:
+            self.gate.admit(f"sample request_id {req.request_id}")
+
+    def running(self) -> int:
+        return len(self._serving)
+
+    async def cancel_all(self) -> int:
+        """Cancel every running request (shutdown) and meter what each computed; how many."""
+        cancelled = 0
+        for (run_id, request_id), rep in list(self._serving.items()):
+            caller = self._callers.get((run_id, request_id))
+            engine_id = f"{run_id}/{request_id}"
+            try:
+                partial = await rep.engine.cancel(engine_id)
+            except Exception:  # the replica is gone: it has nothing to report
+                continue
+            cancelled += 1
+            if partial is not None and caller is not None and partial.usage.prompt_tokens:
+                key, r, req = caller
+                self._metered.add(engine_id)
+                self.store.add_usage(self._usage_event(key, r, self.models[r.base_model], req, partial))
+        return cancelled
 
     async def cancel(self, key: ApiKey, sampling_run_id: str, request_id: str) -> bool:
         """Cancel a running request (its client went away): the engine frees its sequences, its
@@ -249,10 +310,23 @@ class Sampling:
         self._recent[(r.id, req.request_id)] = stored
         while len(self._recent) > RECENT_OUTCOMES:
             self._recent.popitem(last=False)
-        await asyncio.to_thread(self.store.add_sample_result, r.id, req.request_id, *stored, event)
+        row = (r.id, req.request_id, *stored, event)
+        try:
+            await asyncio.to_thread(self._store_results, row)
+        except DiskFull as e:  # the caller still gets what was computed; the row is stored later
+            log.error("sample %s/%s could not be stored yet (retried on the next one): %s", *row[:2], e)
         if req.generate:
             self.spawn(self._diagnose(key, r, m, req, res))
         return out
+
+    def _store_results(self, row: tuple) -> None:
+        """Store `row` (an outcome with its usage) after any kept back by a full disk; a row that
+        fails for a full disk stays in `_unwritten` (and in `_recent`, so a retry finds it)."""
+        with self._unwritten_lock:  # runs in threads: one row stored once
+            self._unwritten.append(row)
+            while self._unwritten:
+                self.store.add_sample_result(*self._unwritten[0])
+                self._unwritten.pop(0)
 
     @staticmethod
     def _usage_event(

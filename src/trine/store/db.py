@@ -2,11 +2,14 @@
 
 Each table mirrors a dataclass (records.py, metering.events): its columns are the dataclass's fields,
 so rows round-trip without hand-written mappings. Every method is one short transaction; nothing here
-holds the lock across I/O other than SQLite's own.
+holds the lock across I/O other than SQLite's own. A write that fails for a full disk raises
+`trine.diskspace.DiskFull` (code `disk_full`, naming the database's path and its free bytes), never
+a bare sqlite3 error; the transaction is rolled back and the connection stays usable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sqlite3
 import threading
@@ -14,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ..diskspace import raise_if_full
 from ..metering.events import CacheDiagnostic, UsageEvent
 from .keys import generate_key, hash_key, new_id
 from .records import ApiKey, Checkpoint, EventRecord, MetricPoint, SamplingRun, Session, TrainingRun
@@ -85,10 +89,23 @@ class Store:
             self._db.close()
 
     # ------------------------------------------------------------------ generic row mapping
+    @contextlib.contextmanager
+    def _full_disk_named(self):
+        """A full disk's sqlite3 error, as DiskFull naming the database."""
+        try:
+            yield
+        except sqlite3.OperationalError as e:
+            raise_if_full(e, self.path, "database write")
+            raise
+
     def _exec(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
-        with self._lock:
+        with self._lock, self._full_disk_named():
             cur = self._db.execute(sql, args)
             return cur.fetchall()
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(sqlite3.OperationalError):  # nothing open: SQLite rolled back itself
+            self._db.execute("ROLLBACK")
 
     def _insert(self, table: str, obj: Any, *, replace: bool = False) -> None:
         d = dataclasses.asdict(obj)
@@ -299,7 +316,7 @@ class Store:
         usage: UsageEvent | None = None,
     ) -> None:
         """Store a sample request's response, and its usage in the same transaction."""
-        with self._lock:
+        with self._lock, self._full_disk_named():
             self._db.execute("BEGIN")
             try:
                 self._db.execute(
@@ -313,10 +330,10 @@ class Store:
                         f"INSERT INTO usage_events ({', '.join(d)}) VALUES ({', '.join('?' for _ in d)})",
                         tuple(d.values()),
                     )
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
-            self._db.execute("COMMIT")
 
     # ------------------------------------------------------------------ checkpoints
     def add_checkpoint(self, c: Checkpoint) -> None:
@@ -352,7 +369,7 @@ class Store:
     # ------------------------------------------------------------------ logged metrics
     def add_metrics(self, points: list[MetricPoint]) -> None:
         """Store points, replacing any earlier value of the same (run, step, name), in one transaction."""
-        with self._lock:
+        with self._lock, self._full_disk_named():
             self._db.execute("BEGIN")
             try:
                 for p in points:
@@ -367,7 +384,7 @@ class Store:
                     )
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
 
     def count_metrics(self, run_id: str) -> int:

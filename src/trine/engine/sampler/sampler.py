@@ -67,6 +67,7 @@ class Sampler:
         enable_prefix_cache: bool = True,
         prefill_share: float = 0.5,
         prefill_step_seconds: float = 0.25,
+        idle_prefill_seconds: float = 1.0,
         tenant_share: float = TENANT_SHARE,
         fair: bool = True,
     ):
@@ -91,6 +92,7 @@ class Sampler:
             prefix_cache=enable_prefix_cache,
             prefill_share=prefill_share,
             prefill_step_seconds=prefill_step_seconds,
+            idle_prefill_seconds=idle_prefill_seconds,
             tenant_share=tenant_share,
             admission=FairAdmission() if fair else FifoAdmission(),
         )

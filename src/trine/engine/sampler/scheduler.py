@@ -19,11 +19,14 @@ computing waits, then hits them. A request that scores its prompt reads only the
 first position it scores (`Request.cacheable`: none for whole-prompt logprobs).
 
 Prefill chunks. At most one prefill forward a step, over at most `max_batch_tokens` positions
-(padding included), so a long prompt is prefilled over several steps. When nothing decodes the
-chunk is the whole `max_batch_tokens`: whole prompts in one forward. Otherwise it is sized by time:
-scaled from the last prefill's tokens and seconds (at least one block, at most twice as many as
-last time) to take about `prefill_step_seconds`, which bounds how long a request arriving
-meanwhile waits. Prompts are ordered fairly by tokens across tenants (`fair_order`: each tenant's
+(padding included), so a long prompt is prefilled over several steps. Every chunk is sized by
+time, scaled from the last prefill's tokens and seconds (at least one block): while sequences
+decode, to take about `prefill_step_seconds` (at most twice as many tokens as last time); when
+nothing decodes, about `idle_prefill_seconds`, longer, since one large forward is the most efficient
+and nobody waits on decode steps (whole prompts in one forward while that fits, e.g. a GRPO step;
+the whole `max_batch_tokens` before anything was measured). Either way a request arriving meanwhile
+starts within one bounded step, even beside a prompt of many thousand tokens that alone holds the
+engine. Prompts are ordered fairly by tokens across tenants (`fair_order`: each tenant's
 prompts fewest tokens left first, tenants interleaved by the prefill tokens computed for them), so
 a tenant's long prompts cannot hold back another tenant's short one, nor its many short prompts
 another tenant's long one; the last row may take a partial chunk.
@@ -106,6 +109,7 @@ class Scheduler:
         prefix_cache: bool = True,
         prefill_share: float = 0.5,
         prefill_step_seconds: float = 0.25,
+        idle_prefill_seconds: float = 1.0,
         admission: AdmissionPolicy | None = None,
         tenant_share: float = TENANT_SHARE,
         tenant_window: float = 60.0,
@@ -113,8 +117,8 @@ class Scheduler:
     ):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
-        if not (prefill_share > 0 and prefill_step_seconds > 0):
-            raise ValueError("prefill_share and prefill_step_seconds must be > 0")
+        if not (prefill_share > 0 and prefill_step_seconds > 0 and idle_prefill_seconds > 0):
+            raise ValueError("prefill_share, prefill_step_seconds and idle_prefill_seconds must be > 0")
         if not 0 < tenant_share <= 1:
             raise ValueError(f"tenant_share: must be in (0, 1], got {tenant_share}")
         self.kv = kv
@@ -124,6 +128,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.prefill_share = prefill_share
         self.prefill_step_seconds = prefill_step_seconds
+        self.idle_prefill_seconds = idle_prefill_seconds
         self.waiting: AdmissionPolicy = admission if admission is not None else FairAdmission()
         self.tenant_running = max(1, int(max_running * tenant_share))  # samples one tenant may hold
         self.tenant_blocks = max(1, int(kv.num_blocks * tenant_share))  # blocks one tenant may hold
@@ -249,17 +254,18 @@ class Scheduler:
         self.debt = max(0.0, self.debt - self.prefill_share * seconds)
 
     def _prefill_budget(self, decoding: bool) -> int:
-        """Prefill positions for this step: max_batch_tokens when nothing decodes (nobody waits on
-        the step, and one large forward is the most efficient); else what should take
-        `prefill_step_seconds`, scaled from the last prefill step, between one block and
-        max_batch_tokens."""
-        if not decoding:
-            return self.max_batch_tokens
+        """Prefill positions for this step, between one block and max_batch_tokens: what should
+        take `prefill_step_seconds` while sequences decode (at most twice the last chunk), else
+        `idle_prefill_seconds`, scaled from the last prefill step. Before any is measured: four
+        blocks while decoding, max_batch_tokens when not."""
         low = min(self.block_size, self.max_batch_tokens)
         if self.last_prefill is None:
-            return min(self.max_batch_tokens, 4 * self.block_size)
+            return min(self.max_batch_tokens, 4 * self.block_size) if decoding else self.max_batch_tokens
         tokens, seconds = self.last_prefill
-        scaled = int(tokens * min(2.0, self.prefill_step_seconds / max(seconds, 1e-6)))
+        if decoding:
+            scaled = int(tokens * min(2.0, self.prefill_step_seconds / max(seconds, 1e-6)))
+        else:  # the measured rate; smaller chunks run slower per token, so this errs short
+            scaled = int(tokens * self.idle_prefill_seconds / max(seconds, 1e-6))
         return max(low, min(scaled, self.max_batch_tokens))
 
     # ------------------------------------------------------------------ admission

@@ -8,7 +8,8 @@ and between phases (`worker.tick`).
 Failure isolation: every forward op was checked when its event was accepted (engine/prepare.py); an
 op that was not (a direct caller's) is checked by the trainer before it computes anything, so if a
 batched call raises ValueError the entries are retried one by one and only the culprit fails. Any other
-exception fails the events of that call with `internal_error`.
+exception fails the events of that call with `internal_error`, except a save that finds the disk
+full: it fails with `disk_full`, naming the checkpoint's path and the bytes free there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import traceback
 import uuid
 from pathlib import Path
 
+from ...diskspace import DiskFull, raise_if_full
 from ..api import (
     CycleEvent,
     CycleResult,
@@ -69,6 +71,8 @@ def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
 
 
 def _failed(e: BaseException) -> EventOutcome:
+    if isinstance(e, DiskFull):  # the server's disk, not the event: coded, naming the path
+        return EventOutcome(error=(e.code, str(e)))
     if isinstance(e, ValueError):
         return EventOutcome(error=(getattr(e, "code", "validation_failed"), str(e)))
     log.error("engine error:\n%s", traceback.format_exc())
@@ -220,6 +224,13 @@ class CycleRunner:
         return EventOutcome()
 
     def _save(self, run_id: str, op: Save) -> EventOutcome:
+        try:
+            return self._write_save(run_id, op)
+        except OSError as e:  # a full disk names the checkpoint's path and its free bytes
+            raise_if_full(e, op.path, f"save {op.uri}")
+            raise
+
+    def _write_save(self, run_id: str, op: Save) -> EventOutcome:
         if op.kind == "state":
             size = save_dir(Path(op.path), lambda tmp: self.trainer.save_state(run_id, tmp))
             return EventOutcome(size_bytes=size)
