@@ -482,3 +482,24 @@ def test_openai_routes_never_echo_another_keys_checkpoints(srv, plane):
         with pytest.raises(openai.NotFoundError) as e:
             client.models.retrieve(model)
         assert not any(i in str(e.value.body) for i in plane.ids() + [trio_uri])
+
+
+def test_json_types_are_strict_where_the_official_client_sends_booleans_and_integers(plane):
+    """`"yes"` is not true and `"0"` is not 0: a body of the wrong JSON type is refused naming its
+    field, never coerced into a different request."""
+    cases = [
+        (
+            "/save_weights",
+            {"model_id": plane.model_id, "seq_id": 90, "path": "strict", "overwrite": "yes"},
+            "overwrite",
+        ),
+        (
+            "/create_model",
+            {"session_id": plane.session_id, "model_seq_id": "0", "base_model": "x"},
+            "model_seq_id",
+        ),
+        ("/asample", {"sampling_session_id": plane.sampler_id, "seq_id": "1", "num_samples": 1}, "seq_id"),
+    ]
+    for path, body, field in cases:
+        r = plane.http["a"].post(path, json=body)
+        assert 400 <= r.status_code < 500 and field in r.json()["message"], (path, r.text)

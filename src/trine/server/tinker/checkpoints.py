@@ -36,7 +36,9 @@ GB = 1e9
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore", strict=True
+    )  # the official client sends JSON types: no coercion
 
 
 class WeightsInfoBody(_Body):

@@ -41,7 +41,9 @@ FINISH_STATUS = {"success": "ENDED", "errored": "CANCELLED", "interrupted": "CAN
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore", strict=True
+    )  # the official client sends JSON types: no coercion
 
 
 class CreateSessionBody(_Body):

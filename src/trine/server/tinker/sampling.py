@@ -78,7 +78,7 @@ async def get_sampler(sampler_id: str, request: Request):
 class SamplingSessionBody(BaseModel):
     """The types of a `create_sampling_session` body."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no "0" for 0, no "yes" for true
     session_id: str | None = None
     sampling_session_seq_id: Int64 | None = None
     base_model: str | None = None
@@ -88,7 +88,7 @@ class SamplingSessionBody(BaseModel):
 class AsampleBody(BaseModel):
     """The types of an `asample` body's top-level fields (their values are checked where used)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no "0" for 0, no "yes" for true
     sampling_session_id: str | None = None
     seq_id: Int64 | None = None
     num_samples: Int64 = 1

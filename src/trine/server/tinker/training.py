@@ -50,7 +50,7 @@ router = APIRouter(prefix="/api/v1")
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)  # no "yes" for true
 
 
 class LoraBody(_Body):
