@@ -293,7 +293,7 @@ def test_http_level_errors_keep_the_shape_and_the_server_serves_on(server, oai):
     with httpx.Client(trust_env=False, timeout=30) as h:
         cases = [
             (h.post(f"{url}/v1/chat/completions", content=b"{not json", headers=auth), 400),
-            (h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}, headers=auth), 400),
+            (h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ["a", 7]}, headers=auth), 400),
             (h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]}, headers=auth), 400),
             (h.post(f"{url}/v1/chat/completions", json={"model": MODEL}), 401),
             (h.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}), 401),

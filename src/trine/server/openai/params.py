@@ -1,10 +1,13 @@
 """OpenAI request bodies -> a validated `Generation`: what to sample and how to answer.
 
 Parameters trine honours are checked here with OpenAI's ranges (plus the extensions `top_k`,
-`stop_token_ids` and `return_token_ids`, named as vLLM names them); parameters it cannot honour
-(penalties, ...) and unknown keys get a 400 naming every one of them, so no request is silently
-served differently from what it asked for. Values that ask for the default (`presence_penalty: 0`,
-`logit_bias: {}`, ...) are accepted. Chat's tools and structured output: structured.py.
+`stop_token_ids`, `return_token_ids` and `prompt_logprobs`, named as vLLM names them); parameters it
+cannot honour and unknown keys get a 400 naming every one of them, so no request is silently served
+differently from what it asked for. Values that ask for the default (`modalities: ["text"]`,
+`store: false`, ...) are accepted. Chat's tools and structured output: structured.py.
+
+Completions take a batch of prompts (`prompts`, one or more); `echo` and `max_tokens: 0` score a
+prompt without generating (what evaluation harnesses' loglikelihood tasks send).
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ COMMON = {
     "stream_options",
     "user",
     "return_token_ids",
+    "prompt_logprobs",
 }
 STRUCTURED = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # structured.py
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | STRUCTURED
-COMPLETION = COMMON | {"prompt"}
+COMPLETION = COMMON | {"prompt", "echo"}
 TOOLS = "tools and structured output are served on /v1/chat/completions"
 FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
 SAMPLER = "trine's sampler does not implement it"
@@ -66,7 +70,6 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "store": ((None, False), NOT_STORED),
     "metadata": ((None, {}), NOT_STORED),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
-    "echo": ((None, False), LEGACY),
     "suffix": ((None, ""), LEGACY),
     "best_of": ((None, 1), LEGACY),
 }
@@ -80,7 +83,7 @@ class Generation:
     chat: bool
     model: str
     messages: list[dict] | None  # chat: [{"role", "content": str}], roles as the template knows them
-    prompt: str | list[int] | None  # completions: text or token ids
+    prompts: list[str | list[int]] | None  # completions: one or more prompts, each text or token ids
     n: int = 1
     max_tokens: int | None = None  # None (chat): up to the model's context
     temperature: float = 1.0
@@ -94,6 +97,8 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False  # extension (vLLM's name): prompt_token_ids and each choice's token_ids
+    echo: bool = False  # completions: the prompt (text, and tokens with logprobs) before each choice
+    prompt_logprobs: int | None = None  # extension (vLLM's): the prompt's logprobs, with this many top ones
     structured: Structured = field(default_factory=Structured)  # chat: tools, response_format
     tool_messages: bool = False  # chat: the conversation has tool calls or results (needs a tools template)
 
@@ -119,12 +124,29 @@ def parse_completion(body: Any) -> Generation:
     body = _object(body)
     _refuse_unsupported(body, COMPLETION)
     g = Generation(
-        False, _model(body), None, _prompt(body.get("prompt")), max_tokens=DEFAULT_COMPLETION_TOKENS
+        False, _model(body), None, _prompts(body.get("prompt")), max_tokens=DEFAULT_COMPLETION_TOKENS
     )
+    g.echo = _bool(body, "echo")
     _common(body, g)
     if body.get("logprobs") is not None:  # completions: an int, the number of top logprobs
         g.top_logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
         g.logprobs = True
+    if g.max_tokens == 0 and not g.echo:
+        raise bad_param("max_tokens", "0 generates nothing; with echo: true it scores the prompt only")
+    if g.stream and g.echo:
+        raise OpenAIError(
+            400,
+            "echo: is not supported with stream: true; send the request without stream",
+            param="echo",
+            code="unsupported_parameter",
+        )
+    if g.stream and len(g.prompts) > 1:
+        raise bad_param(
+            "prompt",
+            f"a batch of {len(g.prompts)} prompts cannot be streamed; send it without stream, or one "
+            "prompt per streaming request",
+            "unsupported_value",
+        )
     return g
 
 
@@ -170,7 +192,7 @@ def _common(body: dict, g: Generation) -> None:
     if body.get("n") is not None:
         g.n = _int(body, "n", 1, MAX_SAMPLES_PER_REQUEST)
     if body.get("max_tokens") is not None:
-        g.max_tokens = _int(body, "max_tokens", 1, INT64_MAX)
+        g.max_tokens = _int(body, "max_tokens", 0 if g.echo else 1, INT64_MAX)
     if body.get("temperature") is not None:
         g.temperature = _number(body, "temperature", 0, 2)
     if body.get("top_p") is not None:
@@ -191,7 +213,16 @@ def _common(body: dict, g: Generation) -> None:
             raise bad_param("stop_token_ids", "must be a list of token ids (non-negative integers)")
         g.stop_token_ids = tuple(ids)
     g.return_token_ids = _bool(body, "return_token_ids")
+    if body.get("prompt_logprobs") is not None:
+        g.prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     g.stream = _bool(body, "stream")
+    if g.stream and g.prompt_logprobs is not None:
+        raise OpenAIError(
+            400,
+            "prompt_logprobs: is not supported with stream: true; send the request without stream",
+            param="prompt_logprobs",
+            code="unsupported_parameter",
+        )
     opts = body.get("stream_options")
     if opts is not None:
         if not g.stream:
@@ -302,12 +333,21 @@ def _messages(messages: Any) -> list[dict]:
     return out
 
 
-def _prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A prompt (text or token ids) or a batch of them: the list of prompts."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_SAMPLES_PER_REQUEST:
+            raise bad_param(
+                "prompt", f"a batch of at most {MAX_SAMPLES_PER_REQUEST} prompts, got {len(prompt)}"
+            )
+        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt(prompt, "prompt")]
+
+
+def _prompt(prompt: Any, param: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_param("prompt", "is empty")
+            raise bad_param(param, "is empty")
         return prompt
     if (
         isinstance(prompt, list)
@@ -315,15 +355,8 @@ def _prompt(prompt: Any) -> str | list[int]:
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
         return list(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_param(
-            "prompt",
-            f"a batch of {len(prompt)} prompts; send one prompt per request "
-            "(use n for several completions of one prompt)",
-            "unsupported_value",
-        )
     raise bad_param(
-        "prompt",
-        "must be a string or a non-empty list of token ids",
+        param,
+        "must be a string, a non-empty list of token ids, or a list of such prompts",
         "missing_required_parameter" if prompt is None else "invalid_value",
     )
