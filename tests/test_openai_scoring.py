@@ -164,3 +164,38 @@ def test_batch_and_echo_errors_name_the_parameter(server, oai):
         assert r.status_code == 400, body
         err = r.json()["error"]
         assert err["param"] == param and err["code"] == code and param in err["message"], err
+
+
+# ----------------------------------------------------------------------------- tokenizer routes
+def test_tokenize_and_detokenize_use_the_served_tokenizer_and_chat_template(server, oai, hf_tok):
+    text = "Count these tokens, please."
+    for path in ("/tokenize", "/v1/tokenize"):
+        r = post(server, path, {"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+        assert r["tokens"] == hf_tok.encode(text, add_special_tokens=True) and r["count"] == len(r["tokens"])
+        assert r["token_strs"] == [hf_tok.decode([t]) for t in r["tokens"]] and r["max_model_len"] > 0
+    bare = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()  # one model served
+    assert bare["tokens"] == hf_tok.encode(text, add_special_tokens=False) and bare["token_strs"] is None
+    messages = [{"role": "user", "content": "How many tokens is this chat?"}]
+    chat = post(server, "/tokenize", {"model": MODEL, "messages": messages}).json()
+    served = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_body={"return_token_ids": True}
+    )
+    assert (
+        chat["tokens"] == served.model_extra["prompt_token_ids"]
+        and chat["count"] == served.usage.prompt_tokens
+    )
+    back = post(server, "/detokenize", {"model": MODEL, "tokens": bare["tokens"]}).json()
+    assert back == {"prompt": hf_tok.decode(bare["tokens"])}
+    for path, body, param in [
+        ("/detokenize", {"model": MODEL, "tokens": [1, 10**9]}, "tokens"),
+        ("/tokenize", {"model": MODEL, "prompt": 5}, "prompt"),
+        (
+            "/tokenize",
+            {"model": MODEL, "messages": messages, "add_generation_prompt": False},
+            "add_generation_prompt",
+        ),
+        ("/tokenize", {"model": "nope", "prompt": "x"}, "model"),
+        ("/tokenize", {"model": MODEL, "prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ]:
+        r = post(server, path, body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)

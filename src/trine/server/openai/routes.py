@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes: `GET /v1/models[/{model}]`, `POST /v1/chat/completions` and
 `POST /v1/completions`, also under `/api/openai/v1/...` (PyTRIO's path) and `/oai/api/v1/...`
-(Tinker's). Auth is the API key as `Authorization: Bearer`.
+(Tinker's), and vLLM's `POST /tokenize` and `/detokenize` (tokenize.py). Auth is the API key as
+`Authorization: Bearer`.
 
 A request becomes one sampling request of the service (all `n` choices share one prefill). With
 `stream: true` the answer is server-sent events, one chunk per choice per engine step, then
@@ -27,7 +28,7 @@ from ...metering.money import dumps
 from ...service import ApiKey, Service, ServiceError, tool_calls
 from ..context import caller_key, read_body, service_of
 from . import models as targets
-from . import shapes
+from . import shapes, tokenize
 from .errors import OpenAIError, from_service
 from .params import Generation, parse_chat, parse_completion
 from .text import ModelText, TextStream
@@ -124,6 +125,16 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     key = caller_key(request)
     return await _generate(request, key, parse_completion(await _body(request)))
+
+
+async def tokenize_route(request: Request):
+    key = caller_key(request)
+    return await tokenize.tokenize(state_of(request), key, await _body(request))
+
+
+async def detokenize_route(request: Request):
+    key = caller_key(request)
+    return await tokenize.detokenize(state_of(request), key, await _body(request))
 
 
 async def _generate(request: Request, key: ApiKey, g: Generation):
@@ -349,12 +360,15 @@ async def unknown_route(request: Request):
     raise OpenAIError(
         404,
         f"Invalid URL ({request.method} {request.url.path}): this server serves "
-        "/v1/models, /v1/chat/completions and /v1/completions",
+        "/v1/models, /v1/chat/completions, /v1/completions, /tokenize and /detokenize",
         code="unknown_url",
     )
 
 
 router = APIRouter()
+for _prefix in ("",) + PREFIXES:  # vLLM serves them at the root
+    router.add_api_route(f"{_prefix}/tokenize", _guard(tokenize_route), methods=["POST"])
+    router.add_api_route(f"{_prefix}/detokenize", _guard(detokenize_route), methods=["POST"])
 for _prefix in PREFIXES:
     router.add_api_route(f"{_prefix}/models", _guard(list_models), methods=["GET"])
     router.add_api_route(f"{_prefix}/models/{{model:path}}", _guard(get_model), methods=["GET"])
