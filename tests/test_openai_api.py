@@ -259,7 +259,12 @@ BAD = [
         "response_format.json_schema.schema",
         "unsupported_value",
     ),
-    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"extra_body": {"best_of": 2}}, "best_of", "unsupported_parameter"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "invalid_value"),
+    ({"extra_body": {"min_p": -0.1}}, "min_p", "invalid_value"),
+    ({"logit_bias": {"12": 101}}, "logit_bias[12]", "invalid_value"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias", "validation_failed"),  # the engine checks the vocabulary
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "unknown_parameter"),
     ({"temperature": 3}, "temperature", "invalid_value"),
     ({"n": 0}, "n", "invalid_value"),

@@ -199,3 +199,75 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer_and_chat_template(serv
     ]:
         r = post(server, path, body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
+
+
+# ----------------------------------------------------------------------------- sampler options
+def test_penalties_bias_and_min_p_through_the_openai_client(oai, hf_tok):
+    prompt = "Penalties: a list of words that never repeat,"
+    pids = hf_tok.encode(prompt, add_special_tokens=True)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body={"return_token_ids": True})
+    forced = hf_tok.encode(" banana", add_special_tokens=False)[0]
+    r = oai.completions.create(**{**kw, "logit_bias": {str(forced): 100}}, logprobs=1)
+    assert r.choices[0].token_ids == [forced] * 10
+    assert r.choices[0].logprobs.token_logprobs[0] > -1e-3  # of the biased distribution, the one sampled
+    fresh = oai.completions.create(**{**kw, "presence_penalty": 2})
+    assert len(set(fresh.choices[0].token_ids)) == 10  # a generated token is never drawn again
+    rep = oai.completions.create(**{**kw, "extra_body": {"return_token_ids": True, "repetition_penalty": 10}})
+    out = rep.choices[0].token_ids
+    assert len(set(out)) == 10 and not set(out) & set(pids)  # nor any prompt token
+    # min_p 1 keeps only the most likely token: sampling at temperature 1 is then greedy
+    mp = oai.completions.create(
+        **{**kw, "temperature": 1, "seed": 3, "extra_body": {"min_p": 1.0, "return_token_ids": True}}
+    )
+    plain = oai.completions.create(**kw)
+    assert mp.choices[0].token_ids == plain.choices[0].token_ids
+
+
+def test_best_of_answers_the_most_likely_of_its_samples(oai):
+    kw = dict(
+        model=MODEL, prompt="Best of four: the answer is", max_tokens=5, temperature=1, seed=21, logprobs=0
+    )
+    four = oai.completions.create(n=4, **kw)
+    best = oai.completions.create(n=1, best_of=4, **kw)
+    want = max(four.choices, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [want.text] and best.choices[0].index == 0
+    assert best.usage.completion_tokens == 20  # every sample is generated (and metered)
+    two = oai.completions.create(n=2, best_of=4, **kw)
+    ranked = sorted(four.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert [c.text for c in two.choices] == [c.text for c in ranked[:2]]
+
+
+def test_seeded_penalised_samples_are_the_same_alone_and_batched(oai):
+    prompts = [f"Seeded {i}: a penalised continuation of this line" for i in range(4)]
+    kw = dict(
+        model=MODEL,
+        max_tokens=8,
+        temperature=0.9,
+        seed=13,
+        n=2,
+        frequency_penalty=0.7,
+        presence_penalty=0.3,
+        logit_bias={"5": 1.5},
+        extra_body={"repetition_penalty": 1.2, "min_p": 0.01},
+    )
+    batch = oai.completions.create(prompt=prompts, **kw)
+    singles = [oai.completions.create(prompt=p, **kw) for p in prompts]
+    assert [c.text for c in batch.choices] == [c.text for s in singles for c in s.choices]
+    assert oai.completions.create(prompt=prompts[0], **kw).choices[0].text == singles[0].choices[0].text
+
+
+def test_the_pytrio_plane_takes_the_same_options_as_sdk_extensions(server, hf_tok):
+    forced = hf_tok.encode(" apple", add_special_tokens=False)[0]
+    prompt = trio.ModelInput.from_ints(hf_tok.encode("The SDK's sampler, biased:", add_special_tokens=True))
+    with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as svc:
+        sampler = svc.create_sampling_client(base_model=MODEL)
+        params = trio.SamplingParams(max_tokens=4, temperature=0, logit_bias={forced: 100.0})
+        assert params.to_wire()["logit_bias"] == {str(forced): 100.0}
+        out = sampler.sample(prompt, num_samples=1, sampling_params=params).result()
+        assert out.sequences[0].tokens == [forced] * 4
+        fresh = trio.SamplingParams(max_tokens=8, temperature=0, presence_penalty=2.0, repetition_penalty=1.5)
+        toks = sampler.sample(prompt, num_samples=1, sampling_params=fresh).result().sequences[0].tokens
+        assert len(set(toks)) == 8
+    assert "presence_penalty" not in trio.SamplingParams(max_tokens=1).to_wire()  # off: not sent
+    with pytest.raises(ValueError, match="SamplingParams.min_p"):
+        trio.SamplingParams(max_tokens=1, min_p=2)

@@ -20,6 +20,8 @@ from .errors import OpenAIError, bad_param
 from .structured import Structured, assistant_tool_calls, parse_structured
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # token ids in one logit_bias
+MAX_REPETITION_PENALTY = 10.0
 MAX_STOP_STRINGS = 16  # tighter than trine's own limit (limits.MAX_STOP_STRINGS): OpenAI allows a few
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -39,13 +41,17 @@ COMMON = {
     "user",
     "return_token_ids",
     "prompt_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
 }
 STRUCTURED = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # structured.py
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | STRUCTURED
-COMPLETION = COMMON | {"prompt", "echo"}
+COMPLETION = COMMON | {"prompt", "echo", "best_of"}
 TOOLS = "tools and structured output are served on /v1/chat/completions"
 FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
-SAMPLER = "trine's sampler does not implement it"
 TEXT_ONLY = "the served models generate text only"
 NOT_STORED = "responses are not stored"
 LEGACY = "not supported on /v1/completions here"
@@ -57,11 +63,6 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "function_call": ((None, "none"), FUNCTIONS),
     "parallel_tool_calls": ((None, False, True), TOOLS),
     "response_format": ((None, {"type": "text"}), TOOLS),
-    "logit_bias": ((None, {}), SAMPLER),
-    "presence_penalty": ((None, 0), SAMPLER),
-    "frequency_penalty": ((None, 0), SAMPLER),
-    "repetition_penalty": ((None, 1), SAMPLER),
-    "min_p": ((None, 0), SAMPLER),
     "modalities": ((None, ["text"]), TEXT_ONLY),
     "audio": ((None,), TEXT_ONLY),
     "prediction": ((None,), TEXT_ONLY),
@@ -71,7 +72,7 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "metadata": ((None, {}), NOT_STORED),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "suffix": ((None, ""), LEGACY),
-    "best_of": ((None, 1), LEGACY),
+    "best_of": ((None, 1), "served on /v1/completions (OpenAI's chat API has none)"),
 }
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's legacy API
 
@@ -98,6 +99,12 @@ class Generation:
     include_usage: bool = False
     return_token_ids: bool = False  # extension (vLLM's name): prompt_token_ids and each choice's token_ids
     echo: bool = False  # completions: the prompt (text, and tokens with logprobs) before each choice
+    best_of: int | None = None  # completions: sample this many per prompt, answer the n most likely
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension (vLLM's)
+    min_p: float = 0.0  # extension (vLLM's)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None  # extension (vLLM's): the prompt's logprobs, with this many top ones
     structured: Structured = field(default_factory=Structured)  # chat: tools, response_format
     tool_messages: bool = False  # chat: the conversation has tool calls or results (needs a tools template)
@@ -133,6 +140,12 @@ def parse_completion(body: Any) -> Generation:
         g.logprobs = True
     if g.max_tokens == 0 and not g.echo:
         raise bad_param("max_tokens", "0 generates nothing; with echo: true it scores the prompt only")
+    if body.get("best_of") is not None:
+        g.best_of = _int(body, "best_of", 1, MAX_SAMPLES_PER_REQUEST)
+        if g.best_of < g.n:
+            raise bad_param("best_of", f"must be >= n ({g.n}), got {g.best_of}")
+        if g.stream and g.best_of > g.n:
+            raise bad_param("best_of", "greater than n cannot be streamed", "unsupported_value")
     if g.stream and g.echo:
         raise OpenAIError(
             400,
@@ -213,6 +226,7 @@ def _common(body: dict, g: Generation) -> None:
             raise bad_param("stop_token_ids", "must be a list of token ids (non-negative integers)")
         g.stop_token_ids = tuple(ids)
     g.return_token_ids = _bool(body, "return_token_ids")
+    _penalties(body, g)
     if body.get("prompt_logprobs") is not None:
         g.prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     g.stream = _bool(body, "stream")
@@ -234,6 +248,31 @@ def _common(body: dict, g: Generation) -> None:
         raise bad_param("user", "must be a string")
 
 
+def _penalties(body: dict, g: Generation) -> None:
+    """Penalties, min_p and logit_bias with OpenAI's (and vLLM's) ranges."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) is not None:
+            setattr(g, name, _number(body, name, -2, 2))
+    if body.get("repetition_penalty") is not None:
+        g.repetition_penalty = _number(body, "repetition_penalty", 0, MAX_REPETITION_PENALTY)
+        if g.repetition_penalty == 0:
+            raise bad_param("repetition_penalty", "must be > 0 (1: off)")
+    if body.get("min_p") is not None:
+        g.min_p = _number(body, "min_p", 0, 1)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise bad_param(
+                "logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS} token ids to biases"
+            )
+        pairs = []
+        for k in bias:
+            if not (isinstance(k, str) and k.isdigit()):
+                raise bad_param("logit_bias", f"keys must be token ids (as strings), got {k!r}")
+            pairs.append((int(k), _number(bias, k, -100, 100, f"logit_bias[{k}]")))
+        g.logit_bias = tuple(pairs)
+
+
 def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int:
     v = body[name]
     if isinstance(v, float) and v.is_integer():
@@ -246,10 +285,10 @@ def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) ->
     return v
 
 
-def _number(body: dict, name: str, lo: float, hi: float) -> float:
+def _number(body: dict, name: str, lo: float, hi: float, param: str | None = None) -> float:
     v = body[name]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise bad_param(name, f"must be a number from {lo} to {hi}, got {v!r}")
+        raise bad_param(param or name, f"must be a number from {lo} to {hi}, got {v!r}")
     return float(v)
 
 

@@ -52,6 +52,12 @@ PARAMS = (
     "logprobs",
     "echo",
     "prompt_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "best_of",
 )
 ENDED = ("run_ended", "service_session_closed")  # the remembered sampling run is gone: make another
 
@@ -182,6 +188,11 @@ def _request(g: Generation, rid: str, prompt: list[int], context: int, grammar: 
         stop_token_ids=g.stop_token_ids,
         top_logprobs=g.top_logprobs,
         grammar=grammar,
+        presence_penalty=g.presence_penalty,
+        frequency_penalty=g.frequency_penalty,
+        repetition_penalty=g.repetition_penalty,
+        min_p=g.min_p,
+        logit_bias=g.logit_bias,
     )
     scored = (g.echo and g.logprobs) or g.prompt_logprobs is not None
     top = max(g.top_logprobs if g.echo and g.logprobs else 0, g.prompt_logprobs or 0)
@@ -189,7 +200,7 @@ def _request(g: Generation, rid: str, prompt: list[int], context: int, grammar: 
         request_id=rid,
         prompt=prompt,
         options=options,
-        num_samples=g.n,
+        num_samples=g.best_of or g.n,
         prompt_logprobs=scored,
         topk_prompt_logprobs=top,
         generate=max_tokens > 0,

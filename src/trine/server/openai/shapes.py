@@ -147,8 +147,11 @@ def vllm_prompt_logprobs(token_text, a: Answer) -> list[dict | None]:
 
 
 def _sequences(g: Generation, a: Answer) -> list:
-    """A prompt's n sequences: the sampled ones, or (max_tokens 0: nothing generated) n empty ones."""
+    """A prompt's n sequences: the sampled ones (with best_of > n, the n of highest cumulative
+    logprob, most likely first, as vLLM picks them), or (max_tokens 0) n empty ones."""
     if a.out.sequences:
+        if g.best_of and g.best_of > g.n:
+            return sorted(a.out.sequences, key=lambda s: -sum(s.logprobs))[: g.n]
         return a.out.sequences
     return [SampledSequence(tokens=[], logprobs=[], text="", stop_reason="length", top_logprobs=[])] * g.n
 
