@@ -184,6 +184,11 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer_and_chat_template(serv
         chat["tokens"] == served.model_extra["prompt_token_ids"]
         and chat["count"] == served.usage.prompt_tokens
     )
+    info = httpx.get(
+        f"{server.url}/tokenizer_info", headers={"Authorization": f"Bearer {server.api_key}"}, trust_env=False
+    ).json()
+    assert info["eos_token"] == hf_tok.eos_token and info["chat_template"] == hf_tok.chat_template
+    assert info["max_model_len"] == chat["max_model_len"]
     back = post(server, "/detokenize", {"model": MODEL, "tokens": bare["tokens"]}).json()
     assert back == {"prompt": hf_tok.decode(bare["tokens"])}
     for path, body, param in [

@@ -1,7 +1,7 @@
 """The OpenAI-compatible routes: `GET /v1/models[/{model}]`, `POST /v1/chat/completions` and
 `POST /v1/completions`, also under `/api/openai/v1/...` (PyTRIO's path) and `/oai/api/v1/...`
-(Tinker's), and vLLM's `POST /tokenize` and `/detokenize` (tokenize.py). Auth is the API key as
-`Authorization: Bearer`.
+(Tinker's), and vLLM's `POST /tokenize`, `/detokenize` and `GET /tokenizer_info` (tokenize.py).
+Auth is the API key as `Authorization: Bearer`.
 
 A request becomes one sampling request of the service (all `n` choices share one prefill). With
 `stream: true` the answer is server-sent events, one chunk per choice per engine step, then
@@ -141,6 +141,11 @@ async def tokenize_route(request: Request):
 async def detokenize_route(request: Request):
     key = caller_key(request)
     return await tokenize.detokenize(state_of(request), key, await _body(request))
+
+
+async def tokenizer_info_route(request: Request):
+    key = caller_key(request)
+    return tokenize.tokenizer_info(state_of(request), key, request.query_params.get("model"))
 
 
 async def _generate(request: Request, key: ApiKey, g: Generation):
@@ -371,7 +376,7 @@ async def unknown_route(request: Request):
     raise OpenAIError(
         404,
         f"Invalid URL ({request.method} {request.url.path}): this server serves "
-        "/v1/models, /v1/chat/completions, /v1/completions, /tokenize and /detokenize",
+        "/v1/models, /v1/chat/completions, /v1/completions, /tokenize, /detokenize and /tokenizer_info",
         code="unknown_url",
     )
 
@@ -380,6 +385,7 @@ router = APIRouter()
 for _prefix in ("",) + PREFIXES:  # vLLM serves them at the root
     router.add_api_route(f"{_prefix}/tokenize", _guard(tokenize_route), methods=["POST"])
     router.add_api_route(f"{_prefix}/detokenize", _guard(detokenize_route), methods=["POST"])
+    router.add_api_route(f"{_prefix}/tokenizer_info", _guard(tokenizer_info_route), methods=["GET"])
 for _prefix in PREFIXES:
     router.add_api_route(f"{_prefix}/models", _guard(list_models), methods=["GET"])
     router.add_api_route(f"{_prefix}/models/{{model:path}}", _guard(get_model), methods=["GET"])

@@ -5,13 +5,16 @@ tokens with the served model's own tokenizer (and chat template), as the generat
 `messages` (rendered by the chat template with the generation prompt, exactly as
 /v1/chat/completions renders them; `add_special_tokens` default false, as the template writes its
 own) and answers `{count, max_model_len, tokens, token_strs}`; `return_token_strs` gives each token
-decoded alone. `/detokenize` takes `tokens` and answers `{prompt}`. `model` may be omitted when one
-model is served; a sampler checkpoint names its base model's tokenizer.
+decoded alone. `/detokenize` takes `tokens` and answers `{prompt}`. `GET /tokenizer_info`
+(`?model=`) answers the tokenizer's configuration (special tokens, `chat_template`,
+`max_model_len`), what lm-evaluation-harness's remote tokenizer reads. `model` may be omitted when
+one model is served; a sampler checkpoint names its base model's tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from ...service import ApiKey
@@ -109,3 +112,24 @@ async def detokenize(st, key: ApiKey, body: Any) -> dict:
 
 def _context(st, target: targets.ModelTarget) -> int:
     return st.service.queries.model(target.base).max_seq_len
+
+
+def tokenizer_info(st, key: ApiKey, model: str | None) -> dict:
+    """vLLM's `/tokenizer_info`: the model directory's tokenizer_config.json (special tokens as
+    their text), its chat template, and the context the server serves."""
+    target = _target(st, key, {} if model is None else {"model": model})
+    tok = st.text(target.base).tokenizer
+    config = {}
+    path = tok.dir / "tokenizer_config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+    keep = ("bos_token", "eos_token", "pad_token", "unk_token", "tokenizer_class", "chat_template")
+    info = {k: config[k] for k in keep if k in config}
+    for k, v in info.items():  # an AddedToken as transformers writes it: {"content": ...}
+        if isinstance(v, dict) and "content" in v:
+            info[k] = v["content"]
+    template = tok.dir / "chat_template.jinja"
+    if "chat_template" not in info and template.is_file():
+        info["chat_template"] = template.read_text()
+    info["model_max_length"] = info["max_model_len"] = _context(st, target)
+    return info
