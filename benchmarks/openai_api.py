@@ -13,6 +13,15 @@ server; the official `openai` client.
    that turn's time to first token vs the same prompt (token ids) with its first token changed,
    sent right after it, so that nothing of it is cached (medians).
 
+3. Scoring (`--only scoring` runs it alone): `--questions` four-choice questions after one shared
+   few-shot stem, as an evaluation harness's loglikelihood task sends them: batches of
+   `--score-batch` token-id prompts (context + choice) with `echo`, `logprobs: 1`, `max_tokens: 0`,
+   each choice scored by the sum of its tokens' logprobs; vs Hugging Face `transformers` scoring the
+   same token ids in-process (fp32, same threads, batches of the same size, right-padded).
+   `speedup` = transformers seconds / trine seconds (medians over `--repeats`); also the largest
+   score difference, the chosen answers' agreement, and the cached share of the prompts (whole-
+   prompt logprobs need every position's hidden state, so the prefix cache serves none of them).
+
     .venv/bin/python benchmarks/openai_api.py [--repeats 5] [--turns 4] [--json] [--model DIR]
 """
 
@@ -163,6 +172,91 @@ def bench_chat(client: openai.OpenAI, name: str, model_dir: Path, args) -> dict:
     return out
 
 
+STEM = (
+    "The following are multiple choice questions about general knowledge. Answer each with the "
+    "single best choice.\n\nQuestion: What is the boiling point of water at sea level?\n"
+    "Answer: 100 degrees Celsius\n\nQuestion: Which gas do plants take in?\nAnswer: carbon dioxide\n\n"
+)
+SUBJECTS = ["river", "mountain", "city", "forest", "desert", "island", "lake", "valley"]
+CHOICES = [" the first one", " the second one", " the third one", " the fourth one"]
+
+
+def scoring_items(tok, questions: int) -> list[tuple[list[int], list[int]]]:
+    """(context ids, choice ids) for every choice of every question; the stem is shared."""
+    items = []
+    for q in range(questions):
+        text = f"{STEM}Question: Which {SUBJECTS[q % 8]} is number {q} on the list?\nAnswer:"
+        ctx = tok.encode(text, add_special_tokens=True)
+        items += [(ctx, tok.encode(c, add_special_tokens=False)) for c in CHOICES]
+    return items
+
+
+def bench_scoring(client: openai.OpenAI, name: str, model_dir: Path, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    items = scoring_items(tok, args.questions)
+    batches = [items[i : i + args.score_batch] for i in range(0, len(items), args.score_batch)]
+
+    def trine() -> tuple[list[float], int, int]:
+        scores, prompt, cached = [], 0, 0
+        for batch in batches:
+            r = client.completions.create(
+                model=name, prompt=[c + x for c, x in batch], echo=True, logprobs=1, max_tokens=0
+            )
+            scores += [sum(ch.logprobs.token_logprobs[-len(x) :]) for ch, (_, x) in zip(r.choices, batch)]
+            prompt += r.usage.prompt_tokens
+            cached += r.usage.prompt_tokens_details.cached_tokens
+        return scores, prompt, cached
+
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def hf() -> list[float]:
+        scores = []
+        for batch in batches:
+            seqs = [c + x for c, x in batch]
+            width = max(map(len, seqs))
+            ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+            logp = model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+            for b, (c, x) in enumerate(batch):
+                pos = torch.arange(len(c) - 1, len(c) + len(x) - 1)
+                scores.append(float(logp[b, pos, torch.tensor(x)].sum()))
+        return scores
+
+    trine()  # warm-up, both
+    hf()
+    t_trine, t_hf = [], []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        ours, prompt, cached = trine()
+        t_trine.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        theirs = hf()
+        t_hf.append(time.perf_counter() - t)
+    pick = lambda s: [max(range(4), key=lambda k: s[q * 4 + k]) for q in range(args.questions)]  # noqa: E731
+    out = {
+        "questions": args.questions,
+        "prompts": len(items),
+        "trine_s": statistics.median(t_trine),
+        "transformers_s": statistics.median(t_hf),
+        "max_score_diff": max(abs(a - b) for a, b in zip(ours, theirs)),
+        "answers_agree": sum(a == b for a, b in zip(pick(ours), pick(theirs))) / args.questions,
+        "cached_share": cached / prompt,
+    }
+    out["speedup"] = out["transformers_s"] / out["trine_s"]
+    log(
+        f"scoring {len(items)} prompts ({args.questions} questions x 4): trine {out['trine_s']:.2f} s, "
+        f"transformers {out['transformers_s']:.2f} s (x{out['speedup']:.2f}); max score diff "
+        f"{out['max_score_diff']:.1e}, answers agree {out['answers_agree']:.0%}, "
+        f"cached {out['cached_share']:.0%}"
+    )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model dir (default: SmolLM2-135M-Instruct)")
@@ -173,6 +267,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--answer", type=int, default=48, help="tokens per chat answer")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--questions", type=int, default=64, help="four-choice questions to score")
+    ap.add_argument("--score-batch", type=int, default=32, help="prompts per scoring request")
+    ap.add_argument("--only", choices=["overhead", "chat", "scoring"], action="append")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.model is None:
@@ -189,11 +286,14 @@ def main() -> None:
                 max_retries=0,
                 http_client=httpx.Client(trust_env=False, timeout=600),
             )
-            result = {
-                "model": name,
-                "overhead": bench_overhead(client, Wire(srv.url, srv.api_key), name, args),
-                "chat": bench_chat(client, name, args.model, args),
-            }
+            parts = args.only or ["overhead", "chat", "scoring"]
+            result = {"model": name}
+            if "overhead" in parts:
+                result["overhead"] = bench_overhead(client, Wire(srv.url, srv.api_key), name, args)
+            if "chat" in parts:
+                result["chat"] = bench_chat(client, name, args.model, args)
+            if "scoring" in parts:
+                result["scoring"] = bench_scoring(client, name, args.model, args)
         finally:
             srv.stop()
     print(json.dumps(result, indent=2) if args.json else result)

@@ -259,7 +259,12 @@ BAD = [
         "response_format.json_schema.schema",
         "unsupported_value",
     ),
-    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"extra_body": {"best_of": 2}}, "best_of", "unsupported_parameter"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "invalid_value"),
+    ({"extra_body": {"min_p": -0.1}}, "min_p", "invalid_value"),
+    ({"logit_bias": {"12": 101}}, "logit_bias[12]", "invalid_value"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias", "validation_failed"),  # the engine checks the vocabulary
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "unknown_parameter"),
     ({"temperature": 3}, "temperature", "invalid_value"),
     ({"n": 0}, "n", "invalid_value"),
@@ -293,7 +298,7 @@ def test_http_level_errors_keep_the_shape_and_the_server_serves_on(server, oai):
     with httpx.Client(trust_env=False, timeout=30) as h:
         cases = [
             (h.post(f"{url}/v1/chat/completions", content=b"{not json", headers=auth), 400),
-            (h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}, headers=auth), 400),
+            (h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ["a", 7]}, headers=auth), 400),
             (h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]}, headers=auth), 400),
             (h.post(f"{url}/v1/chat/completions", json={"model": MODEL}), 401),
             (h.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}), 401),

@@ -19,7 +19,7 @@ Invariants
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from ..limits import (
     END_RUN,
@@ -93,6 +93,20 @@ class SamplingOptions:
     stop_at_eos: bool = True
     top_logprobs: int = 0  # also return the k most likely tokens at each sampled position
     grammar: str = ""  # constrained decoding: an llguidance grammar (engine/grammar.py); "" = none
+    # penalties and biases (vLLM's semantics; engine/sampler/sampling.py), each off by default
+    _: KW_ONLY
+    presence_penalty: float = 0.0  # subtracted from the logit of each token the sample has generated
+    frequency_penalty: float = 0.0  # subtracted once per time the sample has generated the token
+    repetition_penalty: float = 1.0  # tokens of the prompt or the sample: logit / p if > 0, else * p
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (after temperature)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or biases change the logits (and so the logprobs) of its samples."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:

@@ -61,10 +61,21 @@ class SamplingParamsBody(Body):
     stop_token_ids: list[Int64] | None = None
 
 
+class TrioSamplingParamsBody(SamplingParamsBody):
+    """PyTRIO's sampling params with trine's extensions (vLLM's semantics, off by default; Tinker's
+    plane keeps Tinker's fields). logit_bias: token id (a string, as JSON keys are) -> bias."""
+
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: FiniteFloat = Field(default=1.0, gt=0)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    logit_bias: dict[int, FiniteFloat] | None = None
+
+
 class SampleBody(Body):
     request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     prompt: ModelInputBody
-    sampling_params: SamplingParamsBody
+    sampling_params: TrioSamplingParamsBody
     num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
     return_text: bool = True
     return_token_logprobs: bool = True
@@ -94,7 +105,8 @@ def parse_sample(body: dict, *, stop_at_eos: bool = True) -> tuple[SampleRequest
 def sampling_options(
     p: SamplingParamsBody, *, stop_at_eos: bool = True, top_logprobs: int = 0
 ) -> SamplingOptions:
-    """The engine's sampling options of a `sampling_params` body."""
+    """The engine's sampling options of a `sampling_params` body (Tinker's, or PyTRIO's with trine's
+    extensions)."""
     if p.top_k != -1 and p.top_k < 1:
         raise InvalidRequest(f"sampling_params.top_k {p.top_k}: use -1 (off) or a positive integer")
     stop = tuple([p.stop] if isinstance(p.stop, str) else p.stop or ())
@@ -108,6 +120,11 @@ def sampling_options(
         stop_token_ids=tuple(p.stop_token_ids or ()),
         stop_at_eos=stop_at_eos,
         top_logprobs=top_logprobs,
+        presence_penalty=float(getattr(p, "presence_penalty", 0.0)),
+        frequency_penalty=float(getattr(p, "frequency_penalty", 0.0)),
+        repetition_penalty=float(getattr(p, "repetition_penalty", 1.0)),
+        min_p=float(getattr(p, "min_p", 0.0)),
+        logit_bias=tuple(sorted((getattr(p, "logit_bias", None) or {}).items())),
     )
 
 

@@ -13,6 +13,8 @@ from pydantic import field_validator, model_validator
 from ..limits import ADAM_BOUNDS, check_adam_value
 from .base import BaseModel
 
+EXTENSIONS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0}
+
 
 class SamplingParams(BaseModel):
     max_tokens: int | None = None  # required by sample(); None here so the type can be built in steps
@@ -21,6 +23,12 @@ class SamplingParams(BaseModel):
     temperature: float = 1
     top_k: int = -1  # -1: off
     top_p: float = 1
+    # trine extensions (vLLM's semantics), off by default and sent only when set
+    presence_penalty: float = 0  # minus this on the logit of each token the sample has generated
+    frequency_penalty: float = 0  # minus this once per time the sample has generated the token
+    repetition_penalty: float = 1  # tokens of the prompt or the sample: logit / p if > 0, else * p
+    min_p: float = 0  # drop tokens less likely than min_p x the most likely one
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -34,6 +42,18 @@ class SamplingParams(BaseModel):
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or > 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"SamplingParams.repetition_penalty must be a finite number > 0 (1: off), got "
+                f"{self.repetition_penalty}"
+            )
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if any(t < 0 or not math.isfinite(v) for t, v in (self.logit_bias or {}).items()):
+            raise ValueError("SamplingParams.logit_bias maps token ids (>= 0) to finite biases")
         return self
 
     def to_wire(self) -> dict:
@@ -46,6 +66,11 @@ class SamplingParams(BaseModel):
         }
         if self.seed is not None:
             out["seed"] = self.seed
+        for name, off in EXTENSIONS.items():
+            if getattr(self, name) != off:
+                out[name] = getattr(self, name)
+        if self.logit_bias:
+            out["logit_bias"] = {str(t): v for t, v in self.logit_bias.items()}
         stop = self.stop
         if isinstance(stop, str):
             out["stop"] = [stop]

@@ -322,7 +322,9 @@ class Sampler:
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampleResult]:
         """Sample one token per sequence from `logits` [B, V], apply stops, retire finished ones."""
         logits = self.grammars.mask(seqs, logits)
-        tokens, logprobs, tops = sample(logits, [s.request.req.options for s in seqs], [s.gen for s in seqs])
+        options = [s.request.req.options for s in seqs]
+        histories = [(s.request.req.prompt, s.out) for s in seqs]  # what penalties count
+        tokens, logprobs, tops = sample(logits, options, [s.gen for s in seqs], histories)
         finished = []
         for s, tok, lp, top in zip(seqs, tokens, logprobs, tops):
             r = s.request

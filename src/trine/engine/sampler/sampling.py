@@ -6,17 +6,22 @@ Invariants
   batch or on whether its prefix came from the cache. Without a seed the generators are seeded at
   random.
 - A temperature below `GREEDY_BELOW_TEMPERATURE` is greedy (argmax), and draws no uniform.
-- Token logprobs are log-softmax of the raw logits (temperature 1, before top-k / top-p): the
-  model's own log-probability of the token, which importance-sampling losses compare against.
+- Token logprobs are log-softmax of the raw logits (temperature 1, before top-k / top-p / min-p):
+  the model's own log-probability of the token, which importance-sampling losses compare against.
   Top logprobs and prompt logprobs (prompt_scores.py) are of the same distribution. Under a
   grammar (grammar.py) the logits arrive masked, so logprobs are of the distribution renormalised
   over the tokens the grammar allows: the one the token was drawn from.
+- Penalties and biases (`adjusted`, vLLM's semantics) change a row's logits before anything else
+  reads them, so its logprobs are of the penalised distribution, the one sampled (at temperature 1).
+  They are computed per row from that sequence's own prompt and output only, and a row without
+  them is left bit-for-bit as it was: a seeded sample is the same alone and batched.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 
 import torch
 
@@ -26,6 +31,8 @@ from ..model.invariant import log_probs
 _MASK64 = 2**64 - 1
 
 TopLogprobs = list[tuple[int, float]]  # (token, logprob), most likely first
+History = tuple[Sequence[int], Sequence[int]]  # a sequence's (prompt, generated tokens so far)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
 
 
 def _splitmix64(x: int) -> int:
@@ -47,11 +54,15 @@ def generators(seed: int | None, n: int) -> list[torch.Generator]:
 
 
 def sample(
-    logits: torch.Tensor, options: list[SamplingOptions], gens: list[torch.Generator]
+    logits: torch.Tensor,
+    options: list[SamplingOptions],
+    gens: list[torch.Generator],
+    histories: list[History] | None = None,
 ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """One token per row of `logits` [B, V] under its row's options: (tokens, their logprobs, each
-    row's top-logprobs list, or None where its options ask for none)."""
-    logits = logits.float()
+    row's top-logprobs list, or None where its options ask for none). `histories` (one per row) are
+    what penalties count; None: no history (a first token, or rows without penalties)."""
+    logits = adjusted(logits.float(), options, histories)
     logp = log_probs(logits)
     greedy = [o.greedy for o in options]
     if all(greedy):
@@ -76,14 +87,49 @@ def sample(
     return tok.tolist(), lp.tolist(), tops
 
 
+def adjusted(
+    logits: torch.Tensor, options: list[SamplingOptions], histories: list[History] | None = None
+) -> torch.Tensor:
+    """`logits` [B, V] (float) with each row's logit bias, then its penalties, as vLLM applies them:
+    repetition (tokens of the prompt or the output: logit / p where positive, logit * p otherwise),
+    then frequency (minus penalty x times generated) and presence (minus penalty if generated).
+    Rows whose options adjust nothing are returned untouched (the same tensor when none do)."""
+    rows = [b for b, o in enumerate(options) if o.adjusts_logits]
+    if not rows:
+        return logits
+    x, dev, vocab = logits.clone(), logits.device, logits.shape[-1]
+    for b in rows:
+        o, row = options[b], x[b]
+        prompt, out = histories[b] if histories is not None else ((), ())
+        if o.logit_bias:
+            ids = torch.tensor([t for t, _ in o.logit_bias], device=dev)
+            row.index_add_(0, ids, torch.tensor([v for _, v in o.logit_bias], device=dev, dtype=row.dtype))
+        counts = torch.bincount(torch.tensor(list(out), dtype=torch.long, device=dev), minlength=vocab)
+        if o.repetition_penalty != 1:
+            seen = counts > 0
+            if len(prompt):
+                seen[torch.tensor(list(prompt), dtype=torch.long, device=dev)] = True
+            p = o.repetition_penalty
+            row.copy_(torch.where(seen, torch.where(row > 0, row / p, row * p), row))
+        if o.frequency_penalty:
+            row.sub_(o.frequency_penalty * counts.to(row.dtype))
+        if o.presence_penalty:
+            row.sub_(o.presence_penalty * (counts > 0).to(row.dtype))
+    return x
+
+
 def _filtered(logits: torch.Tensor, options: list[SamplingOptions], greedy: list[bool]) -> torch.Tensor:
-    """Logits divided by each row's temperature, -inf outside its top-k and top-p."""
+    """Logits divided by each row's temperature, -inf below its min-p and outside its top-k and
+    top-p."""
     temps = [1.0 if g else o.temperature for o, g in zip(options, greedy)]
     x = (
         logits
         if all(t == 1.0 for t in temps)
         else logits / torch.tensor(temps, device=logits.device)[:, None]
     )
+    if any(o.min_p > 0 for o in options):  # p / p_max >= min_p, in logits: x - x_max >= log(min_p)
+        log_min_p = torch.tensor([o.min_p for o in options], device=x.device).log()[:, None]
+        x = x.masked_fill(x < x.max(-1, keepdim=True).values + log_min_p, -math.inf)
     ks = [o.top_k if o.top_k > 0 else 0 for o in options]
     if any(ks):
         kmax = min(max(ks), x.shape[-1])
@@ -121,3 +167,18 @@ def check_sampling_options(options: SamplingOptions, vocab_size: int) -> None:
         raise ValueError(f"top_k: must be -1 (off) or >= 1, got {options.top_k}")
     if not 0 <= options.top_logprobs <= vocab_size:
         raise ValueError(f"top_logprobs: must be in [0, {vocab_size}], got {options.top_logprobs}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(options, name)
+        if not (math.isfinite(v) and -MAX_PENALTY <= v <= MAX_PENALTY):
+            raise ValueError(f"{name}: must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {v}")
+    if not (math.isfinite(options.repetition_penalty) and options.repetition_penalty > 0):
+        raise ValueError(
+            f"repetition_penalty: must be a finite number > 0 (1: off), got {options.repetition_penalty}"
+        )
+    if not 0 <= options.min_p <= 1:
+        raise ValueError(f"min_p: must be in [0, 1] (0: off), got {options.min_p}")
+    ids = [t for t, _ in options.logit_bias]
+    if len(set(ids)) != len(ids) or any(not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"logit_bias: token ids must be distinct and in [0, {vocab_size})")
+    if any(not math.isfinite(v) for _, v in options.logit_bias):
+        raise ValueError("logit_bias: biases must be finite numbers")

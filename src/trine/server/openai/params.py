@@ -1,10 +1,13 @@
 """OpenAI request bodies -> a validated `Generation`: what to sample and how to answer.
 
 Parameters trine honours are checked here with OpenAI's ranges (plus the extensions `top_k`,
-`stop_token_ids` and `return_token_ids`, named as vLLM names them); parameters it cannot honour
-(penalties, ...) and unknown keys get a 400 naming every one of them, so no request is silently
-served differently from what it asked for. Values that ask for the default (`presence_penalty: 0`,
-`logit_bias: {}`, ...) are accepted. Chat's tools and structured output: structured.py.
+`stop_token_ids`, `return_token_ids` and `prompt_logprobs`, named as vLLM names them); parameters it
+cannot honour and unknown keys get a 400 naming every one of them, so no request is silently served
+differently from what it asked for. Values that ask for the default (`modalities: ["text"]`,
+`store: false`, ...) are accepted. Chat's tools and structured output: structured.py.
+
+Completions take a batch of prompts (`prompts`, one or more); `echo` and `max_tokens: 0` score a
+prompt without generating (what evaluation harnesses' loglikelihood tasks send).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from .errors import OpenAIError, bad_param
 from .structured import Structured, assistant_tool_calls, parse_structured
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # token ids in one logit_bias
+MAX_REPETITION_PENALTY = 10.0
 MAX_STOP_STRINGS = 16  # tighter than trine's own limit (limits.MAX_STOP_STRINGS): OpenAI allows a few
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -35,13 +40,18 @@ COMMON = {
     "stream_options",
     "user",
     "return_token_ids",
+    "prompt_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
 }
 STRUCTURED = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # structured.py
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | STRUCTURED
-COMPLETION = COMMON | {"prompt"}
+COMPLETION = COMMON | {"prompt", "echo", "best_of"}
 TOOLS = "tools and structured output are served on /v1/chat/completions"
 FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
-SAMPLER = "trine's sampler does not implement it"
 TEXT_ONLY = "the served models generate text only"
 NOT_STORED = "responses are not stored"
 LEGACY = "not supported on /v1/completions here"
@@ -53,11 +63,6 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "function_call": ((None, "none"), FUNCTIONS),
     "parallel_tool_calls": ((None, False, True), TOOLS),
     "response_format": ((None, {"type": "text"}), TOOLS),
-    "logit_bias": ((None, {}), SAMPLER),
-    "presence_penalty": ((None, 0), SAMPLER),
-    "frequency_penalty": ((None, 0), SAMPLER),
-    "repetition_penalty": ((None, 1), SAMPLER),
-    "min_p": ((None, 0), SAMPLER),
     "modalities": ((None, ["text"]), TEXT_ONLY),
     "audio": ((None,), TEXT_ONLY),
     "prediction": ((None,), TEXT_ONLY),
@@ -66,9 +71,8 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "store": ((None, False), NOT_STORED),
     "metadata": ((None, {}), NOT_STORED),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
-    "echo": ((None, False), LEGACY),
     "suffix": ((None, ""), LEGACY),
-    "best_of": ((None, 1), LEGACY),
+    "best_of": ((None, 1), "served on /v1/completions (OpenAI's chat API has none)"),
 }
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's legacy API
 
@@ -80,7 +84,7 @@ class Generation:
     chat: bool
     model: str
     messages: list[dict] | None  # chat: [{"role", "content": str}], roles as the template knows them
-    prompt: str | list[int] | None  # completions: text or token ids
+    prompts: list[str | list[int]] | None  # completions: one or more prompts, each text or token ids
     n: int = 1
     max_tokens: int | None = None  # None (chat): up to the model's context
     temperature: float = 1.0
@@ -94,6 +98,14 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False  # extension (vLLM's name): prompt_token_ids and each choice's token_ids
+    echo: bool = False  # completions: the prompt (text, and tokens with logprobs) before each choice
+    best_of: int | None = None  # completions: sample this many per prompt, answer the n most likely
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension (vLLM's)
+    min_p: float = 0.0  # extension (vLLM's)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None  # extension (vLLM's): the prompt's logprobs, with this many top ones
     structured: Structured = field(default_factory=Structured)  # chat: tools, response_format
     tool_messages: bool = False  # chat: the conversation has tool calls or results (needs a tools template)
 
@@ -119,12 +131,35 @@ def parse_completion(body: Any) -> Generation:
     body = _object(body)
     _refuse_unsupported(body, COMPLETION)
     g = Generation(
-        False, _model(body), None, _prompt(body.get("prompt")), max_tokens=DEFAULT_COMPLETION_TOKENS
+        False, _model(body), None, _prompts(body.get("prompt")), max_tokens=DEFAULT_COMPLETION_TOKENS
     )
+    g.echo = _bool(body, "echo")
     _common(body, g)
     if body.get("logprobs") is not None:  # completions: an int, the number of top logprobs
         g.top_logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
         g.logprobs = True
+    if g.max_tokens == 0 and not g.echo:
+        raise bad_param("max_tokens", "0 generates nothing; with echo: true it scores the prompt only")
+    if body.get("best_of") is not None:
+        g.best_of = _int(body, "best_of", 1, MAX_SAMPLES_PER_REQUEST)
+        if g.best_of < g.n:
+            raise bad_param("best_of", f"must be >= n ({g.n}), got {g.best_of}")
+        if g.stream and g.best_of > g.n:
+            raise bad_param("best_of", "greater than n cannot be streamed", "unsupported_value")
+    if g.stream and g.echo:
+        raise OpenAIError(
+            400,
+            "echo: is not supported with stream: true; send the request without stream",
+            param="echo",
+            code="unsupported_parameter",
+        )
+    if g.stream and len(g.prompts) > 1:
+        raise bad_param(
+            "prompt",
+            f"a batch of {len(g.prompts)} prompts cannot be streamed; send it without stream, or one "
+            "prompt per streaming request",
+            "unsupported_value",
+        )
     return g
 
 
@@ -170,7 +205,7 @@ def _common(body: dict, g: Generation) -> None:
     if body.get("n") is not None:
         g.n = _int(body, "n", 1, MAX_SAMPLES_PER_REQUEST)
     if body.get("max_tokens") is not None:
-        g.max_tokens = _int(body, "max_tokens", 1, INT64_MAX)
+        g.max_tokens = _int(body, "max_tokens", 0 if g.echo else 1, INT64_MAX)
     if body.get("temperature") is not None:
         g.temperature = _number(body, "temperature", 0, 2)
     if body.get("top_p") is not None:
@@ -191,7 +226,17 @@ def _common(body: dict, g: Generation) -> None:
             raise bad_param("stop_token_ids", "must be a list of token ids (non-negative integers)")
         g.stop_token_ids = tuple(ids)
     g.return_token_ids = _bool(body, "return_token_ids")
+    _penalties(body, g)
+    if body.get("prompt_logprobs") is not None:
+        g.prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     g.stream = _bool(body, "stream")
+    if g.stream and g.prompt_logprobs is not None:
+        raise OpenAIError(
+            400,
+            "prompt_logprobs: is not supported with stream: true; send the request without stream",
+            param="prompt_logprobs",
+            code="unsupported_parameter",
+        )
     opts = body.get("stream_options")
     if opts is not None:
         if not g.stream:
@@ -201,6 +246,31 @@ def _common(body: dict, g: Generation) -> None:
         g.include_usage = _bool(opts, "include_usage", "stream_options.include_usage")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad_param("user", "must be a string")
+
+
+def _penalties(body: dict, g: Generation) -> None:
+    """Penalties, min_p and logit_bias with OpenAI's (and vLLM's) ranges."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) is not None:
+            setattr(g, name, _number(body, name, -2, 2))
+    if body.get("repetition_penalty") is not None:
+        g.repetition_penalty = _number(body, "repetition_penalty", 0, MAX_REPETITION_PENALTY)
+        if g.repetition_penalty == 0:
+            raise bad_param("repetition_penalty", "must be > 0 (1: off)")
+    if body.get("min_p") is not None:
+        g.min_p = _number(body, "min_p", 0, 1)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise bad_param(
+                "logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS} token ids to biases"
+            )
+        pairs = []
+        for k in bias:
+            if not (isinstance(k, str) and k.isdigit()):
+                raise bad_param("logit_bias", f"keys must be token ids (as strings), got {k!r}")
+            pairs.append((int(k), _number(bias, k, -100, 100, f"logit_bias[{k}]")))
+        g.logit_bias = tuple(pairs)
 
 
 def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int:
@@ -215,10 +285,10 @@ def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) ->
     return v
 
 
-def _number(body: dict, name: str, lo: float, hi: float) -> float:
+def _number(body: dict, name: str, lo: float, hi: float, param: str | None = None) -> float:
     v = body[name]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise bad_param(name, f"must be a number from {lo} to {hi}, got {v!r}")
+        raise bad_param(param or name, f"must be a number from {lo} to {hi}, got {v!r}")
     return float(v)
 
 
@@ -302,12 +372,21 @@ def _messages(messages: Any) -> list[dict]:
     return out
 
 
-def _prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A prompt (text or token ids) or a batch of them: the list of prompts."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_SAMPLES_PER_REQUEST:
+            raise bad_param(
+                "prompt", f"a batch of at most {MAX_SAMPLES_PER_REQUEST} prompts, got {len(prompt)}"
+            )
+        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt(prompt, "prompt")]
+
+
+def _prompt(prompt: Any, param: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_param("prompt", "is empty")
+            raise bad_param(param, "is empty")
         return prompt
     if (
         isinstance(prompt, list)
@@ -315,15 +394,8 @@ def _prompt(prompt: Any) -> str | list[int]:
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
         return list(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_param(
-            "prompt",
-            f"a batch of {len(prompt)} prompts; send one prompt per request "
-            "(use n for several completions of one prompt)",
-            "unsupported_value",
-        )
     raise bad_param(
-        "prompt",
-        "must be a string or a non-empty list of token ids",
+        param,
+        "must be a string, a non-empty list of token ids, or a list of such prompts",
         "missing_required_parameter" if prompt is None else "invalid_value",
     )

@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes: `GET /v1/models[/{model}]`, `POST /v1/chat/completions` and
 `POST /v1/completions`, also under `/api/openai/v1/...` (PyTRIO's path) and `/oai/api/v1/...`
-(Tinker's). Auth is the API key as `Authorization: Bearer`.
+(Tinker's), and vLLM's `POST /tokenize`, `/detokenize` and `GET /tokenizer_info` (tokenize.py).
+Auth is the API key as `Authorization: Bearer`.
 
 A request becomes one sampling request of the service (all `n` choices share one prefill). With
 `stream: true` the answer is server-sent events, one chunk per choice per engine step, then
@@ -27,7 +28,7 @@ from ...metering.money import dumps
 from ...service import ApiKey, Service, ServiceError, tool_calls
 from ..context import caller_key, read_body, service_of
 from . import models as targets
-from . import shapes
+from . import shapes, tokenize
 from .errors import OpenAIError, from_service
 from .params import Generation, parse_chat, parse_completion
 from .text import ModelText, TextStream
@@ -49,6 +50,14 @@ PARAMS = (
     "stop_token_ids",
     "top_logprobs",
     "logprobs",
+    "echo",
+    "prompt_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "best_of",
 )
 ENDED = ("run_ended", "service_session_closed")  # the remembered sampling run is gone: make another
 
@@ -124,14 +133,56 @@ async def completions(request: Request):
     return await _generate(request, key, parse_completion(await _body(request)))
 
 
+async def tokenize_route(request: Request):
+    key = caller_key(request)
+    return await tokenize.tokenize(state_of(request), key, await _body(request))
+
+
+async def detokenize_route(request: Request):
+    key = caller_key(request)
+    return await tokenize.detokenize(state_of(request), key, await _body(request))
+
+
+async def tokenizer_info_route(request: Request):
+    key = caller_key(request)
+    return tokenize.tokenizer_info(state_of(request), key, request.query_params.get("model"))
+
+
 async def _generate(request: Request, key: ApiKey, g: Generation):
     st = state_of(request)
     target = targets.resolve(st.service, key, g.model)
     text = st.text(target.base)
     context = st.service.queries.model(target.base).max_seq_len
-    prompt = await text.prompt_ids(g.messages, g.prompt, context, g.structured.tools, g.tool_messages)
-    max_tokens = _max_tokens(g, len(prompt), context)
+    prompts = [
+        await text.prompt_ids(g.messages, p, context, g.structured.tools, g.tool_messages)
+        for p in (g.prompts or [None])
+    ]
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
+    grammar = g.structured.grammar_on(text.tokenizer)
+    specs = [
+        _request(g, rid if len(prompts) == 1 else f"{rid}-{i}", prompt, context, grammar)
+        for i, prompt in enumerate(prompts)
+    ]
+    created = int(time.time())
+    if not g.stream:
+        outs = await _unless_disconnected(request, _all(st, key, target, specs))
+        answers = [
+            shapes.Answer(p, _prompt_text(g, i, p, text), out)
+            for i, (p, out) in enumerate(zip(prompts, outs))
+        ]
+        return MoneyJSONResponse(shapes.response(g, rid, created, answers, text.token_text))
+    first, items = await _unless_disconnected(request, _start(st, key, target, specs[0], True))
+    return StreamingResponse(
+        _events(g, rid, created, first, items, text),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def _request(g: Generation, rid: str, prompt: list[int], context: int, grammar: str) -> SampleRequest:
+    """One prompt's sampling request. With echo and logprobs, or prompt_logprobs, the engine scores
+    the prompt in the prefill that serves it; max_tokens 0 (echo) scores it without generating."""
+    max_tokens = _max_tokens(g, len(prompt), context)
     options = SamplingOptions(
         max_tokens=max_tokens,
         temperature=g.temperature,
@@ -141,18 +192,43 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
         stop_strings=g.stop,
         stop_token_ids=g.stop_token_ids,
         top_logprobs=g.top_logprobs,
-        grammar=g.structured.grammar_on(text.tokenizer),
+        grammar=grammar,
+        presence_penalty=g.presence_penalty,
+        frequency_penalty=g.frequency_penalty,
+        repetition_penalty=g.repetition_penalty,
+        min_p=g.min_p,
+        logit_bias=g.logit_bias,
     )
-    spec = SampleRequest(request_id=rid, prompt=prompt, options=options, num_samples=g.n)
-    first, items = await _unless_disconnected(request, _start(st, key, target, spec, g.stream))
-    created = int(time.time())
-    if not g.stream:
-        return MoneyJSONResponse(shapes.response(g, rid, created, prompt, first, text.token_text))
-    return StreamingResponse(
-        _events(g, rid, created, first, items, text),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    scored = (g.echo and g.logprobs) or g.prompt_logprobs is not None
+    top = max(g.top_logprobs if g.echo and g.logprobs else 0, g.prompt_logprobs or 0)
+    return SampleRequest(
+        request_id=rid,
+        prompt=prompt,
+        options=options,
+        num_samples=g.best_of or g.n,
+        prompt_logprobs=scored,
+        topk_prompt_logprobs=top,
+        generate=max_tokens > 0,
     )
+
+
+def _prompt_text(g: Generation, i: int, prompt: list[int], text: ModelText) -> str:
+    """What echo repeats: the prompt's text as the client sent it, or its token ids decoded."""
+    if not g.echo:
+        return ""
+    p = g.prompts[i]
+    return p if isinstance(p, str) else text.tokenizer.decode(prompt)
+
+
+async def _all(st: OpenAIState, key: ApiKey, target: targets.ModelTarget, specs: list[SampleRequest]):
+    """The outcomes of a batch's requests, run concurrently (each metered and cached as its own);
+    the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(_start(st, key, target, spec, False)) for spec in specs]
+    try:
+        return [out for out, _ in await asyncio.gather(*tasks)]
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _unless_disconnected(request: Request, work):
@@ -178,7 +254,8 @@ async def _disconnect(request: Request) -> None:
 
 
 def _max_tokens(g: Generation, prompt: int, context: int) -> int:
-    """The tokens to generate: as asked, or (unset) up to the end of the model's context."""
+    """The tokens to generate: as asked (0: none, echo only), or (unset) up to the end of the model's
+    context."""
     if prompt >= context or (g.max_tokens is not None and prompt + g.max_tokens > context):
         param = (
             "max_tokens"
@@ -299,12 +376,16 @@ async def unknown_route(request: Request):
     raise OpenAIError(
         404,
         f"Invalid URL ({request.method} {request.url.path}): this server serves "
-        "/v1/models, /v1/chat/completions and /v1/completions",
+        "/v1/models, /v1/chat/completions, /v1/completions, /tokenize, /detokenize and /tokenizer_info",
         code="unknown_url",
     )
 
 
 router = APIRouter()
+for _prefix in ("",) + PREFIXES:  # vLLM serves them at the root
+    router.add_api_route(f"{_prefix}/tokenize", _guard(tokenize_route), methods=["POST"])
+    router.add_api_route(f"{_prefix}/detokenize", _guard(detokenize_route), methods=["POST"])
+    router.add_api_route(f"{_prefix}/tokenizer_info", _guard(tokenizer_info_route), methods=["GET"])
 for _prefix in PREFIXES:
     router.add_api_route(f"{_prefix}/models", _guard(list_models), methods=["GET"])
     router.add_api_route(f"{_prefix}/models/{{model:path}}", _guard(get_model), methods=["GET"])
