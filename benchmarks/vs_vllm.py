@@ -17,7 +17,9 @@ alternating between repeats, so that a noisy neighbour slows both alike; each is
 Threads: trine `torch.set_num_threads(N)`; vLLM `VLLM_CPU_OMP_THREADS_BIND=0-(N-1)` with
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (by default it keeps a core for itself). vLLM also gets the
 allocator and OpenMP runtime its CPU guide asks for in LD_PRELOAD (tcmalloc if the system has it,
-the venv's libiomp5); `--no-preload` runs it without.
+the venv's libiomp5); `--no-preload` runs it without. On a machine shared with other busy
+processes, `--trine-omp-passive` gives trine OMP_WAIT_POLICY=PASSIVE: libgomp's spinning threads
+otherwise lose their time slices and stall every parallel region (benchmarks/vs_vllm.md).
 
 Keys: `vs_vllm_<workload>` = trine speed / vLLM speed = median vLLM seconds / median trine
 seconds; `<workload>_tokens`: each side's prompt, cached (trine's cached tokens; vLLM's
@@ -27,8 +29,9 @@ computed + 2 x LM-head weights x tokens sampled) per second, and `_fraction_of_p
 best fp32 1024^3 torch matmul measured in the same run (`gemm_peak_gflops`). The first vLLM start
 compiles its model (torch.compile, about 1-2 minutes; later starts reuse ~/.cache/vllm).
 
-    .venv/bin/python benchmarks/vs_vllm.py [--json] [--quick] [--repeats 2] [--threads 2]
+    .venv/bin/python benchmarks/vs_vllm.py [--json] [--quick] [--repeats 2] [--trine-omp-passive]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,8 +82,10 @@ def ensure_vllm_venv() -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     subprocess.run([str(py), "-m", "pip", "install", "-q", VLLM], check=True)
     subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_EXTRAS], check=True)
-    subprocess.run([str(py), "-c", "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"],
-                   check=True)
+    subprocess.run(
+        [str(py), "-c", "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"],
+        check=True,
+    )
     stamp.touch()
     return py
 
@@ -92,11 +97,30 @@ class Side:
         LOGS.mkdir(parents=True, exist_ok=True)
         self.engine, self.logfile = engine, LOGS / f"vs_vllm_{engine}.log"
         r, w = os.pipe()
-        cmd = [str(python), str(SIDE), engine, "--model", str(model_dir), "--threads", str(args.threads),
-               "--kv-gib", str(args.kv_gib), "--reply-fd", str(w)]
+        cmd = [
+            str(python),
+            str(SIDE),
+            engine,
+            "--model",
+            str(model_dir),
+            "--threads",
+            str(args.threads),
+            "--kv-gib",
+            str(args.kv_gib),
+            "--reply-fd",
+            str(w),
+        ]
         with open(self.logfile, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                         pass_fds=(w,), env={**os.environ, **env}, text=True, cwd=ROOT)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(w,),
+                env={**os.environ, **env},
+                text=True,
+                cwd=ROOT,
+            )
         os.close(w)
         self.replies = os.fdopen(r)
         self.info: dict | None = None
@@ -116,8 +140,9 @@ class Side:
         line = self.replies.readline()
         if not line:
             tail = self.logfile.read_text()[-3000:]
-            raise RuntimeError(f"the {self.engine} side exited (rc {self.proc.wait()}); its log "
-                               f"{self.logfile} ends:\n{tail}")
+            raise RuntimeError(
+                f"the {self.engine} side exited (rc {self.proc.wait()}); its log {self.logfile} ends:\n{tail}"
+            )
         return json.loads(line)
 
     def close(self) -> None:
@@ -161,22 +186,30 @@ class Workloads:
         if name == "multiturn":
             users = [self.prompt(p["turn_len"]) for _ in range(p["turns"] - 1)]
             return "multiturn", dict(first=self.prompt(p["first_len"]), users=users, new=p["new"])
-        return "generate", dict(prompts=[self.prompt(p["prompt_len"]) for _ in range(p["prompts"])],
-                                n=p["samples"], new=p["new"])
+        return "generate", dict(
+            prompts=[self.prompt(p["prompt_len"]) for _ in range(p["prompts"])], n=p["samples"], new=p["new"]
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model", type=Path, help="model directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-gib", type=int, default=2, help="KV cache budget of each engine, GiB")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--only", nargs="*", choices=WORKLOADS, help="run only these workloads")
-    ap.add_argument("--no-preload", action="store_true", help="run vLLM without tcmalloc/libiomp5 in LD_PRELOAD")
-    ap.add_argument("--trine-omp-passive", action="store_true",
-                    help="run trine with OMP_WAIT_POLICY=PASSIVE (its OpenMP threads sleep at once when idle, "
-                         "as vLLM's do after 5 ms): on a machine shared with other busy processes")
+    ap.add_argument(
+        "--no-preload", action="store_true", help="run vLLM without tcmalloc/libiomp5 in LD_PRELOAD"
+    )
+    ap.add_argument(
+        "--trine-omp-passive",
+        action="store_true",
+        help="run trine with OMP_WAIT_POLICY=PASSIVE (its OpenMP threads sleep at once when idle, "
+        "as vLLM's do after 5 ms): on a machine shared with other busy processes",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args()
     sizes, names = (QUICK if args.quick else SIZES), args.only or list(WORKLOADS)
@@ -185,17 +218,28 @@ def main() -> None:
     if model_dir is None:
         sys.path.insert(0, str(ROOT / "src"))
         from trine.engine.default_model import ensure_default_model
+
         model_dir = ensure_default_model()
-    preload = [] if args.no_preload else [str(p) for p in (TCMALLOC, VENV / "lib" / "libiomp5.so") if p.exists()]
-    vllm_env = dict(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                    VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), LD_PRELOAD=":".join(preload))
-    trine_env = dict(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    preload = (
+        [] if args.no_preload else [str(p) for p in (TCMALLOC, VENV / "lib" / "libiomp5.so") if p.exists()]
+    )
+    vllm_env = dict(
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib),
+        LD_PRELOAD=":".join(preload),
+    )
+    trine_env = dict(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    )
     if args.trine_omp_passive:
         trine_env["OMP_WAIT_POLICY"] = "PASSIVE"
     log(f"starting both engines (vLLM's first start compiles its model: 1-2 minutes); logs in {LOGS}")
     t0 = time.perf_counter()
-    sides = dict(trine=Side("trine", Path(sys.executable), args, model_dir, trine_env),
-                 vllm=Side("vllm", vllm_python, args, model_dir, vllm_env))
+    sides = dict(
+        trine=Side("trine", Path(sys.executable), args, model_dir, trine_env),
+        vllm=Side("vllm", vllm_python, args, model_dir, vllm_env),
+    )
     try:
         for s in sides.values():
             info = s.ready()
@@ -211,10 +255,12 @@ def main() -> None:
         for r in range(args.repeats):
             for name in names:
                 op, cmd = work.command(name)
-                for e in (("trine", "vllm") if r % 2 == 0 else ("vllm", "trine")):
+                for e in ("trine", "vllm") if r % 2 == 0 else ("vllm", "trine"):
                     runs[e][name].append(sides[e].ask(op, **cmd))
-                log(f"#{r} {name}: trine {runs['trine'][name][-1]['seconds']:.2f}s  "
-                    f"vLLM {runs['vllm'][name][-1]['seconds']:.2f}s")
+                log(
+                    f"#{r} {name}: trine {runs['trine'][name][-1]['seconds']:.2f}s  "
+                    f"vLLM {runs['vllm'][name][-1]['seconds']:.2f}s"
+                )
         for e, s in sides.items():
             peaks[e].append(s.ask("gemm_peak")["gflops"])
         infos = {e: s.info for e, s in sides.items()}
@@ -227,11 +273,20 @@ def main() -> None:
 def report(args, model_dir, sizes, names, runs, peaks, infos, preload) -> dict:
     weights = linear_weights(model_dir)
     peak = max(max(p) for p in peaks.values())
-    out: dict = dict(model=str(model_dir), repeats=args.repeats, threads=args.threads, kv_gib=args.kv_gib,
-                     quick=args.quick, sizes={n: sizes[n] for n in names}, vllm_ld_preload=preload,
-                     trine_omp_wait_policy="PASSIVE" if args.trine_omp_passive else "default",
-                     engines=infos, gemm_peak_gflops=peak, gemm_peak_by_side=peaks,
-                     load_average=os.getloadavg())
+    out: dict = dict(
+        model=str(model_dir),
+        repeats=args.repeats,
+        threads=args.threads,
+        kv_gib=args.kv_gib,
+        quick=args.quick,
+        sizes={n: sizes[n] for n in names},
+        vllm_ld_preload=preload,
+        trine_omp_wait_policy="PASSIVE" if args.trine_omp_passive else "default",
+        engines=infos,
+        gemm_peak_gflops=peak,
+        gemm_peak_by_side=peaks,
+        load_average=os.getloadavg(),
+    )
     for name in names:
         med = {e: statistics.median(r["seconds"] for r in runs[e][name]) for e in runs}
         key = "multiturn_ttft" if name == "multiturn" else name
@@ -240,8 +295,9 @@ def report(args, model_dir, sizes, names, runs, peaks, infos, preload) -> dict:
         for e in runs:
             out[f"{e}_{key}_s"] = med[e]
             out[f"{e}_{key}_runs_s"] = [r["seconds"] for r in runs[e][name]]
-        out[f"{name}_tokens"] = {e: {k: v for k, v in last[e].items() if k not in ("seconds", "ttft")}
-                                 for e in runs}
+        out[f"{name}_tokens"] = {
+            e: {k: v for k, v in last[e].items() if k not in ("seconds", "ttft")} for e in runs
+        }
         if name != "multiturn":
             for e in runs:
                 rate = statistics.median(gflops(r, weights) for r in runs[e][name])

@@ -16,10 +16,12 @@ by kind, and the Python between them. Rows:
 
     PYTHONPATH=src .venv/bin/python benchmarks/vs_vllm_profile.py [--quick] [--json] [--threads 2]
 """
+
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import random
 import sys
 import time
@@ -27,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit  # noqa: E402  benchmarks/report.py
@@ -37,19 +39,52 @@ from trine.engine import kv_layout, model, sampler, scheduler  # noqa: E402
 from trine.engine.grammar import Grammars  # noqa: E402
 
 REGIONS = {  # (owner, attribute) -> region label
-    (sampler.Sampler, "step"): "step glue", (sampler.Sampler, "_prefill"): "step glue",
-    (sampler.Sampler, "_decode"): "step glue", (sampler.Sampler, "_advance"): "token bookkeeping",
-    (sampler, "sample"): "sampling", (Grammars, "mask"): "sampling",
-    (model.Transformer, "hidden_states"): "forward", (model.Transformer, "logits"): "LM head",
-    **{(kv_layout.KVLayout, m): "KV layout" for m in ("prefill", "decode", "fork", "cache_prompt",
-                                                      "cache_decoded")},
-    **{(scheduler.Scheduler, m): "scheduler" for m in ("schedule", "grow", "drop_stopped", "start",
-                                                       "prefilled", "decoded", "prompt_done", "release")},
+    (sampler.Sampler, "step"): "step glue",
+    (sampler.Sampler, "_prefill"): "step glue",
+    (sampler.Sampler, "_decode"): "step glue",
+    (sampler.Sampler, "_advance"): "token bookkeeping",
+    (sampler, "sample"): "sampling",
+    (Grammars, "mask"): "sampling",
+    (model.Transformer, "hidden_states"): "forward",
+    (model.Transformer, "logits"): "LM head",
+    **{
+        (kv_layout.KVLayout, m): "KV layout"
+        for m in ("prefill", "decode", "fork", "cache_prompt", "cache_decoded")
+    },
+    **{
+        (scheduler.Scheduler, m): "scheduler"
+        for m in (
+            "schedule",
+            "grow",
+            "drop_stopped",
+            "start",
+            "prefilled",
+            "decoded",
+            "prompt_done",
+            "release",
+        )
+    },
 }
-FORWARD_OPS = {"aten::linear": "linear (body)", "aten::scaled_dot_product_attention": "attention",
-               "aten::index_copy_": "KV write + gather", "aten::index_select": "KV write + gather"}
-ROWS = ("linear (body)", "LM head", "attention", "KV write + gather", "other forward ops", "forward Python",
-        "sampling", "token bookkeeping", "KV layout", "scheduler", "step glue")
+FORWARD_OPS = {
+    "aten::linear": "linear (body)",
+    "aten::scaled_dot_product_attention": "attention",
+    "aten::index_copy_": "KV write + gather",
+    "aten::index_select": "KV write + gather",
+    "aten::index": "KV write + gather",
+}
+ROWS = (
+    "linear (body)",
+    "LM head",
+    "attention",
+    "KV write + gather",
+    "other forward ops",
+    "forward Python",
+    "sampling",
+    "token bookkeeping",
+    "KV layout",
+    "scheduler",
+    "step glue",
+)
 
 
 def instrument() -> None:
@@ -60,6 +95,7 @@ def instrument() -> None:
         def wrapped(*a, _fn=fn, _label=label, **k):
             with record_function(f"#{_label}"):
                 return _fn(*a, **k)
+
         setattr(owner, attr, wrapped)
 
 
@@ -87,25 +123,49 @@ def run(name: str, p: dict, m, tok, kv_bytes: int, weights: tuple[int, int]) -> 
     from trine.engine.requests import SampleRequest, SamplingOptions, WeightsIdentity
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, m.cfg.vocab_size) for _ in range(p["prompt_len"])] for _ in range(p["prompts"])]
-    opts = [SamplingOptions(max_tokens=p["new"], temperature=1.0, seed=i, stop_at_eos=False) for i in range(len(prompts))]
-    reqs = [SampleRequest(f"{name}{i}", x, o, WeightsIdentity("bench"), num_samples=p["samples"])
-            for i, (x, o) in enumerate(zip(prompts, opts))]
+    prompts = [
+        [rng.randrange(100, m.cfg.vocab_size) for _ in range(p["prompt_len"])] for _ in range(p["prompts"])
+    ]
+    opts = [
+        SamplingOptions(max_tokens=p["new"], temperature=1.0, seed=i, stop_at_eos=False)
+        for i in range(len(prompts))
+    ]
+    reqs = [
+        SampleRequest(f"{name}{i}", x, o, WeightsIdentity("bench"), num_samples=p["samples"])
+        for i, (x, o) in enumerate(zip(prompts, opts))
+    ]
     s = sampler.Sampler(m, tok, kv_cache_bytes=kv_bytes, enable_prefix_cache=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    for r in reqs:
+        s.add(r)
+    us = Counter()
+    # One profile per 16 steps, tallied and dropped: a whole run's events do not fit in memory.
+    every_step = schedule(wait=0, warmup=0, active=16)
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        schedule=every_step,
+        on_trace_ready=lambda p: us.update(tally(p.events())),
+    ) as prof:
         t = time.perf_counter()
-        s.run(reqs)
+        while s.has_work():
+            s.step()
+            prof.step()
         wall = time.perf_counter() - t
-    us = tally(prof.events())
     st = s.stats
     total = sum(us.values()) / 1e6
     body, _ = weights
     computed = st["prefill_tokens"] + st["sample_tokens"] - p["prompts"] * p["samples"]
     linear_s = us["linear (body)"] / 1e6
-    return dict(wall_s=wall, accounted_s=total, steps=st["steps"], prefill_forwards=st["prefill_forwards"],
-                decode_forwards=st["decode_forwards"], ms_per_step=1e3 * wall / st["steps"],
-                seconds={r: us[r] / 1e6 for r in ROWS}, share={r: us[r] / 1e6 / total for r in ROWS},
-                body_linear_gflops_in_op=2 * body * computed / linear_s / 1e9 if linear_s else 0.0)
+    return dict(
+        wall_s=wall,
+        accounted_s=total,
+        steps=st["steps"],
+        prefill_forwards=st["prefill_forwards"],
+        decode_forwards=st["decode_forwards"],
+        ms_per_step=1e3 * wall / st["steps"],
+        seconds={r: us[r] / 1e6 for r in ROWS},
+        share={r: us[r] / 1e6 / total for r in ROWS},
+        body_linear_gflops_in_op=2 * body * computed / linear_s / 1e9 if linear_s else 0.0,
+    )
 
 
 def main() -> None:
@@ -124,6 +184,7 @@ def main() -> None:
     model_dir = args.model
     if model_dir is None:
         from trine.engine.default_model import ensure_default_model
+
         model_dir = ensure_default_model()
     m, tok = load_model(model_dir, "cpu", torch.float32), Tokenizer(model_dir)
     instrument()
@@ -133,6 +194,7 @@ def main() -> None:
     for name in args.only:
         print(f"[vs_vllm_profile] {name}: {sizes[name]}", file=sys.stderr, flush=True)
         out[name] = run(name, sizes[name], m, tok, kv_bytes, linear_weights(model_dir))
+        print(json.dumps(out[name]), file=sys.stderr, flush=True)
     emit(out, args.json)
 
 

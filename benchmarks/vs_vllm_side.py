@@ -24,6 +24,7 @@ Invariant: both sides see the same prompts, the same sampling settings, the same
 and the same KV budget; a `generate` starts from an empty prefix cache on both (a fresh Sampler;
 vLLM's `reset_prefix_cache`), and only the engine's own call is timed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,9 +84,14 @@ class TrineSide:
         res = s.run(reqs)
         dt = time.perf_counter() - t
         st = s.stats
-        return dict(seconds=dt, prompt_tokens=st["prompt_tokens"], cached_tokens=st["cached_tokens"],
-                    sample_tokens=st["sample_tokens"], sequences=sum(len(r.sequences) for r in res),
-                    steps=st["steps"])
+        return dict(
+            seconds=dt,
+            prompt_tokens=st["prompt_tokens"],
+            cached_tokens=st["cached_tokens"],
+            sample_tokens=st["sample_tokens"],
+            sequences=sum(len(r.sequences) for r in res),
+            steps=st["steps"],
+        )
 
     def turn(self, state, prompt: list[int], new: int):
         s = state if state is not None else self.sampler()
@@ -101,16 +107,29 @@ class VllmSide:
         from vllm import LLM
 
         # An empty prefix cache per generate, stats on for the token counters, fp32 as trine.
-        self.llm = LLM(model=str(model_dir), dtype="float32", enable_prefix_caching=True, seed=0,
-                       max_model_len=max_model_len, disable_log_stats=False)
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype="float32",
+            enable_prefix_caching=True,
+            seed=0,
+            max_model_len=max_model_len,
+            disable_log_stats=False,
+        )
         sched = self.llm.llm_engine.vllm_config.scheduler_config
-        self.info = dict(engine="vllm", version=__import__("vllm").__version__,
-                         max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-                         omp_threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+        self.info = dict(
+            engine="vllm",
+            version=__import__("vllm").__version__,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            omp_threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        )
 
     def counters(self) -> dict:
-        names = {"vllm:prompt_tokens": "prompt_tokens", "vllm:prompt_tokens_cached": "cached_tokens",
-                 "vllm:generation_tokens": "sample_tokens"}
+        names = {
+            "vllm:prompt_tokens": "prompt_tokens",
+            "vllm:prompt_tokens_cached": "cached_tokens",
+            "vllm:generation_tokens": "sample_tokens",
+        }
         out = dict.fromkeys(names.values(), 0)
         for m in self.llm.get_metrics():
             if m.name in names:
@@ -133,8 +152,9 @@ class VllmSide:
         got = {k: after[k] - before[k] for k in after}
         seqs = sum(len(o.outputs) for o in outs)
         assert sum(len(c.token_ids) for o in outs for c in o.outputs) == seqs * new
-        return dict(seconds=dt, **got, sequences=seqs,
-                    num_cached_tokens=sum(o.num_cached_tokens or 0 for o in outs))
+        return dict(
+            seconds=dt, **got, sequences=seqs, num_cached_tokens=sum(o.num_cached_tokens or 0 for o in outs)
+        )
 
     def turn(self, state, prompt: list[int], new: int):
         if state is None:
