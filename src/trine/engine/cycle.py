@@ -42,7 +42,8 @@ def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
     metrics = {"loss_sum": float(res.loss_sum), "loss_mean": float(res.loss_mean),
                "token_count": int(res.token_count)}
     return EventOutcome(logprobs=logprobs, losses=losses, metrics=metrics,
-                        train_tokens=res.usage.train_tokens, loss_tokens=res.usage.loss_tokens)
+                        train_tokens=res.usage.train_tokens, loss_tokens=res.usage.loss_tokens,
+                        train_sequence_tokens=res.usage.sequence_tokens)
 
 
 def _failed(e: BaseException) -> EventOutcome:

@@ -118,7 +118,8 @@ class EventOutcome:
     logprobs: list[list[float]] | None = None  # forward: per datum, per position (target logprob)
     losses: list[list[float]] | None = None  # forward: per datum, per position (elementwise loss)
     metrics: dict[str, float] = field(default_factory=dict)
-    train_tokens: int = 0
+    train_tokens: int = 0  # positions computed
+    train_sequence_tokens: int = 0  # positions of the sequences as sent (>= train_tokens: shared prefixes)
     loss_tokens: int = 0
     size_bytes: int = 0  # saves: bytes written (or held in memory for a TEMPORARY snapshot)
     weights_version: int = 0  # inflight saves: the target version they published

@@ -138,7 +138,8 @@ class TrainDatum:
 
 @dataclass
 class TrainUsage:
-    train_tokens: int = 0  # every computed position
+    train_tokens: int = 0  # every computed position (a prefix shared by datums of one run: once)
+    sequence_tokens: int = 0  # every position of the sequences as sent
     loss_tokens: int = 0  # positions with a non-zero weight or advantage
 
 
