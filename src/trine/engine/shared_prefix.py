@@ -10,7 +10,8 @@ How it is computed
    order (key index = position), with positions continuing from its parent's end; the mask is
    causal by position. Autograd records the pool's writes and reads, so the gradients that all
    children send into an ancestor's keys and values are summed there and flow back through the
-   ancestor's pass once, in one backward call.
+   ancestor's pass once, in one backward call. A micro-batch of single-segment trees
+   (multi-turn chains, duplicates) needs no pool: one causal pass over each tree's longest datum.
 3. The LM head runs once per scored position (a target other than -100), however many datums
    score it (a GRPO prompt position, an earlier turn of a multi-turn chain): each datum reads its
    own target's logprob from that position's log-softmax and its loss uses its own weights /
@@ -52,12 +53,15 @@ def run_micro_batch(trainer, rows: list, trees: list[Tree], logps: list[torch.Te
         slot_key.append(torch.full((seg.end - seg.start,), t, dtype=torch.long))
         n += seg.end - seg.start
     cfg = model.cfg
+    depths = sorted({d for d, _, _ in order})
+    # Only children read the pool: a micro-batch of single-segment trees (multi-turn chains) is
+    # the plain causal forward of each tree's longest datum.
     pools = [torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=device)
-             for _ in range(2 * cfg.num_layers)]
+             for _ in range(2 * cfg.num_layers)] if len(depths) > 1 else None
     # ---- the body, one pass per depth
     hidden = []
     with torch.set_grad_enabled(backward):
-        for depth in sorted({d for d, _, _ in order}):
+        for depth in depths:
             level = [(t, k) for d, t, k in order if d == depth]
             h, real = _pass(model, rows, trees, level, base, pools, device)
             hidden.append(h.reshape(-1, h.shape[-1]).index_select(0, real))
@@ -170,11 +174,15 @@ def _pass(model, rows, trees, level, base, pools, device):
                                      for p in trees[t].path(k)])
         ends[r] = s.end
         real.append(r * T + torch.arange(m))
+    adapters = AdapterBatch.from_rows([rows[trees[t].members[0][0]].adapter for t, _ in level], device=device)
+    if pools is None:  # depth 0 only: positions 0..T-1, causal attention within each row
+        pad_mask = (write >= 0).to(device)
+        h = model.hidden_states(tokens.to(device), positions.to(device), adapters, pad_mask)
+        return h, torch.cat(real).to(device)
     key = torch.arange(L)
     # causal by position; a padded query sees its row's real keys (its output is dropped)
     mask = (key[None, None, :] <= positions[:, :, None]) & (key[None, None, :] < ends[:, None, None])
     kv = KVContext(pools[0::2], pools[1::2], write.to(device), read.to(device), mask[:, None].to(device))
-    adapters = AdapterBatch.from_rows([rows[trees[t].members[0][0]].adapter for t, _ in level], device=device)
     h = model.hidden_states(tokens.to(device), positions.to(device), adapters, kv=kv)
     return h, torch.cat(real).to(device)
 
