@@ -32,8 +32,8 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from trine.engine.losses import Loss
     from trine.engine.lora import LoRAConfig
+    from trine.engine.losses import Loss
     from trine.engine.requests import TrainDatum
     from trine.engine.trainer import Trainer
     from trine.engine.weights import load_model

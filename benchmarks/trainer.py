@@ -132,13 +132,14 @@ def _policy_datum(tokens: list[int], prompt: int):
 class PrefixSide:
     """One run training on `data` with prefix sharing on or off."""
 
-    def __init__(self, model, data, rank: int, sharing: bool):
+    def __init__(self, model, data, rank: int, sharing: bool, micro_batch_tokens: int = 4096):
         from trine.engine.losses import Loss
         from trine.engine.lora import LoRAConfig
         from trine.engine.requests import AdamConfig
         from trine.engine.trainer import Trainer
 
-        self.trainer = Trainer(model, base_model="bench", prefix_sharing=sharing)
+        self.trainer = Trainer(model, base_model="bench", prefix_sharing=sharing,
+                               micro_batch_tokens=micro_batch_tokens)
         self.trainer.create_run("r", LoRAConfig(rank=rank, alpha=32.0, train_unembed=False))
         self.batch = [("r", data, Loss.parse("importance_sampling"))]
         self.adam = AdamConfig(learning_rate=1e-4)
@@ -162,7 +163,8 @@ def _prefix_peak_child(case: str, sharing: bool, args, out):
 
     from trine.engine.weights import load_model
     model = load_model(args.model, "cpu")
-    side = PrefixSide(model, prefix_data(case, model.cfg.vocab_size, args), args.rank, sharing)
+    side = PrefixSide(model, prefix_data(case, model.cfg.vocab_size, args), args.rank, sharing,
+                      args.micro_batch_tokens)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
@@ -190,7 +192,8 @@ def prefix_cases(args) -> dict:
     out = {}
     for case in ("grpo", "multiturn"):
         data = prefix_data(case, model.cfg.vocab_size, args)
-        shared, plain = PrefixSide(model, data, args.rank, True), PrefixSide(model, data, args.rank, False)
+        shared, plain = (PrefixSide(model, data, args.rank, sharing, args.micro_batch_tokens)
+                         for sharing in (True, False))
         for _ in range(args.warmup):
             shared.step(), plain.step()
         t_shared, t_plain = [], []
@@ -198,11 +201,12 @@ def prefix_cases(args) -> dict:
             for fn, times in ((shared.step, t_shared), (plain.step, t_plain))[::1 if it % 2 else -1]:
                 times.append(timed(fn))
             print(f"# {case} iteration {it}: shared {t_shared[-1]:.2f}s plain {t_plain[-1]:.2f}s", flush=True)
-        out[f"prefix_shared_{case}"] = statistics.median([p / s for p, s in zip(t_plain, t_shared)])
-        out[f"train_tokens_computed_fraction_{case}"] = shared.usage.train_tokens / shared.usage.sequence_tokens
-        out[f"prefix_{case}_shared_step_s"] = statistics.median(t_shared)
-        out[f"prefix_{case}_plain_step_s"] = statistics.median(t_plain)
-        out[f"prefix_{case}_sequence_tokens"] = shared.usage.sequence_tokens
+        if args.iters:
+            out[f"prefix_shared_{case}"] = statistics.median([p / s for p, s in zip(t_plain, t_shared)])
+            out[f"train_tokens_computed_fraction_{case}"] = shared.usage.train_tokens / shared.usage.sequence_tokens
+            out[f"prefix_{case}_shared_step_s"] = statistics.median(t_shared)
+            out[f"prefix_{case}_plain_step_s"] = statistics.median(t_plain)
+            out[f"prefix_{case}_sequence_tokens"] = shared.usage.sequence_tokens
         del shared, plain
         if args.mem_repeats:
             out[f"prefix_peak_memory_ratio_{case}"] = prefix_peak(case, True, args) / prefix_peak(case, False, args)
@@ -257,6 +261,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--prefix-only", action="store_true", help="only the prefix-sharing cases")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side before a prefix case")
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="the prefix cases' Trainer budget")
     ap.add_argument("--grpo-groups", type=int, default=8)
     ap.add_argument("--grpo-completions", type=int, default=8)
     ap.add_argument("--grpo-prompt", type=int, default=256)

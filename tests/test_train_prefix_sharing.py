@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_losses import randomize
+from test_trainer import assert_dicts_close, grads
 
 from trine.engine import invariant
-from trine.engine.losses import LOSS_NAMES, Loss
 from trine.engine.lora import LoRAConfig
+from trine.engine.losses import LOSS_NAMES, Loss
 from trine.engine.prefix_groups import padded_tokens, plan
 from trine.engine.requests import TrainDatum
 from trine.engine.trainer import Trainer
 from trine.engine.weights import load_model
-
-from test_losses import randomize
-from test_trainer import assert_dicts_close, grads
 
 VOCAB = 49152
 
@@ -40,13 +39,13 @@ def shared_data(seed: int) -> list[TrainDatum]:
     """A GRPO group (prompt 21, completions of 5..9 tokens, two of them starting alike), a 3-turn chain
     (one datum per turn, each extending the last) and an unrelated datum."""
     g = torch.Generator().manual_seed(seed)
-    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()
     prompt = rand(21)
     common = rand(3)
     group = [datum(prompt + rand(5 + k), g, prompt=4) for k in range(3)]
     group += [datum(prompt + common + rand(4), g), datum(prompt + common + rand(6), g)]
     turns = [rand(17), rand(18), rand(16)]
-    chain = [datum(sum(turns[:k + 1], []), g, prompt=3) for k in range(3)]
+    chain = [datum([t for turn in turns[:k + 1] for t in turn], g, prompt=3) for k in range(3)]
     return group[:2] + chain[:1] + group[2:] + chain[1:] + [datum(rand(12), g)]
 
 

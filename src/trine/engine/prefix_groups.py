@@ -78,7 +78,7 @@ class _Node:
     end: int
     source: int
     ended: list[int]  # datums whose last position lies in [start, end)
-    children: list["_Node"] = field(default_factory=list)
+    children: list[_Node] = field(default_factory=list)
 
     def cost(self) -> int:
         return self.end - self.start + sum(c.cost() for c in self.children)

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 
 from .invariant import log_probs
-from .losses import LossInputs, sequence_log_ratios
 from .lora import AdapterBatch
+from .losses import LossInputs, sequence_log_ratios
 from .model import KVContext
 from .prefix_groups import Tree
 
@@ -39,7 +39,10 @@ def run_micro_batch(trainer, rows: list, trees: list[Tree], logps: list[torch.Te
                     losses: list[torch.Tensor], backward: bool) -> None:
     """Forward (and backward when `backward`) of the datums of `trees`; `rows` are the trainer's
     `_Row`s of the whole call (tree members index them); fills logps[i] / losses[i] of each member."""
-    from .trainer import _chunk_adapters, _losses_and_grads  # trainer imports this module
+    from .trainer import (  # trainer imports this module
+        _chunk_adapters,
+        _losses_and_grads,
+    )
 
     model, device = trainer.model, trainer.model.device
     # ---- slots, segment by segment in pass order (depth, then tree, then segment)
