@@ -17,7 +17,10 @@ Grouping rule (`plan`)
 - A tree's computed tokens stay within `budget` (the trainer's micro_batch_tokens; a single
   segment may exceed it, as one long sequence does in the plain path): a larger tree is split into
   several trees by its root's children, each recomputing the root. Trees are then packed into
-  micro-batches whose padded token count (rows x longest segment, per depth) fits the budget.
+  micro-batches whose padded token count (rows x longest segment, per depth) fits the budget,
+  each row's context (its ancestors' positions, whose keys and values it gathers and attention
+  keeps for backward) counted at `context_cost` of a token, so peak memory stays within what a
+  plain micro-batch of `budget` tokens holds (the trainer derives it from the model's shapes).
 
 Metering: each computed token is charged to the first datum (in call order) that reads it, so the
 charges of a call add up to the tokens it computed (`Plan.charged`).
@@ -88,7 +91,7 @@ class _Node:
 
 
 def plan(seqs: list[list[int]], keys: list[int], *, min_shared: int = MIN_SHARED_TOKENS,
-         budget: int = 4096) -> Plan:
+         budget: int = 4096, context_cost: float = 0.25) -> Plan:
     """Group datums `seqs` (token lists, each non-empty) of run `keys[i]` into shared trees."""
     if min_shared < 1 or budget < 1:
         raise ValueError("min_shared and budget must be >= 1")
@@ -108,7 +111,7 @@ def plan(seqs: list[list[int]], keys: list[int], *, min_shared: int = MIN_SHARED
     for tree in trees:
         for i, n in _charges(tree, seqs).items():
             charged[i] = n
-    return Plan(_pack(trees, budget, list(by_key)), sorted(plain), charged)
+    return Plan(_pack(trees, budget, list(by_key), context_cost), sorted(plain), charged)
 
 
 # ----------------------------------------------------------------------------- the trie
@@ -222,24 +225,27 @@ def _charges(tree: Tree, seqs) -> dict[int, int]:
 
 
 # ----------------------------------------------------------------------------- micro-batches
-def padded_tokens(trees: list[Tree]) -> int:
-    """Rows x longest segment, summed over depths: what one micro-batch of these trees computes."""
+def padded_tokens(trees: list[Tree], context_cost: float = 0.0) -> float:
+    """Rows x longest segment, summed over depths: what one micro-batch of these trees computes;
+    plus rows x longest context x `context_cost`: the keys and values its rows gather."""
     rows: dict[int, int] = {}
     longest: dict[int, int] = {}
+    context: dict[int, int] = {}
     for tree in trees:
         for s in tree.segments:
             rows[s.depth] = rows.get(s.depth, 0) + 1
             longest[s.depth] = max(longest.get(s.depth, 0), s.end - s.start)
-    return sum(rows[d] * longest[d] for d in rows)
+            context[s.depth] = max(context.get(s.depth, 0), s.start)
+    return sum(rows[d] * (longest[d] + context_cost * context[d]) for d in rows)
 
 
-def _pack(trees: list[Tree], budget: int, key_order: list[int]) -> list[list[Tree]]:
+def _pack(trees: list[Tree], budget: int, key_order: list[int], context_cost: float) -> list[list[Tree]]:
     """Largest trees first, each into the first micro-batch it fits (a tree alone always fits);
     within a micro-batch, trees of one key are adjacent (LoRA runs on row spans)."""
     batches: list[list[Tree]] = []
     for tree in sorted(trees, key=lambda t: -t.computed):
         for mb in batches:
-            if padded_tokens(mb + [tree]) <= budget:
+            if padded_tokens(mb + [tree], context_cost) <= budget:
                 mb.append(tree)
                 break
         else:

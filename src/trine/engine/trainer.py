@@ -203,8 +203,11 @@ class Trainer:
         if not self.prefix_sharing or len(rows) < 2:
             return prefix_groups.Plan([], list(range(len(rows))), [len(r.datum) for r in rows])
         keys = {id(r.adapter): k for k, r in reversed(list(enumerate(rows)))}
+        cfg = self.model.cfg  # a context key's K and V against the least a token's activations hold
+        context_cost = 2 * cfg.num_kv_heads * cfg.head_dim / (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
         return prefix_groups.plan([r.datum.tokens.tolist() for r in rows], [keys[id(r.adapter)] for r in rows],
-                                  min_shared=self.min_shared_tokens, budget=self.micro_batch_tokens)
+                                  min_shared=self.min_shared_tokens, budget=self.micro_batch_tokens,
+                                  context_cost=context_cost)
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[int]]:
         """Rows by decreasing length, cut so rows x longest <= micro_batch_tokens; within a micro-batch
