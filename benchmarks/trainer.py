@@ -15,6 +15,19 @@ of the per-iteration ratios, which cancels most of the drift of a shared machine
   setup, the kernel's peak-RSS counter is reset (`/proc/self/clear_refs` <- 5), then one step runs;
   peak = VmHWM - VmRSS before the step. That is every byte the step made resident: activations,
   logits, gradients, optimizer state. Median of --mem-repeats processes per side.
+
+Prefix sharing (issue 26; `--prefix-only` runs just these): one run's step (forward_backward +
+optim_step) with `Trainer(prefix_sharing=True)` against the same Trainer with it off, interleaved
+as above, on two batches of policy data (importance_sampling, a target at every position, zero
+advantage on prompts):
+- GRPO: `--grpo-groups` (8) prompts of `--grpo-prompt` (256) tokens x `--grpo-completions` (8)
+  completions of `--grpo-completion` (64) tokens.
+- multi-turn: `--trajectories` (8) trajectories of `--turns` (4) turns of `--turn-tokens` (128)
+  tokens, one datum per turn (turn k's datum is turns 1..k).
+- prefix_shared_grpo / prefix_shared_multiturn: plain step time / shared step time (median of
+  the per-iteration ratios); train_tokens_computed_fraction_grpo / _multiturn: tokens computed /
+  tokens sent (deterministic); prefix_peak_memory_ratio_grpo / _multiturn: shared / plain peak
+  memory of one step, measured as above (fresh process per side, --mem-repeats each).
 """
 
 from __future__ import annotations
@@ -89,6 +102,135 @@ class HFSide:
         self.opt.zero_grad(set_to_none=True)
 
 
+def grpo_data(vocab: int, groups: int, completions: int, prompt: int, completion: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(groups):
+        p = torch.randint(0, vocab, (prompt,), generator=g).tolist()
+        data += [
+            _policy_datum(p + torch.randint(0, vocab, (completion,), generator=g).tolist(), prompt)
+            for _ in range(completions)
+        ]
+    return data
+
+
+def multiturn_data(vocab: int, trajectories: int, turns: int, turn_tokens: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(trajectories):
+        tokens: list[int] = []
+        for _ in range(turns):
+            start = len(tokens)
+            tokens = tokens + torch.randint(0, vocab, (turn_tokens,), generator=g).tolist()
+            data.append(_policy_datum(tokens, start + turn_tokens // 2))  # the turn's second half is acted
+    return data
+
+
+def _policy_datum(tokens: list[int], prompt: int):
+    from trine.engine.api import TrainDatum
+
+    n = len(tokens)
+    return TrainDatum(
+        tokens=tokens,
+        target_tokens=tokens[1:] + [-100],
+        logprobs=[-10.0] * n,
+        advantages=[0.0] * (prompt - 1) + [1.0] * (n - prompt + 1),
+    )
+
+
+class PrefixSide:
+    """One run training on `data` with prefix sharing on or off."""
+
+    def __init__(self, model, data, rank: int, sharing: bool, micro_batch_tokens: int = 4096):
+        from trine.engine.api import AdamConfig, LoRAConfig, Loss
+        from trine.engine.trainer.trainer import Trainer
+
+        self.trainer = Trainer(
+            model, base_model="bench", prefix_sharing=sharing, micro_batch_tokens=micro_batch_tokens
+        )
+        self.trainer.create_run("r", LoRAConfig(rank=rank, alpha=32.0, train_unembed=False))
+        self.batch = [("r", data, Loss.parse("importance_sampling"))]
+        self.adam = AdamConfig(learning_rate=1e-4)
+        self.usage = None
+
+    def step(self):
+        self.usage = self.trainer.forward_backward(self.batch)[0].usage
+        self.trainer.optim_step("r", self.adam)
+
+
+def prefix_data(case: str, vocab: int, args):
+    if case == "grpo":
+        return grpo_data(
+            vocab, args.grpo_groups, args.grpo_completions, args.grpo_prompt, args.grpo_completion
+        )
+    return multiturn_data(vocab, args.trajectories, args.turns, args.turn_tokens)
+
+
+def _prefix_peak_child(case: str, sharing: bool, args, out):
+    torch.set_num_threads(args.threads)
+    import ctypes
+    import gc
+
+    from trine.engine.model.weights import load_model
+
+    model = load_model(args.model, "cpu")
+    side = PrefixSide(
+        model, prefix_data(case, model.cfg.vocab_size, args), args.rank, sharing, args.micro_batch_tokens
+    )
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _rss_kb("VmRSS")
+    side.step()
+    out.put((_rss_kb("VmHWM") - before) * 1024)
+
+
+def prefix_peak(case: str, sharing: bool, args) -> int:
+    ctx = mp.get_context("spawn")
+    peaks = []
+    for _ in range(args.mem_repeats):
+        q = ctx.Queue()
+        p = ctx.Process(target=_prefix_peak_child, args=(case, sharing, args, q))
+        p.start()
+        peaks.append(q.get())
+        p.join()
+    return int(statistics.median(peaks))
+
+
+def prefix_cases(args) -> dict:
+    """The prefix-sharing figures of both cases (see the module docstring)."""
+    from trine.engine.model.weights import load_model
+
+    model = load_model(args.model, "cpu")
+    out = {}
+    for case in ("grpo", "multiturn"):
+        data = prefix_data(case, model.cfg.vocab_size, args)
+        shared, plain = (
+            PrefixSide(model, data, args.rank, sharing, args.micro_batch_tokens) for sharing in (True, False)
+        )
+        for _ in range(args.warmup):
+            shared.step(), plain.step()
+        t_shared, t_plain = [], []
+        for it in range(args.iters):
+            for fn, times in ((shared.step, t_shared), (plain.step, t_plain))[:: 1 if it % 2 else -1]:
+                times.append(timed(fn))
+            print(f"# {case} iteration {it}: shared {t_shared[-1]:.2f}s plain {t_plain[-1]:.2f}s", flush=True)
+        if args.iters:
+            out[f"prefix_shared_{case}"] = statistics.median([p / s for p, s in zip(t_plain, t_shared)])
+            out[f"train_tokens_computed_fraction_{case}"] = (
+                shared.usage.train_tokens / shared.usage.sequence_tokens
+            )
+            out[f"prefix_{case}_shared_step_s"] = statistics.median(t_shared)
+            out[f"prefix_{case}_plain_step_s"] = statistics.median(t_plain)
+            out[f"prefix_{case}_sequence_tokens"] = shared.usage.sequence_tokens
+        del shared, plain
+        if args.mem_repeats:
+            out[f"prefix_peak_memory_ratio_{case}"] = prefix_peak(case, True, args) / prefix_peak(
+                case, False, args
+            )
+    return out
+
+
 def _peak_child(side: str, model_dir: str, batch: int, seq: int, rank: int, threads: int, out):
     torch.set_num_threads(threads)
     import ctypes
@@ -137,6 +279,16 @@ def main():
     ap.add_argument("--mem-repeats", type=int, default=3, help="fresh processes per side for peak memory")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--prefix-only", action="store_true", help="only the prefix-sharing cases")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side before a prefix case")
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="the prefix cases' Trainer budget")
+    ap.add_argument("--grpo-groups", type=int, default=8)
+    ap.add_argument("--grpo-completions", type=int, default=8)
+    ap.add_argument("--grpo-prompt", type=int, default=256)
+    ap.add_argument("--grpo-completion", type=int, default=64)
+    ap.add_argument("--trajectories", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=128)
     args = ap.parse_args()
     if args.batch % 4:
         ap.error("--batch must be a multiple of 4 (the mixed-adapter pass splits it across 4 runs)")
@@ -145,6 +297,9 @@ def main():
 
         args.model = str(ensure_default_model())
     torch.set_num_threads(args.threads)
+    if args.prefix_only:
+        _print(prefix_cases(args) | {"model": args.model, "iters": args.iters, "threads": args.threads}, args)
+        return
     from trine.engine.model.weights import read_config
 
     tokens = make_batch(read_config(args.model).vocab_size, args.batch, args.seq)
@@ -188,6 +343,10 @@ def main():
         "iters": args.iters,
         "threads": args.threads,
     }
+    _print(result | prefix_cases(args), args)
+
+
+def _print(result: dict, args) -> None:
     if args.json:
         print(json.dumps(result))
     else:

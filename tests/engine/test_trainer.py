@@ -135,7 +135,8 @@ def test_outputs_metrics_and_usage(model):
         tokens=[5, 6, 7, 8, 9], target_tokens=[-100, -100, 7, 8, 9], weights=[1.0, 1.0, 0.0, 2.0, 1.0]
     )
     res = trainer.forward_backward([("r", [d, d], Loss.parse("cross_entropy"))])[0]
-    assert res.usage.train_tokens == 10 and res.usage.loss_tokens == 4 and res.token_count == 4
+    assert res.usage.sequence_tokens == 10 and res.usage.loss_tokens == 4 and res.token_count == 4
+    assert res.usage.train_tokens == 5  # two identical datums: computed once (prefix sharing)
     for lp, loss in zip(res.logprobs, res.losses):
         assert len(lp) == len(loss) == 5
         assert lp[:2] == [0.0, 0.0] and loss[:3] == [0.0, 0.0, 0.0] and all(x < 0 for x in lp[2:])

@@ -44,7 +44,9 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
         raise click.BadParameter(str(e), param_hint="--model") from None
 
 
-def _ray_engines(address: str, replicas: int, threads: int | None, dtype: str, batch_invariant: bool):
+def _ray_engines(
+    address: str, replicas: int, threads: int | None, dtype: str, batch_invariant: bool, prefix_sharing: bool
+):
     try:
         from trine.engine.runtime.ray_backend import connect, ray_engines
     except ImportError:
@@ -52,7 +54,13 @@ def _ray_engines(address: str, replicas: int, threads: int | None, dtype: str, b
     resources = connect(None if address == "local" else address)
     click.echo(f"Ray cluster: {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs")
     return ray_engines(
-        replicas, num_threads=threads or 1, options={"dtype": dtype, "batch_invariant": batch_invariant}
+        replicas,
+        num_threads=threads or 1,
+        options={
+            "dtype": dtype,
+            "batch_invariant": batch_invariant,
+            "trainer_options": {"prefix_sharing": prefix_sharing},
+        },
     )
 
 
@@ -139,6 +147,13 @@ def key_hint(store, home: Path, new_key: str | None) -> str:
     "(slower; see the README).",
 )
 @click.option(
+    "--train-prefix-sharing/--no-train-prefix-sharing",
+    default=True,
+    show_default=True,
+    help="Train each token that datums of one run share (a GRPO group's prompt, a multi-turn "
+    "chain's earlier turns) once, exactly; off computes every datum whole (to compare).",
+)
+@click.option(
     "--ray",
     "ray_address",
     is_flag=False,
@@ -203,6 +218,7 @@ def serve(
     threads,
     dtype,
     batch_invariant,
+    train_prefix_sharing,
     ray_address,
     replicas,
     checkpoint_dir,
@@ -234,7 +250,7 @@ def serve(
         store.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     engines = None
     if ray_address is not None:
-        engines = _ray_engines(ray_address, replicas, threads, dtype, batch_invariant)
+        engines = _ray_engines(ray_address, replicas, threads, dtype, batch_invariant, train_prefix_sharing)
     new_key = None
     if not any(k.revoked_at is None for k in store.keys()):  # first run, or every key revoked
         _, new_key = store.create_key("default")
@@ -246,6 +262,7 @@ def serve(
         engines=engines,
         dtype=dtype,
         batch_invariant=batch_invariant,
+        train_prefix_sharing=train_prefix_sharing,
         disk_reserve_bytes=disk_reserve_mb << 20,
     )
     app = create_app(service, TokenSigner(home))

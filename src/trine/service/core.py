@@ -93,6 +93,7 @@ class Service:
         key_limits: KeyLimits | None = None,
         dtype: str | None = None,
         batch_invariant: bool = False,
+        train_prefix_sharing: bool = True,
         disk_reserve_bytes: int = DEFAULT_RESERVE_BYTES,
         missing_index_seconds: float = MISSING_INDEX_SECONDS,
     ):
@@ -102,6 +103,8 @@ class Service:
         self.cycle_seconds = cycle_seconds
         self.gather_seconds = gather_seconds
         self.gc_interval = gc_interval
+        # a shared prefix of one run's datums is trained once (engine/trainer/prefix_groups.py)
+        trainer_options = {"prefix_sharing": train_prefix_sharing, **(trainer_options or {})}
         if engines is None:
             from ..engine.runtime.local import LocalEngine
 

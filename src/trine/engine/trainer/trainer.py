@@ -25,6 +25,12 @@ How a micro-batch is computed
    alive, and the full logits are never stored.
 4. The gradient gathered for h flows back through the body in one backward call.
 
+Prefix sharing (`prefix_sharing=True`, the default): datums of one run that share a token prefix
+(a GRPO group's prompt, a multi-turn chain's earlier turns) are grouped first (prefix_groups.py)
+and their micro-batches compute each shared position once (shared_prefix.py), with the same
+logprobs, losses and gradients; the other datums take the path above. `TrainUsage.train_tokens`
+counts the positions computed, `sequence_tokens` the positions sent.
+
 Invariants
 - Gradients accumulate in each run's adapter across calls until `optim_step`, which applies
   `torch.optim.AdamW` (clipping with `clip_grad_norm_` first when asked), zeroes the gradients and
@@ -54,7 +60,7 @@ from ..model.invariant import log_probs
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
 from ..prepare import check_datum
-from . import checkpoint
+from . import checkpoint, prefix_groups, shared_prefix
 from .losses import LossInputs, PreparedDatum, datum_tensors, loss_values, sequence_log_ratios
 
 
@@ -110,6 +116,8 @@ class Trainer:
         base_model: str,
         micro_batch_tokens: int = 4096,
         logits_chunk_tokens: int = 1024,
+        prefix_sharing: bool = True,
+        min_shared_tokens: int = prefix_groups.MIN_SHARED_TOKENS,
     ):
         if micro_batch_tokens < 1 or logits_chunk_tokens < 1:
             raise ValueError("micro_batch_tokens and logits_chunk_tokens must be >= 1")
@@ -118,6 +126,8 @@ class Trainer:
         self.base_model = base_model
         self.micro_batch_tokens = micro_batch_tokens
         self.logits_chunk_tokens = logits_chunk_tokens
+        self.prefix_sharing = prefix_sharing  # compute each token shared by datums of one run once
+        self.min_shared_tokens = min_shared_tokens
         self._runs: dict[str, _Run] = {}
         self._versions = itertools.count(1)
 
@@ -187,20 +197,27 @@ class Trainer:
         rows = self._prepare(batch)
         logps = [torch.zeros(len(r.datum)) for r in rows]
         losses = [torch.zeros(len(r.datum)) for r in rows]
-        for mb in self._micro_batches(rows):
+        shared = self._plan(rows)
+        for trees in shared.batches:
+            shared_prefix.run_micro_batch(self, rows, trees, logps, losses, backward)
+            if between_microbatches is not None:
+                between_microbatches()
+        plain = [rows[i] for i in shared.plain]
+        for mb in self._micro_batches(plain):
+            mb = [shared.plain[i] for i in mb]
             self._run_micro_batch(
                 [rows[i] for i in mb], [logps[i] for i in mb], [losses[i] for i in mb], backward
             )
             if between_microbatches is not None:
                 between_microbatches()
         results = [ForwardResult([], [], 0.0, 0, TrainUsage()) for _ in batch]
-        for row, logp, loss in zip(rows, logps, losses):
+        for row, logp, loss, computed in zip(rows, logps, losses, shared.charged):
             res = results[row.entry]
             res.logprobs.append(logp.tolist())
             res.losses.append(loss.tolist())
             res.loss_sum += float(loss.double().sum())
             res.token_count += row.counts.active_tokens
-            res.usage.train_tokens += len(row.datum)
+            res.usage.train_tokens += computed
             res.usage.sequence_tokens += len(row.datum)
             res.usage.loss_tokens += row.counts.loss_tokens(row.loss.is_policy)
         return results
@@ -228,6 +245,21 @@ class Trainer:
             for datum, c in zip(data, counts):
                 rows.append(_Row(e, datum_tensors(datum, loss), c, adapter, loss, scale))
         return rows
+
+    def _plan(self, rows: list[_Row]) -> prefix_groups.Plan:
+        """Which rows share a prefix (keyed by adapter: runs never share); all plain when off."""
+        if not self.prefix_sharing or len(rows) < 2:
+            return prefix_groups.Plan([], list(range(len(rows))), [len(r.datum) for r in rows])
+        keys = {id(r.adapter): k for k, r in reversed(list(enumerate(rows)))}
+        cfg = self.model.cfg  # a context key's K and V against the least a token's activations hold
+        context_cost = 2 * cfg.num_kv_heads * cfg.head_dim / (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
+        return prefix_groups.plan(
+            [r.datum.tokens.tolist() for r in rows],
+            [keys[id(r.adapter)] for r in rows],
+            min_shared=self.min_shared_tokens,
+            budget=self.micro_batch_tokens,
+            context_cost=context_cost,
+        )
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[int]]:
         """Rows by decreasing length, cut so rows x longest <= micro_batch_tokens; within a micro-batch

@@ -1,0 +1,229 @@
+"""One training micro-batch of prefix-sharing trees (prefix_groups.py): each shared token computed once.
+
+How it is computed
+1. Slots: every position the micro-batch computes gets one slot, segment after segment in pass
+   order. Per layer, a flat K/V pool of that many slots holds each position's keys and values
+   (after RoPE), written by the pass that computes the position (`KVContext`, as the sampler's
+   prefix cache does).
+2. One pass of the body per tree depth: the segments of depth d are the rows (right padded). A
+   row's queries attend to its ancestors' keys and to its own, read from the pool in position
+   order (key index = position), with positions continuing from its parent's end; the mask is
+   causal by position. Autograd records the pool's writes and reads, so the gradients that all
+   children send into an ancestor's keys and values are summed there and flow back through the
+   ancestor's pass once, in one backward call. A micro-batch of single-segment trees
+   (multi-turn chains, duplicates) needs no pool: one causal pass over each tree's longest datum.
+3. The LM head runs once per scored position (a target other than -100), however many datums
+   score it (a GRPO prompt position, an earlier turn of a multi-turn chain): each datum reads its
+   own target's logprob from that position's log-softmax and its loss uses its own weights /
+   logprobs / advantages; dLoss/dlogits there is the sum over those datums of
+   g * (onehot(target) - softmax), g = dloss/dlogp (times the datum's 1/denominator).
+
+Exactness: a position's hidden state depends only on the tokens at positions <= its own (causal
+attention), and those are the same for every datum that reads it. With the batch-invariant
+kernels (invariant.py) each row's keys sit at index = position as in the plain path, so hidden
+states and logprobs are bit for bit the plain path's; without them they differ in the last bits
+(SDPA picks another kernel for an explicit mask). Gradients are the same sums, added in another order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.invariant import log_probs
+from ..model.lora import AdapterBatch
+from ..model.model import KVContext
+from .losses import LossInputs, sequence_log_ratios
+from .prefix_groups import Tree
+
+
+def run_micro_batch(
+    trainer,
+    rows: list,
+    trees: list[Tree],
+    logps: list[torch.Tensor],
+    losses: list[torch.Tensor],
+    backward: bool,
+) -> None:
+    """Forward (and backward when `backward`) of the datums of `trees`; `rows` are the trainer's
+    `_Row`s of the whole call (tree members index them); fills logps[i] / losses[i] of each member."""
+    from .trainer import (  # trainer imports this module
+        _chunk_adapters,
+        _losses_and_grads,
+    )
+
+    model, device = trainer.model, trainer.model.device
+    # ---- slots, segment by segment in pass order (depth, then tree, then segment)
+    order = sorted(((s.depth, t, k) for t, tree in enumerate(trees) for k, s in enumerate(tree.segments)))
+    base: dict[tuple[int, int], int] = {}
+    slot_key: list[torch.Tensor] = []  # per segment: its tree's rank (adapter) for each slot
+    n = 0
+    for _, t, k in order:
+        base[t, k] = n
+        seg = trees[t].segments[k]
+        slot_key.append(torch.full((seg.end - seg.start,), t, dtype=torch.long))
+        n += seg.end - seg.start
+    cfg = model.cfg
+    depths = sorted({d for d, _, _ in order})
+    # Only children read the pool: a micro-batch of single-segment trees (multi-turn chains) is
+    # the plain causal forward of each tree's longest datum.
+    pools = (
+        [
+            torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=device)
+            for _ in range(2 * cfg.num_layers)
+        ]
+        if len(depths) > 1
+        else None
+    )
+    # ---- the body, one pass per depth
+    hidden = []
+    with torch.set_grad_enabled(backward):
+        for depth in depths:
+            level = [(t, k) for d, t, k in order if d == depth]
+            h, real = _pass(model, rows, trees, level, base, pools, device)
+            hidden.append(h.reshape(-1, h.shape[-1]).index_select(0, real))
+        states = torch.cat(hidden) if len(hidden) > 1 else hidden[0]  # [n, hidden], by slot
+
+    # ---- scored positions: one entry per (datum, active position), pointing at a slot
+    members = sorted(i for tree in trees for i, _ in tree.members)
+    local = {i: r for r, i in enumerate(members)}
+    entry_slot = [None] * len(members)
+    for t, tree in enumerate(trees):
+        for i, seg in tree.members:
+            length = len(rows[i].datum)
+            spans = []
+            for k in tree.path(seg):
+                s = tree.segments[k]
+                spans.append(torch.arange(base[t, k], base[t, k] + min(s.end, length) - s.start))
+            entry_slot[local[i]] = torch.cat(spans)[rows[i].datum.active]
+    counts = [rows[i].datum.active.numel() for i in members]
+    slots = torch.cat(entry_slot)
+    if slots.numel() == 0:
+        return
+    # Positions through the LM head: each scored slot once, those of one adapter adjacent.
+    tree_of_slot = torch.cat(slot_key)
+    used = torch.unique(slots)
+    used = used[torch.argsort(tree_of_slot[used] * n + used)]
+    rank = torch.empty(n, dtype=torch.long)
+    rank[used] = torch.arange(used.numel())
+    at = rank[slots]  # each entry's row in `sel`
+    perm = torch.argsort(at, stable=True)  # entries by LM-head row
+    at = at[perm]
+    datum_of = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(counts))
+    losses_in_mb = list(dict.fromkeys(rows[i].loss for i in members))
+    loss_of = torch.tensor([losses_in_mb.index(rows[i].loss) for i in members])[datum_of][perm].to(device)
+    inputs = LossInputs.cat([rows[i].datum.inputs.select(rows[i].datum.active) for i in members])
+    inputs = inputs.select(perm).to(device)
+    tgt = torch.cat([rows[i].datum.targets[rows[i].datum.active] for i in members])[perm].to(device)
+    scales = (
+        None
+        if all(rows[i].grad_scale == 1.0 for i in members)
+        else torch.tensor([rows[i].grad_scale for i in members])[datum_of][perm].to(device)
+    )
+    adapter_of_tree = [rows[tree.members[0][0]].adapter for tree in trees]
+    spans = _adapter_spans(adapter_of_tree, tree_of_slot[used])
+    one = AdapterBatch.single(adapter_of_tree[0]) if spans is None else None
+
+    chunk = trainer.logits_chunk_tokens
+    sel = states.index_select(0, used.to(device))
+    train = backward and sel.requires_grad
+    pieces = [p.requires_grad_(train) for p in sel.detach().split(chunk)]
+    bounds = torch.searchsorted(at, torch.arange(0, used.numel() + chunk, chunk)).tolist()
+    at = at.to(device)
+
+    def lm_head(hs, i, j):
+        return model.lm_head(hs, one if spans is None else _chunk_adapters(spans, i, j, device))
+
+    if any(loss.sequence_level for loss in losses_in_mb):  # gspo: every logp first, values only
+        with torch.no_grad():
+            logp = torch.cat(
+                [
+                    log_probs(lm_head(hs, k * chunk, k * chunk + hs.shape[0]))[
+                        at[bounds[k] : bounds[k + 1]] - k * chunk, tgt[bounds[k] : bounds[k + 1]]
+                    ]
+                    for k, hs in enumerate(pieces)
+                ]
+            )
+        inputs.seq_log_ratio = sequence_log_ratios(logp, inputs, datum_of[perm].to(device), len(members))
+    logp_all = torch.empty(at.numel(), device=device)
+    loss_all = torch.empty(at.numel(), device=device)
+    for k, hs in enumerate(pieces):
+        i, j = k * chunk, k * chunk + hs.shape[0]
+        a, b = bounds[k], bounds[k + 1]
+        with torch.set_grad_enabled(backward):
+            logits = lm_head(hs, i, j).float()
+        z = log_probs(logits.detach())
+        loc = at[a:b] - i
+        logp = z[loc, tgt[a:b]]
+        loss_t, g = _losses_and_grads(
+            losses_in_mb, loss_of[a:b], logp, inputs.select(slice(a, b)), need_grad=backward
+        )
+        logp_all[a:b], loss_all[a:b] = logp, loss_t
+        if backward and logits.requires_grad:
+            if scales is not None:
+                g = g * scales[a:b]
+            total = torch.zeros(j - i, device=device).index_add_(0, loc, g)
+            grad = z.exp_().mul_(-total[:, None])  # in place: z becomes dLoss/dlogits
+            grad.index_put_((loc, tgt[a:b]), g, accumulate=True)
+            logits.backward(grad)
+        del logits, z
+    if train:
+        sel.backward(torch.cat([p.grad for p in pieces]))
+    out_logp = torch.empty_like(logp_all)
+    out_loss = torch.empty_like(loss_all)
+    out_logp[perm.to(device)], out_loss[perm.to(device)] = logp_all, loss_all
+    for r, part_logp, part_loss in zip(range(len(members)), out_logp.split(counts), out_loss.split(counts)):
+        i = members[r]
+        logps[i][rows[i].datum.active] = part_logp.detach().float().cpu()
+        losses[i][rows[i].datum.active] = part_loss.detach().float().cpu()
+
+
+def _pass(model, rows, trees, level, base, pools, device):
+    """The body over the segments `level` (one depth): returns hidden states [R, T, hidden] and the
+    flat indices of their real (unpadded) positions, in slot order."""
+    segs = [trees[t].segments[k] for t, k in level]
+    R, T = len(level), max(s.end - s.start for s in segs)
+    L = max(s.end for s in segs)
+    tokens = torch.zeros(R, T, dtype=torch.long)
+    positions = torch.zeros(R, T, dtype=torch.long)
+    write = torch.full((R, T), -1, dtype=torch.long)
+    read = torch.zeros(R, L, dtype=torch.long)
+    ends = torch.empty(R, dtype=torch.long)
+    real = []
+    for r, ((t, k), s) in enumerate(zip(level, segs)):
+        m = s.end - s.start
+        tokens[r, :m] = rows[s.source].datum.tokens[s.start : s.end]
+        positions[r] = s.start + torch.arange(T)
+        write[r, :m] = base[t, k] + torch.arange(m)
+        read[r, : s.end] = torch.cat(
+            [
+                base[t, p] + torch.arange(trees[t].segments[p].end - trees[t].segments[p].start)
+                for p in trees[t].path(k)
+            ]
+        )
+        ends[r] = s.end
+        real.append(r * T + torch.arange(m))
+    adapters = AdapterBatch.from_rows([rows[trees[t].members[0][0]].adapter for t, _ in level], device=device)
+    if pools is None:  # depth 0 only: positions 0..T-1, causal attention within each row
+        pad_mask = (write >= 0).to(device)
+        h = model.hidden_states(tokens.to(device), positions.to(device), adapters, pad_mask)
+        return h, torch.cat(real).to(device)
+    key = torch.arange(L)
+    # causal by position; a padded query sees its row's real keys (its output is dropped)
+    mask = (key[None, None, :] <= positions[:, :, None]) & (key[None, None, :] < ends[:, None, None])
+    kv = KVContext(pools[0::2], pools[1::2], write.to(device), read.to(device), mask[:, None].to(device))
+    h = model.hidden_states(tokens.to(device), positions.to(device), adapters, kv=kv)
+    return h, torch.cat(real).to(device)
+
+
+def _adapter_spans(adapter_of_tree, tree_of_row: torch.Tensor):
+    """Spans [(adapter, start, stop)] of LM-head rows by adapter (rows of one adapter are adjacent),
+    or None when one adapter covers them all."""
+    adapters = [adapter_of_tree[t] for t in tree_of_row.tolist()]
+    if all(a is adapters[0] for a in adapters):
+        return None
+    spans, start = [], 0
+    for r in range(1, len(adapters) + 1):
+        if r == len(adapters) or adapters[r] is not adapters[start]:
+            spans.append((adapters[start], start, r))
+            start = r
+    return spans

@@ -1,0 +1,188 @@
+"""Prefix sharing in training (prefix_groups.py, shared_prefix.py): datums of one run that share a
+prefix compute it once, and every loss gives the logprobs, losses and gradients of the plain path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_losses import randomize
+from test_trainer import assert_dicts_close, grads
+
+from trine.engine.api import LOSS_NAMES, LoRAConfig, Loss, TrainDatum
+from trine.engine.model import invariant
+from trine.engine.model.weights import load_model
+from trine.engine.trainer.prefix_groups import padded_tokens, plan
+from trine.engine.trainer.trainer import Trainer
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir, "cpu")
+
+
+def datum(tokens: list[int], g: torch.Generator, prompt: int = 0) -> TrainDatum:
+    """Targets are the next tokens (the last: random), the first `prompt` ignored; every datum has
+    its own weights, logprobs and advantages, also on the positions it shares with others."""
+    n = len(tokens)
+    targets = tokens[1:] + [int(torch.randint(0, VOCAB, (1,), generator=g))]
+    targets[:prompt] = [-100] * min(prompt, n)
+    return TrainDatum(
+        tokens=list(tokens),
+        target_tokens=targets,
+        weights=torch.randn(n, generator=g).tolist(),
+        logprobs=(-torch.rand(n, generator=g) * 12 - 9).tolist(),
+        advantages=torch.randn(n, generator=g).tolist(),
+    )
+
+
+def shared_data(seed: int) -> list[TrainDatum]:
+    """A GRPO group (prompt 21, completions of 5..9 tokens, two of them starting alike), a 3-turn chain
+    (one datum per turn, each extending the last) and an unrelated datum."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()
+    prompt = rand(21)
+    common = rand(3)
+    group = [datum(prompt + rand(5 + k), g, prompt=4) for k in range(3)]
+    group += [datum(prompt + common + rand(4), g), datum(prompt + common + rand(6), g)]
+    turns = [rand(17), rand(18), rand(16)]
+    chain = [datum([t for turn in turns[: k + 1] for t in turn], g, prompt=3) for k in range(3)]
+    return group[:2] + chain[:1] + group[2:] + chain[1:] + [datum(rand(12), g)]
+
+
+def trainers(model, *runs, unembed=True, **kw):
+    out = []
+    for sharing in (True, False):
+        t = Trainer(
+            model, base_model="tiny", prefix_sharing=sharing, min_shared_tokens=4, logits_chunk_tokens=7, **kw
+        )
+        for i, run in enumerate(runs):
+            t.create_run(run, LoRAConfig(rank=4, seed=i, train_unembed=unembed))
+            randomize(t.adapter(run), 10 + i)
+        out.append(t)
+    return out
+
+
+def assert_same(a, b, rel=1e-5):
+    for x, y in zip(a.logprobs + a.losses, b.logprobs + b.losses):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=rel, atol=rel)
+    assert a.loss_sum == pytest.approx(b.loss_sum, rel=rel, abs=rel)
+    assert a.token_count == b.token_count
+    assert a.usage.loss_tokens == b.usage.loss_tokens
+    assert a.usage.sequence_tokens == b.usage.sequence_tokens
+
+
+@pytest.mark.parametrize("unembed", [True, False], ids=["lora_unembed", "no_unembed"])
+@pytest.mark.parametrize("denominator", [None, 37.0], ids=["sum", "denominator"])
+@pytest.mark.parametrize("name", LOSS_NAMES)
+def test_every_loss_shared_equals_plain(model, name, denominator, unembed):
+    shared, plain = trainers(model, "r", unembed=unembed)
+    data = shared_data(1)
+    entry = [("r", data, Loss.parse(name), denominator)]
+    a, b = shared.forward_backward(entry)[0], plain.forward_backward(entry)[0]
+    assert_same(a, b)
+    assert a.usage.train_tokens < b.usage.train_tokens == a.usage.sequence_tokens  # it did share
+    assert_dicts_close(grads(shared, "r"), grads(plain, "r"))
+
+
+def test_several_runs_in_one_call_share_only_within_a_run(model):
+    """Two runs send the same datums (and one event of run a is split in two): no datum shares with
+    another run's, each run's gradient is its plain one."""
+    shared, plain = trainers(model, "a", "b")
+    data = shared_data(2)
+    batch = [
+        ("a", data[:4], Loss.parse("ppo"), 50.0),
+        ("b", data, Loss.parse("cross_entropy")),
+        ("a", data[4:], Loss.parse("importance_sampling")),
+    ]
+    outs, refs = shared.forward_backward(batch), plain.forward_backward(batch)
+    for a, b in zip(outs, refs):
+        assert_same(a, b)
+    computed = sum(r.usage.train_tokens for r in outs)
+    one_run = shared.forward_backward([("b", data, Loss.parse("cross_entropy"))])[0].usage.train_tokens
+    assert computed == 2 * one_run  # run a's two events shared as much as run b's one
+    assert one_run < sum(len(d.tokens) for d in data)
+    shared_b = grads(shared, "b")  # b got the call's gradient twice
+    plain.forward_backward([("b", data, Loss.parse("cross_entropy"))])
+    assert_dicts_close(grads(shared, "a"), grads(plain, "a"))
+    assert_dicts_close(shared_b, grads(plain, "b"))
+
+
+def test_logprobs_bit_for_bit_under_batch_invariant_kernels(model):
+    invariant.enable(True)
+    try:
+        shared, plain = trainers(model, "a", "b")
+        data = shared_data(3)
+        chains = [d for d in data if len(d.tokens) in (17, 35, 51)]  # alone: one pass, no K/V pool
+        assert len(chains) == 3
+        for name, batch in (
+            ("cross_entropy", None),
+            ("gspo", None),
+            ("ppo", [("a", chains, Loss.parse("ppo"))]),
+        ):
+            batch = batch or [("a", data, Loss.parse(name)), ("b", data[3:], Loss.parse(name))]
+            for a, b in zip(shared.forward_backward(batch), plain.forward_backward(batch)):
+                assert a.logprobs == b.logprobs
+                assert a.usage.train_tokens < b.usage.train_tokens
+    finally:
+        invariant.enable(False)
+
+
+def test_small_micro_batches_split_trees_and_stay_exact(model):
+    shared, plain = trainers(model, "r", micro_batch_tokens=40)
+    data = shared_data(4)
+    entry = [("r", data, Loss.parse("dro"))]
+    a, b = shared.forward_backward(entry)[0], plain.forward_backward(entry)[0]
+    assert_same(a, b)
+    assert a.usage.train_tokens < b.usage.train_tokens
+    assert_dicts_close(grads(shared, "r"), grads(plain, "r"))
+
+
+def test_forward_shares_and_changes_no_gradient(model):
+    shared, plain = trainers(model, "r")
+    before = grads(shared, "r")
+    entry = [("r", shared_data(5), Loss.parse("cispo"))]
+    a, b = shared.forward_backward(entry, backward=False)[0], plain.forward_backward(entry, backward=False)[0]
+    assert_same(a, b)
+    assert a.usage.train_tokens < b.usage.train_tokens
+    assert_dicts_close(grads(shared, "r"), before, rel=0)
+
+
+# ----------------------------------------------------------------------------- grouping (torch-free)
+def test_grpo_group_is_one_prompt_segment_with_a_child_per_completion():
+    prompt = list(range(100, 356))
+    seqs = [prompt + [k] * 64 for k in range(8)]
+    p = plan(seqs, [0] * 8)
+    ((tree,),) = p.batches
+    assert [(s.start, s.end, s.depth) for s in tree.segments] == [(0, 256, 0)] + [(256, 320, 1)] * 8
+    assert sum(p.charged) == tree.computed == 256 + 8 * 64 and p.plain == []
+    assert p.charged[0] == 320  # a computed token is charged to the first datum that reads it
+
+
+def test_multi_turn_chain_is_one_segment_read_by_every_turn():
+    seqs = [list(range(128 * (k + 1))) for k in range(4)]
+    p = plan(seqs, [0] * 4)
+    ((tree,),) = p.batches
+    assert [(s.start, s.end) for s in tree.segments] == [(0, 512)]
+    assert sorted(i for i, _ in tree.members) == [0, 1, 2, 3] and p.charged == [128] * 4
+
+
+def test_short_shared_prefixes_are_copied_and_runs_never_share():
+    a, b = [7] * 5 + [1] * 30, [7] * 5 + [2] * 30
+    p = plan([a, b], [0, 0], min_shared=6)  # 5 shared tokens: not worth a pass
+    assert p.batches == [] and p.plain == [0, 1] and p.charged == [35, 35]
+    p = plan([a, b], [0, 0], min_shared=5)
+    assert [s.end - s.start for s in p.batches[0][0].segments] == [5, 30, 30]
+    p = plan([a, a, b], [0, 1, 2], min_shared=1)  # same tokens, three runs
+    assert p.batches == [] and p.plain == [0, 1, 2]
+
+
+def test_trees_fit_the_micro_batch_budget():
+    prompt = list(range(1000, 1100))
+    seqs = [prompt + [k] * 50 for k in range(10)] + [list(range(500))]
+    p = plan(seqs, [0] * 11, budget=300)
+    assert all(padded_tokens(mb) <= 300 for mb in p.batches)
+    members = sorted(i for mb in p.batches for t in mb for i, _ in t.members)
+    assert members == list(range(10)) and p.plain == [10]
+    assert sum(p.charged[:10]) == sum(t.computed for mb in p.batches for t in mb) == 3 * 100 + 10 * 50
