@@ -230,8 +230,9 @@ class Phases:
     def report(self) -> None:
         from rich.console import Console
 
-        from trine.cli.demo import usage_table
+        from trine.cli.demo import training_saved, usage_table
 
         console = Console()
         console.print(usage_table(self.stages, self.service.usage()))
+        console.print(training_saved(self.service.usage()))
         console.print(f"finished in {time.monotonic() - self.started:.0f} s")

@@ -3,6 +3,7 @@ prints usage by phase. Also the demo's reward and GRPO datum construction."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 from click.testing import CliRunner
@@ -45,6 +46,7 @@ def test_demo_runs_end_to_end_and_prints_usage_by_phase(tiny_model_dir, tmp_path
     numbers = [int(x.replace(",", "")) for x in total.split("│")[2:7]]
     prefill, cached, sampled, train, in_loss = numbers
     assert prefill > 0 and sampled > 0 and train > 0 and 0 < in_loss < train
+    assert re.search(r"training: [\d,]+ tokens sent, [\d,]+ computed \(\d+% saved", out)
     assert "(USD)" in out and float(total.split("│")[7]) > 0  # priced by the server's rate card
 
 

@@ -81,6 +81,17 @@ def grpo_datums(trio, prompt: list[int], sequences, rewards: list[float]):
     return data
 
 
+def training_saved(u) -> str:
+    """One line: the training tokens sent, those computed, and the part shared prefixes spared."""
+    if not u.train_sequence_tokens:
+        return "no training tokens"
+    saved = 1 - u.train_tokens / u.train_sequence_tokens
+    return (
+        f"training: {u.train_sequence_tokens:,} tokens sent, {u.train_tokens:,} computed "
+        f"({saved:.0%} saved by training shared prefixes once)"
+    )
+
+
 def usage_table(stages: list[tuple[str, object]], total):
     from rich.table import Table
 
@@ -252,10 +263,11 @@ def demo(model_dir: Path | None, sft_steps: int, rl_steps: int, home: Path | Non
             total = service.usage()
         console.print()
         console.print(usage_table(stages, total))
+        console.print(training_saved(total))
         console.print(
             "prompt tokens = prefill computed + prefill cached;\n"
-            "train computed counts every position, train in loss only those with a\n"
-            "non-zero weight or advantage."
+            "train computed counts each position once (a prefix several datums share\n"
+            "once), train in loss only those with a non-zero weight or advantage."
         )
         console.print(f"demo finished in {time.monotonic() - started:.0f} s")
     finally:
