@@ -32,6 +32,7 @@ import torch
 from ..model.invariant import log_probs
 from ..model.lora import AdapterBatch
 from ..model.model import KVContext
+from .head import chunk_adapters, losses_and_grads
 from .losses import LossInputs, sequence_log_ratios
 from .prefix_groups import Tree
 
@@ -46,11 +47,6 @@ def run_micro_batch(
 ) -> None:
     """Forward (and backward when `backward`) of the datums of `trees`; `rows` are the trainer's
     `_Row`s of the whole call (tree members index them); fills logps[i] / losses[i] of each member."""
-    from .trainer import (  # trainer imports this module
-        _chunk_adapters,
-        _losses_and_grads,
-    )
-
     model, device = trainer.model, trainer.model.device
     # ---- slots, segment by segment in pass order (depth, then tree, then segment)
     order = sorted(((s.depth, t, k) for t, tree in enumerate(trees) for k, s in enumerate(tree.segments)))
@@ -131,7 +127,7 @@ def run_micro_batch(
     at = at.to(device)
 
     def lm_head(hs, i, j):
-        return model.lm_head(hs, one if spans is None else _chunk_adapters(spans, i, j, device))
+        return model.lm_head(hs, one if spans is None else chunk_adapters(spans, i, j, device))
 
     if any(loss.sequence_level for loss in losses_in_mb):  # gspo: every logp first, values only
         with torch.no_grad():
@@ -154,7 +150,7 @@ def run_micro_batch(
         z = log_probs(logits.detach())
         loc = at[a:b] - i
         logp = z[loc, tgt[a:b]]
-        loss_t, g = _losses_and_grads(
+        loss_t, g = losses_and_grads(
             losses_in_mb, loss_of[a:b], logp, inputs.select(slice(a, b)), need_grad=backward
         )
         logp_all[a:b], loss_all[a:b] = logp, loss_t

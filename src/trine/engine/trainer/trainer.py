@@ -60,8 +60,8 @@ from ..model.invariant import log_probs
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
 from ..prepare import check_datum
-from . import checkpoint, prefix_groups, shared_prefix
-from .losses import LossInputs, PreparedDatum, datum_tensors, loss_values, sequence_log_ratios
+from . import checkpoint, head, prefix_groups, shared_prefix
+from .losses import LossInputs, PreparedDatum, datum_tensors, sequence_log_ratios
 
 
 @dataclass
@@ -318,7 +318,7 @@ class Trainer:
             if active.numel()
             else []
         )
-        token_spans = _token_spans(adapters, counts)
+        token_spans = head.token_spans(adapters, counts)
         if active.numel() and any(loss.sequence_level for loss in losses_in_mb):
             # gspo: every token's ratio needs its datum's mean log-ratio first (values only)
             inputs.seq_log_ratio = sequence_log_ratios(
@@ -328,12 +328,14 @@ class Trainer:
         loss_all = torch.empty(active.numel(), device=device)
         for i, hs in zip(range(0, active.numel(), self.logits_chunk_tokens), pieces):
             j = i + hs.shape[0]
-            chunk_adapters = adapters if token_spans is None else _chunk_adapters(token_spans, i, j, device)
+            chunk_adapters = (
+                adapters if token_spans is None else head.chunk_adapters(token_spans, i, j, device)
+            )
             with torch.set_grad_enabled(backward):
                 logits = model.lm_head(hs, chunk_adapters).float()
             z = log_probs(logits.detach())
             logp = z.gather(1, tgt[i:j, None]).squeeze(1)
-            loss_t, g = _losses_and_grads(
+            loss_t, g = head.losses_and_grads(
                 losses_in_mb, loss_of[i:j], logp, inputs.select(slice(i, j)), need_grad=backward
             )
             logp_all[i:j], loss_all[i:j] = logp, loss_t
@@ -360,7 +362,7 @@ class Trainer:
             for i in range(0, sel.shape[0], self.logits_chunk_tokens):
                 j = min(i + self.logits_chunk_tokens, sel.shape[0])
                 chunk_adapters = (
-                    adapters if token_spans is None else _chunk_adapters(token_spans, i, j, sel.device)
+                    adapters if token_spans is None else head.chunk_adapters(token_spans, i, j, sel.device)
                 )
                 z = log_probs(self.model.lm_head(sel[i:j], chunk_adapters))
                 out.append(z.gather(1, tgt[i:j, None]).squeeze(1))
@@ -435,42 +437,6 @@ def _new_optimizer(adapter: Adapter) -> torch.optim.AdamW:
         p.requires_grad_(True)
         p.grad = torch.zeros_like(p)
     return torch.optim.AdamW(params, lr=0.0, foreach=True)
-
-
-def _token_spans(adapters: AdapterBatch, counts: list[int]) -> list[tuple[Adapter, int, int]] | None:
-    """Row spans of a micro-batch -> spans of its active positions (row r has counts[r] of them).
-    None when one adapter (or none) covers every row: then the row-level batch applies as is."""
-    if adapters.spans is None:
-        assert all(rows is None for _, rows in adapters.groups), "micro-batch rows must be grouped by adapter"
-        return None
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    return [(a, starts[s], starts[e]) for a, s, e in adapters.spans]
-
-
-def _chunk_adapters(spans: list[tuple[Adapter, int, int]], i: int, j: int, device) -> AdapterBatch:
-    """The adapter spans of positions [i, j), renumbered from 0."""
-    cut = [(a, max(s, i) - i, min(e, j) - i) for a, s, e in spans if s < j and e > i]
-    return AdapterBatch([(a, torch.arange(s, e, device=device)) for a, s, e in cut], cut)
-
-
-def _losses_and_grads(
-    losses: list[Loss], loss_of: torch.Tensor, logp: torch.Tensor, inputs: LossInputs, need_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token losses and dloss/dlogp for positions whose loss is losses[loss_of[k]]."""
-    with torch.enable_grad():
-        x = logp.detach().requires_grad_(need_grad)
-        if len(losses) == 1:
-            out = loss_values(losses[0], x, inputs)
-        else:
-            out = torch.zeros_like(x)
-            for k, loss in enumerate(losses):
-                idx = (loss_of == k).nonzero().squeeze(1)
-                if idx.numel():
-                    out = out.index_put((idx,), loss_values(loss, x[idx], inputs.select(idx)))
-        grad = torch.autograd.grad(out.sum(), x)[0] if need_grad else None
-    return out.detach(), grad
 
 
 def return_freed_memory() -> None:
