@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -51,7 +52,11 @@ def test_single_turn_group_prefills_once():
     assert w.prompt == wo.prompt == 10 * 8 * 200  # one prefill per group, not per sample
     assert w.prefill_cached == 0  # nothing shared between different prompts
     assert w.sample == 10 * 8 * 16 * 300
-    assert w.train == 10 * 8 * 16 * 499 and w.train_loss == 10 * 8 * 16 * 300
+    assert w.train_sequence == 10 * 8 * 16 * 499 and w.train_loss == 10 * 8 * 16 * 300
+    # a group's 16 trajectories share their 200-token prompt: trained once per group
+    assert w.train == 10 * 8 * 16 * 499 - 10 * 8 * 15 * 200
+    no_sharing = estimate(dataclasses.replace(s, prefix_sharing=False), CARD).with_cache.tokens
+    assert no_sharing.train == no_sharing.train_sequence == w.train_sequence
     assert e.dominant_phase in ("sample", "train")
     assert e.with_cache.requests == 80
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from ..engine.trainer.prefix_groups import MIN_SHARED_TOKENS
 from .money import fmt_money
 from .rates import RateCard
 from .report import PhaseTokens, ReportRow
@@ -42,6 +43,7 @@ class JobShape:
     train_passes: int = 1  # forward_backward passes over each trajectory per step; 0 = sampling only
     trained_fraction: float = 1.0  # share of trajectories trained on (GRPO drops groups of equal rewards)
     block_size: int = 16  # the KV cache block size of the server
+    prefix_sharing: bool = True  # the server trains a prefix its datums share once (trine serve's default)
 
     def __post_init__(self):
         minimum = {
@@ -107,12 +109,30 @@ def estimate(shape: JobShape, rate_card: RateCard) -> Estimate:
         else:
             tokens = _sum([(cold, 1), (warm, s.steps * s.prompts_per_step - 1)])
         trained = s.train_passes * s.trained_fraction * s.steps * s.prompts_per_step * s.group_size
-        tokens.train = round(trained * (s.trajectory_tokens - 1))
+        tokens.train_sequence = round(trained * (s.trajectory_tokens - 1))
+        tokens.train = tokens.train_sequence - round(s.train_passes * s.steps * _shared_per_step(s))
         tokens.train_loss = round(trained * s.turns * s.completion_tokens)
         requests = s.steps * s.prompts_per_step * (1 + (s.turns - 1) * s.group_size)
         key = "with prefix cache" if cache else "without prefix cache"
         rows.append(ReportRow(key, requests, tokens, rate_card.cost(tokens, s.model)))
     return Estimate(shape, *rows, currency=rate_card.currency)
+
+
+def _shared_per_step(s: JobShape) -> float:
+    """Training tokens a step's shared prefixes spare (engine/trainer/prefix_groups.py): the step's
+    trajectories share the system prompt, and a group's share its first prompt. A shared segment
+    shorter than the trainer's MIN_SHARED_TOKENS is computed in each datum instead."""
+    if not s.prefix_sharing:
+        return 0.0
+    trajectories = s.trained_fraction * s.prompts_per_step * s.group_size
+    groups = trajectories / s.group_size
+    saved, group_segment = 0.0, s.system_tokens + s.prompt_tokens
+    if s.system_tokens >= MIN_SHARED_TOKENS and trajectories > 1:
+        saved += (trajectories - 1) * s.system_tokens
+        group_segment = s.prompt_tokens
+    if group_segment >= MIN_SHARED_TOKENS:
+        saved += (trajectories - groups) * group_segment
+    return saved
 
 
 def _group(s: JobShape, cache: bool, system_cached: bool) -> PhaseTokens:
@@ -167,6 +187,9 @@ def render(est: Estimate, console=None, wall=None) -> None:
             fmt_money(wo.cost[ph]),
         )
     t.add_row("train_loss", f"{w.tokens.train_loss:,}", "", f"{wo.tokens.train_loss:,}", "")
+    t.add_row(
+        "train_sequence (sent)", f"{w.tokens.train_sequence:,}", "", f"{wo.tokens.train_sequence:,}", ""
+    )
     t.add_row("total", "", fmt_money(w.cost["total"]), "", fmt_money(wo.cost["total"]), style="bold")
     console.print(t)
     hit = w.tokens.cache_hit_rate
