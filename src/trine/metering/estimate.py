@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from ..engine.trainer.prefix_groups import MIN_SHARED_TOKENS
 from .money import fmt_money
 from .rates import RateCard
 from .report import PhaseTokens, ReportRow
@@ -124,6 +123,9 @@ def _shared_per_step(s: JobShape) -> float:
     shorter than the trainer's MIN_SHARED_TOKENS is computed in each datum instead."""
     if not s.prefix_sharing:
         return 0.0
+    # torch-free, imported here so that `import trine` (whose types use metering) loads no engine
+    from ..engine.trainer.prefix_groups import MIN_SHARED_TOKENS
+
     trajectories = s.trained_fraction * s.prompts_per_step * s.group_size
     groups = trajectories / s.group_size
     saved, group_segment = 0.0, s.system_tokens + s.prompt_tokens
