@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from report import record  # benchmarks/report.py
 
 
 def _rss_kb(field: str) -> int:
@@ -188,6 +189,7 @@ def main():
         "iters": args.iters,
         "threads": args.threads,
     }
+    record(result)  # benchmarks/results/trainer.jsonl
     if args.json:
         print(json.dumps(result))
     else:
