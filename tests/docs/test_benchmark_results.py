@@ -78,6 +78,18 @@ def test_the_page_renders_the_latest_record_of_every_results_file(path):
         assert f"`{key}" in table, f"{path.name}: {key} not rendered"
 
 
+def test_every_benchmark_that_records_has_a_section():
+    recorders = [
+        p.stem
+        for p in (ROOT / "benchmarks").glob("*.py")
+        if p.stem != "report" and re.search(r"^\s*(emit|record)\(", p.read_text(), re.M)
+    ]
+    assert len(recorders) > 10
+    source = PAGE.read_text()
+    missing = [name for name in recorders if f"<!-- trine:bench {name} -->" not in source]
+    assert not missing, f"docs/benchmarks.md has no `<!-- trine:bench NAME -->` section for {missing}"
+
+
 def test_a_benchmark_without_records_says_how_to_make_one():
     assert "Not yet recorded in this format; run `.venv/bin/python benchmarks/nothing_yet.py --json`" in (
         hook.bench_table("nothing_yet")
