@@ -357,10 +357,13 @@ def bench_table(name: str) -> str:
         return f"*Not yet recorded in this format; run `.venv/bin/python benchmarks/{name}.py --json`.*"
     r = records[-1]
     m = r["machine"]
-    load = " ".join(f"{x:.1f}" for x in m.get("load_average") or [])
+    where = [m["cpu"], f"{m['cores']} cores", f"torch {m['torch']}"]
+    if m.get("load_average"):
+        where.append(f"load average {' '.join(f'{x:.1f}' for x in m['load_average'])} at the end")
+    if m.get("note"):
+        where.append(m["note"])
     lines = [
-        f"*Recorded {r['date']} on {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
-        f"load average {load} at the end; `{r['command']}`; "
+        f"*Recorded {r['date']} on {', '.join(where)}; `{r['command']}`; "
         f"the last of {len(records)} record(s) in `benchmarks/results/{name}.jsonl`.*",
     ]
     if r.get("note"):
