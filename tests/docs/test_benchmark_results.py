@@ -64,7 +64,7 @@ def test_every_record_parses_and_has_the_fields(path):
         assert {"cpu", "cores", "torch"} <= set(r["machine"]), where
         # the load average report.py reads, or what the person who ran it said of the load
         assert {"load_average", "note"} & set(r["machine"]), where
-        assert r["command"].startswith(f"benchmarks/{path.stem}.py"), where
+        assert f"{path.stem}.py" in r["command"], where
         assert isinstance(r["result"], dict) and r["result"], where
 
 
