@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import record  # benchmarks/report.py
+
 import trine as trio
 from trine.server.app import start_server
 
@@ -207,6 +209,7 @@ def main() -> None:
         "reward_curve_sync": [round(x, 4) for x in res["sync_pool"][0]["rewards"]],
         "reward_curve_async": [round(x, 4) for x in res["async_pool"][0]["rewards"]],
     }
+    record(result)  # benchmarks/results/async_rl.jsonl
     if args.json:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
     else:

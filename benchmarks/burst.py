@@ -28,6 +28,7 @@ import threading
 import time
 
 import httpx
+from report import record  # benchmarks/report.py
 
 
 def log(msg: str) -> None:
@@ -124,6 +125,7 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(60)
+    record(result)  # benchmarks/results/burst.jsonl
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
 
 

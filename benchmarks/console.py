@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from report import record  # benchmarks/report.py
+
 from trine.server.console import runs as console_runs
 from trine.service import EventResult
 from trine.service.ownership import Ownership
@@ -136,6 +138,7 @@ def main() -> None:
         "first_view_speedup": med["baseline"] / med["first_view"],
         "repeats": args.repeats,
     }
+    record(result)  # benchmarks/results/console.jsonl
     if args.json:
         print(json.dumps(result, indent=2))
     else:

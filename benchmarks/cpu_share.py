@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from report import record  # benchmarks/report.py
+
 WORKLOAD = r"""
 import random, sys, time
 import torch
@@ -96,6 +98,7 @@ def main() -> None:
         if alone:
             for key in [k for k in results[policy] if k.startswith("hogs") and not k.endswith("spread")]:
                 results[policy][f"{key}_vs_alone"] = results[policy][key] / alone
+    record(results)  # benchmarks/results/cpu_share.jsonl
     if args.json:
         print(json.dumps(results, indent=2))
         return

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from report import record  # benchmarks/report.py
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.model.tokenizer import Tokenizer
@@ -76,6 +77,7 @@ def main() -> None:
             "per_sequence_ms": 1000 * sec / n,
             "vs_one": sec / statistics.median(runs[sizes[0]]),
         }
+    record(out)  # benchmarks/results/decode_step.jsonl
     if args.json:
         print(json.dumps(out))
     else:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from report import record  # benchmarks/report.py
 from service import Wire  # benchmarks/service.py: the minimal PyTRIO wire client
 
 from trine.engine.sampler.scheduler import TENANT_SHARE
@@ -251,6 +252,7 @@ def main() -> None:
             result = run(srv.url, srv.api_key, key_b, args.model.name, args)
         finally:
             srv.stop()
+    record(result)  # benchmarks/results/fairness.jsonl
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
 
 

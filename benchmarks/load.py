@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from report import record  # benchmarks/report.py
 from service import Wire  # benchmarks/service.py: the minimal PyTRIO wire client
 
 from trine.server.app import start_server
@@ -362,6 +363,7 @@ def main() -> None:
             result = run(srv.url, srv.api_key, args.model.name, args)
         finally:
             srv.stop()
+    record(result)  # benchmarks/results/load.jsonl
     if args.json:
         print(json.dumps(result))
     else:

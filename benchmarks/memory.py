@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import record  # benchmarks/report.py
+
 import trine as trio
 from trine.server.app import start_server
 
@@ -113,6 +115,7 @@ def main() -> None:
         "returned_fraction_min": min(r["returned_fraction"] for r in rounds),
         "growth_after_rounds_mib": end - start,
     }
+    record(out)  # benchmarks/results/memory.jsonl
     if args.json:
         print(json.dumps(out))
     else:

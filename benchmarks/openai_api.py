@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 import openai
+from report import record  # benchmarks/report.py
 from service import Wire, log  # benchmarks/service.py: the PyTRIO wire client
 
 from trine.server.app import start_server
@@ -296,6 +297,7 @@ def main() -> None:
                 result["scoring"] = bench_scoring(client, name, args.model, args)
         finally:
             srv.stop()
+    record(result)  # benchmarks/results/openai_api.jsonl
     print(json.dumps(result, indent=2) if args.json else result)
 
 

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import record  # benchmarks/report.py
+
 from trine.engine.api import SampleRequest, SamplingOptions
 from trine.engine.runtime.local import LocalEngine
 from trine.engine.runtime.ray_backend import connect, ray_engines
@@ -184,6 +186,7 @@ def main() -> None:
             result = asyncio.run(run(args, args.model.resolve(), Path(home)))
     finally:
         ray.shutdown()
+    record(result)  # benchmarks/results/pool.jsonl
     if args.json:
         print(json.dumps({k: v if isinstance(v, list) else round(v, 4) for k, v in result.items()}))
     else:

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import msgpack
 import torch
+from report import record  # benchmarks/report.py
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.model.tokenizer import Tokenizer
@@ -261,6 +262,7 @@ def main() -> None:
             result.update(bench_cycles(srv.url, srv.api_key, name, args))
         finally:
             srv.stop()
+    record(result)  # benchmarks/results/service.jsonl
     if args.json:
         print(
             json.dumps(

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from report import record  # benchmarks/report.py
 
 
 def _rss_kb(field: str) -> int:
@@ -347,6 +348,7 @@ def main():
 
 
 def _print(result: dict, args) -> None:
+    record(result)  # benchmarks/results/trainer.jsonl
     if args.json:
         print(json.dumps(result))
     else:

@@ -6,12 +6,18 @@ NAME to a function returning Markdown. An unknown NAME fails the build (so `mkdo
 against the code and that every limit the code defines is listed here.
 
 Engine facts are read in `_engine()` alone: when engine modules move, that is the one place to change.
+
+Benchmark figures come the same way from `benchmarks/results/NAME.jsonl` (written by benchmarks/report.py,
+one record per run): `<!-- trine:bench NAME -->` renders the file's last record (its date, machine, command
+and figures), or says how to record one when there is none yet.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import re
+from pathlib import Path
 
 MARKER = re.compile(r"^<!-- trine:table ([a-z_]+) -->$", re.M)
 
@@ -305,6 +311,66 @@ TABLES = {
 }
 
 
+# ---------------------------------------------------------------------------- benchmark results
+
+BENCH_MARKER = re.compile(r"^<!-- trine:bench ([a-z_]+) -->$", re.M)
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+# Benchmarks that print text, not a JSON object, so benchmarks/report.py cannot record them yet.
+UNRECORDED = {"probe_prefill"}
+
+
+def bench_records(name: str) -> list[dict]:
+    path = RESULTS / f"{name}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _figure(v) -> str:
+    """A value as the table shows it: floats to 4 significant digits, lists and deeper dicts inline."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return ", ".join(_figure(x) for x in v)
+    if isinstance(v, dict):
+        return "; ".join(f"{k} {_figure(x)}" for k, x in v.items())
+    return str(v)
+
+
+def _rows(result: dict, prefix: str = "", depth: int = 2) -> list[list[str]]:
+    """Dotted keys down to `depth` levels of nesting; anything deeper is shown inline by `_figure`."""
+    rows = []
+    for k, v in result.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and depth > 1:
+            rows += _rows(v, f"{key}.", depth - 1)
+        else:
+            rows.append([_code(key), _figure(v)])
+    return rows
+
+
+def bench_table(name: str) -> str:
+    records = bench_records(name)
+    if not records and name in UNRECORDED:
+        return f"*Not yet recorded in this format: `benchmarks/{name}.py` prints text, not a JSON object.*"
+    if not records:
+        return f"*Not yet recorded in this format; run `.venv/bin/python benchmarks/{name}.py --json`.*"
+    r = records[-1]
+    m = r["machine"]
+    where = [m["cpu"], f"{m['cores']} cores", f"torch {m['torch']}"]
+    if m.get("load_average"):
+        where.append(f"load average {' '.join(f'{x:.1f}' for x in m['load_average'])} at the end")
+    if m.get("note"):
+        where.append(m["note"])
+    lines = [
+        f"*Recorded {r['date']} on {', '.join(where)}; `{r['command']}`; "
+        f"the last of {len(records)} record(s) in `benchmarks/results/{name}.jsonl`.*",
+    ]
+    if r.get("note"):
+        lines += ["", f"*{r['note']}.*"]
+    return "\n".join([*lines, "", _table(["figure", "value"], _rows(r["result"]))])
+
+
 def render(markdown: str, where: str = "") -> str:
     def one(m: re.Match) -> str:
         name = m.group(1)
@@ -312,7 +378,7 @@ def render(markdown: str, where: str = "") -> str:
             raise ValueError(f"{where}: unknown generated table {name!r}; known: {', '.join(sorted(TABLES))}")
         return TABLES[name]()
 
-    return MARKER.sub(one, markdown)
+    return BENCH_MARKER.sub(lambda m: bench_table(m.group(1)), MARKER.sub(one, markdown))
 
 
 def on_page_markdown(markdown, page, config, files):
