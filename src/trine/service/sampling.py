@@ -93,8 +93,7 @@ class Sampling:
         r = self.ownership.sampling_run(key, sampling_run_id)
         dedup = (r.id, req.request_id)
         if dedup not in self._running:
-            stored = self._recent.get(dedup) or await asyncio.to_thread(self.store.sample_result, *dedup)
-            stored = stored or self._recent.get(dedup)  # finished while the store was read
+            stored = await self._stored(dedup)
             if stored is not None:
                 self._running.check(dedup, stored[1], fingerprint)
                 return SampleOutcome.from_json(stored[0])
@@ -105,6 +104,12 @@ class Sampling:
                 )
             self._admit(req)
         return await self._running.run(dedup, fingerprint, lambda: self._sample(key, r, req, fingerprint))
+
+    async def _stored(self, dedup: tuple[str, str]) -> tuple[bytes, str | None] | None:
+        """The stored outcome of a request and its fingerprint: from memory, else one store read off
+        the event loop (and memory again: it may have finished while the store was read)."""
+        stored = self._recent.get(dedup) or await asyncio.to_thread(self.store.sample_result, *dedup)
+        return stored or self._recent.get(dedup)
 
     async def _sample(
         self, key: ApiKey, r: SamplingRun, req: SampleRequest, fingerprint: str
@@ -136,7 +141,7 @@ class Sampling:
         request, which frees its KV blocks at once; what it computed until then is metered."""
         r = self.ownership.sampling_run(key, sampling_run_id)
         dedup = (r.id, req.request_id)
-        stored = self._recent.get(dedup) or await asyncio.to_thread(self.store.sample_result, *dedup)
+        stored = await self._stored(dedup)
         if stored is not None or dedup in self._running:
             raise Conflict(
                 f"request_id {req.request_id!r} was already used in sampling run {r.id}; send a new id",
