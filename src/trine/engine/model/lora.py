@@ -100,13 +100,19 @@ class LoRALinear(nn.Linear):
     lora_name: str = ""  # its full module name in the model (set by the model), the adapters' key
 
     def forward(self, x: torch.Tensor, adapters: AdapterBatch | None = None) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias)
+        return self.add_adapters(x, linear(x, self.weight, self.bias), adapters)
+
+    def add_adapters(
+        self, x: torch.Tensor, out: torch.Tensor, adapters: AdapterBatch | None, inplace: bool = True
+    ) -> torch.Tensor:
+        """`out` (this layer's base output for `x`) plus the adapters' deltas: added in place when
+        `out` is fresh (linear's backward does not read it, so no copies of it are made per
+        adapter), out of place when it is a slice autograd may not modify (`FusedLinears`)."""
         if not adapters or not adapters.groups:
             return out
-        # In place: `out` is fresh and linear's backward does not read it, so no copies of it are
-        # made per adapter. The scale multiplies the rank-r intermediate, not the wide output.
+        # The scale multiplies the rank-r intermediate, not the wide output.
         if adapters.spans is not None:
-            return self._add_spans(x, out, adapters.spans)
+            return self._add_spans(x, out, adapters.spans, inplace)
         for adapter, rows in adapters.groups:
             pair = adapter.pair(self.lora_name)
             if pair is None:
@@ -114,10 +120,13 @@ class LoRALinear(nn.Linear):
             a, b = pair
             xs = x if rows is None else x.index_select(0, rows)
             delta = linear(linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype)
-            out = out.add_(delta) if rows is None else out.index_add_(0, rows, delta)
+            if rows is None:
+                out = out.add_(delta) if inplace else out + delta
+            else:
+                out = out.index_add_(0, rows, delta) if inplace else out.index_add(0, rows, delta)
         return out
 
-    def _add_spans(self, x: torch.Tensor, out: torch.Tensor, spans) -> torch.Tensor:
+    def _add_spans(self, x: torch.Tensor, out: torch.Tensor, spans, inplace: bool) -> torch.Tensor:
         """Contiguous row ranges: split x, one delta per piece, one cat. Backward is one split and one
         cat too (narrowing or in-place adds on views would copy the full gradient once per adapter)."""
         sizes, owners, pos = [], [], 0
@@ -140,4 +149,80 @@ class LoRALinear(nn.Linear):
                 continue
             a, b = adapter.pair(self.lora_name)
             deltas.append(linear(linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype))
-        return out.add_(torch.cat(deltas))
+        return out.add_(torch.cat(deltas)) if inplace else out + torch.cat(deltas)
+
+
+class FusedLinears:
+    """LoRALinear layers that read the same input (q/k/v, gate/up), computed with one GEMM.
+
+    Fewer, wider GEMMs: on a CPU a decode step's linear layers have a few dozen rows, where a call's
+    fixed cost and a narrow weight's poor blocking dominate. Each member then adds its own
+    adapters' deltas to its slice of the output, so LoRA targets keep PEFT's per-layer names.
+
+    Invariants
+    - The members stay ordinary `LoRALinear` modules with their own parameters (state dicts, LoRA
+      targets and exports are unchanged). Fusing makes their weights (and biases) consecutive row
+      ranges of one tensor, in place of their own storage, so the model holds each weight once.
+    - Fused or not, each member's output is `linear(x, W_i, b_i)` plus its adapters' deltas. A
+      member whose storage was replaced (`.to()`, assigning a weight; `load_state_dict` copies into
+      the views and keeps them) is re-fused at the next call. Base weights that require grad (a
+      caller training them) are never fused: the plain per-member path keeps their gradients.
+    - The group holds the members' names, not the modules, so deep copies and device moves of the
+      owner never leave it pointing at stale modules.
+    """
+
+    def __init__(self, *names: str):
+        self.names = names
+
+    def __call__(
+        self, owner: nn.Module, x: torch.Tensor, adapters: AdapterBatch | None
+    ) -> list[torch.Tensor]:
+        members = [getattr(owner, n) for n in self.names]
+        fused = _fused(members)
+        if fused is None:
+            return [m(x, adapters) for m in members]
+        weight, bias = fused
+        out = linear(x, weight, bias).split([m.out_features for m in members], dim=-1)
+        # autograd forbids in-place changes to the views `split` returns: training adds out of place
+        inplace = not torch.is_grad_enabled()
+        return [m.add_adapters(x, o, adapters, inplace) for m, o in zip(members, out)]
+
+
+def _fused(members: list[LoRALinear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The members' weights and biases as one [sum(out), in] weight and [sum(out)] bias, sharing
+    their storage (fused now if they are not yet); None if any of them requires grad."""
+    weights = [m.weight for m in members]
+    biases = [m.bias for m in members]
+    if any(w.requires_grad for w in weights) or any(b is not None and b.requires_grad for b in biases):
+        return None
+    if not (_consecutive(weights) and (biases[0] is None or _consecutive(biases))):
+        _fuse(members)
+        weights, biases = [m.weight for m in members], [m.bias for m in members]
+    rows = sum(w.shape[0] for w in weights)
+    weight = weights[0].detach().as_strided((rows, weights[0].shape[1]), weights[0].stride())
+    bias = None if biases[0] is None else biases[0].detach().as_strided((rows,), (1,))
+    return weight, bias
+
+
+def _consecutive(tensors: list[torch.Tensor]) -> bool:
+    """Contiguous tensors laid out one after another in one storage."""
+    first = tensors[0]
+    ptr, at = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr or t.storage_offset() != at:
+            return False
+        at += t.numel()
+    return True
+
+
+def _fuse(members: list[LoRALinear]) -> None:
+    """Copy the members' weights (and biases) into one tensor and make each member's a view of it.
+    Outside inference mode, so the fused tensors serve training forwards too."""
+    with torch.inference_mode(False), torch.no_grad():
+        for attr in ("weight", "bias"):
+            params = [getattr(m, attr) for m in members]
+            if params[0] is None:
+                continue
+            whole = torch.cat([p.detach() for p in params])
+            for p, view in zip(params, whole.split([p.shape[0] for p in params])):
+                p.data = view

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .invariant import attention, silu
-from .lora import AdapterBatch, LoRALinear
+from .lora import AdapterBatch, FusedLinears, LoRALinear
 
 
 # ----------------------------------------------------------------------------- config
@@ -154,13 +154,15 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qkv = FusedLinears("q_proj", "k_proj", "v_proj")  # one GEMM for the three
 
     def forward(self, x, cos, sin, adapters, mask, kv: KVContext | None, layer: int):
         B, T, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x, adapters).view(B, T, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x, adapters).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x, adapters).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self.qkv(self, x, adapters)
+        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
@@ -198,9 +200,11 @@ class MLP(nn.Module):
         self.gate_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = LoRALinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = FusedLinears("gate_proj", "up_proj")  # one GEMM for the two
 
     def forward(self, x, adapters):
-        return self.down_proj(silu(self.gate_proj(x, adapters)) * self.up_proj(x, adapters), adapters)
+        gate, up = self.gate_up(self, x, adapters)
+        return self.down_proj(silu(gate) * up, adapters)
 
 
 class Block(nn.Module):
