@@ -336,7 +336,9 @@ class Events:
                     if live is not None:
                         live.record.status = "running"
             try:
-                outcomes = (await rep.engine.run_cycle(cycle)).outcomes
+                result = await rep.engine.run_cycle(cycle)
+                outcomes = result.outcomes
+                rep.cycle_tally.observe(result.seconds, sum(o.train_tokens for o in outcomes.values()))
             except EngineLost as e:
                 self.on_lost(m, rep, str(e))  # fails this plan's events and the rest of the replica's
                 outcomes = _all_failed(
