@@ -38,7 +38,7 @@ from ..metering.http import MoneyJSONResponse, make_usage_router
 from ..service import Service, ServiceError, Unauthorized
 from ..service.ownership import Ownership
 from ..service.queries import UsageLedger
-from . import actor, console, context, control, openai, runs_api, tinker
+from . import actor, console, context, control, openai, runs_api, tinker, traces
 from .access_log import AccessLog
 from .auth import TokenSigner
 from .connections import (
@@ -162,6 +162,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     app.include_router(make_usage_router(_usage_ledger, context.api_key, app.state.rate_card))
     app.include_router(console.router)  # the web console at /console (pages and their JSON)
     app.include_router(runs_api.router)  # logged metrics; runs with labels (`trine runs`)
+    app.include_router(traces.router)  # session traces: files, signed URLs, the console's timeline
     # the OpenAI-compatible API: /v1/..., /api/openai/v1/..., /oai/api/v1/... (its own error shape)
     app.include_router(openai.router)
     for r in routers:
