@@ -31,10 +31,26 @@ def env(tiny_model_dir, tmp_path_factory):
             for f in futures:
                 f.result()
             sampling_session = service.service_session_cuid
+        with trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as service:  # both: the docs' picture
+            mixed(service)
         with chromium(CHROMIUM, CHROMEDRIVER) as driver:
             sign_in(driver, srv.url, srv.api_key)
             wait(driver, "document.querySelector('#runs table')")
             yield srv, bob, driver, run, sampling_session
+
+
+def mixed(service) -> None:
+    """An RL-shaped session: each step samples a group from the latest weights, then trains."""
+    trainer = service.create_lora_training_client(MODEL, rank=4, seed=0)
+    data = [trio.Datum(model_input=trio.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]})
+            for s in SEQS]  # fmt: skip
+    params = trio.SamplingParams(max_tokens=8, temperature=1.0, seed=1)
+    for _ in range(2):
+        sampler = trainer.save_weights_and_get_sampling_client()
+        group = [sampler.sample(trio.ModelInput.from_ints(SEQS[0] * 4), 2, params) for _ in range(3)]
+        [f.result() for f in group]
+        trainer.forward_backward(data, "cross_entropy")
+        trainer.optim_step(trio.AdamParams(learning_rate=2e-2)).result()
 
 
 def test_the_sessions_page_lists_both_sessions_and_opens_a_timeline(env):
@@ -112,6 +128,17 @@ def test_the_run_page_links_to_its_sessions_training_timeline(env):
     trained = sum(u.train for u in srv.service.usage_events(key, session_id=session))
     assert summary_tokens(browser, "train") == trained == sum(run.train_tokens) > 0
     shoot(browser, "session-timeline-training")
+
+
+def test_a_session_that_samples_and_trains_draws_every_lane(env):
+    srv, _, browser, _, _ = env
+    browser.get(f"{srv.url}/console/sessions")
+    wait(browser, "document.querySelectorAll('#sessions tr[data-session]').length >= 3")
+    newest = browser.find_element("css selector", "#sessions tr[data-session] a")  # newest first
+    newest.click()
+    wait(browser, "document.querySelectorAll('#timeline-svg rect.lane-train').length > 0")
+    assert set(lanes(browser)) == {"queue", "prefill", "decode", "cycle", "train"}
+    shoot(browser, "session-timeline")
 
 
 def test_another_keys_session_is_not_found(env):
