@@ -4,10 +4,16 @@ session's events, tokens and cost from the usage rows, and another key's session
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import time
 
+import pytest
+from serverutil import serve
+
+from trine.engine.api import SampleRequest, SamplingOptions
 from trine.metering.events import UsageEvent
 from trine.metering.rates import RateCard
+from trine.service import SamplingRunSpec
 from trine.service.errors import NotFound
 from trine.service.ownership import Ownership
 from trine.service.traces import Traces, chrome_trace
@@ -92,3 +98,31 @@ def test_another_keys_session_is_not_found(env):
     bob, _ = store.create_key("bob")
     with pytest.raises(NotFound):
         traces.timeline(bob, "ss_1")
+
+
+def test_a_stream_closed_early_is_timed_as_cancelled(tiny_model_dir, tmp_path):
+    """A stream its consumer closes is metered for what it computed (sampling.py) and timed too:
+    its queue and prefill spans, and a decode span up to the cancellation."""
+    with serve(tiny_model_dir, tmp_path / "home") as srv:
+        svc = srv.service
+        key = svc.ownership.authenticate(srv.api_key)
+        session = svc.runs.create_session(key, "test")
+        run = svc.runs.create_sampling_run(key, session.id, SamplingRunSpec("tiny-llama"))
+        long = SampleRequest("r1", list(range(5, 40)), SamplingOptions(max_tokens=1000, stop_at_eos=False))
+
+        async def two_chunks_then_close():
+            items = svc.sampling.sample_stream(key, run.id, long)
+            for _ in range(2):
+                await items.__anext__()
+            await items.aclose()
+
+        asyncio.run_coroutine_threadsafe(two_chunks_then_close(), svc.loop).result(60)
+        for _ in range(100):  # the cancellation is metered (and timed) in the background
+            rows = svc.store.timings(key.id, session.id)
+            if rows:
+                break
+            time.sleep(0.05)
+        (t,) = rows
+        assert t.status == "cancelled" and t.accepted <= t.started <= t.prefilled <= t.ended
+        lanes = {s.lane for s in svc.traces.timeline(key, session.id).spans}
+        assert {"prefill", "decode"} <= lanes
