@@ -38,7 +38,7 @@ SAMPLING = ("sample", "compute_logprobs")
 
 
 @dataclass
-class Span:
+class TraceSpan:
     lane: str  # one of LANES
     model: str
     replica: int
@@ -57,7 +57,7 @@ class Span:
 class Timeline:
     session_id: str
     currency: str
-    spans: list[Span]
+    spans: list[TraceSpan]
 
     @property
     def start(self) -> float:
@@ -78,8 +78,8 @@ class Traces:
         """The key's session as spans in lanes per replica (module docstring)."""
         s = self._ownership.session(key, session_id)
         usage = {(u.run_id, u.request_id): u for u in self._store.usage_events(key.id, session_id=s.id)}
-        spans: list[Span] = []
-        cycles: dict[tuple[str, int, int], list[tuple[Timing, Span | None]]] = defaultdict(list)
+        spans: list[TraceSpan] = []
+        cycles: dict[tuple[str, int, int], list[tuple[Timing, TraceSpan | None]]] = defaultdict(list)
         for t in self._store.timings(key.id, s.id):
             u = usage.get((t.run_id, t.request_id))
             if t.operation in SAMPLING:
@@ -104,7 +104,7 @@ class Traces:
     def _cost(self, u: UsageEvent | None) -> dict[str, float]:
         return self._rates.cost(u) if u is not None else defaultdict(float)
 
-    def _sampling(self, t: Timing, u: UsageEvent | None) -> list[Span]:
+    def _sampling(self, t: Timing, u: UsageEvent | None) -> list[TraceSpan]:
         cost = self._cost(u)
         base = dict(model=t.base_model, replica=t.replica, run_id=t.run_id, request_id=t.request_id)
         tokens = _tokens(u, ("prefill", "prefill_cached", "sample"))
@@ -113,7 +113,7 @@ class Traces:
         queue_end = t.started or t.ended
         if queue_end > t.accepted:
             out.append(
-                Span(
+                TraceSpan(
                     "queue",
                     name=label,
                     start=t.accepted,
@@ -126,7 +126,7 @@ class Traces:
             )
         if t.started and t.prefilled:
             out.append(
-                Span(
+                TraceSpan(
                     "prefill",
                     name=f"prefill {t.request_id}",
                     start=t.started,
@@ -139,7 +139,7 @@ class Traces:
             )
         if t.operation == "sample" and t.prefilled and t.ended > t.prefilled:
             out.append(
-                Span(
+                TraceSpan(
                     "decode",
                     name=f"decode {t.request_id}",
                     start=t.prefilled,
@@ -152,7 +152,7 @@ class Traces:
             )
         return out
 
-    def _training(self, t: Timing, u: UsageEvent | None) -> tuple[Span | None, Span | None]:
+    def _training(self, t: Timing, u: UsageEvent | None) -> tuple[TraceSpan | None, TraceSpan | None]:
         cost = self._cost(u)
         base = dict(model=t.base_model, replica=t.replica, run_id=t.run_id, request_id=t.request_id)
         tokens = _tokens(u, ("train",))
@@ -162,7 +162,7 @@ class Traces:
         args = {"status": t.status, "cycle": t.cycle, "event_type": t.operation}
         queued = step = None
         if t.started > t.accepted:
-            queued = Span(
+            queued = TraceSpan(
                 "queue",
                 name=f"{t.operation} {event}",
                 start=t.accepted,
@@ -173,7 +173,7 @@ class Traces:
                 **base,
             )
         if t.op_started and t.op_ended >= t.op_started:
-            step = Span(
+            step = TraceSpan(
                 "train",
                 name=t.operation,
                 start=t.op_started,
@@ -190,10 +190,10 @@ def _tokens(u: UsageEvent | None, phases: tuple[str, ...]) -> dict[str, int]:
     return {ph: getattr(u, ph) if u is not None else 0 for ph in phases}
 
 
-def _cycle_span(k: tuple[str, int, int], members: list[tuple[Timing, Span | None]]) -> Span:
+def _cycle_span(k: tuple[str, int, int], members: list[tuple[Timing, TraceSpan | None]]) -> TraceSpan:
     model, replica, number = k
     steps = [s for _, s in members if s is not None]
-    return Span(
+    return TraceSpan(
         "cycle",
         model=model,
         replica=replica,
@@ -206,7 +206,7 @@ def _cycle_span(k: tuple[str, int, int], members: list[tuple[Timing, Span | None
     )
 
 
-def _pack(spans: list[Span]) -> None:
+def _pack(spans: list[TraceSpan]) -> None:
     """Give each span the first row of its (model, replica, lane) that is free at its start."""
     rows: dict[tuple[str, int, str], list[float]] = defaultdict(list)  # -> each row's last end
     for s in sorted(spans, key=lambda x: (x.start, x.end)):
