@@ -17,6 +17,8 @@ Invariants
   (a protocol-neutral `EventResult`, msgpack) is stored before any waiter is woken, so a retry or
   long-poll always finds it. Front ends shape it on read.
 - Usage is metered once per succeeded forward / forward_backward / optim_step, when it settles.
+  Every event that ran in a cycle stores its timing then (store `Timing`: accepted, its cycle's
+  start and end, its own step), for session traces.
 - An event whose engine replica is lost fails at once with `worker_lost`.
 - An event that arrives before a lower index waits at most `missing_index_seconds` for it; then it
   fails with `event_index_missing`, naming the index that never arrived, and leaves the queue (its

@@ -6,6 +6,8 @@ Invariants
   fingerprint) is a 409.
 - Metered tokens add up: prompt = prefill computed + cached, from the engine's usage.
 - The stored outcome is protocol-neutral (`SampleOutcome`); each front end shapes it on read.
+- A metered request is timed too (store `Timing`, for session traces: accepted here, prefill begun
+  and done in the engine, finished), in the same transaction as its usage when it finishes.
 - A sampler made from a TEMPORARY snapshot that only one replica holds in memory is served there.
 - A stream its consumer closes early (a client that went away) is cancelled in the engine at once
   and metered for what it computed: its client may already hold every token but the last.
