@@ -37,7 +37,7 @@ def test_metrics_and_the_trace_per_replica(tiny_model_dir, tmp_path):
         finally:
             c.close()
         key = srv.service.authenticate(srv.api_key)
-        timings = srv.service.store.timings(key.id, session)
+        timings, _ = srv.service.store.timings(key.id, session)
         served = {t.request_id: t.replica for t in timings}
         assert sorted(served) == [f"p-{i}" for i in range(len(PROMPTS))]
         assert set(served.values()) == {0, 1}, served  # the router used both replicas

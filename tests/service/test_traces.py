@@ -42,14 +42,14 @@ def sample(store, key, rid, replica, accepted, started, prefilled, ended, status
     times = dict(started=started, prefilled=prefilled, ended=ended, status=status)
     store.add_timing(timing(key, "sr_1", rid, "sample", replica, accepted, **times))
     if usage:
-        store.add_usage(UsageEvent(T0, key.id, "ss_1", "sr_1", "m", "sample", rid, **usage))
+        store.add_usage(UsageEvent(ended, key.id, "ss_1", "sr_1", "m", "sample", rid, **usage))
 
 
 def event(store, key, eid, op, accepted, cycle, span, step, **usage):
     times = dict(started=span[0], ended=span[1], op_started=step[0], op_ended=step[1], cycle=cycle)
     store.add_timing(timing(key, "tr_1", eid, op, 0, accepted, **times))
     if usage:
-        store.add_usage(UsageEvent(T0, key.id, "ss_1", "tr_1", "m", op, eid, **usage))
+        store.add_usage(UsageEvent(span[1], key.id, "ss_1", "tr_1", "m", op, eid, **usage))
 
 
 def test_lanes_rows_and_tokens(env):
@@ -93,6 +93,27 @@ def test_lanes_rows_and_tokens(env):
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
+def test_a_trace_holds_the_latest_requests_and_counts_the_rest(env):
+    store, key, traces = env
+    for i in range(5):
+        sample(
+            store,
+            key,
+            f"r{i}",
+            0,
+            T0 + 10 * i,
+            T0 + 10 * i + 1,
+            T0 + 10 * i + 2,
+            T0 + 10 * i + 3,
+            sample=i + 1,
+        )
+    tl = traces.timeline(key, "ss_1", limit=2)
+    assert (tl.requests, tl.left_out) == (2, 3)
+    assert {s.request_id for s in tl.spans} == {"r3", "r4"}
+    assert sorted(s.tokens["sample"] for s in tl.spans if s.lane == "decode") == [4, 5]
+    assert chrome_trace(tl)["metadata"]["left_out"] == 3
+
+
 def test_another_keys_session_is_not_found(env):
     store, _, traces = env
     bob, _ = store.create_key("bob")
@@ -118,7 +139,7 @@ def test_a_stream_closed_early_is_timed_as_cancelled(tiny_model_dir, tmp_path):
 
         asyncio.run_coroutine_threadsafe(two_chunks_then_close(), svc.loop).result(60)
         for _ in range(100):  # the cancellation is metered (and timed) in the background
-            rows = svc.store.timings(key.id, session.id)
+            rows, _ = svc.store.timings(key.id, session.id)
             if rows:
                 break
             time.sleep(0.05)

@@ -5,6 +5,7 @@ signed URL, the official Tinker client's `export_session_trace`.
                                                         which ui.perfetto.dev opens), for the key
     GET /api/trine/v1/sessions/{session_id}/trace-url   {"url", "expires"}: a signed URL of it
     GET /api/trine/v1/sessions/{session_id}/timeline    the spans as the console's timeline draws them
+                                                        (?limit=: its latest requests, 2000 by default)
     GET /api/trine/v1/session-traces/{session_id}?token=...   the trace file, without a key: the token
                                                         (signed, naming the key and the session,
                                                         expiring after TRACE_URL_SECONDS) is the
@@ -15,7 +16,8 @@ Invariants
 - A signed URL serves only the session it was issued for, only while its key may read it (a
   revoked key's URLs stop working), and only until it expires (401 `token_expired`).
 - The trace is built when it is downloaded, from what is stored then: a URL fetched later shows
-  the requests that settled since.
+  the requests that settled since. It holds the session's latest `MAX_REQUESTS` requests and
+  events (its metadata counts those left out).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from ..service import ApiKey, NotFound, Service
-from ..service.traces import Timeline
+from ..service.traces import MAX_REQUESTS, Timeline
 from .context import api_key, service_of, signer_of
 
 router = APIRouter()
 TRACE_URL_SECONDS = 3600.0  # the official client says its URL is "valid for about an hour"
 TOKEN_KIND = "trace"
+TIMELINE_REQUESTS = 2000  # the console draws a session's latest requests and events (SVG stays fast)
 
 
 def signed_trace_url(request: Request, key: ApiKey, session_id: str) -> dict:
@@ -78,8 +81,13 @@ async def signed_trace(session_id: str, request: Request, token: str = Query("")
 
 
 @router.get("/api/trine/v1/sessions/{session_id}/timeline")
-async def timeline(session_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    tl = await asyncio.to_thread(service_of(request).traces.timeline, key, session_id)
+async def timeline(
+    session_id: str,
+    request: Request,
+    limit: int = Query(TIMELINE_REQUESTS, ge=1, le=MAX_REQUESTS),
+    key: ApiKey = Depends(api_key),
+):
+    tl = await asyncio.to_thread(service_of(request).traces.timeline, key, session_id, limit)
     return timeline_json(tl)
 
 
@@ -91,6 +99,8 @@ def timeline_json(tl: Timeline) -> dict:
         "currency": tl.currency,
         "start": t0 or None,
         "seconds": tl.end - t0,
+        "requests": tl.requests,
+        "left_out": tl.left_out,
         "spans": [
             {
                 "lane": s.lane,

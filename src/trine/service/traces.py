@@ -35,6 +35,7 @@ from .ownership import Ownership
 
 LANES = ("queue", "prefill", "decode", "cycle", "train")
 SAMPLING = ("sample", "compute_logprobs")
+MAX_REQUESTS = 200_000  # the latest requests and events of a session a trace holds (~100 MB of JSON)
 
 
 @dataclass
@@ -58,6 +59,8 @@ class Timeline:
     session_id: str
     currency: str
     spans: list[TraceSpan]
+    requests: int = 0  # requests and events drawn
+    left_out: int = 0  # earlier ones beyond the limit, not drawn
 
     @property
     def start(self) -> float:
@@ -74,13 +77,20 @@ class Traces:
         self._ownership = ownership
         self._rates = rate_card
 
-    def timeline(self, key: ApiKey, session_id: str) -> Timeline:
-        """The key's session as spans in lanes per replica (module docstring)."""
+    def timeline(self, key: ApiKey, session_id: str, limit: int = MAX_REQUESTS) -> Timeline:
+        """The key's session as spans in lanes per replica (module docstring): its latest `limit`
+        requests and events."""
         s = self._ownership.session(key, session_id)
-        usage = {(u.run_id, u.request_id): u for u in self._store.usage_events(key.id, session_id=s.id)}
+        timings, total = self._store.timings(key.id, s.id, limit)
+        # a usage row is stored when its request settles, after it was accepted (a minute's margin
+        # for a wall clock that was set back meanwhile)
+        since = min((t.accepted for t in timings), default=None)
+        since = since - 60.0 if since is not None else None
+        rows = self._store.usage_events(key.id, session_id=s.id, since=since)
+        usage = {(u.run_id, u.request_id): u for u in rows}
         spans: list[TraceSpan] = []
         cycles: dict[tuple[str, int, int], list[tuple[Timing, TraceSpan | None]]] = defaultdict(list)
-        for t in self._store.timings(key.id, s.id):
+        for t in timings:
             u = usage.get((t.run_id, t.request_id))
             if t.operation in SAMPLING:
                 spans += self._sampling(t, u)
@@ -91,14 +101,13 @@ class Traces:
                     cycles[(t.base_model, t.replica, t.cycle)].append((t, step))
         spans += [_cycle_span(k, members) for k, members in cycles.items()]
         _pack(spans)
-        return Timeline(
-            s.id, self._rates.currency, sorted(spans, key=lambda x: (x.start, LANES.index(x.lane)))
-        )
+        spans.sort(key=lambda x: (x.start, LANES.index(x.lane)))
+        return Timeline(s.id, self._rates.currency, spans, len(timings), total - len(timings))
 
-    def chrome_trace(self, key: ApiKey, session_id: str) -> dict:
+    def chrome_trace(self, key: ApiKey, session_id: str, limit: int = MAX_REQUESTS) -> dict:
         """The timeline in Chrome's trace-event JSON (Perfetto loads it): one process per replica,
         one thread per lane row, a complete event ("X") per span, times in microseconds."""
-        return chrome_trace(self.timeline(key, session_id))
+        return chrome_trace(self.timeline(key, session_id, limit))
 
     # ------------------------------------------------------------------ spans of one row
     def _cost(self, u: UsageEvent | None) -> dict[str, float]:
@@ -254,7 +263,13 @@ def chrome_trace(tl: Timeline) -> dict:
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "metadata": {"session_id": tl.session_id, "currency": tl.currency, "source": "trine"},
+        "metadata": {
+            "session_id": tl.session_id,
+            "currency": tl.currency,
+            "source": "trine",
+            "requests": tl.requests,
+            "left_out": tl.left_out,  # the session's earlier requests and events, beyond the limit
+        },
     }
 
 

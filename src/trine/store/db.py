@@ -433,11 +433,12 @@ class Store:
     def add_timing(self, t: Timing) -> None:
         self._insert("timings", t)
 
-    def timings(self, api_key_id: str, session_id: str) -> list[Timing]:
-        """A session's timings (its key's only), in the order they were accepted."""
-        return self._select(
-            "timings", "api_key_id = ? AND session_id = ?", (api_key_id, session_id), order="accepted, rowid_"
-        )
+    def timings(self, api_key_id: str, session_id: str, limit: int | None = None) -> tuple[list[Timing], int]:
+        """A session's timings (its key's only): the latest `limit` accepted, in the order they were
+        accepted, and how many it has in all."""
+        where, args = "api_key_id = ? AND session_id = ?", (api_key_id, session_id)
+        rows = self._select("timings", where, args, order="accepted DESC, rowid_ DESC", limit=limit)
+        return rows[::-1], self._count("timings", where, args)
 
     def add_diagnostic(self, d: CacheDiagnostic) -> None:
         self._insert("diagnostics", d)

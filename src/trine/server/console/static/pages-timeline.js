@@ -134,6 +134,8 @@
       document.getElementById("timeline-facts").innerHTML = T.facts([
         ["first span", T.time(data.start)], ["duration", seconds(data.seconds)], ["spans", T.int(data.spans.length)],
         ["runs and samplers", T.int(runs.size)],
+        ["requests and events", data.left_out ? `latest ${T.int(data.requests)} of ${T.int(data.requests + data.left_out)}`
+          : T.int(data.requests)],
       ]);
       const box = document.getElementById("timeline");
       box.innerHTML = data.spans.length
