@@ -592,3 +592,22 @@ def test_trine_checkpoints_lists_what_a_run_saved(server, service, tokenizer):
     assert rows[saved.path]["size_bytes"] > 0 and rows[saved.path]["visibility"] == "WORKSPACE"
     text = CliRunner().invoke(checkpoints, ["--home", str(server.home)]).stdout
     assert saved.path in text and re.search(r"\d+(\.\d+)? [KMG]B", text)  # a size for people
+
+
+def test_the_session_trace_downloads_from_the_sdk(server, service, tmp_path):
+    """RestClient.download_session_trace writes the session's trace; export_session_trace signs a
+    URL that serves the same trace without the key (server/traces.py)."""
+    sampler = service.create_sampling_client(base_model=MODEL)
+    prompt = trio.ModelInput.from_ints(list(range(1, 20)))
+    sampler.sample(prompt, sampling_params=trio.SamplingParams(max_tokens=3, temperature=0.0)).result()
+    rest = service.create_rest_client()
+    sid = service.service_session_cuid
+    path = rest.download_session_trace(sid, tmp_path / "t" / "trace.json").result()
+    trace = json.loads(path.read_text())
+    decode = [e for e in trace["traceEvents"] if e.get("cat") == "decode"]
+    assert decode and decode[-1]["args"]["tokens"] == {"sample": 3}
+    url = rest.export_session_trace(sid).result()
+    signed = httpx.get(url, trust_env=False).json()
+    assert [e for e in signed["traceEvents"] if e.get("cat") == "decode"][-1] == decode[-1]
+    with pytest.raises(trio.TrineError, match="not found"):
+        rest.download_session_trace("ss_nope", tmp_path / "x.json").result()

@@ -91,6 +91,8 @@ def test_pages_share_one_shell_and_assets_ship_in_the_package(env):
         "/console/runs",
         f"/console/runs/{run.run_id}",
         "/console/usage",
+        "/console/sessions",
+        f"/console/sessions/{srv.service.store.training_run(run.run_id).session_id}",
         "/console/nope",
     ):
         r = http.get(path)
@@ -99,6 +101,7 @@ def test_pages_share_one_shell_and_assets_ship_in_the_package(env):
         "console.js",
         "pages-runs.js",
         "pages-usage.js",
+        "pages-timeline.js",
         "console.css",
         "chart.umd.min.js",
         "chart.js.LICENSE.md",

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serverutil import ADAM, RawClient, ce_payload, event, serve
 
 from trine.engine.trainer import cycle
@@ -143,9 +144,13 @@ def test_health_and_metrics_report_free_space(server):
     assert h.json()["free_bytes"]["data_dir"] > 0 and h.json()["free_bytes"]["checkpoint_dir"] > 0
     m = httpx.get(f"{server.url}/metrics", trust_env=False)
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
-    lines = dict(line.rsplit(" ", 1) for line in m.text.splitlines() if not line.startswith("#"))
-    assert int(lines['trine_disk_free_bytes{dir="data_dir"}']) > 0
-    assert lines["trine_shutting_down"] == "0"
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(m.text)
+        for s in fam.samples
+    }
+    assert samples[("trine_disk_free_bytes", (("dir", "data_dir"),))] > 0
+    assert samples[("trine_shutting_down", ())] == 0
 
 
 def test_an_index_whose_predecessor_never_arrives_fails_naming_it(server, client):

@@ -1,5 +1,6 @@
-"""RestClient: metadata of runs, sessions, samplers and checkpoints, and checkpoint downloads.
-Every method returns an APIFuture (`.result()` or `await`); `*_async` methods return the value."""
+"""RestClient: metadata of runs, sessions, samplers and checkpoints, checkpoint downloads and
+session traces. Every method returns an APIFuture (`.result()` or `await`); `*_async` methods
+return the value."""
 
 from __future__ import annotations
 
@@ -285,6 +286,32 @@ class RestClient:
         self, limit: int = 20, offset: int = 0, access_scope: str = "owned"
     ) -> APIFuture[ListSessionsResponse]:
         return self._future(self.list_sessions_async(limit, offset, access_scope))
+
+    async def export_session_trace_async(self, session_id: str) -> str:
+        """A signed URL of the session's trace (Chrome trace-event JSON; open it in
+        https://ui.perfetto.dev): it downloads without the API key and expires after about an hour,
+        as the Tinker client's `export_session_trace`."""
+        _require("session_id", session_id)
+        r = await self._rt.run_async(self._control.call("GET", f"trine/v1/sessions/{session_id}/trace-url"))
+        return r["url"]
+
+    def export_session_trace(self, session_id: str) -> APIFuture[str]:
+        _require("session_id", session_id)
+        return self._future(self.export_session_trace_async(session_id))
+
+    async def download_session_trace_async(self, session_id: str, destination_path: str | Path) -> Path:
+        """Write the session's trace (queue, prefill, decode and training spans per engine replica,
+        with tokens and cost on each) to `destination_path`; returns the path."""
+        _require("session_id", session_id)
+        data = await self._rt.run_async(self._control.get_bytes(f"trine/v1/sessions/{session_id}/trace"))
+        path = Path(destination_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return path
+
+    def download_session_trace(self, session_id: str, destination_path: str | Path) -> APIFuture[Path]:
+        _require("session_id", session_id)
+        return self._future(self.download_session_trace_async(session_id, destination_path))
 
     async def get_sampler_async(self, sampler_id: str) -> GetSamplerResponse:
         _require("sampler_id", sampler_id)

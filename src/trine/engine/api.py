@@ -146,6 +146,10 @@ class SampleUsage:
     prefill_tokens: int = 0  # computed
     cached_tokens: int = 0  # served from the prefix cache
     sample_tokens: int = 0  # generated, all samples together
+    # wall-clock unix seconds (0: not reached) when the engine began computing the prompt and when it
+    # had all of it (decoding follows): a session trace's prefill span. Timing, not usage: not compared.
+    started_at: float = field(default=0.0, compare=False)
+    prefilled_at: float = field(default=0.0, compare=False)
 
 
 @dataclass
@@ -430,6 +434,10 @@ class EventOutcome:
     train_sequence_tokens: int = 0  # positions of the datums as sent
     size_bytes: int = 0  # saves: bytes written (or held in memory for a TEMPORARY snapshot)
     weights_version: int = 0  # inflight saves: the target version they published
+    # wall-clock unix seconds of the step that computed it within its cycle (a batched forward is one
+    # step for all its events): a session trace's span
+    started_at: float = 0.0
+    ended_at: float = 0.0
 
 
 @dataclass
@@ -437,6 +445,7 @@ class CycleResult:
     number: int
     outcomes: dict[str, EventOutcome]  # event id -> outcome; every event of the cycle has one
     seconds: float = 0.0
+    started_at: float = 0.0  # wall-clock unix seconds when the engine began it
 
 
 # ---------------------------------------------------------------------------- the engine itself

@@ -8,9 +8,10 @@ Every error leaves as `{"code", "message"}` with a 4xx status for anything the c
 (the OpenAI-compatible routes answer in OpenAI's shape instead, see server/openai/); a 500
 (`internal_error`) means a bug in trine, and the server keeps serving (the connection too). A
 full disk is 507 `disk_full` (naming the path and its free bytes), a server shutting down 503
-`server_shutting_down` with Retry-After. `GET /health` and `GET /metrics` (Prometheus text) need
-no key: status and free disk space. Body limits count the bytes actually read; connection limits
-and the bounded shutdown are in `connections.py`.
+`server_shutting_down` with Retry-After. `GET /health` and `GET /metrics` (Prometheus text,
+prometheus.py) need no key: status and free disk space; request, engine and cycle figures. Body
+limits count the bytes actually read; connection limits and the bounded shutdown are in
+`connections.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..diskspace import DiskFull
@@ -37,7 +38,7 @@ from ..metering.http import MoneyJSONResponse, make_usage_router
 from ..service import Service, ServiceError, Unauthorized
 from ..service.ownership import Ownership
 from ..service.queries import UsageLedger
-from . import actor, console, context, control, openai, runs_api, tinker
+from . import actor, console, context, control, openai, runs_api, tinker, traces
 from .access_log import AccessLog
 from .auth import TokenSigner
 from .connections import (
@@ -49,6 +50,7 @@ from .connections import (
     uvicorn_config,
 )
 from .middleware import BodyLimit, InternalErrors
+from .prometheus import HttpMetrics, PrometheusEndpoint
 
 EMBEDDED_KEY_FILE = "embedded.key"
 
@@ -141,23 +143,16 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
         body = {"status": "shutting_down" if draining else "ok", "free_bytes": service.free_space()}
         return JSONResponse(body, status_code=503 if draining else 200)
 
+    prometheus = PrometheusEndpoint(service)  # this app's registry: tests run many apps in one process
+
     @app.get("/metrics")
     async def metrics():
-        """Prometheus text (no key): free disk space where the server writes, and whether it drains."""
-        lines = [
-            "# HELP trine_disk_free_bytes Bytes free where trine writes (-1: unknown).",
-            "# TYPE trine_disk_free_bytes gauge",
-        ]
-        for where, free in service.free_space().items():
-            lines.append(f'trine_disk_free_bytes{{dir="{where}"}} {free}')
-        lines += [
-            "# HELP trine_shutting_down 1 while the server drains for shutdown.",
-            "# TYPE trine_shutting_down gauge",
-            f"trine_shutting_down {int(service.gate.draining)}",
-        ]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        """Prometheus text (no key): per-route requests and latency, engine replicas' queues, KV
+        cache and tokens by phase, clock cycles, free disk space and draining (prometheus.py)."""
+        return await prometheus.response()
 
     app.add_middleware(AccessLog)  # one INFO line per request on `trine.access`
+    app.add_middleware(HttpMetrics, registry=prometheus.registry)  # by route template, for /metrics
     app.include_router(control.router)
     app.include_router(control.files_router)
     app.include_router(actor.router)
@@ -167,6 +162,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     app.include_router(make_usage_router(_usage_ledger, context.api_key, app.state.rate_card))
     app.include_router(console.router)  # the web console at /console (pages and their JSON)
     app.include_router(runs_api.router)  # logged metrics; runs with labels (`trine runs`)
+    app.include_router(traces.router)  # session traces: files, signed URLs, the console's timeline
     # the OpenAI-compatible API: /v1/..., /api/openai/v1/..., /oai/api/v1/... (its own error shape)
     app.include_router(openai.router)
     for r in routers:

@@ -15,6 +15,8 @@ calls the parts' public methods directly:
   (what is on disk), `archive(checkpoint, flat=)` (a tar file);
 - `metrics` (metrics.py): `log(key, run, step, values)`, `series(key, run)`, `last(key, run)`: the
   metrics users log for their training runs;
+- `traces` (traces.py): `timeline(key, session)` and `chrome_trace(key, session)`: where a
+  session's time went (queue, prefill, decode, clock cycles, training steps per replica);
 - `queries` (queries.py): the read side: sessions, runs, events, checkpoints and usage of a key;
   served models, their tokenizers, engine replica stats.
 
@@ -66,6 +68,7 @@ from .runs import Runs
 from .sampling import Sampling
 from .scheduler import ClockScheduler
 from .tokenizers import ModelTokenizer
+from .traces import Traces
 
 log = logging.getLogger("trine.service")
 
@@ -178,6 +181,7 @@ class Service:
         )
         self.queries = Queries(store, self.ownership, self.models)
         self.metrics = Metrics(store, self.ownership)
+        self.traces = Traces(store, self.ownership, self.rate_card)
         self.gc = GarbageCollector(
             store, self.models, self.checkpoints, self.runs, self.events, self.activity, run_idle_seconds
         )

@@ -17,6 +17,8 @@ Invariants
   (a protocol-neutral `EventResult`, msgpack) is stored before any waiter is woken, so a retry or
   long-poll always finds it. Front ends shape it on read.
 - Usage is metered once per succeeded forward / forward_backward / optim_step, when it settles.
+  Every event that ran in a cycle stores its timing then (store `Timing`: accepted, its cycle's
+  start and end, its own step), for session traces.
 - An event whose engine replica is lost fails at once with `worker_lost`.
 - An event that arrives before a lower index waits at most `missing_index_seconds` for it; then it
   fails with `event_index_missing`, naming the index that never arrived, and leaves the queue (its
@@ -50,7 +52,7 @@ from ..limits import (
 )
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
-from ..store import ApiKey, EventRecord, Store, TrainingRun
+from ..store import ApiKey, EventRecord, Store, Timing, TrainingRun
 from ..store.keys import new_id
 from . import commands
 from .activity import Activity
@@ -335,8 +337,12 @@ class Events:
                     live = self.live.get(ev.event_id)
                     if live is not None:
                         live.record.status = "running"
+            span = (0.0, 0.0)  # the cycle's wall-clock start and end in the engine, for session traces
             try:
-                outcomes = (await rep.engine.run_cycle(cycle)).outcomes
+                result = await rep.engine.run_cycle(cycle)
+                outcomes = result.outcomes
+                rep.cycle_tally.observe(result.seconds, sum(o.train_tokens for o in outcomes.values()))
+                span = (result.started_at, result.started_at + result.seconds)
             except EngineLost as e:
                 self.on_lost(m, rep, str(e))  # fails this plan's events and the rest of the replica's
                 outcomes = _all_failed(
@@ -352,7 +358,7 @@ class Events:
                     live = self.live.get(ev.event_id)
                     if live is not None:
                         try:
-                            self.settle(m, live, outcomes[ev.event_id], plan.number)
+                            self.settle(m, live, outcomes[ev.event_id], plan.number, span)
                         except DiskFull as e:  # its checkpoint or usage row could not be stored
                             self._finish(live, EventResult.failure(e.code, str(e)))
                 if self.store.training_run(run_id) is not None:
@@ -360,7 +366,16 @@ class Events:
 
         return execute
 
-    def settle(self, m: ServedModel, live: LiveEvent, out: EventOutcome, cycle: int | None) -> None:
+    def settle(
+        self,
+        m: ServedModel,
+        live: LiveEvent,
+        out: EventOutcome,
+        cycle: int | None,
+        span: tuple[float, float] = (0.0, 0.0),
+    ) -> None:
+        """Store an event's result (and usage, and its timing) and wake its waiters. `span`: the
+        wall-clock start and end of the cycle it ran in."""
         rec, op = live.record, live.pending.op
         run = self.store.training_run(rec.run_id)
         res = EventResult(
@@ -406,7 +421,35 @@ class Events:
                 )
                 self.store.add_usage(event)
                 res.cost = self.rate_card.cost(event)["total"]
+        self._store_timing(m, live, out, cycle, span, run.session_id if run is not None else "")
         self._finish(live, res)
+
+    def _store_timing(
+        self, m: ServedModel, live: LiveEvent, out: EventOutcome, cycle, span, session_id: str
+    ) -> None:
+        """The event's way through its replica, for session traces: advisory, so a full disk only
+        loses the row (the event's result and usage are what must be stored)."""
+        rec = live.record
+        timing = Timing(
+            api_key_id=rec.api_key_id,
+            session_id=session_id,
+            run_id=rec.run_id,
+            request_id=rec.id,
+            operation=rec.type.rsplit(".", 1)[-1],
+            base_model=m.name,
+            replica=live.replica.index,
+            status="failed" if out.error else "succeeded",
+            accepted=rec.created_at,
+            started=span[0],
+            op_started=out.started_at,
+            op_ended=out.ended_at,
+            ended=span[1],
+            cycle=cycle or 0,
+        )
+        try:
+            self.store.add_timing(timing)
+        except DiskFull as e:
+            log.warning("event %s: its timing was not stored (%s)", rec.id, e)
 
     def fail(self, live: LiveEvent, code: str, message: str) -> None:
         """Fail an event that has not run (its run ended, or its replica was lost)."""

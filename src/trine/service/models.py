@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..engine.api import EngineInfo
 from ..engine.interface import Engine
+from .cycle_tally import CycleTally
 from .errors import Conflict, NotFound
 from .scheduler import ClockScheduler
 
@@ -35,6 +36,7 @@ class Replica:
     inflight_samples: int = 0  # what routing balances (placement balances `runs`)
     alive: bool = True
     targets: dict[str, int] = field(default_factory=dict)  # inflight target (run id) -> version held
+    cycle_tally: CycleTally = field(default_factory=CycleTally)  # its clock cycles, for /metrics
 
 
 @dataclass(eq=False)

@@ -134,10 +134,10 @@ class Queries:
     def tokenizer(self, name_or_id: str) -> ModelTokenizer:
         return resolve_model(self._models, name_or_id).tokenizer
 
-    async def replica_stats(self, key: ApiKey) -> list[ReplicaStats]:
-        """One entry per engine replica of every served model (a lost replica says so)."""
-        runs, _ = self._store.training_runs(key.id)
-        own = {r.id for r in runs}
+    async def replica_stats(self, key: ApiKey | None) -> list[ReplicaStats]:
+        """One entry per engine replica of every served model (a lost replica says so). With no
+        key (the operator's `/metrics`) no run is named: every run is only counted."""
+        own = {r.id for r in self._store.training_runs(key.id)[0]} if key is not None else set()
         out = []
         for m in self._models.values():
             live = m.live_replicas()
@@ -171,6 +171,8 @@ def _replica_view(
         cycle=rep.scheduler.cycle if rep.scheduler else 0,
         train_runs_waiting=sum(1 for q in queues if q.waiting),
         train_events_waiting=sum(len(q.waiting) for q in queues),
+        inflight_samples=rep.inflight_samples,
+        cycle_tally=rep.cycle_tally,
     )
     if isinstance(st, BaseException):
         return ReplicaStats(**base, error=f"{type(st).__name__}: {st}")

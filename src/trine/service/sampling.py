@@ -6,6 +6,8 @@ Invariants
   fingerprint) is a 409.
 - Metered tokens add up: prompt = prefill computed + cached, from the engine's usage.
 - The stored outcome is protocol-neutral (`SampleOutcome`); each front end shapes it on read.
+- A metered request is timed too (store `Timing`, for session traces: accepted here, prefill begun
+  and done in the engine, finished), in the same transaction as its usage when it finishes.
 - A sampler made from a TEMPORARY snapshot that only one replica holds in memory is served there.
 - A stream its consumer closes early (a client that went away) is cancelled in the engine at once
   and metered for what it computed: its client may already hold every token but the last.
@@ -44,7 +46,7 @@ from ..engine.api import (
 from ..metering.diagnostics import PrefixDiagnostics
 from ..metering.events import UsageEvent
 from ..metering.rates import RateCard
-from ..store import ApiKey, SamplingRun, Store
+from ..store import ApiKey, SamplingRun, Store, Timing
 from .adapters import AdapterCache
 from .errors import Conflict, InvalidRequest, ServiceError, ShuttingDown
 from .gate import RESTART_SECONDS, WorkGate
@@ -114,12 +116,13 @@ class Sampling:
     async def _sample(
         self, key: ApiKey, r: SamplingRun, req: SampleRequest, fingerprint: str
     ) -> SampleOutcome:
+        accepted = time.time()
         m = self.models[r.base_model]
         engine_req = self._engine_request(key, m, r, req)
         for attempt in range(len(m.replicas)):  # a lost replica: reroute to another one
             rep = self._route(m, r, req)
             try:
-                async with self._serving_on(rep, key, r, req):
+                async with self._serving_on(rep, key, r, req, accepted):
                     await self._ensure_weights(rep, r)
                     res: SampleResult = await rep.engine.sample(engine_req)
                 break
@@ -131,7 +134,7 @@ class Sampling:
                         code="worker_lost",
                         status=503,
                     ) from None
-        return await self._record(key, r, m, req, res, rep, fingerprint)
+        return await self._record(key, r, m, req, res, rep, accepted, fingerprint)
 
     async def sample_stream(
         self, key: ApiKey, sampling_run_id: str, req: SampleRequest
@@ -152,12 +155,13 @@ class Sampling:
                 f"sampling run {r.id} has ended ({r.status}); create a new sampling client", code="run_ended"
             )
         self._admit(req)
+        accepted = time.time()
         m = self.models[r.base_model]
         engine_req = self._engine_request(key, m, r, req)
         rep = self._route(m, r, req)
         res = None
         try:
-            async with self._serving_on(rep, key, r, req):
+            async with self._serving_on(rep, key, r, req, accepted):
                 await self._ensure_weights(rep, r)
                 async with contextlib.aclosing(rep.engine.sample_stream(engine_req)) as items:
                     async for item in items:  # closing this iterator closes the engine's: it cancels
@@ -174,8 +178,8 @@ class Sampling:
             ) from None
         finally:
             if res is None:  # closed early, or failed: meter what the engine computed (if anything)
-                self.spawn(self._record_cancelled(key, r, m, req, rep, engine_req.request_id))
-        yield await self._record(key, r, m, req, res, rep)
+                self.spawn(self._record_cancelled(key, r, m, req, rep, engine_req.request_id, accepted))
+        yield await self._record(key, r, m, req, res, rep, accepted)
 
     async def _record_cancelled(
         self,
@@ -185,6 +189,7 @@ class Sampling:
         req: SampleRequest,
         rep: Replica,
         engine_request_id: str,
+        accepted: float,
     ) -> None:
         """Meter a cancelled request's partial work; engine.cancel() answers it once per request
         (a refused or already-finished request answers None)."""
@@ -197,14 +202,17 @@ class Sampling:
             return
         if partial is not None and partial.usage.prompt_tokens:
             self.store.add_usage(self._usage_event(key, r, m, req, partial))
+            self.store.add_timing(_timing(key, r, m, req, partial, rep, accepted, "cancelled"))
 
     @contextlib.asynccontextmanager
-    async def _serving_on(self, rep: Replica, key: ApiKey, r: SamplingRun, req: SampleRequest):
+    async def _serving_on(
+        self, rep: Replica, key: ApiKey, r: SamplingRun, req: SampleRequest, accepted: float
+    ):
         """Count the request against `rep`'s load while it runs; engine ValueErrors become 400s,
         a cancellation by shutdown a 503."""
         rep.inflight_samples += 1
         self._serving[(r.id, req.request_id)] = rep
-        self._callers[(r.id, req.request_id)] = (key, r, req)
+        self._callers[(r.id, req.request_id)] = (key, r, req, accepted)
         try:
             yield
         except ServiceError:
@@ -243,9 +251,11 @@ class Sampling:
                 continue
             cancelled += 1
             if partial is not None and caller is not None and partial.usage.prompt_tokens:
-                key, r, req = caller
+                key, r, req, accepted = caller
+                m = self.models[r.base_model]
                 self._metered.add(engine_id)
-                self.store.add_usage(self._usage_event(key, r, self.models[r.base_model], req, partial))
+                self.store.add_usage(self._usage_event(key, r, m, req, partial))
+                self.store.add_timing(_timing(key, r, m, req, partial, rep, accepted, "cancelled"))
         return cancelled
 
     async def cancel(self, key: ApiKey, sampling_run_id: str, request_id: str) -> bool:
@@ -286,6 +296,7 @@ class Sampling:
         req: SampleRequest,
         res: SampleResult,
         rep: Replica,
+        accepted: float,
         fingerprint: str = "",
     ) -> SampleOutcome:
         """Meter a finished request and store its outcome (for retries), in one transaction off the
@@ -315,7 +326,7 @@ class Sampling:
         self._recent[(r.id, req.request_id)] = stored
         while len(self._recent) > RECENT_OUTCOMES:
             self._recent.popitem(last=False)
-        row = (r.id, req.request_id, *stored, event)
+        row = (r.id, req.request_id, *stored, event, _timing(key, r, m, req, res, rep, accepted, "succeeded"))
         try:
             await asyncio.to_thread(self._store_results, row)
         except DiskFull as e:  # the caller still gets what was computed; the row is stored later
@@ -393,6 +404,35 @@ class Sampling:
                 self.store.add_diagnostic(d)
         except Exception:  # diagnostics are advisory; never fail a request over them
             log.exception("prefix diagnostics failed")
+
+
+def _timing(
+    key: ApiKey,
+    r: SamplingRun,
+    m: ServedModel,
+    req: SampleRequest,
+    res: SampleResult,
+    rep: Replica,
+    accepted: float,
+    status: str,
+) -> Timing:
+    """A finished (or cancelled) request's way through `rep`: accepted by the service, its prompt
+    begun and done by the engine (SampleUsage's stamps), and now."""
+    u = res.usage
+    return Timing(
+        api_key_id=key.id,
+        session_id=r.session_id,
+        run_id=r.id,
+        request_id=req.request_id,
+        operation="sample" if req.generate else "compute_logprobs",
+        base_model=m.name,
+        replica=rep.index,
+        status=status,
+        accepted=accepted,
+        started=u.started_at,
+        prefilled=u.prefilled_at,
+        ended=time.time(),
+    )
 
 
 def _weights_name(r: SamplingRun) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, TrainingRun
+from .cycle_tally import CycleTally
 
 __all__ = [
     "ApiKey",
@@ -78,3 +79,5 @@ class ReplicaStats:
     training_runs: int = 0  # held: adapters + optimizer state
     sampler_adapters: int = 0
     cycles: list[CycleView] = field(default_factory=list)  # newest first
+    inflight_samples: int = 0  # sample requests the service sent there and that have not finished
+    cycle_tally: CycleTally | None = None  # every cycle it ran since the server started

@@ -2,7 +2,7 @@
 
 from .db import Store
 from .keys import generate_key, hash_key
-from .records import ApiKey, Checkpoint, EventRecord, MetricPoint, SamplingRun, Session, TrainingRun
+from .records import ApiKey, Checkpoint, EventRecord, MetricPoint, SamplingRun, Session, Timing, TrainingRun
 
 __all__ = [
     "Store",
@@ -14,5 +14,6 @@ __all__ = [
     "MetricPoint",
     "SamplingRun",
     "Session",
+    "Timing",
     "TrainingRun",
 ]

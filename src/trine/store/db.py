@@ -20,7 +20,16 @@ from typing import Any, TypeVar
 from ..diskspace import raise_if_full
 from ..metering.events import CacheDiagnostic, UsageEvent
 from .keys import generate_key, hash_key, new_id
-from .records import ApiKey, Checkpoint, EventRecord, MetricPoint, SamplingRun, Session, TrainingRun
+from .records import (
+    ApiKey,
+    Checkpoint,
+    EventRecord,
+    MetricPoint,
+    SamplingRun,
+    Session,
+    Timing,
+    TrainingRun,
+)
 
 T = TypeVar("T")
 
@@ -36,6 +45,7 @@ TABLES: dict[str, tuple[type, str | None, tuple[str, ...]]] = {
     "usage_events": (UsageEvent, None, ("api_key_id", "time")),
     "diagnostics": (CacheDiagnostic, None, ("api_key_id", "time")),
     "run_metrics": (MetricPoint, None, ("run_id",)),
+    "timings": (Timing, None, ("session_id",)),
 }
 UNFINISHED = ("accepted", "running")
 
@@ -314,8 +324,9 @@ class Store:
         response: bytes,
         fingerprint: str = "",
         usage: UsageEvent | None = None,
+        timing: Timing | None = None,
     ) -> None:
-        """Store a sample request's response, and its usage in the same transaction."""
+        """Store a sample request's response, and its usage and timing in the same transaction."""
         with self._lock, self._full_disk_named():
             self._db.execute("BEGIN")
             try:
@@ -324,12 +335,13 @@ class Store:
                     "created_at, fingerprint) VALUES (?, ?, ?, ?, ?)",
                     (sampling_run_id, request_id, response, time.time(), fingerprint),
                 )
-                if usage is not None:
-                    d = dataclasses.asdict(usage)
-                    self._db.execute(
-                        f"INSERT INTO usage_events ({', '.join(d)}) VALUES ({', '.join('?' for _ in d)})",
-                        tuple(d.values()),
-                    )
+                for table, row in (("usage_events", usage), ("timings", timing)):
+                    if row is not None:
+                        d = dataclasses.asdict(row)
+                        self._db.execute(
+                            f"INSERT INTO {table} ({', '.join(d)}) VALUES ({', '.join('?' for _ in d)})",
+                            tuple(d.values()),
+                        )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._rollback()
@@ -417,6 +429,16 @@ class Store:
         since: float | None = None,
     ) -> list[UsageEvent]:
         return self._timed("usage_events", api_key_id, session_id, run_id, since)
+
+    def add_timing(self, t: Timing) -> None:
+        self._insert("timings", t)
+
+    def timings(self, api_key_id: str, session_id: str, limit: int | None = None) -> tuple[list[Timing], int]:
+        """A session's timings (its key's only): the latest `limit` accepted, in the order they were
+        accepted, and how many it has in all."""
+        where, args = "api_key_id = ? AND session_id = ?", (api_key_id, session_id)
+        rows = self._select("timings", where, args, order="accepted DESC, rowid_ DESC", limit=limit)
+        return rows[::-1], self._count("timings", where, args)
 
     def add_diagnostic(self, d: CacheDiagnostic) -> None:
         self._insert("diagnostics", d)

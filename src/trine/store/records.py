@@ -108,6 +108,34 @@ class EventRecord:
 
 
 @dataclass
+class Timing:
+    """When one sampling request or training event passed each point of its way through an engine
+    replica, in wall-clock unix seconds (0: not reached): what a session trace draws. One row per
+    request or event, stored when it settles, beside its usage row (same `run_id` and `request_id`:
+    a sample's client request id, an event's stored id).
+
+    Sampling: queued [accepted, started), prefill [started, prefilled), decode [prefilled, ended).
+    Training: queued [accepted, started), in clock cycle `cycle` [started, ended), its own step of
+    that cycle [op_started, op_ended) (a batched forward is one step for every event in it)."""
+
+    api_key_id: str
+    session_id: str
+    run_id: str
+    request_id: str
+    operation: str  # sample, compute_logprobs, or the event's type (forward_backward, optimize_step, ...)
+    base_model: str
+    replica: int
+    status: str  # succeeded, failed, cancelled
+    accepted: float
+    started: float = 0.0
+    prefilled: float = 0.0
+    op_started: float = 0.0
+    op_ended: float = 0.0
+    ended: float = 0.0
+    cycle: int = 0
+
+
+@dataclass
 class Checkpoint:
     id: str
     api_key_id: str

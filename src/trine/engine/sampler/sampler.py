@@ -240,6 +240,9 @@ class Sampler:
         """One forward over the next `take` prompt tokens of each row's request; requests whose
         prompt is then complete fork their samples and sample their first token (or finish, for
         compute_logprobs)."""
+        now = time.time()
+        for r, _ in rows:  # the first chunk of its prompt (a session trace's prefill span)
+            r.usage.started_at = r.usage.started_at or now
         tokens, positions, kvc = self.layout.prefill(rows)
         adapters = self._adapters([r for r, _ in rows])
         hidden = self.model.hidden_states(
@@ -285,6 +288,7 @@ class Sampler:
         r.scores.extend(r.req, lambda h: self.model.logits(h, single), hidden, start)
 
     def _prompt_done(self, r: Request) -> None:
+        r.usage.prefilled_at = time.time()
         self.scheduler.prompt_done(r)
         self._meter_prompt(r)
         self._counters["requests"] += 1

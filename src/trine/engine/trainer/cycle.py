@@ -70,6 +70,12 @@ def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
     )
 
 
+def _timed(started: float, outcome: EventOutcome) -> EventOutcome:
+    """`outcome` with the wall-clock span of the step that computed it, from `started` to now."""
+    outcome.started_at, outcome.ended_at = started, time.time()
+    return outcome
+
+
 def _failed(e: BaseException) -> EventOutcome:
     if isinstance(e, DiskFull):  # the server's disk, not the event: coded, naming the path
         return EventOutcome(error=(e.code, str(e)))
@@ -125,11 +131,11 @@ class CycleRunner:
         return self.w.trainer
 
     def run(self, cycle: TrainingCycle) -> CycleResult:
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         out: dict[str, EventOutcome] = {}
         for run_id, share in cycle.runs.items():
             for ev in share.pre:
-                out[ev.event_id] = self._single(run_id, ev)
+                out[ev.event_id] = _timed(time.time(), self._single(run_id, ev))
                 self.w.tick()
         for backward in (False, True):
             entries = [
@@ -139,13 +145,15 @@ class CycleRunner:
                 if ev.op.backward == backward
             ]
             if entries:
-                out.update(self._forward(entries, backward))
+                t = time.time()
+                for event_id, o in self._forward(entries, backward).items():
+                    out[event_id] = _timed(t, o)
                 self.w.tick()
         for run_id, share in cycle.runs.items():
             for ev in share.optim + share.post:
-                out[ev.event_id] = self._single(run_id, ev)
+                out[ev.event_id] = _timed(time.time(), self._single(run_id, ev))
                 self.w.tick()
-        return CycleResult(cycle.number, out, time.perf_counter() - t0)
+        return CycleResult(cycle.number, out, time.perf_counter() - t0, started)
 
     # ------------------------------------------------------------------ phases
     def _forward(self, entries: list[tuple[str, CycleEvent]], backward: bool) -> dict[str, EventOutcome]:

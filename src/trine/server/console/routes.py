@@ -11,6 +11,8 @@
                                             run it is attributed to)
     GET /console/api/server                 models with prices; per engine replica: KV pool, cache
                                             counters, queue depths, recent clock cycles
+    GET /console/api/sessions               the key's latest sessions with their runs counted (a
+                                            session's timeline is /api/trine/v1/sessions/{id}/timeline)
 
 The pages also call the API the SDK and `trine usage` use: api-key/verify (sign-in), the usage
 report (`/api/trine/v1/usage`), checkpoint delete and download-url. Every JSON route takes the
@@ -19,6 +21,8 @@ key as `X-API-Key` (the SDK's header) through `context.api_key`, and reads only 
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from importlib.resources import files
 
 from fastapi import APIRouter, Depends, Request
@@ -36,6 +40,7 @@ ASSETS = {
     "pages-compare.js": "text/javascript",
     "pages-checkpoints.js": "text/javascript",
     "pages-usage.js": "text/javascript",
+    "pages-timeline.js": "text/javascript",
     "console.css": "text/css",
     "chart.umd.min.js": "text/javascript",
     "chart.js.LICENSE.md": "text/plain",
@@ -43,6 +48,7 @@ ASSETS = {
 }
 
 router = APIRouter()
+MAX_SESSIONS = 200  # the newest, on the Sessions page
 
 
 # ---------------------------------------------------------------------------- JSON for the pages
@@ -79,6 +85,31 @@ async def checkpoints(request: Request, key: ApiKey = Depends(api_key)):
                 "last_active": s.updated_at,
             }
             for s in sorted(samplers, key=lambda s: -s.created_at)
+        ],
+    }
+
+
+@api.get("/sessions")
+async def sessions(request: Request, key: ApiKey = Depends(api_key)):
+    svc = service_of(request)
+    _, total = svc.queries.sessions(key, 1, 0)
+    rows, _ = svc.queries.sessions(key, MAX_SESSIONS, max(0, total - MAX_SESSIONS))
+    trains = Counter(r.session_id for r in svc.queries.training_runs(key)[0])
+    samplers = Counter(r.session_id for r in svc.queries.sampling_runs(key))
+    return {
+        "total": total,
+        "sessions": [
+            {
+                "id": s.id,
+                "name": s.name or None,
+                "tags": json.loads(s.tags) if s.tags else [],
+                "state": s.status,
+                "training_runs": trains[s.id],
+                "samplers": samplers[s.id],
+                "created_at": s.created_at,
+                "last_active": s.updated_at,
+            }
+            for s in reversed(rows)
         ],
     }
 

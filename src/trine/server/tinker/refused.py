@@ -33,12 +33,6 @@ REFUSED = (
         "trine has no projects; everything is scoped by API key",
     ),
     ("POST", "/sessions/search", "search_sessions", "list_sessions and get_session"),
-    (
-        "GET",
-        "/sessions/{session_id}/trace_export",
-        "export_session_trace",
-        "trine's web console (/console) and its usage API (GET /api/trine/v1/usage)",
-    ),
     ("GET", "/audit", "get_audit_log", "the server's access log (logger trine.access)"),
     ("GET", "/auth/apikey/me", "the API key endpoint", "`trine keys list` on the server"),
     ("DELETE", "/auth/apikey/me", "the API key endpoint", "`trine keys revoke` on the server"),

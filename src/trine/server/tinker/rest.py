@@ -21,6 +21,7 @@ from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...metering.money import money
 from ...service import InvalidRequest, RunLabels
 from ..context import json_object, parse_model
+from ..traces import signed_trace_url
 from .state import caller
 
 router = APIRouter(prefix="/api/v1")
@@ -159,6 +160,14 @@ async def get_session(session_id: str, request: Request):
     v = svc.queries.session(key, session_id)
     models = [mid for mid, m in st.models.items() if m.session_id == v.session.id and m.api_key_id == key.id]
     return {"training_run_ids": models, "sampler_ids": v.sampling_run_ids}
+
+
+@router.get("/sessions/{session_id}/trace_export")
+async def trace_export(session_id: str, request: Request):
+    """export_session_trace: the client polls until "ready", then GETs the signed URL without auth;
+    trine builds the trace when it is downloaded, so it is always ready (server/traces.py)."""
+    _, _, key = caller(request)
+    return {"status": "ready", **signed_trace_url(request, key, session_id)}
 
 
 # ---------------------------------------------------------------------------- billing

@@ -141,8 +141,11 @@ function route(path) {
   const p = path.replace(/\/+$/, "");
   const m = p.match(/^\/console\/runs\/([^/]+)$/);
   if (m) return ["run", { id: decodeURIComponent(m[1]) }];
+  const sm = p.match(/^\/console\/sessions\/([^/]+)$/);
+  if (sm) return ["session", { id: decodeURIComponent(sm[1]) }];
   const names = { "/console": "runs", "/console/runs": "runs", "/console/compare": "compare",
-                  "/console/checkpoints": "checkpoints", "/console/usage": "usage", "/console/server": "server" };
+                  "/console/checkpoints": "checkpoints", "/console/usage": "usage", "/console/server": "server",
+                  "/console/sessions": "sessions" };
   return [names[p] || null, {}];
 }
 
@@ -157,7 +160,7 @@ async function show() {
   const [name, params] = route(location.pathname);
   const signedIn = !!T.key();
   document.querySelectorAll("#nav a").forEach((a) =>
-    a.classList.toggle("active", signedIn && a.dataset.page === (name === "run" ? "runs" : name)));
+    a.classList.toggle("active", signedIn && a.dataset.page === ({ run: "runs", session: "sessions" }[name] || name)));
   document.getElementById("signout").hidden = !signedIn;
   document.getElementById("who").textContent = signedIn ? `key: ${sessionStorage.getItem(NAME_SLOT) || "?"}` : "";
   if (!signedIn) return showSignIn();

@@ -80,7 +80,7 @@
         ["model", esc(r.model)], ["LoRA", T.lora(r.lora)], ["state", T.state(r.state)], ["optim steps", T.int(r.steps)],
         ["optimizer (last used)", T.optimizer(r.optimizer)], ["tags", T.tags(r.tags) || "–"],
         ["samplers", T.int(r.samplers)], ["last metrics", `<span class="mono">${T.lastMetrics(r.last_metrics)}</span>`],
-        ["queued events", T.int(r.pending)], ["session", `<span class="mono">${esc(r.session_id)}</span>`],
+        ["queued events", T.int(r.pending)], ["session (timeline)", T.sessionLink(r.session_id)],
         ["created", T.time(r.created_at)], ["last active", `${T.ago(r.last_active)}`],
         ["last cycle", T.int(r.last_cycle)],
         ...Object.entries(r.user_metadata || {}).map(([k, v]) => [k, esc(v)]),

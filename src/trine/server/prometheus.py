@@ -1,0 +1,212 @@
+"""`GET /metrics`: the operator's view in Prometheus' text format, built with `prometheus_client`.
+
+What it exposes (names and labels are documented on the Serving page, "Metrics"):
+- per route: requests by method, route template and status, and their latency (a histogram);
+- per engine replica (`model`, `replica`): the sampler's queue depth, requests in flight, running
+  sequences, KV blocks used / cached / total, prefix-cache hit and queried blocks (the hit rate is
+  their ratio), tokens by phase (prefill computed, prefill cached, sample, train), clock cycles'
+  duration and training tokens (histograms), training events waiting, and whether it is up;
+- the data and checkpoint dirs' free bytes and whether the server drains for shutdown.
+
+Invariants
+- One `CollectorRegistry` per app (tests start many apps in one process; the library's global
+  registry would mix them and refuse a second registration).
+- Route labels are templates (`/api/v1/training_runs/{model_id}`), never raw paths, so the series
+  stay few whatever ids clients send; a request no route matched is `route="unmatched"`.
+- Engine figures are read once per scrape (`Queries.replica_stats` without a key: no run or key
+  is named, only counted); a replica that is lost or does not answer reports `up 0` and no
+  engine figures.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from starlette.responses import Response
+
+from ..service import ReplicaStats, Service
+from ..service.cycle_tally import Tally
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+REPLICA = ("model", "replica")
+# the sampler's lifetime token counters by phase, as metering names the phases
+SAMPLER_PHASES = {"prefill": "prefill_tokens", "prefill_cached": "cached_tokens", "sample": "sample_tokens"}
+
+
+class HttpMetrics:
+    """ASGI middleware: counts and times every HTTP request by method, route template and status."""
+
+    def __init__(self, app, registry: CollectorRegistry):
+        self.app = app
+        self.requests = Counter(
+            "trine_http_requests",
+            "HTTP requests answered, by method, route template and status.",
+            ("method", "route", "status"),
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "trine_http_request_duration_seconds",
+            "Time from a request's arrival to its response's last byte, by method and route template.",
+            ("method", "route"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500  # if the app raises before answering
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            method = scope["method"]
+            self.requests.labels(method, route, str(status)).inc()
+            self.latency.labels(method, route).observe(time.perf_counter() - start)
+
+
+class ServiceCollector(Collector):
+    """The service's figures at scrape time; `metrics()` fills `replicas` just before collecting."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        self.replicas: list[ReplicaStats] = []
+
+    def collect(self):
+        svc = self.service
+        disk = GaugeMetricFamily(
+            "trine_disk_free_bytes", "Bytes free where trine writes (-1: unknown).", labels=("dir",)
+        )
+        for where, free in svc.free_space().items():
+            disk.add_metric([where], free)
+        yield disk
+        yield GaugeMetricFamily(
+            "trine_shutting_down", "1 while the server drains for shutdown.", value=int(svc.gate.draining)
+        )
+        yield from self._replicas()
+
+    def _replicas(self):
+        g = _Families()
+        up = g.gauge("trine_replica_up", "1 while the engine replica runs and answers.", REPLICA)
+        waiting = g.gauge(
+            "trine_sampling_queue_depth",
+            "Sample requests waiting in the engine's queue (admitted by the service, not started).",
+            REPLICA,
+        )
+        inflight = g.gauge(
+            "trine_sampling_requests_in_flight",
+            "Sample requests the service sent to the replica that have not finished.",
+            REPLICA,
+        )
+        running = g.gauge("trine_sampling_running_sequences", "Sequences decoding now.", REPLICA)
+        blocks = {
+            k: g.gauge(f"trine_kv_blocks_{k}", f"KV cache blocks {what}.", REPLICA)
+            for k, what in (
+                ("used", "held by queued or running requests (not free to hand out)"),
+                ("cached", "holding a prefix the cache can reuse (in use or evictable)"),
+                ("total", "in the pool"),
+            )
+        }
+        hits = g.counter(
+            "trine_prefix_cache_hit_blocks",
+            "Prompt blocks found in the prefix cache (hit rate: this over queried blocks).",
+            REPLICA,
+        )
+        queried = g.counter(
+            "trine_prefix_cache_queried_blocks", "Prompt blocks looked up in the prefix cache.", REPLICA
+        )
+        ratio = g.gauge(
+            "trine_prefix_cache_hit_ratio",
+            "Hit blocks over queried blocks since the replica started (0 before any lookup).",
+            REPLICA,
+        )
+        tokens = g.counter(
+            "trine_tokens",
+            "Tokens computed by phase: prefill (computed), prefill_cached, sample, train.",
+            (*REPLICA, "phase"),
+        )
+        events = g.gauge(
+            "trine_training_events_waiting",
+            "Training events accepted and waiting for a clock cycle.",
+            REPLICA,
+        )
+        seconds = HistogramMetricFamily(
+            "trine_training_cycle_seconds", "Duration of each clock cycle (engine time).", labels=REPLICA
+        )
+        cycle_tokens = HistogramMetricFamily(
+            "trine_training_cycle_tokens", "Training tokens computed in each clock cycle.", labels=REPLICA
+        )
+        for r in self.replicas:
+            labels = [r.model, str(r.replica)]
+            up.add_metric(labels, int(r.alive))
+            events.add_metric(labels, r.train_events_waiting)
+            inflight.add_metric(labels, r.inflight_samples)
+            if r.cycle_tally is not None:
+                _histogram(seconds, labels, r.cycle_tally.seconds)
+                _histogram(cycle_tokens, labels, r.cycle_tally.tokens)
+                tokens.add_metric([*labels, "train"], r.cycle_tally.tokens.sum)
+            if r.error is not None:  # lost: no engine figures
+                continue
+            s = r.sampler
+            waiting.add_metric(labels, s.get("waiting", 0))
+            running.add_metric(labels, s.get("running", 0))
+            for k, fam in blocks.items():
+                fam.add_metric(labels, s.get(f"blocks_{k}", 0))
+            hit, asked = s.get("cache_hit_blocks", 0), s.get("cache_queried_blocks", 0)
+            hits.add_metric(labels, hit)
+            queried.add_metric(labels, asked)
+            ratio.add_metric(labels, hit / asked if asked else 0.0)
+            for phase, counter in SAMPLER_PHASES.items():
+                tokens.add_metric([*labels, phase], s.get(counter, 0))
+        yield from g.families
+        yield seconds
+        yield cycle_tokens
+
+
+class _Families:
+    """Metric families in the order they were made (the exposition keeps that order)."""
+
+    def __init__(self):
+        self.families: list = []
+
+    def gauge(self, name: str, doc: str, labels: tuple[str, ...]) -> GaugeMetricFamily:
+        self.families.append(GaugeMetricFamily(name, doc, labels=labels))
+        return self.families[-1]
+
+    def counter(self, name: str, doc: str, labels: tuple[str, ...]) -> CounterMetricFamily:
+        self.families.append(CounterMetricFamily(name, doc, labels=labels))
+        return self.families[-1]
+
+
+def _histogram(fam: HistogramMetricFamily, labels: list[str], t: Tally) -> None:
+    buckets = [(_bound(b), c) for b, c in zip(t.buckets, t.counts)] + [("+Inf", t.count)]
+    fam.add_metric(labels, buckets, t.sum)
+
+
+def _bound(b: float) -> str:
+    return str(int(b)) if float(b).is_integer() else repr(float(b))
+
+
+class PrometheusEndpoint:
+    """The app's registry, its request middleware's instruments and the service collector."""
+
+    def __init__(self, service: Service):
+        self.registry = CollectorRegistry()
+        self.collector = ServiceCollector(service)
+        self.registry.register(self.collector)
+        self.service = service
+
+    async def response(self) -> Response:
+        self.collector.replicas = await self.service.queries.replica_stats(None)
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
