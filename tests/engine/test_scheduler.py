@@ -185,7 +185,7 @@ def test_admission_order_is_the_policys():
 
 # ----------------------------------------------------------------------------- prefill chunks
 def test_the_prefill_budget_follows_the_measured_step_time_while_others_decode():
-    sch = Scheduler(pool(512), max_batch_tokens=256, prefill_step_seconds=0.25)
+    sch = Scheduler(pool(512), max_batch_tokens=256, prefill_step_seconds=0.25, min_prefill_tokens=1)
     assert sch._prefill_budget(decoding=True) == 4 * BS  # nothing measured yet: 4 blocks
     sch.last_prefill = (16, 0.5)
     assert sch._prefill_budget(decoding=True) == 8  # 16 tokens took 0.5 s: 8 take 0.25 s
@@ -195,6 +195,19 @@ def test_the_prefill_budget_follows_the_measured_step_time_while_others_decode()
     assert sch._prefill_budget(decoding=True) == BS  # slow: never below one block
     sch.last_prefill = (256, 0.01)
     assert sch._prefill_budget(decoding=True) == 256  # never above max_batch_tokens
+
+
+def test_a_prefill_chunk_beside_decoding_sequences_never_drops_below_the_token_floor():
+    """On a slow or busy CPU, time alone would cut chunks to a few tokens, each paying a step."""
+    sch = Scheduler(pool(512), max_batch_tokens=256, prefill_step_seconds=0.25, min_prefill_tokens=64)
+    assert sch._prefill_budget(decoding=True) == 64  # nothing measured yet: the floor over 4 blocks
+    sch.last_prefill = (64, 10.0)  # very slow: time alone says one token
+    assert sch._prefill_budget(decoding=True) == 64
+    sch.last_prefill = (64, 0.05)  # fast: time rules above the floor
+    assert sch._prefill_budget(decoding=True) == 128
+    small = Scheduler(pool(512), max_batch_tokens=32, min_prefill_tokens=64)
+    small.last_prefill = (32, 10.0)
+    assert small._prefill_budget(decoding=True) == 32  # never above max_batch_tokens
 
 
 def test_when_nothing_decodes_whole_prompts_prefill_in_one_forward():

@@ -47,7 +47,7 @@ from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .prompt_scores import PromptScores, check_prompt_scores, scores_prompt
 from .sampling import check_sampling_options, generators, sample
-from .scheduler import TENANT_SHARE, Scheduler
+from .scheduler import MIN_PREFILL_TOKENS, TENANT_SHARE, Scheduler
 from .sequence import Request, Sequence
 from .stops import Stops, check_stop_options, final_text
 
@@ -68,6 +68,7 @@ class Sampler:
         prefill_share: float = 0.5,
         prefill_step_seconds: float = 0.25,
         idle_prefill_seconds: float = 1.0,
+        min_prefill_tokens: int = MIN_PREFILL_TOKENS,
         tenant_share: float = TENANT_SHARE,
         fair: bool = True,
     ):
@@ -93,6 +94,7 @@ class Sampler:
             prefill_share=prefill_share,
             prefill_step_seconds=prefill_step_seconds,
             idle_prefill_seconds=idle_prefill_seconds,
+            min_prefill_tokens=min_prefill_tokens,
             tenant_share=tenant_share,
             admission=FairAdmission() if fair else FifoAdmission(),
         )
