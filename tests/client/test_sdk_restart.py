@@ -57,6 +57,25 @@ async def retry_after_is_honoured():
     assert got.status_code == 503 and len(sent) == 2 and sent[1] - sent[0] < 0.45  # the window still ends
 
 
+def test_a_refused_connection_is_retried_at_most_retry_connect_max_delay_s_apart():
+    async def run() -> list[float]:
+        sent: list[float] = []
+
+        async def send() -> httpx.Response:
+            sent.append(time.monotonic())
+            if len(sent) <= 4:
+                raise httpx.ConnectError("connection refused")
+            return httpx.Response(200)
+
+        settings = Settings(retry_initial_delay_s=1.0, retry_connect_max_delay_s=0.1)
+        assert (await send_with_retry(send, settings)).status_code == 200
+        return sent
+
+    sent = asyncio.run(run())
+    gaps = [b - a for a, b in zip(sent, sent[1:])]
+    assert len(gaps) == 4 and all(0.09 <= g < 0.3 for g in gaps), gaps  # not 1, 2, 4, 8 s
+
+
 def serve_cli(model_dir, home, port: int):
     args = ["--model", str(model_dir), "--port", str(port), "--home", str(home), "--threads", "1"]
     return run_serve_cli([*args, "--shutdown-timeout", "1", "--quiet"])
