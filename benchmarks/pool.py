@@ -8,8 +8,10 @@ SmolLM2-135M-Instruct by default (`--model DIR` for any other), fp32 on CPU, 1 t
 engine. Configurations run interleaved, round by round; figures are medians over `--rounds`.
 
 - replicas2_vs_1: requests/s with 2 Ray replicas x 1 thread over 1 Ray replica x 1 thread;
-  replicas2_vs_1_rounds: that ratio in each round (its configurations ran back to back), and
-  replicas2_vs_1_spread: their max - min, so an unstable gain shows as such.
+  replicas2_vs_1_rounds: that ratio in each round (its configurations ran back to back), its
+  _min, _median and _max over the rounds, and replicas2_vs_1_spread: max - min, so an unstable
+  gain shows as such; rps_one_replica_rounds and rps_two_replicas_rounds: each side in each
+  round, to tell which side moved.
 - routed_cached_fraction / random_cached_fraction / single_cached_fraction: prompt tokens served
   from the prefix cache with prefix-aware routing over 2 replicas, random routing over 2 replicas,
   and one replica (the ceiling).
@@ -146,9 +148,14 @@ async def run(args, model: Path, home: Path) -> dict:
     return {
         "replicas2_vs_1": med("routed", "rps") / med("one", "rps"),
         "replicas2_vs_1_rounds": [round(x, 3) for x in per_round],
+        "replicas2_vs_1_min": min(per_round),
+        "replicas2_vs_1_median": statistics.median(per_round),
+        "replicas2_vs_1_max": max(per_round),
         "replicas2_vs_1_spread": max(per_round) - min(per_round),
         "rps_one_replica": med("one", "rps"),
         "rps_two_replicas": med("routed", "rps"),
+        "rps_one_replica_rounds": [round(r["rps"], 3) for r in res["one"]],
+        "rps_two_replicas_rounds": [round(r["rps"], 3) for r in res["routed"]],
         "routed_cached_fraction": med("routed", "cached_fraction"),
         "random_cached_fraction": med("random", "cached_fraction"),
         "single_cached_fraction": med("one", "cached_fraction"),

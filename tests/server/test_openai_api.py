@@ -293,6 +293,18 @@ def test_bad_parameters_get_400s_in_openai_error_shape(oai, kw, param, code):
     assert err["param"] == param and err["code"] == code and param in err["message"]
 
 
+@pytest.mark.parametrize("key,shown", [("", '""'), (" top_p", '" top_p"'), ("frobnicate", "frobnicate")])
+def test_an_unknown_key_is_named_as_written_even_when_empty(server, key, shown):
+    auth = {"Authorization": f"Bearer {server.api_key}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, key: 1}
+    with httpx.Client(trust_env=False, timeout=30) as h:
+        r = h.post(f"{server.url}/v1/chat/completions", json=body, headers=auth)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == key and err["code"] == "unknown_parameter"
+    assert err["message"] == f"unrecognized request argument(s): {shown}; remove it"
+
+
 def test_http_level_errors_keep_the_shape_and_the_server_serves_on(server, oai):
     url, auth = server.url, {"Authorization": f"Bearer {server.api_key}"}
     with httpx.Client(trust_env=False, timeout=30) as h:

@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serverutil import serve, tinker_env
 
+from trine.limits import MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
+
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
@@ -503,3 +505,25 @@ def test_json_types_are_strict_where_the_official_client_sends_booleans_and_inte
     for path, body, field in cases:
         r = plane.http["a"].post(path, json=body)
         assert 400 <= r.status_code < 500 and field in r.json()["message"], (path, r.text)
+
+
+@pytest.mark.parametrize(
+    "field, value, bound",
+    [
+        ("num_samples", 0, "greater than or equal to 1"),
+        ("num_samples", MAX_SAMPLES_PER_REQUEST + 1, f"less than or equal to {MAX_SAMPLES_PER_REQUEST}"),
+        ("topk_prompt_logprobs", -1, "greater than or equal to 0"),
+        (
+            "topk_prompt_logprobs",
+            MAX_TOPK_PROMPT_LOGPROBS + 1,
+            f"less than or equal to {MAX_TOPK_PROMPT_LOGPROBS}",
+        ),
+    ],
+)
+def test_asample_counts_out_of_range_are_refused_naming_the_field_and_its_range(plane, field, value, bound):
+    body = {"sampling_session_id": plane.sampler_id, "seq_id": 7, "num_samples": 1, field: value}
+    body["prompt"] = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+    body["sampling_params"] = {"max_tokens": 1}
+    r = plane.http["a"].post("/asample", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["message"] == f"{field}: Input should be {bound}", r.text

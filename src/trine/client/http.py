@@ -2,7 +2,13 @@
 
 Retryable: HTTP 408/429/500/502/503/504 and transport errors (connect, read, timeouts). After the
 first retryable failure, the *same* request (same body, same event or request id) is re-sent with
-exponential backoff until `retry_window_s` has passed; the server deduplicates by those ids. Each
+exponential backoff until `retry_window_s` has passed; the server deduplicates by those ids. A
+retryable answer's `Retry-After` (seconds or an HTTP date) is honoured: the next attempt waits at
+least that long, at most `retry_after_max_s` and never past the window. A draining server answers
+503 `server_shutting_down` with the time its drain and restart should take, so work it refused or
+cancelled is sent again once it is back, not hammered at while it is down. While nothing accepts
+connections (a server restarting), attempts are at most `retry_connect_max_delay_s` apart, so a
+restarted server gets the retry within 2 s of listening, not up to 10 s later. Each
 request that needs retries logs one WARNING on `trine.client` when it starts retrying (and one INFO
 line if it then succeeds), never one line per attempt.
 
@@ -18,6 +24,7 @@ through control when within 300 s of expiry or after a 401 (once per failed toke
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import logging
 import random
 import time
@@ -41,6 +48,8 @@ class Settings:
     connect_check_s: float = 5.0  # the first request of a new client: fail after this long unreachable
     retry_initial_delay_s: float = 0.5
     retry_max_delay_s: float = 10.0
+    retry_after_max_s: float = 60.0  # the longest Retry-After honoured (as the tinker client caps it)
+    retry_connect_max_delay_s: float = 2.0  # while nothing listens: a refused connect costs nothing
     poll_wait_s: int = 30  # sent as `Prefer: wait=N` on event long-polls
     sampling_timeout_s: float = 4 * 3600.0
     max_events_in_flight: int = 16  # per training run
@@ -91,9 +100,32 @@ async def send_with_retry(
             if error is not None:
                 raise error
             return response
+        wait = delay * (1 + 0.1 * random.random())
+        if isinstance(error, httpx.ConnectError):  # a restarting server: answer soon after it is back
+            wait = min(wait, settings.retry_connect_max_delay_s)
+        if response is not None:
+            wait = max(wait, min(retry_after(response), settings.retry_after_max_s))
         # the last wait ends when the window closes, so the window is the whole time spent retrying
-        await asyncio.sleep(min(delay * (1 + 0.1 * random.random()), first_failure + window - now))
+        await asyncio.sleep(min(wait, first_failure + window - now))
         delay = min(delay * 2, settings.retry_max_delay_s)
+
+
+def retry_after(response: httpx.Response) -> float:
+    """Seconds the response's `Retry-After` asks for (delta seconds or an HTTP date); 0 if none."""
+    value = response.headers.get("retry-after", "").strip()
+    if not value:
+        return 0.0
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return 0.0
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
 
 
 def error_fields(body: object) -> tuple[str, str, dict]:

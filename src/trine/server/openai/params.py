@@ -12,6 +12,8 @@ prompt without generating (what evaluation harnesses' loglikelihood tasks send).
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # token ids in one logit_bias
 MAX_REPETITION_PENALTY = 10.0
 MAX_STOP_STRINGS = 16  # tighter than trine's own limit (limits.MAX_STOP_STRINGS): OpenAI allows a few
+_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # a key shown bare in a message; others are quoted
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 COMMON = {
@@ -175,7 +178,8 @@ def _refuse_unsupported(body: dict, known: set[str]) -> None:
     if unknown:
         raise OpenAIError(
             400,
-            f"unrecognized request argument(s): {', '.join(unknown)}",
+            f"unrecognized request argument(s): {', '.join(map(_shown, unknown))}; remove "
+            f"{'it' if len(unknown) == 1 else 'them'}",
             param=unknown[0],
             code="unknown_parameter",
         )
@@ -188,6 +192,12 @@ def _refuse_unsupported(body: dict, known: set[str]) -> None:
             param=refused[0],
             code="unsupported_parameter",
         )
+
+
+def _shown(name: str) -> str:
+    """A body key as a message shows it: bare when it reads as a name, else quoted as JSON, so the
+    empty key reads `""` (not as nothing) and a key with spaces keeps its edges."""
+    return name if _NAME.fullmatch(name) else json.dumps(name)
 
 
 def _model(body: dict) -> str:

@@ -11,7 +11,9 @@ Answers of `retrieve_future`, as SDK 0.38 reads them:
 - failed: `{"error": message, "category": "user" | "server"}` (the SDK raises RequestFailedError);
 - done: the result, protobuf for ForwardBackwardOutput and SampleResponse, JSON otherwise;
 - unknown id (never submitted by this key, or forgotten `KEEP_SECONDS` after it finished, or lost
-  in a restart): HTTP 410, on which the SDK resubmits a sample.
+  in a restart): HTTP 410, on which the SDK resubmits a sample;
+- a sample a shutdown stopped (`ShuttingDown`): HTTP 410 as well, so the SDK resubmits it, with
+  backoff, until the restarted server runs it (a failed body would end the SDK's call for good).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ...service.errors import Conflict, ServiceError
+from ...service.errors import Conflict, ServiceError, ShuttingDown
 from .errors import public_message, tinker_paths
 
 LONG_POLL_SECONDS = 25.0  # the SDK's read timeout is 45 s
@@ -137,6 +139,11 @@ def make_router(state_of, api_key) -> APIRouter:
             )
         if task.cancelled():
             return {"error": "the request was cancelled by a server shutdown", "category": "server"}
+        if isinstance(task.exception(), ShuttingDown):
+            e = task.exception()
+            return JSONResponse(
+                {"code": e.code, "message": public_message(e.code, e.message)}, status_code=410
+            )
         if task.exception() is not None:
             return failure_body(task.exception())
         reply: Reply = task.result()

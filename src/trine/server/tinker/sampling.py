@@ -19,7 +19,7 @@ import json
 
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.api import SampleRequest
 from ...limits import MAX_SAMPLE_BYTES, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
@@ -86,16 +86,17 @@ class SamplingSessionBody(BaseModel):
 
 
 class AsampleBody(BaseModel):
-    """The types of an `asample` body's top-level fields (their values are checked where used)."""
+    """The types of an `asample` body's top-level fields, and the ranges of its counts (the other
+    values are checked where used)."""
 
     model_config = ConfigDict(extra="allow", strict=True)  # no "0" for 0, no "yes" for true
     sampling_session_id: str | None = None
     seq_id: Int64 | None = None
-    num_samples: Int64 = 1
+    num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
     prompt: dict | None = None
     sampling_params: dict | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: Int64 | None = None
+    topk_prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
     prompt_logprobs_last_n: Int64 | None = None
     record_stability_info: bool | None = None
 
@@ -106,13 +107,12 @@ async def asample(request: Request):
     b = await json_object(
         request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object", empty_ok=False
     )
-    parse_model(AsampleBody, b)
+    body = parse_model(AsampleBody, b)
     sid, seq = b.get("sampling_session_id"), b.get("seq_id")
     if not isinstance(sid, str) or not isinstance(seq, int):
         raise InvalidRequest("asample: send sampling_session_id and seq_id (create a sampling client first)")
     run = svc.ownership.sampling_run(key, sid)
     request_id = f"{sid}:{seq}"
-    n = b.get("num_samples", 1)
     p = dict(b.get("sampling_params") or {})
     stop = p.pop("stop", None)
     no_stop = isinstance(stop, list) and not stop
@@ -125,11 +125,6 @@ async def asample(request: Request):
     with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
     fields, targets = parse_extras(b, len(prompt), bool(b.get("prompt_logprobs")))
     top_logprobs = fields.pop("top_logprobs")
-    if not 1 <= n <= MAX_SAMPLES_PER_REQUEST:
-        raise InvalidRequest(f"num_samples {n}: use 1 to {MAX_SAMPLES_PER_REQUEST}")
-    topk = b.get("topk_prompt_logprobs") or 0
-    if not 0 <= topk <= MAX_TOPK_PROMPT_LOGPROBS:
-        raise InvalidRequest(f"topk_prompt_logprobs {topk}: use 0 to {MAX_TOPK_PROMPT_LOGPROBS}")
     options = sampling_options(
         params,
         stop_at_eos=not no_stop,  # Tinker: [] disables every stop, EOS included
@@ -139,9 +134,9 @@ async def asample(request: Request):
         request_id=f"tk-{seq}",
         prompt=prompt,
         options=options,
-        num_samples=n,
+        num_samples=body.num_samples,
         prompt_logprobs=with_prompt_logprobs,
-        topk_prompt_logprobs=topk,
+        topk_prompt_logprobs=body.topk_prompt_logprobs or 0,
         **fields,
     )
     fingerprint = hashlib.sha256(json.dumps(b, sort_keys=True).encode()).hexdigest()
