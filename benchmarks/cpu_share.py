@@ -4,12 +4,14 @@ A fixed decode workload (8 sequences, `--new` tokens each, SmolLM2-135M fp32 by 
 fresh process, alone and then beside a 1-core and an N-core CPU hog (busy-loop processes), for each
 OpenMP wait policy given (`--policies`: the env var OMP_WAIT_POLICY of the workload's process;
 "unset" leaves it unset, as before `trine.engine` set PASSIVE; the workload imports torch before
-trine, so the policy given is the one in effect). Reported: decode tokens/s per setting and the
+trine, so the policy given is the one in effect; "spin:N" leaves it unset and sets GOMP_SPINCOUNT=N:
+libgomp's threads spin N times, then sleep). Reported: decode tokens/s per setting and the
 ratio to "alone". A fair
 share beside a 1-core hog on 2 cores is 50 %; OpenMP threads that spin while waiting for each other
 collapse far below it when a core is taken.
 
-    .venv/bin/python benchmarks/cpu_share.py [--json] [--new 32] [--rounds 3] [--policies unset,PASSIVE]
+    .venv/bin/python benchmarks/cpu_share.py [--json] [--new 32] [--rounds 3] \
+        [--policies unset,PASSIVE,spin:20000]
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def hog() -> None:
 def tokens_per_second(policy: str, new: int) -> float:
     env = dict(os.environ)
     env.pop("OMP_WAIT_POLICY", None)
-    if policy != "unset":
+    env.pop("GOMP_SPINCOUNT", None)
+    if policy.startswith("spin:"):  # libgomp spins this many times, then sleeps
+        env["GOMP_SPINCOUNT"] = policy.removeprefix("spin:")
+    elif policy != "unset":
         env["OMP_WAIT_POLICY"] = policy
     out = subprocess.run(
         [sys.executable, "-c", WORKLOAD, str(new)], env=env, capture_output=True, text=True, check=True
