@@ -39,13 +39,17 @@ class RunLabels:
 @dataclass(frozen=True)
 class TrainingRunSpec:
     """A new training run: on `base_model` with `lora`, or restored from a saved checkpoint (whose
-    base model and LoRA shape it then takes; `lora.seed` still applies when given)."""
+    base model and LoRA shape it then takes; `lora.seed` still applies when given).
+
+    `optimizer` (engine.api.OPTIMIZERS) is fixed for the run's life; "" = AdamW, or the checkpoint's
+    optimizer when its state is restored (`restore_optimizer`), which no other value may override."""
 
     base_model: str = ""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     source_checkpoint_uri: str = ""
     restore_optimizer: bool = False
     labels: RunLabels = field(default_factory=RunLabels)
+    optimizer: str = ""
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class SamplingRunSpec:
 @dataclass(frozen=True)
 class InitByUri:
     """A run's weights: fresh from `lora`, or loaded from `checkpoint_uri` (a saved state or named
-    weights; with `load_optimizer`, its AdamW state too)."""
+    weights; with `load_optimizer`, its optimizer state too, of the run's optimizer family)."""
 
     lora: LoRAConfig
     base_model: str = ""  # as the client names it (a model name or model_id); "" = the run's model

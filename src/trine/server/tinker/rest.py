@@ -83,7 +83,7 @@ async def client_config(request: Request):
 @router.post("/client/dynamic_config")
 async def dynamic_config(request: Request):
     caller(request)
-    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}  # cancel_future: sampling.py
 
 
 @router.get("/healthz")
