@@ -94,3 +94,54 @@ def test_cancel_future_of_an_unknown_or_finished_request_is_a_no_op(srv, sc):
         assert r.status_code == 200, r.text
     r = httpx.post(f"{srv.url}/api/v1/client/dynamic_config", json={}, headers=headers)
     assert r.json()["sample_cancel_enabled"] is True
+
+
+def test_search_sessions_by_name_tags_metadata_and_status(srv, monkeypatch):
+    secret = "tml-" + srv.service.ownership.create_key("searcher")  # a key of its own: only these sessions
+
+    def session(name, meta, tags=None):
+        if tags:
+            monkeypatch.setenv("TINKER_TAGS", tags)
+        else:
+            monkeypatch.delenv("TINKER_TAGS", raising=False)
+        c = tinker.ServiceClient(user_metadata=meta, display_name=name, base_url=srv.url, api_key=secret)
+        return c, c.holder.get_session_id()
+
+    (_, sft), (rl_client, rl), (_, adhoc) = (
+        session("Nightly SFT qwen", {"team": "rl", "lr": "1e-4"}, tags="nightly,sft"),
+        session("nightly RL run", {"team": "rl"}, tags="nightly"),
+        session("adhoc", {"team": "infra"}),
+    )
+    rl_client.close("errored").result()
+    rest = tinker.RestClient(base_url=srv.url, api_key=secret)
+
+    def ids(**kw) -> list[str]:
+        page = rest.search_sessions(types.SessionSearchRequest(**kw)).result()
+        return [s.session_id for s in page.sessions]
+
+    assert ids() == [adhoc, rl, sft]  # newest first
+    assert ids(display_name="NIGHTLY") == [rl, sft]  # case-insensitive substring
+    assert ids(display_name="nightly qwen") == [sft]  # every word somewhere in the name
+    assert ids(display_name="qwen", session_id=adhoc) == [adhoc, sft]  # either one
+    assert ids(user_metadata={"team": "rl"}) == [rl, sft]  # exact pairs, all of them
+    assert ids(user_metadata={"team": "rl", "lr": "1e-4"}) == [sft]
+    assert ids(user_metadata={"team": "r"}) == []
+    assert ids(user_metadata={"tags": "nightly"}) == [rl, sft]  # tags: each must be held
+    assert ids(user_metadata={"tags": "sft,nightly"}) == [sft]
+    assert ids(statuses=[types.ActiveSessionStatusQuery()]) == [adhoc, sft]
+    assert ids(statuses=[types.ClientFinishedSessionStatusQuery(reasons=["errored"])]) == [rl]
+    assert ids(statuses=[types.ClientFinishedSessionStatusQuery(reasons=["success"])]) == []
+
+    summary = rest.search_sessions(types.SessionSearchRequest(session_id=rl)).result().sessions[0]
+    assert summary.display_name == "nightly RL run" and summary.owner == "searcher"
+    assert summary.user_metadata == {"team": "rl", "name": "nightly RL run", "tags": "nightly"}
+    assert summary.status.type == "client_finished" and summary.status.reason.type == "errored"
+    assert summary.checkpoints_count == 0
+
+    first = rest.search_sessions(types.SessionSearchRequest(limit=2)).result()  # pages follow the cursor
+    assert [s.session_id for s in first.sessions] == [adhoc, rl] and first.next_cursor is not None
+    second = rest.search_sessions(types.SessionSearchRequest(limit=2, cursor=first.next_cursor)).result()
+    assert [s.session_id for s in second.sessions] == [sft] and second.next_cursor is None
+
+    with pytest.raises(tinker.BadRequestError, match="project_ids: trine has no projects"):
+        rest.search_sessions(types.SessionSearchRequest(project_ids=["p"])).result()

@@ -37,6 +37,24 @@ class RunLabels:
 
 
 @dataclass(frozen=True)
+class SessionSearch:
+    """Which of a key's sessions `Queries.search_sessions` finds: every condition given holds, except
+    that `session_id` and `name` match either one when both are given.
+
+    - `name`: each whitespace-separated word, case-insensitively, somewhere in the session's name.
+    - `tags`: each among the session's tags. `metadata`: each pair exactly in its metadata (which
+      holds `name` and comma-joined `tags` too, as `labels.as_metadata` shows them).
+    - `statuses`: (status, finish reason) pairs, any of which matches; a reason None matches any
+      reason (a session's `finish_reason` is what its client reported when it closed it, or "")."""
+
+    session_id: str | None = None
+    name: str | None = None
+    tags: tuple[str, ...] = ()
+    metadata: dict = field(default_factory=dict)
+    statuses: tuple[tuple[str, str | None], ...] | None = None
+
+
+@dataclass(frozen=True)
 class TrainingRunSpec:
     """A new training run: on `base_model` with `lora`, or restored from a saved checkpoint (whose
     base model and LoRA shape it then takes; `lora.seed` still applies when given).

@@ -64,11 +64,14 @@ class Runs:
         self.store.add_session(s)
         return s
 
-    async def close_session(self, key: ApiKey, session_id: str, status: str = "ENDED") -> Session:
+    async def close_session(
+        self, key: ApiKey, session_id: str, status: str = "ENDED", reason: str = ""
+    ) -> Session:
+        """End a session and its runs; `reason` is what its client reported (kept for searches)."""
         s = self.ownership.session(key, session_id)
         if s.status != "ACTIVE":
             return s
-        self.store.update_session(s.id, status=status)
+        self.store.update_session(s.id, status=status, finish_reason=reason)
         runs, _ = self.store.training_runs(key.id, session_id=s.id)
         for r in runs:
             if r.status == "ACTIVE":

@@ -27,6 +27,7 @@ class Session:
     name: str = ""
     tags: str = ""  # a JSON list of strings
     user_metadata: str = ""  # a JSON object of strings
+    finish_reason: str = ""  # why its client closed it, as reported (Tinker: success, errored, ...)
 
 
 @dataclass

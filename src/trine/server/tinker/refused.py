@@ -32,7 +32,6 @@ REFUSED = (
         "assign_session_project (projects)",
         "trine has no projects; everything is scoped by API key",
     ),
-    ("POST", "/sessions/search", "search_sessions", "list_sessions and get_session"),
     (
         "GET",
         "/sessions/{session_id}/trace_export",
