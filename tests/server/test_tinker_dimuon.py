@@ -67,7 +67,8 @@ def test_dimuon_trains_reports_itself_and_resumes_exactly(srv, sc):
 
     resumed = sc.create_training_client_from_state_with_optimizer(state).result()
     assert config(resumed.get_info().optimizer_config) == DIMUON  # the checkpoint's
-    assert [train_step(resumed) for _ in range(2)] == [train_step(tc) for _ in range(2)]  # momentum kept
+    continued = [train_step(tc) for _ in range(2)]
+    assert [train_step(resumed) for _ in range(2)] == continued  # momentum kept: the same steps
 
     # weights only, into a model of the other family: allowed, with a fresh AdamW
     adam = sc.create_training_client_from_state(state).result()
@@ -77,6 +78,18 @@ def test_dimuon_trains_reports_itself_and_resumes_exactly(srv, sc):
     adam.optim_step(types.AdamParams(learning_rate=1e-3)).result()  # the client goes on
     with pytest.raises(Exception, match="holds dimuon optimizer state and this model trains with adamw"):
         adam.load_state_with_optimizer(state).result()
+    # weights only, with the optimizer named: a fresh Dimuon
+    fresh = sc.create_training_client_from_state(state, optimizer=types.DimuonOptimizerConfig()).result()
+    assert config(fresh.get_info().optimizer_config) == DIMUON
+    assert train_step(fresh) == pytest.approx(continued[0], rel=1e-6)  # the saved weights
+
+    # run listings show the last step's settings
+    from trine.metering.report import fmt_optimizer
+
+    key = srv.service.store.key_by_secret(srv.api_key)
+    runs, _ = srv.service.queries.training_runs(key)
+    shown = {fmt_optimizer(r.optimizer_settings) for r in runs}
+    assert "dimuon lr 0.05 b 0.9 clip 5" in shown and "lr 0.001 b 0.9/0.95 wd 0 clip 0" in shown
 
 
 def test_dimuon_model_refuses_adam_params_and_bad_settings(sc):
