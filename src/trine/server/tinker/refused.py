@@ -1,7 +1,7 @@
 """Routes of the official `tinker` 0.38 client that trine does not implement: each answers 400
 `not_supported` naming the feature and what to use instead (never a bare 404/405), so a client
 fails with a message it can act on. `save_weights_external` is refused in `training.py` (it takes a
-seq_id), Dimuon where the optimizer is chosen, image/audio chunks where prompts are decoded.
+seq_id), image/audio chunks where prompts are decoded.
 
 Routes the client only calls when the client config turns a feature on (`auth/token`,
 `retrieve_futures`, `join_sampling_session`, `create_custom_loss`) are refused too,
