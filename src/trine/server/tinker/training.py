@@ -84,7 +84,7 @@ class DimuonBody(BaseModel):
     """Tinker's DimuonParams; `damping` and `rank_lr_correction_exponent` are the later clients'
     (their defaults apply when a 0.38 client leaves them out)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "0.1" for 0.1
     type: str = DIMUON
     learning_rate: float
     grad_clip_norm: float = 0.0
