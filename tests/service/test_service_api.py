@@ -61,8 +61,10 @@ def test_neutral_outcomes_stream_retry_and_cancel(tiny_model_dir, tmp_path):
                 await task
 
         call(cancelled())
-        metered = [e.request_id for e in svc.usage_events(key, run_id=run.id)]
-        assert metered == ["r1", "r2"]  # once each; the cancelled request is not metered
+        events = svc.usage_events(key, run_id=run.id)
+        assert [e.request_id for e in events] == ["r1", "r2", "r3"]  # once each
+        assert events[-1].prefill + events[-1].prefill_cached == 2  # the cancelled one: its prompt,
+        assert 0 < events[-1].sample < 1000  # and the tokens it sampled before the cancel
 
         # training events: the stored result is neutral (lists of floats), shaped by front ends
         trun = svc.runs.create_training_run(

@@ -1,11 +1,11 @@
 """The engine's API: every type that crosses the service <-> engine seam, and nothing else.
 
 One vocabulary for every layer. Front ends build these payloads (a `TrainDatum`, `SamplingOptions`,
-an `AdamConfig`, a `SampleRequest`), the service resolves what only it knows (weights, checkpoint
-paths, a save's target, the gradient denominator) with `dataclasses.replace`, and the engine runs
-them. Results (`SampleResult`, `SampleDelta`, `EventOutcome`) come back in the same vocabulary and
-the service stores them as they are. The service keeps a command of its own only where the meaning
-differs (service/commands.py: a save by name, an init from a checkpoint URI).
+an `AdamConfig` or a `DimuonConfig`, a `SampleRequest`), the service resolves what only it knows
+(weights, checkpoint paths, a save's target, the gradient denominator) with `dataclasses.replace`,
+and the engine runs them. Results (`SampleResult`, `SampleDelta`, `EventOutcome`) come back in the
+same vocabulary and the service stores them as they are. The service keeps a command of its own
+only where the meaning differs (service/commands.py: a save by name, an init from a checkpoint URI).
 
 Invariants
 - Plain dataclasses of ints, floats, strings, lists and each other, built with keywords: no torch,
@@ -228,6 +228,45 @@ class AdamConfig:
     grad_clip_norm: float = 0.0
 
 
+ADAMW, DIMUON = "adamw", "dimuon"
+OPTIMIZERS = (ADAMW, DIMUON)  # a training run's optimizer family, fixed when the run is made
+
+
+@dataclass(frozen=True)
+class DimuonConfig:
+    """One step of Dimuon, Tinker's second optimizer (engine/trainer/dimuon.py has the update).
+
+    Each LoRA matrix steps along a direction of Frobenius norm sqrt(rank): its momentum (an EMA of the
+    gradients, `beta1`), balanced by damped row and column second moments, then orthogonalised. The
+    step is `learning_rate` x (rank / 32) ** `rank_lr_correction_exponent` (0 turns the correction
+    off). grad_clip_norm <= 0 = no clipping; there is no weight decay."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    grad_clip_norm: float = 0.0
+    damping: float = 1e-4
+    rank_lr_correction_exponent: float = 0.175
+
+    def check(self) -> DimuonConfig:
+        """Raise ValueError naming the DimuonParams field of a value out of its range."""
+        for name, ok, rule in (
+            ("learning_rate", lambda v: 0 <= v <= 10, "in [0, 10]"),
+            ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+            ("grad_clip_norm", lambda v: True, "finite"),
+            ("damping", lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("rank_lr_correction_exponent", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"DimuonParams.{name} must be a finite number {rule}, got {v!r}")
+        return self
+
+
+def optimizer_of(params: AdamConfig | DimuonConfig) -> str:
+    """The optimizer family a step's settings belong to."""
+    return DIMUON if isinstance(params, DimuonConfig) else ADAMW
+
+
 IGNORE_INDEX = -100
 POLICY_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 LOSS_NAMES = ("cross_entropy",) + POLICY_LOSSES
@@ -310,12 +349,13 @@ class Loss:
 @dataclass(frozen=True)
 class InitRun:
     """A fresh LoRA adapter (`checkpoint_path` empty) or a run's saved state loaded from a directory
-    (`checkpoint_uri` names it in error messages)."""
+    (`checkpoint_uri` names it in error messages), trained by the `optimizer` family."""
 
     lora: LoRAConfig
     checkpoint_path: str = ""
     load_optimizer: bool = False
     checkpoint_uri: str = ""
+    optimizer: str = ADAMW  # one of OPTIMIZERS; a loaded optimizer state must be of this family
 
 
 @dataclass(frozen=True)
@@ -343,7 +383,9 @@ class Forward:
 
 @dataclass(frozen=True)
 class OptimStep:
-    adam: AdamConfig
+    """One optimizer step; `params` must be of the run's optimizer family (`optimizer_of`)."""
+
+    params: AdamConfig | DimuonConfig
 
 
 @dataclass(frozen=True)

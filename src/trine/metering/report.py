@@ -391,9 +391,12 @@ def fmt_lora(lora: dict | None) -> str:
 
 
 def fmt_optimizer(opt: dict | None) -> str:
-    """The AdamW settings of the last optim_step: `lr 0.0001 b 0.9/0.95 wd 0 clip 0`; "" before any."""
+    """The settings of the last optim_step: AdamW `lr 0.0001 b 0.9/0.95 wd 0 clip 0`, Dimuon
+    `dimuon lr 0.02 b 0.9 clip 0`; "" before any."""
     if not opt:
         return ""
+    if opt.get("type") == "dimuon":
+        return f"dimuon lr {opt['learning_rate']:g} b {opt['beta1']:g} clip {opt['grad_clip_norm']:g}"
     return (
         f"lr {opt['learning_rate']:g} b {opt['beta1']:g}/{opt['beta2']:g} wd {opt['weight_decay']:g} "
         f"clip {opt['grad_clip_norm']:g}"

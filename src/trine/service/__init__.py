@@ -2,7 +2,15 @@
 ends may ask beyond the engine's vocabulary (commands), what they get back (results, views), and
 the `Service` that does it. Payloads, ops and sample requests are `trine.engine.api`'s."""
 
-from .commands import InitByUri, RunLabels, SamplingRunSpec, SaveByName, TrainingCommand, TrainingRunSpec
+from .commands import (
+    InitByUri,
+    RunLabels,
+    SamplingRunSpec,
+    SaveByName,
+    SessionSearch,
+    TrainingCommand,
+    TrainingRunSpec,
+)
 from .core import Service
 from .errors import Conflict, InvalidRequest, NotFound, ServiceError, TooLarge, TooManyRequests, Unauthorized
 from .models import Replica, ServedModel
@@ -26,6 +34,7 @@ __all__ = [
     "ServedModel",
     "Replica",
     # commands
+    "SessionSearch",
     "TrainingRunSpec",
     "SamplingRunSpec",
     "RunLabels",

@@ -37,15 +37,37 @@ class RunLabels:
 
 
 @dataclass(frozen=True)
+class SessionSearch:
+    """Which of a key's sessions `Queries.search_sessions` finds: every condition given holds, except
+    that `session_id` and `name` match either one when both are given.
+
+    - `name`: each whitespace-separated word, case-insensitively, somewhere in the session's name.
+    - `tags`: each among the session's tags. `metadata`: each pair exactly in its metadata (which
+      holds `name` and comma-joined `tags` too, as `labels.as_metadata` shows them).
+    - `statuses`: (status, finish reason) pairs, any of which matches; a reason None matches any
+      reason (a session's `finish_reason` is what its client reported when it closed it, or "")."""
+
+    session_id: str | None = None
+    name: str | None = None
+    tags: tuple[str, ...] = ()
+    metadata: dict = field(default_factory=dict)
+    statuses: tuple[tuple[str, str | None], ...] | None = None
+
+
+@dataclass(frozen=True)
 class TrainingRunSpec:
     """A new training run: on `base_model` with `lora`, or restored from a saved checkpoint (whose
-    base model and LoRA shape it then takes; `lora.seed` still applies when given)."""
+    base model and LoRA shape it then takes; `lora.seed` still applies when given).
+
+    `optimizer` (engine.api.OPTIMIZERS) is fixed for the run's life; "" = AdamW, or the checkpoint's
+    optimizer when its state is restored (`restore_optimizer`), which no other value may override."""
 
     base_model: str = ""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     source_checkpoint_uri: str = ""
     restore_optimizer: bool = False
     labels: RunLabels = field(default_factory=RunLabels)
+    optimizer: str = ""
 
 
 @dataclass(frozen=True)
@@ -63,7 +85,7 @@ class SamplingRunSpec:
 @dataclass(frozen=True)
 class InitByUri:
     """A run's weights: fresh from `lora`, or loaded from `checkpoint_uri` (a saved state or named
-    weights; with `load_optimizer`, its AdamW state too)."""
+    weights; with `load_optimizer`, its optimizer state too, of the run's optimizer family)."""
 
     lora: LoRAConfig
     base_model: str = ""  # as the client names it (a model name or model_id); "" = the run's model

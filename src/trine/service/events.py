@@ -199,7 +199,8 @@ class Events:
         if not r.started:
             self.store.update_training_run(r.id, started=True)
         if isinstance(command, api.OptimStep):  # the settings a run listing shows as last used
-            self.store.update_training_run(r.id, optimizer=json.dumps(dataclasses.asdict(command.adam)))
+            settings = {"type": api.optimizer_of(command.params), **dataclasses.asdict(command.params)}
+            self.store.update_training_run(r.id, optimizer=json.dumps(settings))
         self.live[event_id] = LiveEvent(rec, command, pend, rep, notes)
         self.activity.touch(run_id)
         rep.scheduler.notify()
@@ -210,15 +211,23 @@ class Events:
         if isinstance(command, commands.InitByUri):
             return api.InitRun(
                 lora=command.lora,
-                checkpoint_path=self._init_checkpoint(key, m, command),
+                checkpoint_path=self._init_checkpoint(key, r, m, command),
                 load_optimizer=command.load_optimizer,
                 checkpoint_uri=command.checkpoint_uri,
+                optimizer=r.optimizer_family,
+            )
+        if isinstance(command, api.OptimStep) and api.optimizer_of(command.params) != r.optimizer_family:
+            sent = "DimuonParams" if api.optimizer_of(command.params) == api.DIMUON else "AdamParams"
+            wanted = "DimuonParams" if r.optimizer_family == api.DIMUON else "AdamParams"
+            raise InvalidRequest(
+                f"optim_step sent {sent}, but this model was made with the {r.optimizer_family} "
+                f"optimizer: send {wanted} (the optimizer is chosen when the training client is created)"
             )
         if isinstance(command, commands.SaveByName):
             return self._save_target(key, r, command)
         return command
 
-    def _init_checkpoint(self, key: ApiKey, m: ServedModel, c: commands.InitByUri) -> str:
+    def _init_checkpoint(self, key: ApiKey, r: TrainingRun, m: ServedModel, c: commands.InitByUri) -> str:
         """The directory of the checkpoint an init loads ("" for a fresh adapter)."""
         if c.base_model and resolve_model(self.models, c.base_model) is not m:
             raise InvalidRequest(f"init_run base_model differs from the run's model {m.name}")
@@ -229,6 +238,13 @@ class Events:
         if resolve_model(self.models, ck.base_model) is not m:
             raise InvalidRequest(
                 f"checkpoint {c.checkpoint_uri} was trained on {ck.base_model}, the run uses {m.name}"
+            )
+        saved = self.ownership.checkpoint_optimizer(ck)
+        if c.load_optimizer and saved != r.optimizer_family:
+            raise InvalidRequest(
+                f"checkpoint {c.checkpoint_uri} holds {saved} optimizer state and this model trains with "
+                f"{r.optimizer_family}: load it without the optimizer, or make a new training client "
+                "from it (create_training_client_from_state_with_optimizer), which takes its optimizer"
             )
         return ck.path
 

@@ -8,6 +8,7 @@ only the owner may change or delete it.
 
 from __future__ import annotations
 
+from ..engine.api import ADAMW
 from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, Store, TrainingRun
 from .errors import Conflict, InvalidRequest, NotFound, Unauthorized
 
@@ -131,3 +132,9 @@ class Ownership:
                 code="checkpoint_has_no_optimizer_state",
             )
         return ck
+
+    def checkpoint_optimizer(self, ck: Checkpoint) -> str:
+        """The optimizer family of the run that saved `ck` (its optimizer state is of that family;
+        a run's family never changes)."""
+        run = self.store.training_run(ck.training_run_id)
+        return run.optimizer_family if run is not None else ADAMW

@@ -16,7 +16,9 @@ import asyncio
 from ..engine.api import EngineStats
 from ..metering.events import CacheDiagnostic, UsageEvent
 from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, Store, TrainingRun
-from .errors import NotFound
+from . import labels
+from .commands import SessionSearch
+from .errors import InvalidRequest, NotFound
 from .models import Replica, ServedModel, resolve_model
 from .ownership import Ownership
 from .results import EventResult
@@ -63,6 +65,37 @@ class Queries:
     def sessions(self, key: ApiKey, limit: int = 20, offset: int = 0) -> tuple[list[Session], int]:
         """A page of the key's sessions, oldest first, and how many there are."""
         return self._store.sessions(key.id, limit, offset)
+
+    def search_sessions(
+        self, key: ApiKey, search: SessionSearch, limit: int, after: str | None = None
+    ) -> tuple[list[Session], bool]:
+        """Up to `limit` of the key's sessions that match `search`, newest first (ties: by id,
+        descending), starting after session `after` (the last one of the previous page); and whether
+        more may follow."""
+        rows, _ = self._store.sessions(key.id, limit=None)
+        rows.sort(key=lambda s: (s.created_at, s.id), reverse=True)
+        if after is not None:
+            last = self._store.session(after)
+            if last is None or last.api_key_id != key.id:
+                raise InvalidRequest(f"cursor: session {after!r} is not one of this key's sessions")
+            rows = [s for s in rows if (s.created_at, s.id) < (last.created_at, last.id)]
+        found = []
+        for s in rows:
+            if _matches(s, search):
+                if len(found) == limit:
+                    return found, True
+                found.append(s)
+        return found, False
+
+    def session_checkpoints(self, key: ApiKey, session_id: str) -> tuple[int, int]:
+        """How many checkpoints the session's training runs hold on disk, and their bytes."""
+        runs, _ = self._store.training_runs(key.id, session_id=session_id)
+        count = size = 0
+        for r in runs:
+            rows, _ = self._store.checkpoints(key.id, training_run_id=r.id)
+            stored = [c for c in rows if c.path]
+            count, size = count + len(stored), size + sum(c.size_bytes for c in stored)
+        return count, size
 
     def session(self, key: ApiKey, session_id: str) -> SessionView:
         """A session with the ids of its training and sampling runs."""
@@ -146,6 +179,28 @@ class Queries:
             for rep in m.replicas:
                 out.append(_replica_view(m, rep, stats.get(id(rep), RuntimeError("replica lost")), own))
         return out
+
+
+def _matches(s: Session, q: SessionSearch) -> bool:
+    """Whether session `s` matches search `q` (see SessionSearch)."""
+    lab = labels.of_record(s)
+    if q.session_id is not None or q.name is not None:
+        by_id = q.session_id is not None and s.id == q.session_id
+        name = lab.name.lower()
+        by_name = q.name is not None and all(w in name for w in q.name.lower().split())
+        if not (by_id or by_name):
+            return False
+    if not set(q.tags) <= set(lab.tags):
+        return False
+    meta = labels.as_metadata(s)
+    if any(meta.get(k) != v for k, v in q.metadata.items()):
+        return False
+    if q.statuses is not None:
+        return any(
+            s.status == status and (reason is None or s.finish_reason == reason)
+            for status, reason in q.statuses
+        )
+    return True
 
 
 def _model_view(m: ServedModel) -> ModelView:

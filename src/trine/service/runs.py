@@ -5,6 +5,8 @@ Invariants
 - Ending a training run fails its waiting events (`run_ended`), frees its weights on its replica
   and deletes its TEMPORARY checkpoints.
 - A run restored from a checkpoint takes the checkpoint's LoRA shape; its base model must match.
+- A run's optimizer family (AdamW or Dimuon) is fixed when it is made: a restored optimizer state
+  brings its own, which the spec may not override.
 - A sampling run is attributed to at most one of its key's training runs: the one named in its
   spec, else the one that saved its checkpoint; usage reports by run count it there.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+from ..engine.api import ADAMW, OPTIMIZERS
 from ..limits import check_lora_rank
 from ..store import ApiKey, SamplingRun, Session, Store, TrainingRun
 from ..store.keys import new_id
@@ -61,11 +64,14 @@ class Runs:
         self.store.add_session(s)
         return s
 
-    async def close_session(self, key: ApiKey, session_id: str, status: str = "ENDED") -> Session:
+    async def close_session(
+        self, key: ApiKey, session_id: str, status: str = "ENDED", reason: str = ""
+    ) -> Session:
+        """End a session and its runs; `reason` is what its client reported (kept for searches)."""
         s = self.ownership.session(key, session_id)
         if s.status != "ACTIVE":
             return s
-        self.store.update_session(s.id, status=status)
+        self.store.update_session(s.id, status=status, finish_reason=reason)
         runs, _ = self.store.training_runs(key.id, session_id=s.id)
         for r in runs:
             if r.status == "ACTIVE":
@@ -108,6 +114,7 @@ class Runs:
             check_lora_rank(rank)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        family = self._optimizer(spec, source)
         labels = run_labels.inherit(run_labels.checked(spec.labels), run_labels.of_record(s))
         if self.quotas is not None:
             self.quotas.check_new_run(key, m, rank, train_mlp, train_attn, train_unembed)
@@ -129,11 +136,29 @@ class Runs:
             now,
             now,
             **run_labels.stored(labels),
+            optimizer_family=family,
         )
         m.place(r.id)  # by load, now: refuses at once when no replica runs
         self.store.add_training_run(r)
         self.activity.touch(r.id)
         return r
+
+    def _optimizer(self, spec: TrainingRunSpec, source) -> str:
+        """The new run's optimizer family: the spec's (AdamW when empty), or a restored state's."""
+        if spec.optimizer and spec.optimizer not in OPTIMIZERS:
+            raise InvalidRequest(
+                f"optimizer {spec.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}",
+                code="not_supported",
+            )
+        if source is None or not spec.restore_optimizer:
+            return spec.optimizer or ADAMW
+        saved = self.ownership.checkpoint_optimizer(source)
+        if spec.optimizer and spec.optimizer != saved:
+            raise InvalidRequest(
+                f"optimizer {spec.optimizer!r} cannot override the {saved} optimizer state restored "
+                f"from {source.uri}; restore without the optimizer state to train with {spec.optimizer}"
+            )
+        return saved
 
     def update_training_run(
         self,
@@ -166,6 +191,9 @@ class Runs:
             r.id,
             source_checkpoint_uri=ck.uri,
             restore_optimizer=bool(restore_optimizer),
+            optimizer_family=self.ownership.checkpoint_optimizer(ck)
+            if restore_optimizer
+            else r.optimizer_family,
             lora_rank=ck.lora_rank,
             train_mlp=ck.train_mlp,
             train_attn=ck.train_attn,

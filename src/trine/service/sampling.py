@@ -10,7 +10,8 @@ Invariants
   and done in the engine, finished), in the same transaction as its usage when it finishes.
 - A sampler made from a TEMPORARY snapshot that only one replica holds in memory is served there.
 - A stream its consumer closes early (a client that went away) is cancelled in the engine at once
-  and metered for what it computed: its client may already hold every token but the last.
+  and metered for what it computed: its client may already hold every token but the last. So is a
+  request its client cancels (`cancel`, Tinker's cancel_future).
 - An inflight sampling run's requests run on its training run's inflight target, at the run's
   version or newer (inflight.py); their outcomes name each token's weights version. On a pool
   they go to replicas other than the one training the run, so sampling overlaps training there
@@ -259,13 +260,19 @@ class Sampling:
         return cancelled
 
     async def cancel(self, key: ApiKey, sampling_run_id: str, request_id: str) -> bool:
-        """Cancel a running request (its client went away): the engine frees its sequences, its
-        waiters get SampleCancelled, nothing is metered. False if it is not running."""
+        """Cancel a running request (its client abandoned it): the engine frees its sequences and KV
+        blocks at once, its waiters get SampleCancelled, and what it computed until then (its prompt,
+        the tokens sampled so far) is metered, once: the engine answers a cancel once per request.
+        False if it is not running."""
         r = self.ownership.sampling_run(key, sampling_run_id)
         rep = self._serving.get((r.id, request_id))
+        caller = self._callers.get((r.id, request_id))
         if rep is None:
             return False
-        await rep.engine.cancel(f"{r.id}/{request_id}")
+        partial = await rep.engine.cancel(f"{r.id}/{request_id}")
+        if partial is not None and caller is not None and partial.usage.prompt_tokens:
+            _, run, req = caller
+            self.store.add_usage(self._usage_event(key, run, self.models[run.base_model], req, partial))
         return True
 
     async def _ensure_weights(self, rep: Replica, r: SamplingRun) -> None:

@@ -202,7 +202,7 @@ class Store:
     def session(self, session_id: str) -> Session | None:
         return self._one("sessions", "id = ?", (session_id,))
 
-    def sessions(self, api_key_id: str, limit: int = 20, offset: int = 0) -> tuple[list[Session], int]:
+    def sessions(self, api_key_id: str, limit: int | None = 20, offset: int = 0) -> tuple[list[Session], int]:
         rows = self._select(
             "sessions", "api_key_id = ?", (api_key_id,), order="created_at", limit=limit, offset=offset
         )

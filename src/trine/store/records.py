@@ -27,6 +27,7 @@ class Session:
     name: str = ""
     tags: str = ""  # a JSON list of strings
     user_metadata: str = ""  # a JSON object of strings
+    finish_reason: str = ""  # why its client closed it, as reported (Tinker: success, errored, ...)
 
 
 @dataclass
@@ -51,7 +52,8 @@ class TrainingRun:
     name: str = ""  # labels given at creation (see service/labels.py)
     tags: str = ""  # a JSON list of strings
     user_metadata: str = ""  # a JSON object of strings
-    optimizer: str = ""  # a JSON object: the AdamW settings of the last optim_step accepted
+    optimizer: str = ""  # a JSON object: the settings of the last optim_step accepted (`type` its family)
+    optimizer_family: str = "adamw"  # engine.api.OPTIMIZERS: fixed when the run is made
 
     @property
     def tag_list(self) -> list[str]:

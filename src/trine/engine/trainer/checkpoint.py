@@ -6,8 +6,9 @@ A checkpoint is a directory:
 - `adapter_config.json`: PEFT's LoraConfig and only PEFT's keys, so `peft.PeftModel.from_pretrained`
   loads it (`base_model_name_or_path` is the base model's directory when known).
 - `trine_checkpoint.json`: what trine adds: the served model's name (`base_model`), its directory.
-- `optimizer.safetensors` (training checkpoints only): AdamW's `exp_avg`, `exp_avg_sq` and `step`
-  per parameter, under the same PEFT keys.
+- `optimizer.safetensors` (training checkpoints only): the optimizer's state per parameter under
+  the same PEFT keys (AdamW: `exp_avg`, `exp_avg_sq`, `step`; Dimuon: `momentum`, `step`), the
+  family in its metadata (`trine_optimizer`; absent in older files, which hold AdamW state).
 
 Invariants
 - Every file is written with `atomic_write` (temp file in the same directory, fsync, rename, fsync
@@ -28,13 +29,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from ..api import LORA_ATTN, LORA_MLP, LORA_UNEMBED, LoRAConfig
+from ..api import ADAMW, DIMUON, LORA_ATTN, LORA_MLP, LORA_UNEMBED, LoRAConfig
 from ..model.lora import Adapter
 from ..model.model import Transformer
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 OPTIMIZER_STATE = "optimizer.safetensors"
+OPTIMIZER_META = "trine_optimizer"  # the family of the state in optimizer.safetensors
+_STATE_NAMES = {ADAMW: ("exp_avg", "exp_avg_sq"), DIMUON: ("momentum",)}  # besides `step`
 _PREFIX = "base_model.model."
 TRINE_FACTS = "trine_checkpoint.json"  # trine's own facts, kept out of PEFT's config
 BASE_MODEL_NAME = "trine_base_model"  # where checkpoints before trine_checkpoint.json kept the model's name
@@ -194,8 +197,12 @@ def load_peft_adapter(model: Transformer, path: str | Path) -> tuple[Adapter, Lo
     return adapter, lora
 
 
-def save_optimizer_state(adapter: Adapter, optimizer: torch.optim.Optimizer, path: str | Path) -> int:
-    """Write the AdamW moments and step counts of `adapter`'s parameters to `path/optimizer.safetensors`."""
+def save_optimizer_state(
+    adapter: Adapter, optimizer: torch.optim.Optimizer, path: str | Path, family: str = ADAMW
+) -> int:
+    """Write the optimizer state of `adapter`'s parameters to `path/optimizer.safetensors`: every tensor
+    of each parameter's state (AdamW: `exp_avg`, `exp_avg_sq`, `step`; Dimuon: `momentum`, `step`)
+    as `<name>/<PEFT key>`, and the optimizer family in the file's metadata."""
     tensors = {}
     for module in adapter.module_names():
         for which, param in zip("AB", adapter.pair(module)):
@@ -203,37 +210,55 @@ def save_optimizer_state(adapter: Adapter, optimizer: torch.optim.Optimizer, pat
             if not state:
                 continue
             key = peft_key(module, which)
-            tensors[f"exp_avg/{key}"] = state["exp_avg"].detach().float().cpu().contiguous()
-            tensors[f"exp_avg_sq/{key}"] = state["exp_avg_sq"].detach().float().cpu().contiguous()
-            tensors[f"step/{key}"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
-    return atomic_write(Path(path) / OPTIMIZER_STATE, save(tensors))
+            for name, value in state.items():
+                value = torch.as_tensor(value)
+                if name == "step":
+                    value = value.to(torch.float32).reshape(1)
+                tensors[f"{name}/{key}"] = value.detach().float().cpu().contiguous()
+    return atomic_write(Path(path) / OPTIMIZER_STATE, save(tensors, metadata={OPTIMIZER_META: family}))
 
 
-def load_optimizer_state(adapter: Adapter, optimizer: torch.optim.Optimizer, path: str | Path) -> None:
-    """Restore what `save_optimizer_state` wrote into a fresh optimizer over `adapter`'s parameters."""
+def optimizer_state_family(path: str | Path) -> str:
+    """The optimizer family whose state a checkpoint holds (files written before Dimuon: AdamW)."""
+    with safe_open(str(Path(path) / OPTIMIZER_STATE), "pt") as f:
+        return (f.metadata() or {}).get(OPTIMIZER_META, ADAMW)
+
+
+def load_optimizer_state(
+    adapter: Adapter, optimizer: torch.optim.Optimizer, path: str | Path, family: str = ADAMW
+) -> None:
+    """Restore what `save_optimizer_state` wrote into a fresh `family` optimizer over `adapter`'s
+    parameters; a state of another family is refused, naming both."""
     file = Path(path) / OPTIMIZER_STATE
     if not file.is_file():
         raise ValueError(
             f"{path} holds no optimizer state ({OPTIMIZER_STATE}); it is a sampler checkpoint: "
             "load it without the optimizer"
         )
+    saved = optimizer_state_family(path)
+    if saved != family:
+        raise ValueError(
+            f"{path} holds {saved} optimizer state and this run trains with {family}: load it "
+            f"without the optimizer, or into a run made with the {saved} optimizer"
+        )
+    names = _STATE_NAMES[family]
     tensors = load_file(str(file))
     for module in adapter.module_names():
         for which, param in zip("AB", adapter.pair(module)):
             key = peft_key(module, which)
             if f"step/{key}" not in tensors:
                 continue
-            exp_avg, exp_avg_sq = tensors[f"exp_avg/{key}"], tensors[f"exp_avg_sq/{key}"]
-            if exp_avg.shape != param.shape or exp_avg_sq.shape != param.shape:
-                raise ValueError(
-                    f"{file}: optimizer state for {key} has shape {tuple(exp_avg.shape)}, "
-                    f"the adapter needs {tuple(param.shape)}"
-                )
-            optimizer.state[param] = {
-                "step": tensors[f"step/{key}"].reshape(()).clone(),
-                "exp_avg": exp_avg.to(param.device, param.dtype),
-                "exp_avg_sq": exp_avg_sq.to(param.device, param.dtype),
-            }
+            state = {"step": tensors[f"step/{key}"].reshape(()).clone()}
+            for name in names:
+                value = tensors.get(f"{name}/{key}")
+                if value is None or value.shape != param.shape:
+                    shape = None if value is None else tuple(value.shape)
+                    raise ValueError(
+                        f"{file}: optimizer state {name} for {key} has shape {shape}, "
+                        f"the adapter needs {tuple(param.shape)}"
+                    )
+                state[name] = value.to(param.device, param.dtype)
+            optimizer.state[param] = state
 
 
 def by_uri(message: str, path, uri: str) -> str:

@@ -200,7 +200,7 @@ class CycleRunner:
             if not self.trainer.has_run(run_id):
                 return _not_initialized(run_id)
             if isinstance(op, OptimStep):
-                metrics = self.trainer.optim_step(run_id, op.adam)
+                metrics = self.trainer.optim_step(run_id, op.params)
                 return EventOutcome(metrics={k: float(v) for k, v in metrics.items()})
             if isinstance(op, Save):
                 return self._save(run_id, op)
@@ -215,7 +215,9 @@ class CycleRunner:
             try:
                 if not Path(op.checkpoint_path).is_dir():
                     raise FileNotFoundError(op.checkpoint_path)
-                self.trainer.load_state(run_id, Path(op.checkpoint_path), with_optimizer=op.load_optimizer)
+                self.trainer.load_state(
+                    run_id, Path(op.checkpoint_path), with_optimizer=op.load_optimizer, optimizer=op.optimizer
+                )
             except FileNotFoundError:  # deleted after the event was accepted (or while it loaded)
                 error = ValueError(
                     f"checkpoint {op.checkpoint_uri} not found: it was deleted after this "
@@ -228,7 +230,7 @@ class CycleRunner:
                 error.code = "checkpoint_invalid"
                 raise error from None
         else:
-            self.trainer.create_run(run_id, op.lora)
+            self.trainer.create_run(run_id, op.lora, optimizer=op.optimizer)
         return EventOutcome()
 
     def _save(self, run_id: str, op: Save) -> EventOutcome:

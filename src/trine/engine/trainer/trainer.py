@@ -1,6 +1,7 @@
 """LoRA training runs on one frozen base model: forward_backward, optim_step, checkpoints.
 
-A run is a LoRA `Adapter` with its own AdamW state; many runs share the base model. One
+A run is a LoRA `Adapter` with its own optimizer state (AdamW, or Dimuon: dimuon.py, chosen when the
+run is made); many runs share the base model. One
 `forward_backward` call packs the data of many runs into the same micro-batches (each row uses its
 run's adapter), so each run's gradient lands only in its own adapter.
 
@@ -32,10 +33,11 @@ logprobs, losses and gradients; the other datums take the path above. `TrainUsag
 counts the positions computed, `sequence_tokens` the positions sent.
 
 Invariants
-- Gradients accumulate in each run's adapter across calls until `optim_step`, which applies
-  `torch.optim.AdamW` (clipping with `clip_grad_norm_` first when asked), zeroes the gradients and
-  bumps the version. Versions come from one counter per trainer, so (base_model, run_id, version)
-  never names two different weights, even across delete_run / create_run or load_state.
+- Gradients accumulate in each run's adapter across calls until `optim_step`, which applies the
+  run's optimizer, `torch.optim.AdamW` or `Dimuon` (clipping with `clip_grad_norm_` first when
+  asked), zeroes the gradients and bumps the version; a step's settings must be of the run's family.
+  Versions come from one counter per trainer, so (base_model, run_id, version) never names two
+  different weights, even across delete_run / create_run or load_state.
 - All input is validated before any computation touches gradients.
 - `snapshot` returns a detached copy that the trainer never modifies (one per version).
 """
@@ -55,12 +57,23 @@ import torch
 
 from ...limits import ADAM_BOUNDS, check_adam_value, check_lora_rank
 from ...tokens import TokenCounts
-from ..api import AdamConfig, LoRAConfig, Loss, WeightsIdentity
+from ..api import (
+    ADAMW,
+    DIMUON,
+    OPTIMIZERS,
+    AdamConfig,
+    DimuonConfig,
+    LoRAConfig,
+    Loss,
+    WeightsIdentity,
+    optimizer_of,
+)
 from ..model.invariant import log_probs
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
 from ..prepare import check_datum
 from . import checkpoint, head, prefix_groups, shared_prefix
+from .dimuon import Dimuon
 from .losses import LossInputs, PreparedDatum, datum_tensors, sequence_log_ratios
 
 
@@ -68,7 +81,7 @@ from .losses import LossInputs, PreparedDatum, datum_tensors, sequence_log_ratio
 class _Run:
     lora: LoRAConfig
     adapter: Adapter
-    optimizer: torch.optim.AdamW
+    optimizer: torch.optim.Optimizer  # AdamW or Dimuon
     version: int
     snapshot: Adapter | None = None
     snapshot_version: int = -1
@@ -107,7 +120,7 @@ class ForwardResult:
 
 
 class Trainer:
-    """Training runs (LoRA adapter + AdamW state) on one frozen base model."""
+    """Training runs (LoRA adapter + optimizer state) on one frozen base model."""
 
     def __init__(
         self,
@@ -132,10 +145,12 @@ class Trainer:
         self._versions = itertools.count(1)
 
     # ------------------------------------------------------------------ runs
-    def create_run(self, run_id: str, lora: LoRAConfig) -> None:
+    def create_run(self, run_id: str, lora: LoRAConfig, *, optimizer: str = ADAMW) -> None:
+        """A fresh adapter trained by the `optimizer` family (one of OPTIMIZERS)."""
         if run_id in self._runs:
             raise ValueError(f"run_id {run_id!r} already exists")
-        self._install(run_id, lora, Adapter(self.model, _check_lora(lora), device=self.model.device))
+        adapter = Adapter(self.model, _check_lora(lora), device=self.model.device)
+        self._install(run_id, lora, adapter, new_optimizer(adapter, optimizer, lora.rank))
 
     def delete_run(self, run_id: str) -> None:
         """Drop the run's adapter, gradients and optimizer state, and hand the memory back."""
@@ -175,10 +190,13 @@ class Trainer:
             raise ValueError(f"run_id {run_id!r} is not a training run on {self.base_model}")
         return run
 
+    def optimizer_family(self, run_id: str) -> str:
+        return optimizer_family(self._run(run_id).optimizer)
+
     def _install(
-        self, run_id: str, lora: LoRAConfig, adapter: Adapter, optimizer: torch.optim.AdamW | None = None
+        self, run_id: str, lora: LoRAConfig, adapter: Adapter, optimizer: torch.optim.Optimizer
     ) -> None:
-        self._runs[run_id] = _Run(lora, adapter, optimizer or _new_optimizer(adapter), next(self._versions))
+        self._runs[run_id] = _Run(lora, adapter, optimizer, next(self._versions))
 
     # ------------------------------------------------------------------ forward / backward
     def forward_backward(
@@ -369,16 +387,28 @@ class Trainer:
         return torch.cat(out)
 
     # ------------------------------------------------------------------ optimizer
-    def optim_step(self, run_id: str, adam: AdamConfig) -> dict[str, float]:
-        """AdamW on the accumulated gradients (clipped first if grad_clip_norm > 0); zero them; new version.
+    def optim_step(self, run_id: str, settings: AdamConfig | DimuonConfig) -> dict[str, float]:
+        """The run's optimizer on the accumulated gradients (clipped first if grad_clip_norm > 0); zero
+        them; new version. `settings` must be of the run's family.
 
         Returns {"grad_norm": norm before clipping, "learning_rate": lr}.
         """
         run = self._run(run_id)
-        _check_adam(adam)
+        family = optimizer_family(run.optimizer)
+        if optimizer_of(settings) != family:
+            sent = "DimuonParams" if isinstance(settings, DimuonConfig) else "AdamParams"
+            wanted = "DimuonParams" if family == DIMUON else "AdamParams"
+            raise ValueError(
+                f"optim_step sent {sent}, but run {run_id} was made with the {family} optimizer: "
+                f"send {wanted} (the optimizer is fixed when the training client is created)"
+            )
+        if isinstance(settings, DimuonConfig):
+            settings.check()
+        else:
+            _check_adam(settings)
         params = list(run.adapter.parameters())
-        if adam.grad_clip_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm, foreach=True)
+        if settings.grad_clip_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip_norm, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         norm = float(norm)
@@ -388,25 +418,30 @@ class Trainer:
                 "gradients are not finite (NaN or inf); the step was skipped and the gradients "
                 "cleared: lower the loss weights / advantages or the learning rate"
             )
-        for group in run.optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-        run.optimizer.step()
+        if isinstance(settings, DimuonConfig):
+            run.optimizer.step(settings)
+        else:
+            for group in run.optimizer.param_groups:
+                group.update(
+                    lr=settings.learning_rate,
+                    betas=(settings.beta1, settings.beta2),
+                    eps=settings.eps,
+                    weight_decay=settings.weight_decay,
+                )
+            run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=False)
         run.version = next(self._versions)
-        return {"grad_norm": norm, "learning_rate": float(adam.learning_rate)}
+        return {"grad_norm": norm, "learning_rate": float(settings.learning_rate)}
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, run_id: str, path: Path) -> int:
-        """Write adapter (PEFT format) + AdamW state + LoRA config to directory `path`; bytes written."""
+        """Write adapter (PEFT format) + optimizer state + LoRA config to directory `path`; bytes written."""
         run = self._run(run_id)
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        written = checkpoint.save_optimizer_state(run.adapter, run.optimizer, path)
+        written = checkpoint.save_optimizer_state(
+            run.adapter, run.optimizer, path, optimizer_family(run.optimizer)
+        )
         return written + checkpoint.save_peft_adapter(
             run.adapter, run.lora, path, self.base_model, self.model.source_dir
         )
@@ -418,25 +453,34 @@ class Trainer:
             run.adapter, run.lora, Path(path), self.base_model, self.model.source_dir
         )
 
-    def load_state(self, run_id: str, path: Path, *, with_optimizer: bool) -> None:
+    def load_state(self, run_id: str, path: Path, *, with_optimizer: bool, optimizer: str = ADAMW) -> None:
         """(Re)build run `run_id` from a checkpoint directory: its adapter and LoRA config, and its
-        AdamW state if `with_optimizer` (else a fresh optimizer). Pending gradients are dropped."""
+        optimizer state if `with_optimizer` (which must be of the `optimizer` family), else a fresh
+        `optimizer`. Pending gradients are dropped."""
         adapter, lora = checkpoint.load_peft_adapter(self.model, path)
         _check_lora(lora)
-        optimizer = _new_optimizer(adapter)
+        opt = new_optimizer(adapter, optimizer, lora.rank)
         if with_optimizer:
-            checkpoint.load_optimizer_state(adapter, optimizer, path)
-        self._install(run_id, lora, adapter, optimizer)
+            checkpoint.load_optimizer_state(adapter, opt, path, optimizer)
+        self._install(run_id, lora, adapter, opt)
 
 
-def _new_optimizer(adapter: Adapter) -> torch.optim.AdamW:
-    """AdamW over the adapter; hyperparameters are set at each step. Gradients start as zeros, so a
-    step without a preceding forward_backward still decays and applies momentum, like AdamW."""
+def new_optimizer(adapter: Adapter, family: str, rank: int) -> torch.optim.Optimizer:
+    """The `family` optimizer over the adapter; hyperparameters come with each step. Gradients start
+    as zeros, so a step without a preceding forward_backward still decays and applies momentum."""
+    if family not in OPTIMIZERS:
+        raise ValueError(f"optimizer {family!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
     params = list(adapter.parameters())
     for p in params:
         p.requires_grad_(True)
         p.grad = torch.zeros_like(p)
+    if family == DIMUON:
+        return Dimuon(params, rank)
     return torch.optim.AdamW(params, lr=0.0, foreach=True)
+
+
+def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
+    return DIMUON if isinstance(optimizer, Dimuon) else ADAMW
 
 
 def return_freed_memory() -> None:

@@ -28,7 +28,7 @@ from ...service.labels import as_metadata
 from ...uris import to_tinker_path
 from ..context import json_object, parse_model, service_of, signer_of
 from .rest import iso
-from .state import TinkerState, caller, to_trio_uri
+from .state import TinkerState, caller, optimizer_config, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
 CHECKPOINT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"  # kind: weights | sampler_weights
@@ -159,6 +159,7 @@ async def weights_info(request: Request):
     c = svc.ownership.readable_by_uri(key, to_trio_uri(b.tinker_path, "tinker_path"))
     return {
         "base_model": c.base_model,
+        "optimizer_config": optimizer_config(svc.ownership.checkpoint_optimizer(c)),
         "is_lora": True,
         "lora_rank": c.lora_rank,
         "train_unembed": c.train_unembed,

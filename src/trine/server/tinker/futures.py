@@ -138,7 +138,10 @@ def make_router(state_of, api_key) -> APIRouter:
                 {"type": "try_again", "request_id": rid, "queue_state": "active"}, status_code=408
             )
         if task.cancelled():
-            return {"error": "the request was cancelled by a server shutdown", "category": "server"}
+            return {
+                "error": "the request was cancelled (cancel_future, or a server shutdown)",
+                "category": "server",
+            }
         if isinstance(task.exception(), ShuttingDown):
             e = task.exception()
             return JSONResponse(

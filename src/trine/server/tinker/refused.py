@@ -1,10 +1,10 @@
 """Routes of the official `tinker` 0.38 client that trine does not implement: each answers 400
 `not_supported` naming the feature and what to use instead (never a bare 404/405), so a client
 fails with a message it can act on. `save_weights_external` is refused in `training.py` (it takes a
-seq_id), Dimuon where the optimizer is chosen, image/audio chunks where prompts are decoded.
+seq_id), image/audio chunks where prompts are decoded.
 
 Routes the client only calls when the client config turns a feature on (`auth/token`,
-`retrieve_futures`, `join_sampling_session`, `create_custom_loss`, `cancel_future`) are refused too,
+`retrieve_futures`, `join_sampling_session`, `create_custom_loss`) are refused too,
 for clients that ignore the config.
 """
 
@@ -32,7 +32,6 @@ REFUSED = (
         "assign_session_project (projects)",
         "trine has no projects; everything is scoped by API key",
     ),
-    ("POST", "/sessions/search", "search_sessions", "list_sessions and get_session"),
     ("GET", "/audit", "get_audit_log", "the server's access log (logger trine.access)"),
     ("GET", "/auth/apikey/me", "the API key endpoint", "`trine keys list` on the server"),
     ("DELETE", "/auth/apikey/me", "the API key endpoint", "`trine keys revoke` on the server"),
@@ -60,12 +59,6 @@ REFUSED = (
         "server-side custom losses",
         "forward_backward_custom, which runs the loss "
         "on the client (the client config has custom_loss_server_side false)",
-    ),
-    (
-        "POST",
-        "/cancel_future",
-        "cancelling a request",
-        "let it finish (the dynamic config has sample_cancel_enabled false)",
     ),
 )
 

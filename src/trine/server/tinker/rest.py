@@ -15,11 +15,12 @@ from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...metering.money import money
-from ...service import InvalidRequest, RunLabels
+from ...service import InvalidRequest, RunLabels, SessionSearch
+from ...service.labels import as_metadata
 from ..context import json_object, parse_model
 from ..traces import signed_trace_url
 from .state import caller
@@ -84,7 +85,7 @@ async def client_config(request: Request):
 @router.post("/client/dynamic_config")
 async def dynamic_config(request: Request):
     caller(request)
-    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}  # cancel_future: sampling.py
 
 
 @router.get("/healthz")
@@ -139,7 +140,7 @@ async def session_heartbeat(request: Request):
 async def finish_session(session_id: str, request: Request):
     svc, _, key = caller(request)
     b = await _json(request, FinishBody)
-    await svc.runs.close_session(key, session_id, FINISH_STATUS[b.reason.type])
+    await svc.runs.close_session(key, session_id, FINISH_STATUS[b.reason.type], b.reason.type)
     return {}
 
 
@@ -168,6 +169,113 @@ async def trace_export(session_id: str, request: Request):
     trine builds the trace when it is downloaded, so it is always ready (server/traces.py)."""
     _, _, key = caller(request)
     return {"status": "ready", **signed_trace_url(request, key, session_id)}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StatusQuery(_Strict):
+    type: Literal["active", "cancelled", "failed", "client_finished"]
+    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(default=None, min_length=1)
+
+
+class SearchOwner(_Strict):
+    type: Literal["own", "accessible", "user"] = "own"
+    owner_urns: list[str] | None = None
+
+
+class SearchCursor(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    last_created_at: str
+    last_session_id: str
+
+
+class SessionSearchBody(_Strict):
+    """Tinker's SessionSearchRequest."""
+
+    session_id: str | None = None
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] = {}
+    display_name: str | None = Field(default=None, min_length=1)
+    owner: SearchOwner = SearchOwner()
+    statuses: list[StatusQuery] | None = Field(default=None, min_length=1)
+    limit: int = Field(default=50, ge=1, le=200)
+    cursor: SearchCursor | None = None
+
+
+# A Tinker status query -> trine (session status, finish reason) pairs; `failed` never matches (trine
+# fails requests and runs, never a whole session).
+_STATUS_PAIRS = {
+    "active": (("ACTIVE", None),),
+    "cancelled": (("CANCELLED", ""),),  # closed by the server or the console, not by its client
+    "failed": (),
+}
+
+
+def _status_pairs(q: StatusQuery) -> tuple:
+    if q.type != "client_finished":
+        return _STATUS_PAIRS[q.type]
+    return tuple((FINISH_STATUS[r], r) for r in (q.reasons or list(FINISH_STATUS)))
+
+
+def _status_json(s) -> dict | None:
+    if s.status == "ACTIVE":
+        return {"type": "active"}
+    if s.finish_reason in FINISH_STATUS:
+        return {"type": "client_finished", "reason": {"type": s.finish_reason}}
+    if s.status == "ENDED":
+        return {"type": "client_finished", "reason": {"type": "success"}}
+    return {"type": "cancelled", "detail": None}
+
+
+@router.post("/sessions/search")
+async def search_sessions(request: Request):
+    """Sessions by id, name (display_name), metadata and status, newest first, a page at a time.
+    trine scopes everything by API key: every owner is the key itself, and there are no projects.
+    user_metadata `tags` (comma-separated) matches sessions holding each of those tags."""
+    svc, _, key = caller(request)
+    b = await _json(request, SessionSearchBody)
+    if b.project_ids:
+        raise InvalidRequest(
+            "project_ids: trine has no projects; leave project_ids out", code="not_supported"
+        )
+    meta = dict(b.user_metadata)
+    tags = tuple(t.strip() for t in meta.pop("tags", "").split(",") if t.strip())
+    search = SessionSearch(
+        session_id=b.session_id,
+        name=b.display_name,
+        tags=tags,
+        metadata=meta,
+        statuses=None if b.statuses is None else tuple(p for q in b.statuses for p in _status_pairs(q)),
+    )
+    if b.owner.type == "user" and key.name not in (b.owner.owner_urns or []):
+        return {"sessions": [], "next_cursor": None}
+    rows, more = svc.queries.search_sessions(
+        key, search, b.limit, b.cursor.last_session_id if b.cursor else None
+    )
+    sessions = []
+    for s in rows:
+        count, size = svc.queries.session_checkpoints(key, s.id)
+        sessions.append(
+            {
+                "session_id": s.id,
+                "created_at": iso(s.created_at),
+                "owner": key.name,
+                "project_id": "",
+                "status": _status_json(s),
+                "checkpoints_count": count,
+                "display_name": s.name or None,
+                "user_metadata": as_metadata(s),
+                "checkpoint_storage_bytes": size,
+            }
+        )
+    cursor = (
+        {"last_created_at": iso(rows[-1].created_at), "last_session_id": rows[-1].id}
+        if more and rows
+        else None
+    )
+    return {"sessions": sessions, "next_cursor": cursor}
 
 
 # ---------------------------------------------------------------------------- billing

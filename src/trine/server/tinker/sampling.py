@@ -10,6 +10,10 @@ carry each token's weights version (proto.WEIGHTS_VERSIONS_FIELD).
 `compute_logprobs` reaches here as a 1-token sample with prompt logprobs: it reads the prefix cache
 only before `prompt_logprobs_last_n` (0 hit tokens without it). The fields beyond PyTRIO's sample
 body (top-k per sampled token, alt-token draws, target ids) are parsed in `sample_extras`.
+
+`cancel_future` (the client sends it when a sample's future is abandoned: the dynamic config has
+`sample_cancel_enabled`) stops a sample in flight: the engine frees its KV blocks at once, what it
+computed is metered, and its future fails as cancelled. Other requests cannot be cancelled.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...engine.api import SampleRequest
+from ...engine.api import SampleCancelled, SampleRequest
 from ...limits import MAX_SAMPLE_BYTES, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
 from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
 from ...uris import to_tinker_path
@@ -29,7 +33,7 @@ from ..bounds import Int64
 from ..context import json_object, parse_model
 from ..params import ModelInputBody, SamplingParamsBody, sampling_options
 from . import proto
-from .futures import Reply
+from .futures import Failure, Reply
 from .sample_extras import parse_extras
 from .state import TinkerState, caller, to_trio_uri
 
@@ -144,7 +148,10 @@ async def asample(request: Request):
     sequence_ids = [f"{request_id}:{i}" for i in range(spec.num_samples)]
 
     async def finish() -> Reply:
-        out = await svc.sampling.sample(key, run.id, spec, fingerprint)
+        try:
+            out = await svc.sampling.sample(key, run.id, spec, fingerprint)
+        except SampleCancelled:
+            raise Failure(f"sample {request_id} was cancelled (cancel_future)") from None
         if record:
             for seq_id, s in zip(sequence_ids, out.sequences):
                 st.stability.record(key.id, seq_id, s.tokens, s.logprobs)
@@ -181,3 +188,23 @@ async def asample(request: Request):
 
     st.futures.start(key.id, request_id, finish, fingerprint)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+
+class CancelBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    request_id: str
+
+
+@router.post("/cancel_future")
+async def cancel_future(request: Request):
+    """Stop the sample `request_id` (`<sampling_session_id>:<seq_id>`, as asample answered it). A
+    sample that already finished, or any other request, is left as it is; the answer is empty."""
+    svc, st, key = caller(request)
+    b = parse_model(CancelBody, await json_object(request))
+    task = st.futures.get(key.id, b.request_id)
+    sid, _, seq = b.request_id.rpartition(":")
+    if task is None or task.done() or not sid or not seq.isdigit():
+        return {}
+    if not await svc.sampling.cancel(key, sid, f"tk-{seq}"):
+        task.cancel()  # not running yet (queued, or its weights loading): stop waiting for it
+    return {}

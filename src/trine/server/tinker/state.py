@@ -81,3 +81,9 @@ def caller(request: Request) -> tuple[Service, TinkerState, ApiKey]:
 
 def model_id_of(session_id: str, model_seq_id: int) -> str:
     return f"{session_id}:train:{model_seq_id}"
+
+
+def optimizer_config(family: str) -> dict:
+    """The client's OptimizerConfig of a run's optimizer family (AdamOptimizerConfig or
+    DimuonOptimizerConfig, version 1)."""
+    return {"type": "dimuon", "version": 1} if family == "dimuon" else {"type": "adamw"}

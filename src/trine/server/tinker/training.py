@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from ...engine.api import Forward, LoRAConfig, Loss, Refused
+from ...engine.api import ADAMW, DIMUON, DimuonConfig, Forward, LoRAConfig, Loss, OptimStep, Refused
 from ...limits import MAX_EVENT_BYTES
 from ...service import (
     ApiKey,
@@ -44,7 +44,7 @@ from ..params import optim_step as parse_optim_step
 from . import proto
 from .errors import REUSED, public_message
 from .futures import Failure, Reply
-from .state import Model, TinkerState, caller, model_id_of, to_trio_uri
+from .state import Model, TinkerState, caller, model_id_of, optimizer_config, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
 
@@ -77,7 +77,20 @@ class ModelCall(_Body):
 
 class OptimStepBody(ModelCall):
     adam_params: dict | None = None  # validated as trine.types.AdamParams (same fields and defaults)
-    optimizer_params: dict | None = None
+    optimizer_params: dict | None = None  # another family's settings, by `type`: DimuonParams
+
+
+class DimuonBody(BaseModel):
+    """Tinker's DimuonParams; `damping` and `rank_lr_correction_exponent` are the later clients'
+    (their defaults apply when a 0.38 client leaves them out)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "0.1" for 0.1
+    type: str = DIMUON
+    learning_rate: float
+    grad_clip_norm: float = 0.0
+    beta1: float = 0.9
+    damping: float = 1e-4
+    rank_lr_correction_exponent: float = 0.175
 
 
 class SaveBody(ModelCall):
@@ -96,20 +109,55 @@ class LoadBody(_Body):
     base_model: str | None = None
     path: str
     optimizer: bool = False
+    optimizer_config: dict | None = None
 
 
 async def _json(request: Request, cls):
     return parse_model(cls, await json_object(request))
 
 
-def _check_optimizer(config: dict | None, field: str = "optimizer_config") -> None:
-    kind = (config or {}).get("type", "adam")
-    if kind not in ("adam", "adamw"):
+def _optimizer(config: dict | None) -> str:
+    """The optimizer family of an `optimizer_config` ("" when none was sent)."""
+    if config is None:
+        return ""
+    kind = config.get("type", ADAMW)
+    if kind in ("adam", ADAMW):
+        return ADAMW
+    if kind == DIMUON:
+        if config.get("version", 1) != 1:
+            raise InvalidRequest(
+                f"optimizer_config.version {config.get('version')!r}: trine implements Dimuon version 1"
+            )
+        return DIMUON
+    raise InvalidRequest(
+        f"optimizer_config.type {kind!r}: not supported; use AdamOptimizerConfig (adamw) or "
+        "DimuonOptimizerConfig (dimuon)",
+        code="not_supported",
+    )
+
+
+def _optim_step(b: OptimStepBody) -> OptimStep:
+    """AdamParams (`adam_params`) or DimuonParams (`optimizer_params` of type dimuon)."""
+    if b.optimizer_params is None:
+        return parse_optim_step({"adam_params": b.adam_params})
+    kind = b.optimizer_params.get("type")
+    if kind != DIMUON:
         raise InvalidRequest(
-            f"{field}.type {kind!r}: not supported; trine trains with AdamW only: create "
-            "the model with the default optimizer and send AdamParams to optim_step",
+            f"optimizer_params.type {kind!r}: not supported; send AdamParams or DimuonParams",
             code="not_supported",
         )
+    p = parse_model(DimuonBody, b.optimizer_params, "optimizer_params")
+    settings = DimuonConfig(
+        learning_rate=p.learning_rate,
+        beta1=p.beta1,
+        grad_clip_norm=p.grad_clip_norm,
+        damping=p.damping,
+        rank_lr_correction_exponent=p.rank_lr_correction_exponent,
+    )
+    try:
+        return OptimStep(settings.check())
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 # ---------------------------------------------------------------------------- event plumbing
@@ -237,7 +285,7 @@ async def _create(
 async def create_model(request: Request):
     svc, st, key = caller(request)
     b = await _json(request, CreateModelBody)
-    _check_optimizer(b.optimizer_config)
+    optimizer = _optimizer(b.optimizer_config)
     lora = b.lora_config or LoraBody()
     return await _create(
         svc,
@@ -258,6 +306,7 @@ async def create_model(request: Request):
                     train_unembed=lora.train_unembed,
                 ),
                 labels=RunLabels(user_metadata=b.user_metadata or {}),
+                optimizer=optimizer,
             ),
         ),
         lambda run: InitByUri(lora=_lora(run), base_model=run.base_model),
@@ -282,7 +331,15 @@ async def load_weights(request: Request):
             b.session_id,
             b.model_seq_id,
             lambda: svc.runs.create_training_run(
-                key, b.session_id, TrainingRunSpec(b.base_model or "", LoRAConfig(rank=1), uri, b.optimizer)
+                key,
+                b.session_id,
+                TrainingRunSpec(
+                    b.base_model or "",
+                    LoRAConfig(rank=1),
+                    uri,
+                    b.optimizer,
+                    optimizer=_optimizer(b.optimizer_config),
+                ),
             ),
             lambda run: InitByUri(lora=_lora(run), checkpoint_uri=uri, load_optimizer=b.optimizer),
             reply,
@@ -312,7 +369,7 @@ async def get_info(request: Request):
         "model_name": run.base_model,
         "is_lora": True,
         "lora_rank": run.lora_rank,
-        "optimizer_config": {"type": "adam"},
+        "optimizer_config": optimizer_config(run.optimizer_family),
         # the directory, not the name: samplers made from this client take model_data.model_name
         # as their base model and load their tokenizer from it (offline)
         "model_data": {
@@ -395,12 +452,7 @@ async def optim_step(request: Request):
     b = await _json(request, OptimStepBody)
     m = st.model(key, b.model_id)
 
-    def build():
-        if b.optimizer_params is not None:
-            _check_optimizer(b.optimizer_params, "optimizer_params")
-        return parse_optim_step({"adam_params": b.adam_params})
-
-    command = _command_or_refusal(build)
+    command = _command_or_refusal(lambda: _optim_step(b))
 
     async def shape(res):
         return Reply.json({"type": "optim_step", "metrics": res.metrics})

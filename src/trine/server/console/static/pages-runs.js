@@ -7,7 +7,9 @@
   T.runTitle = (r) => r.name || r.id;
   T.tags = (tags) => (tags || []).map((t) => `<span class="tag">${esc(t)}</span>`).join("");
   T.lora = (l) => (l ? `r${l.rank} ${["mlp", "attn", "unembed"].filter((p) => l[`train_${p}`]).join("+") || "nothing trained"}` : "–");
-  T.optimizer = (o) => (o ? `lr ${T.num(o.learning_rate, 3)}, β ${o.beta1}/${o.beta2}, wd ${o.weight_decay}, clip ${o.grad_clip_norm}` : "–");
+  T.optimizer = (o) => (!o ? "–" : o.type === "dimuon"
+    ? `dimuon lr ${T.num(o.learning_rate, 3)}, β ${o.beta1}, clip ${o.grad_clip_norm}`
+    : `lr ${T.num(o.learning_rate, 3)}, β ${o.beta1}/${o.beta2}, wd ${o.weight_decay}, clip ${o.grad_clip_norm}`);
   T.lastMetrics = (m) => Object.entries(m || {}).map(([k, v]) => `${esc(k)}=${T.num(v, 4)}`).join(" ") || "–";
   T.SERIES_COLORS = ["#1f5fa8", "#b3261e", "#2e7d32", "#a15c00", "#6a3d9a", "#00838f", "#c2185b", "#5d4037"];
   // a run's series of a built-in curve or a logged metric, as {x: step, y: value} points
