@@ -251,13 +251,20 @@ class Sampling:
             except Exception:  # the replica is gone: it has nothing to report
                 continue
             cancelled += 1
-            if partial is not None and caller is not None and partial.usage.prompt_tokens:
-                key, r, req, accepted = caller
-                m = self.models[r.base_model]
-                self._metered.add(engine_id)
-                self.store.add_usage(self._usage_event(key, r, m, req, partial))
-                self.store.add_timing(_timing(key, r, m, req, partial, rep, accepted, "cancelled"))
+            self._meter_partial(engine_id, caller, partial, rep)
         return cancelled
+
+    def _meter_partial(self, engine_id: str, caller: tuple | None, partial, rep: Replica) -> None:
+        """Meter what a request cancelled while running computed (its prompt, the tokens sampled
+        so far), with its timing. The engine answers a cancel once per request, so whoever got the
+        answer meters it; `_metered` tells the request's own stream not to meter it again."""
+        if partial is None or caller is None or not partial.usage.prompt_tokens:
+            return
+        key, r, req, accepted = caller
+        m = self.models[r.base_model]
+        self._metered.add(engine_id)
+        self.store.add_usage(self._usage_event(key, r, m, req, partial))
+        self.store.add_timing(_timing(key, r, m, req, partial, rep, accepted, "cancelled"))
 
     async def cancel(self, key: ApiKey, sampling_run_id: str, request_id: str) -> bool:
         """Cancel a running request (its client abandoned it): the engine frees its sequences and KV
@@ -269,10 +276,8 @@ class Sampling:
         caller = self._callers.get((r.id, request_id))
         if rep is None:
             return False
-        partial = await rep.engine.cancel(f"{r.id}/{request_id}")
-        if partial is not None and caller is not None and partial.usage.prompt_tokens:
-            _, run, req = caller
-            self.store.add_usage(self._usage_event(key, run, self.models[run.base_model], req, partial))
+        engine_id = f"{r.id}/{request_id}"
+        self._meter_partial(engine_id, caller, await rep.engine.cancel(engine_id), rep)
         return True
 
     async def _ensure_weights(self, rep: Replica, r: SamplingRun) -> None:
