@@ -59,6 +59,7 @@ def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
         "loss_sum": float(res.loss_sum),
         "loss_mean": float(res.loss_mean),
         "token_count": int(res.token_count),
+        **res.metrics,  # a custom loss's own (custom/<name>:sum|mean)
     }
     return EventOutcome(
         logprobs=logprobs,
