@@ -33,7 +33,12 @@ from ..limits import (
     SAVE_WEIGHTS,
 )
 from ..tokens import TokenCounts
-from .loss_graph import CustomLoss, LossTensor, parse_custom_loss  # noqa: F401  (the vocabulary's)
+from .loss_graph import (  # noqa: F401  (custom losses: part of the vocabulary)
+    MAX_INPUT_ELEMENTS,
+    CustomLoss,
+    LossTensor,
+    parse_custom_loss,
+)
 
 # ---------------------------------------------------------------------------- weights
 

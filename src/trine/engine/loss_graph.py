@@ -32,7 +32,7 @@ MAX_DEPTH = 4  # nesting of list/tuple/dict arguments
 MAX_STRING = 64
 MAX_INT = 1 << 31
 MAX_ELEMENTS = 1 << 24  # any one tensor a custom loss makes or receives (64 MiB of float32)
-MAX_INPUT_K = 1024  # the K of a rank-2 [T, K] input
+MAX_INPUT_ELEMENTS = 1 << 22  # one input of one datum
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")

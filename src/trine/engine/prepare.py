@@ -24,7 +24,7 @@ import numpy as np
 
 from ..tokens import IGNORE_INDEX, TokenCounts, count_tokens
 from .api import ADVANTAGE_NORMALISED, Forward, Loss, TrainDatum
-from .loss_graph import MAX_ELEMENTS
+from .loss_graph import MAX_INPUT_ELEMENTS
 
 COUNT_NAMES = ("total_samples", "total_active_tokens", "total_advantage_tokens")
 
@@ -94,9 +94,9 @@ def _custom_inputs(datum: TrainDatum, loss: Loss, where: str) -> None:
                 f"{name} with rank {rank}"
             )
         numel = int(np.prod(t.shape, dtype=np.int64))
-        if numel > MAX_ELEMENTS or numel != len(t.values):
+        if numel > MAX_INPUT_ELEMENTS or numel != len(t.values):
             raise ValueError(
-                f"{field}: shape {list(t.shape)} with {len(t.values)} values (at most {MAX_ELEMENTS})"
+                f"{field}: shape {list(t.shape)} with {len(t.values)} values (at most {MAX_INPUT_ELEMENTS})"
             )
         if t.dtype == "float32" and not bool(np.isfinite(np.asarray(t.values, dtype=np.float64)).all()):
             raise ValueError(f"{field} holds NaN or infinite values; every value must be finite")
