@@ -9,6 +9,7 @@ from ..errors import (
     TrineError,
     ValidationError,
 )
+from .custom_loss import TracedLoss, custom_loss
 from .futures import APIFuture
 from .http import Settings
 from .rest import RestClient
@@ -27,8 +28,10 @@ __all__ = [
     "SamplingClient",
     "ServiceClient",
     "Settings",
+    "TracedLoss",
     "TrainingClient",
     "TrineError",
     "ValidationError",
     "configure",
+    "custom_loss",
 ]
