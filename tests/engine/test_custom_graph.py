@@ -82,3 +82,18 @@ def test_devices_are_the_losses_own_and_creations_land_there():
     )
     res = loss_and_grad(g, torch.tensor([-1.0, -2.0, -3.0]), [torch.ones(3)])
     assert res.loss == -6.0 and res.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_indexing_and_stacking_are_bounded_by_their_shapes_before_they_run():
+    idx = torch.zeros(5000, dtype=torch.long)
+    lp = torch.zeros(3, requires_grad=True)
+    x = torch.ones(5000, 4000)  # 20M elements would be refused as made; as an input it is read only
+    rank2 = (("logprobs", 1), ("x", 2), ("i", 1))
+    for node, match in (
+        (call("g", "operator.getitem", {"ref": "x"}, {"ref": "i"}), "node 'g'.*20000000 elements"),
+        (call("g", "torch.stack", [{"ref": "x"}] * 3), "node 'g'.*60000000 elements"),
+        (call("g", "index_select", {"ref": "x"}, 0, {"ref": "i"}, op="call_method"), "20000000 elements"),
+    ):
+        g = graph(node, call("out", "sum", R, op="call_method"), inputs=rank2)
+        with pytest.raises(CustomLossError, match=match):
+            run(g, lp, [x, idx])

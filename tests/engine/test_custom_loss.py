@@ -76,7 +76,7 @@ def two_pass(trainer, run, handle, data):
         loss.backward()
         total += float(loss.detach())
         for k, v in values.items():
-            metrics[k] = metrics.get(k, 0.0) + float(v) / (len(data) if k.endswith(":mean") else 1)
+            metrics[k] = metrics.get(k, 0.0) + float(v.detach()) / (len(data) if k.endswith(":mean") else 1)
         linear.append(TrainDatum(tokens=d.tokens, target_tokens=d.target_tokens, weights=(-x.grad).tolist()))
     trainer.forward_backward([(run, linear, Loss.parse("cross_entropy"))])
     return total, metrics

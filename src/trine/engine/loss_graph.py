@@ -237,7 +237,7 @@ def _inputs(inputs) -> tuple[tuple[str, int], ...]:
         name, rank = x["name"], x["rank"]
         if not isinstance(name, str) or not _INPUT_NAME.fullmatch(name):
             raise ValueError(f"inputs[{k}].name: {str(name)[:80]!r} is not a lowercase input name")
-        if isinstance(rank, bool) or rank not in (0, 1, 2):
+        if type(rank) is not int or rank not in (0, 1, 2):
             raise ValueError(f"inputs[{k}].rank: {rank!r}; a rank is 0, 1 or 2")
         if any(name == seen for seen, _ in out):
             raise ValueError(f"inputs[{k}].name: {name!r} is declared twice")

@@ -5,8 +5,9 @@ torch, math and operator modules; a method call reads only an allowlisted attrib
 `torch.Tensor`, and `getattr` only a tensor's ATTRIBUTES. Nothing is imported, evaluated or looked
 up by a name the client chose outside those lists.
 
-Bounds, checked while it runs: before a call, the broadcast of its tensor arguments and the sizes it
-asks for (zeros, expand, repeat, ...) hold at most MAX_ELEMENTS; after it, every tensor it made does;
+Bounds, checked while it runs: before a call, the broadcast of its tensor arguments, the sizes it
+asks for (zeros, expand, repeat, ...) and the output of the same call on meta tensors (shapes only:
+indexing, gathers, stacks) hold at most MAX_ELEMENTS; after it, every tensor it made does;
 Python integer arithmetic stays within 2**63 (operator.pow of two integers takes an exponent of at
 most 64); operator functions take only tensors and numbers (getitem also tuples and sizes), so no
 string or list is ever multiplied. A call that fails raises ValueError naming the node.
@@ -155,25 +156,69 @@ def _call(op: str, target: str, args: tuple, kwargs: dict, device):
     _check_sizes(target, args, kwargs)
     if op == "call_method":
         assert target in METHODS
-        self = args[0]
-        if not isinstance(self, torch.Tensor):
-            raise CustomLossError(f"method {target} is called on a {type(self).__name__}, not a tensor")
-        return getattr(self, target)(*args[1:], **kwargs)
+        if not isinstance(args[0], torch.Tensor):
+            raise CustomLossError(f"method {target} is called on a {type(args[0]).__name__}, not a tensor")
+        _check_meta(lambda a, k: getattr(a[0], target)(*a[1:], **k), args, kwargs)
+        return getattr(args[0], target)(*args[1:], **kwargs)
     if target == "getattr":
         obj, name = args
         if not isinstance(obj, torch.Tensor) or name not in ATTRIBUTES:
             raise CustomLossError(f"getattr reads only a tensor's {', '.join(sorted(ATTRIBUTES))}")
         return getattr(obj, name)
     fn = _CALLABLES[target]
-    if target in _CREATES:  # made on the device the loss runs on, like its inputs
-        kwargs = {**kwargs, "device": device}
     if target.startswith(("operator.", "math.")):
         _check_python_operands(target, args)
+        _check_meta(lambda a, k: fn(*a, **k), args, kwargs)
         out = fn(*args, **kwargs)
         if isinstance(out, int) and abs(out) >= _MAX_PY_INT:
             raise CustomLossError("the integer result is beyond 2**63")
         return out
+    if target in _CREATES:  # made on the device the loss runs on, like its inputs
+        _check_meta(lambda a, k: fn(*a, **k), args, {**kwargs, "device": "meta"}, always=True)
+        kwargs = {**kwargs, "device": device}
+    else:
+        _check_meta(lambda a, k: fn(*a, **k), args, kwargs)
     return fn(*args, **kwargs)
+
+
+def _check_meta(call, args: tuple, kwargs: dict, always: bool = False) -> None:
+    """Run `call` on meta tensors (shapes, no data, nothing allocated) and refuse an output over
+    MAX_ELEMENTS: this bounds indexing, gathers and the like exactly. Calls meta cannot run (their
+    shape depends on values, as a boolean mask's) keep the bounds of `_check_sizes`."""
+    if not always and not any(isinstance(a, torch.Tensor) for a in _flat_values((args, kwargs))):
+        return
+    try:
+        out = call(_to_meta(args), _to_meta(kwargs))
+    except Exception:  # noqa: BLE001 - not shape-computable on meta: the real call decides
+        return
+    for x in _flat_values(out):
+        if isinstance(x, torch.Tensor) and x.numel() > MAX_ELEMENTS:
+            raise CustomLossError(
+                f"it would make a tensor of {x.numel()} elements; the most is {MAX_ELEMENTS}"
+            )
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, list):
+        return [_to_meta(v) for v in value]
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):  # a structseq becomes a tuple
+        return tuple(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+def _flat_values(value):
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        for v in value:
+            yield from _flat_values(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flat_values(v)
+    else:
+        yield value
 
 
 def _check_python_operands(target: str, args: tuple) -> None:
