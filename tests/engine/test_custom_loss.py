@@ -142,3 +142,22 @@ def test_runtime_bounds_and_failures_name_the_node_before_any_gradient_moves(mod
         with pytest.raises(CustomLossError, match=match):
             trainer.forward_backward([("r", [datum], loss)])
     assert_dicts_close(grads(trainer, "r"), before, rel=0)
+
+
+def test_a_graph_failing_only_on_real_logprobs_fails_its_entry_alone(model):
+    def by_value(logprobs, x):  # indices from the logprobs: in range for the dry run's zeros only
+        return (x.gather(0, (logprobs * -1000).long()) * logprobs).sum(), {}
+
+    _, loss = traced(by_value, {"logprobs": 1, "x": 1})
+    d = random_data(9, lengths=(6,))[0]
+    datum = TrainDatum(
+        tokens=d.tokens, target_tokens=d.target_tokens, custom_inputs={"x": LossTensor((6,), [1.0] * 6)}
+    )
+    ce = random_data(10)
+    mixed, alone = new_trainer(model, "c", "e"), new_trainer(model, "c", "e")
+    before = grads(mixed, "c")
+    bad, good = mixed.forward_backward([("c", [datum], loss), ("e", ce, Loss.parse("cross_entropy"))])
+    alone.forward_backward([("e", ce, Loss.parse("cross_entropy"))])
+    assert "node 'gather'" in bad.error and "RuntimeError" in bad.error and good.error == ""
+    assert_dicts_close(grads(mixed, "c"), before, rel=0)  # the failed datum added nothing
+    assert_dicts_close(grads(mixed, "e"), grads(alone, "e"), rel=1e-5)

@@ -73,8 +73,9 @@ FUNCTIONS = frozenset(
 )
 METHODS = frozenset(
     f"{_ELEMENTWISE} {_REDUCTIONS} squeeze unsqueeze reshape flatten transpose gather index_select narrow "
-    "select flip roll diff detach clone contiguous float double half bfloat16 to type_as view view_as "
-    "reshape_as expand expand_as permute t size dim numel new_zeros new_ones new_full repeat".split()
+    "select flip roll diff detach clone contiguous float double half bfloat16 long int bool to type_as "
+    "view view_as reshape_as expand expand_as permute t size dim numel new_zeros new_ones new_full "
+    "repeat".split()
 )
 ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "device", "T", "mT"})
 # Calls whose integer arguments are sizes: checked against MAX_ELEMENTS before they run.

@@ -122,7 +122,10 @@ def loss_and_grad(loss: CustomLoss, logprobs: torch.Tensor, inputs: list[torch.T
             raise CustomLossError(
                 f"custom loss {loss.name!r} does not depend on logprobs: it has no gradient to train on"
             )
-        (grad,) = torch.autograd.grad(value, x, allow_unused=True)
+        try:
+            (grad,) = torch.autograd.grad(value, x, allow_unused=True)
+        except RuntimeError as e:  # an operation torch cannot differentiate
+            raise CustomLossError(f"custom loss {loss.name!r} has no gradient: {str(e)[:300]}") from None
     if grad is None:
         grad = torch.zeros_like(x)
     return Result(

@@ -45,6 +45,8 @@ log = logging.getLogger("trine.cycle")
 
 
 def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
+    if res.error:
+        return EventOutcome(error=("custom_loss_failed", res.error))
     if not math.isfinite(res.loss_sum):
         return EventOutcome(
             error=(

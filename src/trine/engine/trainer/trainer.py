@@ -31,6 +31,12 @@ and their micro-batches compute each shared position once (shared_prefix.py), wi
 logprobs, losses and gradients; the other datums take the path above. `TrainUsage.train_tokens`
 counts the positions computed, `sequence_tokens` the positions sent.
 
+Custom losses (a client's graph, custom_graph.py) are not elementwise: like gspo, a micro-batch
+computes its datums' logprobs first (values only), runs each datum's graph on them for the loss and
+its gradient dC/dlogp, and step 3 then uses that gradient, so the body runs forward and backward
+once. Their datums stay off the shared-prefix path. Each graph is first run on all-zero logprobs
+with the datum's inputs (`_prepare`), so a graph that cannot run fails before anything computes.
+
 Invariants
 - Gradients accumulate in each run's adapter across calls until `optim_step`, which applies
   `torch.optim.AdamW` (clipping with `clip_grad_norm_` first when asked), zeroes the gradients and
@@ -83,6 +89,7 @@ class _Row:
     loss: Loss
     grad_scale: float = 1.0  # 1 / the entry's denominator
     custom: custom_graph.Result | None = None  # a custom loss's value and metrics on this datum
+    error: str = ""  # why its custom loss failed on the real logprobs (the datum then adds no gradient)
 
 
 @dataclass
@@ -102,6 +109,7 @@ class ForwardResult:
     token_count: int
     usage: TrainUsage = field(default_factory=TrainUsage)
     metrics: dict[str, float] = field(default_factory=dict)  # a custom loss's, reduced by suffix
+    error: str = ""  # a custom loss that failed on a datum's real logprobs: the event fails with it
 
     @property
     def loss_mean(self) -> float:
@@ -218,6 +226,7 @@ class Trainer:
             res.logprobs.append(logp.tolist())
             res.losses.append(loss.tolist())
             res.loss_sum += float(loss.double().sum()) if row.custom is None else row.custom.loss
+            res.error = res.error or row.error
             for key, value in row.custom.metrics.items() if row.custom is not None else ():
                 res.metrics[key] = res.metrics.get(key, 0.0) + value
             res.token_count += row.counts.active_tokens
@@ -452,7 +461,9 @@ def _custom_dry_run(loss: Loss, datum: PreparedDatum, where: str) -> custom_grap
 
 def _custom_grads(rows: list[_Row], logps: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """dC/dlogp at each active position of `rows` (0 for rows of other losses); keeps each custom
-    row's value and metrics on the row."""
+    row's value and metrics on the row. A graph that passed its dry run but fails on the real
+    logprobs (indices computed from them) gives its datum no gradient and an error that fails its
+    entry; the other rows of the micro-batch, other runs' included, are unaffected."""
     out = []
     for row, logp in zip(rows, logps):
         if row.loss.custom is None:
@@ -461,7 +472,12 @@ def _custom_grads(rows: list[_Row], logps: tuple[torch.Tensor, ...]) -> torch.Te
         active = row.datum.active.to(logp.device)
         full = torch.zeros(len(row.datum), device=logp.device).index_put_((active,), logp.float())
         inputs = [t.to(logp.device) for t in row.datum.custom]
-        row.custom = custom_graph.loss_and_grad(row.loss.custom, full, inputs)
+        try:
+            row.custom = custom_graph.loss_and_grad(row.loss.custom, full, inputs)
+        except ValueError as e:  # value-dependent (the dry run passed): fail this datum's entry only
+            row.error = str(e)
+            out.append(torch.zeros_like(logp))
+            continue
         out.append(row.custom.grad[active])
     return torch.cat(out)
 
