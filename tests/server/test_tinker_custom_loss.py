@@ -360,3 +360,65 @@ def test_garbage_bodies_never_5xx_and_valid_ones_join_retries(srv, sc):
     assert first.status_code == again.status_code == 200 and first.json() == again.json()
     other = {**good, "name": "renamed"}
     assert httpx.post(url, json=other, headers=headers).status_code == 409
+
+
+def test_random_mutations_of_a_graph_are_accepted_or_refused_never_a_5xx(srv, sc):
+    """Seeded random edits of a real graph (values swapped for other JSON values, nodes duplicated
+    or moved): every answer is a 200 or a 4xx, every 400 names the graph or an input, and every
+    accepted graph trains or fails as the user's error (never the engine's)."""
+    import random
+
+    rng = random.Random(30)
+    url, headers = f"{srv.url}/api/v1/create_custom_loss", {"X-API-Key": "tml-" + srv.api_key}
+    junk = [
+        None,
+        True,
+        -1,
+        2**40,
+        1.5,
+        "",
+        "x" * 100,
+        "os.system",
+        "__class__",
+        [],
+        {},
+        {"ref": "old"},
+        {"float": "nan"},
+        {"tuple": [{"ref": "exp"}] * 3},
+        {"dtype": "float32"},
+        [[[[[1]]]]],
+    ]
+    codes, accepted = [], []
+    with httpx.Client(timeout=30) as http:
+        for i in range(300):
+            body = base_body(sc)
+            body["custom_loss_seq_id"] = 5000 + i
+            nodes = body["graph"]["nodes"]
+            k = rng.randrange(len(nodes))
+            move = rng.randrange(4)
+            if move == 0:
+                nodes[k][rng.choice(["op", "name", "target"])] = rng.choice(junk)
+            elif move == 1 and nodes[k]["args"]:
+                nodes[k]["args"][rng.randrange(len(nodes[k]["args"]))] = rng.choice(junk)
+            elif move == 2:
+                nodes.insert(rng.randrange(len(nodes)), copy.deepcopy(nodes[k]))
+            else:
+                nodes.insert(rng.randrange(len(nodes)), nodes.pop(k))
+            r = http.post(url, json=body, headers=headers)
+            codes.append(r.status_code)
+            assert r.status_code == 200 or 400 <= r.status_code < 500, r.text
+            if r.status_code == 400:
+                assert "graph" in r.json()["message"] or "inputs" in r.json()["message"], r.text
+            else:
+                accepted.append(f"{body['session_id']}:loss:{body['custom_loss_seq_id']}")
+    assert codes.count(400) > 150 and accepted  # the edits mostly break the graph, each refused by name
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
+    futures = [tc.forward_backward(DATA, "custom", {"loss_id": loss_id}) for loss_id in accepted]
+    failed = 0
+    for f in futures:
+        try:
+            f.result()
+        except tinker.RequestFailedError as e:  # the user's error, naming the datum and the node
+            assert "internal" not in str(e) and "custom_loss_failed" in str(e) and "data[0]" in str(e), str(e)
+            failed += 1
+    assert 0 < failed < len(accepted)

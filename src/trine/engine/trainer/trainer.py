@@ -260,7 +260,7 @@ class Trainer:
             for i, (datum, c) in enumerate(zip(data, counts)):
                 rows.append(_Row(e, datum_tensors(datum, loss), c, adapter, loss, scale))
                 if loss.custom is not None:  # its graph's errors surface here, before anything runs
-                    rows[-1].custom = _custom_dry_run(loss, rows[-1].datum, f"batch[{e}].data[{i}]")
+                    rows[-1].custom = _custom_dry_run(loss, rows[-1].datum, f"data[{i}]")
         return rows
 
     def _plan(self, rows: list[_Row]) -> prefix_groups.Plan:
