@@ -422,3 +422,25 @@ def test_random_mutations_of_a_graph_are_accepted_or_refused_never_a_5xx(srv, sc
             assert "internal" not in str(e) and "custom_loss_failed" in str(e) and "data[0]" in str(e), str(e)
             failed += 1
     assert 0 < failed < len(accepted)
+
+
+def test_a_session_keeps_a_bounded_number_of_losses(srv, sc):
+    from trine.server.tinker.custom_losses import MAX_LOSSES_PER_SESSION
+
+    headers = {"X-API-Key": "tml-" + srv.api_key}
+    sid = httpx.post(f"{srv.url}/api/v1/create_session", json={"sdk_version": "t"}, headers=headers).json()[
+        "session_id"
+    ]
+    body = {**base_body(sc), "session_id": sid}
+    with httpx.Client(base_url=srv.url, headers=headers, timeout=30) as http:
+        for seq in range(MAX_LOSSES_PER_SESSION):
+            assert (
+                http.post("/api/v1/create_custom_loss", json={**body, "custom_loss_seq_id": seq}).status_code
+                == 200
+            )
+        r = http.post(
+            "/api/v1/create_custom_loss", json={**body, "custom_loss_seq_id": MAX_LOSSES_PER_SESSION}
+        )
+        assert r.status_code == 400 and r.json()["code"] == "too_many_custom_losses", r.text
+        again = http.post("/api/v1/create_custom_loss", json={**body, "custom_loss_seq_id": 0})
+        assert again.status_code == 200  # a retry of a kept loss still joins it

@@ -10,7 +10,8 @@ Invariants
 - The loss id is `<session>:loss:<custom_loss_seq_id>`, so a retried create (same body) joins the
   first; another body under the same seq id is a 409.
 - A loss belongs to the key and session that created it; anyone else's forward_backward is refused.
-- Losses live in memory, like the model ids: after a restart the client creates them again.
+- Losses live in memory, like the model ids: after a restart the client creates them again; a
+  session keeps at most MAX_LOSSES_PER_SESSION.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .state import Model, StoredLoss, TinkerState, caller
 
 router = APIRouter(prefix="/api/v1")
 MAX_BODY_BYTES = 4 << 20
+MAX_LOSSES_PER_SESSION = 256  # they live in memory: a session cannot grow it without bound
 
 
 class CreateCustomLossBody(BaseModel):
@@ -61,6 +63,12 @@ async def create_custom_loss(request: Request):
             "custom_loss_seq_id: already used for another loss in this session", code="request_id_reused"
         )
     if known is None:
+        if sum(s.session_id == session.id for s in st.custom_losses.values()) >= MAX_LOSSES_PER_SESSION:
+            raise InvalidRequest(
+                f"create_custom_loss: session {session.id} has {MAX_LOSSES_PER_SESSION} custom losses, the "
+                "most one session keeps; reuse their handles or start a new session",
+                code="too_many_custom_losses",
+            )
         st.custom_losses[loss_id] = StoredLoss(key.id, session.id, loss, fingerprint)
 
     async def reply() -> Reply:
