@@ -9,12 +9,12 @@ from ..errors import (
     TrineError,
     ValidationError,
 )
-from .custom_loss import TracedLoss, custom_loss
 from .futures import APIFuture
 from .http import Settings
 from .rest import RestClient
 from .sampling import SamplingClient
 from .service import ServiceClient, configure
+from .traced_loss import TracedLoss, custom_loss
 from .training import TrainingClient
 
 __all__ = [

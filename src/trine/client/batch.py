@@ -24,7 +24,7 @@ LOSS_INPUTS = {
     "dro": ("target_tokens", "logprobs", "advantages"),
     "gspo": ("target_tokens", "logprobs", "advantages"),  # + optional sequence_ratio_mask
     "stable_reinforce": ("target_tokens", "logprobs", "advantages"),
-    "custom": ("target_tokens",),  # + the traced loss's own inputs (custom_loss.py)
+    "custom": ("target_tokens",),  # + the traced loss's own inputs (traced_loss.py)
 }
 
 

@@ -43,12 +43,12 @@ from ..types import (
     Usage,
 )
 from .batch import Limits, Plan, plan_batch
-from .custom_loss import TracedLoss
 from .events import EventQueue
 from .futures import APIFuture, gather
 from .http import ActorConnection
 from .paths import checkpoint_uri
 from .runtime import UsageLedger
+from .traced_loss import TracedLoss
 from .wire import tensor_from_wire
 
 if TYPE_CHECKING:
