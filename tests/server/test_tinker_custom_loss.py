@@ -257,6 +257,19 @@ MALFORMED = [
         3,
         "not a finite number",
     ),
+    ("a list as a node name", lambda b: insert(b, 3, fn("evil", "torch.exp", {"ref": ["x"]})), 3, "no node"),
+    (
+        "a list as a dtype",
+        lambda b: insert(b, 3, fn("evil", "torch.exp", {"dtype": ["x"]})),
+        3,
+        "not an encoded",
+    ),
+    (
+        "a list attribute",
+        lambda b: insert(b, 3, fn("evil", "getattr", ref("old"), ["shape"])),
+        3,
+        "getattr may",
+    ),
     (
         "an unknown encoding",
         lambda b: insert(b, 3, fn("evil", "torch.exp", {"pickle": "gASV"})),
@@ -371,6 +384,10 @@ def test_random_mutations_of_a_graph_are_accepted_or_refused_never_a_5xx(srv, sc
     rng = random.Random(30)
     url, headers = f"{srv.url}/api/v1/create_custom_loss", {"X-API-Key": "tml-" + srv.api_key}
     junk = [
+        {"ref": [1]},
+        {"dtype": {}},
+        {"slice": [[], {}, None]},
+        {"dict": {"a": {"ref": {}}}},
         None,
         True,
         -1,

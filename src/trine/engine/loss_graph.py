@@ -190,7 +190,7 @@ def parse_custom_loss(name, inputs, graph, loss_id: str = "") -> CustomLoss:
             if op != "placeholder" or target != decl[i][0] or args or kwargs:
                 raise ValueError(
                     f"{where}: input {i} is placeholder {decl[i][0]!r}, as the inputs declare "
-                    f"(got {op} {target[:80]!r})"
+                    f"(got {str(op)[:40]} {target[:80]!r})"
                 )
         elif op == "placeholder":
             raise ValueError(f"{where}: placeholder {target[:80]!r} is not one of the declared inputs")
@@ -271,7 +271,7 @@ def _check_target(op: str, target: str, where: str) -> None:
 
 def _check_call(op: str, target: str, args: tuple, kwargs: dict, where: str) -> None:
     if target == "getattr":
-        if len(args) != 2 or kwargs or not isinstance(args[0], Ref) or args[1] not in ATTRIBUTES:
+        if len(args) != 2 or kwargs or not isinstance(args[0], Ref) or not _one_of(args[1], ATTRIBUTES):
             raise ValueError(
                 f"{where}: getattr may only read a tensor's {', '.join(sorted(ATTRIBUTES))}, got "
                 f"{str(args[1:2])[:80]}"
@@ -350,9 +350,9 @@ def _arg(value, scope: _Scope, where: str, depth: int):
     ((kind, body),) = value.items()
     if kind == "ref":
         if not isinstance(body, str) or body not in scope.nodes:
-            if body == scope.me:
+            if isinstance(body, str) and body == scope.me:
                 what = "itself (a cycle)"
-            elif body in scope.names:
+            elif isinstance(body, str) and body in scope.names:
                 what = f"node {body!r}, which comes later (a cycle or an out-of-order graph)"
             else:
                 what = f"{str(body)[:80]!r}, which is no node of the graph"
@@ -374,11 +374,16 @@ def _arg(value, scope: _Scope, where: str, depth: int):
     if kind == "float":
         raise ValueError(f"{where}: {str(body)[:20]} is not a finite number; use a large finite value")
     names = {"dtype": DTYPES, "layout": LAYOUTS, "memory_format": MEMORY_FORMATS}
-    if kind in names and body in names[kind]:
+    if kind in names and _one_of(body, names[kind]):
         return Constant(kind, body)
     if kind == "device" and isinstance(body, str) and len(body) <= MAX_STRING:
         return Constant("device", "")  # the loss runs where the trainer puts it
     raise ValueError(f"{where}: {{{str(kind)[:20]!r}: ...}} is not an encoded argument trine accepts")
+
+
+def _one_of(value, names: frozenset) -> bool:
+    """`value` is one of `names` (never hashes a client's list or object)."""
+    return isinstance(value, str) and value in names
 
 
 def _items(value, where: str):
