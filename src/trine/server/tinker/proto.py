@@ -209,9 +209,9 @@ def forward_backward_body(msg, custom: dict[str, int] | None = None) -> ForwardB
             raise InvalidRequest(f"{where}.model_input is empty")
         inputs, custom_inputs = {}, {}
         for name, t in d.loss_fn_inputs.items():
+            if custom is not None and name in custom:  # target_tokens too, if the loss reads it
+                custom_inputs[name] = _loss_tensor(t, f"{where}.loss_fn_inputs[{name!r}]", custom[name])
             if custom is not None and name != "target_tokens":
-                if name in custom:
-                    custom_inputs[name] = _loss_tensor(t, f"{where}.loss_fn_inputs[{name!r}]", custom[name])
                 continue
             if name not in KNOWN_INPUTS:
                 hint = "; give clip thresholds in loss_fn_config" if "threshold" in name else ""
