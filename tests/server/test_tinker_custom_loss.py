@@ -461,3 +461,16 @@ def test_a_session_keeps_a_bounded_number_of_losses(srv, sc):
         assert r.status_code == 400 and r.json()["code"] == "too_many_custom_losses", r.text
         again = http.post("/api/v1/create_custom_loss", json={**body, "custom_loss_seq_id": 0})
         assert again.status_code == 200  # a retry of a kept loss still joins it
+
+
+def test_a_loss_may_read_the_target_tokens(sc):
+    def nll_of_real_tokens(logprobs, target_tokens):
+        return -(logprobs * (target_tokens > 0).float()).sum(), {}
+
+    handle = sc.create_custom_loss(nll_of_real_tokens, {"logprobs": 1, "target_tokens": 1}).result()
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
+    plain = [types.Datum(model_input=DATA[0].model_input, loss_fn_inputs={"target_tokens": TEXT[1:]})]
+    out = tc.forward_backward_custom(plain, handle).result()
+    assert out.metrics["loss:sum"] == pytest.approx(
+        -out.loss_fn_outputs[0]["logprobs"].to_numpy().sum(), rel=1e-5
+    )
