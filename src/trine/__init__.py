@@ -18,10 +18,12 @@ from .client import (  # noqa: E402
     SamplingClient,
     ServiceClient,
     Settings,
+    TracedLoss,
     TrainingClient,
     TrineError,
     ValidationError,
     configure,
+    custom_loss,
 )
 from .types import (  # noqa: E402
     AdamParams,
@@ -77,10 +79,12 @@ __all__ = [
     "ServiceClient",
     "Settings",
     "TensorData",
+    "TracedLoss",
     "TrainingClient",
     "TrineError",
     "Usage",
     "ValidationError",
     "configure",
+    "custom_loss",
     "types",
 ]

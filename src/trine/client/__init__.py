@@ -14,6 +14,7 @@ from .http import Settings
 from .rest import RestClient
 from .sampling import SamplingClient
 from .service import ServiceClient, configure
+from .traced_loss import TracedLoss, custom_loss
 from .training import TrainingClient
 
 __all__ = [
@@ -27,8 +28,10 @@ __all__ = [
     "SamplingClient",
     "ServiceClient",
     "Settings",
+    "TracedLoss",
     "TrainingClient",
     "TrineError",
     "ValidationError",
     "configure",
+    "custom_loss",
 ]

@@ -24,6 +24,7 @@ LOSS_INPUTS = {
     "dro": ("target_tokens", "logprobs", "advantages"),
     "gspo": ("target_tokens", "logprobs", "advantages"),  # + optional sequence_ratio_mask
     "stable_reinforce": ("target_tokens", "logprobs", "advantages"),
+    "custom": ("target_tokens",),  # + the traced loss's own inputs (traced_loss.py)
 }
 
 
@@ -59,7 +60,7 @@ class Plan:
 
 def normalize_loss_fn(loss_fn: str) -> str:
     name = loss_fn.strip().lower() if isinstance(loss_fn, str) else loss_fn
-    if name not in LOSS_INPUTS:
+    if name not in LOSS_INPUTS or name == "custom":
         raise ValidationError(
             f"Unsupported loss function type: {loss_fn!r} (use one of {', '.join(LOSS_INPUTS)})",
             code="validation.unsupported_loss",
@@ -99,19 +100,39 @@ def _floats(datum: Datum, name: str, n: int, i: int) -> list[float]:
     return values
 
 
-def plan_batch(data: list[Datum], *, loss_fn: str, auto_shift: bool, limits: Limits, vocab_size: int) -> Plan:
+def _custom_input(datum: Datum, name: str, rank: int, i: int) -> dict:
+    t = datum.loss_fn_inputs[name]
+    if len(t.shape) != rank:
+        raise ValidationError(
+            f"data[{i}].loss_fn_inputs['{name}'] has rank {len(t.shape)}; the custom loss declared {rank}"
+        )
+    if t.dtype == "float32" and not all(math.isfinite(v) for v in t.data):
+        raise ValidationError(f"data[{i}].loss_fn_inputs['{name}'] must be finite")
+    return {"shape": list(t.shape), "values": list(t.data), "dtype": t.dtype}
+
+
+def plan_batch(
+    data: list[Datum],
+    *,
+    loss_fn: str,
+    auto_shift: bool,
+    limits: Limits,
+    vocab_size: int,
+    custom: dict[str, int] | None = None,
+) -> Plan:
+    """`custom`: the inputs (name -> rank) of a traced custom loss (loss_fn is then "custom")."""
     if not data:
         raise ValidationError(
             "data: the batch is empty; pass at least one Datum", code="validation.empty_training_data"
         )
-    loss = normalize_loss_fn(loss_fn)
+    loss = "custom" if custom is not None else normalize_loss_fn(loss_fn)
     start = 1 if auto_shift else 0
     wire_data: list[tuple[dict, int]] = []
     totals = TokenCounts(0, 0, 0)
     for i, datum in enumerate(data):
         if not isinstance(datum, Datum):
             raise ValidationError(f"data[{i}] must be a trine.Datum, got {type(datum).__name__}")
-        for name in LOSS_INPUTS[loss]:
+        for name in LOSS_INPUTS[loss] + tuple(custom or ()):
             if name not in datum.loss_fn_inputs:
                 raise ValidationError(f"data[{i}].loss_fn_inputs['{name}'] is required by loss_fn '{loss}'")
         mi = _fill_image_length(datum, i)
@@ -160,7 +181,12 @@ def plan_batch(data: list[Datum], *, loss_fn: str, auto_shift: bool, limits: Lim
                     code="validation.token_id_out_of_range",
                 )
         wire = {"model_input": model_input_to_wire(mi, json=False), "target_ids": targets}
-        if loss == "cross_entropy":
+        if loss == "custom":
+            wire["custom_inputs"] = {
+                name: _custom_input(datum, name, rank, i) for name, rank in custom.items()
+            }
+            totals += count_tokens(targets, policy=False, start=start)
+        elif loss == "cross_entropy":
             weights = _floats(datum, "weights", n, i) if "weights" in datum.loss_fn_inputs else [1.0] * n
             wire["weights"] = weights
             totals += count_tokens(targets, policy=False, weights=weights, start=start)

@@ -48,6 +48,7 @@ from .futures import APIFuture, gather
 from .http import ActorConnection
 from .paths import checkpoint_uri
 from .runtime import UsageLedger
+from .traced_loss import TracedLoss
 from .wire import tensor_from_wire
 
 if TYPE_CHECKING:
@@ -168,11 +169,18 @@ class TrainingClient:
         """len(tokenizer): the bound every token id is checked against before sending."""
         return len(self.get_tokenizer())
 
-    def _plan(self, data: list[Datum], loss_fn: str, auto_shift: bool) -> Plan:
+    def _plan(
+        self, data: list[Datum], loss_fn: str, auto_shift: bool, custom: TracedLoss | None = None
+    ) -> Plan:
         if not isinstance(data, list):
             raise ValidationError(f"data must be a list of Datum, got {type(data).__name__}")
         return plan_batch(
-            data, loss_fn=loss_fn, auto_shift=auto_shift, limits=self._limits, vocab_size=self.vocab_size()
+            data,
+            loss_fn=loss_fn,
+            auto_shift=auto_shift,
+            limits=self._limits,
+            vocab_size=self.vocab_size(),
+            custom=None if custom is None else dict(custom.inputs[1:]),
         )
 
     # -- forward / forward_backward ---------------------------------------------------------
@@ -185,7 +193,7 @@ class TrainingClient:
         return gather(futures).map(functools.partial(self._parse_forward, expected=expected))
 
     def _parse_forward(self, responses: list[dict], expected: list[int]) -> ForwardBackwardOutput:
-        outputs, loss_sum, count = [], 0.0, 0
+        outputs, loss_sum, count, custom = [], 0.0, 0, {}
         usage = sum((_event_usage(r) for r in responses[1:]), _event_usage(responses[0]))
         for k, (response, n) in enumerate(zip(responses, expected)):
             result = response.get("result") or {}
@@ -197,6 +205,9 @@ class TrainingClient:
             outputs += [{name: tensor_from_wire(t) for name, t in out.items()} for out in chunk_outputs]
             loss_sum += float(result["metrics"]["loss_sum"])
             count += int(result["metrics"]["token_count"])
+            for key, value in result["metrics"].items():  # a custom loss's: :mean ones weighted by datums
+                if key.startswith("custom/"):
+                    custom[key] = custom.get(key, 0.0) + float(value) * (n if key.endswith(":mean") else 1)
         self._usage.add(usage)
         return ForwardBackwardOutput(
             loss_fn_outputs=outputs,
@@ -204,6 +215,7 @@ class TrainingClient:
                 "loss_sum": loss_sum,
                 "loss_mean": loss_sum / count if count else 0.0,
                 "token_count": count,
+                **{k: v / sum(expected) if k.endswith(":mean") else v for k, v in custom.items()},
             },
             usage=usage,
             cycle=_cycle(responses),
@@ -293,18 +305,47 @@ class TrainingClient:
             )
         return linear, {k: float(v) for k, v in (metrics or {}).items()}
 
+    def _server_side(self, loss_fn, server_side: bool | None) -> bool:
+        if server_side and not isinstance(loss_fn, TracedLoss):
+            raise ValidationError(
+                "forward_backward_custom(server_side=True) runs a traced loss: pass "
+                "trine.custom_loss(fn, input_ranks), with fn(logprobs, *inputs) -> (loss, metrics) per datum"
+            )
+        return isinstance(loss_fn, TracedLoss) and server_side is not False
+
     def forward_backward_custom(
-        self, data: list[Datum], loss_fn, loss_fn_config: dict | None = None
+        self,
+        data: list[Datum],
+        loss_fn,
+        loss_fn_config: dict | None = None,
+        *,
+        server_side: bool | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """`loss_fn(data, logprobs: list[torch.Tensor]) -> (loss, metrics)` computed locally with
-        torch; blocks for the forward pass, then returns the backward pass's future."""
+        torch; blocks for the forward pass, then returns the backward pass's future.
+
+        A traced loss (`trine.custom_loss(fn, input_ranks)`) runs on the server instead, in one
+        forward and one backward (`server_side=False` runs it locally, as above)."""
+        if self._server_side(loss_fn, server_side):
+            plan = self._plan(data, "custom", False, loss_fn)
+            return self._rt.run_sync(self._submit_forward(FORWARD_BACKWARD, plan, loss_fn.wire(), False))
         forward = self.forward(data).result()
         linear, metrics = self._custom_linearization(data, forward, loss_fn, loss_fn_config)
         return self.forward_backward(linear).map(lambda out: _merge_metrics(out, metrics))
 
     async def forward_backward_custom_async(
-        self, data: list[Datum], loss_fn, loss_fn_config: dict | None = None
+        self,
+        data: list[Datum],
+        loss_fn,
+        loss_fn_config: dict | None = None,
+        *,
+        server_side: bool | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
+        if self._server_side(loss_fn, server_side):
+            plan = await asyncio.to_thread(self._plan, data, "custom", False, loss_fn)
+            return await self._rt.run_async(
+                self._submit_forward(FORWARD_BACKWARD, plan, loss_fn.wire(), False)
+            )
         forward = await (await self.forward_async(data))
         linear, metrics = self._custom_linearization(data, forward, loss_fn, loss_fn_config)
         return (await self.forward_backward_async(linear)).map(lambda out: _merge_metrics(out, metrics))

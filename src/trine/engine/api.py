@@ -33,6 +33,12 @@ from ..limits import (
     SAVE_WEIGHTS,
 )
 from ..tokens import TokenCounts
+from .loss_graph import (  # noqa: F401  (custom losses: part of the vocabulary)
+    MAX_INPUT_ELEMENTS,
+    CustomLoss,
+    LossTensor,
+    parse_custom_loss,
+)
 
 # ---------------------------------------------------------------------------- weights
 
@@ -214,6 +220,7 @@ class TrainDatum:
     logprobs: list[float] | None = None
     advantages: list[float] | None = None
     sequence_ratio_mask: list[float] | None = None
+    custom_inputs: dict[str, LossTensor] | None = None  # a custom loss's inputs by name
 
 
 @dataclass(frozen=True)
@@ -294,6 +301,12 @@ class Loss:
     clip_high: float = 1.2
     beta: float = 0.05
     kl_coeff: float = 0.0
+    custom: CustomLoss | None = None  # name "custom": a client's graph (engine/loss_graph.py)
+
+    @classmethod
+    def of_custom(cls, custom: CustomLoss) -> Loss:
+        """A custom loss: its gradient is the graph's, run by engine/trainer/custom_graph.py."""
+        return cls("custom", custom=custom)
 
     @classmethod
     def parse(cls, name: str, config: dict | None = None) -> Loss:
@@ -339,8 +352,8 @@ class Loss:
 
     @property
     def sequence_level(self) -> bool:
-        """True when a token's loss depends on the other tokens of its datum (gspo)."""
-        return self.name == "gspo"
+        """True when a token's loss depends on the other tokens of its datum (gspo, custom)."""
+        return self.name in ("gspo", "custom")
 
 
 # ---------------------------------------------------------------------------- training ops

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..tokens import IGNORE_INDEX, TokenCounts, count_tokens
 from .api import ADVANTAGE_NORMALISED, Forward, Loss, TrainDatum
+from .loss_graph import MAX_INPUT_ELEMENTS
 
 COUNT_NAMES = ("total_samples", "total_active_tokens", "total_advantage_tokens")
 
@@ -63,6 +64,9 @@ def check_datum(datum: TrainDatum, loss: Loss, vocab_size: int, where: str = "da
             f"{where}.target_tokens has ids outside the vocabulary [0, {vocab_size}) "
             f"(use {IGNORE_INDEX} to ignore a position)"
         )
+    if loss.custom is not None:
+        _custom_inputs(datum, loss, where)
+        return count_tokens(targets, policy=False)
     if loss.is_policy:
         for name in ("logprobs", "advantages"):
             if getattr(datum, name) is None:
@@ -74,6 +78,28 @@ def check_datum(datum: TrainDatum, loss: Loss, vocab_size: int, where: str = "da
         return count_tokens(targets, policy=True, advantages=advantages)
     weights = None if datum.weights is None else _floats(datum.weights, "weights", where, n)
     return count_tokens(targets, policy=False, weights=weights)
+
+
+def _custom_inputs(datum: TrainDatum, loss: Loss, where: str) -> None:
+    """Each input the custom loss declares is there, at its rank, with finite values."""
+    given = datum.custom_inputs or {}
+    for name, rank in loss.custom.inputs[1:]:
+        field = f"{where}.loss_fn_inputs[{name!r}]"
+        t = given.get(name)
+        if t is None:
+            raise ValueError(f"{field} is required by custom loss {loss.custom.name!r}")
+        if len(t.shape) != rank:
+            raise ValueError(
+                f"{field} has rank {len(t.shape)}, but custom loss {loss.custom.name!r} declared "
+                f"{name} with rank {rank}"
+            )
+        numel = int(np.prod(t.shape, dtype=np.int64))
+        if numel > MAX_INPUT_ELEMENTS or numel != len(t.values):
+            raise ValueError(
+                f"{field}: shape {list(t.shape)} with {len(t.values)} values (at most {MAX_INPUT_ELEMENTS})"
+            )
+        if t.dtype == "float32" and not bool(np.isfinite(np.asarray(t.values, dtype=np.float64)).all()):
+            raise ValueError(f"{field} holds NaN or infinite values; every value must be finite")
 
 
 def _denominator(op: Forward, counts: tuple[TokenCounts, ...]) -> float:

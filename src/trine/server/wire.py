@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgpack
 from pydantic import Field
 
-from ..engine.api import EndRun, Forward, LoRAConfig, Loss, TrainDatum
+from ..engine.api import EndRun, Forward, LoRAConfig, Loss, LossTensor, TrainDatum, parse_custom_loss
 from ..limits import (
     END_RUN,
     EVENT_TYPES,
@@ -61,6 +61,14 @@ class InitRunPayload(Body):
     load_optimizer: bool = False
 
 
+class CustomInput(Body):
+    """One custom loss input of a datum (trine extension): row-major values of `shape`."""
+
+    shape: list[Count] = Field(max_length=2)
+    values: list[float] | list[Int64]
+    dtype: Literal["float32", "int64"] = "float32"
+
+
 class Datum(Body):
     model_input: ModelInputBody
     target_ids: list[Int64] = Field(min_length=1)
@@ -68,6 +76,7 @@ class Datum(Body):
     logprobs: list[float] | None = None
     advantages: list[float] | None = None
     sequence_ratio_mask: list[float] | None = None  # gspo (trine extension; pytrio never sends it)
+    custom_inputs: dict[str, CustomInput] | None = None  # a custom loss's (trine extension)
 
 
 class LossSpec(Body):
@@ -158,10 +167,7 @@ def parse_command(type_: str, payload: dict) -> TrainingCommand:
             if ga is None
             else TokenCounts(ga.total_samples, ga.total_active_tokens, ga.total_advantage_tokens)
         )
-        try:
-            loss = Loss.parse(p.loss.type, dict(p.loss.config))
-        except ValueError as e:
-            raise InvalidRequest(f"payload.loss: {e}") from None
+        loss = _loss(p)
         return Forward(
             data=[_datum(d, i, p.auto_shift) for i, d in enumerate(p.data)],
             loss=loss,
@@ -188,6 +194,24 @@ def parse_command(type_: str, payload: dict) -> TrainingCommand:
         )
     assert type_ == END_RUN
     return EndRun(parse_model(EndRunPayload, payload, "payload").reason)
+
+
+def _loss(p: ForwardPayload) -> Loss:
+    """The payload's loss; a custom one (type "custom", config {name, inputs, graph}: a traced graph,
+    see engine/loss_graph.py) is checked node by node."""
+    try:
+        if p.loss.type != "custom":
+            return Loss.parse(p.loss.type, dict(p.loss.config))
+        if p.auto_shift:
+            raise ValueError("auto_shift is not supported with a custom loss: send pre-shifted targets")
+        c = p.loss.config
+        if set(c) != {"name", "inputs", "graph"}:
+            raise ValueError("a custom loss's config is {name, inputs, graph} (trine.custom_loss traces it)")
+        return Loss.of_custom(parse_custom_loss(c["name"], c["inputs"], c["graph"]))
+    except ValueError as e:
+        raise InvalidRequest(
+            f"payload.loss: {e}", code="invalid_custom_loss" if p.loss.type == "custom" else None
+        ) from None
 
 
 def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
@@ -226,4 +250,7 @@ def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
         logprobs=logprobs,
         advantages=advantages,
         sequence_ratio_mask=ratio_mask,
+        custom_inputs=None
+        if d.custom_inputs is None
+        else {k: LossTensor(tuple(t.shape), t.values, t.dtype) for k, t in d.custom_inputs.items()},
     )

@@ -45,6 +45,8 @@ log = logging.getLogger("trine.cycle")
 
 
 def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
+    if res.error:
+        return EventOutcome(error=("custom_loss_failed", res.error))
     if not math.isfinite(res.loss_sum):
         return EventOutcome(
             error=(
@@ -59,6 +61,7 @@ def forward_outcome(op: Forward, res: ForwardResult) -> EventOutcome:
         "loss_sum": float(res.loss_sum),
         "loss_mean": float(res.loss_mean),
         "token_count": int(res.token_count),
+        **res.metrics,  # a custom loss's own (custom/<name>:sum|mean)
     }
     return EventOutcome(
         logprobs=logprobs,

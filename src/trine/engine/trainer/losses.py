@@ -14,12 +14,17 @@ otherwise normalisation is the user's, folded into `weights` or `advantages` (Ti
 | dro | q, A | -(logp * A - beta/2 * (logp - q)^2) |
 | gspo | q, A, sequence_ratio_mask m | -min(s * A, clip(s, lo, hi) * A), s = exp(sg(M) + logp - sg(logp)) |
 | stable_reinforce | q, A | -sg(min(r, hi)) * logp * A + kl_coeff * (exp(q - logp) - (q - logp) - 1) |
+| custom | the graph's inputs | sg(dC/dlogp) * logp, C the client's graph (custom_graph.py) |
 
 `gspo` is token-level GSPO: M is the datum's mean log-ratio `logp - q` over the positions where
 `sequence_ratio_mask` is non-zero (default: the active positions with a non-zero advantage), so
 every token's ratio has the sequence's value and its own gradient `s * dlogp`, then PPO-style
 clipping. It is the one loss that is not elementwise: the trainer computes every logp of a datum
 before its gradients (`Loss.sequence_level`).
+
+`custom` is a client's loss C(logprobs, inputs) per datum. The trainer runs the graph on the datum's
+logprobs first (values only, like gspo) and keeps dC/dlogp, so each token's loss here is linear in
+logp with that slope: the backward pass is the graph's exact gradient, and the reported loss is C.
 
 `stable_reinforce` is REINFORCE with a truncated, detached importance weight against the sampler
 (`r = exp(logp - q)` capped at `clip_high_threshold`, default 2) and an optional k3 estimate of
@@ -46,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api import IGNORE_INDEX, Loss, TrainDatum
+from .custom_graph import input_tensor
 
 
 @dataclass
@@ -60,15 +66,25 @@ class LossInputs:
     advantages: torch.Tensor
     ratio_mask: torch.Tensor | None = None
     seq_log_ratio: torch.Tensor | None = None
+    custom_grad: torch.Tensor | None = None  # custom: dC/dlogp, filled in like seq_log_ratio
 
     def __post_init__(self):
         if self.ratio_mask is None:
             self.ratio_mask = torch.zeros_like(self.weights)
         if self.seq_log_ratio is None:
             self.seq_log_ratio = torch.zeros_like(self.weights)
+        if self.custom_grad is None:
+            self.custom_grad = torch.zeros_like(self.weights)
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
-        return self.weights, self.logprobs, self.advantages, self.ratio_mask, self.seq_log_ratio
+        return (
+            self.weights,
+            self.logprobs,
+            self.advantages,
+            self.ratio_mask,
+            self.seq_log_ratio,
+            self.custom_grad,
+        )
 
     def select(self, index) -> "LossInputs":
         return LossInputs(*(t[index] for t in self._fields()))
@@ -98,6 +114,8 @@ def loss_values(loss: Loss, logp: torch.Tensor, inputs: LossInputs) -> torch.Ten
     """Per-token losses of `loss` for some active positions; `inputs` holds the same positions."""
     if loss.name == "cross_entropy":
         return -inputs.weights * logp
+    if loss.name == "custom":
+        return inputs.custom_grad * logp
     q, adv = inputs.logprobs, inputs.advantages
     if loss.name == "dro":
         return -(logp * adv - 0.5 * loss.beta * (logp - q) ** 2)
@@ -127,6 +145,7 @@ class PreparedDatum:
     targets: torch.Tensor  # int64 [N]
     inputs: LossInputs  # each [N]
     active: torch.Tensor  # int64 indices into [0, N)
+    custom: list[torch.Tensor] | None = None  # a custom loss's inputs, in the order it takes them
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -139,7 +158,11 @@ def datum_tensors(datum: TrainDatum, loss: Loss) -> PreparedDatum:
     targets = torch.tensor(datum.target_tokens, dtype=torch.int64)
     n = tokens.numel()
     mask = targets != IGNORE_INDEX
-    if loss.is_policy:
+    custom = None
+    if loss.custom is not None:
+        custom = [input_tensor(datum.custom_inputs[name], "cpu") for name in loss.custom.input_names]
+        inputs = LossInputs(torch.ones(n), torch.zeros(n), torch.zeros(n))
+    elif loss.is_policy:
         inputs = LossInputs(
             torch.ones(n),
             torch.tensor(datum.logprobs, dtype=torch.float32),
@@ -153,4 +176,4 @@ def datum_tensors(datum: TrainDatum, loss: Loss) -> PreparedDatum:
     else:
         weights = torch.ones(n) if datum.weights is None else torch.tensor(datum.weights, dtype=torch.float32)
         inputs = LossInputs(weights, torch.zeros(n), torch.zeros(n))
-    return PreparedDatum(tokens, targets, inputs, mask.nonzero().squeeze(1))
+    return PreparedDatum(tokens, targets, inputs, mask.nonzero().squeeze(1), custom)

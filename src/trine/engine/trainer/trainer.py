@@ -32,6 +32,12 @@ and their micro-batches compute each shared position once (shared_prefix.py), wi
 logprobs, losses and gradients; the other datums take the path above. `TrainUsage.train_tokens`
 counts the positions computed, `sequence_tokens` the positions sent.
 
+Custom losses (a client's graph, custom_graph.py) are not elementwise: like gspo, a micro-batch
+computes its datums' logprobs first (values only), runs each datum's graph on them for the loss and
+its gradient dC/dlogp, and step 3 then uses that gradient, so the body runs forward and backward
+once. Their datums stay off the shared-prefix path. Each graph is first run on all-zero logprobs
+with the datum's inputs (`_prepare`), so a graph that cannot run fails before anything computes.
+
 Invariants
 - Gradients accumulate in each run's adapter across calls until `optim_step`, which applies the
   run's optimizer, `torch.optim.AdamW` or `Dimuon` (clipping with `clip_grad_norm_` first when
@@ -72,7 +78,7 @@ from ..model.invariant import log_probs
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
 from ..prepare import check_datum
-from . import checkpoint, head, prefix_groups, shared_prefix
+from . import checkpoint, custom_graph, head, prefix_groups, shared_prefix
 from .dimuon import Dimuon
 from .losses import LossInputs, PreparedDatum, datum_tensors, sequence_log_ratios
 
@@ -95,6 +101,8 @@ class _Row:
     adapter: Adapter
     loss: Loss
     grad_scale: float = 1.0  # 1 / the entry's denominator
+    custom: custom_graph.Result | None = None  # a custom loss's value and metrics on this datum
+    error: str = ""  # why its custom loss failed on the real logprobs (the datum then adds no gradient)
 
 
 @dataclass
@@ -113,6 +121,8 @@ class ForwardResult:
     loss_sum: float
     token_count: int
     usage: TrainUsage = field(default_factory=TrainUsage)
+    metrics: dict[str, float] = field(default_factory=dict)  # a custom loss's, reduced by suffix
+    error: str = ""  # a custom loss that failed on a datum's real logprobs: the event fails with it
 
     @property
     def loss_mean(self) -> float:
@@ -233,11 +243,16 @@ class Trainer:
             res = results[row.entry]
             res.logprobs.append(logp.tolist())
             res.losses.append(loss.tolist())
-            res.loss_sum += float(loss.double().sum())
+            res.loss_sum += float(loss.double().sum()) if row.custom is None else row.custom.loss
+            res.error = res.error or row.error
+            for key, value in row.custom.metrics.items() if row.custom is not None else ():
+                res.metrics[key] = res.metrics.get(key, 0.0) + value
             res.token_count += row.counts.active_tokens
             res.usage.train_tokens += computed
             res.usage.sequence_tokens += len(row.datum)
             res.usage.loss_tokens += row.counts.loss_tokens(row.loss.is_policy)
+        for res, (_, data, *_) in zip(results, batch):  # a custom loss's :mean metrics: over datums
+            res.metrics = {k: v / len(data) if k.endswith(":mean") else v for k, v in res.metrics.items()}
         return results
 
     def _prepare(self, batch) -> list[_Row]:
@@ -260,8 +275,10 @@ class Trainer:
                 raise ValueError(f"batch[{e}] data must be a non-empty list of TrainDatum")
             if counts is None:
                 counts = [check_datum(d, loss, vocab, f"batch[{e}].data[{i}]") for i, d in enumerate(data)]
-            for datum, c in zip(data, counts):
+            for i, (datum, c) in enumerate(zip(data, counts)):
                 rows.append(_Row(e, datum_tensors(datum, loss), c, adapter, loss, scale))
+                if loss.custom is not None:  # its graph's errors surface here, before anything runs
+                    rows[-1].custom = _custom_dry_run(loss, rows[-1].datum, f"data[{i}]")
         return rows
 
     def _plan(self, rows: list[_Row]) -> prefix_groups.Plan:
@@ -269,11 +286,13 @@ class Trainer:
         if not self.prefix_sharing or len(rows) < 2:
             return prefix_groups.Plan([], list(range(len(rows))), [len(r.datum) for r in rows])
         keys = {id(r.adapter): k for k, r in reversed(list(enumerate(rows)))}
+        # a custom loss's datums stay on the plain path: a key of their own shares nothing
+        key_of = [keys[id(r.adapter)] if r.loss.custom is None else len(rows) + i for i, r in enumerate(rows)]
         cfg = self.model.cfg  # a context key's K and V against the least a token's activations hold
         context_cost = 2 * cfg.num_kv_heads * cfg.head_dim / (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
         return prefix_groups.plan(
             [r.datum.tokens.tolist() for r in rows],
-            [keys[id(r.adapter)] for r in rows],
+            key_of,
             min_shared=self.min_shared_tokens,
             budget=self.micro_batch_tokens,
             context_cost=context_cost,
@@ -338,10 +357,12 @@ class Trainer:
         )
         token_spans = head.token_spans(adapters, counts)
         if active.numel() and any(loss.sequence_level for loss in losses_in_mb):
-            # gspo: every token's ratio needs its datum's mean log-ratio first (values only)
-            inputs.seq_log_ratio = sequence_log_ratios(
-                self._target_logprobs(sel.detach(), tgt, adapters, token_spans), inputs, row_of.to(device), B
-            )
+            # gspo (each token's ratio needs its datum's mean log-ratio) and custom losses (the
+            # graph needs the datum's logprobs): every logp first, values only
+            values = self._target_logprobs(sel.detach(), tgt, adapters, token_spans)
+            inputs.seq_log_ratio = sequence_log_ratios(values, inputs, row_of.to(device), B)
+            if any(loss.custom is not None for loss in losses_in_mb):
+                inputs.custom_grad = _custom_grads(rows, values.split(counts))
         logp_all = torch.empty(active.numel(), device=device)
         loss_all = torch.empty(active.numel(), device=device)
         for i, hs in zip(range(0, active.numel(), self.logits_chunk_tokens), pieces):
@@ -463,6 +484,38 @@ class Trainer:
         if with_optimizer:
             checkpoint.load_optimizer_state(adapter, opt, path, optimizer)
         self._install(run_id, lora, adapter, opt)
+
+
+def _custom_dry_run(loss: Loss, datum: PreparedDatum, where: str) -> custom_graph.Result:
+    """The loss on all-zero logprobs: a graph that fails on this datum's inputs fails here, naming
+    it, before any gradient moves. Its value is the datum's when no position has a target."""
+    try:
+        return custom_graph.loss_and_grad(loss.custom, torch.zeros(len(datum)), datum.custom)
+    except ValueError as e:
+        raise custom_graph.CustomLossError(f"{where}: {e}") from None
+
+
+def _custom_grads(rows: list[_Row], logps: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """dC/dlogp at each active position of `rows` (0 for rows of other losses); keeps each custom
+    row's value and metrics on the row. A graph that passed its dry run but fails on the real
+    logprobs (indices computed from them) gives its datum no gradient and an error that fails its
+    entry; the other rows of the micro-batch, other runs' included, are unaffected."""
+    out = []
+    for row, logp in zip(rows, logps):
+        if row.loss.custom is None:
+            out.append(torch.zeros_like(logp))
+            continue
+        active = row.datum.active.to(logp.device)
+        full = torch.zeros(len(row.datum), device=logp.device).index_put_((active,), logp.float())
+        inputs = [t.to(logp.device) for t in row.datum.custom]
+        try:
+            row.custom = custom_graph.loss_and_grad(row.loss.custom, full, inputs)
+        except ValueError as e:  # value-dependent (the dry run passed): fail this datum's entry only
+            row.error = str(e)
+            out.append(torch.zeros_like(logp))
+            continue
+        out.append(row.custom.grad[active])
+    return torch.cat(out)
 
 
 def new_optimizer(adapter: Adapter, family: str, rank: int) -> torch.optim.Optimizer:

@@ -12,7 +12,7 @@ from fastapi.routing import APIRoute
 
 from ...service import ServiceError
 from ..context import caller_key
-from . import checkpoints, futures, refused, rest, sampling, training
+from . import checkpoints, custom_losses, futures, refused, rest, sampling, training
 from .errors import error_response
 from .state import state_of
 
@@ -40,6 +40,7 @@ def make_router() -> APIRouter:
         rest.router,
         checkpoints.router,
         training.router,
+        custom_losses.router,
         sampling.router,
         futures.make_router(state_of, caller_key),
         refused.router,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...engine.api import TrainDatum
+from ...engine.api import MAX_INPUT_ELEMENTS, LossTensor, TrainDatum
 from ...service import InvalidRequest
 
 try:  # the message classes ship with the official client (a dependency of trine's server)
@@ -150,7 +150,27 @@ def _spans(spans, where: str) -> list[Span]:
     return out
 
 
-def _loss_config(msg) -> dict:
+def _loss_tensor(t, where: str, rank: int) -> LossTensor:
+    """A custom loss input at its own shape (an empty shape: a scalar for a rank-0 input, else a
+    vector), bounded before anything is allocated."""
+    shape = list(t.shape)
+    if len(shape) > 2 or any(d < 0 for d in shape) or math.prod(shape) > MAX_INPUT_ELEMENTS:
+        raise InvalidRequest(
+            f"{where}: shape {shape[:4]}: at most 2 dimensions and {MAX_INPUT_ELEMENTS} values"
+        )
+    arr = _tensor(t, where, math.prod(shape))
+    if arr.size > MAX_INPUT_ELEMENTS:
+        raise InvalidRequest(
+            f"{where}: {arr.size} values; a custom loss input holds at most {MAX_INPUT_ELEMENTS}"
+        )
+    if not shape:
+        shape = [] if rank == 0 and arr.size == 1 else [arr.size]
+    if arr.dtype.kind in "iu":
+        return LossTensor(tuple(shape), arr.astype(np.int64).tolist(), "int64")
+    return LossTensor(tuple(shape), arr.astype(np.float64).tolist(), "float32")
+
+
+def loss_config(msg) -> dict:
     config: dict = {}
     for k, v in msg.loss_fn_config.items():
         config[k] = float(v)
@@ -173,8 +193,11 @@ def decode_forward_backward(body: bytes):
     return msg
 
 
-def forward_backward_body(msg) -> ForwardBackwardBody:
-    """The request's content as plain values; validates shapes (one value per input token) and dtypes."""
+def forward_backward_body(msg, custom: dict[str, int] | None = None) -> ForwardBackwardBody:
+    """The request's content as plain values; validates shapes (one value per input token) and dtypes.
+
+    `custom`: the inputs (name -> rank) of the custom loss the request names. Those inputs keep
+    their own shapes; the others, apart from target_tokens, are the client's and are not read."""
     if not msg.data:
         raise InvalidRequest("data: the batch is empty; send at least one Datum")
     data, spans = [], []
@@ -184,8 +207,12 @@ def forward_backward_body(msg) -> ForwardBackwardBody:
         n = len(tokens)
         if n == 0:
             raise InvalidRequest(f"{where}.model_input is empty")
-        inputs = {}
+        inputs, custom_inputs = {}, {}
         for name, t in d.loss_fn_inputs.items():
+            if custom is not None and name in custom:  # target_tokens too, if the loss reads it
+                custom_inputs[name] = _loss_tensor(t, f"{where}.loss_fn_inputs[{name!r}]", custom[name])
+            if custom is not None and name != "target_tokens":
+                continue
             if name not in KNOWN_INPUTS:
                 hint = "; give clip thresholds in loss_fn_config" if "threshold" in name else ""
                 raise InvalidRequest(
@@ -221,6 +248,7 @@ def forward_backward_body(msg) -> ForwardBackwardBody:
                 logprobs=floats.get("logprobs"),
                 advantages=floats.get("advantages"),
                 sequence_ratio_mask=floats.get("sequence_ratio_mask"),
+                custom_inputs=custom_inputs if custom is not None else None,
             )
         )
         runs = _spans(d.loss_fn_input_spans, f"{where}.loss_fn_input_spans")
@@ -234,7 +262,7 @@ def forward_backward_body(msg) -> ForwardBackwardBody:
         msg.model_id,
         int(msg.seq_id),
         msg.loss_fn or "cross_entropy",
-        _loss_config(msg),
+        loss_config(msg),
         bool(msg.forward_only),
         data,
         spans,

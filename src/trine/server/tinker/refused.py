@@ -4,7 +4,7 @@ fails with a message it can act on. `save_weights_external` is refused in `train
 seq_id), image/audio chunks where prompts are decoded.
 
 Routes the client only calls when the client config turns a feature on (`auth/token`,
-`retrieve_futures`, `join_sampling_session`, `create_custom_loss`) are refused too,
+`retrieve_futures`, `join_sampling_session`) are refused too,
 for clients that ignore the config.
 """
 
@@ -52,13 +52,6 @@ REFUSED = (
         "/join_sampling_session",
         "join_sampling_session",
         "create_sampling_session (the client config has sample_join_sampling_session false)",
-    ),
-    (
-        "POST",
-        "/create_custom_loss",
-        "server-side custom losses",
-        "forward_backward_custom, which runs the loss "
-        "on the client (the client config has custom_loss_server_side false)",
     ),
 )
 

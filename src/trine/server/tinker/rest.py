@@ -3,8 +3,9 @@ telemetry (accepted and dropped) and billing usage (answered from trine's meteri
 hourly-bucket shape). Training runs and checkpoints are in `checkpoints.py`.
 
 The client config turns off what a self-hosted server does not need: no JWT exchange
-(`pjwt_auth_enabled`), custom losses run on the client (`custom_loss_server_side`), no
-retrieve_futures poller, plain httpx transport, uncompressed forward_backward bodies.
+(`pjwt_auth_enabled`), no
+retrieve_futures poller, plain httpx transport, uncompressed forward_backward bodies. It turns on
+server-side custom losses (`custom_loss_server_side`, custom_losses.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ CLIENT_CONFIG = {
     "fwdbwd_max_chunk_bytes_count": 5_000_000,
     "sample_use_retrieve_futures": False,
     "sample_join_sampling_session": False,
-    "custom_loss_server_side": False,
+    "custom_loss_server_side": True,
     "sample_no_retries": False,
 }
 FINISH_STATUS = {"success": "ENDED", "errored": "CANCELLED", "interrupted": "CANCELLED"}

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from ... import uris
+from ...engine.api import CustomLoss
 from ...service import ApiKey, InvalidRequest, NotFound, Service, ServiceError
 from ...service.stability import StabilityRecords
 from ..context import caller_key, service_of
@@ -42,11 +43,22 @@ class Model:
 
 
 @dataclass
+class StoredLoss:
+    """A custom loss kept for its session (custom_losses.py); `fingerprint`: the create body's."""
+
+    api_key_id: str
+    session_id: str
+    loss: CustomLoss
+    fingerprint: str
+
+
+@dataclass
 class TinkerState:
     models: dict[str, Model] = field(default_factory=dict)  # tinker model id -> its training run
     samplers: dict[tuple[str, int], str] = field(default_factory=dict)  # (session, seq) -> sampling run
     futures: FutureTable = field(default_factory=FutureTable)
     stability: StabilityRecords = field(default_factory=StabilityRecords)
+    custom_losses: dict[str, StoredLoss] = field(default_factory=dict)  # loss id -> its graph
 
     def model(self, key: ApiKey, model_id: str) -> Model:
         m = self.models.get(model_id)

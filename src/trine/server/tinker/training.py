@@ -42,6 +42,7 @@ from ..bounds import Count, Seed, SeqId, TtlSeconds
 from ..context import json_object, parse_model, read_body
 from ..params import optim_step as parse_optim_step
 from . import proto
+from .custom_losses import stored_loss
 from .errors import REUSED, public_message
 from .futures import Failure, Reply
 from .state import Model, TinkerState, caller, model_id_of, optimizer_config, to_trio_uri
@@ -415,14 +416,17 @@ async def forward_backward(request: Request):
     if msg.seq_id < 1:
         raise InvalidRequest(f"seq_id {msg.seq_id}: training calls start at 1")
     try:
-        body = await asyncio.get_running_loop().run_in_executor(None, proto.forward_backward_body, msg)
+        custom = stored_loss(st, key, m, proto.loss_config(msg)) if msg.loss_fn.lower() == "custom" else None
+        body = await asyncio.get_running_loop().run_in_executor(
+            None, proto.forward_backward_body, msg, custom and dict(custom.inputs[1:])
+        )
         data = (
             _with_recorded_logprobs(st, key, body)
             if body.loss_fn.lower() == "stable_reinforce"
             else body.data
         )
         try:
-            loss = Loss.parse(body.loss_fn, body.loss_config)
+            loss = Loss.of_custom(custom) if custom else Loss.parse(body.loss_fn, body.loss_config)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         command = Forward(data=data, loss=loss, backward=not body.forward_only)  # plain sums
@@ -431,6 +435,7 @@ async def forward_backward(request: Request):
 
     async def shape(res):
         metrics = {"loss:sum": float(res.metrics.get("loss_sum", 0.0))}
+        metrics.update((k, float(v)) for k, v in res.metrics.items() if k.startswith("custom/"))
         if res.cycle is not None:
             metrics["clock_cycle:unique"] = float(res.cycle)
         return Reply(proto.forward_backward_output(res.logprobs or [], metrics), proto.PROTOBUF)
