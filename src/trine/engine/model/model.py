@@ -17,7 +17,7 @@ Invariants
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -113,10 +113,17 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/sin [B, 1, T, D]. Rotate-half convention (Hugging Face's)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [B, H, T, D]; cos/sin [B, 1, T, D]. Rotate-half convention (Hugging Face's):
+    x * cos + cat(-x2, x1) * sin, computed as x * cos + roll(x) * (sin with its first half negated),
+    bit for bit the same (a negation is exact) with one op fewer; `rope_tables` negates it."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+
+def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [B, 1, T, D] for `apply_rope` from angles [B, T, D/2]."""
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None]
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
 @dataclass
@@ -140,6 +147,16 @@ class KVContext:
     read_slots: torch.Tensor
     attn_mask: torch.Tensor
     query_index: torch.Tensor | None = None
+    _writes: tuple | None = field(default=None, init=False, repr=False)
+
+    def writes(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(flat token rows to write or None for all of them, their slots): found once per forward,
+        not once per layer."""
+        if self._writes is None:
+            flat = self.write_slots.reshape(-1)
+            valid = flat >= 0
+            self._writes = (None, flat) if bool(valid.all()) else (valid.nonzero().squeeze(1), flat[valid])
+        return self._writes
 
 
 class Attention(nn.Module):
@@ -173,10 +190,13 @@ class Attention(nn.Module):
         else:
             kp, vp = kv.k_pool[layer], kv.v_pool[layer]
             kvh, d = cfg.num_kv_heads, cfg.head_dim
-            valid = kv.write_slots.reshape(-1) >= 0
-            slots = kv.write_slots.reshape(-1)[valid]
-            kp.index_copy_(0, slots, k.transpose(1, 2).reshape(B * T, kvh, d)[valid].to(kp.dtype))
-            vp.index_copy_(0, slots, v.transpose(1, 2).reshape(B * T, kvh, d)[valid].to(vp.dtype))
+            written, slots = kv.writes()
+            new_k = k.transpose(1, 2).reshape(B * T, kvh, d)
+            new_v = v.transpose(1, 2).reshape(B * T, kvh, d)
+            if written is not None:
+                new_k, new_v = new_k.index_select(0, written), new_v.index_select(0, written)
+            kp.index_copy_(0, slots, new_k.to(kp.dtype))
+            vp.index_copy_(0, slots, new_v.to(vp.dtype))
             rows, L = kv.read_slots.shape
             read = kv.read_slots.reshape(-1)  # index_select copies whole [kvh, d] rows: fast
             kc = kp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
@@ -264,9 +284,7 @@ class Transformer(nn.Module):
         right padding) hides padded keys. With `kv`: attention over the paged context.
         """
         x = self.model.embed_tokens(tokens)
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = rope_tables(positions[..., None].float() * self.inv_freq, x.dtype)  # [B, 1, T, D]
         mask = None
         if kv is None and pad_mask is not None and not bool(pad_mask.all()):
             T = tokens.shape[1]
