@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trine.engine.api import SamplingOptions
-from trine.engine.sampler.sampling import generators, sample, sample_seed
+from trine.engine.sampler.sampling import CDF_BLOCK, draw, generators, sample, sample_seed
 from trine.engine.sampler.stops import Stops, final_text
 
 
@@ -21,6 +21,23 @@ def test_sample_seeds_are_stable_and_distinct_per_sample():
     assert (sample_seed(0, 0), sample_seed(5, 2)) == (0x53836E97A68CBF37, 0x121F6EFAD2BA4D03)
     assert len({sample_seed(s, j) for s in range(20) for j in range(20)}) == 400
     assert all(0 <= sample_seed(s, 0) < 2**63 for s in (-1, 2**64 + 3, 7))
+
+
+@pytest.mark.parametrize("vocab", [4 * CDF_BLOCK, 3 * CDF_BLOCK + 17, 5])
+def test_the_two_level_inverse_cdf_draws_what_the_whole_cdf_does(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g) * 3
+    x[1, vocab // 2 :] = -math.inf  # masked tokens, a block end among them
+    x[2, :] = -math.inf
+    x[2, vocab - 1] = 0.0  # one allowed token, the last
+    u = torch.rand(6, 64, dtype=torch.float64, generator=g)
+    u[:, 0], u[:, 1] = 0.0, 1 - 1e-16  # the CDF's two ends
+    cdf = x.softmax(-1).double().cumsum(-1)
+    whole = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=vocab - 1)
+    got = draw(x, u)
+    assert (got == whole).float().mean() > 0.99  # equal but where rounding sits on a boundary
+    assert bool((x.softmax(-1).gather(1, got) > 0).all())  # never a token of probability 0
+    assert bool((got[2] == vocab - 1).all())
 
 
 def test_a_rows_draws_do_not_depend_on_the_batch_around_it():
