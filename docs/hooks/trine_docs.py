@@ -164,6 +164,11 @@ LIMITS = [
     ("sampler", "max_batch_tokens", "prompt positions prefilled per engine step"),
     ("sampler", "prefill_step_seconds", "target seconds of one prefill chunk while others decode"),
     ("sampler", "idle_prefill_seconds", "target seconds of one prefill chunk when nothing decodes"),
+    (
+        "sampler",
+        "min_prefill_tokens",
+        "fewest positions of a prefill chunk while others decode (GEMM efficiency)",
+    ),
     ("sampler", "prefill_share", "share of decode time an old or long prompt's prefill may take"),
     ("sampler", "tenant_share", "share of `max_running` and the KV pool a key holds while another is active"),
     ("sampler", "block_size", "tokens per KV block: the prefix cache's unit"),
