@@ -12,7 +12,6 @@ raising the logger's level; with no handler configured (tests, embedded servers)
 from __future__ import annotations
 
 import logging
-import time
 
 log = logging.getLogger("trine.access")
 KEY_NAME = "trine.key_name"  # the ASGI scope entry authentication fills in
@@ -23,36 +22,17 @@ def note_key(request, name: str) -> None:
     request.scope[KEY_NAME] = name
 
 
-class AccessLog:
-    """ASGI middleware: times each HTTP request and logs it once its response has been sent."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not log.isEnabledFor(logging.INFO):
-            return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        status = 500  # if the app raises before answering, the error handler's status is not seen here
-
-        async def send_and_note(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            ms = (time.perf_counter() - start) * 1e3
-            log.info(
-                "%s %s %d key=%s %.1f ms",
-                scope["method"],
-                scope["path"],
-                status,
-                scope.get(KEY_NAME, "-"),
-                ms,
-            )
+def log_request(scope: dict, status: int, seconds: float) -> None:
+    """The access-log line of one answered request (an `Observed` observer)."""
+    if log.isEnabledFor(logging.INFO):
+        log.info(
+            "%s %s %d key=%s %.1f ms",
+            scope["method"],
+            scope["path"],
+            status,
+            scope.get(KEY_NAME, "-"),
+            seconds * 1e3,
+        )
 
 
 def configure(quiet: bool) -> None:

@@ -39,7 +39,7 @@ from ..service import Service, ServiceError, Unauthorized
 from ..service.ownership import Ownership
 from ..service.queries import UsageLedger
 from . import actor, console, context, control, openai, runs_api, tinker, traces
-from .access_log import AccessLog
+from .access_log import log_request
 from .auth import TokenSigner
 from .connections import (
     HEADER_TIMEOUT,
@@ -50,6 +50,7 @@ from .connections import (
     uvicorn_config,
 )
 from .middleware import BodyLimit, InternalErrors
+from .observed import Observed
 from .prometheus import HttpMetrics, PrometheusEndpoint
 
 EMBEDDED_KEY_FILE = "embedded.key"
@@ -151,8 +152,8 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
         cache and tokens by phase, clock cycles, free disk space and draining (prometheus.py)."""
         return await prometheus.response()
 
-    app.add_middleware(AccessLog)  # one INFO line per request on `trine.access`
-    app.add_middleware(HttpMetrics, registry=prometheus.registry)  # by route template, for /metrics
+    # each request timed once: one INFO line on `trine.access`, and /metrics by route template
+    app.add_middleware(Observed, observers=[log_request, HttpMetrics(prometheus.registry)])
     app.include_router(control.router)
     app.include_router(control.files_router)
     app.include_router(actor.router)

@@ -20,8 +20,6 @@ Invariants
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -37,10 +35,10 @@ SAMPLER_PHASES = {"prefill": "prefill_tokens", "prefill_cached": "cached_tokens"
 
 
 class HttpMetrics:
-    """ASGI middleware: counts and times every HTTP request by method, route template and status."""
+    """Counts and times every HTTP request by method, route template and status (an `Observed`
+    observer)."""
 
-    def __init__(self, app, registry: CollectorRegistry):
-        self.app = app
+    def __init__(self, registry: CollectorRegistry):
         self.requests = Counter(
             "trine_http_requests",
             "HTTP requests answered, by method, route template and status.",
@@ -55,25 +53,11 @@ class HttpMetrics:
             registry=registry,
         )
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        status = 500  # if the app raises before answering
-
-        async def send_and_note(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
-            method = scope["method"]
-            self.requests.labels(method, route, str(status)).inc()
-            self.latency.labels(method, route).observe(time.perf_counter() - start)
+    def __call__(self, scope: dict, status: int, seconds: float) -> None:
+        route = getattr(scope.get("route"), "path", None) or "unmatched"
+        method = scope["method"]
+        self.requests.labels(method, route, str(status)).inc()
+        self.latency.labels(method, route).observe(seconds)
 
 
 class ServiceCollector(Collector):
