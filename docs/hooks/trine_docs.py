@@ -169,6 +169,11 @@ LIMITS = [
         "min_prefill_tokens",
         "fewest positions of a prefill chunk while others decode (GEMM efficiency)",
     ),
+    (
+        "sampler",
+        "burst_seconds",
+        "one tenant's requests arriving within this of one another prefill as one batch (idle-sized chunks)",
+    ),
     ("sampler", "prefill_share", "share of decode time an old or long prompt's prefill may take"),
     ("sampler", "tenant_share", "share of `max_running` and the KV pool a key holds while another is active"),
     ("sampler", "block_size", "tokens per KV block: the prefix cache's unit"),

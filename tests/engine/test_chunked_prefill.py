@@ -4,6 +4,7 @@ results equal the one-forward path. Also: tiny temperatures are greedy, stop lis
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -116,10 +117,10 @@ def test_stop_lists_are_bounded(model_tok):
 
 def test_while_others_decode_a_prefill_chunk_costs_about_one_decode_step(model_tok):
     s = Sampler(*model_tok, kv_cache_bytes=32 << 20, max_batch_tokens=4096)  # the token bound alone: 1 chunk
-    short = req(prompt(10, 10), max_tokens=12, temperature=0.0)
+    short = dataclasses.replace(req(prompt(10, 10), max_tokens=12, temperature=0.0), tenant="alice")
     s.add(short)
     s.step()  # the short request is decoding from now on
-    long = req(prompt(1500, 11), generate=False)
+    long = dataclasses.replace(req(prompt(1500, 11), generate=False), tenant="bob")
     s.add(long)
     done_at, steps = {}, 0
     while s.has_work():
@@ -128,6 +129,23 @@ def test_while_others_decode_a_prefill_chunk_costs_about_one_decode_step(model_t
             done_at[res.request_id] = steps
     assert done_at[short.request_id] == 11  # one token per step, never held up
     assert done_at[long.request_id] > 2  # split into chunks while the short one decoded
+
+
+def test_one_tenants_batch_sent_together_prefills_in_large_chunks_while_its_first_sequences_decode(
+    model_tok,
+):
+    """vLLM's throughput on a batch: its later prompts do not trickle in `prefill_step_seconds`
+    chunks, one decode step each, behind its own first sequences (nobody else waits on them)."""
+
+    def prefill_forwards(burst_seconds: float) -> int:
+        s = Sampler(*model_tok, kv_cache_bytes=32 << 20, max_batch_tokens=256, prefill_step_seconds=1e-9)
+        s.scheduler.burst_seconds = burst_seconds
+        s.scheduler.min_prefill_tokens = 16
+        s.run([req(prompt(100, i), max_tokens=80) for i in range(12)])  # decoding throughout
+        return s.stats["prefill_forwards"]
+
+    # 1200 prompt tokens: 256 a forward as one batch; 16 (the floor) a forward when held to time
+    assert prefill_forwards(burst_seconds=60.0) <= 6 < 40 <= prefill_forwards(burst_seconds=0.0)
 
 
 def test_cancel_while_the_prompt_prefills_in_chunks_frees_everything(model_tok):

@@ -47,7 +47,7 @@ from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .prompt_scores import PromptScores, check_prompt_scores, scores_prompt
 from .sampling import check_sampling_options, generators, sample
-from .scheduler import MIN_PREFILL_TOKENS, TENANT_SHARE, Scheduler
+from .scheduler import BURST_SECONDS, MIN_PREFILL_TOKENS, TENANT_SHARE, Scheduler
 from .sequence import Request, Sequence
 from .stops import Stops, check_stop_options, final_text
 
@@ -69,6 +69,7 @@ class Sampler:
         prefill_step_seconds: float = 0.25,
         idle_prefill_seconds: float = 1.0,
         min_prefill_tokens: int = MIN_PREFILL_TOKENS,
+        burst_seconds: float = BURST_SECONDS,
         tenant_share: float = TENANT_SHARE,
         fair: bool = True,
     ):
@@ -95,6 +96,7 @@ class Sampler:
             prefill_step_seconds=prefill_step_seconds,
             idle_prefill_seconds=idle_prefill_seconds,
             min_prefill_tokens=min_prefill_tokens,
+            burst_seconds=burst_seconds,
             tenant_share=tenant_share,
             admission=FairAdmission() if fair else FifoAdmission(),
         )

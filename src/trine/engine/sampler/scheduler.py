@@ -24,9 +24,12 @@ time, scaled from the last prefill's tokens and seconds: while sequences decode,
 `prefill_step_seconds` (at most twice as many tokens as last time, and never fewer than
 `min_prefill_tokens`: a GEMM of fewer rows runs well below the CPU's peak, and on a slow or busy
 machine time alone shrinks chunks to a few dozen tokens, each paying a whole step); when
-nothing decodes, about `idle_prefill_seconds`, longer, since one large forward is the most efficient
-and nobody waits on decode steps (whole prompts in one forward while that fits, e.g. a GRPO step;
-the whole `max_batch_tokens` before anything was measured). Either way a request arriving meanwhile
+nothing decodes, or only sequences of one tenant's requests that arrived within `burst_seconds` of
+every prompt still to prefill (one batch sent together: its decoding waits on no one else's, and it
+finishes soonest prefilled in large chunks, as vLLM does), about `idle_prefill_seconds`, longer,
+since one large forward is the most efficient and nobody else waits on decode steps (whole prompts
+in one forward while that fits, e.g. a GRPO step; the whole `max_batch_tokens` before anything was
+measured). Either way a request arriving meanwhile
 starts within one bounded step, even beside a prompt of many thousand tokens that alone holds the
 engine. Prompts are ordered fairly by tokens across tenants (`fair_order`: each tenant's
 prompts fewest tokens left first, tenants interleaved by the prefill tokens computed for them), so
@@ -57,6 +60,7 @@ TENANT_SHARE = 0.5  # of max_running and of the KV pool, per tenant while anothe
 # Prefill rows below which a chunk is not cut while others decode: this 2-core Xeon's fp32 GEMMs
 # (SmolLM2-135M's shapes) run at ~190 GFLOP/s with 39 rows, ~275 with 128, ~285 with 256.
 MIN_PREFILL_TOKENS = 128
+BURST_SECONDS = 0.5  # requests arriving within this of one another are one batch sent together
 
 
 @dataclass
@@ -116,6 +120,7 @@ class Scheduler:
         prefill_step_seconds: float = 0.25,
         idle_prefill_seconds: float = 1.0,
         min_prefill_tokens: int = MIN_PREFILL_TOKENS,
+        burst_seconds: float = BURST_SECONDS,
         admission: AdmissionPolicy | None = None,
         tenant_share: float = TENANT_SHARE,
         tenant_window: float = 60.0,
@@ -136,6 +141,7 @@ class Scheduler:
         self.prefill_step_seconds = prefill_step_seconds
         self.idle_prefill_seconds = idle_prefill_seconds
         self.min_prefill_tokens = max(kv.block_size, min_prefill_tokens)
+        self.burst_seconds = burst_seconds
         self.waiting: AdmissionPolicy = admission if admission is not None else FairAdmission()
         self.tenant_running = max(1, int(max_running * tenant_share))  # samples one tenant may hold
         self.tenant_blocks = max(1, int(kv.num_blocks * tenant_share))  # blocks one tenant may hold
@@ -187,7 +193,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ request lifecycle
     def add(self, r: Request) -> None:
-        self._seen[r.req.tenant] = self.clock()
+        r.arrived = self._seen[r.req.tenant] = self.clock()
         self._arrivals += 1
         r.order = self._arrivals
         self.waiting.push(r)
@@ -231,12 +237,21 @@ class Scheduler:
         if unpaid:  # only prompts newer than every decoding request, and short
             newest = max(s.request.order for s in decoding)
             ready = [r for r in ready if r.order > newest and r.prompt_left <= self.max_batch_tokens]
+        # a batch sent together decodes waiting for nobody else: its prompts prefill as if idle
+        others_wait = bool(decoding) and not self._one_burst(decoding, ready)
         rows = (
-            chunk_rows(fair_order(ready, self._served()), self._prefill_budget(bool(decoding)))
-            if ready
-            else []
+            chunk_rows(fair_order(ready, self._served()), self._prefill_budget(others_wait)) if ready else []
         )
         return StepPlan(decoding, rows, charged=bool(decoding) and not unpaid)
+
+    def _one_burst(self, decoding: list[Sequence], ready: list[Request]) -> bool:
+        """Every decoding sequence's request and every prompt ready to prefill are one tenant's and
+        arrived within `burst_seconds` of one another: one batch sent together (a GRPO step, an
+        evaluation's requests), whose decoding sequences wait on no one else's prefill."""
+        reqs = [s.request for s in decoding] + ready
+        times = [r.arrived for r in reqs]
+        one_tenant = len({r.req.tenant for r in reqs}) == 1
+        return one_tenant and max(times) - min(times) <= self.burst_seconds
 
     def _served(self) -> dict[str, int]:
         """`prefill_served` for the tenants now prefilling: one that starts prefilling starts at

@@ -39,6 +39,7 @@ class Request:
     stops: Stops
     scores_prompt: bool  # scores prompt positions in prefill (prompt_scores.py)
     order: int = 0  # arrival: requests added earlier have smaller numbers
+    arrived: float = 0.0  # the scheduler's clock when it was added
     usage: SampleUsage = field(default_factory=SampleUsage)
     keys: list[int] = field(default_factory=list)  # chain keys of the prompt's full blocks
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks during prefill
