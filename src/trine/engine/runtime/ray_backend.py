@@ -73,11 +73,14 @@ def own_session() -> bool:
     raylet's group kill still reaches it and its children."""
     if not hasattr(os, "setsid"):
         return False
+    leader = os.getpgrp() == os.getpid()
     try:
-        if os.getpgrp() == os.getpid():
+        if leader:
             os.setpgid(0, os.getpgid(os.getppid()))
         os.setsid()
     except OSError:  # EPERM: the parent's group is in another session, or similar
+        if leader and os.getpgrp() != os.getpid():
+            os.setpgid(0, 0)  # lead a group again, as the raylet expects
         return False
     return True
 
