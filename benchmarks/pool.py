@@ -12,6 +12,13 @@ engine. Configurations run interleaved, round by round; figures are medians over
   _min, _median and _max over the rounds, and replicas2_vs_1_spread: max - min, so an unstable
   gain shows as such; rps_one_replica_rounds and rps_two_replicas_rounds: each side in each
   round, to tell which side moved.
+- Where the CPU goes (CPU-seconds, fairer than wall time on a shared machine): cpu_one_replica_rounds
+  and cpu_two_replicas_rounds: each replica process's CPU-seconds per round; driver_cpu_ms_per_request:
+  this process (service, router, Ray client) per request; cores_one_replica / cores_two_replicas: the
+  replicas' CPU-seconds over the round's wall time (how much of the machine they got);
+  cpu_two_over_one: the two replicas' CPU-seconds together over the one replica's for the same work;
+  replicas2_vs_1_ceiling: the one replica's CPU-seconds over the busier of the two (the gain on 2
+  cores nobody else wants).
 - routed_cached_fraction / random_cached_fraction / single_cached_fraction: prompt tokens served
   from the prefix cache with prefix-aware routing over 2 replicas, random routing over 2 replicas,
   and one replica (the ceiling).
@@ -19,7 +26,8 @@ engine. Configurations run interleaved, round by round; figures are medians over
   4 samples) through one Ray replica over the in-process engine thread; ray_hop_ms: the round trip
   of a call that does no model work (`Engine.stats()`) to a Ray replica.
 
-    .venv/bin/python benchmarks/pool.py [--rounds 3] [--requests 48] [--json] [--model DIR]
+    .venv/bin/python benchmarks/pool.py [--rounds 3] [--requests 48] [--json] [--model DIR] \
+        [--shared-session]   # replicas in the raylet's session, as before issue 32
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -44,6 +53,11 @@ from trine.service.routing import Router
 from trine.store import Store
 
 ENGINE = dict(device="cpu", sampler_options={"kv_cache_bytes": 256 << 20})
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def log(msg: str) -> None:
@@ -84,12 +98,25 @@ class Config:
                     self.key, self.run.id, SampleRequest(f"w{rnd}-{i}", prompt, SamplingOptions(**opts))
                 )
 
+        cpu0, me0 = await self.replica_cpu(), _own_cpu()
         t = time.perf_counter()
         outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         dt = time.perf_counter() - t
+        cpu = [b - a for a, b in zip(cpu0, await self.replica_cpu())]
         cached = sum(o.usage["cached_tokens"] for o in outs)
         total = sum(o.usage["prompt_tokens"] for o in outs)
-        return {"rps": len(outs) / dt, "cached_fraction": cached / total}
+        return {
+            "rps": len(outs) / dt,
+            "cached_fraction": cached / total,
+            "replica_cpu_s": cpu,
+            "cores": sum(cpu) / dt,
+            "driver_cpu_ms_per_request": (_own_cpu() - me0) * 1000 / len(outs),
+        }
+
+    async def replica_cpu(self) -> list[float]:
+        """CPU-seconds each Ray replica process has used so far (empty for in-process engines)."""
+        engines = [r.engine for r in self.svc.models[self.model].replicas]
+        return [(await e.process())["cpu_s"] for e in engines if hasattr(e, "process")]
 
     async def latency(self, rnd: int, args) -> float:
         rng = random.Random(10_000 + rnd)
@@ -106,7 +133,7 @@ class Config:
 
 
 async def run(args, model: Path, home: Path) -> dict:
-    opts = dict(num_threads=1, options=ENGINE)
+    opts = dict(num_threads=1, options=ENGINE, new_session=not args.shared_session)
     configs = {
         "one": Config("one", model, home, ray_engines(1, **opts)),
         "routed": Config("routed", model, home, ray_engines(2, **opts), Router()),
@@ -128,7 +155,7 @@ async def run(args, model: Path, home: Path) -> dict:
             config = configs["routed" if name == "random" else name]
             seed = rnd + 1000 if name == "random" else rnd  # its own system prompts: a cold cache
             res[name].append(await config.workload(seed, args))
-            log(f"round {rnd} {name}: {res[name][-1]}")
+            log(f"round {rnd} {name} (load {os.getloadavg()[0]:.1f}): {res[name][-1]}")
         for name in ["one", "inproc"] if rnd % 2 == 0 else ["inproc", "one"]:
             for rep in range(args.latency_repeats):
                 lat[name].append(await configs[name].latency(rnd * 100 + rep, args))
@@ -145,6 +172,7 @@ async def run(args, model: Path, home: Path) -> dict:
         return statistics.median(r[field] for r in res[name])
 
     per_round = [two["rps"] / one["rps"] for one, two in zip(res["one"], res["routed"])]
+    pairs = list(zip(res["one"], res["routed"]))
     return {
         "replicas2_vs_1": med("routed", "rps") / med("one", "rps"),
         "replicas2_vs_1_rounds": [round(x, 3) for x in per_round],
@@ -156,6 +184,17 @@ async def run(args, model: Path, home: Path) -> dict:
         "rps_two_replicas": med("routed", "rps"),
         "rps_one_replica_rounds": [round(r["rps"], 3) for r in res["one"]],
         "rps_two_replicas_rounds": [round(r["rps"], 3) for r in res["routed"]],
+        "cpu_one_replica_rounds": [[round(c, 2) for c in r["replica_cpu_s"]] for r in res["one"]],
+        "cpu_two_replicas_rounds": [[round(c, 2) for c in r["replica_cpu_s"]] for r in res["routed"]],
+        "cores_one_replica": med("one", "cores"),
+        "cores_two_replicas": med("routed", "cores"),
+        "cpu_two_over_one": statistics.median(
+            sum(two["replica_cpu_s"]) / sum(one["replica_cpu_s"]) for one, two in pairs
+        ),
+        "replicas2_vs_1_ceiling": statistics.median(
+            sum(one["replica_cpu_s"]) / max(two["replica_cpu_s"]) for one, two in pairs
+        ),
+        "driver_cpu_ms_per_request": med("routed", "driver_cpu_ms_per_request"),
         "routed_cached_fraction": med("routed", "cached_fraction"),
         "random_cached_fraction": med("random", "cached_fraction"),
         "single_cached_fraction": med("one", "cached_fraction"),
@@ -179,6 +218,7 @@ def main() -> None:
     ap.add_argument("--latency-prompt", type=int, default=128)
     ap.add_argument("--latency-repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--shared-session", action="store_true", help="replicas in the raylet's session")
     args = ap.parse_args()
     if args.model is None:
         from trine.engine.model.default_model import ensure_default_model
@@ -193,6 +233,7 @@ def main() -> None:
             result = asyncio.run(run(args, args.model.resolve(), Path(home)))
     finally:
         ray.shutdown()
+    result["shared_session"] = int(args.shared_session)
     record(result)  # benchmarks/results/pool.jsonl
     if args.json:
         print(json.dumps({k: v if isinstance(v, list) else round(v, 4) for k, v in result.items()}))

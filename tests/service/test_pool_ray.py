@@ -7,6 +7,9 @@ server, so it stays last in this file.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -22,6 +25,12 @@ from trine.service.routing import Router
 ray = pytest.importorskip("ray")
 from trine.engine.api import EngineLost  # noqa: E402  (after the skip when ray is missing)
 from trine.engine.runtime.ray_backend import RayEngine, connect, ray_engines  # noqa: E402
+
+_OWN_SESSION = """
+import os
+from trine.engine.runtime.ray_backend import own_session
+print(os.getpgrp() == os.getpid(), own_session(), os.getsid(0) == os.getpid() == os.getpgrp())
+"""
 
 MODEL = "tiny-llama"
 ENGINE_OPTIONS = {k: TEST_OPTIONS[k] for k in ("device", "sampler_options", "trainer_options")}
@@ -75,6 +84,28 @@ def test_any_ray_failure_is_a_lost_replica_but_engine_errors_keep_their_type():
     engine.actor = _FailingActor(own)
     with pytest.raises(ValueError, match="too long"):
         asyncio.run(engine.stats())
+
+
+@pytest.mark.skipif(not hasattr(os, "setsid"), reason="no POSIX sessions")
+def test_own_session_lets_a_process_group_leader_start_a_session_that_keeps_its_group_id():
+    """As the raylet starts a worker: leader of its own process group, in its parent's session."""
+    out = subprocess.run(
+        [sys.executable, "-c", _OWN_SESSION], process_group=0, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["True", "True", "True"], out.stderr
+
+
+def test_each_replica_runs_in_its_own_session_with_one_torch_thread(ray_server):
+    """So the kernel's autogroup scheduler gives each replica a share of its own (issue 32)."""
+    replicas = ray_server.service.models[MODEL].replicas
+    procs = [ray.get(rep.engine.actor.process.remote()) for rep in replicas]
+    sessions = {p["sid"] for p in procs}
+    assert len(sessions) == len(replicas) == 2
+    assert os.getsid(0) not in sessions
+    assert all(p["sid"] == p["pid"] and p["torch_threads"] == 1 for p in procs)
+    # trine.engine, imported in the replica before its torch, sets PASSIVE unless this process's
+    # environment (which the raylet passes on) already named a policy
+    assert all(p["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE") for p in procs)
 
 
 def _sft_batch(tokenizer_ids: list[list[int]]) -> list[trio.Datum]:

@@ -9,6 +9,15 @@ inside it exactly as in-process calls do, so sampling still interleaves with tra
 actor takes one GPU when the cluster has GPUs, otherwise `num_threads` CPUs (torch uses as many
 threads). Calls and results are the interface's dataclasses, pickled by Ray.
 
+Each replica process starts its own session (`os.setsid`, Linux and macOS). Ray starts every worker in
+the session of whoever started the raylet (for a local cluster: trine's own shell session), and with
+the kernel's autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`, on by default in most
+distributions) CFS shares the CPU fairly between sessions first, then between the threads inside one.
+So on a machine where any other session is busy, N replicas in one session got one session's share
+between them: on 2 shared cores one replica used 0.81 core and two replicas used 0.81 core together
+(benchmarks/pool.py, issue 32). In their own sessions each replica competes as a server of its own
+would. Where no other session wants the CPU, nothing changes.
+
 Invariants
 - A dead actor (killed, out of memory, its node gone) turns every call in flight, and every later
   call, into `EngineLost` (Ray fails the pending object refs as soon as it learns of the death;
@@ -20,6 +29,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -53,12 +63,54 @@ def _cause(e: RayTaskError) -> BaseException:
     return cause if isinstance(cause, Exception) else e
 
 
+def own_session() -> bool:
+    """Make this process the leader of a new session (so of its own scheduler autogroup); False
+    where the platform has no sessions or the kernel refuses.
+
+    The raylet makes each worker a process-group leader (so it can end the worker's children with
+    it), and a group leader may not start a session: the worker first joins its parent's group,
+    then starts the session, which makes it a group leader again with the same id (its pid), so the
+    raylet's group kill still reaches it and its children."""
+    if not hasattr(os, "setsid"):
+        return False
+    leader = os.getpgrp() == os.getpid()
+    try:
+        if leader:
+            os.setpgid(0, os.getpgid(os.getppid()))
+        os.setsid()
+    except OSError:  # EPERM: the parent's group is in another session, or similar
+        if leader and os.getpgrp() != os.getpid():
+            os.setpgid(0, 0)  # lead a group again, as the raylet expects
+        return False
+    return True
+
+
+def process_info() -> dict:
+    """This process as the scheduler sees it: pid, session, CPU-seconds so far (user + system),
+    torch's intra-op threads and the OpenMP wait policy in effect."""
+    import torch  # loaded by the engine already
+
+    t = os.times()
+    return dict(
+        pid=os.getpid(),
+        sid=os.getsid(0),
+        cpu_s=t.user + t.system,
+        torch_threads=torch.get_num_threads(),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
+    )
+
+
 @ray.remote
 class ReplicaActor:
-    """One engine replica in its own process."""
+    """One engine replica in its own process (and, where it can, its own session)."""
 
-    def __init__(self, name: str, model_dir: str, replica: str, options: dict):
+    def __init__(self, name: str, model_dir: str, replica: str, options: dict, new_session: bool = True):
+        if new_session:
+            own_session()
         self.engine = LocalEngine(name, model_dir, replica=replica, **options)
+
+    async def process(self) -> dict:
+        return process_info()
 
     async def start(self) -> EngineInfo:
         return await self.engine.start()
@@ -113,6 +165,7 @@ class RayEngine(Engine):
         num_threads: int = 1,
         num_gpus: float = 0,
         options: dict | None = None,
+        new_session: bool = True,
     ):
         self.name = name
         self.index = index
@@ -126,7 +179,7 @@ class RayEngine(Engine):
             max_concurrency=1000,
             max_restarts=0,
             max_task_retries=0,
-        ).remote(name, str(model_dir), f"ray:{name}/{index}", opts)
+        ).remote(name, str(model_dir), f"ray:{name}/{index}", opts, new_session)
 
     async def _call(self, method: str, *args):
         try:
@@ -193,6 +246,10 @@ class RayEngine(Engine):
     async def stats(self) -> EngineStats:
         return await self._call("stats")
 
+    async def process(self) -> dict:
+        """The replica's process: pid, session, CPU-seconds used so far, threads (`process_info`)."""
+        return await self._call("process")
+
     async def lost(self) -> str:
         try:
             return await self._call("lost")
@@ -214,16 +271,27 @@ def connect(address: str | None, *, num_cpus: int | None = None) -> dict:
     return ray.cluster_resources()
 
 
-def ray_engines(replicas: int, *, num_threads: int = 1, options: dict | None = None):
+def ray_engines(
+    replicas: int, *, num_threads: int = 1, options: dict | None = None, new_session: bool = True
+):
     """An engine factory for `Service(engines=...)`: `replicas` actors per base model, one GPU each
-    when the cluster has GPUs."""
+    when the cluster has GPUs. `new_session=False` leaves each replica in the raylet's session (the
+    behaviour before issue 32; benchmarks/pool.py --shared-session measures it)."""
     if replicas < 1:
         raise ValueError("replicas: use 1 or more")
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
 
     def engines(name: str, model_dir: Path) -> list[Engine]:
         return [
-            RayEngine(name, model_dir, i, num_threads=num_threads, num_gpus=gpus, options=options)
+            RayEngine(
+                name,
+                model_dir,
+                i,
+                num_threads=num_threads,
+                num_gpus=gpus,
+                options=options,
+                new_session=new_session,
+            )
             for i in range(replicas)
         ]
 
