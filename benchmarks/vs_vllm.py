@@ -207,8 +207,14 @@ def main() -> None:
     ap.add_argument(
         "--trine-omp-passive",
         action="store_true",
-        help="run trine with OMP_WAIT_POLICY=PASSIVE (its OpenMP threads sleep at once when idle, "
-        "as vLLM's do after 5 ms): on a machine shared with other busy processes",
+        help="run trine with OMP_WAIT_POLICY=PASSIVE (its OpenMP threads sleep at once when idle); "
+        "trine.engine sets this itself unless the environment says otherwise",
+    )
+    ap.add_argument(
+        "--trine-omp-active",
+        action="store_true",
+        help="run trine with OMP_WAIT_POLICY=ACTIVE (its OpenMP threads spin between ops, as vLLM's "
+        "do for 5 ms): for a machine trine has to itself",
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args()
@@ -232,8 +238,8 @@ def main() -> None:
     trine_env = dict(
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
     )
-    if args.trine_omp_passive:
-        trine_env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if args.trine_omp_passive or args.trine_omp_active:
+        trine_env["OMP_WAIT_POLICY"] = "ACTIVE" if args.trine_omp_active else "PASSIVE"
     log(f"starting both engines (vLLM's first start compiles its model: 1-2 minutes); logs in {LOGS}")
     t0 = time.perf_counter()
     sides = dict(
@@ -281,7 +287,13 @@ def report(args, model_dir, sizes, names, runs, peaks, infos, preload) -> dict:
         quick=args.quick,
         sizes={n: sizes[n] for n in names},
         vllm_ld_preload=preload,
-        trine_omp_wait_policy="PASSIVE" if args.trine_omp_passive else "default",
+        trine_omp_wait_policy=(
+            "ACTIVE"
+            if args.trine_omp_active
+            else "PASSIVE"
+            if args.trine_omp_passive
+            else "default (PASSIVE)"
+        ),
         engines=infos,
         gemm_peak_gflops=peak,
         gemm_peak_by_side=peaks,

@@ -323,7 +323,7 @@ TABLES = {
 
 # ---------------------------------------------------------------------------- benchmark results
 
-BENCH_MARKER = re.compile(r"^<!-- trine:bench ([a-z_]+) -->$", re.M)
+BENCH_MARKER = re.compile(r"^<!-- trine:bench ([a-z0-9_]+) -->$", re.M)
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # Benchmarks that print text, not a JSON object, so benchmarks/report.py cannot record them yet.
 UNRECORDED = {"probe_prefill"}
