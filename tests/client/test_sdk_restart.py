@@ -94,9 +94,9 @@ def test_a_sample_cancelled_by_shutdown_finishes_after_the_restart(tiny_model_di
         settings = Settings(retry_after_max_s=1.0, retry_initial_delay_s=0.1, retry_max_delay_s=0.5)
         with trio.ServiceClient(api_key=key, base_url=url, settings=settings) as svc:
             sampler = svc.create_sampling_client(base_model=tiny_model_dir.name)
-            params = trio.SamplingParams(max_tokens=400, temperature=1.0, seed=3)
+            params = trio.SamplingParams(max_tokens=3000, temperature=1.0, seed=3)
             future = sampler.sample(trio.ModelInput.from_ints([1, 2, 3, 4]), 8, params)
-            time.sleep(1.5)  # decoding
+            time.sleep(1.5)  # decoding (3000 tokens x 8 take the tiny model well over 1.5 s)
             assert not future.done()
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(15) == 0, proc.stdout.read()

@@ -46,7 +46,7 @@ def test_tinker_resubmits_a_sample_the_drain_cancelled(tiny_model_dir, tmp_path)
         with tinker_env():
             sc = tinker.ServiceClient(base_url=url, api_key="tml-" + key)
             sampler = sc.create_sampling_client(base_model=tiny_model_dir.name).result()
-            params = tinker.types.SamplingParams(max_tokens=400, temperature=1.0, seed=3)
+            params = tinker.types.SamplingParams(max_tokens=3000, temperature=1.0, seed=3)
             prompt = tinker.types.ModelInput.from_ints([1, 2, 3, 4])
 
             def sample():
@@ -85,7 +85,7 @@ def test_pytrio_resends_a_sample_the_drain_cancelled(tiny_model_dir, tmp_path):
             pytrio.configure(sampling_retry_timeout_seconds=120)  # the restart is inside the window
             client = pytrio.ServiceClient()
             sampler = client.create_sampling_client(base_model=tiny_model_dir.name)
-            params = pytrio.SamplingParams(max_tokens=400, temperature=1.0, seed=3)
+            params = pytrio.SamplingParams(max_tokens=3000, temperature=1.0, seed=3)
             prompt = pytrio.ModelInput.from_ints([1, 2, 3, 4])
 
             def sample():
