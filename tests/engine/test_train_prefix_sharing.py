@@ -11,6 +11,7 @@ from test_trainer import assert_dicts_close, grads
 from trine.engine.api import LOSS_NAMES, LoRAConfig, Loss, TrainDatum
 from trine.engine.model import invariant
 from trine.engine.model.weights import load_model
+from trine.engine.trainer import shared_prefix
 from trine.engine.trainer.prefix_groups import padded_tokens, plan
 from trine.engine.trainer.trainer import Trainer
 
@@ -125,6 +126,29 @@ def test_logprobs_bit_for_bit_under_batch_invariant_kernels(model):
             for a, b in zip(shared.forward_backward(batch), plain.forward_backward(batch)):
                 assert a.logprobs == b.logprobs
                 assert a.usage.train_tokens < b.usage.train_tokens
+    finally:
+        invariant.enable(False)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["fused", "batch_invariant"])
+def test_passes_split_by_segment_length_stay_exact(model, monkeypatch, batch_invariant):
+    """Every segment length in a pass of its own (out of slot order): the same logprobs, losses and
+    gradients as the plain path, bit for bit under the batch-invariant kernels."""
+    monkeypatch.setattr(shared_prefix, "PAD_BOUND", 1.0)
+    monkeypatch.setattr(shared_prefix, "MIN_PASS_POSITIONS", 1)
+    data = shared_data(5)
+    level = sorted({len(d.tokens) for d in data})
+    assert len(level) > 4  # several lengths: several passes per depth
+    invariant.enable(batch_invariant)
+    try:
+        shared, plain = trainers(model, "r")
+        entry = [("r", data, Loss.parse("importance_sampling"))]
+        a, b = shared.forward_backward(entry)[0], plain.forward_backward(entry)[0]
+        assert_same(a, b)
+        if batch_invariant:
+            assert a.logprobs == b.logprobs
+        assert a.usage.train_tokens < b.usage.train_tokens
+        assert_dicts_close(grads(shared, "r"), grads(plain, "r"))
     finally:
         invariant.enable(False)
 

@@ -5,7 +5,9 @@ How it is computed
    order. Per layer, a flat K/V pool of that many slots holds each position's keys and values
    (after RoPE), written by the pass that computes the position (`KVContext`, as the sampler's
    prefix cache does).
-2. One pass of the body per tree depth: the segments of depth d are the rows (right padded). A
+2. One pass of the body per tree depth: the segments of depth d are the rows (right padded; split
+   into passes of similar lengths when they differ widely, `_length_groups`, siblings never
+   reading each other). A
    row's queries attend to its ancestors' keys and to its own, read from the pool in position
    order (key index = position), with positions continuing from its parent's end; the mask is
    causal by position. Autograd records the pool's writes and reads, so the gradients that all
@@ -70,14 +72,19 @@ def run_micro_batch(
         if len(depths) > 1
         else None
     )
-    # ---- the body, one pass per depth
-    hidden = []
+    # ---- the body, one pass per depth (several when its segments' lengths differ widely)
+    hidden, slots_of = [], []
     with torch.set_grad_enabled(backward):
         for depth in depths:
             level = [(t, k) for d, t, k in order if d == depth]
-            h, real = _pass(model, rows, trees, level, base, pools, device)
-            hidden.append(h.reshape(-1, h.shape[-1]).index_select(0, real))
-        states = torch.cat(hidden) if len(hidden) > 1 else hidden[0]  # [n, hidden], by slot
+            for group in _length_groups(level, trees):
+                h, real = _pass(model, rows, trees, group, base, pools, device)
+                hidden.append(h.reshape(-1, h.shape[-1]).index_select(0, real))
+                slots_of += [base[t, k] + torch.arange(_length(trees[t].segments[k])) for t, k in group]
+        states = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+        by_slot = torch.cat(slots_of)
+        if not bool((by_slot[1:] > by_slot[:-1]).all()):  # groups out of slot order: put them back
+            states = states.index_select(0, torch.argsort(by_slot).to(device))  # [n, hidden], by slot
 
     # ---- scored positions: one entry per (datum, active position), pointing at a slot
     members = sorted(i for tree in trees for i, _ in tree.members)
@@ -171,6 +178,36 @@ def run_micro_batch(
         i = members[r]
         logps[i][rows[i].datum.active] = part_logp.detach().float().cpu()
         losses[i][rows[i].datum.active] = part_loss.detach().float().cpu()
+
+
+PAD_BOUND = 1.25  # a pass may compute at most this many positions per real one...
+MIN_PASS_POSITIONS = 512  # ...once it holds this many (fewer rows make small, slow GEMMs)
+
+
+def _length(seg) -> int:
+    return seg.end - seg.start
+
+
+def _length_groups(level: list[tuple[int, int]], trees: list[Tree]) -> list[list[tuple[int, int]]]:
+    """`level`'s segments in passes of similar length, longest first, each right padded to its
+    longest: a GRPO group's completions (a few tokens to hundreds) padded to the longest of 64 would
+    compute about twice the positions they hold. A pass grows while its padded positions stay
+    within PAD_BOUND of its real ones, or while it holds fewer than MIN_PASS_POSITIONS."""
+    ranked = sorted(level, key=lambda tk: -_length(trees[tk[0]].segments[tk[1]]))
+    groups: list[list[tuple[int, int]]] = []
+    real = 0
+    for tk in ranked:
+        m = _length(trees[tk[0]].segments[tk[1]])
+        if groups:
+            longest = _length(trees[groups[-1][0][0]].segments[groups[-1][0][1]])
+            padded = longest * (len(groups[-1]) + 1)
+            if padded <= PAD_BOUND * (real + m) or longest * len(groups[-1]) < MIN_PASS_POSITIONS:
+                groups[-1].append(tk)
+                real += m
+                continue
+        groups.append([tk])
+        real = m
+    return groups
 
 
 def _pass(model, rows, trees, level, base, pools, device):
