@@ -7,6 +7,7 @@ Every failure on the OpenAI routes leaves in this shape (the rest of the server 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 from fastapi.responses import JSONResponse
 
@@ -50,7 +51,7 @@ def bad_param(param: str, message: str, code: str = "invalid_value") -> OpenAIEr
     return OpenAIError(400, f"{param}: {message}", param=param, code=code)
 
 
-def from_service(e: ServiceError, params: tuple[str, ...] = ()) -> OpenAIError:
+def from_service(e: ServiceError, params: Collection[str] = ()) -> OpenAIError:
     """A service error in OpenAI's shape; `param` is set when the message names one of `params`."""
     m = _FIELD.match(e.message)
     param = m.group(1) if m and m.group(1) in params else None

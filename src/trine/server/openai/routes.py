@@ -30,35 +30,13 @@ from ..context import caller_key, read_body, service_of
 from . import models as targets
 from . import shapes, tokenize
 from .errors import OpenAIError, from_service
-from .params import Generation, parse_chat, parse_completion
+from .params import CHAT, COMPLETION, Generation, parse_chat, parse_completion
 from .text import ModelText, TextStream
 
 log = logging.getLogger("trine.server.openai")
 API_PREFIX = "/api/openai/v1"  # PyTRIO's path for it (checks its own body limit, in OpenAI's shape)
 PREFIXES = ("/v1", API_PREFIX, "/oai/api/v1")
-PARAMS = (
-    "model",
-    "messages",
-    "prompt",
-    "n",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "top_logprobs",
-    "logprobs",
-    "echo",
-    "prompt_logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_p",
-    "logit_bias",
-    "best_of",
-)
+PARAMS = CHAT | COMPLETION  # the names a service error's message may start with
 ENDED = ("run_ended", "service_session_closed")  # the remembered sampling run is gone: make another
 
 
