@@ -9,26 +9,12 @@ import asyncio
 import time
 
 import pytest
-from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 MODEL = "tiny-llama"
 LONG = 3000  # tokens: far longer than the test waits
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir, tmp_path_factory):
-    with tinker_env(), serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="module")
-def sc(srv):
-    c = tinker.ServiceClient(base_url=srv.url, api_key="tml-" + srv.api_key)
-    yield c
-    c.close("success").result()
 
 
 def on_loop(srv, coro):

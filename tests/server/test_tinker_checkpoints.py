@@ -18,26 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 from safetensors.numpy import load as load_safetensors
-from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 MODEL = "tiny-llama"
 TEXT = [1, 504, 3330, 314, 253, 1345, 28, 357, 314, 253, 1345, 30, 2]
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir, tmp_path_factory):
-    with tinker_env(), serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="module")
-def sc(srv):
-    c = tinker.ServiceClient(base_url=srv.url, api_key="tml-" + srv.api_key)
-    yield c
-    c.close("success").result()
 
 
 @pytest.fixture(scope="module")

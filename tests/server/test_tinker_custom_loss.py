@@ -11,7 +11,6 @@ import dataclasses
 import httpx
 import numpy as np
 import pytest
-from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 torch = pytest.importorskip("torch")
@@ -19,19 +18,6 @@ from tinker import types  # noqa: E402
 
 MODEL = "tiny-llama"
 TEXT = [1, 504, 3330, 314, 253, 1345, 28, 357, 314, 253, 1345, 30, 2]
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir, tmp_path_factory):
-    with tinker_env(), serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="module")
-def sc(srv):
-    c = tinker.ServiceClient(base_url=srv.url, api_key="tml-" + srv.api_key)
-    yield c
-    c.close("success").result()
 
 
 def clipped_pg(logprobs, advantages, old):
