@@ -5,6 +5,7 @@ batched, cached or not."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -104,3 +105,24 @@ def test_sampler_compute_logprobs_and_trainer_agree_exactly(tiny_model_dirs, fam
     for w, t, c in zip(want, fwd.logprobs, computed):
         assert t[-len(w) :] == w  # the trainer's forward, padded into micro-batches with the others
         assert c.prompt_logprobs[-len(w) :] == w  # compute_logprobs, with other requests in its prefill
+
+
+def test_cached_prompt_scores_are_the_fresh_ones_bit_for_bit(tiny_model_dir):
+    """Scores served with cached KV blocks (the OpenAI plane's reuse) equal a fresh prefill's."""
+    model, tok, trainer = setup(tiny_model_dir)
+    ps = prompts()
+
+    def scoring(p, reuse):
+        r, adapter = sample_req(trainer, p, generate=False)
+        return dataclasses.replace(
+            r, prompt_logprobs=True, topk_prompt_logprobs=3, reuse_prompt_scores=reuse
+        ), adapter
+
+    warm = Sampler(model, tok, kv_cache_bytes=16 * MB)
+    warm.run([scoring(ps[0], True)])  # keys base's blocks with their scores
+    served = warm.run([scoring(p, True) for p in ps[3:]])
+    assert [r.usage.cached_tokens for r in served] == [32, 48, 32]  # base[:37], base[:53], base[:40] + tail
+    for p, got in zip(ps[3:], served):
+        fresh = Sampler(model, tok, kv_cache_bytes=16 * MB).run([scoring(p, False)])[0]
+        assert got.prompt_logprobs == fresh.prompt_logprobs
+        assert got.topk_prompt_logprobs == fresh.topk_prompt_logprobs

@@ -123,3 +123,69 @@ def test_bad_prompt_score_options_raise_naming_the_field(model_tok, bad, field):
     with pytest.raises(ValueError, match=field):
         s.add(req([5, 6, 7, 8, 9], **bad))
     assert not s.has_work()
+
+
+def scored(p, **kw) -> SampleRequest:
+    """A prompt-scoring request as the OpenAI plane sends it (echo, logprobs: 2, max_tokens: 0)."""
+    kw.setdefault("reuse_prompt_scores", True)
+    return req(p, generate=False, prompt_logprobs=True, topk_prompt_logprobs=2, **kw)
+
+
+def test_cached_prompt_scores_serve_a_shared_stem_with_the_full_computations_values(model_tok):
+    model, s = model_tok[0], sampler(model_tok)
+    stem = prompt(40, seed=3)  # 2 full blocks of 16
+    first = s.run([scored(stem + prompt(7, seed=4))])[0]
+    assert first.usage.cached_tokens == 0
+    p = stem + prompt(9, seed=5)
+    second = s.run([scored(p)])[0]
+    u = second.usage
+    assert (u.cached_tokens, u.prefill_tokens, u.prompt_tokens) == (32, 17, 49)
+    want = full_logprobs(model, p)
+    got = second.prompt_logprobs
+    assert got[0] is None and len(got) == len(p)
+    nxt = torch.tensor(p[1:])
+    torch.testing.assert_close(
+        torch.tensor(got[1:]), want[:-1].gather(1, nxt[:, None])[:, 0], atol=1e-4, rtol=0
+    )
+    for i, top in enumerate(second.topk_prompt_logprobs[1:]):  # served (i < 31) and computed alike
+        assert [t for t, _ in top] == want[i].topk(2).indices.tolist()
+    assert second.prompt_logprobs[:32] == first.prompt_logprobs[:32]  # the stem's entries: as computed
+    # PyTRIO's and Tinker's semantics: whole-prompt logprobs are computed every time
+    plain = s.run([scored(p, reuse_prompt_scores=False)])[0]
+    assert plain.usage.cached_tokens == 0
+    torch.testing.assert_close(plain.prompt_logprobs[1:], got[1:], atol=1e-5, rtol=0)
+
+
+def test_cached_scores_need_the_top_k_asked_for(model_tok):
+    s, stem = sampler(model_tok), prompt(40, seed=6)
+    s.run([scored(stem + [7])])  # caches top-2
+    wider = s.run(
+        [
+            req(
+                stem + [8],
+                generate=False,
+                prompt_logprobs=True,
+                topk_prompt_logprobs=3,
+                reuse_prompt_scores=True,
+            )
+        ]
+    )
+    assert wider[0].usage.cached_tokens == 0 and all(len(t) == 3 for t in wider[0].topk_prompt_logprobs[1:])
+    narrower = s.run([req(stem + [9], generate=False, prompt_logprobs=True, reuse_prompt_scores=True)])[0]
+    assert narrower.usage.cached_tokens == 32 and narrower.topk_prompt_logprobs is None
+    # a sampling request's blocks carry no scores: they serve its KV, never a scorer's logprobs
+    s2, other = sampler(model_tok), prompt(40, seed=7)
+    s2.run([req(other + [1])])
+    assert s2.run([scored(other + [2])])[0].usage.cached_tokens == 0
+
+
+def test_a_batch_sharing_a_stem_prefills_it_once(model_tok):
+    s, stem = sampler(model_tok), prompt(50, seed=8)
+    batch = [scored(stem + prompt(5, seed=20 + i)) for i in range(6)]
+    out = s.run(batch)
+    computed = sum(r.usage.prefill_tokens for r in out)
+    assert computed == 55 + 5 * (55 - 48)  # the first request's whole prompt, then each one's suffix
+    assert [r.usage.cached_tokens for r in out] == [0] + [48] * 5
+    alone = [sampler(model_tok).run([scored(b.prompt, reuse_prompt_scores=False)])[0] for b in batch[3:]]
+    for a, b in zip(out[3:], alone):
+        torch.testing.assert_close(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=1e-5, rtol=0)

@@ -151,6 +151,22 @@ def test_a_batch_of_8_prompts_equals_8_single_requests(server, oai, hf_tok):
     assert mine == sorted(f"{batch.id}-{i}" for i in range(8))  # each prompt metered as its own request
 
 
+def test_a_shared_few_shot_stem_is_scored_once_and_served_from_the_cache(server, oai, hf_tok):
+    stem = "".join(f"Q: what is {i} plus {i}? A: {2 * i}.\n" for i in range(12))  # about 150 tokens
+    questions = [stem + f"Q: what is {q} plus one? A:" for q in (40, 41)]
+    prompts = [hf_tok.encode(t + c, add_special_tokens=True) for t in questions for c in (" 41", " 42")]
+    kw = dict(model=MODEL, echo=True, logprobs=1, max_tokens=0)
+    first = oai.completions.create(prompt=prompts[:2], **kw)
+    later = oai.completions.create(prompt=prompts[2:], **kw)
+    stem_blocks = len(hf_tok.encode(stem, add_special_tokens=True)) // 16 * 16
+    assert first.usage.prompt_tokens_details.cached_tokens >= stem_blocks  # the 2nd prompt waited for the 1st
+    assert later.usage.prompt_tokens_details.cached_tokens >= 2 * stem_blocks
+    for ids, c in zip(prompts, first.choices + later.choices):
+        want = sdk_prompt_logprobs(server, ids)  # compute_logprobs: computed afresh, never cached
+        assert c.logprobs.token_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-5)
+
+
 def test_batch_and_echo_errors_name_the_parameter(server, oai):
     cases = [
         ({"prompt": ["a", ""]}, "prompt[1]", "invalid_value"),

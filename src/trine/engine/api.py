@@ -128,7 +128,8 @@ class SampleRequest:
     engine-wide id, the sampling run's `weights` and the caller's `tenant` before the engine sees it.
     With `inflight`, `weights.adapter` names an inflight target whose current version the engine
     uses, switching between steps when it moves. Prompt-logprob requests read the prefix cache only
-    before `prompt_logprobs_last_n` (and before the first row of `target_prompt_ids` naming an id)."""
+    before `prompt_logprobs_last_n` (and before the first row of `target_prompt_ids` naming an id),
+    unless `reuse_prompt_scores` lets cached blocks serve their scores too."""
 
     request_id: str
     prompt: list[int]
@@ -142,6 +143,9 @@ class SampleRequest:
     prompt_logprobs_last_n: int | None = None  # score only the last n prompt entries
     prompt_alt_tokens_k: int = 0  # k draws at every prompt entry after the first (prompt_scores.py)
     target_prompt_ids: list[list[int]] | None = None  # row i: token ids to score at prompt entry i + 1
+    # the prefix cache may serve prompt logprobs (and top-k) with the KV of blocks that carry them,
+    # metered as cached (the OpenAI plane's scoring; PyTRIO and Tinker compute them every time)
+    reuse_prompt_scores: bool = False
     inflight: bool = False
     tenant: str = ""  # the caller's API key id: admission and prefill are fair across tenants
 

@@ -17,18 +17,22 @@ Invariants
 - Reference counts are never negative; a block with ref > 0 is never evicted or handed out.
 - Every hit is verified: same WeightsIdentity, same parent key and the same tokens, stored with
   the block. KV computed under other weights is never served, even on a hash collision.
-- Evicting a block removes its key before the block is reused, so a reused block is never served
-  for its old content.
+- Evicting a block removes its key (and the prompt scores kept with it) before the block is
+  reused, so a reused block is never served for its old content.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..api import WeightsIdentity
+
+if TYPE_CHECKING:
+    from .prompt_scores import BlockScores
 
 CPU_KV_CACHE_BYTES = 512 * 2**20
 GPU_KV_CACHE_FRACTION = 0.5  # of the memory free when the pool is built
@@ -72,6 +76,7 @@ class Block:
     parent: object = None  # parent block's key, or the WeightsIdentity for block 0 of a chain
     identity: WeightsIdentity | None = None
     tokens: tuple[int, ...] | None = None
+    scores: "BlockScores | None" = None  # its prompt scores, when a request that computed them keyed it
 
 
 class NoFreeBlocks(RuntimeError):
@@ -169,7 +174,7 @@ class BlockManager:
 
     def _evict(self, block: Block) -> None:
         del self._table[block.key]
-        block.key = block.parent = block.identity = block.tokens = None
+        block.key = block.parent = block.identity = block.tokens = block.scores = None
         self.evictions += 1
 
     def incref(self, block_ids: list[int]) -> None:
@@ -206,10 +211,17 @@ class BlockManager:
             self.v[:, d * bs : d * bs + n] = self.v[:, s : s + n]
 
     # ------------------------------------------------------------------ prefix cache
-    def match(self, identity: WeightsIdentity, tokens: list[int], keys: list[int] | None = None) -> list[int]:
+    def match(
+        self,
+        identity: WeightsIdentity,
+        tokens: list[int],
+        keys: list[int] | None = None,
+        serves: Callable[[int, Block], bool] | None = None,
+    ) -> list[int]:
         """Block ids of the longest cached full-block prefix of `tokens`, each with one more ref.
 
-        `keys` are the chain keys of `tokens` (`chain_hashes`), if the caller already has them.
+        `keys` are the chain keys of `tokens` (`chain_hashes`), if the caller already has them;
+        `serves(i, block)`, if given, may end the prefix before block i.
         """
         bs = self.block_size
         keys = chain_hashes(identity, tokens, bs) if keys is None else keys
@@ -226,6 +238,8 @@ class BlockManager:
                 or block.tokens != tuple(tokens[i * bs : (i + 1) * bs])
             ):
                 break  # hash collision: never serve it
+            if serves is not None and not serves(i, block):
+                break
             out.append(bid)
             parent = key
         self.queried_blocks += len(keys)
@@ -253,6 +267,15 @@ class BlockManager:
         block.key, block.parent, block.identity, block.tokens = key, parent, identity, tuple(tokens)
         self._table[key] = block_id
         return True
+
+    def keep_scores(self, key: int, scores: "BlockScores") -> None:
+        """Keep `scores` with the cached block keyed `key` (if it still is), unless it carries scores
+        with a top-k at least as wide already."""
+        bid = self._table.get(key)
+        if bid is not None:
+            block = self.blocks[bid]
+            if block.scores is None or block.scores.k < scores.k:
+                block.scores = scores
 
     def check(self) -> None:
         """Assert the internal invariants (for tests)."""

@@ -13,6 +13,15 @@ Invariants
   every position before the one that predicts it (`cacheable`); entries before it are None (rows:
   empty). `prompt_logprobs_last_n` moves it for prompt logprobs and their top-k only; draws and
   targets keep theirs.
+- Cached scores (`SampleRequest.reuse_prompt_scores`, the OpenAI plane's). A prompt block keyed in
+  the prefix cache may carry the scores its computing request found for it (`BlockScores`: its
+  entries' logprobs and top-k, and the hidden state of its last position, which predicts the next
+  block's first entry). A request that reuses scores and asks for nothing but prompt logprobs and
+  their top-k is served the KV of the longest cached prefix whose blocks carry scores with at least
+  its top-k (`serves_scores`): those entries come from the cache, and the first entry it computes
+  is read from the last served block's hidden state. The cache key is the weights and every token up
+  to the block's end, all that entry i depends on; so a served entry is the value a fresh prefill
+  computes, bit for bit under `--batch-invariant`.
 """
 
 from __future__ import annotations
@@ -64,8 +73,39 @@ def first_scored(req: SampleRequest) -> int:
 
 def cacheable(req: SampleRequest) -> int:
     """Prompt tokens whose KV the prefix cache may serve: those before the first position whose
-    hidden state the request reads (0 when it scores its whole prompt)."""
+    hidden state the request reads (0 when it scores its whole prompt), or, for a request that
+    reuses cached scores, every full block of its prompt but the last token (as when sampling;
+    `serves_scores` then keeps the blocks whose scores it can be served)."""
+    if reads_cached_scores(req):
+        return len(req.prompt) - 1
     return first_scored(req) - 1
+
+
+def reads_cached_scores(req: SampleRequest) -> bool:
+    """Whether the prefix cache may serve `req` the prompt scores of its blocks: it opted in and
+    asks for nothing those do not hold (no draws, no target ids)."""
+    return req.reuse_prompt_scores and not req.prompt_alt_tokens_k and not req.target_prompt_ids
+
+
+@dataclass(frozen=True)
+class BlockScores:
+    """The prompt scores of one cached full block b of `block_size` tokens: entries b*bs..(b+1)*bs-1
+    (entry 0 of block 0 is None), their top-`k` (None when k is 0) and the hidden state [H] of the
+    block's last position."""
+
+    logprobs: tuple[float | None, ...]
+    topk: tuple[TopLogprobs | None, ...] | None
+    k: int
+    last_hidden: torch.Tensor
+
+
+def serves_scores(req: SampleRequest, j: int, scores: BlockScores | None, block_size: int) -> bool:
+    """Whether cached block j, carrying `scores`, may be served to `req` (which reads cached scores):
+    a block whose last position predicts no scored entry needs none; a later one needs scores with at
+    least the request's top-k."""
+    if (j + 1) * block_size < first_scored(req):
+        return True
+    return scores is not None and scores.k >= req.topk_prompt_logprobs
 
 
 @dataclass
@@ -78,6 +118,32 @@ class PromptScores:
     alt_logprobs: list[list[float]] = field(default_factory=list)
     targets: list[list[float]] = field(default_factory=list)  # per row, one per target id
     gen: torch.Generator | None = None  # the draws'
+
+    @classmethod
+    def cached(cls, req: SampleRequest, blocks: list[BlockScores | None], block_size: int) -> "PromptScores":
+        """The scores of the entries served from the cache with `blocks` (entries 0..len * bs - 1;
+        None where a block carries none, which `serves_scores` allows only where nothing is read)."""
+        k, out = req.topk_prompt_logprobs, cls()
+        for b in blocks:
+            if b is None:
+                out.logprobs += [None] * block_size
+                out.topk += [None] * block_size
+            else:
+                out.logprobs += b.logprobs
+                out.topk += [t and t[:k] for t in b.topk] if k else [None] * block_size
+        return out
+
+    def block(
+        self, b: int, block_size: int, req: SampleRequest, last_hidden: torch.Tensor
+    ) -> BlockScores | None:
+        """What block b holds of these scores, to keep with its KV: None unless every entry it holds
+        was computed (entry 0 has none), with the top-k the request asked for."""
+        lo, hi, k = b * block_size, (b + 1) * block_size, req.topk_prompt_logprobs
+        first = max(lo, 1)
+        if len(self.logprobs) < hi or None in self.logprobs[first:hi] or (k and None in self.topk[first:hi]):
+            return None
+        tops = tuple(self.topk[lo:hi]) if k else None
+        return BlockScores(tuple(self.logprobs[lo:hi]), tops, k, last_hidden.detach().clone())
 
     @classmethod
     def of(cls, req: SampleRequest, start: int) -> "PromptScores":

@@ -15,7 +15,8 @@ Invariants
 - Requests that score their prompt (prompt logprobs, their top-k, `generate=False`, alt-token
   draws, target ids: prompt_scores.py) read the prefix cache only before the first position they
   score (none for whole-prompt logprobs; `prompt_logprobs_last_n` moves it to the suffix), and
-  write it like any other.
+  write it like any other, with the scores they computed for each block. A request that reuses
+  cached scores (`reuse_prompt_scores`) is served the blocks that carry them, metered as cached.
 - Streaming (`SampleRequest.stream`): every step that gives a sequence a token leaves one
   SampleDelta for it in `take_deltas()`; a sequence's deltas concatenate to its result.
 - `cancel(request_id)` frees the request's sequences, KV blocks and reservations at once and
@@ -45,7 +46,7 @@ from .admission import FairAdmission, FifoAdmission
 from .grammar import Grammars
 from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
-from .prompt_scores import PromptScores, check_prompt_scores, scores_prompt
+from .prompt_scores import PromptScores, check_prompt_scores, first_scored, scores_prompt
 from .sampling import check_sampling_options, generators, sample
 from .scheduler import BURST_SECONDS, MIN_PREFILL_TOKENS, TENANT_SHARE, Scheduler
 from .sequence import Request, Sequence
@@ -259,6 +260,8 @@ class Sampler:
             if r.scores_prompt:
                 self._extend_prompt_scores(r, hidden[i : i + 1, :take], start, adapters[i])
             self.layout.cache_prompt(r, start, start + take)
+            if r.scores is not None and self.layout.prefix_cache and not r.mixed:
+                self._keep_scores(r, hidden[i], start, take)
             r.prefilled = start + take
             if r.prompt_left:
                 continue
@@ -286,10 +289,24 @@ class Sampler:
         self, r: Request, hidden: torch.Tensor, start: int, adapter: Adapter | None
     ) -> None:
         """Add the prompt scores of a chunk (hidden states [1, take, H] from position `start`)."""
-        if r.scores is None:  # the first computed chunk: the positions before `start` came from the cache
+        if r.scores is None and start >= first_scored(r.req):  # served scored entries from the cache
+            served = [self.kv.blocks[b].scores for b in r.blocks[: start // self.block_size]]
+            r.scores = PromptScores.cached(r.req, served, self.block_size)
+            hidden = torch.cat([served[-1].last_hidden.view(1, 1, -1), hidden], 1)  # predicts entry `start`
+            start -= 1
+        elif r.scores is None:  # the first computed chunk: the positions before `start` came from the cache
             r.scores = PromptScores.of(r.req, start)
         single = AdapterBatch.single(adapter)
         r.scores.extend(r.req, lambda h: self.model.logits(h, single), hidden, start)
+
+    def _keep_scores(self, r: Request, hidden: torch.Tensor, start: int, take: int) -> None:
+        """Keep with each prompt block this chunk completed (hidden states [take, H] from `start`) the
+        scores the request computed for it, for requests that reuse them (prompt_scores.py)."""
+        bs = self.block_size
+        for b in range(start // bs, (start + take) // bs):
+            scores = r.scores.block(b, bs, r.req, hidden[(b + 1) * bs - 1 - start])
+            if scores is not None:
+                self.kv.keep_scores(r.keys[b], scores)
 
     def _prompt_done(self, r: Request) -> None:
         r.usage.prefilled_at = time.time()

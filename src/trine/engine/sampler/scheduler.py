@@ -16,7 +16,8 @@ out of blocks and nothing is ever preempted. At admission a request looks up the
 full-block prefix of `prompt[:-1]` (the last prompt token is always computed: its logits give the
 first sampled token); a request whose uncached prefix starts with blocks another request is still
 computing waits, then hits them. A request that scores its prompt reads only the blocks before the
-first position it scores (`Request.cacheable`: none for whole-prompt logprobs).
+first position it scores (`Request.cacheable`: none for whole-prompt logprobs), unless it reuses
+cached prompt scores: then the blocks that carry them (prompt_scores.py).
 
 Prefill chunks. At most one prefill forward a step, over at most `max_batch_tokens` positions
 (padding included), so a long prompt is prefilled over several steps. Every chunk is sized by
@@ -54,6 +55,7 @@ from typing import Callable
 
 from .admission import AdmissionPolicy, FairAdmission
 from .kv_cache import BlockManager, chain_hashes
+from .prompt_scores import reads_cached_scores, serves_scores
 from .sequence import Request, Sequence
 
 TENANT_SHARE = 0.5  # of max_running and of the KV pool, per tenant while another one is active
@@ -371,10 +373,13 @@ class Scheduler:
         if self.prefix_cache:
             r.keys = chain_hashes(req.weights, req.prompt, bs)
         reads = r.cacheable
+        serves = None
+        if reads_cached_scores(req):
+            serves = lambda j, block: serves_scores(req, j, block.scores, bs)  # noqa: E731
         matched = (
             []
             if not reads or not self.prefix_cache
-            else kv.match(req.weights, req.prompt[:reads], r.keys[: reads // bs])
+            else kv.match(req.weights, req.prompt[:reads], r.keys[: reads // bs], serves)
         )
         if reads and r.keys[len(matched) : len(matched) + 1] and r.keys[len(matched)] in pending:
             kv.release(matched)  # the next block is being computed now: hit it when it is done

@@ -187,6 +187,7 @@ def _request(g: Generation, rid: str, prompt: list[int], context: int, grammar: 
         prompt_logprobs=scored,
         topk_prompt_logprobs=top,
         generate=max_tokens > 0,
+        reuse_prompt_scores=True,  # a harness's prompts share their few-shot stems: score those once
     )
 
 
