@@ -1,13 +1,34 @@
 """The engine: models, sampler, trainer and the runtimes that host them (see layout in README).
 
-Importing it (before torch) makes OpenMP's threads sleep rather than spin while they wait
-(`OMP_WAIT_POLICY=PASSIVE`, unless the environment already says otherwise): on cores shared with
-other processes, spinning threads wait on each other for whole scheduler slices, and decoding
-collapsed to about 1 token/s beside a 1-core CPU hog (benchmarks/cpu_share.py; issue 32).
+Importing it (before torch) sets how OpenMP's threads wait between parallel regions, unless the
+environment already says (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`): libgomp's threads spin
+`SPIN_COUNT` times, a fraction of a millisecond, then sleep (`GOMP_SPINCOUNT`; Intel's libiomp,
+which has no such count, sleeps at once: `KMP_BLOCKTIME=0`). Spinning without end (libgomp's
+default) is fastest on cores trine has to itself, but on cores shared with other processes the
+threads wait on each other for whole scheduler slices: decoding collapsed to about 1 token/s
+beside a 1-core CPU hog. Sleeping at once (`PASSIVE`) keeps a fair share there but pays a wake-up
+per op on a quiet machine. The short spin catches the next op of the same forward and sleeps
+across anything longer (benchmarks/cpu_share.py; docs/serving.md#shared-cpu-cores).
 """
 
 import os
 import sys
 
-if "torch" not in sys.modules:  # libgomp reads it once, when torch loads it
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Pause-loop iterations; measured on the 2-vCPU Xeon (benchmarks/cpu_share.py, 8 sequences
+# decoding): tokens/s alone and beside a 1-core hog, PASSIVE 89.6 / 63.7, 3000 102 / 56.9,
+# 10000 113 / 47.9, spinning without end 115 / 42.3 (fair share: half of alone).
+SPIN_COUNT = 3000
+
+
+def openmp_wait() -> str:
+    """How this process's OpenMP threads wait, as the environment told the runtime (a log line)."""
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        if name in os.environ:
+            return f"{name}={os.environ[name]}"
+    return "libgomp default (spin)"
+
+
+if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
+    # the OpenMP runtime reads these once, when torch loads it
+    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    os.environ.setdefault("KMP_BLOCKTIME", "0")

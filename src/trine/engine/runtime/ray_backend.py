@@ -36,6 +36,7 @@ from typing import AsyncIterator
 import ray
 from ray.exceptions import RayError, RayTaskError
 
+from .. import openmp_wait
 from ..api import (
     CycleResult,
     EngineInfo,
@@ -87,7 +88,7 @@ def own_session() -> bool:
 
 def process_info() -> dict:
     """This process as the scheduler sees it: pid, session, CPU-seconds so far (user + system),
-    torch's intra-op threads and the OpenMP wait policy in effect."""
+    torch's intra-op threads and how its OpenMP threads wait (`trine.engine.openmp_wait`)."""
     import torch  # loaded by the engine already
 
     t = os.times()
@@ -96,7 +97,7 @@ def process_info() -> dict:
         sid=os.getsid(0),
         cpu_s=t.user + t.system,
         torch_threads=torch.get_num_threads(),
-        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
+        openmp_wait=openmp_wait(),
     )
 
 
