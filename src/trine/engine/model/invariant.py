@@ -23,9 +23,9 @@ call, so every reduction here runs in calls whose shapes do not depend on the ba
 
 The kernels are opt-in (`enable(True)`; `trine serve --batch-invariant`, `Service(batch_invariant=
 True)`): they cost throughput (README, "Sampler = trainer, bit for bit"). Off, the same functions
-are torch's fused kernels (F.linear, SDPA, F.silu) and a token's logprob may differ between the
-sampler and the trainer in the last bits (about 1e-6 in fp32). The switch is process-wide: every
-engine in one process computes the same way.
+are torch's fused kernels (F.linear, or MKL's packed GEMM for few rows: packed.py; SDPA, F.silu)
+and a token's logprob may differ between the sampler and the trainer in the last bits (about 1e-6
+in fp32). The switch is process-wide: every engine in one process computes the same way.
 
 Invariants (while enabled)
 - For a fixed thread count, each output row of these functions depends only on that row's inputs
@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import packed
+
 ROW_TILE = 32  # rows per linear-layer GEMM call
 KEY_TILE = 16  # key positions per attention tile
 MIN_QUERY_ROWS = 16  # MKL's small-M GEMM path differs below this
@@ -57,9 +59,14 @@ def enable(on: bool) -> None:
     _enabled = bool(on)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose output rows do not depend on how many other rows the call holds."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, owner: object = None
+) -> torch.Tensor:
+    """F.linear whose output rows do not depend on how many other rows the call holds. Off, a
+    module's (`owner`'s) base weight multiplies few rows through MKL's packed path (packed.py)."""
     if not _enabled:
+        if owner is not None and packed.applies(x, weight):
+            return packed.linear(owner, x, weight, bias)
         return F.linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.reshape(-1, k)

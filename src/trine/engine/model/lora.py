@@ -100,7 +100,7 @@ class LoRALinear(nn.Linear):
     lora_name: str = ""  # its full module name in the model (set by the model), the adapters' key
 
     def forward(self, x: torch.Tensor, adapters: AdapterBatch | None = None) -> torch.Tensor:
-        return self.add_adapters(x, linear(x, self.weight, self.bias), adapters)
+        return self.add_adapters(x, linear(x, self.weight, self.bias, owner=self), adapters)
 
     def add_adapters(
         self, x: torch.Tensor, out: torch.Tensor, adapters: AdapterBatch | None, inplace: bool = True
@@ -182,7 +182,7 @@ class FusedLinears:
         if fused is None:
             return [m(x, adapters) for m in members]
         weight, bias = fused
-        out = linear(x, weight, bias).split([m.out_features for m in members], dim=-1)
+        out = linear(x, weight, bias, owner=self).split([m.out_features for m in members], dim=-1)
         # autograd forbids in-place changes to the views `split` returns: training adds out of place
         inplace = not torch.is_grad_enabled()
         return [m.add_adapters(x, o, adapters, inplace) for m, o in zip(members, out)]

@@ -1,0 +1,117 @@
+"""Base-weight GEMMs of few rows on CPU through MKL's packed-weight path.
+
+A decode step multiplies a few dozen rows by every weight of the model. MKL's plain sgemm repacks
+the weight into its kernel's layout on every such call, and at these sizes the repacking costs as
+much as the multiply. `cblas_sgemm_compute` on a weight packed once does not: measured on the 2-vCPU
+Xeon (fp32, 2 threads), SmolLM2-135M's gate/up projection (576 -> 3072) with 64 rows 0.80 -> 0.56 ms,
+with 8 rows 0.37 -> 0.14 ms, the 49152-wide LM head with 64 rows 14.0 -> 10.4 ms; from about a
+thousand rows on, plain sgemm is as fast or faster. torch exposes the path as
+`torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear` (what inductor uses for frozen CPU
+linears).
+
+Invariants
+- Used only where nothing needs a gradient (the sampler's inference-mode forwards), for fp32 CPU
+  tensors of at most `MAX_ROWS` rows, with torch's batch-invariant kernels off (they have their own
+  fixed-shape GEMMs), and where this torch has MKL. Everything else is `F.linear`.
+- The result is F.linear's up to float32 rounding (a different kernel, so the last bits may differ,
+  as they already do between row counts).
+- Packed copies take 2-4x their weight's memory (SmolLM2-135M: about 630 MB more resident). They
+  are made lazily, at a weight's first few-row call, while all of them fit in `budget_bytes()`
+  (`TRINE_PACKED_GEMM_BYTES`, default 2 GiB; 0 turns the path off); past it, F.linear.
+- Each owner (a module) keeps one packed copy, of the weight it last multiplied. The copy is made
+  again when the weight is another tensor or was changed in place (its data pointer, shape, strides
+  or version counter differ); the cache holds the weight it packed, so a freed weight's address
+  cannot be reused under it.
+- `_mkl_linear` takes the packed path only when the rows equal the count it is told the weight was
+  packed for, else it falls back to sgemm; MKL's packed layout does not depend on that count
+  (checked once per process against F.linear: `available()`), so each call passes its own rows.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 256  # above this, plain sgemm is as fast (and from ~1000 rows faster)
+_PACK_ROWS = 64  # the row count packing is told; any works (see the module docstring)
+_packs: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
+_available: bool | None = None
+_lock = threading.Lock()  # the sampler's and the trainer's threads may pack at once
+
+
+def budget_bytes() -> int:
+    """The memory all packed copies together may take (`TRINE_PACKED_GEMM_BYTES`, default 2 GiB)."""
+    return int(os.environ.get("TRINE_PACKED_GEMM_BYTES", 2 << 30))
+
+
+def available() -> bool:
+    """Whether this torch has MKL's packed linear and its results match F.linear for any row count."""
+    global _available
+    if _available is None:
+        _available = _check()
+    return _available
+
+
+def _check() -> bool:
+    mkl = getattr(torch.ops, "mkl", None)
+    if not torch.backends.mkl.is_available() or not hasattr(mkl, "_mkl_linear"):
+        return False
+    try:
+        with torch.inference_mode():
+            gen = torch.Generator().manual_seed(0)
+            w = torch.randn(96, 80, generator=gen)
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_ROWS)
+            for m in (1, 7, _PACK_ROWS, 200):
+                x = torch.randn(m, 80, generator=gen)
+                got = torch.ops.mkl._mkl_linear(x, packed, w, None, m)
+                if not torch.allclose(got, F.linear(x, w), rtol=1e-4, atol=1e-4):
+                    return False
+    except RuntimeError:
+        return False
+    return True
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` may take the packed path (see the module docstring)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and 0 < x.numel() // x.shape[-1] <= MAX_ROWS
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not weight.is_inference()  # no version counter: an in-place change could not be seen
+        and available()
+    )
+
+
+def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with `weight` packed once for `owner` (callers check `applies`)."""
+    packed = _packed(owner, weight)
+    if packed is None:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _packed(owner: object, weight: torch.Tensor) -> torch.Tensor | None:
+    """`owner`'s packed copy of `weight`, made now if it has none of this weight; None if the copy
+    did not fit the budget (remembered: that weight stays on F.linear)."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight._version)
+    held = _packs.get(owner)
+    if held is not None and held[0] == key:
+        return held[2]
+    with _lock:
+        return _pack(owner, weight, key)
+
+
+def _pack(owner: object, weight: torch.Tensor, key: tuple) -> torch.Tensor | None:
+    w = weight.detach() if weight.is_contiguous() else weight.detach().contiguous()
+    others = sum(p.nbytes for o, (_, _, p) in _packs.items() if o is not owner)  # live owners' only
+    fits = others + 4 * w.nbytes <= budget_bytes()  # 4x: the most a copy took (docstring)
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_ROWS) if fits else None
+    _packs[owner] = (key, weight.detach(), packed)
+    return packed
