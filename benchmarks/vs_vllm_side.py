@@ -21,8 +21,9 @@ logs). Commands:
 - {"op": "quit"}.
 
 Invariant: both sides see the same prompts, the same sampling settings, the same thread count
-and the same KV budget; a `generate` starts from an empty prefix cache on both (a fresh Sampler;
-vLLM's `reset_prefix_cache`), and only the engine's own call is timed.
+and the same KV budget; each side keeps one engine, as a server does, and a `generate` (a
+conversation) starts from an empty prefix cache on both (`reset_prefix_cache` on both), and only
+the engine's own call is timed.
 """
 
 from __future__ import annotations
@@ -63,12 +64,19 @@ class TrineSide:
         self.kv_bytes = int(kv_gib * 2**30)
         self.weights = WeightsIdentity("bench")
         self.n = 0
+        self._sampler = None
         self.info = dict(engine="trine", threads=torch.get_num_threads())
 
     def sampler(self):
+        """The side's one Sampler (its KV pool allocated once, as in a server), its cache emptied."""
         from trine.engine.sampler.sampler import Sampler
 
-        return Sampler(self.model, self.tok, kv_cache_bytes=self.kv_bytes, enable_prefix_cache=True)
+        if self._sampler is None:
+            self._sampler = Sampler(
+                self.model, self.tok, kv_cache_bytes=self.kv_bytes, enable_prefix_cache=True
+            )
+        self._sampler.reset_prefix_cache()
+        return self._sampler
 
     def request(self, prompt: list[int], n: int, new: int):
         from trine.engine.api import SampleRequest, SamplingOptions
@@ -80,10 +88,11 @@ class TrineSide:
     def generate(self, prompts: list[list[int]], n: int, new: int) -> dict:
         s = self.sampler()
         reqs = [self.request(p, n, new) for p in prompts]
+        before = s.stats
         t = time.perf_counter()
         res = s.run(reqs)
         dt = time.perf_counter() - t
-        st = s.stats
+        st = {k: v - before[k] for k, v in s.stats.items() if isinstance(v, int)}
         return dict(
             seconds=dt,
             prompt_tokens=st["prompt_tokens"],

@@ -193,3 +193,15 @@ def test_random_operations_keep_invariants(script):
         bm.release(h)
     bm.check()
     assert bm.num_free == bm.num_blocks
+
+
+def test_reset_forgets_unheld_blocks_and_keeps_held_ones():
+    bm = make()
+    cache(bm, list(range(8)))
+    cache(bm, list(range(100, 108)))
+    held = bm.match(W, list(range(100, 108)))  # in use now
+    assert bm.reset_cache() == 2  # the first prompt's two blocks
+    bm.check()
+    assert bm.match(W, list(range(8))) == [] and bm.num_cached == 2
+    assert bm.match(W, list(range(100, 108))) == held  # still keyed while held
+    assert bm.num_free == 6

@@ -268,6 +268,16 @@ class BlockManager:
         self._table[key] = block_id
         return True
 
+    def reset_cache(self) -> int:
+        """Forget every cached block no one holds (they become free); blocks in use keep their keys.
+        Returns how many were forgotten."""
+        n = len(self._cached_free)
+        for bid in self._cached_free:
+            self._evict(self.blocks[bid])
+            self._free.append(bid)
+        self._cached_free.clear()
+        return n
+
     def keep_scores(self, key: int, scores: "BlockScores") -> None:
         """Keep `scores` with the cached block keyed `key` (if it still is), unless it carries scores
         with a top-k at least as wide already."""

@@ -150,6 +150,11 @@ class Sampler:
                 w = r.req.weights
                 r.req = dataclasses.replace(r.req, weights=WeightsIdentity(w.base_model, w.adapter, version))
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache of every block no request holds (as vLLM's `reset_prefix_cache`);
+        returns how many blocks were forgotten. Between steps only."""
+        return self.kv.reset_cache()
+
     def has_work(self) -> bool:
         return bool(self.scheduler.has_work() or self._carry)
 
