@@ -15,9 +15,10 @@ Invariants
   fixed-shape GEMMs), and where this torch has MKL. Everything else is `F.linear`.
 - The result is F.linear's up to float32 rounding (a different kernel, so the last bits may differ,
   as they already do between row counts).
-- Packed copies take 2-4x their weight's memory (SmolLM2-135M: about 630 MB more resident). They
-  are made lazily, at a weight's first few-row call, while all of them fit in `budget_bytes()`
-  (`TRINE_PACKED_GEMM_BYTES`, default 2 GiB; 0 turns the path off); past it, F.linear.
+- Packed copies take 2-9x their weight's memory; those over `MAX_INFLATION` are dropped
+  (SmolLM2-135M keeps gate/up, down and the LM head: 1.3 GB). They are made lazily, at a weight's
+  first few-row call, while all of them fit in `budget_bytes()` (`TRINE_PACKED_GEMM_BYTES`,
+  default 2 GiB; 0 turns the path off); past it, F.linear.
 - Each owner (a module) keeps one packed copy, of the weight it last multiplied. The copy is made
   again when the weight is another tensor or was changed in place (its data pointer, shape, strides
   or version counter differ); the cache holds the weight it packed, so a freed weight's address
@@ -38,6 +39,9 @@ import torch.nn.functional as F
 
 MAX_ROWS = 256  # above this, plain sgemm is as fast (and from ~1000 rows faster)
 _PACK_ROWS = 64  # the row count packing is told; any works (see the module docstring)
+# A copy this many times its weight's size is dropped: MKL pads narrow weights most (SmolLM2-135M:
+# o_proj 8.7x, q/k/v 5.2x, down 3.9x, gate/up 3.0x, LM head 2.1x) and they gain least.
+MAX_INFLATION = 4.0
 _packs: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
 _available: bool | None = None
 _lock = threading.Lock()  # the sampler's and the trainer's threads may pack at once
@@ -110,8 +114,12 @@ def _packed(owner: object, weight: torch.Tensor) -> torch.Tensor | None:
 
 def _pack(owner: object, weight: torch.Tensor, key: tuple) -> torch.Tensor | None:
     w = weight.detach() if weight.is_contiguous() else weight.detach().contiguous()
-    others = sum(p.nbytes for o, (_, _, p) in _packs.items() if o is not owner)  # live owners' only
-    fits = others + 4 * w.nbytes <= budget_bytes()  # 4x: the most a copy took (docstring)
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_ROWS) if fits else None
+    budget = budget_bytes()
+    others = sum(p.nbytes for o, (_, _, p) in _packs.items() if o is not owner and p is not None)
+    packed = None
+    if others + w.nbytes <= budget:  # the copy is larger still: worth trying only if the weight fits
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_ROWS)
+        if packed.nbytes > MAX_INFLATION * w.nbytes or others + packed.nbytes > budget:
+            packed = None
     _packs[owner] = (key, weight.detach(), packed)
     return packed
