@@ -16,7 +16,8 @@ Invariants
 - The result is F.linear's up to float32 rounding (a different kernel, so the last bits may differ,
   as they already do between row counts).
 - Packed copies take 2-9x their weight's memory; those over `MAX_INFLATION` are dropped
-  (SmolLM2-135M keeps gate/up, down and the LM head: 1.3 GB). They are made lazily, at a weight's
+  (SmolLM2-135M keeps gate/up, down and the LM head: 1.3 GB allocated, of which about 0.5 GB
+  becomes resident: the padding is never touched). They are made lazily, at a weight's
   first few-row call, while all of them fit in `budget_bytes()` (`TRINE_PACKED_GEMM_BYTES`,
   default 2 GiB; 0 turns the path off); past it, F.linear.
 - Each owner (a module) keeps one packed copy, of the weight it last multiplied. The copy is made
