@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from serverutil import TEST_OPTIONS, pytrio_env, serve, start
 
 import trine as trio
-from trine.engine import SPIN_COUNT, openmp_wait
+from trine.engine import SPIN_COUNT, WAIT_SETTINGS, openmp_wait
 from trine.engine.api import SampleRequest, SamplingOptions
 from trine.service import SamplingRunSpec
 from trine.service.routing import Router
@@ -106,7 +106,7 @@ def test_each_replica_runs_in_its_own_session_with_one_torch_thread(ray_server):
     assert all(p["sid"] == p["pid"] and p["torch_threads"] == 1 for p in procs)
     # trine.engine, imported in the replica before its torch, sets the short spin unless this
     # process's environment (which the raylet passes on) already named a policy
-    named = {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys()
+    named = os.environ.keys() & set(WAIT_SETTINGS)
     assert all(
         p["openmp_wait"] == (openmp_wait() if named else f"GOMP_SPINCOUNT={SPIN_COUNT}") for p in procs
     )

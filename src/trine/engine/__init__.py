@@ -18,17 +18,18 @@ import sys
 # decoding): tokens/s alone and beside a 1-core hog, PASSIVE 89.6 / 63.7, 3000 102 / 56.9,
 # 10000 113 / 47.9, spinning without end 115 / 42.3 (fair share: half of alone).
 SPIN_COUNT = 3000
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one, set by the operator, is kept
 
 
 def openmp_wait() -> str:
     """How this process's OpenMP threads wait, as the environment told the runtime (a log line)."""
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+    for name in WAIT_SETTINGS:
         if name in os.environ:
             return f"{name}={os.environ[name]}"
     return "libgomp default (spin)"
 
 
-if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
+if "torch" not in sys.modules and not os.environ.keys() & set(WAIT_SETTINGS):
     # the OpenMP runtime reads these once, when torch loads it
     os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     os.environ.setdefault("KMP_BLOCKTIME", "0")

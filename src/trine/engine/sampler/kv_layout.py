@@ -139,15 +139,18 @@ class KVLayout:
         r.shared = full
         return tables
 
-    def cache_prompt(self, r: Request, start: int, end: int) -> None:
-        """Key the prompt blocks that prompt tokens start..end completed."""
+    def cache_prompt(self, r: Request, start: int, end: int) -> range:
+        """Key the prompt blocks that prompt tokens start..end completed; returns their indexes
+        (none when nothing is keyed: no prefix cache, or a `mixed` request)."""
         if not self.prefix_cache or r.mixed:
-            return
+            return range(0)
         bs, w = self.block_size, r.req.weights
-        for b in range(start // bs, end // bs):
+        completed = range(start // bs, end // bs)
+        for b in completed:
             self.kv.register(
                 r.blocks[b], r.keys[b], r.keys[b - 1] if b else w, w, r.req.prompt[b * bs : (b + 1) * bs]
             )
+        return completed
 
     def cache_decoded(self, seqs: list[Sequence]) -> None:
         """Key each sequence's block that this decode step's input token (its last) filled."""

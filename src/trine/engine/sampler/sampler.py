@@ -264,9 +264,9 @@ class Sampler:
             start = r.prefilled
             if r.scores_prompt:
                 self._extend_prompt_scores(r, hidden[i : i + 1, :take], start, adapters[i])
-            self.layout.cache_prompt(r, start, start + take)
-            if r.scores is not None and self.layout.prefix_cache and not r.mixed:
-                self._keep_scores(r, hidden[i], start, take)
+            keyed = self.layout.cache_prompt(r, start, start + take)
+            if r.scores is not None:
+                self._keep_scores(r, hidden[i], start, keyed)
             r.prefilled = start + take
             if r.prompt_left:
                 continue
@@ -304,11 +304,11 @@ class Sampler:
         single = AdapterBatch.single(adapter)
         r.scores.extend(r.req, lambda h: self.model.logits(h, single), hidden, start)
 
-    def _keep_scores(self, r: Request, hidden: torch.Tensor, start: int, take: int) -> None:
-        """Keep with each prompt block this chunk completed (hidden states [take, H] from `start`) the
+    def _keep_scores(self, r: Request, hidden: torch.Tensor, start: int, keyed: range) -> None:
+        """Keep with each prompt block this chunk keyed (hidden states [take, H] from `start`) the
         scores the request computed for it, for requests that reuse them (prompt_scores.py)."""
         bs = self.block_size
-        for b in range(start // bs, (start + take) // bs):
+        for b in keyed:
             scores = r.scores.block(b, bs, r.req, hidden[(b + 1) * bs - 1 - start])
             if scores is not None:
                 self.kv.keep_scores(r.keys[b], scores)
