@@ -10,7 +10,6 @@ from collections import defaultdict
 
 import httpx
 import pytest
-from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -18,12 +17,6 @@ from tinker import types  # noqa: E402
 MODEL = "tiny-llama"
 TEXT = [1, 504, 3330, 314, 253, 1345, 28, 357, 314, 253, 1345, 30, 2]
 PROMPT = list(range(100, 140))  # 40 tokens: two full 16-token cache blocks
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir, tmp_path_factory):
-    with tinker_env(), serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
-        yield handle
 
 
 @pytest.fixture(scope="module")

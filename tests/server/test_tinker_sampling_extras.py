@@ -8,7 +8,6 @@ import itertools
 import httpx
 import numpy as np
 import pytest
-from serverutil import serve, tinker_env
 
 tinker = pytest.importorskip("tinker")
 torch = pytest.importorskip("torch")
@@ -17,12 +16,6 @@ from tinker import types  # noqa: E402
 MODEL = "tiny-llama"
 _raw_seq_ids = itertools.count(5 * 10**8)  # raw requests' seq_ids: apart from the client's own
 PROMPT = list(range(200, 240))  # 40 tokens: two full 16-token cache blocks
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir, tmp_path_factory):
-    with tinker_env(), serve(tiny_model_dir, tmp_path_factory.mktemp("home")) as handle:
-        yield handle
 
 
 @pytest.fixture(scope="module")
