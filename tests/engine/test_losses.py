@@ -87,10 +87,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("unembed", [True, False], ids=["head-adapter", "plain-head"])
 @pytest.mark.parametrize("name,cfg", CASES)
-def test_loss_matches_reference_in_value_and_gradient(model, name, cfg):
+def test_loss_matches_reference_in_value_and_gradient(model, name, cfg, unembed):
+    # Without an adapter on lm_head the trainer computes the head's logits and input gradient into
+    # its kept workspace, outside autograd; with one, through autograd. Both must match.
     trainer = Trainer(model, base_model="tiny", logits_chunk_tokens=7)  # several LM-head chunks
-    trainer.create_run("r", LoRAConfig(rank=4))
+    trainer.create_run("r", LoRAConfig(rank=4, train_unembed=unembed))
     adapter = trainer.adapter("r")
     randomize(adapter, 0)
     data = random_data(1)

@@ -85,9 +85,14 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x)) if _enabled else F.silu(x)
 
 
-def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """Log-softmax over the last dim, in fp32: every logprob the engine reports is read from this."""
-    return torch.log_softmax(logits.float(), dim=-1)
+def enabled() -> bool:
+    return _enabled
+
+
+def log_probs(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-softmax over the last dim, in fp32: every logprob the engine reports is read from this.
+    `out` (fp32, logits' shape) receives it in place of a new tensor."""
+    return torch.log_softmax(logits.float(), dim=-1, out=out)
 
 
 def attention(

@@ -8,9 +8,13 @@ path both push it back through the head at once and never hold the full logits.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..api import Loss
+from ..model import invariant
+from ..model.invariant import log_probs
 from ..model.lora import Adapter, AdapterBatch
 from .losses import LossInputs, loss_values
 
@@ -49,3 +53,57 @@ def losses_and_grads(
                     out = out.index_put((idx,), loss_values(loss, x[idx], inputs.select(idx)))
         grad = torch.autograd.grad(out.sum(), x)[0] if need_grad else None
     return out.detach(), grad
+
+
+class LogitsWorkspace:
+    """Two [rows, vocab] fp32 buffers the head reuses across chunks, micro-batches and calls.
+
+    A chunk's logits and their log-softmax are the largest tensors a step makes (200 MB each for a
+    49K vocabulary at 1024 rows). Allocated fresh, the OS maps their pages anew each time (glibc
+    serves blocks this large with mmap and unmaps them on free): about 100K page faults a chunk,
+    a tenth of a step on a CPU. Kept, they stay resident between steps.
+    """
+
+    def __init__(self):
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def take(self, slot: int, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers[slot]
+        if buf is None or buf.device != device or buf.shape[1] != cols or buf.shape[0] < rows:
+            self._buffers[slot] = buf = None  # freed before its successor is made
+            buf = self._buffers[slot] = torch.empty(rows, cols, device=device)
+        return buf[:rows]
+
+
+def chunk_log_probs(
+    model, hs: torch.Tensor, adapters: AdapterBatch, workspace: LogitsWorkspace, grad: bool
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], None] | None]:
+    """log-softmax [rows, vocab] of the LM head's logits for hidden states `hs` (a leaf), and when
+    `grad` asks for it and anything upstream trains, `push(d)`: dLoss/dlogits `d` back into
+    `hs.grad` and the head's adapters. The result may live in `workspace` until the next call.
+
+    Plain case (fp32 head without adapters, kernels not batch-invariant): the logits and their
+    log-softmax go into the workspace, and `push` is the head's one input-gradient GEMM. Otherwise
+    autograd through `lm_head` (its row-tiled GEMM under `--batch-invariant`, its adapters)."""
+    head = model.lm_head
+    plain = (
+        not invariant.enabled()
+        and head.weight.dtype == torch.float32
+        and head.bias is None
+        and not any(a.pair(head.lora_name) is not None for a, _ in adapters.groups)
+    )
+    if not plain:
+        with torch.set_grad_enabled(grad):
+            logits = head(hs, adapters).float()
+        z = log_probs(logits.detach())
+        return z, (logits.backward if grad and logits.requires_grad else None)
+    rows, device = hs.shape[0], hs.device
+    logits = torch.mm(hs.detach(), head.weight.t(), out=workspace.take(0, rows, head.out_features, device))
+    z = log_probs(logits, out=workspace.take(1, rows, head.out_features, device))
+    if not (grad and hs.requires_grad):
+        return z, None
+
+    def push(d: torch.Tensor) -> None:
+        hs.grad = d.mm(head.weight)  # what autograd's linear backward computes for the input
+
+    return z, push

@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from ..model.invariant import log_probs
 from ..model.lora import AdapterBatch
 from ..model.model import KVContext
-from .head import chunk_adapters, losses_and_grads
+from .head import chunk_adapters, chunk_log_probs, losses_and_grads
 from .losses import LossInputs, sequence_log_ratios
 from .prefix_groups import Tree
 
@@ -133,14 +132,15 @@ def run_micro_batch(
     bounds = torch.searchsorted(at, torch.arange(0, used.numel() + chunk, chunk)).tolist()
     at = at.to(device)
 
-    def lm_head(hs, i, j):
-        return model.lm_head(hs, one if spans is None else chunk_adapters(spans, i, j, device))
+    def head_log_probs(hs, i, j, grad):
+        adapters = one if spans is None else chunk_adapters(spans, i, j, device)
+        return chunk_log_probs(model, hs, adapters, trainer._workspace, grad)
 
     if any(loss.sequence_level for loss in losses_in_mb):  # gspo: every logp first, values only
         with torch.no_grad():
             logp = torch.cat(
                 [
-                    log_probs(lm_head(hs, k * chunk, k * chunk + hs.shape[0]))[
+                    head_log_probs(hs, k * chunk, k * chunk + hs.shape[0], False)[0][
                         at[bounds[k] : bounds[k + 1]] - k * chunk, tgt[bounds[k] : bounds[k + 1]]
                     ]
                     for k, hs in enumerate(pieces)
@@ -152,23 +152,21 @@ def run_micro_batch(
     for k, hs in enumerate(pieces):
         i, j = k * chunk, k * chunk + hs.shape[0]
         a, b = bounds[k], bounds[k + 1]
-        with torch.set_grad_enabled(backward):
-            logits = lm_head(hs, i, j).float()
-        z = log_probs(logits.detach())
+        z, push = head_log_probs(hs, i, j, backward)
         loc = at[a:b] - i
         logp = z[loc, tgt[a:b]]
         loss_t, g = losses_and_grads(
             losses_in_mb, loss_of[a:b], logp, inputs.select(slice(a, b)), need_grad=backward
         )
         logp_all[a:b], loss_all[a:b] = logp, loss_t
-        if backward and logits.requires_grad:
+        if push is not None:
             if scales is not None:
                 g = g * scales[a:b]
             total = torch.zeros(j - i, device=device).index_add_(0, loc, g)
             grad = z.exp_().mul_(-total[:, None])  # in place: z becomes dLoss/dlogits
             grad.index_put_((loc, tgt[a:b]), g, accumulate=True)
-            logits.backward(grad)
-        del logits, z
+            push(grad)
+        del z, push
     if train:
         sel.backward(torch.cat([p.grad for p in pieces]))
     out_logp = torch.empty_like(logp_all)

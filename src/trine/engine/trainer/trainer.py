@@ -21,9 +21,10 @@ How a micro-batch is computed
 3. Only positions with a target (not -100) go through the LM head, `logits_chunk_tokens` at a time.
    Because every loss is elementwise in the target logprob, dLoss/dlogits = g * (onehot - softmax)
    with g = dloss/dlogp is known right away: each chunk's softmax is computed in place, turned into
-   that gradient and pushed back through the LM head at once. At most two [chunk, vocab] fp32
-   tensors (the logits and their log-softmax, invariant.log_probs: the sampler's logprobs) are
-   alive, and the full logits are never stored.
+   that gradient and pushed back through the LM head at once. Two [chunk, vocab] fp32 buffers
+   (the logits and their log-softmax, invariant.log_probs: the sampler's logprobs) hold a chunk;
+   the full logits are never stored. Without an adapter on lm_head they are the trainer's kept
+   workspace (head.LogitsWorkspace), reused by every chunk and call.
 4. The gradient gathered for h flows back through the body in one backward call.
 
 Prefix sharing (`prefix_sharing=True`, the default): datums of one run that share a token prefix
@@ -74,7 +75,6 @@ from ..api import (
     WeightsIdentity,
     optimizer_of,
 )
-from ..model.invariant import log_probs
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
 from ..prepare import check_datum
@@ -153,6 +153,7 @@ class Trainer:
         self.min_shared_tokens = min_shared_tokens
         self._runs: dict[str, _Run] = {}
         self._versions = itertools.count(1)
+        self._workspace = head.LogitsWorkspace()  # the LM head's [chunk, vocab] buffers, kept
 
     # ------------------------------------------------------------------ runs
     def create_run(self, run_id: str, lora: LoRAConfig, *, optimizer: str = ADAMW) -> None:
@@ -370,9 +371,7 @@ class Trainer:
             chunk_adapters = (
                 adapters if token_spans is None else head.chunk_adapters(token_spans, i, j, device)
             )
-            with torch.set_grad_enabled(backward):
-                logits = model.lm_head(hs, chunk_adapters).float()
-            z = log_probs(logits.detach())
+            z, push = head.chunk_log_probs(model, hs, chunk_adapters, self._workspace, backward)
             logp = z.gather(1, tgt[i:j, None]).squeeze(1)
             loss_t, g = head.losses_and_grads(
                 losses_in_mb, loss_of[i:j], logp, inputs.select(slice(i, j)), need_grad=backward
@@ -380,11 +379,11 @@ class Trainer:
             logp_all[i:j], loss_all[i:j] = logp, loss_t
             if scales is not None and g is not None:
                 g = g * scales[i:j]
-            if backward and logits.requires_grad:
+            if push is not None:
                 grad = z.exp_().mul_(-g[:, None])  # in place: z becomes dLoss/dlogits
                 grad.scatter_add_(1, tgt[i:j, None], g[:, None])
-                logits.backward(grad)
-            del logits, z
+                push(grad)
+            del z, push
         if train and pieces:  # no pieces when no position has a target
             sel.backward(torch.cat([p.grad for p in pieces]))
         for r, part_logp, part_loss in zip(range(B), logp_all.split(counts), loss_all.split(counts)):
@@ -403,7 +402,7 @@ class Trainer:
                 chunk_adapters = (
                     adapters if token_spans is None else head.chunk_adapters(token_spans, i, j, sel.device)
                 )
-                z = log_probs(self.model.lm_head(sel[i:j], chunk_adapters))
+                z, _ = head.chunk_log_probs(self.model, sel[i:j], chunk_adapters, self._workspace, False)
                 out.append(z.gather(1, tgt[i:j, None]).squeeze(1))
         return torch.cat(out)
 
