@@ -1,6 +1,7 @@
 """One LoRA training step (forward_backward + optim_step): trine's Trainer vs transformers + peft.
 
     python benchmarks/trainer.py [--model DIR] [--batch 8] [--seq 256] [--rank 16] [--iters 5] [--json]
+                                 [--no-prefix | --prefix-only]
 
 Both sides train LoRA rank 16 (alpha 32) on attention and MLP of the same fp32 weights with AdamW, on
 the same random batch (labels = inputs, next-token cross-entropy), in the same process; their steps
@@ -10,6 +11,12 @@ of the per-iteration ratios, which cancels most of the drift of a shared machine
 - mixed_adapter_overhead: forward_backward of the same batch split across 4 runs (4 adapters mixed
   in one pass) against one run's forward_backward, as a fraction (0.05 = 5% slower);
   mixed_adapter_overhead_with_optim adds the optim_steps (4 against 1) to both sides.
+- vs_hf_peft_ceiling: the most vs_hf_peft could be, for a step that does only its GEMM work at this
+  CPU's peak: HF step time / (linear-layer FLOPs of a step / gemm_peak_gflops). A step's GEMM work is
+  the forward and the input-gradient product of every base linear and the LM head, 4 x tokens x their
+  weights (a frozen base needs no weight gradient; LoRA's and attention's FLOPs are left out, so this
+  is a bound); gemm_peak_gflops is the best fp32 1024^3 matmul measured in the same run.
+  trine_fraction_of_floor: that GEMM-only time / trine's step time.
 - peak_memory_ratio: trine / HF peak memory of one step. Measured in a fresh child process per side
   (the allocator keeps freed memory, so one process cannot measure two sides): after loading and
   setup, the kernel's peak-RSS counter is reset (`/proc/self/clear_refs` <- 5), then one step runs;
@@ -41,6 +48,7 @@ from pathlib import Path
 
 import torch
 from report import record  # benchmarks/report.py
+from sampler import gemm_peak_gflops  # benchmarks/sampler.py
 
 
 def _rss_kb(field: str) -> int:
@@ -264,6 +272,16 @@ def peak_memory(side: str, args) -> int:
     return int(statistics.median(peaks))
 
 
+def gemm_flops(model_dir: str, tokens: int) -> float:
+    """A LoRA step's base GEMM work: forward and input gradient of every linear and the LM head."""
+    from trine.engine.model.weights import read_config
+
+    c = read_config(model_dir)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    return 4.0 * tokens * (c.num_layers * layer + c.hidden_size * c.vocab_size)
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -281,6 +299,7 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--prefix-only", action="store_true", help="only the prefix-sharing cases")
+    ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-sharing cases")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side before a prefix case")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="the prefix cases' Trainer budget")
     ap.add_argument("--grpo-groups", type=int, default=8)
@@ -320,13 +339,18 @@ def main():
             out.append(timed(fn))
         t_mixed.append(timed(mixed.step))
     del ours, mixed, hf
+    gemm_peak = gemm_peak_gflops()
     peak_ours, peak_hf = peak_memory("trine", args), peak_memory("hf", args)
     ntok = args.batch * args.seq
     med = statistics.median
+    floor_s = gemm_flops(args.model, ntok) / (gemm_peak * 1e9)
     result = {  # ratios: the median of the per-iteration ratios of paired timings
         "vs_hf_peft": med([h / o for h, o in zip(t_hf, t_ours)]),
         "mixed_adapter_overhead": med([m / o for m, o in zip(t_fb4, t_fb1)]) - 1,
         "mixed_adapter_overhead_with_optim": med([m / o for m, o in zip(t_mixed, t_ours)]) - 1,
+        "vs_hf_peft_ceiling": med(t_hf) / floor_s,
+        "trine_fraction_of_floor": floor_s / med(t_ours),
+        "gemm_peak_gflops": gemm_peak,
         "peak_memory_ratio": peak_ours / peak_hf,
         "trine_step_s": med(t_ours),
         "hf_peft_step_s": med(t_hf),
@@ -344,7 +368,7 @@ def main():
         "iters": args.iters,
         "threads": args.threads,
     }
-    _print(result | prefix_cases(args), args)
+    _print(result if args.no_prefix else result | prefix_cases(args), args)
 
 
 def _print(result: dict, args) -> None:

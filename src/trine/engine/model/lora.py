@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..api import LoRAConfig
+from . import invariant
 from .invariant import linear
 
 
@@ -76,6 +77,24 @@ class AdapterBatch:
     # LoRALinear works on views of those rows instead of gathering and scattering them.
     spans: list[tuple[Adapter, int, int]] | None = None
 
+    _flat: dict = field(default_factory=dict, repr=False, compare=False)  # flat(), per row count
+
+    def flat(self, per_row: int) -> "AdapterBatch":
+        """The same adapters for the batch with each row flattened into `per_row` consecutive rows
+        (a [B, T, ...] batch seen as [B * T, ...])."""
+        if per_row == 1 or not self.groups:
+            return self
+        got = self._flat.get(per_row)
+        if got is None:
+
+            def expand(rows):
+                return (rows[:, None] * per_row + torch.arange(per_row, device=rows.device)).reshape(-1)
+
+            groups = [(a, None if rows is None else expand(rows)) for a, rows in self.groups]
+            spans = None if self.spans is None else [(a, s * per_row, e * per_row) for a, s, e in self.spans]
+            got = self._flat[per_row] = AdapterBatch(groups, spans)
+        return got
+
     @classmethod
     def single(cls, adapter: Adapter | None) -> "AdapterBatch":
         return cls([(adapter, None)] if adapter is not None else [])
@@ -100,14 +119,20 @@ class LoRALinear(nn.Linear):
     lora_name: str = ""  # its full module name in the model (set by the model), the adapters' key
 
     def forward(self, x: torch.Tensor, adapters: AdapterBatch | None = None) -> torch.Tensor:
-        return self.add_adapters(x, linear(x, self.weight, self.bias, owner=self), adapters)
+        rows = x.reshape(-1, x.shape[-1])  # 2-D, so a delta can be added by the GEMM itself (addmm_)
+        out = linear(rows, self.weight, self.bias, owner=self)
+        if adapters:
+            out = self.add_adapters(rows, out, adapters.flat(_per_row(x)))
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def add_adapters(
         self, x: torch.Tensor, out: torch.Tensor, adapters: AdapterBatch | None, inplace: bool = True
     ) -> torch.Tensor:
-        """`out` (this layer's base output for `x`) plus the adapters' deltas: added in place when
-        `out` is fresh (linear's backward does not read it, so no copies of it are made per
-        adapter), out of place when it is a slice autograd may not modify (`FusedLinears`)."""
+        """`out` [rows, out] (this layer's base output for `x` [rows, in]) plus the adapters'
+        deltas: added in place when `out` is fresh (linear's backward does not read it, so no
+        copies of it are made per adapter), out of place when it is a slice autograd may not
+        modify (`FusedLinears`). One adapter on every row is added by one `addmm_`, unless the
+        kernels are batch-invariant (their row-tiled GEMMs then compute the delta)."""
         if not adapters or not adapters.groups:
             return out
         # The scale multiplies the rank-r intermediate, not the wide output.
@@ -118,6 +143,9 @@ class LoRALinear(nn.Linear):
             if pair is None:
                 continue
             a, b = pair
+            if rows is None and inplace and _folds(out, a):
+                out.addmm_(linear(x, a) * adapter.scale, b.t())
+                continue
             xs = x if rows is None else x.index_select(0, rows)
             delta = linear(linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype)
             if rows is None:
@@ -156,8 +184,10 @@ class FusedLinears:
     """LoRALinear layers that read the same input (q/k/v, gate/up), computed with one GEMM.
 
     Fewer, wider GEMMs: on a CPU a decode step's linear layers have a few dozen rows, where a call's
-    fixed cost and a narrow weight's poor blocking dominate. Each member then adds its own
-    adapters' deltas to its slice of the output, so LoRA targets keep PEFT's per-layer names.
+    fixed cost and a narrow weight's poor blocking dominate. With one adapter on every row, the
+    members' deltas are one more GEMM added in place (`_stacked`: their A matrices stacked, their
+    B matrices block-diagonal); otherwise each member adds its own adapters' deltas to its slice
+    of the output. Either way LoRA targets keep PEFT's per-layer names.
 
     Invariants
     - The members stay ordinary `LoRALinear` modules with their own parameters (state dicts, LoRA
@@ -182,10 +212,49 @@ class FusedLinears:
         if fused is None:
             return [m(x, adapters) for m in members]
         weight, bias = fused
-        out = linear(x, weight, bias, owner=self).split([m.out_features for m in members], dim=-1)
-        # autograd forbids in-place changes to the views `split` returns: training adds out of place
-        inplace = not torch.is_grad_enabled()
-        return [m.add_adapters(x, o, adapters, inplace) for m, o in zip(members, out)]
+        if adapters:
+            adapters = adapters.flat(_per_row(x))
+        lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        out = linear(x, weight, bias, owner=self)
+        sizes = [m.out_features for m in members]
+        stacked = _stacked(members, adapters, out)
+        if stacked is not None:  # one adapter on every row: its members' deltas in one addmm_
+            a, b, scale = stacked
+            outs = out.addmm_(linear(x, a) * scale, b.t()).split(sizes, dim=-1)
+        else:
+            # autograd forbids in-place changes to the views `split` returns: training adds out of place
+            inplace = not torch.is_grad_enabled()
+            parts = out.split(sizes, dim=-1)
+            outs = [m.add_adapters(x, o, adapters, inplace) for m, o in zip(members, parts)]
+        return [o.view(*lead, o.shape[-1]) for o in outs]
+
+
+def _per_row(x: torch.Tensor) -> int:
+    """Rows of the flattened [-1, in] view per row of x's first dim."""
+    return x[0].numel() // x.shape[-1] if x.dim() > 2 and x.shape[0] else 1
+
+
+def _folds(out: torch.Tensor, a: torch.Tensor) -> bool:
+    """A delta may be added to `out` by addmm_: same dtype, and the kernels not batch-invariant."""
+    return out.dtype == a.dtype and not invariant.enabled()
+
+
+def _stacked(
+    members: list[LoRALinear], adapters: AdapterBatch | None, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """For one adapter on every row: its members' A stacked [sum(r), in] and B block-diagonal
+    [sum(out), sum(r)] (a member without a pair gets a zero-width block), so x A^T B^T is every
+    member's delta side by side. None when the batch has no such single adapter."""
+    if not adapters or len(adapters.groups) != 1 or adapters.groups[0][1] is not None:
+        return None
+    adapter = adapters.groups[0][0]
+    pairs = [adapter.pair(m.lora_name) for m in members]
+    present = [p for p in pairs if p is not None]
+    if not present or not _folds(out, present[0][0]):
+        return None
+    a = torch.cat([p[0] for p in present]) if len(present) > 1 else present[0][0]
+    blocks = [p[1] if p is not None else out.new_zeros(m.out_features, 0) for m, p in zip(members, pairs)]
+    return a, torch.block_diag(*blocks), adapter.scale
 
 
 def _fused(members: list[LoRALinear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
