@@ -14,6 +14,7 @@ Invariants
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -155,29 +156,42 @@ class LoRALinear(nn.Linear):
         return out
 
     def _add_spans(self, x: torch.Tensor, out: torch.Tensor, spans, inplace: bool) -> torch.Tensor:
-        """Contiguous row ranges: split x, one delta per piece, one cat. Backward is one split and one
-        cat too (narrowing or in-place adds on views would copy the full gradient once per adapter)."""
-        sizes, owners, pos = [], [], 0
-        for adapter, start, stop in sorted(spans, key=lambda s: s[1]):
-            if start > pos:
-                sizes.append(start - pos)
-                owners.append(None)
-            sizes.append(stop - start)
-            owners.append(adapter if adapter.pair(self.lora_name) is not None else None)
-            pos = stop
-        if pos < x.shape[0]:
-            sizes.append(x.shape[0] - pos)
-            owners.append(None)
-        if all(o is None for o in owners):
+        delta = span_deltas(x, out, spans, self._pair)
+        if delta is None:
             return out
-        deltas = []
-        for xs, adapter in zip(x.split(sizes), owners):
-            if adapter is None:
-                deltas.append(out.new_zeros(xs.shape[:-1] + out.shape[-1:]))
-                continue
-            a, b = adapter.pair(self.lora_name)
-            deltas.append(linear(linear(xs.to(a.dtype), a) * adapter.scale, b).to(out.dtype))
-        return out.add_(torch.cat(deltas)) if inplace else out + torch.cat(deltas)
+        return out.add_(delta) if inplace else out + delta
+
+    def _pair(self, adapter: Adapter) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        pair = adapter.pair(self.lora_name)
+        return None if pair is None else (*pair, adapter.scale)
+
+
+def span_deltas(x: torch.Tensor, out: torch.Tensor, spans, pair_of) -> torch.Tensor | None:
+    """The deltas of adapters on contiguous row ranges of `x` [rows, in], as one [rows, out] tensor
+    (zeros on rows no adapter covers), or None when no span has a pair: split x, one delta per
+    piece, one cat. Backward is one split and one cat too (narrowing or in-place adds on views
+    would copy the full gradient once per adapter). `pair_of(adapter)` gives (A, B, scale) or None."""
+    sizes, pairs, pos = [], [], 0
+    for adapter, start, stop in sorted(spans, key=lambda s: s[1]):
+        if start > pos:
+            sizes.append(start - pos)
+            pairs.append(None)
+        sizes.append(stop - start)
+        pairs.append(pair_of(adapter))
+        pos = stop
+    if pos < x.shape[0]:
+        sizes.append(x.shape[0] - pos)
+        pairs.append(None)
+    if all(p is None for p in pairs):
+        return None
+    deltas = []
+    for xs, pair in zip(x.split(sizes), pairs):
+        if pair is None:
+            deltas.append(out.new_zeros(xs.shape[:-1] + out.shape[-1:]))
+            continue
+        a, b, scale = pair
+        deltas.append(linear(linear(xs.to(a.dtype), a) * scale, b).to(out.dtype))
+    return torch.cat(deltas)
 
 
 class FusedLinears:
@@ -217,11 +231,17 @@ class FusedLinears:
         lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
         out = linear(x, weight, bias, owner=self)
         sizes = [m.out_features for m in members]
-        stacked = _stacked(members, adapters, out)
-        if stacked is not None:  # one adapter on every row: its members' deltas in one addmm_
-            a, b, scale = stacked
-            outs = out.addmm_(linear(x, a) * scale, b.t()).split(sizes, dim=-1)
-        else:
+        outs = None
+        if adapters and adapters.groups and not invariant.enabled():  # the members' deltas at once
+            stacked = functools.partial(_stacked, members, out)
+            if adapters.spans is not None:  # one adapter per contiguous row range
+                delta = span_deltas(x, out, adapters.spans, stacked)
+                outs = (out if delta is None else out.add_(delta)).split(sizes, dim=-1)
+            elif adapters.groups[0][1] is None and (one := stacked(adapters.groups[0][0])) is not None:
+                a, b, scale = one  # one adapter on every row: one addmm_ (when dtypes agree)
+                if _folds(out, a):
+                    outs = out.addmm_(linear(x, a) * scale, b.t()).split(sizes, dim=-1)
+        if outs is None:
             # autograd forbids in-place changes to the views `split` returns: training adds out of place
             inplace = not torch.is_grad_enabled()
             parts = out.split(sizes, dim=-1)
@@ -240,17 +260,14 @@ def _folds(out: torch.Tensor, a: torch.Tensor) -> bool:
 
 
 def _stacked(
-    members: list[LoRALinear], adapters: AdapterBatch | None, out: torch.Tensor
+    members: list[LoRALinear], out: torch.Tensor, adapter: Adapter
 ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """For one adapter on every row: its members' A stacked [sum(r), in] and B block-diagonal
+    """An adapter's pairs on `members` as one: A stacked [sum(r), in] and B block-diagonal
     [sum(out), sum(r)] (a member without a pair gets a zero-width block), so x A^T B^T is every
-    member's delta side by side. None when the batch has no such single adapter."""
-    if not adapters or len(adapters.groups) != 1 or adapters.groups[0][1] is not None:
-        return None
-    adapter = adapters.groups[0][0]
+    member's delta side by side. None when it has no pair on them."""
     pairs = [adapter.pair(m.lora_name) for m in members]
     present = [p for p in pairs if p is not None]
-    if not present or not _folds(out, present[0][0]):
+    if not present:
         return None
     a = torch.cat([p[0] for p in present]) if len(present) > 1 else present[0][0]
     blocks = [p[1] if p is not None else out.new_zeros(m.out_features, 0) for m, p in zip(members, pairs)]
