@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from serverutil import TEST_OPTIONS, pytrio_env, serve, start
 
 import trine as trio
-from trine.engine import SPIN_COUNT, WAIT_SETTINGS, openmp_wait
+from trine.engine import DEFAULT_WAIT, WAIT_SETTINGS, openmp_wait
 from trine.engine.api import SampleRequest, SamplingOptions
 from trine.service import SamplingRunSpec
 from trine.service.routing import Router
@@ -107,9 +107,8 @@ def test_each_replica_runs_in_its_own_session_with_one_torch_thread(ray_server):
     # trine.engine, imported in the replica before its torch, sets the short spin unless this
     # process's environment (which the raylet passes on) already named a policy
     named = os.environ.keys() & set(WAIT_SETTINGS)
-    assert all(
-        p["openmp_wait"] == (openmp_wait() if named else f"GOMP_SPINCOUNT={SPIN_COUNT}") for p in procs
-    )
+    default = " ".join(f"{k}={v}" for k, v in DEFAULT_WAIT.items())
+    assert all(p["openmp_wait"] == (openmp_wait() if named else default) for p in procs)
 
 
 def _sft_batch(tokenizer_ids: list[list[int]]) -> list[trio.Datum]:
