@@ -11,8 +11,10 @@ logprobs; TRL with its default GRPO loss (dapo, beta 0, one iteration per genera
 Interleaving: TRL runs in a child process whose callback, after each TRL step, waits while this
 process runs one trine step, so both see the same machine state and never compute at once. They
 are separate processes as they would be for a user, who runs one or the other: in one process,
-trine's sampler thread ran 1.5x slower once TRL's main thread had computed (apparently libgomp
-cutting every thread pool's spin-waiting when it counts more OpenMP threads than cores).
+trine's sampler thread ran 1.5x slower once TRL's main thread had computed (libgomp cuts every
+thread pool's spin to its "throttled" count when it counts more OpenMP threads than cores; since
+2026-12-02 trine.engine's default, OMP_WAIT_POLICY=ACTIVE with GOMP_SPINCOUNT, raises that count
+from 100 to 1000: docs/serving.md#shared-cpu-cores).
 
 Times per step: trine = sampling (save_weights_and_get_sampling_client + the 8 group
 requests) + training (forward_backward + optim_step); TRL = generation (`GRPOTrainer._generate`)
