@@ -20,6 +20,7 @@ from serverutil import TEST_OPTIONS, pytrio_env, serve, start
 import trine as trio
 from trine.engine import DEFAULT_WAIT, WAIT_SETTINGS, openmp_wait
 from trine.engine.api import SampleRequest, SamplingOptions
+from trine.engine.malloc import keep_freed_memory
 from trine.service import SamplingRunSpec
 from trine.service.routing import Router
 
@@ -109,6 +110,8 @@ def test_each_replica_runs_in_its_own_session_with_one_torch_thread(ray_server):
     named = os.environ.keys() & set(WAIT_SETTINGS)
     default = " ".join(f"{k}={v}" for k, v in DEFAULT_WAIT.items())
     assert all(p["openmp_wait"] == (openmp_wait() if named else default) for p in procs)
+    # and keeps its freed per-step tensors in the heap (engine/malloc.py), as this process does
+    assert all(p["malloc"] == keep_freed_memory() for p in procs)
 
 
 def _sft_batch(tokenizer_ids: list[list[int]]) -> list[trio.Datum]:

@@ -15,10 +15,15 @@ threads have run parallel regions (a server's engine thread and its main thread)
 more of its threads than cores and cuts every spin to a "throttled" count: 100 by default, 1000
 under ACTIVE. At 100 every op of the engine's forward paid a wake-up: a small op took 65-75 us
 instead of 4, and a decode-heavy batch ran 22 % slower in the engine thread than in the main one.
+
+Importing it also keeps freed large blocks in the C allocator's heap for the next step (malloc.py):
+otherwise every step's tensors of a few MB page-fault in afresh.
 """
 
 import os
 import sys
+
+from .malloc import keep_freed_memory
 
 # Pause-loop iterations; measured on the 2-vCPU Xeon (benchmarks/cpu_share.py, 8 sequences
 # decoding): tokens/s alone and beside a 1-core hog, PASSIVE 89.6 / 63.7, 3000 102 / 56.9,
@@ -40,3 +45,5 @@ if "torch" not in sys.modules and not os.environ.keys() & set(WAIT_SETTINGS):
     # the OpenMP runtime reads these once, when torch loads it
     os.environ.update(DEFAULT_WAIT)
     os.environ.setdefault("KMP_BLOCKTIME", "0")
+
+keep_freed_memory()

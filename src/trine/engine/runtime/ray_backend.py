@@ -49,6 +49,7 @@ from ..api import (
     TrainingCycle,
 )
 from ..interface import Engine
+from ..malloc import keep_freed_memory
 from .local import LocalEngine
 from .ray_cluster import watch_local_cluster
 
@@ -88,7 +89,8 @@ def own_session() -> bool:
 
 def process_info() -> dict:
     """This process as the scheduler sees it: pid, session, CPU-seconds so far (user + system),
-    torch's intra-op threads and how its OpenMP threads wait (`trine.engine.openmp_wait`)."""
+    torch's intra-op threads, how its OpenMP threads wait (`trine.engine.openmp_wait`) and what its
+    C allocator keeps (`trine.engine.malloc`)."""
     import torch  # loaded by the engine already
 
     t = os.times()
@@ -98,6 +100,7 @@ def process_info() -> dict:
         cpu_s=t.user + t.system,
         torch_threads=torch.get_num_threads(),
         openmp_wait=openmp_wait(),
+        malloc=keep_freed_memory(),
     )
 
 
