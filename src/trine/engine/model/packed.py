@@ -15,11 +15,12 @@ Invariants
   fixed-shape GEMMs), and where this torch has MKL. Everything else is `F.linear`.
 - The result is F.linear's up to float32 rounding (a different kernel, so the last bits may differ,
   as they already do between row counts).
-- Packed copies take 2-9x their weight's memory; those over `MAX_INFLATION` are dropped
-  (SmolLM2-135M keeps gate/up, down and the LM head: 1.3 GB allocated, of which about 0.5 GB
-  becomes resident: the padding is never touched). They are made lazily, at a weight's
-  first few-row call, while all of them fit in `budget_bytes()` (`TRINE_PACKED_GEMM_BYTES`,
-  default 2 GiB; 0 turns the path off); past it, F.linear.
+- Packed copies take 2-9x their weight's memory (MKL adds about 10 MB of padding to each, which
+  is never touched, so it is address space, not resident memory); those over `MAX_INFLATION` are
+  dropped (SmolLM2-135M keeps all 121 of its GEMMs, q/k/v and gate/up fused: 2.0 GB allocated,
+  about 0.5 GB resident). They are made lazily, at a weight's first few-row call, while all of
+  them fit in `budget_bytes()` (`TRINE_PACKED_GEMM_BYTES`, default 2 GiB; 0 turns the path off);
+  past it, F.linear.
 - Each owner (a module) keeps one packed copy, of the weight it last multiplied. The copy is made
   again when the weight is another tensor or was changed in place (its data pointer, shape, strides
   or version counter differ); the cache holds the weight it packed, so a freed weight's address
@@ -40,9 +41,11 @@ import torch.nn.functional as F
 
 MAX_ROWS = 256  # above this, plain sgemm is as fast (and from ~1000 rows faster)
 _PACK_ROWS = 64  # the row count packing is told; any works (see the module docstring)
-# A copy this many times its weight's size is dropped: MKL pads narrow weights most (SmolLM2-135M:
-# o_proj 8.7x, q/k/v 5.2x, down 3.9x, gate/up 3.0x, LM head 2.1x) and they gain least.
-MAX_INFLATION = 4.0
+# A copy this many times its weight's size is dropped. MKL pads each copy by about 10 MB, so small
+# weights inflate most (SmolLM2-135M: o_proj 8.7x, q/k/v 5.2x, down 3.9x, gate/up 3.0x, LM head
+# 2.1x); they still gain (fused q/k/v with 32 rows 384 -> 107 us, o_proj 98 -> 66 us), and the
+# padding is never touched. The bound drops only weights so small that the padding dwarfs them.
+MAX_INFLATION = 10.0
 _packs: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
 _available: bool | None = None
 _lock = threading.Lock()  # the sampler's and the trainer's threads may pack at once
