@@ -18,16 +18,10 @@ trine_s), `sampling_speedup`.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
+from fresh_process import run_child  # benchmarks/fresh_process.py
 from report import emit  # benchmarks/report.py
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, random, resource, sys, time
@@ -86,13 +80,7 @@ KEYS = ("s", "sampling_s", "page_faults")
 
 def run_setting(extra: dict, args) -> dict:
     named = ("TRINE_MALLOC", "GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-    env = {k: v for k, v in os.environ.items() if k not in named}
-    env.update(extra, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])))
-    argv = [str(v) for v in (args.prompts, args.samples, args.prompt_len, args.new)]
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, [args.prompts, args.samples, args.prompt_len, args.new], drop=named, env=extra)
 
 
 def main() -> None:

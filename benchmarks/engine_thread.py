@@ -19,15 +19,9 @@ thread, alternating which goes first, and a 64 x 576 add timed 500 times in each
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+from fresh_process import run_child  # benchmarks/fresh_process.py
 from report import emit  # benchmarks/report.py
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, random, statistics, sys, threading, time
@@ -102,13 +96,8 @@ SETTINGS = {"default": {}, "spin3000": {"GOMP_SPINCOUNT": "3000"}}
 
 def run_setting(extra: dict, args) -> dict:
     named = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-    env = {k: v for k, v in os.environ.items() if k not in named}
-    env.update(extra, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])))
-    argv = [str(v) for v in (args.prompts, args.samples, args.prompt_len, args.new, args.repeats)]
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    argv = [args.prompts, args.samples, args.prompt_len, args.new, args.repeats]
+    return run_child(CHILD, argv, drop=named, env=extra)
 
 
 def main() -> None:
