@@ -23,6 +23,8 @@ import statistics
 from fresh_process import run_child  # benchmarks/fresh_process.py
 from report import emit  # benchmarks/report.py
 
+from trine.engine.malloc import ENV_NAMES
+
 CHILD = r"""
 import json, random, resource, sys, time
 import trine.engine
@@ -79,8 +81,8 @@ KEYS = ("s", "sampling_s", "page_faults")
 
 
 def run_setting(extra: dict, args) -> dict:
-    named = ("TRINE_MALLOC", "GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-    return run_child(CHILD, [args.prompts, args.samples, args.prompt_len, args.new], drop=named, env=extra)
+    argv = [args.prompts, args.samples, args.prompt_len, args.new]
+    return run_child(CHILD, argv, drop=ENV_NAMES, env=extra)
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from trine.engine.malloc import ENV_NAMES
+
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's")
 
 # 4 prompts x 16 samples: each decode step's logits, softmax and log-softmax are [64, 49152] fp32
@@ -39,12 +41,11 @@ run("measured")
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(keep_freed_memory())
 """
-OPERATOR_NAMES = ("TRINE_MALLOC", "GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def decode_run(model_dir, **env: str) -> tuple[int, str]:
     """(minor page faults of the second of two identical decode-heavy runs, the allocator's line)."""
-    base = {k: v for k, v in os.environ.items() if k not in OPERATOR_NAMES}
+    base = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
     out = subprocess.run(
         [sys.executable, "-c", PROBE, str(model_dir)],
         env={**base, **env},
@@ -69,7 +70,7 @@ def test_a_decode_heavy_run_reuses_its_freed_logits_instead_of_faulting_them_in(
 def test_an_operators_allocator_settings_are_kept(tiny_model_dir):
     probe = "import trine.engine.malloc as m; print(m.keep_freed_memory())"
     for env in ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1048576"}, {"MALLOC_ARENA_MAX": "2"}):
-        base = {k: v for k, v in os.environ.items() if k not in OPERATOR_NAMES}
+        base = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
         out = subprocess.run(
             [sys.executable, "-c", probe], env={**base, **env}, capture_output=True, text=True
         )

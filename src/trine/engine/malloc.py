@@ -31,6 +31,7 @@ OPERATOR_SETTINGS = (
     "MALLOC_TOP_PAD_",
     "MALLOC_ARENA_MAX",
 )
+ENV_NAMES = ("TRINE_MALLOC", "GLIBC_TUNABLES", *OPERATOR_SETTINGS)  # every name that changes the outcome
 
 _applied: str | None = None
 
