@@ -26,6 +26,7 @@ from torch import nn
 
 from .invariant import attention, silu
 from .lora import AdapterBatch, FusedLinears, LoRALinear
+from .paged_attention import paged_attention, suits
 
 
 # ----------------------------------------------------------------------------- config
@@ -151,6 +152,7 @@ class KVContext:
     attn_mask: torch.Tensor
     query_index: torch.Tensor | None = None
     _writes: tuple | None = field(default=None, init=False, repr=False)
+    _in_place: bool | None = field(default=None, init=False, repr=False)
 
     def writes(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(flat token rows to write or None for all of them, their slots): found once per forward,
@@ -160,6 +162,13 @@ class KVContext:
             valid = flat >= 0
             self._writes = (None, flat) if bool(valid.all()) else (valid.nonzero().squeeze(1), flat[valid])
         return self._writes
+
+    def in_place(self, q: torch.Tensor) -> bool:
+        """Whether attention reads the pools in place (`paged_attention.suits`), decided once per
+        forward."""
+        if self._in_place is None:
+            self._in_place = suits(q, self.k_pool[0], self.attn_mask)
+        return self._in_place
 
 
 class Attention(nn.Module):
@@ -200,21 +209,38 @@ class Attention(nn.Module):
                 new_k, new_v = new_k.index_select(0, written), new_v.index_select(0, written)
             kp.index_copy_(0, slots, new_k.to(kp.dtype))
             vp.index_copy_(0, slots, new_v.to(vp.dtype))
-            rows, L = kv.read_slots.shape
-            read = kv.read_slots.reshape(-1)  # index_select copies whole [kvh, d] rows: fast
-            kc = kp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
-            vc = vp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
-            if kv.query_index is None:
-                out = attention(q, kc, vc, kv.attn_mask)
-            else:  # gather queries into packed rows, attend, scatter back
-                qi = kv.query_index.reshape(-1)
-                real = qi >= 0
-                qf = q.transpose(1, 2).reshape(B * T, cfg.num_heads, d)
-                qp = qf.index_select(0, qi.clamp(min=0)).view(rows, -1, cfg.num_heads, d)
-                op = attention(qp.transpose(1, 2), kc, vc, kv.attn_mask).transpose(1, 2)
-                out = torch.zeros_like(qf).index_copy_(0, qi[real], op.reshape(-1, cfg.num_heads, d)[real])
-                out = out.view(B, T, cfg.num_heads, d).transpose(1, 2)
+            out = self._paged(q, kp, vp, kv)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1), adapters)
+
+    def _paged(self, q, kp, vp, kv: KVContext) -> torch.Tensor:
+        """q [B, H, T, D] attends its context in the pools -> [B, H, T, D]; packed rows
+        (`kv.query_index`) are gathered from the queries and scattered back."""
+        attend = _attend_in_place if kv.in_place(q) else _attend_gathered
+        if kv.query_index is None:
+            return attend(q, kp, vp, kv)
+        B, H, T, d = q.shape
+        qi = kv.query_index.reshape(-1)
+        real = qi >= 0
+        qf = q.transpose(1, 2).reshape(B * T, H, d)
+        qp = qf.index_select(0, qi.clamp(min=0)).view(kv.read_slots.shape[0], -1, H, d)
+        op = attend(qp.transpose(1, 2), kp, vp, kv).transpose(1, 2)
+        out = torch.zeros_like(qf).index_copy_(0, qi[real], op.reshape(-1, H, d)[real])
+        return out.view(B, T, H, d).transpose(1, 2)
+
+
+def _attend_gathered(q, kp, vp, kv: KVContext) -> torch.Tensor:
+    """q [rows, H, Q, D] over its keys copied out of the pools, by SDPA -> [rows, H, Q, D]."""
+    rows, L = kv.read_slots.shape
+    kvh, d = kp.shape[1], kp.shape[2]
+    read = kv.read_slots.reshape(-1)  # index_select copies whole [kvh, d] rows: fast
+    kc = kp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
+    vc = vp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
+    return attention(q, kc, vc, kv.attn_mask)
+
+
+def _attend_in_place(q, kp, vp, kv: KVContext) -> torch.Tensor:
+    """`_attend_gathered`'s result, the pools read where they are (paged_attention.py)."""
+    return paged_attention(q.transpose(1, 2), kp, vp, kv.read_slots, kv.attn_mask[:, 0]).transpose(1, 2)
 
 
 class MLP(nn.Module):

@@ -1,0 +1,136 @@
+"""Decode attention over the paged pool read in place (engine/model/paged_attention.py): SDPA's result
+over a gathered copy, per row independent of the batch, used only where it suits, and a sampler that
+decodes the same tokens with it as without."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.model import invariant, model, paged_attention
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+
+pytestmark = pytest.mark.skipif(not paged_attention.available(), reason="no C compiler with OpenMP here")
+
+
+def gathered(q, kp, vp, read, mask):
+    """The reference: keys copied out of the pools, torch's SDPA. q [P, Q, H, D] -> same."""
+    P, L = read.shape
+    kvh, d = kp.shape[1:]
+    kc = kp[read.reshape(-1)].view(P, L, kvh, d).transpose(1, 2)
+    vc = vp[read.reshape(-1)].view(P, L, kvh, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), kc, vc, attn_mask=mask[:, None], enable_gqa=kvh != q.shape[2]
+    )
+    return out.transpose(1, 2)
+
+
+def case(P, Q, L, H, KVH, D, slots=5000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kp, vp = torch.randn(slots, KVH, D, generator=g), torch.randn(slots, KVH, D, generator=g)
+    read = torch.randint(0, slots, (P, L), generator=g)
+    mask = torch.rand(P, Q, L, generator=g) < 0.6
+    mask[..., 0] = True  # every query sees a key
+    return torch.randn(P, Q, H, D, generator=g) * 3, kp, vp, read, mask
+
+
+@pytest.mark.parametrize(
+    "P,Q,L,H,KVH,D",
+    [
+        (6, 1, 77, 9, 3, 64),  # SmolLM2's heads, one query per row, a partial key tile
+        (3, 8, 200, 4, 2, 24),  # packed rows (a group's samples), the tiny test models' heads
+        (2, 3, 33, 8, 8, 128),  # no grouped heads
+        (1, 1, 1, 2, 1, 16),  # one key
+    ],
+)
+def test_equals_sdpa_over_a_gathered_copy(P, Q, L, H, KVH, D):
+    q, kp, vp, read, mask = case(P, Q, L, H, KVH, D)
+    got = paged_attention.paged_attention(q, kp, vp, read, mask)
+    torch.testing.assert_close(got, gathered(q, kp, vp, read, mask), atol=2e-5, rtol=1e-5)
+
+
+def test_masked_keys_do_not_count_even_when_huge():
+    q, kp, vp, read, mask = case(2, 2, 64, 4, 2, 32)
+    kp[read[:, 40:]] = 1e4  # keys no query sees; softmax must not touch them
+    mask[:, :, 40:] = False
+    got = paged_attention.paged_attention(q, kp, vp, read, mask)
+    torch.testing.assert_close(got, gathered(q, kp, vp, read, mask), atol=2e-5, rtol=1e-5)
+    assert got.isfinite().all()
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    q, kp, vp, read, mask = case(5, 1, 150, 9, 3, 64)
+    batch = paged_attention.paged_attention(q, kp, vp, read, mask)
+    alone = paged_attention.paged_attention(q[2:3], kp, vp, read[2:3], mask[2:3])
+    assert torch.equal(batch[2:3], alone)
+
+
+def test_used_only_where_it_suits(monkeypatch):
+    q, kp, _, _, mask = case(4, 1, 64, 9, 3, 64)
+    mask4 = mask[:, None]
+    assert paged_attention.suits(q, kp, mask4)
+    many = torch.ones(1, 1, paged_attention.MAX_QUERIES + 1, 64, dtype=torch.bool)  # a prefill chunk
+    assert not paged_attention.suits(q, kp, many)
+    shared = torch.ones(1, 1, 8, 64, dtype=torch.bool)  # 8 queries on every key: SDPA's GEMMs win
+    assert not paged_attention.suits(q, kp, shared)
+    assert not paged_attention.suits(q.double(), kp.double(), mask4)
+    assert not paged_attention.suits(q.clone().requires_grad_(), kp, mask4)  # the trainer
+    monkeypatch.setattr(invariant, "_enabled", True)  # --batch-invariant has its own attention
+    assert not paged_attention.suits(q, kp, mask4)
+
+
+def test_switched_off_by_the_environment(tmp_path):
+    code = "from trine.engine.model import paged_attention as p; print(p.available())"
+    env = {"TRINE_PAGED_ATTENTION": "0", "TRINE_KERNEL_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False" and not list(tmp_path.iterdir())
+
+
+def test_without_a_compiler_the_engine_gathers(tmp_path):
+    code = (
+        "import torch\nfrom trine.engine.model import paged_attention as p\n"
+        "print(p.available(), p.suits(torch.zeros(1, 1, 2, 8), torch.zeros(4, 1, 8), "
+        "torch.ones(1, 1, 1, 4, dtype=torch.bool)))"
+    )
+    env = {"CC": str(tmp_path / "no-such-cc"), "TRINE_KERNEL_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False False"
+    assert "gathering the KV instead" in out.stderr
+
+
+def _decode(model_tok, requests):
+    s = Sampler(*model_tok, kv_cache_bytes=16 * 2**20)
+    return s.run(requests)
+
+
+def _requests():
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (40, 17, 70)]
+    opts = SamplingOptions(max_tokens=12, temperature=0, stop_at_eos=False)
+    w = WeightsIdentity("tiny")
+    singles = [SampleRequest(f"s{i}", p, opts, w) for i, p in enumerate(prompts)]
+    group = SampleRequest("g", prompts[0], SamplingOptions(max_tokens=12, seed=5, stop_at_eos=False), w, 4)
+    return singles + [group]
+
+
+def test_the_sampler_decodes_the_same_with_and_without_it(tiny_model_dir, monkeypatch):
+    model_tok = (load_model(tiny_model_dir, "cpu"), Tokenizer(tiny_model_dir))
+    calls = []
+    real = model.paged_attention
+    monkeypatch.setattr(model, "paged_attention", lambda *a: calls.append(1) or real(*a))
+    with_kernel = _decode(model_tok, _requests())
+    assert calls  # the decode steps read the pool in place
+    monkeypatch.setattr(model.KVContext, "in_place", lambda self, q: False)
+    without = _decode(model_tok, _requests())
+    for a, b in zip(with_kernel, without):
+        for sa, sb in zip(a.sequences, b.sequences):
+            assert sa.tokens == sb.tokens
+            torch.testing.assert_close(sa.logprobs, sb.logprobs, atol=1e-4, rtol=0)
