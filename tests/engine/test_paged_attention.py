@@ -74,17 +74,21 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 
 def test_used_only_where_it_suits(monkeypatch):
-    q, kp, _, _, mask = case(4, 1, 64, 9, 3, 64)
+    q, kp, _, read, mask = case(4, 1, 64, 9, 3, 64)
     mask4 = mask[:, None]
-    assert paged_attention.suits(q, kp, mask4)
+    suits = paged_attention.suits
+    assert suits(q, kp, mask4, read)
     many = torch.ones(1, 1, paged_attention.MAX_QUERIES + 1, 64, dtype=torch.bool)  # a prefill chunk
-    assert not paged_attention.suits(q, kp, many)
+    assert not suits(q, kp, many, read[:1])
     shared = torch.ones(1, 1, 8, 64, dtype=torch.bool)  # 8 queries on every key: SDPA's GEMMs win
-    assert not paged_attention.suits(q, kp, shared)
-    assert not paged_attention.suits(q.double(), kp.double(), mask4)
-    assert not paged_attention.suits(q.clone().requires_grad_(), kp, mask4)  # the trainer
+    assert not suits(q, kp, shared, read[:1])
+    assert not suits(q.double(), kp.double(), mask4, read)
+    assert not suits(q.clone().requires_grad_(), kp, mask4, read)  # the trainer
+    outside = read.clone()
+    outside[1, 3] = kp.shape[0]  # a slot past the pool: SDPA's index_select raises, naming it
+    assert not suits(q, kp, mask4, outside)
     monkeypatch.setattr(invariant, "_enabled", True)  # --batch-invariant has its own attention
-    assert not paged_attention.suits(q, kp, mask4)
+    assert not suits(q, kp, mask4, read)
 
 
 def test_switched_off_by_the_environment(tmp_path):
@@ -98,7 +102,7 @@ def test_without_a_compiler_the_engine_gathers(tmp_path):
     code = (
         "import torch\nfrom trine.engine.model import paged_attention as p\n"
         "print(p.available(), p.suits(torch.zeros(1, 1, 2, 8), torch.zeros(4, 1, 8), "
-        "torch.ones(1, 1, 1, 4, dtype=torch.bool)))"
+        "torch.ones(1, 1, 1, 4, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.long)))"
     )
     env = {"CC": str(tmp_path / "no-such-cc"), "TRINE_KERNEL_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -167,7 +167,7 @@ class KVContext:
         """Whether attention reads the pools in place (`paged_attention.suits`), decided once per
         forward."""
         if self._in_place is None:
-            self._in_place = suits(q, self.k_pool[0], self.attn_mask)
+            self._in_place = suits(q, self.k_pool[0], self.attn_mask, self.read_slots)
         return self._in_place
 
 

@@ -73,7 +73,7 @@ def _cpu_identity() -> str:
 
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
     key = hashlib.sha256(
         "\0".join([_SOURCE.read_text(), cc, version, " ".join(_FLAGS), _cpu_identity()]).encode()
     ).hexdigest()[:16]
@@ -83,7 +83,8 @@ def _build() -> ctypes.CDLL:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: atomic
             built = Path(tmp) / path.name
-            done = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True)
+            cmd = [cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"]
+            done = subprocess.run(cmd, capture_output=True, timeout=300)
             if done.returncode:
                 raise RuntimeError(done.stderr.decode(errors="replace").strip()[-500:])
             os.replace(built, path)
@@ -113,10 +114,11 @@ def available() -> bool:
     return _lib is not None
 
 
-def suits(q: torch.Tensor, pool: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether attention of `q` over `pool` with `mask` [P, 1, Q, L] should use the kernel (see
-    the module docstring): decode-sized, and keys not shared by many queries each (a group's
-    prompt seen by all its samples is many small GEMMs, which SDPA over a copy does better)."""
+def suits(q: torch.Tensor, pool: torch.Tensor, mask: torch.Tensor, read: torch.Tensor) -> bool:
+    """Whether attention of `q` over `pool` with `mask` [P, 1, Q, L] and slots `read` [P, L]
+    should use the kernel (see the module docstring): decode-sized, and keys not shared by many
+    queries each (a group's prompt seen by all its samples is many small GEMMs, which SDPA over a
+    copy does better). Slots outside the pool never reach the kernel (index_select names them)."""
     from .invariant import enabled
 
     P, _, Q, L = mask.shape
@@ -125,10 +127,12 @@ def suits(q: torch.Tensor, pool: torch.Tensor, mask: torch.Tensor) -> bool:
         and q.device.type == "cpu"
         and q.dtype == torch.float32
         and pool.dtype == torch.float32
+        and pool.is_contiguous()
         and not (torch.is_grad_enabled() and q.requires_grad)
         and not enabled()
         and available()
         and int(mask.sum()) <= MAX_SHARING * P * L
+        and 0 <= int(read.min()) <= int(read.max()) < pool.shape[0]
     )
 
 
@@ -139,8 +143,7 @@ def paged_attention(
     sees at least one key) -> [P, Q, H, D]: softmax(q k^T / sqrt(D)) v over each query's keys."""
     P, Q, H, D = q.shape
     KVH, L = k_pool.shape[1], read.shape[1]
-    q, read, mask = q.contiguous(), read.contiguous(), mask.contiguous()
-    assert k_pool.is_contiguous() and v_pool.is_contiguous() and read.dtype == torch.long
+    q, read, mask = q.contiguous(), read.long().contiguous(), mask.contiguous()
     out = torch.empty_like(q)
     _lib.paged_attention(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), read.data_ptr(), mask.data_ptr(),
