@@ -57,6 +57,16 @@ def test_equals_sdpa_over_a_gathered_copy(P, Q, L, H, KVH, D):
     torch.testing.assert_close(got, gathered(q, kp, vp, read, mask), atol=2e-5, rtol=1e-5)
 
 
+def test_loading_it_keeps_the_process_subnormal_floats():
+    """A library linked with -ffast-math sets flush-to-zero for every thread of the process."""
+    code = (
+        "import torch\nfrom trine.engine.model import paged_attention as p\nassert p.available()\n"
+        "print(float(torch.tensor(1e-40) * 1.0) != 0.0, 1e-310 * 1.0 != 0.0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True True"
+
+
 def test_masked_keys_do_not_count_even_when_huge():
     q, kp, vp, read, mask = case(2, 2, 64, 4, 2, 32)
     kp[read[:, 40:]] = 1e4  # keys no query sees; softmax must not touch them
