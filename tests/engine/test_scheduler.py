@@ -236,6 +236,20 @@ def test_when_nothing_decodes_a_slow_prefill_is_bounded_by_time_so_a_newcomer_st
     assert sch.running and sch.running[0].request is short
 
 
+def test_an_idle_chunk_is_sized_from_the_last_large_chunk_not_a_small_one():
+    """A few dozen positions (a chat turn's new tokens) take most of a large chunk's time: the
+    next GRPO step's prompts, prefilled when nothing decodes, are not cut to a few blocks."""
+    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0)
+    sch.last_prefill = (80, 0.15)  # a small chunk only (or the first, slowed by one-time costs)
+    assert sch._prefill_budget(decoding=False) == 2048  # as if nothing were measured
+    group = [request(512, first=1000 * i, samples=8) for i in range(6)]
+    add(sch, *group)
+    assert len(prefill(sch, seconds=3.2)) == 4  # 2048 positions in 3.2 s: 640 a second
+    sch.last_prefill = (80, 0.15)  # then a small chunk: the rate comes from the large one
+    assert sch._prefill_budget(decoding=False) == 640
+    assert sch._prefill_budget(decoding=True) == 133  # beside decoding: from the last chunk (0.25 s)
+
+
 def test_prompts_with_the_fewest_tokens_left_go_first_and_the_longest_takes_the_rest():
     sch = Scheduler(pool(256), max_batch_tokens=64)
     long, mid, short = request(300, first=0), request(30, first=1000), request(9, first=2000)

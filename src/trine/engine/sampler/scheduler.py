@@ -27,7 +27,8 @@ time, scaled from the last prefill's tokens and seconds: while sequences decode,
 machine time alone shrinks chunks to a few dozen tokens, each paying a whole step); when
 nothing decodes, or only sequences of one tenant's requests that arrived within `burst_seconds` of
 every prompt still to prefill (one batch sent together: its decoding waits on no one else's, and it
-finishes soonest prefilled in large chunks, as vLLM does), about `idle_prefill_seconds`, longer,
+finishes soonest prefilled in large chunks, as vLLM does), about `idle_prefill_seconds` (scaled
+from the last chunk of at least `RATE_POSITIONS`: a small one is mostly a forward's fixed cost), longer,
 since one large forward is the most efficient and nobody else waits on decode steps (whole prompts
 in one forward while that fits, e.g. a GRPO step; the whole `max_batch_tokens` before anything was
 measured). Either way a request arriving meanwhile
@@ -62,6 +63,10 @@ TENANT_SHARE = 0.5  # of max_running and of the KV pool, per tenant while anothe
 # Prefill rows below which a chunk is not cut while others decode: this 2-core Xeon's fp32 GEMMs
 # (SmolLM2-135M's shapes) run at ~190 GFLOP/s with 39 rows, ~275 with 128, ~285 with 256.
 MIN_PREFILL_TOKENS = 128
+# Positions a prefill chunk needs for its seconds to show the engine's prefill rate: a smaller one
+# is mostly the fixed cost of a forward (every weight read once). Measured on the 2-vCPU Xeon,
+# SmolLM2-135M: 80 positions 0.15 s (530/s), 512 0.47 s (1100/s), 1024 0.82 s (1250/s).
+RATE_POSITIONS = 512
 BURST_SECONDS = 0.5  # requests arriving within this of one another are one batch sent together
 
 
@@ -156,6 +161,7 @@ class Scheduler:
         self.reserved = 0  # blocks promised to admitted requests' samples, not yet allocated
         self.debt = 0.0  # held-back prefill seconds run while decoding, not yet paid by decode steps
         self.last_prefill: tuple[int, float] | None = None  # (positions, seconds) of the last prefill
+        self.rate_prefill: tuple[int, float] | None = None  # the same, of the last of >= RATE_POSITIONS
         self._arrivals = 0
 
     # ------------------------------------------------------------------ block accounting
@@ -270,6 +276,8 @@ class Scheduler:
             t = r.req.tenant
             self.prefill_served[t] = self.prefill_served.get(t, 0) + take
         self.last_prefill = (len(plan.prefill) * max(take for _, take in plan.prefill), seconds)
+        if self.last_prefill[0] >= min(RATE_POSITIONS, self.max_batch_tokens):
+            self.rate_prefill = self.last_prefill
         if plan.charged:  # a chunk that may hold held-back prompts: they owe its time
             self.debt += seconds
 
@@ -280,16 +288,20 @@ class Scheduler:
     def _prefill_budget(self, decoding: bool) -> int:
         """Prefill positions for this step, between `min_prefill_tokens` and max_batch_tokens: what
         should take `prefill_step_seconds` while sequences decode (at most twice the last chunk),
-        else `idle_prefill_seconds`, scaled from the last prefill step. Before any is measured: four
-        blocks while decoding, max_batch_tokens when not."""
+        else `idle_prefill_seconds`, scaled from the last prefill step of at least `RATE_POSITIONS`
+        positions (a few dozen positions take most of a large chunk's time, and the first forward
+        of a process pays one-time costs: scaled from them, the next chunk would be several times
+        too short). Before any is measured: four blocks while decoding, max_batch_tokens when not."""
         low = min(self.min_prefill_tokens, self.max_batch_tokens)
-        if self.last_prefill is None:
-            first = max(low, 4 * self.block_size)
-            return min(self.max_batch_tokens, first) if decoding else self.max_batch_tokens
-        tokens, seconds = self.last_prefill
         if decoding:
+            if self.last_prefill is None:
+                return min(self.max_batch_tokens, max(low, 4 * self.block_size))
+            tokens, seconds = self.last_prefill
             scaled = int(tokens * min(2.0, self.prefill_step_seconds / max(seconds, 1e-6)))
+        elif self.rate_prefill is None:
+            return self.max_batch_tokens
         else:  # the measured rate; smaller chunks run slower per token, so this errs short
+            tokens, seconds = self.rate_prefill
             scaled = int(tokens * self.idle_prefill_seconds / max(seconds, 1e-6))
         return max(low, min(scaled, self.max_batch_tokens))
 
