@@ -49,6 +49,8 @@ def case(P, Q, L, H, KVH, D, slots=5000, seed=0):
         (3, 8, 200, 4, 2, 24),  # packed rows (a group's samples), the tiny test models' heads
         (2, 3, 33, 8, 8, 128),  # no grouped heads
         (1, 1, 1, 2, 1, 16),  # one key
+        (2, 7, 300, 9, 3, 64),  # 21 query heads a tile: scored as a GEMM, the last block partial
+        (2, 4, 90, 16, 2, 128),  # the GEMM path at head size 128
     ],
 )
 def test_equals_sdpa_over_a_gathered_copy(P, Q, L, H, KVH, D):
@@ -76,6 +78,31 @@ def test_masked_keys_do_not_count_even_when_huge():
     assert got.isfinite().all()
 
 
+@pytest.mark.parametrize("Q", [1, 8])  # key by key, and a group's queries through the GEMM path
+def test_a_slot_no_query_sees_may_hold_anything(Q):
+    """Padding reads any slot; one never written may hold NaN, and 0 * NaN is NaN."""
+    q, kp, vp, _, mask = case(2, Q, 96, 9, 3, 64)
+    read = torch.randperm(kp.shape[0], generator=torch.Generator().manual_seed(1))[: 2 * 96].view(2, 96)
+    mask[:, :, 50:70] = False
+    clean = paged_attention.paged_attention(q, kp, vp, read, mask)
+    unseen = read[:, 50:70].reshape(-1)
+    kp[unseen], vp[unseen] = float("nan"), float("inf")
+    assert torch.equal(paged_attention.paged_attention(q, kp, vp, read, mask), clean)
+
+
+def test_a_groups_samples_over_their_shared_prompt():
+    """The GRPO layout: one packed row per prompt, its samples' queries all seeing the prompt's
+    keys and each its own keys after them."""
+    P, Q, prompt, own = 3, 8, 512, 20
+    q, kp, vp, read, _ = case(P, Q, prompt + Q * own, 9, 3, 64)
+    mask = torch.zeros(P, Q, prompt + Q * own, dtype=torch.bool)
+    mask[..., :prompt] = True
+    for j in range(Q):
+        mask[:, j, prompt + j * own : prompt + j * own + 1 + j] = True
+    got = paged_attention.paged_attention(q, kp, vp, read, mask)
+    torch.testing.assert_close(got, gathered(q, kp, vp, read, mask), atol=2e-5, rtol=1e-5)
+
+
 def test_a_rows_result_does_not_depend_on_the_other_rows():
     q, kp, vp, read, mask = case(5, 1, 150, 9, 3, 64)
     batch = paged_attention.paged_attention(q, kp, vp, read, mask)
@@ -90,8 +117,8 @@ def test_used_only_where_it_suits(monkeypatch):
     assert suits(q, kp, mask4, read)
     many = torch.ones(1, 1, paged_attention.MAX_QUERIES + 1, 64, dtype=torch.bool)  # a prefill chunk
     assert not suits(q, kp, many, read[:1])
-    shared = torch.ones(1, 1, 8, 64, dtype=torch.bool)  # 8 queries on every key: SDPA's GEMMs win
-    assert not suits(q, kp, shared, read[:1])
+    shared = torch.ones(1, 1, 8, 64, dtype=torch.bool)  # a group's 8 samples on every key
+    assert suits(q, kp, shared, read[:1])
     assert not suits(q.double(), kp.double(), mask4, read)
     assert not suits(q.clone().requires_grad_(), kp, mask4, read)  # the trainer
     outside = read.clone()

@@ -8,8 +8,9 @@
  *
  * One task per (row, kv head), keys in tiles of TILE in position order, an online softmax per
  * query head: a key's K/V rows are read from the pool once per task, whatever the number of
- * queries that see them. A query's result depends on its own keys and their positions only, not
- * on the other rows of the batch.
+ * queries that see them. A query's result depends on its own keys and their positions, and in the
+ * last bits on how many of its row's query heads see each tile (which of two sums scores it);
+ * never on the other rows of the batch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,16 +32,127 @@ static inline float exp_neg(float x) {
     return y * scale.f;
 }
 
-/* One task: row p, kv head h. Scratch: m, den [NQ]; acc [NQ * D]. */
+/* 16 floats as one value: GCC/Clang vector extensions, lowered to whatever the CPU has (one
+ * AVX-512 register, two AVX ones, four SSE ones). v16u is the same at float alignment: a load or a
+ * store through it may be unaligned. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+#define LOAD(p) (*(const v16u *)(p))
+#define STORE(p, x) (*(v16u *)(p) = (x))
+#define SHARED_HEADS 6 /* query heads seeing a tile from which its keys are scored as a GEMM */
+#define BLOCK 4        /* query heads taken together through a tile */
+
+/* Scores of a block of BLOCK query heads (qs[i] their vectors; padding heads point at a real one)
+ * against a tile stored transposed (kt[d * TILE + t]): sc[i * TILE + t]. The heads share each
+ * load of kt; 8 accumulators in registers. */
+static inline __attribute__((always_inline)) void scores_gemm(
+    const float *const *qs, const float *kt, float *sc, const int64_t D) {
+    const float *q0 = qs[0], *q1 = qs[1], *q2 = qs[2], *q3 = qs[3];
+    v16 a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, d0 = {0}, d1 = {0};
+    for (int64_t d = 0; d < D; d++) {
+        const v16 k0 = LOAD(kt + d * TILE), k1 = LOAD(kt + d * TILE + 16);
+        a0 += q0[d] * k0, a1 += q0[d] * k1, b0 += q1[d] * k0, b1 += q1[d] * k1;
+        c0 += q2[d] * k0, c1 += q2[d] * k1, d0 += q3[d] * k0, d1 += q3[d] * k1;
+    }
+    STORE(sc, a0), STORE(sc + 16, a1), STORE(sc + TILE, b0), STORE(sc + TILE + 16, b1);
+    STORE(sc + 2 * TILE, c0), STORE(sc + 2 * TILE + 16, c1);
+    STORE(sc + 3 * TILE, d0), STORE(sc + 3 * TILE + 16, d1);
+}
+
+/* Scores of one query head against n keys (krow[t] their rows), one dot product each. */
+static inline __attribute__((always_inline)) void scores_dot(
+    const float *qv, const float *const *krow, int64_t n, float *sc, const int64_t D) {
+    for (int64_t t = 0; t < n; t++) {
+        const float *k = krow[t];
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; d++) dot += qv[d] * k[d];
+        sc[t] = dot;
+    }
+}
+
+/* One query head's online-softmax step over a tile: its scores sc [TILE] (unscaled) become
+ * weights e^(s - m), 0 for masked keys and past n; the running max m and denominator den move
+ * on. Returns the factor its accumulator is multiplied by before this tile's values are added. */
+static inline __attribute__((always_inline)) float softmax_tile(
+    float *sc, const uint8_t *mk, int64_t n, float scale, float *m, float *den) {
+    float tmax = -INFINITY;
+    for (int64_t t = 0; t < TILE; t++) {
+        const float x = t < n && mk[t] ? sc[t] * scale : -INFINITY;
+        sc[t] = x;
+        tmax = x > tmax ? x : tmax;
+    }
+    const float mnew = tmax > *m ? tmax : *m;
+    const float corr = *m == -INFINITY ? 0.0f : exp_neg(*m - mnew);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < TILE; t++) {
+        const float e = sc[t] == -INFINITY ? 0.0f : exp_neg(sc[t] - mnew);
+        sc[t] = e;
+        sum += e;
+    }
+    *den = *den * corr + sum;
+    *m = mnew;
+    return corr;
+}
+
+/* a[i] = a[i] * corr[i] + sum_t w[i][t] v[t] for a block of BLOCK query heads (weights
+ * w[i] = sc + i * TILE; accumulators a[i] of D floats): each value row is loaded once for the
+ * block. With D a multiple of 64, 64 columns at a time in 16 registers. A key no head of the
+ * block sees is never read: its slot may hold anything (NaN included; 0 * NaN is NaN). */
+static inline __attribute__((always_inline)) void values(
+    float *const *a, const float *sc, const float *corr, const float *const *vrow, int64_t n,
+    const int64_t D) {
+    if (D % 64 == 0) {
+        for (int64_t c = 0; c < D; c += 64) {
+            v16 r[BLOCK][4];
+            for (int i = 0; i < BLOCK; i++)
+                for (int k = 0; k < 4; k++) r[i][k] = LOAD(a[i] + c + 16 * k) * corr[i];
+            for (int64_t t = 0; t < n; t++) {
+                if (!(sc[t] != 0.0f || sc[TILE + t] != 0.0f || sc[2 * TILE + t] != 0.0f ||
+                      sc[3 * TILE + t] != 0.0f))
+                    continue; /* seen by none of the block: maybe a slot never written */
+                const float *vv = vrow[t] + c;
+                const v16 v0 = LOAD(vv), v1 = LOAD(vv + 16), v2 = LOAD(vv + 32), v3 = LOAD(vv + 48);
+                for (int i = 0; i < BLOCK; i++) {
+                    const float w = sc[i * TILE + t];
+                    r[i][0] += w * v0, r[i][1] += w * v1, r[i][2] += w * v2, r[i][3] += w * v3;
+                }
+            }
+            for (int i = 0; i < BLOCK; i++)
+                for (int k = 0; k < 4; k++) STORE(a[i] + c + 16 * k, r[i][k]);
+        }
+        return;
+    }
+    for (int i = 0; i < BLOCK; i++) {
+        float *ai = a[i];
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) ai[d] *= corr[i];
+        for (int64_t t = 0; t < n; t++) {
+            const float w = sc[i * TILE + t], *vv = vrow[t];
+            if (w == 0.0f) continue; /* a key this head does not see: maybe a slot never written */
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) ai[d] += w * vv[d];
+        }
+    }
+}
+
+/* One task: row p, kv head h. Scratch: m, den [NQ + BLOCK]; acc [(NQ + BLOCK) * D]; kt [D * TILE];
+ * sc [BLOCK * TILE]; heads [NQ]. Entries NQ.. are where a partial block's padding heads write.
+ *
+ * Keys go in tiles of TILE, in position order; the query heads that see a key of the tile go
+ * through it BLOCK at a time: scores, softmax step, values. A tile seen by at least SHARED_HEADS
+ * heads (a group's samples reading their shared prompt) is copied transposed once and scored as
+ * a small GEMM; one seen by fewer (a sequence's own keys) is scored with dot products, which need
+ * no copy. Either way a key's rows are read from the pool once per task. */
 static inline __attribute__((always_inline)) void task(
     const float *q, const float *kp, const float *vp, const int64_t *read, const uint8_t *mask,
     float *out, int64_t p, int64_t h, int64_t Q, int64_t L, int64_t H, int64_t KVH, float scale,
-    float *m, float *den, float *acc, const int64_t D) {
+    float *m, float *den, float *acc, float *kt, float *sc, int64_t *heads, const int64_t D) {
     const int64_t G = H / KVH, NQ = Q * G;
-    float s[TILE], e[TILE];
     const float *krow[TILE], *vrow[TILE];
-    for (int64_t i = 0; i < NQ; i++) m[i] = -INFINITY, den[i] = 0.0f;
-    memset(acc, 0, sizeof(float) * NQ * D);
+    for (int64_t i = 0; i < NQ + BLOCK; i++) m[i] = -INFINITY, den[i] = 0.0f;
+    memset(acc, 0, sizeof(float) * (NQ + BLOCK) * D);
     const int64_t *slots = read + p * L;
     for (int64_t l0 = 0; l0 < L; l0 += TILE) {
         const int64_t n = L - l0 < TILE ? L - l0 : TILE;
@@ -48,45 +160,37 @@ static inline __attribute__((always_inline)) void task(
             krow[t] = kp + (slots[l0 + t] * KVH + h) * D;
             vrow[t] = vp + (slots[l0 + t] * KVH + h) * D;
         }
+        int64_t nh = 0; /* the query heads (j * G + g) that see a key of this tile */
         for (int64_t j = 0; j < Q; j++) {
             const uint8_t *mk = mask + (p * Q + j) * L + l0;
             int seen = 0;
             for (int64_t t = 0; t < n; t++) seen |= mk[t];
-            if (!seen) continue; /* no key of this tile for query j: nothing read */
-            for (int64_t g = 0; g < G; g++) {
-                const int64_t qi = j * G + g;
-                const float *qv = q + ((p * Q + j) * H + h * G + g) * D;
-                float tmax = -INFINITY;
-                for (int64_t t = 0; t < n; t++) {
-                    const float *k = krow[t];
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qv[d] * k[d];
-                    s[t] = dot * scale;
-                    if (mk[t] && s[t] > tmax) tmax = s[t];
-                }
-                const float mnew = tmax > m[qi] ? tmax : m[qi];
-                const float corr = m[qi] == -INFINITY ? 0.0f : exp_neg(m[qi] - mnew);
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; t++) {
-                    e[t] = mk[t] ? exp_neg(s[t] - mnew) : 0.0f;
-                    sum += e[t];
-                }
-                float *a = acc + qi * D;
-                if (corr != 1.0f) {
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) a[d] *= corr;
-                }
-                for (int64_t t = 0; t < n; t++) {
-                    if (e[t] == 0.0f) continue;
-                    const float w = e[t], *vv = vrow[t];
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) a[d] += w * vv[d];
-                }
-                den[qi] = den[qi] * corr + sum;
-                m[qi] = mnew;
+            if (seen)
+                for (int64_t g = 0; g < G; g++) heads[nh++] = j * G + g;
+        }
+        const int gemm = nh >= SHARED_HEADS;
+        if (gemm)
+            for (int64_t t = 0; t < TILE; t++)
+                for (int64_t d = 0; d < D; d++) kt[d * TILE + t] = t < n ? krow[t][d] : 0.0f;
+        for (int64_t b = 0; b < nh; b += BLOCK) {
+            const float *qs[BLOCK];
+            float *a[BLOCK], corr[BLOCK];
+            for (int i = 0; i < BLOCK; i++) {
+                const int real = b + i < nh;
+                const int64_t qi = heads[real ? b + i : b]; /* padding: a real head's query */
+                const int64_t slot = real ? qi : NQ + i;   /* ... and its own scratch entry */
+                qs[i] = q + ((p * Q + qi / G) * H + h * G + qi % G) * D;
+                a[i] = acc + slot * D;
+                if (!gemm) scores_dot(qs[i], krow, n, sc + i * TILE, D);
+                if (gemm && i == BLOCK - 1) scores_gemm(qs, kt, sc, D);
             }
+            for (int i = 0; i < BLOCK; i++) {
+                const int real = b + i < nh;
+                const int64_t qi = heads[real ? b + i : b], slot = real ? qi : NQ + i;
+                const uint8_t *mk = mask + (p * Q + qi / G) * L + l0;
+                corr[i] = softmax_tile(sc + i * TILE, mk, n, scale, m + slot, den + slot);
+            }
+            values(a, sc, corr, vrow, n, D);
         }
     }
     for (int64_t j = 0; j < Q; j++) {
@@ -103,8 +207,8 @@ static inline __attribute__((always_inline)) void task(
 #define TASK_ARGS                                                                                  \
     const float *q, const float *kp, const float *vp, const int64_t *read, const uint8_t *mask,    \
         float *out, int64_t p, int64_t h, int64_t Q, int64_t L, int64_t H, int64_t KVH,           \
-        float scale, float *m, float *den, float *acc, int64_t D
-#define TASK_PASS q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc
+        float scale, float *m, float *den, float *acc, float *kt, float *sc, int64_t *heads, int64_t D
+#define TASK_PASS q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc, kt, sc, heads
 static void task_64(TASK_ARGS) { task(TASK_PASS, 64); }
 static void task_128(TASK_ARGS) { task(TASK_PASS, 128); }
 static void task_any(TASK_ARGS) { task(TASK_PASS, D); }
@@ -116,12 +220,14 @@ void paged_attention(const float *q, const float *kp, const float *vp, const int
     void (*run)(TASK_ARGS) = D == 64 ? task_64 : D == 128 ? task_128 : task_any;
 #pragma omp parallel num_threads(threads)
     {
-        float *m = malloc(sizeof(float) * NQ), *den = malloc(sizeof(float) * NQ);
-        float *acc = malloc(sizeof(float) * NQ * D);
+        float *m = malloc(sizeof(float) * (NQ + BLOCK)), *den = malloc(sizeof(float) * (NQ + BLOCK));
+        float *acc = malloc(sizeof(float) * (NQ + BLOCK) * D), *kt = malloc(sizeof(float) * D * TILE);
+        float *sc = malloc(sizeof(float) * BLOCK * TILE);
+        int64_t *heads = malloc(sizeof(int64_t) * NQ);
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t p = 0; p < P; p++)
             for (int64_t h = 0; h < KVH; h++)
-                run(q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc, D);
-        free(m), free(den), free(acc);
+                run(q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc, kt, sc, heads, D);
+        free(m), free(den), free(acc), free(kt), free(sc), free(heads);
     }
 }

@@ -7,12 +7,12 @@ for all the queries that see it.
 
 Invariants
 - Used for CPU fp32 decode-sized attention without gradients only (`suits`): at most
-  `MAX_QUERIES` queries per packed row, keys seen by at most `MAX_SHARING` queries each on
-  average, torch's batch-invariant mode off (it has its own attention). Everything else, CUDA
-  included, gathers and runs SDPA.
+  `MAX_QUERIES` queries per packed row, torch's batch-invariant mode off (it has its own
+  attention). Everything else, CUDA included, gathers and runs SDPA.
 - The result is SDPA's up to float32 rounding: the same softmax, summed in another order.
-- A query's result depends only on its own keys and their positions, never on the other rows of
-  the batch.
+- A query's result depends on its own keys and their positions (and, in the last bits, on how
+  many queries of its packed row see each tile of keys: such a tile is scored as a small GEMM,
+  others key by key), never on the other rows of the batch.
 - Built at the first decode step, once per source, compiler and CPU, into `kernel_dir()`, with the
   system C compiler (`CC`, default `cc`; about a second). The OpenMP runtime it links is the one
   torch already loaded (the same soname), so it runs on torch's threads. Where it
@@ -37,13 +37,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MAX_QUERIES = 16  # queries per packed row; prefill chunks (hundreds) go through SDPA's GEMMs
-# Queries per key, on average, above which SDPA over a gathered copy is faster (its GEMMs reuse a
-# key across queries better). Measured per layer on the 2-vCPU Xeon, SmolLM2-135M's 9/3 heads: 64
-# sequences x 288 keys (1 query per key) 1.7 ms against 3.4-4.7 ms gathered; 8 samples x 184 own
-# keys after a 64-token prompt (~1.4) 0.9 against 2.0 ms; 8 samples after a 512-token prompt (~5.4)
-# 0.78 against 0.68 ms.
-MAX_SHARING = 4
+# Queries per packed row. Up to it the kernel is faster than SDPA over a gathered copy, measured
+# per layer on the 2-vCPU Xeon, SmolLM2-135M's 9/3 heads: 64 sequences x 288 keys 1.2 against 2.5
+# ms; 8 samples x 184 own keys after a 64-token prompt 1.1 against 2.5 ms; a GRPO group (8 samples
+# after a 512-token prompt) 0.39-0.47 against 0.43-0.62 ms; 16 queries over 1136 shared keys 0.43
+# against 0.44 ms. A prefill chunk's 80 queries over them: 1.9 against 1.4 ms (SDPA's GEMMs).
+MAX_QUERIES = 16
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 # Reassociation lets the dot products and sums vectorize (1.2-1.4x). Not -ffast-math nor
 # -funsafe-math-optimizations: linking with them adds crtfastmath.o, which flushes subnormals to
@@ -118,12 +117,11 @@ def available() -> bool:
 
 def suits(q: torch.Tensor, pool: torch.Tensor, mask: torch.Tensor, read: torch.Tensor) -> bool:
     """Whether attention of `q` over `pool` with `mask` [P, 1, Q, L] and slots `read` [P, L]
-    should use the kernel (see the module docstring): decode-sized, and keys not shared by many
-    queries each (a group's prompt seen by all its samples is many small GEMMs, which SDPA over a
-    copy does better). Slots outside the pool never reach the kernel (index_select names them)."""
+    should use the kernel (see the module docstring): decode-sized. Slots outside the pool never
+    reach the kernel (index_select names them)."""
     from .invariant import enabled
 
-    P, _, Q, L = mask.shape
+    Q = mask.shape[2]
     return (
         Q <= MAX_QUERIES
         and q.device.type == "cpu"
@@ -133,7 +131,6 @@ def suits(q: torch.Tensor, pool: torch.Tensor, mask: torch.Tensor, read: torch.T
         and not (torch.is_grad_enabled() and q.requires_grad)
         and not enabled()
         and available()
-        and int(mask.sum()) <= MAX_SHARING * P * L
         and 0 <= int(read.min()) <= int(read.max()) < pool.shape[0]
     )
 
