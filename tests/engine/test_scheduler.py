@@ -250,6 +250,17 @@ def test_an_idle_chunk_is_sized_from_the_last_large_chunk_not_a_small_one():
     assert sch._prefill_budget(decoding=True) == 133  # beside decoding: from the last chunk (0.25 s)
 
 
+def test_an_idle_chunk_size_measured_in_a_slow_moment_recovers():
+    """A large chunk slowed once (a cold process, a busy machine) sizes the next ones short; a
+    short chunk that runs faster per position than that proves the rate stale."""
+    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0)
+    sch.rate_prefill = sch.last_prefill = (2048, 5.0)
+    assert sch._prefill_budget(decoding=False) == 409
+    add(sch, request(3000, generate=False))
+    assert prefill(sch, seconds=0.35)[0][1] == 409  # 409 positions in 0.35 s: 1168 a second
+    assert sch._prefill_budget(decoding=False) == 1168
+
+
 def test_prompts_with_the_fewest_tokens_left_go_first_and_the_longest_takes_the_rest():
     sch = Scheduler(pool(256), max_batch_tokens=64)
     long, mid, short = request(300, first=0), request(30, first=1000), request(9, first=2000)

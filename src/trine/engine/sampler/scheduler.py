@@ -80,6 +80,11 @@ class StepPlan:
     charged: bool
 
 
+def _rate(chunk: tuple[int, float]) -> float:
+    """Positions per second of a prefill chunk (positions, seconds)."""
+    return chunk[0] / max(chunk[1], 1e-6)
+
+
 def chunk_rows(ready: list[Request], budget: int) -> list[tuple[Request, int]]:
     """Prefill rows (request, tokens to compute) from `ready`, in that order: each whole but the
     last, which may take a partial chunk; rows x the longest chunk <= budget."""
@@ -161,7 +166,8 @@ class Scheduler:
         self.reserved = 0  # blocks promised to admitted requests' samples, not yet allocated
         self.debt = 0.0  # held-back prefill seconds run while decoding, not yet paid by decode steps
         self.last_prefill: tuple[int, float] | None = None  # (positions, seconds) of the last prefill
-        self.rate_prefill: tuple[int, float] | None = None  # the same, of the last of >= RATE_POSITIONS
+        # the same, of the last chunk of >= RATE_POSITIONS (or faster than it): idle chunks scale from it
+        self.rate_prefill: tuple[int, float] | None = None
         self._arrivals = 0
 
     # ------------------------------------------------------------------ block accounting
@@ -276,7 +282,9 @@ class Scheduler:
             t = r.req.tenant
             self.prefill_served[t] = self.prefill_served.get(t, 0) + take
         self.last_prefill = (len(plan.prefill) * max(take for _, take in plan.prefill), seconds)
-        if self.last_prefill[0] >= min(RATE_POSITIONS, self.max_batch_tokens):
+        if self.last_prefill[0] >= min(RATE_POSITIONS, self.max_batch_tokens) or (
+            self.rate_prefill is not None and _rate(self.last_prefill) > _rate(self.rate_prefill)
+        ):  # large enough to show the rate, or faster than it (it was a slow moment's)
             self.rate_prefill = self.last_prefill
         if plan.charged:  # a chunk that may hold held-back prompts: they owe its time
             self.debt += seconds
@@ -289,9 +297,9 @@ class Scheduler:
         """Prefill positions for this step, between `min_prefill_tokens` and max_batch_tokens: what
         should take `prefill_step_seconds` while sequences decode (at most twice the last chunk),
         else `idle_prefill_seconds`, scaled from the last prefill step of at least `RATE_POSITIONS`
-        positions (a few dozen positions take most of a large chunk's time, and the first forward
-        of a process pays one-time costs: scaled from them, the next chunk would be several times
-        too short). Before any is measured: four blocks while decoding, max_batch_tokens when not."""
+        positions, or a smaller one that ran faster per position (a few dozen positions take most
+        of a large chunk's time, and the first forward of a process pays one-time costs: scaled
+        from them, the next chunk would be several times too short). Before any is measured: four blocks while decoding, max_batch_tokens when not."""
         low = min(self.min_prefill_tokens, self.max_batch_tokens)
         if decoding:
             if self.last_prefill is None:
