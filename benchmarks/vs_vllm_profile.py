@@ -6,7 +6,8 @@ by kind, and the Python between them. Rows:
 
 - linear (body): aten::linear and MKL's packed linear in the body's forward (q/k/v/o, gate/up/down);
 - LM head: the logits forward (one linear over the rows that sample);
-- attention: SDPA and the paged attention kernel; KV write + gather: index_copy_/index_select on the paged pool in the forward;
+- attention: SDPA and the paged attention kernel;
+- KV write + gather: index_copy_/index_select on the paged pool in the forward;
 - other forward ops: embedding, RMSNorm, RoPE, SiLU, residual adds, views;
 - forward Python: the forward's time outside any torch op (module calls, argument handling);
 - sampling: sample() and grammar masks (log-softmax, filtering, one uniform per sequence);

@@ -299,7 +299,8 @@ class Scheduler:
         else `idle_prefill_seconds`, scaled from the last prefill step of at least `RATE_POSITIONS`
         positions, or a smaller one that ran faster per position (a few dozen positions take most
         of a large chunk's time, and the first forward of a process pays one-time costs: scaled
-        from them, the next chunk would be several times too short). Before any is measured: four blocks while decoding, max_batch_tokens when not."""
+        from them, the next chunk would be several times too short). Before any is measured: four
+        blocks while decoding, max_batch_tokens when not."""
         low = min(self.min_prefill_tokens, self.max_batch_tokens)
         if decoding:
             if self.last_prefill is None:
