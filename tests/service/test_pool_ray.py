@@ -40,17 +40,23 @@ ENGINE_OPTIONS = {k: TEST_OPTIONS[k] for k in ("device", "sampler_options", "tra
 
 @pytest.fixture(scope="module")
 def ray_server(tiny_model_dir, tmp_path_factory):
-    connect(None, num_cpus=2)
-    srv = start(
-        tiny_model_dir,
-        tmp_path_factory.mktemp("ray-home"),
-        engines=ray_engines(2, num_threads=1, options=ENGINE_OPTIONS),
-    )
-    try:
-        yield srv
-    finally:
-        srv.stop()
-        ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        # Plain sgemm on both sides of the parity test (the replicas inherit this at ray.init, the
+        # in-process engine reads it): MKL's packed copies share one budget per process
+        # (engine/model/packed.py), which other tests' models in this long-lived pytest process may
+        # have used up, and then only the in-process side's LM head changes kernel (last bits).
+        env.setenv("TRINE_PACKED_GEMM_BYTES", "0")
+        connect(None, num_cpus=2)
+        srv = start(
+            tiny_model_dir,
+            tmp_path_factory.mktemp("ray-home"),
+            engines=ray_engines(2, num_threads=1, options=ENGINE_OPTIONS),
+        )
+        try:
+            yield srv
+        finally:
+            srv.stop()
+            ray.shutdown()
 
 
 class _FailingActor:
