@@ -181,22 +181,21 @@ static inline __attribute__((always_inline)) void task(
                 for (int64_t d = 0; d < D; d++) kt[d * TILE + t] = t < n ? krow[t][d] : 0.0f;
         for (int64_t b = 0; b < nh; b += BLOCK) {
             const float *qs[BLOCK];
+            const uint8_t *mks[BLOCK];
             float *a[BLOCK], corr[BLOCK];
+            int64_t slot[BLOCK];
             for (int i = 0; i < BLOCK; i++) {
                 const int real = b + i < nh;
                 const int64_t qi = heads[real ? b + i : b]; /* padding: a real head's query */
-                const int64_t slot = real ? qi : NQ + i;   /* ... and its own scratch entry */
+                slot[i] = real ? qi : NQ + i;               /* ... and its own scratch entry */
                 qs[i] = q + ((p * Q + qi / G) * H + h * G + qi % G) * D;
-                a[i] = acc + slot * D;
+                mks[i] = mask + (p * Q + qi / G) * L + l0;
+                a[i] = acc + slot[i] * D;
                 if (!gemm) scores_dot(qs[i], krow, n, sc + i * TILE, D);
-                if (gemm && i == BLOCK - 1) scores_gemm(qs, kt, sc, D);
             }
-            for (int i = 0; i < BLOCK; i++) {
-                const int real = b + i < nh;
-                const int64_t qi = heads[real ? b + i : b], slot = real ? qi : NQ + i;
-                const uint8_t *mk = mask + (p * Q + qi / G) * L + l0;
-                corr[i] = softmax_tile(sc + i * TILE, mk, n, scale, m + slot, den + slot);
-            }
+            if (gemm) scores_gemm(qs, kt, sc, D);
+            for (int i = 0; i < BLOCK; i++)
+                corr[i] = softmax_tile(sc + i * TILE, mks[i], n, scale, m + slot[i], den + slot[i]);
             values(a, sc, corr, vrow, n, D);
         }
     }
@@ -235,17 +234,12 @@ void paged_attention(const float *q, const float *kp, const float *vp, const int
          * heads of a slot are adjacent in the pool, so its rows are read whole and in order (7-9 %
          * faster per call inside the engine, where the pool comes from memory, not cache). With
          * few rows, (row, head) tasks keep the threads busy. The tasks compute the same either way. */
-        if (P >= 2 * threads) {
+        const int64_t per = P >= 2 * threads ? KVH : 1; /* KV heads per task */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t p = 0; p < P; p++)
-                for (int64_t h = 0; h < KVH; h++)
-                    run(q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc, kt, sc, heads, D);
-        } else {
-#pragma omp for collapse(2) schedule(dynamic, 1)
-            for (int64_t p = 0; p < P; p++)
-                for (int64_t h = 0; h < KVH; h++)
-                    run(q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc, kt, sc, heads, D);
-        }
+        for (int64_t i = 0; i < P * KVH / per; i++)
+            for (int64_t h = i * per % KVH, end = h + per; h < end; h++)
+                run(q, kp, vp, read, mask, out, i * per / KVH, h, Q, L, H, KVH, scale, m, den, acc, kt,
+                    sc, heads, D);
         free(m), free(den), free(acc), free(kt), free(sc), free(heads);
     }
 }
