@@ -127,8 +127,9 @@ def tally(events) -> Counter:
             if c.name.startswith("#"):
                 continue  # counted as its own region
             if label == "forward":
-                out[FORWARD_OPS.get(c.name, "other forward ops")] += c.cpu_time_total
-                if in_prefill and FORWARD_OPS.get(c.name) == "linear (body)":
+                row = FORWARD_OPS.get(c.name, "other forward ops")
+                out[row] += c.cpu_time_total
+                if in_prefill and row == "linear (body)":
                     out["prefill linear"] += c.cpu_time_total  # a part of "linear (body)"
             else:
                 out[label] += c.cpu_time_total

@@ -310,8 +310,7 @@ class Scheduler:
         elif self.rate_prefill is None:
             return self.max_batch_tokens
         else:  # the measured rate; smaller chunks run slower per token, so this errs short
-            tokens, seconds = self.rate_prefill
-            scaled = int(tokens * self.idle_prefill_seconds / max(seconds, 1e-6))
+            scaled = int(_rate(self.rate_prefill) * self.idle_prefill_seconds)
         return max(low, min(scaled, self.max_batch_tokens))
 
     # ------------------------------------------------------------------ admission
