@@ -33,7 +33,8 @@ from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.sampler.sampler import Sampler
 
-prompts, samples, prompt_len, new, repeats = map(int, sys.argv[1:6])
+from trine.engine.runtime.cpu_share import release_openmp_pool
+prompts, samples, prompt_len, new, repeats, release = map(int, sys.argv[1:7])
 torch.set_num_threads(2)
 model_dir = str(ensure_default_model())
 model, tok = load_model(model_dir, "cpu"), Tokenizer(model_dir)
@@ -71,6 +72,8 @@ def small_op(out):
 
 
 def in_thread(fn, out):
+    if release:  # as EngineWorker.start does before its thread starts
+        release_openmp_pool()
     th = threading.Thread(target=fn, args=(out,))
     th.start()
     th.join()
@@ -91,12 +94,17 @@ print(json.dumps(dict(
 )))
 """
 
-SETTINGS = {"default": {}, "spin3000": {"GOMP_SPINCOUNT": "3000"}}
+# name: (environment, whether the main thread releases its OpenMP pool before the thread starts)
+SETTINGS = {
+    "default": ({}, 1),
+    "default_kept_pool": ({}, 0),
+    "spin3000": ({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "3000"}, 1),
+}
 
 
-def run_setting(extra: dict, args) -> dict:
+def run_setting(extra: dict, release: int, args) -> dict:
     named = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-    argv = [args.prompts, args.samples, args.prompt_len, args.new, args.repeats]
+    argv = [args.prompts, args.samples, args.prompt_len, args.new, args.repeats, release]
     return run_child(CHILD, argv, drop=named, env=extra)
 
 
@@ -110,8 +118,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     result: dict = {}
-    for name, extra in SETTINGS.items():
-        got = run_setting(extra, args)
+    for name, (extra, release) in SETTINGS.items():
+        got = run_setting(extra, release, args)
         if name == "default":
             result["default_openmp_wait"] = got["openmp_wait"]
         for key in ("main_s", "thread_s", "small_op_main_us", "small_op_thread_us"):

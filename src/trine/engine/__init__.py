@@ -2,13 +2,14 @@
 
 Importing it (before torch) sets how OpenMP's threads wait between parallel regions, unless the
 environment already says (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`): libgomp's threads spin
-`SPIN_COUNT` times, a fraction of a millisecond, then sleep (`GOMP_SPINCOUNT`; Intel's libiomp,
-which has no such count, sleeps at once: `KMP_BLOCKTIME=0`). Spinning without end (libgomp's
-default) is fastest on cores trine has to itself, but on cores shared with other processes the
-threads wait on each other for whole scheduler slices: decoding collapsed to about 1 token/s
-beside a 1-core CPU hog. Sleeping at once (`PASSIVE`) keeps a fair share there but pays a wake-up
-per op on a quiet machine. The short spin catches the next op of the same forward and sleeps
-across anything longer (benchmarks/cpu_share.py; docs/serving.md#shared-cpu-cores).
+`SPIN_COUNT` times, about 0.3 ms on the 2-vCPU Xeon, then sleep (`GOMP_SPINCOUNT`; Intel's libiomp,
+which has no such count, sleeps at once: `KMP_BLOCKTIME=0`). A thread that has gone to sleep costs
+the next op a wake-up (on a VM, tens of microseconds), and the Python between a forward's ops is
+often longer than a short spin: a GRPO decode step took 97 ms with a 30 us spin and 84 ms with
+0.3 ms. Spinning is a loss only beside other busy processes, where threads that wait on each other
+burn their slices; there the engine runs on fewer threads (runtime/cpu_share.py), and one thread
+waits for nobody. Spinning without end (libgomp's default) is no faster than this count and never
+lets an idle engine's threads sleep.
 
 `OMP_WAIT_POLICY=ACTIVE` goes with the count (which still bounds the spin) for one reason: when two
 threads have run parallel regions (a server's engine thread and its main thread), libgomp counts
@@ -25,10 +26,10 @@ import sys
 
 from .malloc import keep_freed_memory
 
-# Pause-loop iterations; measured on the 2-vCPU Xeon (benchmarks/cpu_share.py, 8 sequences
-# decoding): tokens/s alone and beside a 1-core hog, PASSIVE 89.6 / 63.7, 3000 102 / 56.9,
-# 10000 113 / 47.9, spinning without end 115 / 42.3 (fair share: half of alone).
-SPIN_COUNT = 3000
+# Pause-loop iterations (a pause is 9.5 ns on the 2-vCPU Xeon). benchmarks/cpu_share.py there, 8
+# sequences decoding, tokens/s alone and beside a 1-core hog with the engine's CpuShare: 3000 140 /
+# 98, 30000 167 / 98; without CpuShare 30000 keeps only 44 beside the hog (fair share: half of alone).
+SPIN_COUNT = 30000
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one, set by the operator, is kept
 
 

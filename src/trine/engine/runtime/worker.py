@@ -40,6 +40,7 @@ from ..model.lora import Adapter
 from ..model.tokenizer import Tokenizer
 from ..model.weights import load_model, parse_dtype
 from .adapters import AdapterTable
+from .cpu_share import CpuShare, release_openmp_pool
 
 log = logging.getLogger("trine.worker")
 
@@ -99,6 +100,7 @@ class EngineWorker:
     def start(self, loop: asyncio.AbstractEventLoop, timeout: float | None = None) -> None:
         self.loop = loop
         self.exited = loop.create_future()  # set to the reason when the thread ends
+        release_openmp_pool()  # this thread's OpenMP workers would throttle the engine thread's spin
         self._thread = threading.Thread(target=self._main, name=f"trine-engine-{self.name}", daemon=True)
         self._thread.start()
         self._ready.wait(timeout)
@@ -189,6 +191,8 @@ class EngineWorker:
             self._new_sampler = lambda: Sampler(self.model, self.tokenizer, **self.sampler_options)
             self.sampler = self._new_sampler()
             self.trainer = Trainer(self.model, base_model=self.name, **self.trainer_options)
+            # on CPU, the threads other processes leave it (cpu_share.py)
+            self.cpu_share = CpuShare(self.num_threads, enabled=self.model.device.type == "cpu")
         except BaseException as e:  # reported to start()
             self._start_error = e
             self._ready.set()
@@ -212,6 +216,7 @@ class EngineWorker:
             self._drain(block=not (self._jobs or self.sampler.has_work()))
             if self._jobs:
                 fn, fut = self._jobs.popleft()
+                self.cpu_share.adapt()
                 try:
                     result = fn(self)
                 except BaseException as e:  # delivered to the awaiting coroutine
@@ -272,6 +277,7 @@ class EngineWorker:
         self._post(done, partial)
 
     def _step(self) -> None:
+        self.cpu_share.adapt()
         try:
             results: list[SampleResult] = self.sampler.step()
         except Exception as e:  # an engine bug: fail what is running, start from a clean sampler
