@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused
 from .invariant import attention, silu
 from .lora import AdapterBatch, FusedLinears, LoRALinear
 from .paged_attention import paged_attention, suits
@@ -96,8 +97,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:  # one fused kernel, bit for bit the steps below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == self.weight.dtype == torch.float32:
+            if fused.suits(x, self.weight):  # inference: one pass over the rows (fused.py)
+                return fused.rms_norm(x, self.weight, self.eps)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # bit for bit the steps below
         dtype = x.dtype  # Hugging Face's order: normalise in fp32, round, then scale
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -194,8 +197,10 @@ class Attention(nn.Module):
         v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+        if fused.rope_suits(q, cos, sin) and fused.rope_suits(k, cos, sin):  # inference: in place
+            q, k = fused.rope_(q, cos, sin).transpose(1, 2), fused.rope_(k, cos, sin).transpose(1, 2)
+        else:
+            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
         if kv is None:
             out = attention(q, k, v, mask, causal=True)

@@ -13,29 +13,19 @@ Invariants
 - A query's result depends on its own keys and their positions (and, in the last bits, on how
   many queries of its packed row see each tile of keys: such a tile is scored as a small GEMM,
   others key by key), never on the other rows of the batch.
-- Built at the first decode step, once per source, compiler and CPU, into `kernel_dir()`, with the
-  system C compiler (`CC`, default `cc`; about a second). The OpenMP runtime it links is the one
-  torch already loaded (the same soname), so it runs on torch's threads. Where it
-  cannot be built (no compiler, no OpenMP) or `TRINE_PAGED_ATTENTION=0`, `available()` is False and
-  the engine gathers as before; the reason is logged once.
+- Built at the first decode step (cbuild.py: once per source, compiler and CPU, with the system C
+  compiler; it runs on torch's OpenMP threads). Where it cannot be built (no compiler, no OpenMP)
+  or `TRINE_PAGED_ATTENTION=0`, `available()` is False and the engine gathers as before.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
-import threading
-import time
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from .cbuild import Kernel
 
 # Queries per packed row. Up to it the kernel is faster than SDPA over a gathered copy, measured
 # per layer on the 2-vCPU Xeon, SmolLM2-135M's 9/3 heads: 64 sequences x 288 keys 1.2 against 2.5
@@ -43,76 +33,29 @@ log = logging.getLogger(__name__)
 # after a 512-token prompt) 0.39-0.47 against 0.43-0.62 ms; 16 queries over 1136 shared keys 0.43
 # against 0.44 ms. A prefill chunk's 80 queries over them: 1.9 against 1.4 ms (SDPA's GEMMs).
 MAX_QUERIES = 16
-_SOURCE = Path(__file__).with_name("paged_attention.c")
-# Reassociation lets the dot products and sums vectorize (1.2-1.4x). Not -ffast-math nor
-# -funsafe-math-optimizations: linking with them adds crtfastmath.o, which flushes subnormals to
-# zero for the whole process when the library loads; nor -ffinite-math-only: the kernel starts each
-# running max at -inf.
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math"]
-_FLAGS += ["-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC"]
-_lib: ctypes.CDLL | None = None
-_tried = False
-_lock = threading.Lock()
+# Reassociation lets the dot products and sums vectorize (1.2-1.4x). Not -ffinite-math-only: the
+# kernel starts each running max at -inf.
+_FLAGS = ("-fassociative-math", "-fno-signed-zeros", "-freciprocal-math")
 
 
-def kernel_dir() -> Path:
-    """Where built kernels are kept: `TRINE_KERNEL_DIR`, else `$XDG_CACHE_HOME/trine/kernels`."""
-    if os.environ.get("TRINE_KERNEL_DIR"):
-        return Path(os.environ["TRINE_KERNEL_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trine" / "kernels"
-
-
-def _cpu_identity() -> str:
-    """What `-march=native` compiles for: the CPU model and its flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
-        return "\n".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC", "cc")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
-    key = hashlib.sha256(
-        "\0".join([_SOURCE.read_text(), cc, version, " ".join(_FLAGS), _cpu_identity()]).encode()
-    ).hexdigest()[:16]
-    path = kernel_dir() / f"paged_attention-{key}.so"
-    if not path.exists():
-        start = time.monotonic()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: atomic
-            built = Path(tmp) / path.name
-            cmd = [cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"]
-            done = subprocess.run(cmd, capture_output=True, timeout=300)
-            if done.returncode:
-                raise RuntimeError(done.stderr.decode(errors="replace").strip()[-500:])
-            os.replace(built, path)
-        log.info("paged attention kernel built in %.1f s: %s", time.monotonic() - start, path)
-    lib = ctypes.CDLL(str(path))
+def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_attention.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.paged_attention.restype = None
-    return lib
+
+
+_kernel = Kernel(
+    Path(__file__).with_name("paged_attention.c"),
+    _FLAGS,
+    _declare,
+    "TRINE_PAGED_ATTENTION",
+    "gathering the KV instead",
+)
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on the first call)."""
-    global _lib, _tried
-    if _tried:
-        return _lib is not None
-    with _lock:
-        if not _tried:
-            if os.environ.get("TRINE_PAGED_ATTENTION", "1") == "0":
-                log.info("paged attention kernel off (TRINE_PAGED_ATTENTION=0): gathering the KV")
-            else:
-                try:
-                    _lib = _build()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                    log.warning("paged attention kernel not built (%s): gathering the KV instead", e)
-            _tried = True
-    return _lib is not None
+    return _kernel.available()
 
 
 def suits(q: torch.Tensor, pool: torch.Tensor, mask: torch.Tensor, read: torch.Tensor) -> bool:
@@ -144,7 +87,7 @@ def paged_attention(
     KVH, L = k_pool.shape[1], read.shape[1]
     q, read, mask = q.contiguous(), read.long().contiguous(), mask.contiguous()
     out = torch.empty_like(q)
-    _lib.paged_attention(
+    _kernel.lib.paged_attention(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), read.data_ptr(), mask.data_ptr(),
         out.data_ptr(), P, Q, L, H, KVH, D, D**-0.5, torch.get_num_threads(),
     )  # fmt: skip

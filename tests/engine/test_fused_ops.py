@@ -1,0 +1,105 @@
+"""RMSNorm and RoPE of inference forwards in one pass over the rows (model/fused.py): the torch ops'
+results, and used only where no gradient is needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.model import fused, invariant
+from trine.engine.model.model import apply_rope, rope_tables
+from trine.engine.model.tokenizer import Tokenizer
+from trine.engine.model.weights import load_model
+from trine.engine.sampler.sampler import Sampler
+
+pytestmark = pytest.mark.skipif(not fused._kernel.available(), reason="no C compiler with OpenMP here")
+
+
+@pytest.fixture
+def inference():
+    with torch.inference_mode():  # the sampler's forwards
+        yield
+
+
+@pytest.mark.usefixtures("inference")
+@pytest.mark.parametrize("rows", [1, 7, 80, 1300])  # one thread, and a parallel loop
+def test_rms_norm_is_torchs_up_to_rounding(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen) * 3
+    w = torch.rand(576, generator=gen) + 0.5
+    got = fused.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, F.rms_norm(x, (576,), w, 1e-5), rtol=2e-6, atol=1e-6)
+    strided = torch.randn(rows, 2, 576, generator=gen)[:, 1]  # rows 1152 floats apart
+    torch.testing.assert_close(fused.rms_norm(strided, w, 1e-5), F.rms_norm(strided, (576,), w, 1e-5))
+
+
+@pytest.mark.usefixtures("inference")
+@pytest.mark.parametrize("B,T", [(1, 1), (32, 1), (1, 80), (5, 256)])
+def test_rope_in_place_is_torchs_bit_for_bit(B, T):
+    H, KVH, D = 9, 3, 64
+    gen = torch.Generator().manual_seed(B * T)
+    qkv = torch.randn(B, T, (H + 2 * KVH) * D, generator=gen)  # a fused q/k/v GEMM's output
+    q, k, _ = qkv.split([H * D, KVH * D, KVH * D], -1)
+    q, k = q.view(B, T, H, D), k.view(B, T, KVH, D)
+    positions = torch.randint(0, 4000, (B, T), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = rope_tables(positions[..., None].float() * inv_freq, torch.float32)
+    want_q, want_k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+    assert fused.rope_suits(q, cos, sin) and fused.rope_suits(k, cos, sin)
+    assert torch.equal(fused.rope_(q, cos, sin).transpose(1, 2), want_q)
+    assert torch.equal(fused.rope_(k, cos, sin).transpose(1, 2), want_k)
+
+
+@pytest.mark.usefixtures("inference")
+def test_the_trainer_and_fixed_numerics_keep_the_torch_ops():
+    x = torch.randn(4, 8)
+    assert fused.suits(x)
+    with torch.inference_mode(False):
+        assert not fused.suits(x)  # training, and the trainer's forward-only passes
+        with torch.no_grad():
+            assert not fused.suits(x)
+    assert not fused.suits(torch.randn(4, 8, dtype=torch.bfloat16))
+    invariant.enable(True)
+    try:
+        assert not fused.suits(torch.randn(4, 8))  # batch-invariant mode has its own kernels
+    finally:
+        invariant.enable(False)
+    transposed = torch.randn(2, 9, 5, 64).transpose(1, 2)  # heads not contiguous within a token
+    cos = torch.randn(2, 1, 5, 64)
+    assert not fused.rope_suits(transposed, cos, cos)
+
+
+def _run(model_tok):
+    rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 4000, (n,), generator=rng).tolist() for n in (40, 17, 70)]
+    opts = SamplingOptions(max_tokens=10, temperature=0, stop_at_eos=False)
+    reqs = [SampleRequest(f"r{i}", p, opts, WeightsIdentity("t")) for i, p in enumerate(prompts)]
+    return Sampler(*model_tok, kv_cache_bytes=16 * 2**20).run(reqs)
+
+
+def test_the_sampler_decodes_the_same_with_and_without_them(tiny_model_dir, monkeypatch):
+    model_tok = (load_model(tiny_model_dir, "cpu"), Tokenizer(tiny_model_dir))
+    calls = []
+    real = fused.rms_norm
+    monkeypatch.setattr(fused, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    with_kernels = _run(model_tok)
+    assert calls  # prefill and decode normed through the kernel
+    monkeypatch.setattr(fused, "suits", lambda *t: False)
+    without = _run(model_tok)
+    for a, b in zip(with_kernels, without):
+        for sa, sb in zip(a.sequences, b.sequences):
+            assert sa.tokens == sb.tokens
+            torch.testing.assert_close(sa.logprobs, sb.logprobs, atol=1e-4, rtol=0)
+
+
+def test_without_a_compiler_the_torch_ops_run(tmp_path):
+    code = "from trine.engine.model import fused\nprint(fused._kernel.available())"
+    env = {"CC": str(tmp_path / "no-such-cc"), "TRINE_KERNEL_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    assert "fused_ops.c not built" in out.stderr
