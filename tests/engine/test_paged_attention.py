@@ -175,3 +175,44 @@ def test_the_sampler_decodes_the_same_with_and_without_it(tiny_model_dir, monkey
         for sa, sb in zip(a.sequences, b.sequences):
             assert sa.tokens == sb.tokens
             torch.testing.assert_close(sa.logprobs, sb.logprobs, atol=1e-4, rtol=0)
+
+
+def test_a_causal_prefill_attends_by_query_blocks_that_skip_unseen_keys():
+    def blocks(T, cached, rows=1):
+        pos = cached + torch.arange(T)
+        mask = (torch.arange(cached + T)[None] <= pos[:, None])[None, None].expand(rows, 1, -1, -1)
+        kv = model.KVContext(
+            [], [], torch.zeros(rows, T, dtype=torch.long), torch.zeros(rows, cached + T), mask
+        )
+        return kv.query_blocks()
+
+    assert blocks(200, 0) == [(0, 64, 64), (64, 128, 128), (128, 192, 192), (192, 200, 200)]
+    assert blocks(200, 0, rows=3) == blocks(200, 0)
+    assert blocks(80, 1136) == [(0, 80, 1216)]  # a chat turn: every block sees nearly every key
+    assert blocks(64, 0) == [(0, 64, 64)]
+    invariant.enable(True)
+    try:
+        assert blocks(200, 0) == [(0, 200, 200)]  # its attention tiles the keys itself
+    finally:
+        invariant.enable(False)
+
+
+def test_prefill_by_query_blocks_samples_what_one_attention_call_does(tiny_model_dir, monkeypatch):
+    model_tok = (load_model(tiny_model_dir, "cpu"), Tokenizer(tiny_model_dir))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (150, 90, 201)]
+    opts = SamplingOptions(max_tokens=6, temperature=0, stop_at_eos=False)
+    reqs = [SampleRequest(f"r{i}", p, opts, WeightsIdentity("t")) for i, p in enumerate(prompts)]
+    split, real = [], model.KVContext.query_blocks
+    monkeypatch.setattr(
+        model.KVContext, "query_blocks", lambda kv: split.append(len(real(kv)) > 1) or real(kv)
+    )
+    blocked = _decode(model_tok, reqs)
+    assert any(split)
+    monkeypatch.setattr(model, "QUERY_BLOCK", 10**6)
+    split.clear()
+    whole = _decode(model_tok, reqs)
+    assert not any(split)
+    for a, b in zip(blocked, whole):
+        assert a.sequences[0].tokens == b.sequences[0].tokens
+        torch.testing.assert_close(a.sequences[0].logprobs, b.sequences[0].logprobs, atol=1e-4, rtol=0)

@@ -24,10 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused
+from . import fused, invariant
 from .invariant import attention, silu
 from .lora import AdapterBatch, FusedLinears, LoRALinear
 from .paged_attention import paged_attention, suits
+
+QUERY_BLOCK = 64  # queries per SDPA call over gathered keys when blocks skip keys (KVContext.query_blocks)
 
 
 # ----------------------------------------------------------------------------- config
@@ -156,6 +158,7 @@ class KVContext:
     query_index: torch.Tensor | None = None
     _writes: tuple | None = field(default=None, init=False, repr=False)
     _in_place: bool | None = field(default=None, init=False, repr=False)
+    _query_blocks: list | None = field(default=None, init=False, repr=False)
 
     def writes(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(flat token rows to write or None for all of them, their slots): found once per forward,
@@ -172,6 +175,26 @@ class KVContext:
         if self._in_place is None:
             self._in_place = suits(q, self.k_pool[0], self.attn_mask, self.read_slots)
         return self._in_place
+
+    def query_blocks(self) -> list[tuple[int, int, int]]:
+        """(first query, end, keys any of them sees) per block of `QUERY_BLOCK` queries, for
+        attention over gathered keys: a causal prefill chunk's early queries see few keys, and
+        SDPA over a mask computes every key of it (query blocks of 64: 17-30 % less SDPA time at 4
+        x 512 and 5 x 256 tokens on the 2-vCPU Xeon). One block of every query unless that saves
+        a fifth of the scores, or with torch's batch-invariant mode (its attention tiles keys
+        itself)."""
+        if self._query_blocks is None:
+            mask = self.attn_mask  # [rows, 1, T, L]
+            T, L = mask.shape[2], mask.shape[3]
+            self._query_blocks = [(0, T, L)]
+            if T > QUERY_BLOCK and not invariant.enabled():
+                seen = torch.arange(1, L + 1, device=mask.device) * mask.any(0)[0]
+                reach = seen.amax(-1).tolist()  # per query: 1 + the last key any row lets it see
+                blocks = [(a, min(a + QUERY_BLOCK, T)) for a in range(0, T, QUERY_BLOCK)]
+                blocks = [(a, e, max(1, int(max(reach[a:e])))) for a, e in blocks]
+                if sum((e - a) * keys for a, e, keys in blocks) <= 0.8 * T * L:
+                    self._query_blocks = blocks
+        return self._query_blocks
 
 
 class Attention(nn.Module):
@@ -240,7 +263,12 @@ def _attend_gathered(q, kp, vp, kv: KVContext) -> torch.Tensor:
     read = kv.read_slots.reshape(-1)  # index_select copies whole [kvh, d] rows: fast
     kc = kp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
     vc = vp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
-    return attention(q, kc, vc, kv.attn_mask)
+    blocks = kv.query_blocks()
+    if len(blocks) == 1:
+        return attention(q, kc, vc, kv.attn_mask)
+    m = kv.attn_mask
+    outs = [attention(q[:, :, a:e], kc[:, :, :n], vc[:, :, :n], m[:, :, a:e, :n]) for a, e, n in blocks]
+    return torch.cat(outs, 2)
 
 
 def _attend_in_place(q, kp, vp, kv: KVContext) -> torch.Tensor:
