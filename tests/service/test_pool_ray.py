@@ -46,6 +46,9 @@ def ray_server(tiny_model_dir, tmp_path_factory):
         # (engine/model/packed.py), which other tests' models in this long-lived pytest process may
         # have used up, and then only the in-process side's LM head changes kernel (last bits).
         env.setenv("TRINE_PACKED_GEMM_BYTES", "0")
+        # and one fixed thread count on both sides (runtime/cpu_share.py would give the in-process
+        # engine fewer threads while the replicas' processes are busy)
+        env.setenv("TRINE_CPU_SHARE", "0")
         connect(None, num_cpus=2)
         srv = start(
             tiny_model_dir,

@@ -16,7 +16,10 @@ Invariants
   those). A new count is taken only when two readings in a row ask for it, so a blip moves nothing.
 - Called from the thread that runs the engine's torch ops, between steps: torch's thread count is
   that thread's (OpenMP's and MKL's settings are per thread).
-- Nothing changes where /proc/stat cannot be read (not Linux), or with `TRINE_CPU_SHARE=0`.
+- Nothing changes where /proc/stat cannot be read (not Linux), with `TRINE_CPU_SHARE=0`, or under
+  `--batch-invariant` (the engine worker's choice: its bit-for-bit numerics hold for a fixed
+  thread count). Elsewhere a thread count change moves results in their last bits, as a batch's
+  composition already does.
 """
 
 from __future__ import annotations

@@ -191,8 +191,10 @@ class EngineWorker:
             self._new_sampler = lambda: Sampler(self.model, self.tokenizer, **self.sampler_options)
             self.sampler = self._new_sampler()
             self.trainer = Trainer(self.model, base_model=self.name, **self.trainer_options)
-            # on CPU, the threads other processes leave it (cpu_share.py)
-            self.cpu_share = CpuShare(self.num_threads, enabled=self.model.device.type == "cpu")
+            # on CPU, the threads other processes leave it (cpu_share.py); a fixed count where the
+            # numerics must be (--batch-invariant: its GEMMs' bits depend on the thread count)
+            on_cpu = self.model.device.type == "cpu"
+            self.cpu_share = CpuShare(self.num_threads, enabled=on_cpu and not self.batch_invariant)
         except BaseException as e:  # reported to start()
             self._start_error = e
             self._ready.set()
