@@ -9,7 +9,11 @@ faults when first written: a decode-heavy batch took 1.5 million page faults, an
 ran 2.2x slower (the batch 6 % slower) than with the pages kept (benchmarks/allocator.py).
 
 `keep_freed_memory()` sets a fixed mmap threshold of `MMAP_THRESHOLD` and a trim threshold of
-`TRIM_THRESHOLD`, so such blocks come from the heap and freed ones stay there for the next step.
+`TRIM_THRESHOLD`, so such blocks come from the heap and freed ones stay there for the next step,
+and one arena for every thread: a thread other than the main one (a server's engine thread) gets
+an arena of its own otherwise, made of 64 MiB heaps that glibc unmaps as they empty, and its run
+page-faulted as much as with glibc's defaults (tests/engine/test_malloc.py). The cost of the one
+arena: threads that allocate at once wait on one lock; the engine's steps are one thread's.
 The cost: up to `TRIM_THRESHOLD` of freed memory at the heap's top stays with the process after a
 peak (it is reused by the next step, not lost). An operator who tunes glibc's allocator
 (`GLIBC_TUNABLES` naming `glibc.malloc`, or a `MALLOC_*_` variable) is left alone, and so is a
@@ -22,7 +26,7 @@ import ctypes
 import os
 import platform
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameter numbers (malloc.h)
 MMAP_THRESHOLD = 64 * 2**20  # blocks below this come from the heap: every per-step tensor here
 TRIM_THRESHOLD = 256 * 2**20  # free memory at the heap's top kept for the next step
 OPERATOR_SETTINGS = (
@@ -51,9 +55,10 @@ def keep_freed_memory() -> str:
     else:
         libc = ctypes.CDLL(None)
         ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        ok = ok and libc.mallopt(M_ARENA_MAX, 1)
         _applied = (
             f"glibc malloc: mmap threshold {MMAP_THRESHOLD >> 20} MiB, "
-            f"trim threshold {TRIM_THRESHOLD >> 20} MiB"
+            f"trim threshold {TRIM_THRESHOLD >> 20} MiB, one arena"
             if ok
             else "glibc malloc: the default (mallopt refused the thresholds)"
         )
