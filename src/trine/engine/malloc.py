@@ -12,10 +12,10 @@ ran 2.2x slower (the batch 6 % slower) than with the pages kept (benchmarks/allo
 `TRIM_THRESHOLD`, so such blocks come from the heap and freed ones stay there for the next step,
 and one arena for every thread: a thread other than the main one (a server's engine thread) gets
 an arena of its own otherwise, made of 64 MiB heaps that glibc unmaps as they empty, and its run
-page-faulted as much as with glibc's defaults (tests/engine/test_malloc.py). The cost of the one
-arena: threads that allocate at once wait on one lock; the engine's steps are one thread's.
-The cost: up to `TRIM_THRESHOLD` of freed memory at the heap's top stays with the process after a
-peak (it is reused by the next step, not lost). An operator who tunes glibc's allocator
+page-faulted as much as with glibc's defaults (tests/engine/test_malloc.py). The costs: up to
+`TRIM_THRESHOLD` of freed memory at the heap's top stays with the process after a peak (it is
+reused by the next step, not lost), and threads that allocate at once wait on one lock (the
+engine's steps are one thread's). An operator who tunes glibc's allocator
 (`GLIBC_TUNABLES` naming `glibc.malloc`, or a `MALLOC_*_` variable) is left alone, and so is a
 process whose C library is not glibc (musl, macOS); `TRINE_MALLOC=default` keeps glibc's default.
 """
@@ -60,6 +60,6 @@ def keep_freed_memory() -> str:
             f"glibc malloc: mmap threshold {MMAP_THRESHOLD >> 20} MiB, "
             f"trim threshold {TRIM_THRESHOLD >> 20} MiB, one arena"
             if ok
-            else "glibc malloc: the default (mallopt refused the thresholds)"
+            else "glibc malloc: the default (mallopt refused a setting)"
         )
     return _applied

@@ -191,7 +191,7 @@ class KVContext:
                 seen = torch.arange(1, L + 1, device=mask.device) * mask.any(0)[0]
                 reach = seen.amax(-1).tolist()  # per query: 1 + the last key any row lets it see
                 blocks = [(a, min(a + QUERY_BLOCK, T)) for a in range(0, T, QUERY_BLOCK)]
-                blocks = [(a, e, max(1, int(max(reach[a:e])))) for a, e in blocks]
+                blocks = [(a, e, max(1, *reach[a:e])) for a, e in blocks]
                 if sum((e - a) * keys for a, e, keys in blocks) <= 0.8 * T * L:
                     self._query_blocks = blocks
         return self._query_blocks
@@ -263,12 +263,9 @@ def _attend_gathered(q, kp, vp, kv: KVContext) -> torch.Tensor:
     read = kv.read_slots.reshape(-1)  # index_select copies whole [kvh, d] rows: fast
     kc = kp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
     vc = vp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
-    blocks = kv.query_blocks()
-    if len(blocks) == 1:
-        return attention(q, kc, vc, kv.attn_mask)
-    m = kv.attn_mask
+    m, blocks = kv.attn_mask, kv.query_blocks()
     outs = [attention(q[:, :, a:e], kc[:, :, :n], vc[:, :, :n], m[:, :, a:e, :n]) for a, e, n in blocks]
-    return torch.cat(outs, 2)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
 def _attend_in_place(q, kp, vp, kv: KVContext) -> torch.Tensor:
