@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trine.engine.api import WeightsIdentity
-from trine.engine.sampler.kv_cache import BlockManager, NoFreeBlocks, block_key, chain_hashes
+from trine.engine.sampler.kv_cache import MAX_TAILS, BlockManager, NoFreeBlocks, block_key, chain_hashes
 
 BS = 4
 W = WeightsIdentity("base")
@@ -18,13 +18,19 @@ def make(num_blocks: int = 8) -> BlockManager:
     return BlockManager(num_layers=2, num_kv_heads=1, head_dim=2, num_blocks=num_blocks, block_size=BS)
 
 
-def cache(bm: BlockManager, tokens: list[int], identity: WeightsIdentity = W) -> list[int]:
-    """Allocate blocks for `tokens`, register the full ones, release them: they become cached-free
-    (unless that content is cached already)."""
+def cache(
+    bm: BlockManager, tokens: list[int], identity: WeightsIdentity = W, tail: bool = False
+) -> list[int]:
+    """Allocate blocks for `tokens`, register the full ones (and, with `tail`, the partial last
+    one), release them: they become cached-free (unless that content is cached already)."""
     keys = chain_hashes(identity, tokens, BS)
     blocks = bm.allocate(-(-len(tokens) // BS))
     for i, key in enumerate(keys):
         bm.register(blocks[i], key, keys[i - 1] if i else identity, identity, tokens[i * BS : (i + 1) * BS])
+    if tail and len(tokens) % BS:
+        bm.register_tail(
+            blocks[len(keys)], keys[-1] if keys else identity, identity, tokens[len(keys) * BS :]
+        )
     bm.release(blocks)
     return blocks
 
@@ -165,6 +171,72 @@ ops = st.lists(
 )
 
 
+def test_a_tail_serves_the_first_tokens_it_shares():
+    bm = make()
+    blocks = cache(bm, [1, 2, 3, 4, 5, 6, 7], tail=True)  # one full block and a tail of 3
+    parent = chain_hashes(W, [1, 2, 3, 4], BS)[0]
+    assert bm.num_cached == 2 and bm.num_free == 8
+    assert bm.match_partial(W, parent, [5, 6, 9]) == (blocks[1], 2)
+    assert bm.blocks[blocks[1]].ref == 1  # held until its slots are copied
+    bm.release([blocks[1]])
+    assert bm.match_partial(W, parent, [6, 5]) is None  # a tail serves from its first token
+    assert bm.match_partial(W, W, [5, 6]) is None  # under another parent
+    assert bm.match_partial(WeightsIdentity("base", version=1), parent, [5, 6]) is None
+    assert bm.hit_partial_tokens == 2
+    bm.check()
+
+
+def test_the_next_full_block_serves_its_first_tokens():
+    bm = make()
+    blocks = cache(bm, [1, 2, 3, 4, 5, 6, 7, 8])
+    keys = chain_hashes(W, [1, 2, 3, 4, 5, 6, 7, 8], BS)
+    assert bm.match_partial(W, keys[0], [5, 6, 7], keys[1]) == (blocks[1], 3)  # a repeated prompt
+    bm.release([blocks[1]])
+    assert bm.match_partial(W, keys[0], [5, 6, 7]) is None  # not asked for, not found
+    bm.check()
+
+
+def test_the_longest_shared_start_wins_and_tails_are_bounded():
+    bm = make(2 * MAX_TAILS + 2)
+    short = cache(bm, [1, 2], tail=True)
+    long = cache(bm, [1, 2, 3], tail=True)
+    assert bm.match_partial(W, W, [1, 2, 3]) == (long[0], 3)
+    bm.release([long[0]])
+    assert bm.match_partial(W, W, [1, 2, 9]) in ((short[0], 2), (long[0], 2))
+    bm.release([bm.match_partial(W, W, [1])[0]])
+    bm.hit_partial_tokens = 0
+    for t in range(MAX_TAILS):  # only MAX_TAILS tails under one parent
+        cache(bm, [100 + t], tail=True)
+    assert sum(len(b.tokens) < BS for b in bm.blocks if b.key is not None) == MAX_TAILS
+    bm.check()
+
+
+def test_register_tail_rules():
+    bm = make()
+    (b,) = bm.allocate(1)
+    with pytest.raises(ValueError):
+        bm.register_tail(b, W, W, [])
+    with pytest.raises(ValueError):
+        bm.register_tail(b, W, W, [1, 2, 3, 4])  # a full block is `register`'s
+    assert bm.register_tail(b, W, W, [1, 2])
+    assert not bm.register_tail(b, W, W, [1, 2, 3])  # keyed already
+    (c,) = bm.allocate(1)
+    assert not bm.register_tail(c, W, W, [1, 2])  # the same content is cached in b
+    bm.release([b, c])
+    with pytest.raises(ValueError):
+        bm.register_tail(c, W, W, [7])  # not in use
+    bm.check()
+
+
+def test_evicting_a_tail_forgets_it():
+    bm = make(2)
+    (b,) = cache(bm, [1, 2, 3], tail=True)
+    assert bm.num_cached_free == 1
+    bm.allocate(2)  # takes the cached-free tail last
+    assert bm.match_partial(W, W, [1, 2]) is None and bm.evictions == 1
+    bm.check()
+
+
 @settings(max_examples=60, deadline=None)
 @given(ops)
 def test_random_operations_keep_invariants(script):
@@ -177,12 +249,21 @@ def test_random_operations_keep_invariants(script):
         identity = identities[a % 2]
         toks = [(a * 7 + i) % 5 for i in range(n)]
         if op == "cache" and bm.num_free >= -(-n // BS):
-            cache(bm, toks, identity)
+            cache(bm, toks, identity, tail=a > 1)
         elif op == "match":
             hit = bm.match(identity, toks)
             for i, bid in enumerate(hit):
                 blk = bm.blocks[bid]
                 assert blk.identity == identity and blk.tokens == tuple(toks[i * BS : (i + 1) * BS])
+            keys = chain_hashes(identity, toks, BS)
+            rest = toks[len(hit) * BS :]
+            if rest:
+                parent = keys[len(hit) - 1] if hit else identity
+                part = bm.match_partial(identity, parent, rest, *keys[len(hit) : len(hit) + 1])
+                if part is not None:
+                    blk = bm.blocks[part[0]]
+                    assert blk.identity == identity and blk.tokens[: part[1]] == tuple(rest[: part[1]])
+                    hit = hit + [part[0]]
             held.append(hit)
         elif op == "alloc" and bm.num_free >= a:
             held.append(bm.allocate(a))

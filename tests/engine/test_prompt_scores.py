@@ -54,14 +54,15 @@ def test_last_n_reads_the_cached_prefix_and_equals_the_full_computation(model_to
     assert whole.usage.cached_tokens == 0
     last = s.run([req(p, prompt_logprobs=True, topk_prompt_logprobs=2, prompt_logprobs_last_n=5)])[0]
     u = last.usage
-    assert u.cached_tokens == 32 and u.prefill_tokens == 13 and u.prompt_tokens == 45  # 2 of 2 full blocks
+    # every token before the first scored one: 2 full blocks and 7 of the first request's tail
+    assert u.cached_tokens == 39 and u.prefill_tokens == 6 and u.prompt_tokens == 45
     assert last.prompt_logprobs[:40] == [None] * 40 and last.topk_prompt_logprobs[:40] == [None] * 40
     torch.testing.assert_close(last.prompt_logprobs[40:], whole.prompt_logprobs[40:], atol=1e-5, rtol=0)
     for a, b in zip(last.topk_prompt_logprobs[40:], whole.topk_prompt_logprobs[40:]):
         assert [t for t, _ in a] == [t for t, _ in b]
     # compute_logprobs (no decoding) reads the cache the same way; the samples are unchanged
     only = s.run([req(p, generate=False, prompt_logprobs_last_n=5)])[0]
-    assert only.usage.cached_tokens == 32 and only.sequences == []
+    assert only.usage.cached_tokens == 39 and only.sequences == []
     torch.testing.assert_close(only.prompt_logprobs[40:], whole.prompt_logprobs[40:], atol=1e-5, rtol=0)
     assert last.sequences[0].tokens == whole.sequences[0].tokens
 
@@ -96,7 +97,7 @@ def test_target_ids_get_their_logprobs_and_rows_before_the_first_read_the_cache(
     late = [[] for _ in range(len(p) - 1)]
     late[38] = [12]
     second = s.run([req(p, 1, target_prompt_ids=late)])[0]
-    assert second.usage.cached_tokens == 32  # its first scored row is the last: the prefix came cached
+    assert second.usage.cached_tokens == 38  # its first scored row is the last: the prefix came cached
     torch.testing.assert_close(
         second.target_prompt_logprobs[38], first.target_prompt_logprobs[38], atol=1e-5, rtol=0
     )

@@ -76,7 +76,7 @@ def test_cached_and_uncached_paths_agree(tiny_model_dirs, family):
     ref = off.run([req(p, 8, temperature=0)])[0]
     first = on.run([req(p, 8, temperature=0)])[0]
     second = on.run([req(p, 8, temperature=0)])[0]
-    assert first.usage.cached_tokens == 0 and second.usage.cached_tokens == 48
+    assert first.usage.cached_tokens == 0 and second.usage.cached_tokens == 52  # all but the last
     for res in (first, second):
         assert res.sequences[0].tokens == ref.sequences[0].tokens
         torch.testing.assert_close(res.sequences[0].logprobs, ref.sequences[0].logprobs, atol=1e-4, rtol=0)
@@ -85,11 +85,11 @@ def test_cached_and_uncached_paths_agree(tiny_model_dirs, family):
 
 
 def test_full_hit_still_computes_last_token_and_seeded_samples_match(model_tok):
-    p = prompt(48)  # exactly 3 blocks: the last block cannot be a hit, its last token is needed
+    p = prompt(48)  # exactly 3 blocks: the last one serves its first 15 tokens, its last is needed
     s = make(model_tok)
     a = s.run([req(p, 10, n=3, seed=7)])[0]
     b = s.run([req(p, 10, n=3, seed=7)])[0]
-    assert b.usage.cached_tokens == 32 and b.usage.prefill_tokens == 16
+    assert b.usage.cached_tokens == 47 and b.usage.prefill_tokens == 1
     assert [x.tokens for x in a.sequences] == [x.tokens for x in b.sequences]
     uncached = make(model_tok, enable_prefix_cache=False).run([req(p, 10, n=3, seed=7)])[0]
     assert [x.tokens for x in uncached.sequences] == [x.tokens for x in a.sequences]
@@ -116,9 +116,33 @@ def test_generated_blocks_are_cached_for_the_next_turn(model_tok):
     first = s.run([req(p, 30, temperature=0)])[0]
     turn2 = p + first.sequences[0].tokens + prompt(10, seed=3)
     res = s.run([req(turn2, 4, temperature=0)])[0]
-    # prompt + completion = 50 tokens, 49 of them had KV computed: 3 full blocks are cached
-    assert res.usage.cached_tokens == 48
+    # prompt + completion = 50 tokens, 49 of them had KV computed: 3 full blocks and the first
+    # token of the completion's partial last block (its tail) are cached
+    assert res.usage.cached_tokens == 49
     assert res.usage.prompt_tokens == res.usage.prefill_tokens + res.usage.cached_tokens
+
+
+def test_partial_hits_compute_what_a_cold_prefill_does(model_tok):
+    """A reply's partial last block (its tail) serves the next turn the tokens they share; the
+    samples, forks included, are those of a sampler without a prefix cache."""
+    s, cold = make(model_tok), make(model_tok, enable_prefix_cache=False)
+    p = prompt(20)
+    reply = s.run([req(p, 12, temperature=0)])[0].sequences[0].tokens  # KV of 31 tokens: 1 block + 15
+    turns = [
+        (p + reply + prompt(9, seed=4), 31),  # the next turn: all 15 tokens of the tail
+        (p + reply[:5] + prompt(3, seed=5), 25),  # a turn that leaves the reply after 5 tokens: 9
+    ]
+    for turn, cached in turns:
+        hot = s.run([req(turn, 6, n=3, seed=2, temperature=1.0)])[0]
+        ref = cold.run([req(turn, 6, n=3, seed=2, temperature=1.0)])[0]
+        assert hot.usage.cached_tokens == cached and hot.usage.prefill_tokens == len(turn) - cached
+        assert [x.tokens for x in hot.sequences] == [x.tokens for x in ref.sequences]
+        for a, b in zip(hot.sequences, ref.sequences):
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+            assert_logprobs_match_full_forward(model_tok[0], turn, a)
+    assert s.stats["cache_hit_partial_tokens"] == 15 + 9
+    s.kv.check()
+    assert s.stats["blocks_used"] == 0
 
 
 # ----------------------------------------------------------------------------- weights identity
@@ -126,7 +150,7 @@ def test_new_weights_version_gets_no_cached_tokens(model_tok):
     s = make(model_tok)
     p = prompt(40)
     s.run([req(p)])
-    assert s.run([req(p)])[0].usage.cached_tokens == 32
+    assert s.run([req(p)])[0].usage.cached_tokens == 39
     assert s.run([req(p, weights=WeightsIdentity("tiny", version=1))])[0].usage.cached_tokens == 0
     ad = Adapter(model_tok[0], LoRAConfig(rank=4))
     hit = s.run([req(p, weights=WeightsIdentity("tiny", "run", 3), adapter=ad)])[0]
@@ -160,7 +184,7 @@ def test_full_forward_requests_write_the_cache(model_tok):
     s = make(model_tok)
     p = prompt(40)
     s.run([req(p, generate=False)])
-    assert s.run([req(p)])[0].usage.cached_tokens == 32
+    assert s.run([req(p)])[0].usage.cached_tokens == 39  # 2 full blocks and 7 tokens of its tail
 
 
 # ----------------------------------------------------------------------------- stops and lengths

@@ -153,8 +153,8 @@ def test_a_prompt_waits_for_blocks_another_request_is_computing_then_hits_them()
         assert second not in sch.prefilling  # its next block is being computed by `first`
         assert all(sch.kv.blocks[b].ref == 1 for b in first.blocks)  # it let go of its hits
         prefill(sch)
-    assert prefill(sch) == [(second, 4)]  # admitted with prompt[:-1]'s 9 full blocks cached
-    assert second.cached == 36 and not second.prompt_left
+    assert prefill(sch) == [(second, 1)]  # prompt[:-1] came cached: 9 full blocks, 3 of the 10th
+    assert second.cached == 39 and not second.prompt_left
 
 
 def test_cancel_gives_back_prompt_blocks_copies_and_reservation():

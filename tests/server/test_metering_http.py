@@ -164,7 +164,8 @@ def test_usage_and_models_through_a_real_server(tiny_model_dir, tmp_path):
         mine = get_remote(srv.url, srv.api_key, "/usage", by="model")
         assert mine["total"]["requests"] == 2
         assert mine["total"]["tokens"]["prompt"] == 80 and mine["total"]["tokens"]["sample"] == 2 * 3 * 4
-        assert mine["total"]["tokens"]["prefill_cached"] == 32  # the repeat hits the prompt's 2 full blocks
+        # the repeat hits the prompt's 2 full blocks and 7 tokens of the first's partial last block
+        assert mine["total"]["tokens"]["prefill_cached"] == 39
         assert get_remote(srv.url, other, "/usage")["total"]["requests"] == 0
         assert (
             httpx.get(srv.url + "/api/trine/v1/usage", headers={"X-API-Key": "trine-wrong"}).status_code

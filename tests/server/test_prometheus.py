@@ -61,7 +61,10 @@ def test_metrics_after_training_and_sampling(server):
     assert value(m, "trine_http_request_duration_seconds_count", route=sample_route, method="POST") == 2
     # the engine: tokens by phase, the prefix cache, the KV pool, queues
     assert value(m, "trine_tokens_total", **rep, phase="prefill") > 0
-    assert value(m, "trine_tokens_total", **rep, phase="prefill_cached") >= 32  # two blocks of 16
+    # the second request: its prompt but the last token, 2 blocks of 16 and 6 tokens copied from the
+    # first's samples' partial last block (their KV of prompt tokens 32..38 and 3 sampled tokens)
+    assert value(m, "trine_tokens_total", **rep, phase="prefill_cached") == 38
+    assert value(m, "trine_prefix_cache_hit_partial_tokens_total", **rep) == 6
     assert value(m, "trine_tokens_total", **rep, phase="sample") == 16  # 2 requests x 2 samples x 4
     assert value(m, "trine_tokens_total", **rep, phase="train") == 3
     hits = value(m, "trine_prefix_cache_hit_blocks_total", **rep)

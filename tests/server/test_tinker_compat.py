@@ -19,7 +19,7 @@ from tinker import types  # noqa: E402
 
 MODEL = "tiny-llama"
 TEXT = [1, 504, 3330, 314, 253, 1345, 28, 357, 314, 253, 1345, 30, 2]
-PROMPT = list(range(100, 140))  # 40 tokens: two full 16-token cache blocks
+PROMPT = list(range(100, 140))  # 40 tokens: two full 16-token cache blocks and 8 more
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,8 @@ def test_group_of_eight_prefills_once_and_reports_cache_hits(srv, sc):
     events = [e for e in usage(srv) if e.operation == "sample"][-2:]
     assert [e.prefill + e.prefill_cached for e in events] == [len(PROMPT)] * 2  # once per group, not 8x
     assert first.prompt_cache_hit_tokens == events[0].prefill_cached == 0
-    assert second.prompt_cache_hit_tokens == events[1].prefill_cached == 32  # two full blocks
+    # two full blocks and 7 tokens of a first sample's partial last block: all but the last token
+    assert second.prompt_cache_hit_tokens == events[1].prefill_cached == 39
 
 
 def test_compute_logprobs_equals_the_trainers_logprobs(sc):

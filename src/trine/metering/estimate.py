@@ -5,10 +5,11 @@ The model follows how trine executes (engine/sampler/sampler.py, engine/trainer/
   num_samples=group_size: its prompt (system + prompt tokens) is prefilled once, and each sample decodes
   `completion_tokens`. Later turns continue each trajectory separately (one request per sample) with
   prompt = previous prompt + completion + `prompt_tokens` new tokens.
-- The prefix cache holds full blocks (block_size tokens) of every computed KV: prompts and generated
-  tokens, but not a sequence's last sampled token (it was never fed back). A request reuses the full
-  blocks of the longest cached prefix of prompt[:-1], so a full hit still computes the last prompt token.
-  A turn therefore computes its new tokens plus the partial last block of the previous turn.
+- The prefix cache holds the KV of every computed token: prompts and generated tokens, but not a
+  sequence's last sampled token (it was never fed back), in full blocks (block_size tokens) and, when
+  a sequence stops, its partial last block. A request reuses the longest cached prefix of
+  prompt[:-1], so a full hit still computes the last prompt token. A later turn therefore computes
+  its new tokens plus the previous turn's last sampled token.
 - Different groups of a step share the system prompt's full blocks: only the step's first group computes
   them. Training changes the weights every step (optim_step bumps the adapter version), so with
   train_passes > 0 the cache starts cold each step; without training it stays warm across steps.
@@ -147,7 +148,7 @@ def _group(s: JobShape, cache: bool, system_cached: bool) -> PhaseTokens:
     for _ in range(1, s.turns):
         computed_kv = n + s.completion_tokens - 1  # the previous turn's KV: all but its last sampled token
         n += s.completion_tokens + s.prompt_tokens
-        hit = min(computed_kv // bs, (n - 1) // bs) * bs if cache else 0
+        hit = min(computed_kv, n - 1) if cache else 0
         t.prefill += s.group_size * (n - hit)
         t.prefill_cached += s.group_size * hit
         t.sample += s.group_size * s.completion_tokens

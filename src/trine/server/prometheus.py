@@ -110,6 +110,11 @@ class ServiceCollector(Collector):
         queried = g.counter(
             "trine_prefix_cache_queried_blocks", "Prompt blocks looked up in the prefix cache.", REPLICA
         )
+        partial = g.counter(
+            "trine_prefix_cache_hit_partial_tokens",
+            "Prompt tokens served after the hit blocks from a partial block (copied).",
+            REPLICA,
+        )
         ratio = g.gauge(
             "trine_prefix_cache_hit_ratio",
             "Hit blocks over queried blocks since the replica started (0 before any lookup).",
@@ -150,6 +155,7 @@ class ServiceCollector(Collector):
             hit, asked = s.get("cache_hit_blocks", 0), s.get("cache_queried_blocks", 0)
             hits.add_metric(labels, hit)
             queried.add_metric(labels, asked)
+            partial.add_metric(labels, s.get("cache_hit_partial_tokens", 0))
             ratio.add_metric(labels, hit / asked if asked else 0.0)
             for phase, counter in SAMPLER_PHASES.items():
                 tokens.add_metric([*labels, phase], s.get(counter, 0))

@@ -4,9 +4,15 @@ The pool is preallocated once: for each layer `k_pool[layer]` and `v_pool[layer]
 `[num_blocks * block_size, num_kv_heads, head_dim]`, the layout `KVContext` reads (slot =
 block * block_size + offset). Sequences own lists of block ids; nothing is concatenated per step.
 
-Prefix cache (full blocks only). A full block of `block_size` tokens at chain position i has the key
+Prefix cache. A full block of `block_size` tokens at chain position i has the key
 `hash((key of block i-1, tokens))`; the key before block 0 is the `WeightsIdentity` itself, so the
 chain of a prompt is rooted in the weights (base model, adapter, version) that computed its KV.
+A chain's last, partial block is cached too, as a *tail*: the KV of its first n < `block_size`
+tokens, keyed under its parent (the chain's last full block). After its full blocks, a prompt's
+next few tokens are served from a tail under the same parent or from the next full block, whose
+first m tokens they share: those m slots are copied into a block of its own. So a chat's next turn
+reuses the KV of the previous reply's last partial block, and a repeated prompt computes only its
+last token, instead of up to `block_size` tokens again.
 
 Block states:
 - free        ref 0, no key: on the free list.
@@ -15,10 +21,13 @@ Block states:
 
 Invariants
 - Reference counts are never negative; a block with ref > 0 is never evicted or handed out.
-- Every hit is verified: same WeightsIdentity, same parent key and the same tokens, stored with
-  the block. KV computed under other weights is never served, even on a hash collision.
+- Every hit is verified: same WeightsIdentity, same parent key and the same tokens (a partial
+  hit: the same first m tokens), stored with the block. KV computed under other weights is never
+  served, even on a hash collision.
 - Evicting a block removes its key (and the prompt scores kept with it) before the block is
   reused, so a reused block is never served for its old content.
+- A partial hit is never shared: its slots are copied. Its first n slots are not written again (it is
+  keyed when its sequence stops), so a copy made while it is held is its keyed content.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ if TYPE_CHECKING:
     from .prompt_scores import BlockScores
 
 CPU_KV_CACHE_BYTES = 512 * 2**20
+MAX_TAILS = 64  # tails kept under one parent (a group's samples that stop in a shared block)
 GPU_KV_CACHE_FRACTION = 0.5  # of the memory free when the pool is built
 
 
@@ -48,6 +58,11 @@ def default_kv_cache_bytes(device: torch.device) -> int:
 def block_key(parent: object, tokens: list[int] | tuple[int, ...]) -> int:
     """The key of a full block: its parent's key (or the WeightsIdentity at the root) + its tokens."""
     return hash((parent, tuple(tokens)))
+
+
+def tail_key(parent: object, tokens: list[int] | tuple[int, ...]) -> int:
+    """The key of a tail: apart from any full block's (a tuple of another shape is hashed)."""
+    return hash(("tail", parent, tuple(tokens)))
 
 
 def chain_hashes(
@@ -75,7 +90,7 @@ class Block:
     key: int | None = None
     parent: object = None  # parent block's key, or the WeightsIdentity for block 0 of a chain
     identity: WeightsIdentity | None = None
-    tokens: tuple[int, ...] | None = None
+    tokens: tuple[int, ...] | None = None  # block_size of them; fewer for a tail
     scores: "BlockScores | None" = None  # its prompt scores, when a request that computed them keyed it
 
 
@@ -109,7 +124,9 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives low ids first
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._table: dict[int, int] = {}  # key -> block id
+        self._tails: dict[object, dict[int, None]] = {}  # parent key -> its tails' block ids
         self.hit_blocks = 0
+        self.hit_partial_tokens = 0
         self.queried_blocks = 0
         self.evictions = 0
 
@@ -174,6 +191,11 @@ class BlockManager:
 
     def _evict(self, block: Block) -> None:
         del self._table[block.key]
+        if len(block.tokens) < self.block_size:  # a tail
+            tails = self._tails[block.parent]
+            del tails[block.id]
+            if not tails:
+                del self._tails[block.parent]
         block.key = block.parent = block.identity = block.tokens = block.scores = None
         self.evictions += 1
 
@@ -268,6 +290,58 @@ class BlockManager:
         self._table[key] = block_id
         return True
 
+    def register_tail(
+        self, block_id: int, parent: object, identity: WeightsIdentity, tokens: list[int] | tuple[int, ...]
+    ) -> bool:
+        """Key the first `len(tokens)` (1..block_size-1) slots of an in-use block as the tail of the
+        chain whose last full block is `parent` (the WeightsIdentity for a chain of no full block).
+        Call it when nothing will write those slots again. False if it is cached already (same
+        parent and tokens), the block has a key, or `parent` holds `MAX_TAILS` tails."""
+        block = self.blocks[block_id]
+        if block.ref <= 0:
+            raise ValueError(f"block {block_id} is not in use: only computed KV can be cached")
+        if not 0 < len(tokens) < self.block_size:
+            raise ValueError(f"a tail holds 1..{self.block_size - 1} tokens: got {len(tokens)}")
+        key = tail_key(parent, tokens)
+        tails = self._tails.setdefault(parent, {})
+        if block.key is not None or key in self._table or len(tails) >= MAX_TAILS:
+            if not tails:
+                del self._tails[parent]
+            return False
+        block.key, block.parent, block.identity, block.tokens = key, parent, identity, tuple(tokens)
+        self._table[key] = block_id
+        tails[block_id] = None
+        return True
+
+    def match_partial(
+        self, identity: WeightsIdentity, parent: object, tokens: list[int], full_key: int | None = None
+    ) -> tuple[int, int] | None:
+        """(block id, m): the cached block after `parent` whose first m >= 1 tokens are the longest
+        start of `tokens` (fewer than a block: the rest of a prompt after its matched full blocks);
+        the block with one more ref (copy its first m slots, then release it). The candidates are
+        the tails under `parent` and the full block keyed `full_key` (the chain key of the prompt's
+        next full block, when it has one). None when no candidate starts with tokens[0]."""
+        candidates = list(self._tails.get(parent, ()))
+        if full_key is not None and full_key in self._table:
+            candidates.append(self._table[full_key])
+        best, best_m = None, 0
+        for bid in candidates:
+            block = self.blocks[bid]
+            if block.identity != identity or block.parent != parent:
+                continue  # a hash collision of parent keys: never serve it
+            m = 0
+            for a, b in zip(block.tokens, tokens):
+                if a != b:
+                    break
+                m += 1
+            if m > best_m:
+                best, best_m = bid, m
+        if best is None:
+            return None
+        self.incref([best])
+        self.hit_partial_tokens += best_m
+        return best, best_m
+
     def reset_cache(self) -> int:
         """Forget every cached block no one holds (they become free); blocks in use keep their keys.
         Returns how many were forgotten."""
@@ -297,4 +371,7 @@ class BlockManager:
             assert (b.id in cached) == (b.ref == 0 and b.key is not None)
             if b.key is not None:
                 assert self._table[b.key] == b.id
+                is_tail = len(b.tokens) < self.block_size
+                assert is_tail == (b.id in self._tails.get(b.parent, ()))
         assert len(self._table) == sum(b.key is not None for b in self.blocks)
+        assert all(tails and len(tails) <= MAX_TAILS for tails in self._tails.values())

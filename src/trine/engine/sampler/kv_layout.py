@@ -8,9 +8,11 @@ Invariants
   block (sample 0 keeps the original). A decode step attends the samples of one request as one
   packed row (`KVContext.query_index`): the prompt KV they share is gathered once per step, not
   once per sample; every query's keys stay tile aligned in position order (invariant.py).
-- Only full blocks whose KV is computed are keyed; a block's key chains its parent's key (the
-  `WeightsIdentity` for block 0), so KV is only ever served to the same weights and tokens. Blocks
-  a `mixed` request (an inflight one whose weights changed under it) computes are never keyed.
+- Only blocks whose KV is computed are keyed: full ones as they fill, a sequence's partial last
+  block (a tail) when it stops, a prompt's when a request without samples is done. A block's key
+  chains its parent's key (the `WeightsIdentity` for block 0), so KV is only ever served to the
+  same weights and tokens. Blocks a `mixed` request (an inflight one whose weights changed under
+  it) computes are never keyed.
 """
 
 from __future__ import annotations
@@ -151,6 +153,16 @@ class KVLayout:
                 r.blocks[b], r.keys[b], r.keys[b - 1] if b else w, w, r.req.prompt[b * bs : (b + 1) * bs]
             )
         return completed
+
+    def cache_tail(self, r: Request, blocks: list[int], keys: list[int], tokens: list[int]) -> None:
+        """Key the partial last block of a chain that stops growing: `blocks` hold the KV of
+        `tokens` (a stopped sequence's tokens but its last; a finished prompt), `keys` the keys of
+        its full blocks."""
+        full, partial = divmod(len(tokens), self.block_size)
+        if not self.prefix_cache or r.mixed or not partial or len(keys) < full or len(blocks) <= full:
+            return
+        w, rest = r.req.weights, tokens[full * self.block_size :]
+        self.kv.register_tail(blocks[full], keys[full - 1] if full else w, w, rest)
 
     def cache_decoded(self, seqs: list[Sequence]) -> None:
         """Key each sequence's block that this decode step's input token (its last) filled."""

@@ -211,6 +211,7 @@ class Sampler:
         return dict(
             self._counters,
             cache_hit_blocks=kv.hit_blocks,
+            cache_hit_partial_tokens=kv.hit_partial_tokens,
             cache_queried_blocks=kv.queried_blocks,
             cache_evictions=kv.evictions,
             blocks_total=kv.num_blocks,
@@ -315,6 +316,8 @@ class Sampler:
 
     def _prompt_done(self, r: Request) -> None:
         r.usage.prefilled_at = time.time()
+        if not r.samples:  # its blocks go back now: the prompt's partial last one stays cached
+            self.layout.cache_tail(r, r.blocks, r.keys, r.req.prompt)
         self.scheduler.prompt_done(r)
         self._meter_prompt(r)
         self._counters["requests"] += 1
@@ -389,6 +392,7 @@ class Sampler:
         return finished
 
     def _retire(self, s: Sequence) -> None:
+        self.layout.cache_tail(s.request, s.blocks, s.keys, s.tokens[:-1])  # KV of all but its last
         self.scheduler.release(s)
         s.request.running -= 1
         if s.text is None:
