@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trine.engine.api import WeightsIdentity
-from trine.engine.sampler.kv_cache import MAX_TAILS, BlockManager, NoFreeBlocks, block_key, chain_hashes
+from trine.engine.sampler.kv_cache import MAX_SCAN, BlockManager, NoFreeBlocks, block_key, chain_hashes
 
 BS = 4
 W = WeightsIdentity("base")
@@ -186,28 +186,31 @@ def test_a_tail_serves_the_first_tokens_it_shares():
     bm.check()
 
 
-def test_the_next_full_block_serves_its_first_tokens():
+def test_a_cached_full_block_serves_its_first_tokens():
     bm = make()
     blocks = cache(bm, [1, 2, 3, 4, 5, 6, 7, 8])
     keys = chain_hashes(W, [1, 2, 3, 4, 5, 6, 7, 8], BS)
-    assert bm.match_partial(W, keys[0], [5, 6, 7], keys[1]) == (blocks[1], 3)  # a repeated prompt
+    assert bm.match_partial(W, keys[0], [5, 6, 7]) == (blocks[1], 3)  # a repeated prompt
     bm.release([blocks[1]])
-    assert bm.match_partial(W, keys[0], [5, 6, 7]) is None  # not asked for, not found
+    assert bm.match_partial(W, keys[0], [5, 9]) == (blocks[1], 1)  # a prompt that leaves it
+    bm.release([blocks[1]])
+    assert bm.match_partial(W, W, [1, 2, 3]) == (blocks[0], 3)  # before any full block
+    bm.release([blocks[0]])
     bm.check()
 
 
-def test_the_longest_shared_start_wins_and_tails_are_bounded():
-    bm = make(2 * MAX_TAILS + 2)
+def test_the_longest_shared_start_wins_among_the_newest():
+    bm = make(MAX_SCAN + 4)
     short = cache(bm, [1, 2], tail=True)
     long = cache(bm, [1, 2, 3], tail=True)
     assert bm.match_partial(W, W, [1, 2, 3]) == (long[0], 3)
     bm.release([long[0]])
-    assert bm.match_partial(W, W, [1, 2, 9]) in ((short[0], 2), (long[0], 2))
-    bm.release([bm.match_partial(W, W, [1])[0]])
-    bm.hit_partial_tokens = 0
-    for t in range(MAX_TAILS):  # only MAX_TAILS tails under one parent
+    bid, m = bm.match_partial(W, W, [1, 2, 9])
+    assert m == 2 and bid in (short[0], long[0])
+    bm.release([bid])
+    for t in range(MAX_SCAN):  # newer blocks under the same parent: the first two are not looked at
         cache(bm, [100 + t], tail=True)
-    assert sum(len(b.tokens) < BS for b in bm.blocks if b.key is not None) == MAX_TAILS
+    assert bm.match_partial(W, W, [1, 2, 3]) is None
     bm.check()
 
 
@@ -259,7 +262,7 @@ def test_random_operations_keep_invariants(script):
             rest = toks[len(hit) * BS :]
             if rest:
                 parent = keys[len(hit) - 1] if hit else identity
-                part = bm.match_partial(identity, parent, rest, *keys[len(hit) : len(hit) + 1])
+                part = bm.match_partial(identity, parent, rest)
                 if part is not None:
                     blk = bm.blocks[part[0]]
                     assert blk.identity == identity and blk.tokens[: part[1]] == tuple(rest[: part[1]])

@@ -20,7 +20,6 @@ def test_shape_validation():
         dict(group_size=-1),
         dict(prompt_tokens=0),
         dict(turns=1.5),
-        dict(block_size=0),
         dict(trained_fraction=1.5),
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
@@ -72,9 +71,9 @@ def test_shared_system_prompt_is_cached_after_the_first_group():
         train_passes=1,
     )
     w = estimate(s, CARD).with_cache.tokens
-    assert w.prefill_cached == 3 * 3 * 96  # 6 full blocks of 16, for groups 2..4 of each step
+    assert w.prefill_cached == 3 * 3 * 100  # the system prompt, for groups 2..4 of each step
     warm = estimate(JobShape(**{**s.__dict__, "train_passes": 0}), CARD).with_cache.tokens
-    assert warm.prefill_cached == (3 * 4 - 1) * 96  # no training: weights never change, the cache stays warm
+    assert warm.prefill_cached == (3 * 4 - 1) * 100  # no training: weights never change, the cache stays warm
 
 
 def test_multi_turn_prefill_dominates_without_cache():
@@ -92,11 +91,10 @@ def test_multi_turn_prefill_dominates_without_cache():
     assert e.with_cache.tokens.prompt == e.without_cache.tokens.prompt
     assert e.with_cache.tokens.cache_hit_rate > 0.8
     assert e.cache_savings > 0.3
-    # turn 1: the first group computes its whole prompt, the others all but the system prompt's 31 full
-    # blocks;
+    # turn 1: the first group computes its whole prompt, the others all but the system prompt;
     # a later turn computes its new tokens plus the previous turn's last sampled token (its partial
     # block is cached too)
-    first_turn = 700 + 3 * (700 - 496)
+    first_turn = 700 + 3 * (700 - 500)
     per_turn = (e.with_cache.tokens.prefill - first_turn) / (4 * 4 * 9)
     assert per_turn == 200 + 1
     d = e.to_dict()

@@ -62,9 +62,6 @@ from .output import print_json
     help="Share of trajectories trained on (GRPO skips groups whose rewards are all equal).",
 )
 @click.option(
-    "--block-size", type=int, default=16, show_default=True, help="The server's KV cache block size."
-)
-@click.option(
     "--rates", type=click.Path(dir_okay=False, path_type=Path), help="Rate card TOML to price with."
 )
 @click.option(
@@ -102,7 +99,6 @@ def estimate(
     system_tokens,
     train_passes,
     trained_fraction,
-    block_size,
     rates,
     home,
     measure,
@@ -127,7 +123,6 @@ def estimate(
             system_tokens=system_tokens,
             train_passes=train_passes,
             trained_fraction=trained_fraction,
-            block_size=block_size,
         )
         est = run_estimate(shape, card)
     except ValueError as e:

@@ -6,12 +6,12 @@ The model follows how trine executes (engine/sampler/sampler.py, engine/trainer/
   `completion_tokens`. Later turns continue each trajectory separately (one request per sample) with
   prompt = previous prompt + completion + `prompt_tokens` new tokens.
 - The prefix cache holds the KV of every computed token: prompts and generated tokens, but not a
-  sequence's last sampled token (it was never fed back), in full blocks (block_size tokens) and, when
-  a sequence stops, its partial last block. A request reuses the longest cached prefix of
+  sequence's last sampled token (it was never fed back), to the token: full blocks and, when a
+  sequence stops, its partial last block. A request reuses the longest cached prefix of
   prompt[:-1], so a full hit still computes the last prompt token. A later turn therefore computes
   its new tokens plus the previous turn's last sampled token.
-- Different groups of a step share the system prompt's full blocks: only the step's first group computes
-  them. Training changes the weights every step (optim_step bumps the adapter version), so with
+- Different groups of a step share the system prompt: only the step's first group computes it.
+  Training changes the weights every step (optim_step bumps the adapter version), so with
   train_passes > 0 the cache starts cold each step; without training it stays warm across steps.
 - Training runs `train_passes` forward_backward passes over each trajectory; a trajectory of N tokens is
   one datum of N - 1 positions (inputs tokens[:-1], targets tokens[1:]): train tokens. Its loss tokens
@@ -42,7 +42,6 @@ class JobShape:
     system_tokens: int = 0  # a fixed prefix every prompt starts with (system prompt, tool definitions)
     train_passes: int = 1  # forward_backward passes over each trajectory per step; 0 = sampling only
     trained_fraction: float = 1.0  # share of trajectories trained on (GRPO drops groups of equal rewards)
-    block_size: int = 16  # the KV cache block size of the server
     prefix_sharing: bool = True  # the server trains a prefix its datums share once (trine serve's default)
 
     def __post_init__(self):
@@ -55,7 +54,6 @@ class JobShape:
             "completion_tokens": 0,
             "system_tokens": 0,
             "train_passes": 0,
-            "block_size": 1,
         }
         for name, lo in minimum.items():
             v = getattr(self, name)
@@ -140,9 +138,9 @@ def _shared_per_step(s: JobShape) -> float:
 
 def _group(s: JobShape, cache: bool, system_cached: bool) -> PhaseTokens:
     """Sampling tokens of one group: turn 1 as one request of group_size samples, later turns per sample."""
-    bs, t = s.block_size, PhaseTokens()
+    t = PhaseTokens()
     n = s.system_tokens + s.prompt_tokens
-    hit = min(s.system_tokens // bs, (n - 1) // bs) * bs if cache and system_cached else 0
+    hit = min(s.system_tokens, n - 1) if cache and system_cached else 0
     t.prefill, t.prefill_cached = n - hit, hit
     t.sample = s.group_size * s.completion_tokens
     for _ in range(1, s.turns):

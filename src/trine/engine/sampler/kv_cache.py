@@ -9,10 +9,11 @@ Prefix cache. A full block of `block_size` tokens at chain position i has the ke
 chain of a prompt is rooted in the weights (base model, adapter, version) that computed its KV.
 A chain's last, partial block is cached too, as a *tail*: the KV of its first n < `block_size`
 tokens, keyed under its parent (the chain's last full block). After its full blocks, a prompt's
-next few tokens are served from a tail under the same parent or from the next full block, whose
-first m tokens they share: those m slots are copied into a block of its own. So a chat's next turn
-reuses the KV of the previous reply's last partial block, and a repeated prompt computes only its
-last token, instead of up to `block_size` tokens again.
+next few tokens are served from any cached block under the same parent (a tail or a full block)
+whose first m tokens they share: those m slots are copied into a block of its own. So a chat's
+next turn reuses the KV of the previous reply's last partial block, a repeated prompt computes
+only its last token, and prompts that share a system prompt share all of it, instead of computing
+up to `block_size - 1` tokens again.
 
 Block states:
 - free        ref 0, no key: on the free list.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from .prompt_scores import BlockScores
 
 CPU_KV_CACHE_BYTES = 512 * 2**20
-MAX_TAILS = 64  # tails kept under one parent (a group's samples that stop in a shared block)
+MAX_SCAN = 64  # a partial lookup compares the tokens of this many blocks under its parent, newest first
 GPU_KV_CACHE_FRACTION = 0.5  # of the memory free when the pool is built
 
 
@@ -124,7 +126,7 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives low ids first
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._table: dict[int, int] = {}  # key -> block id
-        self._tails: dict[object, dict[int, None]] = {}  # parent key -> its tails' block ids
+        self._children: dict[object, dict[int, None]] = {}  # parent -> keyed blocks after it, oldest first
         self.hit_blocks = 0
         self.hit_partial_tokens = 0
         self.queried_blocks = 0
@@ -191,11 +193,10 @@ class BlockManager:
 
     def _evict(self, block: Block) -> None:
         del self._table[block.key]
-        if len(block.tokens) < self.block_size:  # a tail
-            tails = self._tails[block.parent]
-            del tails[block.id]
-            if not tails:
-                del self._tails[block.parent]
+        children = self._children[block.parent]
+        del children[block.id]
+        if not children:
+            del self._children[block.parent]
         block.key = block.parent = block.identity = block.tokens = block.scores = None
         self.evictions += 1
 
@@ -284,11 +285,7 @@ class BlockManager:
             raise ValueError(f"block {block_id} is not in use: only computed KV can be cached")
         if len(tokens) != self.block_size:
             raise ValueError(f"only full blocks are cached: got {len(tokens)} tokens")
-        if block.key is not None or key in self._table:
-            return False
-        block.key, block.parent, block.identity, block.tokens = key, parent, identity, tuple(tokens)
-        self._table[key] = block_id
-        return True
+        return self._key(block, key, parent, identity, tokens)
 
     def register_tail(
         self, block_id: int, parent: object, identity: WeightsIdentity, tokens: list[int] | tuple[int, ...]
@@ -296,36 +293,31 @@ class BlockManager:
         """Key the first `len(tokens)` (1..block_size-1) slots of an in-use block as the tail of the
         chain whose last full block is `parent` (the WeightsIdentity for a chain of no full block).
         Call it when nothing will write those slots again. False if it is cached already (same
-        parent and tokens), the block has a key, or `parent` holds `MAX_TAILS` tails."""
+        parent and tokens) or the block has a key."""
         block = self.blocks[block_id]
         if block.ref <= 0:
             raise ValueError(f"block {block_id} is not in use: only computed KV can be cached")
         if not 0 < len(tokens) < self.block_size:
             raise ValueError(f"a tail holds 1..{self.block_size - 1} tokens: got {len(tokens)}")
-        key = tail_key(parent, tokens)
-        tails = self._tails.setdefault(parent, {})
-        if block.key is not None or key in self._table or len(tails) >= MAX_TAILS:
-            if not tails:
-                del self._tails[parent]
+        return self._key(block, tail_key(parent, tokens), parent, identity, tokens)
+
+    def _key(self, block: Block, key: int, parent: object, identity: WeightsIdentity, tokens) -> bool:
+        if block.key is not None or key in self._table:
             return False
         block.key, block.parent, block.identity, block.tokens = key, parent, identity, tuple(tokens)
-        self._table[key] = block_id
-        tails[block_id] = None
+        self._table[key] = block.id
+        self._children.setdefault(parent, {})[block.id] = None
         return True
 
     def match_partial(
-        self, identity: WeightsIdentity, parent: object, tokens: list[int], full_key: int | None = None
+        self, identity: WeightsIdentity, parent: object, tokens: list[int]
     ) -> tuple[int, int] | None:
-        """(block id, m): the cached block after `parent` whose first m >= 1 tokens are the longest
-        start of `tokens` (fewer than a block: the rest of a prompt after its matched full blocks);
-        the block with one more ref (copy its first m slots, then release it). The candidates are
-        the tails under `parent` and the full block keyed `full_key` (the chain key of the prompt's
-        next full block, when it has one). None when no candidate starts with tokens[0]."""
-        candidates = list(self._tails.get(parent, ()))
-        if full_key is not None and full_key in self._table:
-            candidates.append(self._table[full_key])
+        """(block id, m): the cached block after `parent` (a tail or a full block; the newest
+        `MAX_SCAN`) whose first m >= 1 tokens are the longest start of `tokens` (the rest of a
+        prompt after its matched full blocks, up to its last token); the block with one more ref
+        (copy its first m slots, then release it). None when none starts with tokens[0]."""
         best, best_m = None, 0
-        for bid in candidates:
+        for bid in islice(reversed(self._children.get(parent, {})), MAX_SCAN):
             block = self.blocks[bid]
             if block.identity != identity or block.parent != parent:
                 continue  # a hash collision of parent keys: never serve it
@@ -371,7 +363,6 @@ class BlockManager:
             assert (b.id in cached) == (b.ref == 0 and b.key is not None)
             if b.key is not None:
                 assert self._table[b.key] == b.id
-                is_tail = len(b.tokens) < self.block_size
-                assert is_tail == (b.id in self._tails.get(b.parent, ()))
+                assert b.id in self._children[b.parent]
         assert len(self._table) == sum(b.key is not None for b in self.blocks)
-        assert all(tails and len(tails) <= MAX_TAILS for tails in self._tails.values())
+        assert sum(map(len, self._children.values())) == len(self._table) and all(self._children.values())

@@ -13,8 +13,8 @@ request fits when its worst-case KV blocks (the prompt's, plus every sample deco
 `max_tokens`) fit the pool: free + evictable blocks minus what admitted requests have reserved. So a
 running sequence never runs out of blocks and nothing is ever preempted. At admission a request
 looks up the longest cached prefix of `prompt[:-1]` (the last prompt token is always computed: its
-logits give the first sampled token): full blocks, then the first tokens it shares with a tail
-cached after the last of them or with the next full block (copied: kv_cache.py); a request whose
+logits give the first sampled token): full blocks, then the first tokens it shares with a block
+cached after the last of them (copied: kv_cache.py); a request whose
 uncached prefix starts with blocks another request is still computing waits, then hits them. A
 request that scores its prompt reads only the blocks before the first position it scores
 (`Request.cacheable`: none for whole-prompt logprobs), unless it reuses cached prompt scores: then
@@ -407,8 +407,8 @@ class Scheduler:
             return False
         tail = None  # (block, m): a cached block's first m slots continue the matched blocks
         if reads > len(matched) * bs and self.prefix_cache and serves is None:
-            parent, after = r.keys[len(matched) - 1] if matched else req.weights, r.keys[len(matched) :]
-            tail = kv.match_partial(req.weights, parent, req.prompt[len(matched) * bs : reads], *after[:1])
+            parent = r.keys[len(matched) - 1] if matched else req.weights
+            tail = kv.match_partial(req.weights, parent, req.prompt[len(matched) * bs : reads])
         prompt_blocks = -(-n // bs)
         copies = max(k - 1, 0) * int(n % bs != 0)
         later = k * self.sample_reserve(r)
