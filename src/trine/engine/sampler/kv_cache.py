@@ -27,8 +27,9 @@ Invariants
   served, even on a hash collision.
 - Evicting a block removes its key (and the prompt scores kept with it) before the block is
   reused, so a reused block is never served for its old content.
-- A partial hit is never shared: its slots are copied. Its first n slots are not written again (it is
-  keyed when its sequence stops), so a copy made while it is held is its keyed content.
+- A partial hit is never shared: its first m slots are copied, while the hit holds a reference. A
+  keyed block's slots are not written again (a full block is keyed once computed, a tail when its
+  sequence stops), so the copy is its keyed content.
 """
 
 from __future__ import annotations
@@ -301,7 +302,14 @@ class BlockManager:
             raise ValueError(f"a tail holds 1..{self.block_size - 1} tokens: got {len(tokens)}")
         return self._key(block, tail_key(parent, tokens), parent, identity, tokens)
 
-    def _key(self, block: Block, key: int, parent: object, identity: WeightsIdentity, tokens) -> bool:
+    def _key(
+        self,
+        block: Block,
+        key: int,
+        parent: object,
+        identity: WeightsIdentity,
+        tokens: list[int] | tuple[int, ...],
+    ) -> bool:
         if block.key is not None or key in self._table:
             return False
         block.key, block.parent, block.identity, block.tokens = key, parent, identity, tuple(tokens)
@@ -319,8 +327,8 @@ class BlockManager:
         best, best_m = None, 0
         for bid in islice(reversed(self._children.get(parent, {})), MAX_SCAN):
             block = self.blocks[bid]
-            if block.identity != identity or block.parent != parent:
-                continue  # a hash collision of parent keys: never serve it
+            if block.identity != identity:
+                continue  # other weights under a colliding parent key: never serve it
             m = 0
             for a, b in zip(block.tokens, tokens):
                 if a != b:

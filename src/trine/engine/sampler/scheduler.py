@@ -14,11 +14,11 @@ request fits when its worst-case KV blocks (the prompt's, plus every sample deco
 running sequence never runs out of blocks and nothing is ever preempted. At admission a request
 looks up the longest cached prefix of `prompt[:-1]` (the last prompt token is always computed: its
 logits give the first sampled token): full blocks, then the first tokens it shares with a block
-cached after the last of them (copied: kv_cache.py); a request whose
-uncached prefix starts with blocks another request is still computing waits, then hits them. A
-request that scores its prompt reads only the blocks before the first position it scores
-(`Request.cacheable`: none for whole-prompt logprobs), unless it reuses cached prompt scores: then
-the blocks that carry them (prompt_scores.py).
+cached after the last of them (copied: kv_cache.py); a request whose uncached prefix starts with
+blocks another request is still computing waits, then hits them. A request that scores its prompt
+reads only the blocks before the first position it scores (`Request.cacheable`: none for
+whole-prompt logprobs), unless it reuses cached prompt scores: then the blocks that carry them
+(prompt_scores.py).
 
 Prefill chunks. At most one prefill forward a step, over at most `max_batch_tokens` positions
 (padding included), so a long prompt is prefilled over several steps. Every chunk is sized by
@@ -405,17 +405,17 @@ class Scheduler:
         if reads and r.keys[len(matched) : len(matched) + 1] and r.keys[len(matched)] in pending:
             kv.release(matched)  # the next block is being computed now: hit it when it is done
             return False
-        tail = None  # (block, m): a cached block's first m slots continue the matched blocks
+        part = None  # (block, m): a cached block's first m slots continue the matched blocks
         if reads > len(matched) * bs and self.prefix_cache and serves is None:
             parent = r.keys[len(matched) - 1] if matched else req.weights
-            tail = kv.match_partial(req.weights, parent, req.prompt[len(matched) * bs : reads])
+            part = kv.match_partial(req.weights, parent, req.prompt[len(matched) * bs : reads])
         prompt_blocks = -(-n // bs)
         copies = max(k - 1, 0) * int(n % bs != 0)
         later = k * self.sample_reserve(r)
         need = prompt_blocks - len(matched) + copies + later
-        if tail and kv.num_free - self.reserved < need:
-            kv.release([tail[0]])  # the tail's block may be the one it needs: compute its tokens
-            tail = None
+        if part and kv.num_free - self.reserved < need:
+            kv.release([part[0]])  # its block may be the one this request needs: compute its tokens
+            part = None
         if kv.num_free - self.reserved < need:
             kv.release(matched)
             return False
@@ -424,8 +424,8 @@ class Scheduler:
         r.reserved = later
         self.reserved += later
         r.cached = r.prefilled = len(matched) * bs
-        if tail:
-            kv.copy_tokens(tail[0], [r.blocks[len(matched)]], tail[1])
-            kv.release([tail[0]])
-            r.cached = r.prefilled = r.cached + tail[1]
+        if part:
+            kv.copy_tokens(part[0], [r.blocks[len(matched)]], part[1])
+            kv.release([part[0]])
+            r.cached = r.prefilled = r.cached + part[1]
         return True
