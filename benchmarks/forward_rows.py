@@ -26,6 +26,8 @@ import trine.engine  # noqa: F401  (trine's OpenMP settings, before torch starts
 import torch
 import torch.nn.functional as F
 
+from trine.engine.model.packed import PACK_ROWS
+
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused q/k/v, o, gate/up, down
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
@@ -50,7 +52,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     weights = [torch.randn(o, i) for _ in range(LAYERS) for o, i in SHAPES]
     with torch.inference_mode():
-        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, 64) for w in weights]
+        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS) for w in weights]
         print(f"rows  gemms (30 layers)  sdpa (one layer, {args.context} cached keys)")
         for m in [int(r) for r in args.rows.split(",")]:
             xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}

@@ -159,6 +159,7 @@ class KVContext:
     _writes: tuple | None = field(default=None, init=False, repr=False)
     _in_place: bool | None = field(default=None, init=False, repr=False)
     _query_blocks: list | None = field(default=None, init=False, repr=False)
+    _grouped_masks: dict = field(default_factory=dict, init=False, repr=False)
 
     def writes(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(flat token rows to write or None for all of them, their slots): found once per forward,
@@ -195,6 +196,22 @@ class KVContext:
                 if sum((e - a) * keys for a, e, keys in blocks) <= 0.8 * T * L:
                     self._query_blocks = blocks
         return self._query_blocks
+
+    def grouped_masks(self, groups: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per query block (`query_blocks`), its mask for `_grouped_sdpa`: additive (0 or -inf, in
+        `dtype`), each query's row repeated once per query head of a key/value head, [rows, 1,
+        groups * queries, keys]. Built once per forward, not once per layer (SDPA converts a
+        boolean mask on every call)."""
+        key = (groups, dtype)
+        if key not in self._grouped_masks:
+            m = self.attn_mask
+            self._grouped_masks[key] = [
+                torch.zeros(m[:, :, a:e, :n].shape, dtype=dtype, device=m.device)
+                .masked_fill_(~m[:, :, a:e, :n], float("-inf"))
+                .repeat(1, 1, groups, 1)
+                for a, e, n in self.query_blocks()
+            ]
+        return self._grouped_masks[key]
 
 
 class Attention(nn.Module):
@@ -264,8 +281,25 @@ def _attend_gathered(q, kp, vp, kv: KVContext) -> torch.Tensor:
     kc = kp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
     vc = vp.index_select(0, read).view(rows, L, kvh, d).transpose(1, 2).to(q.dtype)
     m, blocks = kv.attn_mask, kv.query_blocks()
-    outs = [attention(q[:, :, a:e], kc[:, :, :n], vc[:, :, :n], m[:, :, a:e, :n]) for a, e, n in blocks]
+    groups = q.shape[1] // kvh
+    if groups > 1 and q.device.type == "cpu" and not invariant.enabled():
+        parts = zip(blocks, kv.grouped_masks(groups, q.dtype))
+        outs = [_grouped_sdpa(q[:, :, a:e], kc[:, :, :n], vc[:, :, :n], gm) for (a, e, n), gm in parts]
+    else:
+        outs = [attention(q[:, :, a:e], kc[:, :, :n], vc[:, :, :n], m[:, :, a:e, :n]) for a, e, n in blocks]
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+
+def _grouped_sdpa(q, k, v, mask) -> torch.Tensor:
+    """SDPA of q [rows, H, Q, D] over k/v [rows, KVH, L, D], the query heads that share a key/value
+    head stacked as one head of `H // KVH * Q` queries (`mask` from `KVContext.grouped_masks`).
+    The same attention as `enable_gqa`, in fewer, larger blocks: CPU flash attention splits work
+    by (row, head, block of queries), so 9 heads of 65 chat-turn queries over 1,120 keys ran as 27
+    tasks with a one-query tail each, and as 3 heads of 195 queries 20 % faster (1.0 against
+    1.25 ms a layer on the 2-vCPU Xeon, with its gather)."""
+    rows, H, Q, D = q.shape
+    out = F.scaled_dot_product_attention(q.reshape(rows, k.shape[1], -1, D), k, v, attn_mask=mask)
+    return out.view(rows, H, Q, D)
 
 
 def _attend_in_place(q, kp, vp, kv: KVContext) -> torch.Tensor:

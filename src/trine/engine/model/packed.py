@@ -4,15 +4,16 @@ A decode step multiplies a few dozen rows by every weight of the model. MKL's pl
 the weight into its kernel's layout on every such call, and at these sizes the repacking costs as
 much as the multiply. `cblas_sgemm_compute` on a weight packed once does not: measured on the 2-vCPU
 Xeon (fp32, 2 threads), SmolLM2-135M's gate/up projection (576 -> 3072) with 64 rows 0.80 -> 0.56 ms,
-with 8 rows 0.37 -> 0.14 ms, the 49152-wide LM head with 64 rows 14.0 -> 10.4 ms; from about a
-thousand rows on, plain sgemm is as fast or faster. torch exposes the path as
+with 8 rows 0.37 -> 0.14 ms, the 49152-wide LM head with 64 rows 14.0 -> 10.4 ms; still 3-18 %
+faster at 256-1024 rows, and within a few percent at 2048. torch exposes the path as
 `torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear` (what inductor uses for frozen CPU
 linears).
 
 Invariants
-- Used only where nothing needs a gradient (the sampler's inference-mode forwards), for fp32 CPU
-  tensors of at most `MAX_ROWS` rows, with torch's batch-invariant kernels off (they have their own
-  fixed-shape GEMMs), and where this torch has MKL. Everything else is `F.linear`.
+- Used only where nothing needs a gradient (the sampler's inference-mode forwards: decode steps
+  and prefill chunks), for fp32 CPU tensors of at most `MAX_ROWS` rows, with torch's
+  batch-invariant kernels off (they have their own fixed-shape GEMMs), and where this torch has
+  MKL. Everything else is `F.linear`.
 - The result is F.linear's up to float32 rounding (a different kernel, so the last bits may differ,
   as they already do between row counts).
 - Packed copies take 2-9x their weight's memory (MKL adds about 10 MB of padding to each, which
@@ -26,8 +27,13 @@ Invariants
   or version counter differ); the cache holds the weight it packed, so a freed weight's address
   cannot be reused under it.
 - `_mkl_linear` takes the packed path only when the rows equal the count it is told the weight was
-  packed for, else it falls back to sgemm; MKL's packed layout does not depend on that count
-  (checked once per process against F.linear: `available()`), so each call passes its own rows.
+  packed for, else it falls back to sgemm; MKL's packed layout is valid for any count (checked
+  once per process against F.linear: `available()`), so each call passes its own rows. The count
+  given when packing (`PACK_ROWS`) sets the blocking MKL packs for, and so the speed, not the size
+  or the result: packed for 64 rows, a 65-row call over the 120 body weights ran in 59 ms, packed
+  for 256 in 51-53 ms (as fast as 64 rows), and 128/256 rows 100/170-189 against 87-91/158-168
+  ms; the LM head at 256 rows 62 against 42 ms; at 64 rows or fewer no difference
+  (2-vCPU Xeon, `benchmarks/forward_rows.py`).
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 256  # above this, plain sgemm is as fast (and from ~1000 rows faster)
-_PACK_ROWS = 64  # the row count packing is told; any works (see the module docstring)
+# Up to this many rows the packed path is faster than sgemm; above, within a few percent (6 layers'
+# GEMMs: 256 rows 32 against 39 ms, 512 63 against 68, 1024 129 against 133, 2048 270 against 273).
+MAX_ROWS = 1024
+PACK_ROWS = 256  # the row count packing is told: any is correct, this one fastest (docstring)
 # A copy this many times its weight's size is dropped. MKL pads each copy by about 10 MB, so small
 # weights inflate most (SmolLM2-135M: o_proj 8.7x, q/k/v 5.2x, down 3.9x, gate/up 3.0x, LM head
 # 2.1x); they still gain (fused q/k/v with 32 rows 384 -> 107 us, o_proj 98 -> 66 us), and the
@@ -72,8 +80,8 @@ def _check() -> bool:
         with torch.inference_mode():
             gen = torch.Generator().manual_seed(0)
             w = torch.randn(96, 80, generator=gen)
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_ROWS)
-            for m in (1, 7, _PACK_ROWS, 200):
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)
+            for m in (1, 7, 65, PACK_ROWS):
                 x = torch.randn(m, 80, generator=gen)
                 got = torch.ops.mkl._mkl_linear(x, packed, w, None, m)
                 if not torch.allclose(got, F.linear(x, w), rtol=1e-4, atol=1e-4):
@@ -122,7 +130,7 @@ def _pack(owner: object, weight: torch.Tensor, key: tuple) -> torch.Tensor | Non
     others = sum(p.nbytes for o, (_, _, p) in _packs.items() if o is not owner and p is not None)
     packed = None
     if others + w.nbytes <= budget:  # the copy is larger still: worth trying only if the weight fits
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_ROWS)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)
         if packed.nbytes > MAX_INFLATION * w.nbytes or others + packed.nbytes > budget:
             packed = None
     _packs[owner] = (key, weight.detach(), packed)
