@@ -174,6 +174,11 @@ LIMITS = [
         "burst_seconds",
         "one tenant's requests arriving within this of one another prefill as one batch (idle-sized chunks)",
     ),
+    (
+        "sampler",
+        "burst_stall_seconds",
+        "the most such a batch's first sequences wait, undecoded, while its other prompts prefill",
+    ),
     ("sampler", "prefill_share", "share of decode time an old or long prompt's prefill may take"),
     ("sampler", "tenant_share", "share of `max_running` and the KV pool a key holds while another is active"),
     ("sampler", "block_size", "tokens per KV block: the prefix cache's unit"),

@@ -53,7 +53,8 @@ def test_deltas_concatenate_to_the_result_with_top_logprobs(model_tok):
 
 
 def test_cancel_frees_sequences_and_blocks_at_once(model_tok):
-    sampler = Sampler(*model_tok, kv_cache_bytes=16 << 20)
+    # "a" decodes a token every step from the first on: not held while "b" (sent with it) prefills
+    sampler = Sampler(*model_tok, kv_cache_bytes=16 << 20, burst_stall_seconds=0)
     free = sampler.kv.num_free
     sampler.add(request("a", n=4, max_tokens=200))
     sampler.add(request("b", n=1, max_tokens=3))

@@ -48,7 +48,7 @@ from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .prompt_scores import PromptScores, check_prompt_scores, first_scored, scores_prompt
 from .sampling import check_sampling_options, generators, sample
-from .scheduler import BURST_SECONDS, MIN_PREFILL_TOKENS, TENANT_SHARE, Scheduler
+from .scheduler import BURST_SECONDS, BURST_STALL_SECONDS, MIN_PREFILL_TOKENS, TENANT_SHARE, Scheduler
 from .sequence import Request, Sequence
 from .stops import Stops, check_stop_options, final_text
 
@@ -71,6 +71,7 @@ class Sampler:
         idle_prefill_seconds: float = 1.0,
         min_prefill_tokens: int = MIN_PREFILL_TOKENS,
         burst_seconds: float = BURST_SECONDS,
+        burst_stall_seconds: float = BURST_STALL_SECONDS,
         tenant_share: float = TENANT_SHARE,
         fair: bool = True,
     ):
@@ -98,6 +99,7 @@ class Sampler:
             idle_prefill_seconds=idle_prefill_seconds,
             min_prefill_tokens=min_prefill_tokens,
             burst_seconds=burst_seconds,
+            burst_stall_seconds=burst_stall_seconds,
             tenant_share=tenant_share,
             admission=FairAdmission() if fair else FifoAdmission(),
         )
