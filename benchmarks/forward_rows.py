@@ -2,16 +2,18 @@
 at a chat turn's sizes (a few dozen new tokens over a long cached context).
 
 Why: a chat turn's time to first token is a forward of its new tokens, and its cost has steps in
-the row count, not a line: MKL's packed GEMMs over every weight of SmolLM2-135M's 30 layers (120
-weights, 425 MB of fp32, streamed from memory as in the engine) and SDPA's CPU kernel (queries 32 at
-a time) both cost markedly more at 65 rows than at 64 (docs/vs-vllm.md#the-latest-run). That is why
-the prefix cache serving a chat's previous reply to the token (65 rows a turn instead of 80) pays.
+the row count, not a line. MKL's packed GEMMs over every weight of SmolLM2-135M's 30 layers (120
+weights, 425 MB of fp32, streamed from memory as in the engine) cost markedly more at 65 rows than
+at 64 when the weights are packed for 64 rows (`--pack-rows 64`), and not when packed for the
+engine's `PACK_ROWS` (docs/vs-vllm.md#the-latest-run); SDPA's CPU kernel takes queries 32 at a
+time. That is why the prefix cache serving a chat's previous reply to the token (65 rows a turn
+instead of 80) pays.
 
 Prints, per row count: the 120 GEMMs' milliseconds and one layer's SDPA (9 query heads over 3 KV
 heads of 64 dims, `--context` cached keys plus the rows, causal over the rows). Medians of
 `--repeats`. No record: figures are for reading beside the vs_vllm run.
 
-    .venv/bin/python benchmarks/forward_rows.py [--rows 48,64,65,80] [--context 1056]
+    .venv/bin/python benchmarks/forward_rows.py [--rows 48,64,65,80] [--context 1056] [--pack-rows 256]
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1056)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pack-rows", type=int, default=PACK_ROWS, help="the row count weights are packed for")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     weights = [torch.randn(o, i) for _ in range(LAYERS) for o, i in SHAPES]
     with torch.inference_mode():
-        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS) for w in weights]
+        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, args.pack_rows) for w in weights]
         print(f"rows  gemms (30 layers)  sdpa (one layer, {args.context} cached keys)")
         for m in [int(r) for r in args.rows.split(",")]:
             xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}

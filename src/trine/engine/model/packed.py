@@ -4,7 +4,7 @@ A decode step multiplies a few dozen rows by every weight of the model. MKL's pl
 the weight into its kernel's layout on every such call, and at these sizes the repacking costs as
 much as the multiply. `cblas_sgemm_compute` on a weight packed once does not: measured on the 2-vCPU
 Xeon (fp32, 2 threads), SmolLM2-135M's gate/up projection (576 -> 3072) with 64 rows 0.80 -> 0.56 ms,
-with 8 rows 0.37 -> 0.14 ms, the 49152-wide LM head with 64 rows 14.0 -> 10.4 ms; still 3-18 %
+with 8 rows 0.37 -> 0.14 ms, the 49152-wide LM head with 64 rows 14.0 -> 10.4 ms; still 3-22 %
 faster at 256-1024 rows, and within a few percent at 2048. torch exposes the path as
 `torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear` (what inductor uses for frozen CPU
 linears).
