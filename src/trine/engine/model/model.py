@@ -30,6 +30,10 @@ from .lora import AdapterBatch, FusedLinears, LoRALinear
 from .paged_attention import paged_attention, suits
 
 QUERY_BLOCK = 64  # queries per SDPA call over gathered keys when blocks skip keys (KVContext.query_blocks)
+# A prefill forward's stacked-head attention masks kept for all its layers up to this size (a chat
+# turn's: 0.9 MB); a long context's are built in each layer instead (2,048 queries over 32K keys
+# with 3 query heads a KV head would be 0.8 GB).
+GROUPED_MASK_BYTES = 64 << 20
 
 
 # ----------------------------------------------------------------------------- config
@@ -197,21 +201,23 @@ class KVContext:
                     self._query_blocks = blocks
         return self._query_blocks
 
-    def grouped_masks(self, groups: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Per query block (`query_blocks`), its mask for `_grouped_sdpa`: additive (0 or -inf, in
+    def grouped_mask(self, block: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """Query block `block`'s (`query_blocks`) mask for `_grouped_sdpa`: additive (0 or -inf, in
         `dtype`), each query's row repeated once per query head of a key/value head, [rows, 1,
-        groups * queries, keys]. Built once per forward, not once per layer (SDPA converts a
-        boolean mask on every call)."""
-        key = (groups, dtype)
-        if key not in self._grouped_masks:
-            m = self.attn_mask
-            self._grouped_masks[key] = [
-                torch.zeros(m[:, :, a:e, :n].shape, dtype=dtype, device=m.device)
-                .masked_fill_(~m[:, :, a:e, :n], float("-inf"))
-                .repeat(1, 1, groups, 1)
-                for a, e, n in self.query_blocks()
-            ]
-        return self._grouped_masks[key]
+        groups * queries, keys]. Kept for the forward's other layers (SDPA converts a boolean mask
+        on every call) while all blocks' masks together take at most `GROUPED_MASK_BYTES`; a
+        longer context's are built again in each layer."""
+        key = (block, groups, dtype)
+        if key in self._grouped_masks:
+            return self._grouped_masks[key]
+        m, blocks = self.attn_mask, self.query_blocks()
+        a, e, n = blocks[block]
+        out = torch.zeros(m[:, :, a:e, :n].shape, dtype=dtype, device=m.device)
+        out = out.masked_fill_(~m[:, :, a:e, :n], float("-inf")).repeat(1, 1, groups, 1)
+        size = m.shape[0] * groups * sum((e - a) * n for a, e, n in blocks) * out.element_size()
+        if size <= GROUPED_MASK_BYTES:
+            self._grouped_masks[key] = out
+        return out
 
 
 class Attention(nn.Module):
@@ -283,8 +289,10 @@ def _attend_gathered(q, kp, vp, kv: KVContext) -> torch.Tensor:
     m, blocks = kv.attn_mask, kv.query_blocks()
     groups = q.shape[1] // kvh
     if groups > 1 and q.device.type == "cpu" and not invariant.enabled():
-        parts = zip(blocks, kv.grouped_masks(groups, q.dtype))
-        outs = [_grouped_sdpa(q[:, :, a:e], kc[:, :, :n], vc[:, :, :n], gm) for (a, e, n), gm in parts]
+        outs = [
+            _grouped_sdpa(q[:, :, a:e], kc[:, :, :n], vc[:, :, :n], kv.grouped_mask(i, groups, q.dtype))
+            for i, (a, e, n) in enumerate(blocks)
+        ]
     else:
         outs = [attention(q[:, :, a:e], kc[:, :, :n], vc[:, :, :n], m[:, :, a:e, :n]) for a, e, n in blocks]
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
@@ -292,7 +300,7 @@ def _attend_gathered(q, kp, vp, kv: KVContext) -> torch.Tensor:
 
 def _grouped_sdpa(q, k, v, mask) -> torch.Tensor:
     """SDPA of q [rows, H, Q, D] over k/v [rows, KVH, L, D], the query heads that share a key/value
-    head stacked as one head of `H // KVH * Q` queries (`mask` from `KVContext.grouped_masks`).
+    head stacked as one head of `H // KVH * Q` queries (`mask` from `KVContext.grouped_mask`).
     The same attention as `enable_gqa`, in fewer, larger blocks: CPU flash attention splits work
     by (row, head, block of queries), so 9 heads of 65 chat-turn queries over 1,120 keys ran as 27
     tasks with a one-query tail each, and as 3 heads of 195 queries 20 % faster (1.0 against
