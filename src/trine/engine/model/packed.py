@@ -30,10 +30,10 @@ Invariants
   packed for, else it falls back to sgemm; MKL's packed layout is valid for any count (checked
   once per process against F.linear: `available()`), so each call passes its own rows. The count
   given when packing (`PACK_ROWS`) sets the blocking MKL packs for, and so the speed, not the size
-  or the result: packed for 64 rows, a 65-row call over the 120 body weights ran in 59 ms, packed
-  for 256 in 51-53 ms (as fast as 64 rows), and 128/256 rows 100/170-189 against 87-91/158-168
-  ms; the LM head at 256 rows 62 against 42 ms; at 64 rows or fewer no difference
-  (2-vCPU Xeon, `benchmarks/forward_rows.py`).
+  or the result: packed for 64 rows, a 65-row call over the 120 body weights ran in 56 ms, packed
+  for 256 in 49-50 ms (as fast as 64 rows), 128 rows 90-91 against 75-81 ms, 256 rows 160-166
+  against 147 ms (2-vCPU Xeon, `benchmarks/forward_rows.py --pack-rows 64` and `256`); the LM
+  head at 256 rows 62 against 42 ms; at 64 rows or fewer no difference.
 """
 
 from __future__ import annotations
