@@ -29,6 +29,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..prefixes import common_prefix
 from .events import CacheDiagnostic
 
 KGRAM = 8  # tokens that anchor a search for shared content after a divergence
@@ -117,7 +118,7 @@ class PrefixDiagnostics:
     def _retokenized(self, prompt, past, decode):
         text = None
         for s in past:  # most recent first: the latest request this prompt continues decides
-            if _common_prefix(prompt, s.prompt) < len(s.prompt) - RETOKENIZE_SLACK:
+            if common_prefix(prompt, s.prompt) < len(s.prompt) - RETOKENIZE_SLACK:
                 continue  # not a continuation of this request: its own prompt is not even there
             if any(_extends(prompt, real) for real in s.reals):
                 return None  # appended to real tokens: the cache-friendly way
@@ -130,14 +131,14 @@ class PrefixDiagnostics:
                 if text is None:
                     text = _squash(decode(prompt))
                 if text.startswith(real_text):
-                    d = _common_prefix(prompt, real)
+                    d = common_prefix(prompt, real)
                     return "retokenized_history", d, len(real) - d
         return None
 
     def _varying_head(self, prompt, cached, past):
         best = None
         for s in past:
-            d = _common_prefix(prompt, s.prompt)
+            d = common_prefix(prompt, s.prompt)
             if d >= len(prompt) or d >= len(s.prompt) or cached > d:
                 continue
             j, run = _shared_run(prompt, s.prompt, d, self.window)
@@ -162,21 +163,6 @@ def _squash(text: str) -> str:
 def _extends(a: list[int], b: list[int]) -> bool:
     """a starts with b (checks the last token first: cheap when they differ)."""
     return len(a) >= len(b) and (not b or a[len(b) - 1] == b[-1]) and a[: len(b)] == b
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix (bisection over slice comparisons, which run in C)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _shared_run(a: list[int], b: list[int], d: int, window: int) -> tuple[int, int]:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ...prefixes import common_prefix
 from ..api import WeightsIdentity
 
 if TYPE_CHECKING:
@@ -324,16 +325,12 @@ class BlockManager:
         `MAX_SCAN`) whose first m >= 1 tokens are the longest start of `tokens` (the rest of a
         prompt after its matched full blocks, up to its last token); the block with one more ref
         (copy its first m slots, then release it). None when none starts with tokens[0]."""
-        best, best_m = None, 0
+        best, best_m, want = None, 0, tuple(tokens[: self.block_size])
         for bid in islice(reversed(self._children.get(parent, {})), MAX_SCAN):
             block = self.blocks[bid]
             if block.identity != identity:
                 continue  # other weights under a colliding parent key: never serve it
-            m = 0
-            for a, b in zip(block.tokens, tokens):
-                if a != b:
-                    break
-                m += 1
+            m = common_prefix(block.tokens, want)
             if m > best_m:
                 best, best_m = bid, m
         if best is None:
