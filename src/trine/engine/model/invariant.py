@@ -89,10 +89,21 @@ def enabled() -> bool:
     return _enabled
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or `dtype` where that is wider: bf16 math that must not round is done in fp32, and an
+    fp64 model (the tests' reference for fp32 rounding) stays fp64 throughout."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def widened(x: torch.Tensor) -> torch.Tensor:
+    """`x` in `wide_dtype(x.dtype)`."""
+    return x.to(wide_dtype(x.dtype))
+
+
 def log_probs(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Log-softmax over the last dim, in fp32: every logprob the engine reports is read from this.
-    `out` (fp32, logits' shape) receives it in place of a new tensor."""
-    return torch.log_softmax(logits.float(), dim=-1, out=out)
+    """Log-softmax over the last dim, in fp32 (`widened`): every logprob the engine reports is read
+    from this. `out` (the result's dtype, logits' shape) receives it in place of a new tensor."""
+    return torch.log_softmax(widened(logits), dim=-1, out=out)
 
 
 def attention(

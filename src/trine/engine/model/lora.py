@@ -9,7 +9,8 @@ Invariants
   group run the plain base model. The base weights are never modified, so many adapters can be
   resident and mixed in one batch.
 - Target names are PEFT's (`q_proj`, ..., `lm_head`), so adapters export and load as PEFT's.
-- A new adapter is the identity on the base model (B starts at zero); its parameters are fp32.
+- A new adapter is the identity on the base model (B starts at zero); its parameters are fp32
+  (fp64 on an fp64 model, the tests' rounding reference: `invariant.wide_dtype`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def lora_features(model: nn.Module) -> dict[str, int]:
 class Adapter(nn.Module):
     """One LoRA adapter: for each targeted linear (by its full module name), A [r, in] and B [out, r].
 
-    B starts at zero, so a new adapter is the identity on the base model. Parameters are fp32.
+    B starts at zero, so a new adapter is the identity on the base model. Parameters are fp32, or
+    fp64 on an fp64 model.
     """
 
     def __init__(self, model: nn.Module, config: LoRAConfig, device=None):
@@ -53,11 +55,13 @@ class Adapter(nn.Module):
         targets = set(config.target_names())
         for name, mod in model.named_modules():
             if isinstance(mod, LoRALinear) and name.rsplit(".", 1)[-1] in targets:
+                dtype = invariant.wide_dtype(mod.weight.dtype)
                 a = torch.empty(config.rank, mod.in_features)
                 nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)  # PEFT's init for A
                 key = name.replace(".", "__")
-                self.A[key] = nn.Parameter(a.to(device))
-                self.B[key] = nn.Parameter(torch.zeros(mod.out_features, config.rank, device=device))
+                self.A[key] = nn.Parameter(a.to(device, dtype))
+                b = torch.zeros(mod.out_features, config.rank, device=device, dtype=dtype)
+                self.B[key] = nn.Parameter(b)
 
     def pair(self, name: str):
         key = name.replace(".", "__")

@@ -108,7 +108,7 @@ class RMSNorm(nn.Module):
                 return fused.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # bit for bit the steps below
         dtype = x.dtype  # Hugging Face's order: normalise in fp32, round, then scale
-        x = x.float()
+        x = invariant.widened(x)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -385,7 +385,8 @@ class Transformer(nn.Module):
         right padding) hides padded keys. With `kv`: attention over the paged context.
         """
         x = self.model.embed_tokens(tokens)
-        cos, sin = rope_tables(positions[..., None].float() * self.inv_freq, x.dtype)  # [B, 1, T, D]
+        angles = positions[..., None].to(invariant.wide_dtype(x.dtype)) * self.inv_freq  # fp32, as HF's
+        cos, sin = rope_tables(angles, x.dtype)  # [B, 1, T, D]
         mask = None
         if kv is None and pad_mask is not None and not bool(pad_mask.all()):
             T = tokens.shape[1]

@@ -94,7 +94,7 @@ def chunk_log_probs(
     )
     if not plain:
         with torch.set_grad_enabled(grad):
-            logits = head(hs, adapters).float()
+            logits = invariant.widened(head(hs, adapters))
         z = log_probs(logits.detach())
         return z, (logits.backward if grad and logits.requires_grad else None)
     rows, device = hs.shape[0], hs.device

@@ -162,7 +162,7 @@ def run_micro_batch(
         if push is not None:
             if scales is not None:
                 g = g * scales[a:b]
-            total = torch.zeros(j - i, device=device).index_add_(0, loc, g)
+            total = torch.zeros(j - i, dtype=g.dtype, device=device).index_add_(0, loc, g)
             grad = z.exp_().mul_(-total[:, None])  # in place: z becomes dLoss/dlogits
             grad.index_put_((loc, tgt[a:b]), g, accumulate=True)
             push(grad)
