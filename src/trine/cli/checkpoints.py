@@ -7,8 +7,6 @@ from pathlib import Path
 
 import click
 
-from trine.home import trine_home
-
 from ..metering import remote
 from .output import Column, print_json, print_table, size, when
 
@@ -76,9 +74,15 @@ def checkpoints(home, url, api_key, run_id, as_json):
 
 
 def local_records(home, run_id: str | None) -> list[dict]:
-    from trine.store import Store
+    from .datadir import reader
 
-    rows, _ = Store(trine_home(home)).checkpoints(training_run_id=run_id)
+    store = reader(home)
+    if store is None:
+        return []
+    try:
+        rows, _ = store.checkpoints(training_run_id=run_id)
+    finally:
+        store.close()
     return [
         {
             "id": c.id,

@@ -18,9 +18,14 @@ def checkpoint_dir(checkpoint: str, home: Path) -> Path:
     checkpoint id of `home`."""
     if Path(checkpoint).expanduser().is_dir():
         return Path(checkpoint).expanduser()
-    from trine.store import Store
+    from .datadir import reader
 
-    store = Store(home)
+    store = reader(home)
+    if store is None:
+        raise click.BadParameter(
+            f"{checkpoint!r} is not a directory, and {home} has no trine.db to look it up in",
+            param_hint="CHECKPOINT",
+        )
     try:
         ck = store.checkpoint_by_uri(as_trio_uri(checkpoint)) or store.checkpoint(checkpoint)
     except ValueError as e:  # a malformed tinker:// path

@@ -1,19 +1,17 @@
-"""`trine keys`: create, list and revoke API keys of a data dir."""
+"""`trine keys`: create, list and revoke API keys of a data dir.
+
+`create` and `revoke` write, so they claim the data dir (datadir.py): beside a live `trine serve`
+they exit 2 naming it (create and revoke keys of a running server through it, or stop it first).
+`list` only reads and works beside a live server."""
 
 from __future__ import annotations
 
 import click
 
-from trine.home import trine_home
 from trine.store.keys import tinker_form
 
+from .datadir import reader, writer
 from .output import Column, print_json, print_table, when
-
-
-def _store(home):
-    from trine.store import Store
-
-    return Store(trine_home(home))
 
 
 @click.group()
@@ -26,10 +24,13 @@ def keys():
 @click.option("--home", default=None, help="Data dir (default $TRINE_HOME or ~/.trine).")
 def create(name, home):
     """Create a key and print it. It is shown once; only its hash is kept."""
+    store = writer(home, "trine keys create")
     try:
-        rec, secret = _store(home).create_key(name)
+        rec, secret = store.create_key(name)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    finally:
+        store.close()
     click.echo(secret)
     click.echo(
         f"(key id {rec.id}, name {rec.name!r}; store it now, it cannot be shown again; "
@@ -51,7 +52,7 @@ def list_keys(home, as_json):
             "revoked_at": k.revoked_at,
             "status": "revoked" if k.revoked_at else "active",
         }
-        for k in _store(home).keys()
+        for k in _read_keys(home)
     ]
     if as_json:
         print_json(records)
@@ -69,6 +70,20 @@ def list_keys(home, as_json):
 @click.option("--home", default=None, help="Data dir (default $TRINE_HOME or ~/.trine).")
 def revoke(key_id, home):
     """Revoke a key by its id (see `trine keys list`)."""
-    if not _store(home).revoke_key(key_id):
-        raise click.UsageError(f"no key with id {key_id!r}; see `trine keys list`")
+    store = writer(home, "trine keys revoke")
+    try:
+        if not store.revoke_key(key_id):
+            raise click.UsageError(f"no key with id {key_id!r}; see `trine keys list`")
+    finally:
+        store.close()
     click.echo(f"revoked {key_id}")
+
+
+def _read_keys(home) -> list:
+    store = reader(home)
+    if store is None:  # no database yet: no keys
+        return []
+    try:
+        return store.keys()
+    finally:
+        store.close()

@@ -1,7 +1,12 @@
 """`trine serve`: serve base models over the PyTRIO protocol (control + actor planes).
 
 Everything a user can get wrong is checked before any weights load, and reported as one line with
-a non-zero exit: an unsupported model family, a missing model directory, a port already in use.
+a non-zero exit: a data dir that is a file, cannot be written or is owned by another process, a
+checkpoint dir that cannot be written, a model path that is not a model directory (these exit 2,
+datadir.py), an unsupported model family, a port already in use.
+
+The process holds the data dir's claim (store/owner.py) from the first check to its exit, its
+lock file naming this pid, host and port.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from trine.home import trine_home
+from .datadir import PathError, claim, home_dir, model_path, writable_dir
 
 
 def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
@@ -27,21 +32,21 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
     for spec in specs:
         name, sep, path = spec.partition("=")
         target = path if sep else spec
+        model_path(spec, target)
         if not Path(target).expanduser().exists():
             if target == DEFAULT_MODEL_NAME:
                 target = str(ensure_default_model(home))
             elif (home / "models" / target / "config.json").is_file():
                 target = str(home / "models" / target)
             else:
-                raise click.BadParameter(
-                    f"{spec!r}: no such directory, and no model named {target!r} in {home / 'models'}",
-                    param_hint="--model",
+                raise PathError(
+                    f"--model {spec}: no such directory, and no model named {target!r} in {home / 'models'}"
                 )
         resolved.append(f"{name}={target}" if sep else target)
     try:
         return resolve_models(resolved)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--model") from None
+        raise PathError(str(e)) from None
 
 
 def _ray_engines(
@@ -236,18 +241,29 @@ def serve(
     from trine.service import Service
     from trine.store import Store
 
-    home = trine_home(home)
     if cycle_seconds < 0:
         raise click.BadParameter("must be >= 0", param_hint="--cycle-seconds")
     if replicas < 1 or (replicas > 1 and ray_address is None):
         raise click.BadParameter("use 1 or more, and more than 1 only with --ray", param_hint="--replicas")
-    check_port(host, port)
-    served = _model_specs(models, home)
-    check_model_family(served)
-    store = Store(home)
+    home = home_dir(home)
+    owned = claim(home, command="trine serve", host=host, port=port)
+    try:
+        if checkpoint_dir:
+            checkpoint_dir = writable_dir(
+                checkpoint_dir,
+                "--checkpoint-dir",
+                purpose="a directory for checkpoints that this user can write",
+            ).resolve()
+        else:
+            writable_dir(home / "checkpoints", "--home", purpose="a data dir whose checkpoints/ are writable")
+        check_port(host, port)
+        served = _model_specs(models, home)
+        check_model_family(served)
+        store = Store(home)  # holds the claim from here on, until the process exits
+    finally:
+        owned.release()
     if checkpoint_dir:
-        store.checkpoint_dir = Path(checkpoint_dir).expanduser().resolve()
-        store.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        store.checkpoint_dir = checkpoint_dir
     engines = None
     if ray_address is not None:
         engines = _ray_engines(ray_address, replicas, threads, dtype, batch_invariant, train_prefix_sharing)

@@ -71,7 +71,7 @@ def _report(session_id, run_id, since, by, home, key_name, url, api_key, rates) 
     home = home or trine_home()
     if not (home / "trine.db").is_file():
         raise FileNotFoundError(f"no trine.db in {home}: pass --home DIR (a server's data dir) or --url URL")
-    store = Store(home)
+    store = Store(home, read_only=True)  # beside a live server: reads only, claims nothing
     try:
         keys = [k for k in store.keys() if key_name in (None, k.id, k.name)]
         if key_name is not None and not keys:

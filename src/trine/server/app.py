@@ -264,8 +264,15 @@ def start_server(
         socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
     )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        service.close()  # and with it the data dir's claim
+        raise
     bound = sock.getsockname()[1]
+    if service.store.claim is not None:  # the data dir's lock file names where its owner serves
+        service.store.claim.announce(host=host, port=bound)
     server = GuardedServer(
         uvicorn_config(
             app, log_level=log_level, max_connections=max_connections, header_timeout=header_timeout

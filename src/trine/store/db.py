@@ -14,12 +14,14 @@ import dataclasses
 import sqlite3
 import threading
 import time
+import weakref
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from ..diskspace import raise_if_full
 from ..metering.events import CacheDiagnostic, UsageEvent
 from .keys import generate_key, hash_key, new_id
+from .owner import claim as claim_data_dir
 from .records import (
     ApiKey,
     Checkpoint,
@@ -56,19 +58,51 @@ def _column_type(f: dataclasses.Field) -> str:
 
 
 class Store:
-    """The database of one data dir. `Store(home)` creates `home/trine.db` and the schema if missing."""
+    """The database of one data dir.
 
-    def __init__(self, home: str | Path):
+    `Store(home)` writes: it claims the data dir for this process first (owner.py; `DataDirInUse`
+    if another process owns it), then creates `home/trine.db` and the schema if missing and adds
+    the columns a newer trine has (the migration). `close()` releases the claim.
+
+    `Store(home, read_only=True)` only reads, beside a live owner: it claims nothing, never
+    migrates, and its connection refuses writes (`query_only`); columns an older schema lacks
+    read as None. `home/trine.db` must exist (FileNotFoundError otherwise)."""
+
+    def __init__(self, home: str | Path, *, read_only: bool = False):
         self.home = Path(home)
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
         self.checkpoint_dir = self.home / "checkpoints"
-        self.checkpoint_dir.mkdir(exist_ok=True)
         self.path = self.home / "trine.db"
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
+        self._absent: dict[str, tuple[str, ...]] = {}  # table -> columns the file lacks (readers)
+        self.claim = None
+        self._release: Callable[[], Any] = lambda: None
+        if read_only:
+            if not self.path.is_file():
+                raise FileNotFoundError(f"no trine.db in {self.home}: is it a data dir (--home)?")
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA query_only=ON")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            for table, (cls, _, _) in TABLES.items():
+                have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                self._absent[table] = tuple(f.name for f in dataclasses.fields(cls) if f.name not in have)
+            return
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.claim = claim_data_dir(self.home)
+        self._release = weakref.finalize(self, self.claim.release)  # by close(), else when collected
+        try:
+            self.checkpoint_dir.mkdir(exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._migrate()
+        except BaseException:
+            self._release()
+            raise
+
+    def _migrate(self) -> None:
+        """Create what is missing of the schema (only ever under the data dir's claim)."""
         with self._lock:
             for table, (cls, pk, indexes) in TABLES.items():
                 cols = []
@@ -97,6 +131,7 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self._release()
 
     # ------------------------------------------------------------------ generic row mapping
     @contextlib.contextmanager
@@ -142,6 +177,7 @@ class Store:
         """Rows as dataclasses; columns named in `skip` are not read (their fields are None)."""
         cls = TABLES[table][0]
         fields = dataclasses.fields(cls)
+        skip = (*skip, *self._absent.get(table, ()))
         cols = ", ".join("NULL" if f.name in skip else f.name for f in fields)
         sql = f"SELECT {cols} FROM {table} WHERE {where}"
         if order:
