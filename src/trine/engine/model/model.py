@@ -398,7 +398,7 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor, adapters: AdapterBatch | None = None) -> torch.Tensor:
-        return self.lm_head(hidden, adapters).float()
+        return invariant.widened(self.lm_head(hidden, adapters))  # fp32, or an fp64 model's fp64
 
     def forward(self, tokens, positions=None, adapters=None, pad_mask=None, kv=None):
         if positions is None:

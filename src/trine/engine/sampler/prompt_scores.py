@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from ..api import SampleRequest
-from ..model.invariant import log_probs
+from ..model.invariant import log_probs, widened
 from .sampling import TopLogprobs, draw, sample_seed
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call
@@ -174,7 +174,7 @@ class PromptScores:
         self.targets += [[] for _ in range(skipped)] if req.target_prompt_ids else []
         for a in range(first, stop, LOGITS_CHUNK):
             b = min(a + LOGITS_CHUNK, stop)
-            logits = logits_of(hidden[:, a - start : b - start])[0].float()
+            logits = widened(logits_of(hidden[:, a - start : b - start])[0])
             logp = log_probs(logits)
             nxt = torch.tensor(prompt[a + 1 : b + 1], device=logp.device)
             self.logprobs += logp.gather(1, nxt[:, None])[:, 0].tolist()

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..api import SamplingOptions
-from ..model.invariant import log_probs
+from ..model.invariant import log_probs, widened
 
 _MASK64 = 2**64 - 1
 
@@ -63,7 +63,7 @@ def sample(
     """One token per row of `logits` [B, V] under its row's options: (tokens, their logprobs, each
     row's top-logprobs list, or None where its options ask for none). `histories` (one per row) are
     what penalties count; None: no history (a first token, or rows without penalties)."""
-    logits = adjusted(logits.float(), options, histories)
+    logits = adjusted(widened(logits), options, histories)
     logp = log_probs(logits)
     greedy = [o.greedy for o in options]
     if all(greedy):
