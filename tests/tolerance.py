@@ -23,6 +23,7 @@ machine fails on the next. So each comparison here is one of three kinds, and ea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -146,3 +147,95 @@ def assert_within_bound(got: torch.Tensor, want: torch.Tensor, bound: torch.Tens
         f"{what}: element {worst} differs by {float(diff.flatten()[worst]):.3g}, "
         f"beyond its rounding bound {float(bound.expand_as(diff).flatten()[worst]):.3g}"
     )
+
+
+def assert_same_samples(compute, model32, model64, margin: float = MARGIN) -> None:
+    """`assert_same_computation` for paths that also choose tokens: `compute(model)` returns
+    `(reference, path, chosen)`, `chosen` the exact things (token ids) both paths picked, which must
+    be the same in fp32 and fp64 for their logprobs to be comparable. On a random model a token
+    flips between them only if two logits (or a draw and a CDF step) lie within fp32 rounding, about
+    1e-6, of each other; the fixed prompts and seeds here have none."""
+    chosen = {}
+
+    def run(model):
+        ref, path, chosen[model.dtype] = compute(model)
+        return ref, path
+
+    ref64, path64 = run(model64)
+    ref32, path32 = run(model32)
+    assert chosen[model32.dtype] == chosen[model64.dtype], "fp32 and fp64 chose different tokens"
+    assert ref64.keys() == path64.keys() == ref32.keys() == path32.keys()
+    for group in ref64:
+        assert_same_math_fp64(path64[group], ref64[group])
+        Rounding(ref32[group], ref64[group]).assert_within(path32[group], margin)
+
+
+def fp64_model(path):
+    """The checkpoint at `path` as an fp64 model: the same weights (fp32 values, exactly in fp64)
+    and the same fp32 RoPE frequencies, so it computes the fp32 model's math with 2^29 times less
+    rounding (the engine keeps an fp64 model in fp64 throughout: `invariant.wide_dtype`)."""
+    from trine.engine.model.weights import load_model
+
+    return load_model(path, "cpu", torch.float64)
+
+
+def fp64_adapter(adapter, model64):
+    """A copy of `adapter` (its config, its parameters' values exactly) on `model64`."""
+    from trine.engine.model.lora import Adapter
+
+    twin = Adapter(model64, adapter.config)
+    with torch.no_grad():
+        for (n, p), (m, q) in zip(adapter.named_parameters(), twin.named_parameters(), strict=True):
+            assert n == m
+            q.copy_(p)
+    return twin
+
+
+def linear_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, kernels: int = 2):
+    """`dot_bound` for F.linear(x, weight, bias): the bias is one more term of each dot product."""
+    a, b = x.reshape(-1, x.shape[-1]), weight.t()
+    if bias is not None:
+        a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1)
+        b = torch.cat([b, bias[None]], 0)
+    return dot_bound(a, b, kernels=kernels).view(*x.shape[:-1], weight.shape[0])
+
+
+def attention_bound(q, k, v, mask):
+    """The exact (fp64) attention softmax(q k^T / sqrt(D)) v and an a-priori bound on any fp32
+    kernel's distance from it, elementwise. q [N, H, T, D], k/v [N, KVH, L, D], mask [N, 1, T, L]
+    bool (every query sees a key).
+
+    From `dot_bound`: a score s_j = q.k_j / sqrt(D) is within d_j = gamma_{D+1} |q|.|k_j| / sqrt(D)
+    (the scaling one more rounding), and exp(s_j - max) is taken of an argument rounded once more
+    (u |s_j - max|). Perturbing the scores by at most d = max_j d_j moves each softmax weight by a
+    factor within exp(+-2d); exp, the L-term denominator, the division and an online softmax's
+    rescalings (one per key at most, each an exp and a product) add gamma_{3L+8} relatively. The
+    output's L-term sum adds gamma_L of sum_j p_j |v_j|. So |out - exact| <= (exp(2d) - 1 +
+    gamma_{4L+8}) * sum_j p_j |v_j|, to first order in u."""
+    N, H, T, D = q.shape
+    kvh, L = k.shape[1], k.shape[2]
+    q, k, v = q.double(), k.double().repeat_interleave(H // kvh, 1), v.double().repeat_interleave(H // kvh, 1)
+    mask = mask.expand(N, H, T, L)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+    s = s.masked_fill(~mask, -math.inf)
+    p = s.softmax(-1)
+    exact = p @ v
+    u = EPS32 / 2
+    d = gamma(D + 1) * (q.abs() @ k.abs().transpose(-1, -2)) / math.sqrt(D)
+    d = d + u * (s - s.amax(-1, keepdim=True)).abs()
+    d = d.masked_fill(~mask, 0).amax(-1, keepdim=True)  # [N, H, T, 1]
+    bound = (torch.expm1(2 * d) + gamma(4 * L + 8)) * (p @ v.abs())
+    return exact, bound
+
+
+def rms_norm_bound(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The exact (fp64) RMSNorm w * x / sqrt(mean(x^2) + eps) over the last dim (d), and an
+    a-priori bound on any fp32 kernel's distance from it, elementwise: the squares and their
+    d-term sum, the division by d and the eps add gamma_{d+3} to mean(x^2), of which the square
+    root halves the relative error; the rsqrt (or a sqrt and a division: 2 roundings), x times
+    it, (a rounding to the dtype) and times w add gamma_5. So |y - exact| <= (gamma_{d+3} / 2 +
+    gamma_5) * |exact|, to first order."""
+    d = x.shape[-1]
+    xd, wd = x.double(), weight.double()
+    exact = wd * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps))
+    return exact, (gamma(d + 3) / 2 + gamma(5)) * exact.abs()
