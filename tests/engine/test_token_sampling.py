@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tolerance import gamma
 
 from trine.engine.api import SamplingOptions
 from trine.engine.sampler.sampling import CDF_BLOCK, draw, generators, sample, sample_seed
@@ -35,7 +36,14 @@ def test_the_two_level_inverse_cdf_draws_what_the_whole_cdf_does(vocab):
     cdf = x.softmax(-1).double().cumsum(-1)
     whole = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=vocab - 1)
     got = draw(x, u)
-    assert (got == whole).float().mean() > 0.99  # equal but where rounding sits on a boundary
+    # kind 2, a priori: both sum the same fp32 probabilities in fp64, in orders of their own, so
+    # each CDF entry is within gamma_V (fp64) x the total of the exact one. A draw may differ only
+    # where the target u x total lies that close to the CDF step between the two tokens (the
+    # reference's CDF at the lower one's end; tokens of probability 0 between them add nothing)
+    total = cdf[:, -1:]
+    step = cdf.gather(1, torch.minimum(got, whole))
+    near = (step - u * total).abs() <= 4 * gamma(vocab, torch.float64) * total
+    assert bool(near[got != whole].all()), "a draw differs from the whole CDF's away from a step"
     assert bool((x.softmax(-1).gather(1, got) > 0).all())  # never a token of probability 0
     assert bool((got[2] == vocab - 1).all())
 
@@ -57,7 +65,8 @@ def test_logprobs_are_the_raw_distributions_whatever_the_temperature_and_filters
         logits, [opts(temperature=0.3, top_p=0.5, top_logprobs=3), opts(top_k=2)], generators(3, 2)
     )
     raw = torch.log_softmax(logits, -1)
-    assert lps == pytest.approx([float(raw[b, t]) for b, t in enumerate(toks)])
+    # kind 1: the sampler's log-softmax of the same (unadjusted) logits, the same op: bit for bit
+    assert lps == [float(raw[b, t]) for b, t in enumerate(toks)]
     assert [t for t, _ in tops[0]] == raw[0].topk(3).indices.tolist() and tops[1] is None
     assert toks[1] in logits[1].topk(2).indices.tolist()  # top_k filters what is drawn
 
