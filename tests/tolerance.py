@@ -90,8 +90,11 @@ def assert_same_computation(compute, model32, model64, margin: float = MARGIN) -
     ref32, path32 = compute(model32)
     assert ref64.keys() == path64.keys() == ref32.keys() == path32.keys()
     for group in ref64:
-        assert_same_math_fp64(path64[group], ref64[group])
-        Rounding(ref32[group], ref64[group]).assert_within(path32[group], margin)
+        try:
+            assert_same_math_fp64(path64[group], ref64[group])
+            Rounding(ref32[group], ref64[group]).assert_within(path32[group], margin)
+        except AssertionError as e:
+            raise AssertionError(f"{group}: {e}") from None
 
 
 class Rounding:
@@ -155,19 +158,15 @@ def assert_same_samples(compute, model32, model64, margin: float = MARGIN) -> No
     be the same in fp32 and fp64 for their logprobs to be comparable. On a random model a token
     flips between them only if two logits (or a draw and a CDF step) lie within fp32 rounding, about
     1e-6, of each other; the fixed prompts and seeds here have none."""
-    chosen = {}
+    chosen = []
 
-    def run(model):
-        ref, path, chosen[model.dtype] = compute(model)
+    def run(model):  # fp64 first, then fp32: their choices are compared before their values
+        ref, path, picked = compute(model)
+        assert not chosen or picked == chosen[0], "fp32 and fp64 chose different tokens"
+        chosen.append(picked)
         return ref, path
 
-    ref64, path64 = run(model64)
-    ref32, path32 = run(model32)
-    assert chosen[model32.dtype] == chosen[model64.dtype], "fp32 and fp64 chose different tokens"
-    assert ref64.keys() == path64.keys() == ref32.keys() == path32.keys()
-    for group in ref64:
-        assert_same_math_fp64(path64[group], ref64[group])
-        Rounding(ref32[group], ref64[group]).assert_within(path32[group], margin)
+    assert_same_computation(run, model32, model64, margin)
 
 
 def fp64_model(path):

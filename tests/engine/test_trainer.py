@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_losses import random_data, randomize
+from tolerance import EPS32, assert_bitwise, assert_same_computation
 
 from trine.engine.api import AdamConfig, LoRAConfig, Loss, TrainDatum
 from trine.engine.model.lora import AdapterBatch
@@ -16,6 +19,12 @@ from trine.engine.trainer.trainer import Trainer
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return load_model(tiny_model_dir, "cpu")
+
+
+@pytest.fixture(scope="module")
+def model64(tiny_model_dir):
+    """The same weights in fp64: the reference that measures each comparison's fp32 rounding."""
+    return load_model(tiny_model_dir, "cpu", dtype=torch.float64)
 
 
 def new_trainer(model, *runs, rank=4, **kw) -> Trainer:
@@ -34,36 +43,58 @@ def weights(trainer, run):
     return {n: p.detach().clone() for n, p in trainer.adapter(run).named_parameters()}
 
 
-def assert_dicts_close(a, b, rel=1e-5):
-    """Equal up to fp32 summation order: errors measured against each tensor's largest entry."""
-    assert a.keys() == b.keys()
-    for k in a:
-        scale = max(float(b[k].abs().max()), 1e-6)
-        torch.testing.assert_close(a[k], b[k], atol=rel * scale, rtol=0, msg=lambda m: f"{k}: {m}")
+def assert_loss_sum_adds_up(res) -> None:
+    """loss_sum is the fp64 sum of the per-token losses before their fp32 report: within an fp32
+    rounding of each (and fp64's order, far below) of the reported losses' exact sum."""
+    flat = [x for row in res.losses for x in row]
+    assert abs(res.loss_sum - math.fsum(flat)) <= EPS32 * math.fsum(map(abs, flat))
 
 
-def test_two_calls_then_step_equal_one_call_on_the_union(model):
+def outputs(res, trainer=None, run=None, prefix="") -> dict:
+    """What a forward_backward result reports (logprobs, losses) and, given the trainer, the run's
+    gradients: the groups `tolerance.assert_same_computation` compares. loss_sum is checked against
+    the losses here, not as a group: one scalar is one sample of rounding, a poor error scale."""
+    assert_loss_sum_adds_up(res)
+    out = {f"{prefix}logprobs": res.logprobs, f"{prefix}losses": res.losses}
+    if trainer is not None:
+        out[f"{prefix}grads"] = grads(trainer, run)
+    return out
+
+
+def test_two_calls_then_step_equal_one_call_on_the_union(model, model64):
+    """Two calls accumulate the gradient one call on the union computes: the same math, summed in
+    another order (tolerance.py, kind 3)."""
     data = random_data(3, lengths=(9, 14, 5, 12))
     adam = AdamConfig(learning_rate=1e-3, weight_decay=0.1)
-    split, whole = new_trainer(model, "r"), new_trainer(model, "r")
-    a = split.forward_backward([("r", data[:2], Loss.parse("cross_entropy"))])[0]
-    b = split.forward_backward([("r", data[2:], Loss.parse("cross_entropy"))])[0]
-    c = whole.forward_backward([("r", data, Loss.parse("cross_entropy"))])[0]
-    assert a.loss_sum + b.loss_sum == pytest.approx(c.loss_sum, rel=1e-6)
-    for x, y in zip(a.logprobs + b.logprobs, c.logprobs):
-        assert x == pytest.approx(y, abs=1e-5)
-    assert_dicts_close(grads(split, "r"), grads(whole, "r"))
-    m1, m2 = split.optim_step("r", adam), whole.optim_step("r", adam)
-    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
-    assert_dicts_close(weights(split, "r"), weights(whole, "r"))
+
+    def compute(m):
+        split, whole = new_trainer(m, "r"), new_trainer(m, "r")
+        a = split.forward_backward([("r", data[:2], Loss.parse("cross_entropy"))])[0]
+        b = split.forward_backward([("r", data[2:], Loss.parse("cross_entropy"))])[0]
+        c = whole.forward_backward([("r", data, Loss.parse("cross_entropy"))])[0]
+        for res in (a, b, c):
+            assert_loss_sum_adds_up(res)
+        got = {"logprobs": a.logprobs + b.logprobs, "losses": a.losses + b.losses, "grads": grads(split, "r")}
+        want = {"logprobs": c.logprobs, "losses": c.losses, "grads": grads(whole, "r")}
+        # the norm of the gradients is one more entry of their group (a scalar alone: one sample)
+        got["grads"]["norm"] = torch.tensor(split.optim_step("r", adam)["grad_norm"])
+        want["grads"]["norm"] = torch.tensor(whole.optim_step("r", adam)["grad_norm"])
+        got["weights"], want["weights"] = weights(split, "r"), weights(whole, "r")
+        return want, got
+
+    assert_same_computation(compute, model, model64)
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.5])
 def test_optim_step_equals_torch_adamw(model, clip):
+    """torch's AdamW and norm (foreach, as the trainer runs them) on the same gradients: the same
+    operations in the same order, so bit for bit (tolerance.py, kind 1)."""
     trainer = new_trainer(model, "r")
     params = dict(trainer.adapter("r").named_parameters())
     ref = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
-    opt = torch.optim.AdamW(list(ref.values()), lr=2e-3, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.3)
+    opt = torch.optim.AdamW(
+        list(ref.values()), lr=2e-3, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.3, foreach=True
+    )
     adam = AdamConfig(
         learning_rate=2e-3, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.3, grad_clip_norm=clip
     )
@@ -71,52 +102,58 @@ def test_optim_step_equals_torch_adamw(model, clip):
         trainer.forward_backward([("r", random_data(step, lengths=(8, 6)), Loss.parse("cross_entropy"))])
         for n, p in params.items():
             ref[n].grad = p.grad.clone()
-        norm = float(torch.nn.utils.clip_grad_norm_(list(ref.values()), clip if clip else float("inf")))
+        if clip:
+            norm = float(torch.nn.utils.clip_grad_norm_(list(ref.values()), clip, foreach=True))
+        else:
+            norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.values()], foreach=True))
         opt.step()
         opt.zero_grad()
         metrics = trainer.optim_step("r", adam)
-        assert metrics == {"grad_norm": pytest.approx(norm, rel=1e-5), "learning_rate": 2e-3}
-        assert_dicts_close(
-            {n: p.detach() for n, p in params.items()}, {n: p.detach() for n, p in ref.items()}
-        )
+        assert metrics == {"grad_norm": norm, "learning_rate": 2e-3}
+        assert_bitwise({n: p.detach() for n, p in params.items()}, {n: p.detach() for n, p in ref.items()})
         assert all(float(p.grad.abs().max()) == 0.0 for p in params.values())  # zeroed after the step
     if clip:
         assert norm > clip  # clipping was really exercised
 
 
-def test_runs_batched_together_get_the_gradients_each_gets_alone(model):
+def test_runs_batched_together_get_the_gradients_each_gets_alone(model, model64):
+    """Two runs in one batch: each run's results are its results alone, the rows batched in another
+    order (tolerance.py, kind 3); a run no datum touched keeps exactly zero gradients."""
     data_a, data_b = random_data(4, lengths=(10, 6)), random_data(5, lengths=(13, 3, 8))
-    mixed = new_trainer(model, "a", "b")
-    ra, rb = mixed.forward_backward(
-        [("a", data_a, Loss.parse("cross_entropy")), ("b", data_b, Loss.parse("importance_sampling"))]
-    )
-    alone = new_trainer(model, "a", "b")
-    sa = alone.forward_backward([("a", data_a, Loss.parse("cross_entropy"))])[0]
-    assert_dicts_close(grads(alone, "b"), {n: torch.zeros_like(g) for n, g in grads(alone, "b").items()})
-    sb = alone.forward_backward([("b", data_b, Loss.parse("importance_sampling"))])[0]
-    for run in ("a", "b"):
-        assert_dicts_close(grads(mixed, run), grads(alone, run))
-    for x, y in ((ra, sa), (rb, sb)):
-        assert x.loss_sum == pytest.approx(y.loss_sum, rel=1e-5)
-        assert x.token_count == y.token_count and x.usage == y.usage
-        for p, q in zip(x.logprobs, y.logprobs):
-            assert p == pytest.approx(q, abs=1e-5)
+
+    def compute(m):
+        mixed = new_trainer(m, "a", "b")
+        ra, rb = mixed.forward_backward(
+            [("a", data_a, Loss.parse("cross_entropy")), ("b", data_b, Loss.parse("importance_sampling"))]
+        )
+        alone = new_trainer(m, "a", "b")
+        sa = alone.forward_backward([("a", data_a, Loss.parse("cross_entropy"))])[0]
+        assert all(float(g.abs().max()) == 0.0 for g in grads(alone, "b").values())
+        sb = alone.forward_backward([("b", data_b, Loss.parse("importance_sampling"))])[0]
+        for x, y in ((ra, sa), (rb, sb)):
+            assert x.token_count == y.token_count and x.usage == y.usage
+        got = outputs(ra, mixed, "a", "a.") | outputs(rb, mixed, "b", "b.")
+        return outputs(sa, alone, "a", "a.") | outputs(sb, alone, "b", "b."), got
+
+    assert_same_computation(compute, model, model64)
 
 
-def test_micro_batching_does_not_change_results(model):
+def test_micro_batching_does_not_change_results(model, model64):
+    """Micro-batches and LM-head chunks change only the order of the sums (tolerance.py, kind 3)."""
     data = random_data(6, lengths=(17, 3, 9, 9, 1, 12))
-    big = new_trainer(model, "r")
-    small = new_trainer(model, "r", micro_batch_tokens=20, logits_chunk_tokens=5)
-    calls = []
-    rb = big.forward_backward([("r", data, Loss.parse("ppo"))])[0]
-    rs = small.forward_backward(
-        [("r", data, Loss.parse("ppo"))], between_microbatches=lambda: calls.append(1)
-    )[0]
-    assert len(calls) == 4  # by length, padding counted: [17] [12] [9, 9] [3, 1 (padded to 3)]
-    assert rb.loss_sum == pytest.approx(rs.loss_sum, rel=1e-5)
-    for p, q in zip(rb.logprobs, rs.logprobs):
-        assert p == pytest.approx(q, abs=1e-5)
-    assert_dicts_close(grads(big, "r"), grads(small, "r"))
+
+    def compute(m):
+        big = new_trainer(m, "r")
+        small = new_trainer(m, "r", micro_batch_tokens=20, logits_chunk_tokens=5)
+        calls = []
+        rb = big.forward_backward([("r", data, Loss.parse("ppo"))])[0]
+        rs = small.forward_backward(
+            [("r", data, Loss.parse("ppo"))], between_microbatches=lambda: calls.append(1)
+        )[0]
+        assert len(calls) == 4  # by length, padding counted: [17] [12] [9, 9] [3, 1 (padded to 3)]
+        return outputs(rb, big, "r"), outputs(rs, small, "r")
+
+    assert_same_computation(compute, model, model64)
 
 
 def test_forward_changes_no_gradient_and_reports_what_forward_backward_does(model):
@@ -125,7 +162,7 @@ def test_forward_changes_no_gradient_and_reports_what_forward_backward_does(mode
     fwd = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0]
     assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
     fb = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))])[0]
-    assert fwd.loss_sum == pytest.approx(fb.loss_sum, rel=1e-6)
+    assert fwd.loss_sum == fb.loss_sum  # the same forward, in the same order: bit for bit
     assert fwd.logprobs == fb.logprobs and fwd.usage == fb.usage
 
 
@@ -140,8 +177,9 @@ def test_outputs_metrics_and_usage(model):
     for lp, loss in zip(res.logprobs, res.losses):
         assert len(lp) == len(loss) == 5
         assert lp[:2] == [0.0, 0.0] and loss[:3] == [0.0, 0.0, 0.0] and all(x < 0 for x in lp[2:])
-        assert loss[3] == pytest.approx(-2 * lp[3]) and loss[4] == pytest.approx(-lp[4])
-    assert res.loss_sum == pytest.approx(sum(map(sum, res.losses)), rel=1e-6)
+        assert loss[3] == -2 * lp[3] and loss[4] == -lp[4]  # -weight * logp: exact for weights 2 and 1
+    # loss_sum adds the fp32 per-token losses in fp64; Python adds the same four floats in fp64 too
+    assert res.loss_sum == pytest.approx(sum(map(sum, res.losses)), rel=1e-12)
     assert res.loss_mean == pytest.approx(res.loss_sum / 4)
 
 
@@ -189,7 +227,7 @@ def test_versions_snapshots_and_run_lifecycle(model):
     trainer.optim_step("r", AdamConfig(learning_rate=1e-2))
     v1 = trainer.weights_identity("r")
     assert v1.version > v0.version
-    assert_dicts_close(dict(snap.named_parameters()), before)  # the snapshot never moves
+    assert_bitwise(dict(snap.named_parameters()), before)  # the snapshot never moves
     assert trainer.snapshot("r") is not snap
     # A deleted and re-created run never reuses an old version.
     trainer.delete_run("r")
