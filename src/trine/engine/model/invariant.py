@@ -114,7 +114,8 @@ def attention(
     `mask` [N, 1, T, L] bool (True: may attend; every query must see at least one key); without
     one, `causal` lets query t see keys 0..t (T == L), else every query sees every key. With
     gradients on, the attention is recomputed in backward rather than storing its [T, L] tensors.
-    Computed in fp32 whatever the inputs' dtype (as flash attention accumulates), returned in it.
+    Computed in fp32 (`wide_dtype`) whatever the inputs' dtype (as flash attention accumulates),
+    returned in it.
     Not enabled: torch's SDPA, the fused kernel of every device.
     """
     if not _enabled:
@@ -122,7 +123,7 @@ def attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=k.shape[1] != q.shape[1]
         )
     dtype = q.dtype
-    q, k, v = q.float(), k.float(), v.float()
+    q, k, v = widened(q), widened(k), widened(v)
     N, H, T, D = q.shape
     L = k.shape[2]
     if mask is None:
