@@ -97,3 +97,19 @@ def client(server):
     c = RawClient(server.url, server.api_key)
     yield c
     c.close()
+
+
+def pytest_report_header(config):
+    """The kernel path this run's numerics are on (tolerance.py; `make test-portable` runs another)."""
+    from trine.engine.model import cbuild
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo() if ln.startswith("model name")), "?")
+    torch_path = torch.backends.cpu.get_cpu_capability()
+    return f"kernel path: {cpu}; torch {torch_path}, C kernels {cbuild.march_flag()}"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []

@@ -1,13 +1,17 @@
 """C kernels built on first use with the system compiler, once per source, compiler and CPU.
 
 The engine's few C kernels (paged_attention.c, fused_ops.c) are compiled when first needed, with
-`CC` (default `cc`; about a second each) and `-march=native`, into `kernel_dir()`, and loaded with
-ctypes. The OpenMP runtime they link is the one torch already loaded (the same soname), so they run
-on torch's threads.
+`CC` (default `cc`; about a second each) and `march_flag()` (the CPU's own instruction set, or the
+level torch is held to), into `kernel_dir()`, and loaded with ctypes. The OpenMP runtime they
+link is the one torch already loaded (the same soname), so they run on torch's threads.
 
 Invariants
-- A built library is named by a hash of its source, flags, compiler version and CPU model and
-  flags: an edit, another compiler or another CPU builds anew; nothing stale is ever loaded.
+- A built library is named by a hash of its source, flags (the -march among them), compiler
+  version and CPU model and flags: an edit, another compiler, another CPU or another instruction
+  set level builds anew; nothing stale is ever loaded.
+- The kernels follow torch's kernel path: where `ATEN_CPU_CAPABILITY` holds torch to a lower
+  instruction set than the CPU's (the test suite's second kernel path, `make test-portable`), they
+  are built for that level too, so they are tested on the code a CPU of that level runs.
 - Built aside and renamed into place (atomic): two processes building at once both load a
   complete library.
 - Not -ffast-math nor -funsafe-math-optimizations: linking with them adds crtfastmath.o, which
@@ -30,7 +34,18 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-BASE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+BASE_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+# ATEN_CPU_CAPABILITY's values -> the x86-64 level of the same instructions (psABI levels: v2 is
+# SSE4.2, v3 adds AVX2 and FMA, v4 adds AVX-512)
+X86_LEVELS = {"default": "x86-64-v2", "avx2": "x86-64-v3", "avx512": "x86-64-v4"}
+
+
+def march_flag() -> str:
+    """`-march=native`, or on x86-64 the level `ATEN_CPU_CAPABILITY` holds torch to."""
+    level = X86_LEVELS.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower())
+    if level and platform.machine() in ("x86_64", "AMD64"):
+        return f"-march={level}"
+    return "-march=native"
 
 
 def kernel_dir() -> Path:
@@ -55,7 +70,7 @@ def build(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     OSError, RuntimeError or subprocess.SubprocessError where it cannot be built."""
     cc = os.environ.get("CC", "cc")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
-    all_flags = [*BASE_FLAGS, *flags]
+    all_flags = [*BASE_FLAGS, march_flag(), *flags]
     key = hashlib.sha256(
         "\0".join([source.read_text(), cc, version, " ".join(all_flags), _cpu_identity()]).encode()
     ).hexdigest()[:16]
