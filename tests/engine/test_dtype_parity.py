@@ -3,12 +3,16 @@ tolerances, so the GPU path is not untested code.
 
 On CPU by default; `TRINE_TEST_DEVICE=cuda pytest tests/engine/test_dtype_parity.py` runs the same suite
 on a GPU. Measured on CPU (tiny random models, 2-core machine) and stated as tolerances:
-- sampler vs trainer, bf16: the sampled tokens' logprobs equal the trainer's forward logprobs
-  exactly on CPU (the kernels are batch invariant in bf16 too); on CUDA within BF16_SELF_ATOL.
+- sampler vs trainer, fp32 and bf16: the sampled tokens' logprobs equal the trainer's forward
+  logprobs bit for bit on CPU (kind 1, tests/tolerance.py: the kernels are batch invariant, in bf16
+  too); on CUDA, bf16 within BF16_SELF_ATOL.
 - bf16 vs fp32 on the same tokens: logprobs within BF16_VS_FP32_ATOL (mean) / _MAX (measured
   0.005 / 0.022).
 - a short LoRA SFT: the bf16 loss curve follows fp32's within SFT_CURVE_RTOL per step, and both
   learn (the 12th loss is under 0.7 of the first); measured within 0.03%.
+The bf16 tolerances are product contracts, not rounding models: what bf16 serving may cost a user
+against fp32 (bf16's unit roundoff is 2^-9, 65536 x fp32's, through every weight and activation);
+they are kept as stated. The fp32 reference itself is compared bit for bit (kind 1).
 """
 
 from __future__ import annotations
@@ -90,25 +94,34 @@ def test_bf16_runs_in_bf16_with_fp32_where_numerics_need_it(models):
     )
 
 
-def test_bf16_sampler_matches_trainer_and_stays_near_fp32(models):
-    rng = random.Random(5)
-    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (9, 40, 70)]
-    want, data = [], []
-    trainers = {dt: trainer_with_adapter(m) for dt, m in models.items()}
-    bf = models[torch.bfloat16]
-    tb = trainers[torch.bfloat16]
-    s = Sampler(bf, Tokenizer(bf.source_dir), kv_cache_bytes=8 * MB)
+def sample_and_score(model, trainer, prompts):
+    """Seeded samples of `prompts` from the sampler on `model` with the trainer's adapter: their
+    training data, and the logprobs the sampler reported for their tokens."""
+    s = Sampler(model, Tokenizer(model.source_dir), kv_cache_bytes=8 * MB)
     opts = SamplingOptions(max_tokens=8, temperature=1.0, seed=3, stop_at_eos=False)
     res = s.run(
         [
-            (SampleRequest(f"p{i}", p, opts, tb.weights_identity("r"), num_samples=2), tb.snapshot("r"))
+            (
+                SampleRequest(f"p{i}", p, opts, trainer.weights_identity("r"), num_samples=2),
+                trainer.snapshot("r"),
+            )
             for i, p in enumerate(prompts)
         ]
     )
+    data, reported = [], []
     for p, r in zip(prompts, res):
         for seq in r.sequences:
             data.append(TrainDatum(p + seq.tokens[:-1], [-100] * (len(p) - 1) + seq.tokens))
-            want.append(torch.tensor(seq.logprobs))
+            reported.append(torch.tensor(seq.logprobs))
+    return data, reported
+
+
+def test_bf16_sampler_matches_trainer_and_stays_near_fp32(models):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (9, 40, 70)]
+    trainers = {dt: trainer_with_adapter(m) for dt, m in models.items()}
+    tb = trainers[torch.bfloat16]
+    data, want = sample_and_score(models[torch.bfloat16], tb, prompts)
     got = {
         dt: t.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0].logprobs
         for dt, t in trainers.items()
@@ -116,7 +129,16 @@ def test_bf16_sampler_matches_trainer_and_stays_near_fp32(models):
     self_diff = max(
         float((torch.tensor(g[-len(w) :]) - w).abs().max()) for g, w in zip(got[torch.bfloat16], want)
     )
-    assert self_diff <= BF16_SELF_ATOL
+    assert self_diff <= BF16_SELF_ATOL  # 0 on CPU: kind 1, the batch-invariant contract
+    if DEVICE == "cpu":  # the fp32 reference's own contract: its sampler and trainer, bit for bit
+        data32, want32 = sample_and_score(models[torch.float32], trainers[torch.float32], prompts)
+        got32 = (
+            trainers[torch.float32]
+            .forward_backward([("r", data32, Loss.parse("cross_entropy"))], backward=False)[0]
+            .logprobs
+        )
+        for g, w in zip(got32, want32):
+            assert torch.equal(torch.tensor(g[-len(w) :]), w)
     diffs = torch.cat(
         [
             (torch.tensor(a[-len(w) :]) - torch.tensor(b[-len(w) :])).abs()
