@@ -37,6 +37,16 @@ def chunk_adapters(spans: list[tuple[Adapter, int, int]], i: int, j: int, device
     return AdapterBatch([(a, torch.arange(s, e, device=device)) for a, s, e in cut], cut)
 
 
+def position_scales(
+    grad_scales: list[float], of_position: torch.Tensor, dtype: torch.dtype, device
+) -> torch.Tensor | None:
+    """Each scored position's gradient scale (1 / its entry's denominator), `of_position` naming its
+    row; None when every scale is 1. In the logits' `dtype`, so an fp64 model's are not fp32's."""
+    if all(s == 1.0 for s in grad_scales):
+        return None
+    return torch.tensor(grad_scales, dtype=dtype)[of_position].to(device)
+
+
 def losses_and_grads(
     losses: list[Loss], loss_of: torch.Tensor, logp: torch.Tensor, inputs: LossInputs, need_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

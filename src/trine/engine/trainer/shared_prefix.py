@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import torch
 
+from ..model import invariant
 from ..model.lora import AdapterBatch
 from ..model.model import KVContext
-from .head import chunk_adapters, chunk_log_probs, losses_and_grads
+from .head import chunk_adapters, chunk_log_probs, losses_and_grads, position_scales
 from .losses import LossInputs, sequence_log_ratios
 from .prefix_groups import Tree
 
@@ -116,10 +117,8 @@ def run_micro_batch(
     inputs = LossInputs.cat([rows[i].datum.inputs.select(rows[i].datum.active) for i in members])
     inputs = inputs.select(perm).to(device)
     tgt = torch.cat([rows[i].datum.targets[rows[i].datum.active] for i in members])[perm].to(device)
-    scales = (
-        None
-        if all(rows[i].grad_scale == 1.0 for i in members)
-        else torch.tensor([rows[i].grad_scale for i in members])[datum_of][perm].to(device)
+    scales = position_scales(
+        [rows[i].grad_scale for i in members], datum_of[perm], invariant.wide_dtype(model.dtype), device
     )
     adapter_of_tree = [rows[tree.members[0][0]].adapter for tree in trees]
     spans = _adapter_spans(adapter_of_tree, tree_of_slot[used])

@@ -75,6 +75,7 @@ from ..api import (
     WeightsIdentity,
     optimizer_of,
 )
+from ..model import invariant
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
 from ..prepare import check_datum
@@ -338,10 +339,8 @@ class Trainer:
         loss_of = torch.tensor([losses_in_mb.index(row.loss) for row in rows])[row_of].to(device)
         inputs = LossInputs.cat([row.datum.inputs.select(row.datum.active) for row in rows]).to(device)
         tgt = targets.reshape(-1)[active].to(device)
-        scales = (
-            None
-            if all(row.grad_scale == 1.0 for row in rows)
-            else torch.tensor([row.grad_scale for row in rows])[row_of].to(device)
+        scales = head.position_scales(
+            [row.grad_scale for row in rows], row_of, invariant.wide_dtype(model.dtype), device
         )
 
         adapters = AdapterBatch.from_rows([row.adapter for row in rows], device=device)
