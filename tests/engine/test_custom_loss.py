@@ -1,7 +1,10 @@
 """Server-side custom losses in the trainer: one forward and one backward give the gradient of the
-client-side two-pass path (forward, the graph on the client, cross_entropy with weights -dC/dlogp),
-to 1e-5 relative in fp32; the graph's runtime bounds and failures name the node before any gradient
-moves. Graphs are traced by the official tinker client's own tracer, as it sends them."""
+client-side two-pass path (forward, the graph on the client, cross_entropy with weights -dC/dlogp):
+the same math in another order (tolerance.py, kind 3: in fp64 they agree, in fp32 within the
+two-pass path's own rounding). A graph runs in fp32 on fp32 logprobs on either side, as a client's
+does, so in fp64 the two paths feed it the same values. The graph's runtime bounds and failures
+name the node before any gradient moves. Graphs are traced by the official tinker client's own
+tracer, as it sends them."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import math
 import pytest
 import torch
 from test_losses import random_data
-from test_trainer import assert_dicts_close, grads, new_trainer
+from test_trainer import grads, new_trainer
+from tolerance import assert_bitwise, assert_same_computation
 
 from trine.engine.api import Loss, LossTensor, TrainDatum, parse_custom_loss
 from trine.engine.model.weights import load_model
@@ -34,6 +38,11 @@ def seq_softmax(logprobs, scale):  # not elementwise: every token's gradient dep
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return load_model(tiny_model_dir, "cpu")
+
+
+@pytest.fixture(scope="module")
+def model64(tiny_model_dir):
+    return load_model(tiny_model_dir, "cpu", dtype=torch.float64)
 
 
 CASES = {
@@ -83,20 +92,23 @@ def two_pass(trainer, run, handle, data):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_one_pass_gradient_equals_the_two_pass_gradient(model, case):
+def test_one_pass_gradient_equals_the_two_pass_gradient(model, model64, case):
     handle, loss = traced(*CASES[case])
     data = with_inputs(random_data(5, lengths=(11, 7, 16, 9)), handle.input_names)
-    server, client = new_trainer(model, "r"), new_trainer(model, "r")
-    res = server.forward_backward([("r", data, loss)])[0]
-    total, metrics = two_pass(client, "r", handle, data)
-    assert res.loss_sum == pytest.approx(total, rel=1e-5)
-    assert res.metrics.keys() == metrics.keys() and len(metrics) == (2 if case == "ppo_sum" else 0)
-    for k in metrics:
-        assert res.metrics[k] == pytest.approx(metrics[k], rel=1e-5)
-    assert_dicts_close(grads(server, "r"), grads(client, "r"), rel=1e-5)
+
+    def compute(m):
+        server, client = new_trainer(m, "r"), new_trainer(m, "r")
+        res = server.forward_backward([("r", data, loss)])[0]
+        total, metrics = two_pass(client, "r", handle, data)
+        assert res.metrics.keys() == metrics.keys() and len(metrics) == (2 if case == "ppo_sum" else 0)
+        # the loss and the metrics are the graph's values: one group, so one scalar is not its own scale
+        want = {"grads": grads(client, "r"), "values": [total, *metrics.values()]}
+        return want, {"grads": grads(server, "r"), "values": [res.loss_sum, *res.metrics.values()]}
+
+    assert_same_computation(compute, model, model64)
 
 
-def test_a_custom_loss_shares_a_call_with_other_runs_and_shared_prefixes(model):
+def test_a_custom_loss_shares_a_call_with_other_runs_and_shared_prefixes(model, model64):
     handle, loss = traced(*CASES["ppo_sum"])
     prompt = list(range(40, 72))  # a 32-token prompt shared by a group: the custom rows stay plain
     base = random_data(6, lengths=(8, 8, 8))
@@ -111,12 +123,15 @@ def test_a_custom_loss_shares_a_call_with_other_runs_and_shared_prefixes(model):
     ]
     data = with_inputs(group, handle.input_names)
     ce = random_data(7)
-    mixed, alone = new_trainer(model, "c", "e"), new_trainer(model, "c", "e")
-    mixed.forward_backward([("c", data, loss), ("e", ce, Loss.parse("cross_entropy"))])
-    alone.forward_backward([("c", data, loss)])
-    alone.forward_backward([("e", ce, Loss.parse("cross_entropy"))])
-    for run in ("c", "e"):
-        assert_dicts_close(grads(mixed, run), grads(alone, run), rel=1e-5)
+
+    def compute(m):  # batched with another run or alone: another order of the same sums (kind 3)
+        mixed, alone = new_trainer(m, "c", "e"), new_trainer(m, "c", "e")
+        mixed.forward_backward([("c", data, loss), ("e", ce, Loss.parse("cross_entropy"))])
+        alone.forward_backward([("c", data, loss)])
+        alone.forward_backward([("e", ce, Loss.parse("cross_entropy"))])
+        return {r: grads(alone, r) for r in ("c", "e")}, {r: grads(mixed, r) for r in ("c", "e")}
+
+    assert_same_computation(compute, model, model64)
 
 
 def test_runtime_bounds_and_failures_name_the_node_before_any_gradient_moves(model):
@@ -141,10 +156,10 @@ def test_runtime_bounds_and_failures_name_the_node_before_any_gradient_moves(mod
         datum = TrainDatum(tokens=d.tokens, target_tokens=d.target_tokens, custom_inputs={"x": x})
         with pytest.raises(CustomLossError, match=match):
             trainer.forward_backward([("r", [datum], loss)])
-    assert_dicts_close(grads(trainer, "r"), before, rel=0)
+    assert_bitwise(grads(trainer, "r"), before)  # nothing was added, not even a rounding
 
 
-def test_a_graph_failing_only_on_real_logprobs_fails_its_entry_alone(model):
+def test_a_graph_failing_only_on_real_logprobs_fails_its_entry_alone(model, model64):
     def by_value(logprobs, x):  # indices from the logprobs: in range for the dry run's zeros only
         return (x.gather(0, (logprobs * -1000).long()) * logprobs).sum(), {}
 
@@ -154,10 +169,14 @@ def test_a_graph_failing_only_on_real_logprobs_fails_its_entry_alone(model):
         tokens=d.tokens, target_tokens=d.target_tokens, custom_inputs={"x": LossTensor((6,), [1.0] * 6)}
     )
     ce = random_data(10)
-    mixed, alone = new_trainer(model, "c", "e"), new_trainer(model, "c", "e")
-    before = grads(mixed, "c")
-    bad, good = mixed.forward_backward([("c", [datum], loss), ("e", ce, Loss.parse("cross_entropy"))])
-    alone.forward_backward([("e", ce, Loss.parse("cross_entropy"))])
-    assert "node 'gather'" in bad.error and "RuntimeError" in bad.error and good.error == ""
-    assert_dicts_close(grads(mixed, "c"), before, rel=0)  # the failed datum added nothing
-    assert_dicts_close(grads(mixed, "e"), grads(alone, "e"), rel=1e-5)
+
+    def compute(m):
+        mixed, alone = new_trainer(m, "c", "e"), new_trainer(m, "c", "e")
+        before = grads(mixed, "c")
+        bad, good = mixed.forward_backward([("c", [datum], loss), ("e", ce, Loss.parse("cross_entropy"))])
+        alone.forward_backward([("e", ce, Loss.parse("cross_entropy"))])
+        assert "node 'gather'" in bad.error and "RuntimeError" in bad.error and good.error == ""
+        assert_bitwise(grads(mixed, "c"), before)  # the failed datum added nothing
+        return {"e": grads(alone, "e")}, {"e": grads(mixed, "e")}  # batched or alone (kind 3)
+
+    assert_same_computation(compute, model, model64)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tolerance import EPS32, assert_same_computation
 
 from trine.engine.api import LoRAConfig, Loss, TrainDatum
 from trine.engine.model.lora import AdapterBatch
@@ -87,59 +88,86 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def model64(tiny_model_dir):
+    return load_model(tiny_model_dir, "cpu", dtype=torch.float64)
+
+
 @pytest.mark.parametrize("unembed", [True, False], ids=["head-adapter", "plain-head"])
 @pytest.mark.parametrize("name,cfg", CASES)
-def test_loss_matches_reference_in_value_and_gradient(model, name, cfg, unembed):
-    # Without an adapter on lm_head the trainer computes the head's logits and input gradient into
-    # its kept workspace, outside autograd; with one, through autograd. Both must match.
-    trainer = Trainer(model, base_model="tiny", logits_chunk_tokens=7)  # several LM-head chunks
-    trainer.create_run("r", LoRAConfig(rank=4, train_unembed=unembed))
-    adapter = trainer.adapter("r")
-    randomize(adapter, 0)
+def test_loss_matches_reference_in_value_and_gradient(model, model64, name, cfg, unembed):
+    """The trainer's logprobs, per-token losses and gradients against a full forward and textbook
+    formulas, one datum at a time: the same math in another order (tolerance.py, kind 3)."""
     data = random_data(1)
-    # Old logprobs close to the current ones, so that PPO/CISPO clipping is active on some tokens.
-    fwd = trainer.forward_backward([("r", data, Loss.parse(name, cfg))], backward=False)[0]
+
+    def new_trainer(m):
+        # Without an adapter on lm_head the trainer computes the head's logits and input gradient
+        # into its kept workspace, outside autograd; with one, through autograd. Both must match.
+        trainer = Trainer(m, base_model="tiny", logits_chunk_tokens=7)  # several LM-head chunks
+        trainer.create_run("r", LoRAConfig(rank=4, train_unembed=unembed))
+        randomize(trainer.adapter("r"), 0)
+        return trainer
+
+    # Old logprobs close to the current ones, so that PPO/CISPO clipping is active on some tokens;
+    # made once (fp32), so both dtypes clip the same tokens.
+    fwd = new_trainer(model).forward_backward([("r", data, Loss.parse(name, cfg))], backward=False)[0]
     g = torch.Generator().manual_seed(2)
     for k, (d, lp) in enumerate(zip(data, fwd.logprobs)):
         d.logprobs = [x + 0.1 * float(torch.randn(1, generator=g)) for x in lp]
         if name == "gspo" and k == 1:  # an explicit mask on one datum; the others use the default
             d.sequence_ratio_mask = [float(i % 2) for i in range(len(d.tokens))]
-    out = trainer.forward_backward([("r", data, Loss.parse(name, cfg))])[0]
-    got = {n: p.grad.clone() for n, p in adapter.named_parameters()}
 
-    ref = {n: torch.zeros_like(p) for n, p in adapter.named_parameters()}
-    total = 0.0
-    for d, logp_out, loss_out in zip(data, out.logprobs, out.losses):
-        adapter.zero_grad()
-        tokens = torch.tensor([d.tokens])
-        logits = model(tokens, adapters=AdapterBatch.single(adapter))[0]
-        tgt = torch.tensor(d.target_tokens)
-        mask = tgt != -100
-        logp = torch.log_softmax(logits, -1).gather(1, tgt.clamp(min=0)[:, None]).squeeze(1)
-        seq_mask = (
-            torch.tensor(d.sequence_ratio_mask) if d.sequence_ratio_mask is not None else torch.ones(len(tgt))
-        ) * mask
-        per_tok = (
-            reference_token_losses(
-                name,
-                logp,
-                torch.tensor(d.logprobs),
-                torch.tensor(d.advantages),
-                torch.tensor(d.weights),
-                cfg,
-                seq_mask,
+    def compute(m):
+        trainer = new_trainer(m)
+        adapter = trainer.adapter("r")
+        out = trainer.forward_backward([("r", data, Loss.parse(name, cfg))])[0]
+        got = {
+            "grads": {n: p.grad.clone() for n, p in adapter.named_parameters()},
+            "logprobs": [torch.tensor(x, dtype=torch.float32) for x in out.logprobs],  # reported in fp32
+            "losses": [torch.tensor(x, dtype=torch.float32) for x in out.losses],
+        }
+        want = {
+            "grads": {n: torch.zeros_like(p) for n, p in adapter.named_parameters()},
+            "logprobs": [],
+            "losses": [],
+        }
+        total = 0.0
+        for d in data:
+            adapter.zero_grad()
+            tokens = torch.tensor([d.tokens])
+            logits = m(tokens, adapters=AdapterBatch.single(adapter))[0]
+            tgt = torch.tensor(d.target_tokens)
+            mask = tgt != -100
+            logp = torch.log_softmax(logits, -1).gather(1, tgt.clamp(min=0)[:, None]).squeeze(1)
+            seq_mask = (
+                torch.tensor(d.sequence_ratio_mask)
+                if d.sequence_ratio_mask is not None
+                else torch.ones(len(tgt))
+            ) * mask
+            per_tok = (
+                reference_token_losses(
+                    name,
+                    logp,
+                    torch.tensor(d.logprobs),
+                    torch.tensor(d.advantages),
+                    torch.tensor(d.weights),
+                    cfg,
+                    seq_mask,
+                )
+                * mask
             )
-            * mask
-        )
-        per_tok.sum().backward()
-        for n, p in adapter.named_parameters():
-            ref[n] += p.grad
-        torch.testing.assert_close(torch.tensor(logp_out), (logp * mask).detach(), atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(torch.tensor(loss_out), per_tok.detach(), atol=1e-4, rtol=1e-5)
-        total += float(per_tok.detach().sum())
-    assert out.loss_sum == pytest.approx(total, rel=1e-5, abs=1e-3)
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+            per_tok.sum().backward()
+            for n, p in adapter.named_parameters():
+                want["grads"][n] += p.grad
+            want["logprobs"].append((logp * mask).detach())
+            want["losses"].append(per_tok.detach())
+            total += float(per_tok.detach().double().sum())
+        # loss_sum adds the per-token losses in fp64: the reference's sum is another order of it
+        flat = [x for row in out.losses for x in row]
+        assert abs(out.loss_sum - math.fsum(flat)) <= EPS32 * math.fsum(map(abs, flat))
+        return want, got
+
+    assert_same_computation(compute, model, model64)
 
 
 def test_ppo_reads_thresholds_as_ratio_bounds():
@@ -151,6 +179,7 @@ def test_ppo_reads_thresholds_as_ratio_bounds():
     # A>0, r=1.5: min(1.5, 1.1) = 1.1; A<0, r=0.5: min(-0.5, -0.9) = -0.9; inside the bounds: r*A.
     from trine.engine.trainer.losses import loss_values
 
+    # exp(log r) and a product: a few fp32 roundings of each value, within assert_close's fp32 rtol
     torch.testing.assert_close(loss_values(loss, logp, inputs), torch.tensor([-1.1, 0.9, -1.05]))
     assert Loss.parse("ppo") == Loss("ppo", clip_low=0.8, clip_high=1.2)
 
