@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.trine-installed
 COOKBOOK := $(VENV)/.trine-cookbook
 
-.PHONY: demo test test-slow bench bench-vllm install browser clean docs fmt
+.PHONY: demo test test-portable test-slow bench bench-vllm install browser clean docs fmt
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ test: $(STAMP) browser
 	$(PY) -m pytest -q -x --durations=15
 	# the documentation site: fails on a broken link, anchor, reference or generated table
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The numerics-sensitive tests (tests/engine: engine, trainer, sampler, numerics, parity, the C
+# kernels) again on this CPU's next lower kernel path (tests/second_kernel_path.py: torch and MKL
+# held to AVX2 on an AVX-512 CPU, ATen's baseline kernels on an AVX2 one): their float bounds must
+# follow from the computation (tests/tolerance.py), not from one CPU's rounding. CI runs it after `test`.
+test-portable: $(STAMP)
+	@echo "second kernel path: $$($(PY) tests/second_kernel_path.py)"
+	env $$($(PY) tests/second_kernel_path.py) $(PY) -m pytest -q -x --durations=5 tests/engine
 
 # The slow tier also runs tinker-cookbook's recipes: installed here only, not for `make test`.
 # --no-deps because it requires tml-renderers>=0.4.1, which the index lacks and which it imports only

@@ -38,7 +38,10 @@ Invariants (while enabled)
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +54,38 @@ KEY_TILE = 16  # key positions per attention tile
 MIN_QUERY_ROWS = 16  # MKL's small-M GEMM path differs below this
 QUERY_CHUNK = 256  # queries per attention pass: bounds the [queries, keys] score memory
 _enabled = False
+log = logging.getLogger(__name__)
 
 
 def enable(on: bool) -> None:
-    """Batch-invariant kernels on or off, for every engine in this process."""
+    """Batch-invariant kernels on or off, for every engine in this process. On, once a process: a
+    warning where this process's GEMMs break what the kernels rely on (`rows_invariant`)."""
     global _enabled
     _enabled = bool(on)
+    if _enabled and not rows_invariant():
+        log.warning(
+            "--batch-invariant: this process's kernels give a query's attention other bits when a "
+            "call holds fewer of its sequence's queries (MKL_CBWR=%s), so the sampler's and the "
+            "trainer's logprobs may differ in their last bits; unset MKL_CBWR for bit-for-bit numerics",
+            os.environ.get("MKL_CBWR", "unset"),
+        )
+
+
+@functools.cache
+def rows_invariant() -> bool:
+    """Whether this process's kernels give a query's attention the same bits whether the call holds
+    its whole sequence or its last few queries (what a cached prefix or a decode step does). MKL's
+    own code paths (AVX2, AVX-512) keep it; its reproducibility mode MKL_CBWR=COMPATIBLE does not.
+    A probe of a 2-head, 17-position attention, once a process (milliseconds); call it enabled."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 17, 24, generator=g)
+    k, v = torch.randn(1, 2, 17, 24, generator=g), torch.randn(1, 2, 17, 24, generator=g)
+    whole = attention(q, k, v, causal=True)
+    for t in (1, 4, 8):
+        mask = torch.ones(t, 17, dtype=torch.bool).tril(17 - t)[None, None]
+        if not torch.equal(attention(q[:, :, 17 - t :], k, v, mask=mask), whole[:, :, 17 - t :]):
+            return False
+    return True
 
 
 def linear(
