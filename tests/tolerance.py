@@ -39,6 +39,28 @@ MARGIN = 4.0
 # (~100 eps64 through the model); 1e-10 leaves 1e4 of room and is 1e7 below a wrong term.
 FP64_SAME_MATH = 1e-10
 
+# Two engine paths of the same math, as a server reports them (kind 3, one level up). The server
+# serves an fp32 model, so a test through it has no fp64 twin; what it checks is that the service
+# moves the engine's numbers intact (the right positions, weights, adapter version, normalisation),
+# and an error there is 1e-2 or more. The rounding between two engine paths (the sampler's paged
+# attention and packed GEMMs vs the trainer's forward; a cached, chunked or last-n prefill vs a
+# whole one; a request's rows in a larger batch; the one-pass custom loss vs the two-pass one) is
+# what tests/engine bounds: each path within MARGIN x its fp32 rounding of the fp64 result. That
+# rounding, measured once on the tiny models (llama, qwen2, qwen3; a rank-4 adapter, prompts of
+# 13-71 tokens, sampled and prompt logprobs from the Sampler and the Trainer's forward against the
+# same code on the fp64 twin), is at most 2.4e-7 of the logprobs' scale (their largest magnitude,
+# 12-13 nats) on AVX2 and on ATen's default kernels with MKL_CBWR=COMPATIBLE alike: about two fp32
+# ulps of the log-sum-exp; the two fp32 paths differ by at most 2.3e-7 of it (2.9e-6 nats). So
+# SERVED_ROUNDING = 2.5e-7 and two served paths are within 2 x MARGIN x that of each other: 2e-6
+# of the scale, 2.6e-5 nats for these models, 400x below a plumbing error.
+SERVED_ROUNDING = 2.5e-7
+SERVED_PATHS = 2 * MARGIN * SERVED_ROUNDING
+# The same for a quantity of the gradient (a grad norm from optim_step): the trainer's fp32 grad
+# norm was within 9.6e-7 of its fp64 twin's on both kernel paths (a cross-entropy step on the same
+# prompts and models), so two paths are within 2 x MARGIN x 1e-6 of each other: 8e-6 of it.
+SERVED_GRAD_ROUNDING = 1e-6
+SERVED_GRAD_PATHS = 2 * MARGIN * SERVED_GRAD_ROUNDING
+
 
 def _tensor(x) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64)
@@ -129,6 +151,42 @@ def gamma(k: int, dtype: torch.dtype = torch.float32) -> float:
     u = torch.finfo(dtype).eps / 2
     assert k * u < 1
     return k * u / (1 - k * u)
+
+
+def assert_served_paths(got, want, rel: float = SERVED_PATHS, *, scale: float | None = None) -> None:
+    """Two engine paths of the same math, as a server reports them (logprobs, the top-k logprobs of
+    a row): within `rel` of the values' scale (their largest magnitude), elementwise. For a value
+    derived from logprobs (a mean, a sum of n of them), pass `scale`: the logprobs' scale times
+    what the derivation multiplies an error by (1 for a mean, n for a sum). None entries (a
+    prompt's first position) must be None on both sides."""
+    got, want = list(got) if _listlike(got) else [got], list(want) if _listlike(want) else [want]
+    assert len(got) == len(want), f"{len(got)} values against {len(want)}"
+    assert [g is None for g in got] == [w is None for w in want], "None at other positions"
+    a = torch.tensor([float(g) for g in got if g is not None], dtype=torch.float64)
+    b = torch.tensor([float(w) for w in want if w is not None], dtype=torch.float64)
+    scale = max(_scale(a), _scale(b)) if scale is None else scale
+    bound = rel * scale
+    err = float((a - b).abs().max()) if a.numel() else 0.0
+    assert err <= bound, (
+        f"two served paths differ by {err:.3g}, beyond {rel:.3g} of the scale {scale:.3g}: {bound:.3g}"
+    )
+
+
+def _listlike(x) -> bool:
+    return not isinstance(x, (int, float)) and hasattr(x, "__len__")
+
+
+def assert_sum_of(total: float, terms, dtype: torch.dtype = torch.float64, *, term_rel: float = 0.0) -> None:
+    """Kind 2: `total` is the sum of `terms` (values reported beside it, or computed here in fp64
+    from them) added in `dtype` in some order: within gamma_n * sum|x| of their exact sum (Higham,
+    sec. 4.2: any order), plus `term_rel` * sum|x| where the engine evaluated each term itself in
+    fp32 (a few roundings: term_rel is their count times EPS32 / 2)."""
+    xs = [float(x) for x in terms]
+    exact = math.fsum(xs)
+    bound = (gamma(max(len(xs), 1), dtype) + term_rel) * math.fsum(abs(x) for x in xs)
+    assert abs(total - exact) <= bound, (
+        f"{total!r} is not the sum {exact!r} of its {len(xs)} terms (bound {bound:.3g})"
+    )
 
 
 def dot_bound(a: torch.Tensor, b: torch.Tensor, *, kernels: int = 2) -> torch.Tensor:
