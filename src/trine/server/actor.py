@@ -6,6 +6,7 @@ heartbeats, and sampling (JSON). Shapes follow the official `pytrio` 0.2.9 clien
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 
@@ -18,6 +19,7 @@ from .access_log import note_key
 from .auth import bearer
 from .context import json_object, read_body, service_of, signer_of
 from .params import parse_sample
+from .refusals import public_message
 from .shapes import event_envelope, sample_response
 from .wire import parse_event
 
@@ -47,7 +49,11 @@ def envelope(svc: Service, rec: EventRecord) -> bytes:
         m = svc.queries.find_model(name)
         return m.model_id if m else name
 
-    return event_envelope(rec, EventResult.of(rec), model_id)
+    res = EventResult.of(rec)
+    if res is not None and res.error:  # a failed event's message names no server path (refusals.py)
+        public = public_message(svc, res.error["message"])
+        res = dataclasses.replace(res, error={**res.error, "message": public})
+    return event_envelope(rec, res, model_id)
 
 
 @router.post("/events")

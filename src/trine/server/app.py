@@ -17,6 +17,7 @@ limits count the bytes actually read; connection limits and the bounded shutdown
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -52,7 +53,9 @@ from .connections import (
 from .middleware import BodyLimit, InternalErrors
 from .observed import Observed
 from .prometheus import HttpMetrics, PrometheusEndpoint
+from .refusals import public_message, retry_headers
 
+log = logging.getLogger("trine.server")
 EMBEDDED_KEY_FILE = "embedded.key"
 
 
@@ -99,12 +102,12 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, e: ServiceError):
-        retry_after = getattr(e, "retry_after", None)
-        return _error(e.status, e.code, e.message, {"Retry-After": str(retry_after)} if retry_after else None)
+        return _error(e.status, e.code, public_message(service, e.message), retry_headers(e))
 
     @app.exception_handler(DiskFull)
     async def disk_full(request: Request, e: DiskFull):
-        return _error(e.status, e.code, e.message)
+        log.warning("%s", e.message)  # the operator's copy names the path
+        return _error(e.status, e.code, public_message(service, e.message))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):

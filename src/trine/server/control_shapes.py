@@ -17,7 +17,11 @@ def _capability(svc: Service, model_name: str) -> dict:
 
 
 def _model_id(svc: Service, name: str) -> str:
-    """The model_id PyTRIO clients see for a record's base model (its name if no longer served)."""
+    """The model_id PyTRIO clients see for a record's base model (its name if no longer served).
+
+    The one server path a response carries, on purpose: the official client loads its tokenizer
+    from `model_id` (a local directory, reference/pytrio-protocol.md section 9) and compares
+    `by-checkpoint-uri`'s `base_model` with it. Every other `base_model` is the model's name."""
     m = svc.queries.find_model(name)
     return m.model_id if m else name
 
@@ -59,7 +63,7 @@ def training_run_json(svc: Service, r: TrainingRun) -> dict:
     }
     return {
         "training_run_cuid": r.id,
-        "base_model": _model_id(svc, r.base_model),
+        "base_model": r.base_model,  # the model's name: never the server's directory (refusals.py)
         "model_alias": r.base_model,
         "service_session_cuid": r.session_id,
         "workspace_cuid": r.api_key_id,
@@ -86,7 +90,6 @@ def training_run_json(svc: Service, r: TrainingRun) -> dict:
 
 
 def checkpoint_json(svc: Service, c: Checkpoint) -> dict:
-    model_id = _model_id(svc, c.base_model)
     return {
         "cuid": c.id,
         "checkpoint_cuid": c.id,
@@ -96,8 +99,8 @@ def checkpoint_json(svc: Service, c: Checkpoint) -> dict:
         "checkpoint_type": c.kind,
         "status": "READY",
         "checkpoint_uri": c.uri,
-        "model": model_id,
-        "base_model": model_id,
+        "model": c.base_model,  # names: never the server's directories (refusals.py)
+        "base_model": c.base_model,
         "model_spec_cuid": c.base_model,
         "task_id": c.training_run_id,
         "task_name": None,
@@ -122,7 +125,7 @@ def sampling_run_json(svc: Service, r: SamplingRun) -> dict:
         "service_session_cuid": r.session_id,
         "workspace_cuid": r.api_key_id,
         "status": r.status,
-        "base_model": m.model_id,
+        "base_model": m.name,
         "model_id": m.model_id,
         "alias": m.name,
         "run_index": r.run_index,

@@ -166,6 +166,7 @@ class Service:
             self.events,
             self.quotas,
             self.inflight,
+            gate=self.gate,
         )
         self.sampling = Sampling(
             store,

@@ -9,6 +9,9 @@ Invariants
   brings its own, which the spec may not override.
 - A sampling run is attributed to at most one of its key's training runs: the one named in its
   spec, else the one that saved its checkpoint; usage reports by run count it there.
+- New sessions, training runs and sampling runs pass the `WorkGate` (gate.py) like other writes:
+  none while the server drains for shutdown (503 `server_shutting_down`, Retry-After), none with
+  less free disk than the reserve (507 `disk_full`); a refused one leaves no row.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .checkpoints import Checkpoints
 from .commands import RunLabels, SamplingRunSpec, TrainingRunSpec
 from .errors import Conflict, InvalidRequest, NotFound
 from .events import Events
+from .gate import WorkGate
 from .inflight import Inflight
 from .models import ServedModel, resolve_model
 from .ownership import Ownership
@@ -45,6 +49,7 @@ class Runs:
         events: Events,
         quotas: KeyQuotas | None = None,
         inflight: Inflight | None = None,
+        gate: WorkGate | None = None,
     ):
         self.store = store
         self.ownership = ownership
@@ -54,11 +59,17 @@ class Runs:
         self.events = events
         self.quotas = quotas  # per-key limits on new runs
         self.inflight = inflight  # the runs' inflight targets
+        self.gate = gate  # refuses new sessions and runs while draining or short of disk space
+
+    def _admit(self, what: str) -> None:
+        if self.gate is not None:
+            self.gate.admit(what)
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, key: ApiKey, sdk_version: str = "", labels: RunLabels = RunLabels()) -> Session:
         """A new session; its labels (name, tags, metadata) pass to the training runs made in it."""
         fields = run_labels.stored(run_labels.checked(labels))
+        self._admit("a new session")
         now = time.time()
         s = Session(new_id("ss"), key.id, "ACTIVE", sdk_version or "", now, now, **fields)
         self.store.add_session(s)
@@ -83,6 +94,7 @@ class Runs:
     # ------------------------------------------------------------------ training runs
     def create_training_run(self, key: ApiKey, session_id: str, spec: TrainingRunSpec) -> TrainingRun:
         s = self.ownership.active_session(key, session_id)
+        self._admit("a new training run")
         lora, source = spec.lora, None
         if spec.source_checkpoint_uri:
             source = self.ownership.restorable(key, spec.source_checkpoint_uri, spec.restore_optimizer)
@@ -230,6 +242,7 @@ class Runs:
         """A sampler of the base model or of a checkpoint; made from an inflight save's checkpoint,
         it follows the run's later inflight saves (service/inflight.py)."""
         s = self.ownership.active_session(key, session_id)
+        self._admit("a new sampling run")
         ck = None
         if spec.source_checkpoint_uri:
             ck = self.ownership.readable_by_uri(key, spec.source_checkpoint_uri)

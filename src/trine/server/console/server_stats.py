@@ -58,8 +58,7 @@ async def server_stats(svc: Service, key: ApiKey) -> dict:
     card = svc.rate_card
     models = [
         {
-            "name": m.name,
-            "model_id": m.model_id,
+            "name": m.name,  # never the model's directory: no server path leaves (refusals.py)
             "context_length": m.max_seq_len,
             "architecture": m.architecture,
             "replicas": m.replicas,

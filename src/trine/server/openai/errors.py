@@ -11,7 +11,9 @@ from collections.abc import Collection
 
 from fastapi.responses import JSONResponse
 
+from ...diskspace import DiskFull
 from ...service.errors import ServiceError
+from ..refusals import public_message, retry_headers
 
 TYPES = {
     400: "invalid_request_error",
@@ -35,24 +37,33 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # e.g. Retry-After on a draining server's 503
         self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_param(param: str, message: str, code: str = "invalid_value") -> OpenAIError:
     return OpenAIError(400, f"{param}: {message}", param=param, code=code)
 
 
-def from_service(e: ServiceError, params: Collection[str] = ()) -> OpenAIError:
-    """A service error in OpenAI's shape; `param` is set when the message names one of `params`."""
+def from_service(e: ServiceError, params: Collection[str] = (), service=None) -> OpenAIError:
+    """A service error in OpenAI's shape; `param` is set when the message names one of `params`;
+    a draining server's 503 keeps its Retry-After (refusals.py)."""
     m = _FIELD.match(e.message)
     param = m.group(1) if m and m.group(1) in params else None
-    return OpenAIError(e.status, e.message, param=param, code=e.code)
+    message = public_message(service, e.message)
+    return OpenAIError(e.status, message, param=param, code=e.code, headers=retry_headers(e))
+
+
+def from_disk_full(e: DiskFull, service=None) -> OpenAIError:
+    """No room to write what the request needs: 507 `disk_full`, as on the other planes."""
+    return OpenAIError(e.status, public_message(service, e.message), code=e.code, type="server_error")

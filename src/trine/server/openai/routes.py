@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ...diskspace import DiskFull
 from ...engine.api import SampleDelta, SampleRequest, SamplingOptions
 from ...limits import MAX_SAMPLE_BYTES
 from ...metering.http import MoneyJSONResponse
@@ -29,7 +30,7 @@ from ...service import ApiKey, Service, ServiceError, tool_calls
 from ..context import caller_key, read_body, service_of
 from . import models as targets
 from . import shapes, tokenize
-from .errors import OpenAIError, from_service
+from .errors import OpenAIError, from_disk_full, from_service
 from .params import CHAT, COMPLETION, Generation, parse_chat, parse_completion
 from .text import ModelText, TextStream
 
@@ -71,7 +72,10 @@ def _guard(handler):
         except OpenAIError as e:
             return e.response()
         except ServiceError as e:
-            return from_service(e, PARAMS).response()
+            return from_service(e, PARAMS, service_of(request)).response()
+        except DiskFull as e:
+            log.warning("%s %s: %s", request.method, request.url.path, e.message)
+            return from_disk_full(e, service_of(request)).response()
         except Exception as e:  # a bug in trine: say so in OpenAI's shape, keep serving
             log.exception("unhandled error on %s %s", request.method, request.url.path)
             return _internal(e).response()
@@ -304,6 +308,9 @@ async def _events(g: Generation, rid: str, created: int, first, items, text: Mod
         yield "data: [DONE]\n\n"
     except ServiceError as e:
         yield _sse(from_service(e, PARAMS).body())
+    except DiskFull as e:
+        log.warning("stream %s: %s", rid, e.message)
+        yield _sse(from_disk_full(e).body())
     except Exception as e:  # a bug in trine: end the stream with an error event
         log.exception("stream %s failed", rid)
         yield _sse(_internal(e).body())

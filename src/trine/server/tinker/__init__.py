@@ -29,7 +29,7 @@ class TinkerRoute(APIRoute):
             try:
                 return await handler(request)
             except ServiceError as e:
-                return error_response(e)
+                return error_response(e, request.app.state.service)
 
         return route
 

@@ -20,6 +20,8 @@ import re
 from fastapi.responses import JSONResponse
 
 from ...service import ServiceError
+from ..refusals import public_message as without_server_paths
+from ..refusals import retry_headers
 
 _TRIO_PATH = re.compile(r"trio://([^/\s'\"]+)/(state|weights)/([^\s'\",;)]+)")
 _TINKER_KIND = {"state": "weights", "weights": "sampler_weights"}
@@ -55,8 +57,10 @@ def public_message(code: str, message: str) -> str:
     return tinker_paths(message)
 
 
-def error_response(e: ServiceError) -> JSONResponse:
-    body = {"code": e.code, "message": public_message(e.code, e.message)}
+def error_response(e: ServiceError, service=None) -> JSONResponse:
+    """The answer to a refused Tinker call; a draining server's 503 says when to come back
+    (Retry-After), and no message names a server path (refusals.py)."""
+    body = {"code": e.code, "message": without_server_paths(service, public_message(e.code, e.message))}
     if e.code in REUSED:
         return JSONResponse(body, status_code=409, headers={"x-should-retry": "false"})
-    return JSONResponse(body, status_code=400 if e.status == 409 else e.status)
+    return JSONResponse(body, status_code=400 if e.status == 409 else e.status, headers=retry_headers(e))

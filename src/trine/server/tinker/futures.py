@@ -27,7 +27,9 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ...diskspace import DiskFull
 from ...service.errors import Conflict, ServiceError, ShuttingDown
+from ..refusals import public_message as without_server_paths
 from .errors import public_message, tinker_paths
 
 LONG_POLL_SECONDS = 25.0  # the SDK's read timeout is 45 s
@@ -95,15 +97,17 @@ class FutureTable:
             del self.entries[rid]
 
 
-def failure_body(e: BaseException) -> dict:
+def failure_body(e: BaseException, service=None) -> dict:
+    """A failed future's body; no server path in its message (refusals.py)."""
     if isinstance(e, Failure):
-        return {"error": tinker_paths(e.message), "category": e.category}
-    if isinstance(e, ServiceError):
-        return {
-            "error": public_message(e.code, e.message),
-            "category": "user" if e.status < 500 else "server",
-        }
-    return {"error": f"{type(e).__name__}: {e}", "category": "server"}
+        message, category = tinker_paths(e.message), e.category
+    elif isinstance(e, ServiceError):
+        message, category = public_message(e.code, e.message), "user" if e.status < 500 else "server"
+    elif isinstance(e, DiskFull):
+        message, category = f"{e.code}: {e.message}", "server"
+    else:
+        message, category = f"{type(e).__name__}: {e}", "server"
+    return {"error": without_server_paths(service, message), "category": category}
 
 
 def make_router(state_of, api_key) -> APIRouter:
@@ -148,7 +152,7 @@ def make_router(state_of, api_key) -> APIRouter:
                 {"code": e.code, "message": public_message(e.code, e.message)}, status_code=410
             )
         if task.exception() is not None:
-            return failure_body(task.exception())
+            return failure_body(task.exception(), request.app.state.service)
         reply: Reply = task.result()
         return Response(reply.body, media_type=reply.media_type)
 

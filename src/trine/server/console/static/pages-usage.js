@@ -161,7 +161,7 @@
       document.getElementById("server-models").innerHTML = T.table(
         [["model"], ["architecture"], ["context", "num"], ["replicas", "num"], [`prefill (${unit})`, "num"],
          ["prefill cached", "num"], ["sample", "num"], ["train", "num"], [`storage (${data.currency} / GB-month)`, "num"]],
-        data.models.map((m) => `<tr><td title="${esc(m.model_id)}">${esc(m.name)}</td><td>${esc(m.architecture || "–")}</td>
+        data.models.map((m) => `<tr><td>${esc(m.name)}</td><td>${esc(m.architecture || "–")}</td>
           <td class="num">${T.int(m.context_length)}</td><td class="num">${m.replicas}</td><td class="num">${m.pricing.prefill}</td>
           <td class="num">${m.pricing.prefill_cached}</td><td class="num">${m.pricing.sample}</td>
           <td class="num">${m.pricing.train}</td><td class="num">${m.pricing.storage_gb_month}</td></tr>`), "No models.");

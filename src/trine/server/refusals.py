@@ -1,0 +1,44 @@
+"""What every plane's error answer shares, whatever its body's shape (PyTRIO `{code, message}`,
+Tinker's, OpenAI's `{"error": {...}}`): when to come back, and a message with no server paths.
+
+Invariants
+- A refusal that says when to retry (`ShuttingDown.retry_after`: a draining server) carries
+  `Retry-After` on every plane, so every client backs off until the restart.
+- No message leaves with an absolute path of the server's files: the data dir, the checkpoint dir
+  and each served model's directory are named by what they are (a model by its name). Operators
+  find the paths in the server's own log and `trine serve`'s banner.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def retry_headers(e: BaseException) -> dict[str, str] | None:
+    """`Retry-After` for an error that says when to come back (seconds), else None."""
+    seconds = getattr(e, "retry_after", None)
+    return {"Retry-After": str(int(seconds))} if seconds else None
+
+
+def _roots(service) -> list[tuple[str, str]]:
+    """(absolute path, its public name) for every server path a message may name, longest first."""
+    named: list[tuple[Path, str]] = []
+    store = getattr(service, "store", None)
+    if store is not None:
+        named.append((Path(store.checkpoint_dir), "the server's checkpoint dir"))
+        named.append((Path(store.home), "the server's data dir"))
+    for m in getattr(service, "models", {}).values():
+        named.append((Path(m.dir), f"model {m.name}"))
+    out: dict[str, str] = {}
+    for path, name in named:
+        for form in (str(path), str(path.resolve())):
+            out.setdefault(form, name)
+    return sorted(out.items(), key=lambda kv: -len(kv[0]))
+
+
+def public_message(service, message: str) -> str:
+    """`message` with the server's own paths replaced by their names (see the module docstring)."""
+    for path, name in _roots(service):
+        if path and path != "/" and path in message:
+            message = message.replace(path, name)
+    return message
