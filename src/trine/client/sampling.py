@@ -112,6 +112,12 @@ class SamplingClient:
             response = json.loads(r.content)
         except ValueError as e:
             raise ActorAPIError("the server's sample response is not JSON", code="invalid_response") from e
+        if isinstance(response, dict) and response.get("code") and not response.get("sequences"):
+            # an error after a 200 began (a server that could not break the response off): never
+            # a success with no sequences
+            raise ActorAPIError(
+                str(response.get("message") or response["code"]), code=str(response["code"]), status_code=503
+            )
         return response
 
     def _parse(self, response: dict) -> SampleResponse:

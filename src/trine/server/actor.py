@@ -8,21 +8,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from ..diskspace import DiskFull
 from ..limits import MAX_EVENT_BYTES, MAX_SAMPLE_BYTES
 from ..service import ApiKey, EventRecord, EventResult, NotFound, Service, ServiceError
 from .access_log import note_key
 from .auth import bearer
+from .connections import ABORT_RESPONSE
 from .context import json_object, read_body, service_of, signer_of
 from .params import parse_sample
 from .refusals import public_message
 from .shapes import event_envelope, sample_response
 from .wire import parse_event
 
+log = logging.getLogger("trine.server")
 MAX_POLL_SECONDS = 55.0
 KEEPALIVE_AFTER = 20.0  # a sample still running after this streams whitespace until it is done
 KEEPALIVE_EVERY = 20.0
@@ -112,15 +116,28 @@ async def sample(sampling_run_id: str, request: Request):
     if task.done():
         return Response(sample_response(task.result(), shape), media_type="application/json")
 
+    abort = request.scope.get("extensions", {}).get(ABORT_RESPONSE)
+
     async def keepalive():
-        """Leading whitespace keeps the client's idle watchdog fed; JSON parsers skip it."""
+        """Leading whitespace keeps the client's idle watchdog fed; JSON parsers skip it.
+
+        The 200 is sent with the first whitespace, so a sample that then fails (a shutdown's
+        drain stopped it: 503 `server_shutting_down`; a full disk) cannot answer its status: the
+        response is broken off instead, which every client retries with the same request_id (and
+        gets the real status then, or, after a restart, the sample). Never a complete 200 body with
+        no sequences, which a client would take for a success."""
         while not task.done():
             await asyncio.wait({task}, timeout=KEEPALIVE_EVERY)
             if not task.done():
                 yield b" "
         try:
             yield sample_response(task.result(), shape)
-        except ServiceError as e:
-            yield json.dumps({"code": e.code, "message": e.message, "sequences": []}).encode()
+        except (ServiceError, DiskFull) as e:
+            log.warning("sample %s: %s after its 200 began; response broken off", req.request_id, e.code)
+            if abort is None:  # not under trine's protocol class: an error body is all there is
+                message = public_message(service_of(request), e.message)
+                yield json.dumps({"code": e.code, "message": message, "sequences": []}).encode()
+            else:
+                abort()
 
     return StreamingResponse(keepalive(), media_type="application/json")

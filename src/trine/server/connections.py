@@ -50,6 +50,10 @@ MAX_CONNECTIONS = 1024
 KEEP_ALIVE_SECONDS = 75
 DRAIN_SECONDS = 2.0
 SHUTDOWN_TIMEOUT = 30.0
+# scope["extensions"][ABORT_RESPONSE](): for a response whose status line has gone out (a 200
+# streaming keep-alive whitespace) but whose work then failed: its status cannot change any more,
+# and a complete body would read as a success, so the response is broken off instead
+ABORT_RESPONSE = "trine.abort_response"
 LISTEN_QUEUE = 2048  # connections the kernel holds until accepted (uvicorn's default backlog)
 
 
@@ -141,6 +145,21 @@ class GuardedH11Protocol(H11Protocol):
             self._headers_of = self.cycle  # uvicorn built a request cycle: the headers are complete
             self.registry.forget(self)
             self._disarm()
+            # read by the app before it runs (uvicorn starts it as a task of the next loop turn)
+            self.cycle.scope.setdefault("extensions", {})[ABORT_RESPONSE] = self._aborter(self.cycle)
+
+    def _aborter(self, cycle) -> Callable[[], None]:
+        """End `cycle`'s response unfinished: what was sent is flushed, then the connection closes
+        without the body's end, so every HTTP client reads a broken response (httpx:
+        RemoteProtocolError, retryable) and never a complete one (see ABORT_RESPONSE)."""
+
+        def abort() -> None:
+            if self.cycle is cycle and not cycle.response_complete:
+                cycle.disconnected = True  # uvicorn drops what the app still sends, and logs nothing
+                self._uncount()
+                self.transport.close()
+
+        return abort
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -29,9 +29,11 @@ cycles), quotas.py (per-key limits), idempotency.py (one request id, one piece o
 gate.py (no new work while draining for shutdown or short of disk space).
 
 Shutdown (`drain(seconds)`, then `stop()`): new work is refused at once (503
-`server_shutting_down`); accepted events and running samples get until the deadline to finish;
-then the events still queued or running fail with `server_shutting_down`, and the samples still
-running are cancelled, what they computed metered.
+`server_shutting_down`, Retry-After); accepted events and running samples get until the deadline
+to finish; then the samples still running are cancelled (first, all at once), the events still
+queued or running fail with `server_shutting_down`, and what the cancelled samples computed is
+metered. Each step is bounded, so the drain ends within its seconds even while an engine is inside
+a training step.
 
 Runs on the asyncio loop; the engines (one per replica) are reached only through
 `engine.interface.Engine`, and only from the service.
@@ -73,6 +75,9 @@ from .traces import Traces
 log = logging.getLogger("trine.service")
 
 EngineFactory = Callable[[str, Path], list[Engine]]  # (model name, dir) -> its replicas' engines
+DRAIN_CANCEL_SECONDS = 2.0  # a shutdown's deadline: the longest wait for engines to answer cancels
+DRAIN_SETTLE_SECONDS = 1.0  # then the longest wait for the cancelled requests' answers to go out
+STOP_CANCEL_SECONDS = 10.0  # stop(): the longest wait for engines to answer the drain's cancels
 
 
 class Service:
@@ -220,26 +225,38 @@ class Service:
         self._gc_task = self.loop.create_task(self.gc.loop(self.gc_interval))
 
     async def drain(self, seconds: float) -> None:
-        """Refuse new work now; give accepted events and running samples `seconds` to finish; then
-        fail the events left (`server_shutting_down`) and cancel the samples left, metering them."""
+        """Refuse new work now; give accepted events and running samples until the deadline (about
+        `seconds`) to finish; then cancel the samples left, fail the events left
+        (`server_shutting_down`), and meter each cancelled sample's partial work as its engine answers.
+
+        Every step is bounded, and together they end within `seconds`: the wait for work ends
+        `DRAIN_CANCEL_SECONDS + DRAIN_SETTLE_SECONDS` before the deadline. Samples are cancelled
+        first and all at once, and nothing waits on an engine longer than its step's bound: an
+        engine still inside a training step answers its cancels when the step ends, and what those
+        samples computed is metered then (sampling.py, `cancel_all`)."""
         self.gate.drain(seconds)
-        deadline = time.monotonic() + seconds
-        while (self.events.progressing() or self.sampling.running()) and time.monotonic() < deadline:
+        begun = time.monotonic()
+        cancel_for = min(DRAIN_CANCEL_SECONDS, 0.2 * seconds)
+        settle_for = min(DRAIN_SETTLE_SECONDS, 0.1 * seconds)
+        wait_until = begun + seconds - cancel_for - settle_for
+        while (self.events.progressing() or self.sampling.running()) and time.monotonic() < wait_until:
             await asyncio.sleep(0.05)
+        cancelled = await self.sampling.cancel_all(wait=cancel_for)
         failed = self.events.fail_all(
             "server_shutting_down",
             "the server shut down before this event ran to the end; the run's in-memory weights "
             "are lost: restore it from a saved state once the server has restarted, and send it again",
         )
-        cancelled = await self.sampling.cancel_all()
-        settle_by = time.monotonic() + 1.0  # let the cancelled requests' answers go out
+        settle_by = time.monotonic() + settle_for  # let the cancelled requests' answers go out
         while self.sampling.running() and time.monotonic() < settle_by:
             await asyncio.sleep(0.02)
         if failed or cancelled:
+            busy = self.sampling.running()
             log.warning(
-                "shutdown deadline: failed %d queued or running event(s), cancelled %d sample(s)",
-                failed,
+                "shutdown deadline: cancelled %d sample(s), failed %d queued or running event(s)%s",
                 cancelled,
+                failed,
+                f"; {busy} sample(s) wait for an engine inside a training step" if busy else "",
             )
 
     def free_space(self) -> dict[str, int]:
@@ -247,6 +264,12 @@ class Service:
         return self.gate.free_space()
 
     async def stop(self) -> None:
+        """Stop the engines, once the cancels a drain sent are answered (or `STOP_CANCEL_SECONDS`
+        have passed): an engine that finishes a training step after the drain still reports what
+        the samples it stopped computed, and they are metered."""
+        unanswered = await self.sampling.await_cancels(STOP_CANCEL_SECONDS)
+        if unanswered:
+            log.warning("stopping: %d cancelled sample(s) unmetered, their engine never answered", unanswered)
         self.faults.stopping = True
         if self._gc_task is not None:
             self._gc_task.cancel()

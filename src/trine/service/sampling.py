@@ -19,8 +19,9 @@ Invariants
 - A finished request whose outcome a full disk keeps from the store still answers its caller (and
   a retry, from `_recent`); the outcome and its usage are stored with the next request's.
 - New requests pass the `WorkGate` (gate.py). At a shutdown's deadline `cancel_all` cancels the
-  requests still running, meters what each computed (once), and their callers get 503
-  `server_shutting_down`.
+  requests still running, all at once and without waiting on a busy engine for longer than its
+  bound, meters what each computed (once, when its engine answers), and their callers get 503
+  `server_shutting_down` (the actor plane breaks off a response whose 200 already began).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -84,6 +86,7 @@ class Sampling:
     # request -> (key, run, request) while it runs, to meter it if shutdown cancels it
     _callers: dict[tuple[str, str], tuple] = field(default_factory=dict)
     _metered: set[str] = field(default_factory=set)  # engine request ids cancel_all metered
+    _unanswered: set = field(default_factory=set)  # cancel_all's cancels no engine has answered yet
     _unwritten: list[tuple] = field(default_factory=list)  # outcomes a full disk kept from the store
     _unwritten_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -240,19 +243,38 @@ class Sampling:
     def running(self) -> int:
         return len(self._serving)
 
-    async def cancel_all(self) -> int:
-        """Cancel every running request (shutdown) and meter what each computed; how many."""
-        cancelled = 0
+    async def cancel_all(self, wait: float = 2.0) -> int:
+        """Cancel every running request at once (a shutdown's deadline); how many. What each
+        computed is metered (once) as its engine answers: waited for up to `wait` seconds, then
+        left to answer later (an engine inside a training step answers when the step ends)."""
+        answers = []
         for (run_id, request_id), rep in list(self._serving.items()):
             caller = self._callers.get((run_id, request_id))
             engine_id = f"{run_id}/{request_id}"
-            try:
-                partial = await rep.engine.cancel(engine_id)
-            except Exception:  # the replica is gone: it has nothing to report
-                continue
-            cancelled += 1
-            self._meter_partial(engine_id, caller, partial, rep)
-        return cancelled
+            answer = asyncio.ensure_future(rep.engine.cancel(engine_id))
+            answer.add_done_callback(functools.partial(self._meter_answer, engine_id, caller, rep))
+            answer.add_done_callback(self._unanswered.discard)
+            self._unanswered.add(answer)
+            answers.append(answer)
+        if answers:
+            await asyncio.wait(answers, timeout=wait)
+        return len(answers)
+
+    async def await_cancels(self, timeout: float) -> int:
+        """Wait up to `timeout` seconds for the engines to answer `cancel_all`'s cancels (an engine
+        inside a training step answers when the step ends), so what those samples computed is
+        metered before the engines stop; how many are still unanswered."""
+        if self._unanswered:
+            await asyncio.wait(set(self._unanswered), timeout=timeout)
+        return len(self._unanswered)
+
+    def _meter_answer(self, engine_id: str, caller: tuple | None, rep: Replica, answer: asyncio.Future):
+        if answer.cancelled() or answer.exception() is not None:  # the replica is gone: nothing to report
+            return
+        try:
+            self._meter_partial(engine_id, caller, answer.result(), rep)
+        except Exception:  # a full disk, a closed store: the operator's log says so
+            log.exception("metering the cancelled sample %s failed", engine_id)
 
     def _meter_partial(self, engine_id: str, caller: tuple | None, partial, rep: Replica) -> None:
         """Meter what a request cancelled while running computed (its prompt, the tokens sampled
