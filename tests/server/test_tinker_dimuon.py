@@ -67,7 +67,7 @@ def test_dimuon_trains_reports_itself_and_resumes_exactly(srv, sc):
     # weights only, with the optimizer named: a fresh Dimuon
     fresh = sc.create_training_client_from_state(state, optimizer=types.DimuonOptimizerConfig()).result()
     assert config(fresh.get_info().optimizer_config) == DIMUON
-    assert train_step(fresh) == pytest.approx(continued[0], rel=1e-6)  # the saved weights
+    assert train_step(fresh) == continued[0]  # kind 1: the saved fp32 weights, one datum alone
 
     # run listings show the last step's settings
     from trine.metering.report import fmt_optimizer
