@@ -100,6 +100,8 @@ def test_run_page_plots_one_point_per_step_with_the_sdk_values(env, browser):
     wait(browser, "Chart.getChart('chart-loss') && Chart.getChart('chart-loss').data.labels.length === 8")
     loss = chart(browser, "chart-loss")
     assert loss["labels"] == list(range(1, 9))
+    # the SDK's floats through JSON and JS numbers (fp64 both); rel 1e-12 for the console's
+    # token-weighted mean of a step's chunks (a few fp64 operations, 1.1e-16 each)
     assert loss["data"][0] == pytest.approx(run.losses, rel=1e-12)
     assert chart(browser, "chart-grad")["data"][0] == pytest.approx(run.grad_norms, rel=1e-12)
     assert chart(browser, "chart-tokens")["data"] == [run.train_tokens, run.loss_tokens]
@@ -128,6 +130,7 @@ def test_the_run_page_updates_live_while_the_run_trains(env, browser):
             losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss_mean"])
         wait(browser, "Chart.getChart('chart-loss').data.labels.length === 3", timeout=15)
         assert browser.execute_script("return window.__notReloaded") is True
+        # the SDK's loss_mean through JSON and JS (fp64): rel 1e-12 as in the test above
         assert chart(browser, "chart-loss")["data"][0][1:] == pytest.approx(losses, rel=1e-12)
         assert len(chart(browser, "chart-grad")["labels"]) == 2
 

@@ -63,7 +63,10 @@ def test_the_run_page_plots_logged_metrics_and_step_times_beside_the_loss(env, t
     )
     reward = chart(browser, "chart-metric-reward")
     assert reward["labels"] == [1, 2, 3, 4] and reward["data"] == [a["rewards"]]
-    assert chart(browser, "chart-metric-kl")["data"][0] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    # the values the runs logged and reported, through JSON and JS numbers (fp64 both): rel 1e-12
+    # covers the one fp64 rounding of a logged 0.1 * k and the console's token-weighted mean of a
+    # step's chunks (a few fp64 operations, 1.1e-16 each), nothing a wrong value could hide in
+    assert chart(browser, "chart-metric-kl")["data"][0] == pytest.approx([0.1, 0.2, 0.3, 0.4], rel=1e-12)
     assert chart(browser, "chart-loss")["data"][0] == pytest.approx(a["losses"], rel=1e-12)
     seconds = chart(browser, "chart-seconds")["data"][0]
     assert len(seconds) == 4 and all(s is not None and s >= 0 for s in seconds)
@@ -84,6 +87,7 @@ def test_the_run_page_plots_logged_metrics_and_step_times_beside_the_loss(env, t
         time.sleep(0.1)
     rows = list(csv.DictReader(io.StringIO(path.read_text())))
     assert [float(r["reward"]) for r in rows] == a["rewards"]
+    # the CSV's text of the console's loss (above): rel 1e-12 as for the chart
     assert [float(r["train:loss"]) for r in rows] == pytest.approx(a["losses"], rel=1e-12)
     served = httpx.get(
         f"{srv.url}/api/trine/v1/training-runs/{a['id']}/metrics",
@@ -131,6 +135,8 @@ def test_compare_overlays_runs_with_a_chosen_metric_and_smoothing(env):
         "return Chart.getChart('chart-compare').data.datasets[0].data.map(p => p.y)"
     )
     avg, expect = 0.0, []
+    # the page's EMA in JS against this one: the same few fp64 operations a point, perhaps in another
+    # order, so rel 1e-12 (about 4 roundings of 1.1e-16 a step)
     for n, r in enumerate(a["rewards"], 1):  # bias-corrected exponential moving average, weight 0.5
         avg = 0.5 * avg + 0.5 * r
         expect.append(avg / (1 - 0.5**n))
@@ -145,6 +151,7 @@ def test_compare_overlays_runs_with_a_chosen_metric_and_smoothing(env):
     raw = browser.execute_script(
         "return Chart.getChart('chart-compare').data.datasets.map(d => d.data.map(p => p.y))"
     )
+    # smoothing 0: the console's losses as charted above, rel 1e-12 as there
     assert raw[0] == pytest.approx(a["losses"], rel=1e-12) and raw[1] == pytest.approx(b["losses"], rel=1e-12)
     browser.find_element("css selector", f"input[data-compare-run='{b['id']}']").click()
     wait(browser, "Chart.getChart('chart-compare').data.datasets.length === 1")

@@ -6,6 +6,7 @@ with token counts and cost on each span that add up to the session's metered usa
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 
 import httpx
@@ -84,7 +85,10 @@ def test_export_session_trace_through_the_official_client(srv, session):
     assert sum(e["args"]["tokens"]["train"] for e in by_lane["train"]) == sum(u.train for u in usage) > 0
     assert sum(e["args"]["tokens"]["sample"] for e in by_lane["decode"]) == 3 * 2 * 5
     spent = sum(e["args"]["cost"] for lane in ("prefill", "decode", "train") for e in by_lane[lane])
-    assert spent == pytest.approx(sum(srv.service.rate_card.cost(u)["total"] for u in usage), rel=1e-6)
+    # each span's cost is a few fp64 products and sums of token counts and per-million prices (the
+    # card's prices make them multiples of 1e-8, which the trace's 9 decimals keep): spent and the
+    # metered total are a few dozen correctly rounded fp64 operations apart, ~1e-15 relative
+    assert spent == pytest.approx(sum(srv.service.rate_card.cost(u)["total"] for u in usage), rel=1e-12)
     assert spent > 0
     # spans on one thread never overlap (Perfetto then needs no nesting rules), and every thread and
     # process is named
@@ -95,7 +99,9 @@ def test_export_session_trace_through_the_official_client(srv, session):
     assert set(rows) <= named
     for row in rows.values():
         row.sort()
-        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(row, row[1:]))
+        # a span may end where the next starts; ts (epoch us, ~1.8e15) and ts + dur are each rounded
+        # once in fp64 (half an ulp of ts, 0.125 us), and ts and dur to 3 decimals where that is finer
+        assert all(a[1] <= b[0] + 2 * math.ulp(b[0]) + 1.5e-3 for a, b in zip(row, row[1:]))
     assert any(e["name"] == "process_name" and "replica 0" in e["args"]["name"] for e in trace["traceEvents"])
 
 
