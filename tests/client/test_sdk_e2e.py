@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 from serverutil import serve
+from tolerance import assert_served_paths, assert_sum_of
 
 import trine as trio
 from trine.client.batch import Limits
@@ -108,7 +109,7 @@ def test_rl_loop_with_importance_sampling(service, tokenizer):
         # the trainer's logprobs of the sampled tokens match the sampler's (same weights)
         for _datum, o, seq in zip(data, out.loss_fn_outputs, res.sequences):
             trained = o["logprobs"].tolist()[len(prompt) - 1 :]
-            assert trained == pytest.approx(seq.logprobs, abs=2e-3)
+            assert_served_paths(trained, seq.logprobs)  # two engine paths (tests/tolerance.py)
         assert out.usage.loss_tokens == sum(len(s.tokens) for s in res.sequences)
 
 
@@ -122,22 +123,17 @@ def test_save_state_then_a_new_client_from_it_gives_the_same_logprobs(service, t
     assert saved.path and saved.size > 0 and saved.type == "save-checkpoint"
     expected = trainer.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist()
 
+    # bit for bit (kind 1): a state holds the fp32 weights exactly, and each forward runs alone
     restored = service.create_training_client_from_state(saved.path)
     assert restored.training_run_id != trainer.training_run_id and restored.lora.rank == 8
-    assert restored.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(
-        expected, abs=1e-5
-    )
+    assert restored.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == expected
 
     with_optimizer = service.create_training_client_from_state_with_optimizer(saved.path)
-    assert with_optimizer.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(
-        expected, abs=1e-5
-    )
+    assert with_optimizer.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == expected
 
     loaded = service.create_lora_training_client(MODEL, rank=8)
     assert loaded.load_state(saved.path).result() == {}
-    assert loaded.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(
-        expected, abs=1e-5
-    )
+    assert loaded.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist() == expected
     with pytest.raises(trio.ValidationError, match="before the first training call"):
         loaded.load_state(saved.path)
     other_rank = service.create_lora_training_client(MODEL, rank=4)
@@ -164,9 +160,11 @@ def test_a_sampler_from_saved_weights_serves_exactly_those_weights(service, toke
     logprobs = from_path.compute_logprobs(prompt).result()
     trained = trainer.forward(batch).result().loss_fn_outputs[0]["logprobs"].tolist()
     assert logprobs[0] is None and len(logprobs) == len(prompt)
-    assert logprobs[1:] == pytest.approx(trained[:-1], abs=2e-3)
+    assert_served_paths(logprobs[1:], trained[:-1])  # the sampler's prefill vs the trainer's forward
     base_logprobs = base.compute_logprobs(prompt).result()
-    assert base_logprobs[1:] != pytest.approx(logprobs[1:], abs=1e-3)  # the adapter changed the model
+    # the adapter changed the model: by more than 1e-3 somewhere, 40x what two paths' rounding can
+    # do (SERVED_PATHS: 2.6e-5 nats here), so rounding alone cannot pass this
+    assert base_logprobs[1:] != pytest.approx(logprobs[1:], abs=1e-3)
     assert c.result().sequences
 
 
@@ -189,7 +187,8 @@ def test_pipelined_submissions_run_in_order(service, tokenizer):
         futures.append(piped.optim_step(adam))
     last = piped.forward(batch)
     results = [f.result() for f in futures]
-    assert [r.metrics["loss_sum"] for r in results[::2]] == pytest.approx(naive_losses, rel=1e-5)
+    # exactly (kind 1): the same run's calls in the same order, each alone in its trainer call
+    assert [r.metrics["loss_sum"] for r in results[::2]] == naive_losses
     cycles = [r.cycle for r in results] + [last.result().cycle]
     assert cycles == sorted(cycles) and cycles[1] < cycles[2] and cycles[3] < cycles[4]
 
@@ -308,12 +307,15 @@ def test_results_are_priced_from_the_servers_rate_card(service, tokenizer):
             + u.cached_tokens * price["prefill_cached"]
             + u.sample_tokens * price["sample"]
         ) / 1e6
-        assert u.cost == pytest.approx(expected, rel=1e-9)
+        # a handful of correctly rounded fp64 products and sums in another order (the card's prices
+        # keep every amount a multiple of 1e-8, which money's 12 decimals keep): ~1e-15 relative
+        assert u.cost == pytest.approx(expected, rel=1e-12)
     trainer = service.create_lora_training_client(MODEL, rank=4)
     before = service.usage()
     u = trainer.forward_backward([sft_datum(tokenizer, "priced training text")]).result().usage
-    assert u.cost == pytest.approx(u.train_tokens * price["train"] / 1e6, rel=1e-9)
-    assert (service.usage() - before).cost == pytest.approx(u.cost)
+    assert u.cost == pytest.approx(u.train_tokens * price["train"] / 1e6, rel=1e-12)  # as above
+    # two totals, each rounded to money's 12 decimals (half of 1e-12 each), their difference
+    assert (service.usage() - before).cost == pytest.approx(u.cost, rel=0, abs=1e-12)
 
 
 def test_bad_input_is_refused_client_side_with_clear_messages(service, tokenizer):
@@ -387,15 +389,24 @@ def test_a_batch_split_into_chunks_equals_the_whole_batch(service, tokenizer):
     split = service.create_lora_training_client(MODEL, rank=4, seed=6)
     split._limits = Limits(max_batch_size=1)  # as if the server limited batches to one sample
     a, b = whole.forward_backward(batch).result(), split.forward_backward(batch).result()
-    assert b.metrics == pytest.approx(a.metrics, rel=1e-5)
+    # three datums in one trainer call or one each: two engine paths (packed rows), within
+    # SERVED_PATHS of the logprobs' scale; loss_sum adds n of them, loss_mean averages them
+    lp_a = [x for o in a.loss_fn_outputs for x in o["logprobs"].tolist()]
+    lp_b = [x for o in b.loss_fn_outputs for x in o["logprobs"].tolist()]
+    scale, n = max(abs(x) for x in lp_a), a.metrics["token_count"]
+    assert b.metrics.keys() == a.metrics.keys() and b.metrics["token_count"] == n
+    assert_served_paths(b.metrics["loss_sum"], a.metrics["loss_sum"], scale=n * scale)
+    assert_served_paths(b.metrics["loss_mean"], a.metrics["loss_mean"], scale=scale)
     assert b.usage.train_tokens == a.usage.train_tokens
-    assert [x for o in b.loss_fn_outputs for x in o["logprobs"].tolist()] == pytest.approx(
-        [x for o in a.loss_fn_outputs for x in o["logprobs"].tolist()], abs=1e-5
-    )
+    assert_served_paths(lp_b, lp_a)
     whole.optim_step(trio.AdamParams(learning_rate=1e-2))
     split.optim_step(trio.AdamParams(learning_rate=1e-2))
     after_a, after_b = whole.forward(batch).result(), split.forward(batch).result()
-    assert after_b.metrics["loss_sum"] == pytest.approx(after_a.metrics["loss_sum"], rel=1e-4)
+    # the two gradients' rounding moves AdamW's first step (lr * m / sqrt(v), lr * sign(g) up to a
+    # few roundings) in its last bits only: the forwards after it are two paths, as above. (A weight
+    # whose gradient is within rounding of 0 may step either way, 2 lr apart, but the loss's gradient
+    # there is that ~0: loss_sum moves by it only at second order.)
+    assert_served_paths(after_b.metrics["loss_sum"], after_a.metrics["loss_sum"], scale=n * scale)
 
 
 def test_forward_backward_custom_matches_cross_entropy(service, tokenizer):
@@ -409,11 +420,17 @@ def test_forward_backward_custom_matches_cross_entropy(service, tokenizer):
 
     out = custom.forward_backward_custom(batch, nll).result()
     ce_out = ce.forward_backward(batch).result()
-    assert out.metrics["custom_nll"] == pytest.approx(ce_out.metrics["loss_sum"], rel=1e-4)
+    # the custom path's forward and ce's forward_backward compute the same logprobs (one datum alone,
+    # the same weights: kind 1), which the client adds in fp32 and the engine in fp64 (kind 2 each)
+    lp = [x for o in ce_out.loss_fn_outputs for x in o["logprobs"].tolist()]
+    assert_sum_of(ce_out.metrics["loss_sum"], [-x for x in lp])
+    assert_sum_of(out.metrics["custom_nll"], [-x for x in lp], torch.float32)
     for t in (ce, custom):
         t.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
-    assert custom.forward(batch).result().metrics["loss_sum"] == pytest.approx(
-        ce.forward(batch).result().metrics["loss_sum"], rel=1e-4
+    # bit for bit: the linearised loss's weights are -dC/dlogp = 1.0 exactly, so the custom run's
+    # backward is ce's, and so are its step and its weights
+    assert (
+        custom.forward(batch).result().metrics["loss_sum"] == ce.forward(batch).result().metrics["loss_sum"]
     )
 
 
@@ -546,7 +563,8 @@ def test_lost_responses_are_retried_with_the_same_ids_and_run_once(server, token
         got = [flaky.forward_backward(batch), flaky.optim_step(adam), flaky.forward_backward(batch)]
         got = [f.result(timeout=60) for f in got]
         assert len(http._transport.lost) == 1
-        assert got[2].metrics["loss_sum"] == pytest.approx(expected[2].metrics["loss_sum"], rel=1e-5)
+        # bit for bit: the retried calls ran once, the same computation in the same order
+        assert got[2].metrics["loss_sum"] == expected[2].metrics["loss_sum"]
 
         sampler = svc.create_sampling_client(base_model=MODEL)
         http._transport = LoseFirstResponse(http._transport.inner, "/sample")

@@ -133,7 +133,9 @@ def test_the_server_runs_the_loss_in_one_pass_with_the_two_pass_gradient(srv, sc
     after = [c.forward(plain, "cross_entropy").result().loss_fn_outputs[0]["logprobs"] for c in (one, two)]
     # AdamW's first step moves each weight by lr * m / sqrt(v), lr * sign(g) up to a few roundings:
     # the two gradients' rounding moves the weights in their last bits, a logprob by a few EPS32 of
-    # what the step moved it, below the forward's own rounding: two paths, SERVED_PATHS
+    # what the step moved it, below the forward's own rounding: two paths, SERVED_PATHS. (A weight
+    # whose gradient were within rounding of 0 could step either way, 2 lr apart; these data have
+    # none: the two runs' gradients came out alike to the bit, on both kernel paths, when measured.)
     assert_served_paths(after[0].to_numpy(), after[1].to_numpy())
 
 
