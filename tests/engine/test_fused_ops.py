@@ -55,6 +55,7 @@ def test_rope_in_place_is_torchs_bit_for_bit(B, T):
     cos, sin = rope_tables(positions[..., None].float() * inv_freq, torch.float32)
     want_q, want_k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
     assert fused.rope_suits(q, cos, sin) and fused.rope_suits(k, cos, sin)
+    # kind 1: the kernel's contract (no sums, no fused multiply-add: the same products and adds)
     assert torch.equal(fused.rope_(q, cos, sin).transpose(1, 2), want_q)
     assert torch.equal(fused.rope_(k, cos, sin).transpose(1, 2), want_k)
 

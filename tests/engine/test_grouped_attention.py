@@ -47,5 +47,5 @@ def test_stacked_query_heads_attend_as_enable_gqa_does(P, Q, L, H, KVH, D, keep_
     exact, bound = attention_bound(q, kc, vc, kv.attn_mask)
     assert_within_bound(got, exact, bound, "stacked query heads")
     assert_within_bound(want, exact, bound, "enable_gqa")
-    assert torch.equal(got, again)
+    assert torch.equal(got, again)  # kind 1: the same call repeated, kept or rebuilt masks alike
     assert bool(kv._grouped_masks) == (keep_bytes > 0)

@@ -104,6 +104,7 @@ def test_a_slot_no_query_sees_may_hold_anything(Q):
     clean = paged_attention.paged_attention(q, kp, vp, read, mask)
     unseen = read[:, 50:70].reshape(-1)
     kp[unseen], vp[unseen] = float("nan"), float("inf")
+    # kind 1: unseen slots take no part in the sums, so the same inputs give the same bits
     assert torch.equal(paged_attention.paged_attention(q, kp, vp, read, mask), clean)
 
 
@@ -124,7 +125,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     q, kp, vp, read, mask = case(5, 1, 150, 9, 3, 64)
     batch = paged_attention.paged_attention(q, kp, vp, read, mask)
     alone = paged_attention.paged_attention(q[2:3], kp, vp, read[2:3], mask[2:3])
-    assert torch.equal(batch[2:3], alone)
+    assert torch.equal(batch[2:3], alone)  # kind 1: the kernel's contract, a row's sums its own
 
 
 def test_used_only_where_it_suits(monkeypatch):
