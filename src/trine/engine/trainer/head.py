@@ -65,6 +65,61 @@ def losses_and_grads(
     return out.detach(), grad
 
 
+class HeadChunks:
+    """The LM head over a micro-batch's scored rows, `chunk` rows at a time: the one loop the plain
+    and the shared-prefix paths both run. Entry e (a datum's scored position) reads head row
+    `at[e]` with target `tgt[e]`; entries are sorted by row, and several may read one row (a shared
+    prefix's position scored by each datum that holds it). `adapters_for(i, j)` is rows [i, j)'s
+    adapter batch."""
+
+    def __init__(
+        self, model, at: torch.Tensor, tgt: torch.Tensor, rows: int, chunk: int, adapters_for, workspace
+    ):
+        self.model, self.at, self.tgt, self.chunk = model, at, tgt, chunk
+        self.adapters_for, self.workspace = adapters_for, workspace
+        cuts = torch.arange(0, rows + chunk, chunk, device=at.device)
+        self.bounds = torch.searchsorted(at, cuts).tolist()  # piece k's entries: bounds[k]:bounds[k + 1]
+
+    def _pieces(self, pieces: list[torch.Tensor], grad: bool):
+        for k, hs in enumerate(pieces):
+            i, a, b = k * self.chunk, self.bounds[k], self.bounds[k + 1]
+            z, push = chunk_log_probs(
+                self.model, hs, self.adapters_for(i, i + hs.shape[0]), self.workspace, grad
+            )
+            loc = self.at[a:b] - i
+            yield a, b, loc, z, push
+
+    def target_logprobs(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """Each entry's log p(target), values only (gspo's and custom losses' first pass)."""
+        with torch.no_grad():
+            return torch.cat([z[loc, self.tgt[a:b]] for a, b, loc, z, _ in self._pieces(pieces, False)])
+
+    def losses(
+        self, pieces, losses: list[Loss], loss_of, inputs: LossInputs, scales, backward: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each entry's logprob and loss; with `backward`, dLoss/dlogits (summed over the entries of
+        a row, scaled by `scales`) pushed into each piece's grad and the head's adapters."""
+        n, device = self.at.numel(), self.at.device
+        logp_all = torch.empty(n, device=device)
+        loss_all = torch.empty(n, device=device)
+        for a, b, loc, z, push in self._pieces(pieces, backward):
+            tgt = self.tgt[a:b]
+            logp = z[loc, tgt]
+            loss_t, g = losses_and_grads(
+                losses, loss_of[a:b], logp, inputs.select(slice(a, b)), need_grad=backward
+            )
+            logp_all[a:b], loss_all[a:b] = logp, loss_t
+            if push is not None:
+                if scales is not None:
+                    g = g * scales[a:b]
+                total = torch.zeros(z.shape[0], dtype=g.dtype, device=device).index_add_(0, loc, g)
+                grad = z.exp_().mul_(-total[:, None])  # in place: z becomes dLoss/dlogits
+                grad.index_put_((loc, tgt), g, accumulate=True)
+                push(grad)
+            del z, push
+        return logp_all, loss_all
+
+
 class LogitsWorkspace:
     """Two [rows, vocab] fp32 buffers the head reuses across chunks, micro-batches and calls.
 

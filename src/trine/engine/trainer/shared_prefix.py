@@ -34,7 +34,7 @@ import torch
 from ..model import invariant
 from ..model.lora import AdapterBatch
 from ..model.model import KVContext
-from .head import chunk_adapters, chunk_log_probs, losses_and_grads, position_scales
+from .head import HeadChunks, chunk_adapters, position_scales
 from .losses import LossInputs, sequence_log_ratios
 from .prefix_groups import Tree
 
@@ -128,44 +128,19 @@ def run_micro_batch(
     sel = states.index_select(0, used.to(device))
     train = backward and sel.requires_grad
     pieces = [p.requires_grad_(train) for p in sel.detach().split(chunk)]
-    bounds = torch.searchsorted(at, torch.arange(0, used.numel() + chunk, chunk)).tolist()
-    at = at.to(device)
-
-    def head_log_probs(hs, i, j, grad):
-        adapters = one if spans is None else chunk_adapters(spans, i, j, device)
-        return chunk_log_probs(model, hs, adapters, trainer._workspace, grad)
-
+    chunks = HeadChunks(
+        model,
+        at.to(device),
+        tgt,
+        used.numel(),
+        chunk,
+        lambda i, j: one if spans is None else chunk_adapters(spans, i, j, device),
+        trainer._workspace,
+    )
     if any(loss.sequence_level for loss in losses_in_mb):  # gspo: every logp first, values only
-        with torch.no_grad():
-            logp = torch.cat(
-                [
-                    head_log_probs(hs, k * chunk, k * chunk + hs.shape[0], False)[0][
-                        at[bounds[k] : bounds[k + 1]] - k * chunk, tgt[bounds[k] : bounds[k + 1]]
-                    ]
-                    for k, hs in enumerate(pieces)
-                ]
-            )
+        logp = chunks.target_logprobs(pieces)
         inputs.seq_log_ratio = sequence_log_ratios(logp, inputs, datum_of[perm].to(device), len(members))
-    logp_all = torch.empty(at.numel(), device=device)
-    loss_all = torch.empty(at.numel(), device=device)
-    for k, hs in enumerate(pieces):
-        i, j = k * chunk, k * chunk + hs.shape[0]
-        a, b = bounds[k], bounds[k + 1]
-        z, push = head_log_probs(hs, i, j, backward)
-        loc = at[a:b] - i
-        logp = z[loc, tgt[a:b]]
-        loss_t, g = losses_and_grads(
-            losses_in_mb, loss_of[a:b], logp, inputs.select(slice(a, b)), need_grad=backward
-        )
-        logp_all[a:b], loss_all[a:b] = logp, loss_t
-        if push is not None:
-            if scales is not None:
-                g = g * scales[a:b]
-            total = torch.zeros(j - i, dtype=g.dtype, device=device).index_add_(0, loc, g)
-            grad = z.exp_().mul_(-total[:, None])  # in place: z becomes dLoss/dlogits
-            grad.index_put_((loc, tgt[a:b]), g, accumulate=True)
-            push(grad)
-        del z, push
+    logp_all, loss_all = chunks.losses(pieces, losses_in_mb, loss_of, inputs, scales, backward)
     if train:
         sel.backward(torch.cat([p.grad for p in pieces]))
     out_logp = torch.empty_like(logp_all)

@@ -356,54 +356,29 @@ class Trainer:
             else []
         )
         token_spans = head.token_spans(adapters, counts)
+        chunks = head.HeadChunks(
+            model,
+            torch.arange(active.numel(), device=device),  # each scored position read once, in order
+            tgt,
+            active.numel(),
+            self.logits_chunk_tokens,
+            lambda i, j: adapters if token_spans is None else head.chunk_adapters(token_spans, i, j, device),
+            self._workspace,
+        )
         if active.numel() and any(loss.sequence_level for loss in losses_in_mb):
             # gspo (each token's ratio needs its datum's mean log-ratio) and custom losses (the
             # graph needs the datum's logprobs): every logp first, values only
-            values = self._target_logprobs(sel.detach(), tgt, adapters, token_spans)
+            values = chunks.target_logprobs(pieces)
             inputs.seq_log_ratio = sequence_log_ratios(values, inputs, row_of.to(device), B)
             if any(loss.custom is not None for loss in losses_in_mb):
                 inputs.custom_grad = _custom_grads(rows, values.split(counts))
-        logp_all = torch.empty(active.numel(), device=device)
-        loss_all = torch.empty(active.numel(), device=device)
-        for i, hs in zip(range(0, active.numel(), self.logits_chunk_tokens), pieces):
-            j = i + hs.shape[0]
-            chunk_adapters = (
-                adapters if token_spans is None else head.chunk_adapters(token_spans, i, j, device)
-            )
-            z, push = head.chunk_log_probs(model, hs, chunk_adapters, self._workspace, backward)
-            logp = z.gather(1, tgt[i:j, None]).squeeze(1)
-            loss_t, g = head.losses_and_grads(
-                losses_in_mb, loss_of[i:j], logp, inputs.select(slice(i, j)), need_grad=backward
-            )
-            logp_all[i:j], loss_all[i:j] = logp, loss_t
-            if scales is not None and g is not None:
-                g = g * scales[i:j]
-            if push is not None:
-                grad = z.exp_().mul_(-g[:, None])  # in place: z becomes dLoss/dlogits
-                grad.scatter_add_(1, tgt[i:j, None], g[:, None])
-                push(grad)
-            del z, push
+        logp_all, loss_all = chunks.losses(pieces, losses_in_mb, loss_of, inputs, scales, backward)
         if train and pieces:  # no pieces when no position has a target
             sel.backward(torch.cat([p.grad for p in pieces]))
         for r, part_logp, part_loss in zip(range(B), logp_all.split(counts), loss_all.split(counts)):
             idx = rows[r].datum.active
             logps[r][idx] = part_logp.detach().float().cpu()
             losses[r][idx] = part_loss.detach().float().cpu()
-
-    def _target_logprobs(
-        self, sel: torch.Tensor, tgt: torch.Tensor, adapters: AdapterBatch, token_spans
-    ) -> torch.Tensor:
-        """log p(target) for hidden states `sel`, LM-head chunk by chunk, without gradients."""
-        out = []
-        with torch.no_grad():
-            for i in range(0, sel.shape[0], self.logits_chunk_tokens):
-                j = min(i + self.logits_chunk_tokens, sel.shape[0])
-                chunk_adapters = (
-                    adapters if token_spans is None else head.chunk_adapters(token_spans, i, j, sel.device)
-                )
-                z, _ = head.chunk_log_probs(self.model, sel[i:j], chunk_adapters, self._workspace, False)
-                out.append(z.gather(1, tgt[i:j, None]).squeeze(1))
-        return torch.cat(out)
 
     # ------------------------------------------------------------------ optimizer
     def optim_step(self, run_id: str, settings: AdamConfig | DimuonConfig) -> dict[str, float]:
