@@ -101,12 +101,17 @@ def test_read_only_store_reads_an_older_schema_without_migrating(tmp_path):
     assert "revoked_at" not in cols  # no migration happened
 
 
-def test_keys_writers_are_refused_and_readers_work_beside_an_owner(tmp_path):
+def test_writers_are_refused_and_readers_work_beside_an_owner(tmp_path):
     created = trine("keys", "create", "--name", "first", "--home", str(tmp_path))
     assert created.returncode == 0, created.stderr
     owner = hold_in_another_process(tmp_path, port=18902)
     try:
-        for args in (["keys", "create", "--name", "x"], ["keys", "revoke", "key_nope"]):
+        writers = (
+            ["keys", "create", "--name", "x"],
+            ["keys", "revoke", "key_nope"],
+            ["demo", "--model", str(tmp_path)],
+        )
+        for args in writers:
             r = trine(*args, "--home", str(tmp_path))
             assert r.returncode == 2, (args, r.stdout, r.stderr)
             line = r.stderr.strip()

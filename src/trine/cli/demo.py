@@ -243,32 +243,45 @@ def demo(model_dir: Path | None, sft_steps: int, rl_steps: int, home: Path | Non
     from rich.console import Console
 
     import trine as trio
-    from trine.engine.model.default_model import ensure_default_model, trine_home
+    from trine.engine.model.default_model import ensure_default_model
     from trine.server.app import start_server
 
-    console = Console()
-    home = home or trine_home()
-    started = time.monotonic()
-    if model_dir is None:
-        with console.status("preparing the default model (first run: dequantizing SmolLM2-135M-Instruct)"):
-            model_dir = ensure_default_model(home)
-    with console.status(f"starting an embedded trine server on {model_dir.name}"):
-        server = start_server(models=[model_dir], home=home, port=0)
+    from .datadir import claim, home_dir
+
+    home = home_dir(home)  # one line and exit 2 for a data dir that cannot be used
+    owned = claim(home, command="trine demo")  # or exit 2 naming the server that owns it
     try:
-        console.print(f"trine server at [bold]{server.url}[/bold], model [bold]{model_dir.name}[/bold]")
-        with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as service:
-            stages = run_job(
-                service, model_dir.name, sft_steps=sft_steps, rl_steps=rl_steps, console=console, seed=seed
+        console = Console()
+        started = time.monotonic()
+        if model_dir is None:
+            with console.status(
+                "preparing the default model (first run: dequantizing SmolLM2-135M-Instruct)"
+            ):
+                model_dir = ensure_default_model(home)
+        with console.status(f"starting an embedded trine server on {model_dir.name}"):
+            server = start_server(models=[model_dir], home=home, port=0)
+        try:
+            console.print(f"trine server at [bold]{server.url}[/bold], model [bold]{model_dir.name}[/bold]")
+            with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as service:
+                stages = run_job(
+                    service,
+                    model_dir.name,
+                    sft_steps=sft_steps,
+                    rl_steps=rl_steps,
+                    console=console,
+                    seed=seed,
+                )
+                total = service.usage()
+            console.print()
+            console.print(usage_table(stages, total))
+            console.print(training_saved(total))
+            console.print(
+                "prompt tokens = prefill computed + prefill cached;\n"
+                "train computed counts each position once (a prefix several datums share\n"
+                "once), train in loss only those with a non-zero weight or advantage."
             )
-            total = service.usage()
-        console.print()
-        console.print(usage_table(stages, total))
-        console.print(training_saved(total))
-        console.print(
-            "prompt tokens = prefill computed + prefill cached;\n"
-            "train computed counts each position once (a prefix several datums share\n"
-            "once), train in loss only those with a non-zero weight or advantage."
-        )
-        console.print(f"demo finished in {time.monotonic() - started:.0f} s")
+            console.print(f"demo finished in {time.monotonic() - started:.0f} s")
+        finally:
+            server.stop()
     finally:
-        server.stop()
+        owned.release()
