@@ -161,3 +161,16 @@ def test_a_second_serve_fails_at_once_and_kill_9_then_restart_takes_the_lock(tin
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def test_an_embedded_server_owns_its_data_dir_and_names_its_port(tiny_model_dir, tmp_path):
+    from serverutil import serve
+
+    with serve(tiny_model_dir, tmp_path) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        owner = json.loads((tmp_path / LOCK_FILE).read_text())
+        assert owner["pid"] == os.getpid() and owner["port"] == port, owner
+        r = trine("keys", "create", "--name", "x", "--home", str(tmp_path))
+        assert r.returncode == 2 and f"127.0.0.1:{port}" in r.stderr, r.stderr
+    assert (tmp_path / LOCK_FILE).read_text() == ""  # stopped: released
+    assert trine("keys", "create", "--name", "x", "--home", str(tmp_path)).returncode == 0

@@ -274,8 +274,7 @@ def start_server(
         service.close()  # and with it the data dir's claim
         raise
     bound = sock.getsockname()[1]
-    if service.store.claim is not None:  # the data dir's lock file names where its owner serves
-        service.store.claim.announce(host=host, port=bound)
+    service.serving_at(host, bound)  # the data dir's lock file names where its owner serves
     server = GuardedServer(
         uvicorn_config(
             app, log_level=log_level, max_connections=max_connections, header_timeout=header_timeout

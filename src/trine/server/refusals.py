@@ -11,8 +11,6 @@ Invariants
 
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def retry_headers(e: BaseException) -> dict[str, str] | None:
     """`Retry-After` for an error that says when to come back (seconds), else None."""
@@ -22,15 +20,8 @@ def retry_headers(e: BaseException) -> dict[str, str] | None:
 
 def _roots(service) -> list[tuple[str, str]]:
     """(absolute path, its public name) for every server path a message may name, longest first."""
-    named: list[tuple[Path, str]] = []
-    store = getattr(service, "store", None)
-    if store is not None:
-        named.append((Path(store.checkpoint_dir), "the server's checkpoint dir"))
-        named.append((Path(store.home), "the server's data dir"))
-    for m in getattr(service, "models", {}).values():
-        named.append((Path(m.dir), f"model {m.name}"))
     out: dict[str, str] = {}
-    for path, name in named:
+    for path, name in service.named_paths() if service is not None else ():
         for form in (str(path), str(path.resolve())):
             out.setdefault(form, name)
     return sorted(out.items(), key=lambda kv: -len(kv[0]))

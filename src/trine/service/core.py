@@ -259,6 +259,20 @@ class Service:
                 f"; {busy} sample(s) wait for an engine inside a training step" if busy else "",
             )
 
+    def serving_at(self, host: str, port: int) -> None:
+        """Name the address this service answers at in its data dir's lock file (store/owner.py)."""
+        if self.store.claim is not None:
+            self.store.claim.announce(host=host, port=port)
+
+    def named_paths(self) -> list[tuple[Path, str]]:
+        """The server's own directories, each with the name an answer gives it instead (no answer
+        carries a server path): the checkpoint dir, the data dir, each served model's directory."""
+        named = [
+            (Path(self.store.checkpoint_dir), "the server's checkpoint dir"),
+            (Path(self.store.home), "the server's data dir"),
+        ]
+        return named + [(Path(m.dir), f"model {m.name}") for m in self.models.values()]
+
     def free_space(self) -> dict[str, int]:
         """Free bytes in the data dir and the checkpoint dir (gate.py); -1: unknown."""
         return self.gate.free_space()
