@@ -309,11 +309,11 @@ def test_results_are_priced_from_the_servers_rate_card(service, tokenizer):
         ) / 1e6
         # a handful of correctly rounded fp64 products and sums in another order (the card's prices
         # keep every amount a multiple of 1e-8, which money's 12 decimals keep): ~1e-15 relative
-        assert u.cost == pytest.approx(expected, rel=1e-12)
+        assert u.cost == pytest.approx(expected, rel=1e-12, abs=0)
     trainer = service.create_lora_training_client(MODEL, rank=4)
     before = service.usage()
     u = trainer.forward_backward([sft_datum(tokenizer, "priced training text")]).result().usage
-    assert u.cost == pytest.approx(u.train_tokens * price["train"] / 1e6, rel=1e-12)  # as above
+    assert u.cost == pytest.approx(u.train_tokens * price["train"] / 1e6, rel=1e-12, abs=0)  # as above
     # two totals, each rounded to money's 12 decimals (half of 1e-12 each), their difference
     assert (service.usage() - before).cost == pytest.approx(u.cost, rel=0, abs=1e-12)
 

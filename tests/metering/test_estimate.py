@@ -295,12 +295,12 @@ def test_wall_clock_adds_phases_from_measured_throughput():
     s = predict(shape, tokens, tp).seconds
     # the same few correctly rounded fp64 operations, perhaps in another order: rel 1e-12 is 1e3
     # times their rounding (~1e-16 each) and far below a wrong term
-    assert s["prefill"] == pytest.approx(tokens.prefill / 1000, rel=1e-12)
+    assert s["prefill"] == pytest.approx(tokens.prefill / 1000, rel=1e-12, abs=0)
     assert s["sample"] == pytest.approx(
-        3 * 2 * 10 * 0.05, rel=1e-12
+        3 * 2 * 10 * 0.05, rel=1e-12, abs=0
     )  # steps x turns x completion tokens, batched
-    assert s["train"] == pytest.approx(tokens.train / 200 + 3 * 0.5, rel=1e-12)
-    assert s["total"] == pytest.approx(s["prefill"] + s["sample"] + s["train"], rel=1e-12)
+    assert s["train"] == pytest.approx(tokens.train / 200 + 3 * 0.5, rel=1e-12, abs=0)
+    assert s["total"] == pytest.approx(s["prefill"] + s["sample"] + s["train"], rel=1e-12, abs=0)
 
 
 def test_estimate_measures_this_machine_once_and_reads_it_back(tiny_model_dir, tmp_path):

@@ -63,9 +63,10 @@ def test_event_validation():
 def test_shipped_card_proportions(card):
     # money here is plain fp64 arithmetic (the same bits on every CPU): a price is a decimal read
     # once, a product or a sum of a few rounds once each (1.1e-16), so rel 1e-12 where the test's
-    # formula and the code's may differ in order, == where they are the same operation
+    # formula and the code's may differ in order (abs=0: pytest's default floor of 1e-12 would be
+    # 1e-8 of these amounts), == where they are the same operation
     for row in card.rows.values():
-        assert row.prefill_cached == pytest.approx(0.2 * row.prefill, rel=1e-12)
+        assert row.prefill_cached == pytest.approx(0.2 * row.prefill, rel=1e-12, abs=0)
         assert row.train >= 2.5 * row.prefill and row.sample >= 2.5 * row.prefill
         assert row.storage_gb_month == 0.10  # the card's decimal, read as a float
     assert card.price("HuggingFaceTB/SmolLM2-135M-Instruct").model == "SmolLM2-135M-Instruct"
@@ -121,10 +122,14 @@ def test_cost_by_phase(card):
     e = ev(prefill=1_000_000, prefill_cached=2_000_000, sample=1_000_000)
     c = card.cost(e)
     assert c == pytest.approx(
-        {"prefill": 0.01, "prefill_cached": 0.004, "sample": 0.03, "train": 0.0, "total": 0.044}, rel=1e-12
+        {"prefill": 0.01, "prefill_cached": 0.004, "sample": 0.03, "train": 0.0, "total": 0.044},
+        rel=1e-12,
+        abs=0,
     )  # tokens x price / 1e6 and their sum: a few fp64 roundings
     f = ev("forward_backward", model="unknown", train=1_000_000, train_loss=10)
-    assert card.cost(f)["train"] == pytest.approx(0.30, rel=1e-12)  # loss tokens are not billed on their own
+    assert card.cost(f)["train"] == pytest.approx(
+        0.30, rel=1e-12, abs=0
+    )  # loss tokens are not billed on their own
 
 
 def test_report_totals_and_groups(card):
@@ -143,14 +148,16 @@ def test_report_totals_and_groups(card):
                 assert sum(getattr(row.tokens, ph) for row in r.rows) == getattr(r.total.tokens, ph)
         assert r.total.requests == len(events)
         # 5 events' costs added in another order: within gamma_5 of their sum, far below 1e-12
-        assert r.total.cost["total"] == pytest.approx(sum(card.cost(e)["total"] for e in events), rel=1e-12)
+        assert r.total.cost["total"] == pytest.approx(
+            sum(card.cost(e)["total"] for e in events), rel=1e-12, abs=0
+        )
     r = build_report(events, "hour", card)
     assert [row.key for row in r.rows] == ["2026-01-05 08:00Z", "2026-01-05 09:00Z"]
     assert r.total.tokens.cache_hit_rate == 80 / 500  # one correctly rounded division of the counts
     assert r.total.tokens.loss_fraction == 128 / 512
     assert r.total.dominant_phase == "train"  # 512 tokens at Qwen3-8B's train price outweigh the rest
     by_model = {row.key: row for row in build_report(events, "model", card).rows}
-    assert by_model["Qwen3-8B"].cost["train"] == pytest.approx(512 * 0.40 / 1e6, rel=1e-12)
+    assert by_model["Qwen3-8B"].cost["train"] == pytest.approx(512 * 0.40 / 1e6, rel=1e-12, abs=0)
     d = json.loads(r.to_json())
     assert d["total"]["tokens"]["prompt"] == 500 and len(d["rows"]) == 2
     assert Report.from_dict(d).to_dict() == d
@@ -213,7 +220,9 @@ def test_report_totals_property(rows):
         if by:
             assert sum(row.requests for row in r.rows) == len(events)
             # the rows' costs and the total add the same events' costs in other groupings
-            assert sum(row.cost["total"] for row in r.rows) == pytest.approx(r.total.cost["total"], rel=1e-12)
+            assert sum(row.cost["total"] for row in r.rows) == pytest.approx(
+                r.total.cost["total"], rel=1e-12, abs=0
+            )
 
 
 def test_parse_since():

@@ -88,7 +88,9 @@ def test_export_session_trace_through_the_official_client(srv, session):
     # each span's cost is a few fp64 products and sums of token counts and per-million prices (the
     # card's prices make them multiples of 1e-8, which the trace's 9 decimals keep): spent and the
     # metered total are a few dozen correctly rounded fp64 operations apart, ~1e-15 relative
-    assert spent == pytest.approx(sum(srv.service.rate_card.cost(u)["total"] for u in usage), rel=1e-12)
+    assert spent == pytest.approx(
+        sum(srv.service.rate_card.cost(u)["total"] for u in usage), rel=1e-12, abs=0
+    )
     assert spent > 0
     # spans on one thread never overlap (Perfetto then needs no nesting rules), and every thread and
     # process is named
