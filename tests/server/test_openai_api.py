@@ -123,6 +123,7 @@ def test_completions_text_and_token_ids_sync_and_streaming(oai, hf_tok):
         )
     )
     assert "".join(c.choices[0].text for c in chunks) == a.choices[0].text
+    # bit for bit (kind 1): the same request alone, streamed or not, is the same computation
     assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
     assert chunks[-1].choices[0].finish_reason == "length"
 

@@ -164,6 +164,7 @@ def test_ray_replica_gives_the_same_samples_losses_and_weights_as_in_process(
     on_ray = _train_and_sample(ray_server)
     with serve(tiny_model_dir, tmp_path / "home") as local:
         in_proc = _train_and_sample(local)
+    # bit for bit (kind 1): the same engine code on the same data in the same order, in a Ray actor
     assert on_ray["losses"] == in_proc["losses"]
     assert on_ray["logprobs"] == in_proc["logprobs"]
     assert on_ray["tokens"] == in_proc["tokens"]
