@@ -94,6 +94,8 @@ class Claim:
         self, *, command: str | None = None, host: str | None = None, port: int | None = None
     ) -> None:
         """Rewrite the owner the lock file names (a server once it knows its port)."""
+        if self._fd < 0:  # released: nothing of this process's to name
+            return
         current = Owner.parse(_read(self._fd))
         owner = Owner(
             pid=os.getpid(),
