@@ -6,7 +6,9 @@ Invariants
   `Retry-After` on every plane, so every client backs off until the restart.
 - No message leaves with an absolute path of the server's files: the data dir, the checkpoint dir
   and each served model's directory are named by what they are (a model by its name). Operators
-  find the paths in the server's own log and `trine serve`'s banner.
+  find the paths in the server's own log and `trine serve`'s banner. The exceptions are fields,
+  not messages: the tokenizer directory an official client loads its tokenizer from (PyTRIO's
+  `model_id`, control_shapes.py; Tinker's sampler `base_model`, tinker/sampling.py).
 """
 
 from __future__ import annotations
