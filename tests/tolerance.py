@@ -46,13 +46,14 @@ FP64_SAME_MATH = 1e-10
 # attention and packed GEMMs vs the trainer's forward; a cached, chunked or last-n prefill vs a
 # whole one; a request's rows in a larger batch; the one-pass custom loss vs the two-pass one) is
 # what tests/engine bounds: each path within MARGIN x its fp32 rounding of the fp64 result. That
-# rounding, measured once on the tiny models (llama, qwen2, qwen3; a rank-4 adapter, prompts of
-# 13-71 tokens, sampled and prompt logprobs from the Sampler and the Trainer's forward against the
-# same code on the fp64 twin), is at most 2.4e-7 of the logprobs' scale (their largest magnitude,
-# 12-13 nats) on AVX2 and on ATen's default kernels with MKL_CBWR=COMPATIBLE alike: about two fp32
-# ulps of the log-sum-exp; the two fp32 paths differ by at most 2.3e-7 of it (2.9e-6 nats). So
-# SERVED_ROUNDING = 2.5e-7 and two served paths are within 2 x MARGIN x that of each other: 2e-6
-# of the scale, 2.6e-5 nats for these models, 400x below a plumbing error.
+# rounding, measured once by tests/served_rounding.py on the tiny models (llama, qwen2, qwen3; a
+# rank-4 adapter, prompts of 13-71 tokens, sampled and prompt logprobs from the Sampler and the
+# Trainer's forward against the same code on the fp64 twin), is at most 2.4e-7 of the logprobs'
+# scale (their largest magnitude, 12-13 nats) on AVX2 and on ATen's default kernels with
+# MKL_CBWR=COMPATIBLE alike: about two fp32 ulps of the log-sum-exp; the two fp32 paths differ by
+# at most 2.3e-7 of it (2.9e-6 nats). So SERVED_ROUNDING = 2.5e-7 and two served paths are within
+# 2 x MARGIN x that of each other: 2e-6 of the scale, 2.6e-5 nats for these models, 400x below a
+# plumbing error.
 SERVED_ROUNDING = 2.5e-7
 SERVED_PATHS = 2 * MARGIN * SERVED_ROUNDING
 # The same for a quantity of the gradient (a grad norm from optim_step): the trainer's fp32 grad
