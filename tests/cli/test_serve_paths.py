@@ -128,3 +128,11 @@ def test_model_that_does_not_exist_or_has_no_config(tmp_path):
     home = str(tmp_path / "home")
     one_line(serve("--home", home, "--model", str(tmp_path / "nope")), "no such directory")
     one_line(serve("--home", home, "--model", str(empty)), str(empty), "no config.json")
+
+
+def test_keys_writers_name_a_data_dir_that_is_a_file(tmp_path):
+    home = tmp_path / "home"
+    home.write_text("x")
+    for args in (["keys", "create", "--name", "k"], ["keys", "revoke", "key_x"]):
+        one_line(CliRunner().invoke(main, [*args, "--home", str(home)]), f"--home {home}", "is a file")
+    one_line(CliRunner().invoke(main, ["keys", "list", "--home", str(home)]), f"--home {home}", "is a file")
