@@ -81,6 +81,17 @@ def serve_cli(model_dir, home, port: int):
     return run_serve_cli([*args, "--shutdown-timeout", "1", "--quiet"])
 
 
+def wait_decoding(url: str, sequences: int, timeout: float = 60.0) -> None:
+    """Until the server's `trine_sampling_running_sequences` gauge shows `sequences` decoding."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{url}/metrics", trust_env=False).text.splitlines():
+            if line.startswith("trine_sampling_running_sequences") and float(line.split()[-1]) >= sequences:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"no {sequences} sequences decoding within {timeout} s")
+
+
 def test_a_sample_cancelled_by_shutdown_finishes_after_the_restart(tiny_model_dir, tmp_path, caplog):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -94,9 +105,11 @@ def test_a_sample_cancelled_by_shutdown_finishes_after_the_restart(tiny_model_di
         settings = Settings(retry_after_max_s=1.0, retry_initial_delay_s=0.1, retry_max_delay_s=0.5)
         with trio.ServiceClient(api_key=key, base_url=url, settings=settings) as svc:
             sampler = svc.create_sampling_client(base_model=tiny_model_dir.name)
-            params = trio.SamplingParams(max_tokens=3000, temperature=1.0, seed=3)
+            # 600 tokens x 8: seconds of decoding on the tiny model (600 steps, each a forward) and
+            # no more: the whole sample runs again after the restart
+            params = trio.SamplingParams(max_tokens=600, temperature=1.0, seed=3)
             future = sampler.sample(trio.ModelInput.from_ints([1, 2, 3, 4]), 8, params)
-            time.sleep(1.5)  # decoding (3000 tokens x 8 take the tiny model well over 1.5 s)
+            wait_decoding(url, 8)  # SIGTERM while its 8 sequences decode, not on a timer
             assert not future.done()
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(15) == 0, proc.stdout.read()
