@@ -23,7 +23,8 @@ def checkpoint_dir(checkpoint: str, home: Path) -> Path:
     store = reader(home)
     if store is None:
         raise click.BadParameter(
-            f"{checkpoint!r} is not a directory, and {home} has no trine.db to look it up in",
+            f"{checkpoint!r} is not a directory, and {home} has no trine.db to look it up in: pass "
+            "--home the server's data dir (`trine checkpoints --home DIR` lists its checkpoints)",
             param_hint="CHECKPOINT",
         )
     try:
