@@ -269,6 +269,18 @@ def wait_http(url: str, key: str, tries: int = 300) -> httpx.Response:
     raise TimeoutError(f"{url} did not answer")
 
 
+def wait_decoding(url: str, sequences: int, timeout: float = 60.0) -> None:
+    """Until the server's `trine_sampling_running_sequences` gauge shows `sequences` decoding: a
+    test that must act while a sample decodes waits for it instead of sleeping a guessed time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{url}/metrics", trust_env=False).text.splitlines():
+            if line.startswith("trine_sampling_running_sequences") and float(line.split()[-1]) >= sequences:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"no {sequences} sequences decoding within {timeout} s")
+
+
 @contextlib.contextmanager
 def tinker_env(**extra: str):
     """The environment the official tinker client needs against a loopback server: no telemetry,

@@ -11,7 +11,7 @@ import signal
 import time
 
 import httpx
-from serverutil import free_port, run_serve_cli, wait_http
+from serverutil import free_port, run_serve_cli, wait_decoding, wait_http
 
 import trine as trio
 from trine.client.http import Settings, retry_after, send_with_retry
@@ -79,17 +79,6 @@ def test_a_refused_connection_is_retried_at_most_retry_connect_max_delay_s_apart
 def serve_cli(model_dir, home, port: int):
     args = ["--model", str(model_dir), "--port", str(port), "--home", str(home), "--threads", "1"]
     return run_serve_cli([*args, "--shutdown-timeout", "1", "--quiet"])
-
-
-def wait_decoding(url: str, sequences: int, timeout: float = 60.0) -> None:
-    """Until the server's `trine_sampling_running_sequences` gauge shows `sequences` decoding."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in httpx.get(f"{url}/metrics", trust_env=False).text.splitlines():
-            if line.startswith("trine_sampling_running_sequences") and float(line.split()[-1]) >= sequences:
-                return
-        time.sleep(0.02)
-    raise AssertionError(f"no {sequences} sequences decoding within {timeout} s")
 
 
 def test_a_sample_cancelled_by_shutdown_finishes_after_the_restart(tiny_model_dir, tmp_path, caplog):

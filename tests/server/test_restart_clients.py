@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from serverutil import free_port, pytrio_env, run_serve_cli, tinker_env, wait_http
+from serverutil import free_port, pytrio_env, run_serve_cli, tinker_env, wait_decoding, wait_http
 
 from trine.store import Store
 
@@ -20,9 +20,9 @@ def serve_cli(model_dir, home, port: int):
 
 
 def drain_and_restart(model_dir, home, port: int, proc, pending: threading.Thread):
-    """SIGTERM `proc` while `pending` (a thread running a sample) waits; start it again once it has
-    exited; return the new process."""
-    time.sleep(1.5)  # decoding
+    """SIGTERM `proc` while `pending` (a thread running an 8-sample request) decodes; start it again
+    once it has exited; return the new process."""
+    wait_decoding(f"http://127.0.0.1:{port}", 8)  # SIGTERM while they decode, not on a timer
     assert pending.is_alive()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0, proc.stdout.read()
@@ -46,7 +46,7 @@ def test_tinker_resubmits_a_sample_the_drain_cancelled(tiny_model_dir, tmp_path)
         with tinker_env():
             sc = tinker.ServiceClient(base_url=url, api_key="tml-" + key)
             sampler = sc.create_sampling_client(base_model=tiny_model_dir.name).result()
-            params = tinker.types.SamplingParams(max_tokens=3000, temperature=1.0, seed=3)
+            params = tinker.types.SamplingParams(max_tokens=600, temperature=1.0, seed=3)
             prompt = tinker.types.ModelInput.from_ints([1, 2, 3, 4])
 
             def sample():
@@ -85,7 +85,7 @@ def test_pytrio_resends_a_sample_the_drain_cancelled(tiny_model_dir, tmp_path):
             pytrio.configure(sampling_retry_timeout_seconds=120)  # the restart is inside the window
             client = pytrio.ServiceClient()
             sampler = client.create_sampling_client(base_model=tiny_model_dir.name)
-            params = pytrio.SamplingParams(max_tokens=3000, temperature=1.0, seed=3)
+            params = pytrio.SamplingParams(max_tokens=600, temperature=1.0, seed=3)
             prompt = pytrio.ModelInput.from_ints([1, 2, 3, 4])
 
             def sample():
