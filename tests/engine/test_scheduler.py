@@ -261,6 +261,63 @@ def test_an_idle_chunk_size_measured_in_a_slow_moment_recovers():
     assert sch._prefill_budget(decoding=False) == 1168
 
 
+def test_a_long_prompts_slower_later_chunks_update_the_rate():
+    """Deep in a long prompt attention makes each position slower: a chunk of fewer than
+    RATE_POSITIONS positions that took half its seconds or more shows the rate, so the next idle
+    chunk is sized from it, not from the faster chunks near the prompt's start."""
+    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0, min_prefill_tokens=16)
+    sch.rate_prefill = sch.last_prefill = (2048, 8.0)  # 256 a second near the start
+    add(sch, request(8000, generate=False))
+    assert prefill(sch, seconds=2.5)[0][1] == 256  # sized from that rate, it took 2.5 s
+    assert prefill(sch, seconds=1.0)[0][1] == 102  # sized from the slower chunk: 102 a second
+    assert sch._prefill_budget(decoding=False) == 102
+
+
+def test_a_short_request_beside_a_long_prompt_gets_a_decode_sized_chunk():
+    """Nothing decodes yet, but the short request samples as soon as this step prefills it, and
+    then waits on the long prompt's chunks: the step is sized as if it already decoded
+    (prefill_step_seconds), not as an idle one."""
+    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0, prefill_step_seconds=0.25)
+    long = request(8000, generate=False)
+    add(sch, long)
+    prefill(sch, seconds=8.0)  # 2048 positions in 8 s
+    assert prefill(sch, seconds=1.0) == [(long, 256)]  # alone: an idle chunk
+    short = request(8, max_tokens=4, first=20000)
+    sch.clock = lambda: 10.0  # long after the long prompt arrived: no batch sent together
+    add(sch, short)
+    rows = prefill(sch, seconds=0.25)
+    assert rows[0] == (short, 8) and len(rows) * max(t for _, t in rows) <= 128  # 0.25 s, not 1 s
+
+
+def test_a_long_prompt_is_never_part_of_a_batch_sent_together():
+    """A short request sent with a long prompt (same tenant, same moment) decodes every step
+    beside its chunks: it is not held, as a batch's first sequences are, until the long prompt is
+    prefilled, nor given a token per idle chunk."""
+    sch = Scheduler(pool(4096), max_batch_tokens=256, idle_prefill_seconds=1.0)
+    long, short = request(3000, max_tokens=2), request(8, max_tokens=8, first=20000)
+    add(sch, long, short)  # the same instant, one tenant
+    prefill(sch, seconds=0.1)
+    (seq,) = sch.running
+    assert seq.request is short
+    for _ in range(4):
+        plan = sch.schedule()
+        assert plan.decode == [seq]  # decoded every step, not stalled
+        assert sum(t for _, t in plan.prefill) <= 256
+        if plan.prefill:
+            sch.prefilled(plan, 0.1)
+        long.prefilled += sum(t for r, t in plan.prefill if r is long)
+
+
+def test_the_token_floor_falls_with_the_attention_work_deep_in_a_prompt():
+    """The floor is for the GEMMs' rows: a chunk at a position where attention is most of each
+    row's work may be smaller, so it still ends in about its seconds."""
+    sch = Scheduler(pool(4096), max_batch_tokens=2048, min_prefill_tokens=128, key_cost=3e-4)
+    sch.last_prefill = (128, 2.0)  # deep in a long prompt: 128 positions took 2 s
+    assert sch._prefill_budget(decoding=True, position=0) == 128  # the floor near the start
+    assert sch._prefill_budget(decoding=True, position=7000) == 41  # 128 / (1 + 2.1)
+    assert Scheduler(pool(4096), min_prefill_tokens=128)._prefill_budget(True, 7000) >= 4 * BS
+
+
 def test_prompts_with_the_fewest_tokens_left_go_first_and_the_longest_takes_the_rest():
     sch = Scheduler(pool(256), max_batch_tokens=64)
     long, mid, short = request(300, first=0), request(30, first=1000), request(9, first=2000)

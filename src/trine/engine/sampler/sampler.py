@@ -53,6 +53,14 @@ from .sequence import Request, Sequence
 from .stops import Stops, check_stop_options, final_text
 
 
+def key_cost(model: Transformer) -> float:
+    """A prompt position's attention work per earlier key, over its linear layers' work: scores and
+    values are 4 x heads x head_dim flops per key and layer, the layers' GEMMs 2 flops per weight."""
+    cfg = model.cfg
+    weights = sum(p.numel() for p in model.model.layers.parameters())
+    return 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers / (2 * weights)
+
+
 class Sampler:
     """Samples from one base model (and any of its LoRA adapters) with continuous batching."""
 
@@ -98,6 +106,7 @@ class Sampler:
             prefill_step_seconds=prefill_step_seconds,
             idle_prefill_seconds=idle_prefill_seconds,
             min_prefill_tokens=min_prefill_tokens,
+            key_cost=key_cost(model),
             burst_seconds=burst_seconds,
             burst_stall_seconds=burst_stall_seconds,
             tenant_share=tenant_share,

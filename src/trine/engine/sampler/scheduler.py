@@ -138,6 +138,7 @@ class Scheduler:
         prefill_step_seconds: float = 0.25,
         idle_prefill_seconds: float = 1.0,
         min_prefill_tokens: int = MIN_PREFILL_TOKENS,
+        key_cost: float = 0.0,
         burst_seconds: float = BURST_SECONDS,
         burst_stall_seconds: float = BURST_STALL_SECONDS,
         admission: AdmissionPolicy | None = None,
@@ -162,6 +163,7 @@ class Scheduler:
         self.prefill_step_seconds = prefill_step_seconds
         self.idle_prefill_seconds = idle_prefill_seconds
         self.min_prefill_tokens = max(kv.block_size, min_prefill_tokens)
+        self.key_cost = key_cost  # a position's attention work per earlier key / its linear layers'
         self.burst_seconds = burst_seconds
         self.burst_stall_seconds = burst_stall_seconds
         self._stalled_since: float | None = None  # when a batch's sequences last skipped a decode step
@@ -262,10 +264,17 @@ class Scheduler:
         if unpaid:  # only prompts newer than every decoding request, and short
             newest = max(s.request.order for s in decoding)
             ready = [r for r in ready if r.order > newest and r.prompt_left <= self.max_batch_tokens]
-        # a batch sent together decodes waiting for nobody else: its prompts prefill as if idle
-        others_wait = bool(decoding) and not self._one_burst(decoding, ready)
+        # someone waits on this step's chunk: a sequence decoding, or a short prompt that samples as
+        # soon as it is prefilled beside a long one; a batch sent together decodes waiting for
+        # nobody else: its prompts prefill as if idle
+        others_wait = (bool(decoding) or self._short_beside_long(ready)) and not self._one_burst(
+            decoding, ready
+        )
+        deepest = max((r.prefilled for r in ready), default=0)
         rows = (
-            chunk_rows(fair_order(ready, self._served()), self._prefill_budget(others_wait)) if ready else []
+            chunk_rows(fair_order(ready, self._served()), self._prefill_budget(others_wait, deepest))
+            if ready
+            else []
         )
         if decoding and rows and not others_wait and all(r.samples for r in ready) and self._may_stall():
             return StepPlan([], rows, charged=False)  # the batch's sequences wait for its prompts' own
@@ -282,12 +291,24 @@ class Scheduler:
 
     def _one_burst(self, decoding: list[Sequence], ready: list[Request]) -> bool:
         """Every decoding sequence's request and every prompt ready to prefill are one tenant's and
-        arrived within `burst_seconds` of one another: one batch sent together (a GRPO step, an
-        evaluation's requests), whose decoding sequences wait on no one else's prefill."""
+        arrived within `burst_seconds` of one another, and no prompt has more than
+        `max_batch_tokens` left: one batch sent together (a GRPO step, an evaluation's requests),
+        whose decoding sequences wait on no one else's prefill. A long prompt is never part of one:
+        it is held to `prefill_share` like any other (a short request sent with it would otherwise
+        decode a token per large chunk)."""
         reqs = [s.request for s in decoding] + ready
         times = [r.arrived for r in reqs]
         one_tenant = len({r.req.tenant for r in reqs}) == 1
-        return one_tenant and max(times) - min(times) <= self.burst_seconds
+        short = all(r.prompt_left <= self.max_batch_tokens for r in ready)
+        return one_tenant and short and max(times) - min(times) <= self.burst_seconds
+
+    def _short_beside_long(self, ready: list[Request]) -> bool:
+        """A prompt that samples and has at most `max_batch_tokens` left is ready beside one with
+        more: this step's chunk completes the short one, which then waits on the long one's chunks
+        as a decoding sequence does, so the chunk is sized as if one already decoded."""
+        return any(r.samples and r.prompt_left <= self.max_batch_tokens for r in ready) and any(
+            r.prompt_left > self.max_batch_tokens for r in ready
+        )
 
     def _served(self) -> dict[str, int]:
         """`prefill_served` for the tenants now prefilling: one that starts prefilling starts at
@@ -304,9 +325,13 @@ class Scheduler:
             t = r.req.tenant
             self.prefill_served[t] = self.prefill_served.get(t, 0) + take
         self.last_prefill = (len(plan.prefill) * max(take for _, take in plan.prefill), seconds)
-        if self.last_prefill[0] >= min(RATE_POSITIONS, self.max_batch_tokens) or (
-            self.rate_prefill is not None and _rate(self.last_prefill) > _rate(self.rate_prefill)
-        ):  # large enough to show the rate, or faster than it (it was a slow moment's)
+        if (
+            self.last_prefill[0] >= min(RATE_POSITIONS, self.max_batch_tokens)
+            or seconds >= self.idle_prefill_seconds / 2
+            or (self.rate_prefill is not None and _rate(self.last_prefill) > _rate(self.rate_prefill))
+        ):  # large or long enough to show the rate (a forward's fixed cost is then a small part of
+            # it: a long prompt's later chunks, slower as attention grows, are measured too), or
+            # faster than it (it was a slow moment's)
             self.rate_prefill = self.last_prefill
         if plan.charged:  # a chunk that may hold held-back prompts: they owe its time
             self.debt += seconds
@@ -315,15 +340,20 @@ class Scheduler:
         """The step loop ran a decode step in `seconds`: it pays `prefill_share` of them off the debt."""
         self.debt = max(0.0, self.debt - self.prefill_share * seconds)
 
-    def _prefill_budget(self, decoding: bool) -> int:
+    def _prefill_budget(self, decoding: bool, position: int = 0) -> int:
         """Prefill positions for this step, between `min_prefill_tokens` and max_batch_tokens: what
         should take `prefill_step_seconds` while sequences decode (at most twice the last chunk),
         else `idle_prefill_seconds`, scaled from the last prefill step of at least `RATE_POSITIONS`
         positions, or a smaller one that ran faster per position (a few dozen positions take most
         of a large chunk's time, and the first forward of a process pays one-time costs: scaled
         from them, the next chunk would be several times too short). Before any is measured: four
-        blocks while decoding, max_batch_tokens when not."""
+        blocks while decoding, max_batch_tokens when not. The floor is for the linear layers'
+        GEMMs, whose rows run below the CPU's peak when few: a chunk that starts at `position`
+        spends 1 + key_cost x position times their work on each of its rows, and its floor is
+        that much lower (a block at least), so deep in a long prompt, where attention is most of
+        the work, a chunk still ends in about its seconds."""
         low = min(self.min_prefill_tokens, self.max_batch_tokens)
+        low = max(min(self.block_size, low), int(low / (1.0 + self.key_cost * position)))
         if decoding:
             if self.last_prefill is None:
                 return min(self.max_batch_tokens, max(low, 4 * self.block_size))
