@@ -273,10 +273,10 @@ def test_a_long_prompts_slower_later_chunks_update_the_rate():
     assert sch._prefill_budget(decoding=False) == 102
 
 
-def test_a_short_request_beside_a_long_prompt_gets_a_decode_sized_chunk():
-    """Nothing decodes yet, but the short request samples as soon as this step prefills it, and
-    then waits on the long prompt's chunks: the step is sized as if it already decoded
-    (prefill_step_seconds), not as an idle one."""
+def test_a_short_request_beside_a_long_prompt_is_prefilled_alone_then_decodes_beside_it():
+    """Nothing decodes yet, but the short request samples as soon as it is prefilled: its step holds
+    it alone, not beside an idle-sized chunk of the long prompt, whose next chunk is then one the
+    new sequence decodes beside (sized to prefill_step_seconds and paid for as debt)."""
     sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0, prefill_step_seconds=0.25)
     long = request(8000, generate=False)
     add(sch, long)
@@ -285,8 +285,10 @@ def test_a_short_request_beside_a_long_prompt_gets_a_decode_sized_chunk():
     short = request(8, max_tokens=4, first=20000)
     sch.clock = lambda: 10.0  # long after the long prompt arrived: no batch sent together
     add(sch, short)
-    rows = prefill(sch, seconds=0.25)
-    assert rows[0] == (short, 8) and len(rows) * max(t for _, t in rows) <= 128  # 0.25 s, not 1 s
+    assert prefill(sch, seconds=0.05) == [(short, 8)]
+    plan = sch.schedule()
+    assert [s.request for s in plan.decode] == [short] and plan.prefill[0][0] is long
+    assert plan.prefill[0][1] <= 128 and plan.charged  # 0.25 s of it, owed by the decode steps
 
 
 def test_a_long_prompt_is_never_part_of_a_batch_sent_together():

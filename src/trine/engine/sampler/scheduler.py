@@ -25,11 +25,15 @@ Prefill chunks. At most one prefill forward a step, over at most `max_batch_toke
 time, scaled from the last prefill's tokens and seconds: while sequences decode, to take about
 `prefill_step_seconds` (at most twice as many tokens as last time, and never fewer than
 `min_prefill_tokens`: a GEMM of fewer rows runs well below the CPU's peak, and on a slow or busy
-machine time alone shrinks chunks to a few dozen tokens, each paying a whole step); when
+machine time alone shrinks chunks to a few dozen tokens, each paying a whole step; a floor that
+falls as 1 / (1 + key_cost x position), since deep in a long prompt attention is most of a row's
+work); a short prompt that samples, ready beside a long one while nothing decodes, is prefilled
+alone, and the long one's next chunk is one the new sequence decodes beside; when
 nothing decodes, or only sequences of one tenant's requests that arrived within `burst_seconds` of
-every prompt still to prefill (one batch sent together: its decoding waits on no one else's, and it
-finishes soonest prefilled in large chunks, as vLLM does), about `idle_prefill_seconds` (scaled
-from the last chunk of at least `RATE_POSITIONS`: a small one is mostly a forward's fixed cost), longer,
+every prompt still to prefill, none of them longer than `max_batch_tokens` (one batch sent together:
+its decoding waits on no one else's, and it finishes soonest prefilled in large chunks, as vLLM
+does), about `idle_prefill_seconds` (scaled from the last chunk of at least `RATE_POSITIONS`, or
+of half those seconds: a small quick one is mostly a forward's fixed cost), longer,
 since one large forward is the most efficient and nobody else waits on decode steps (whole prompts
 in one forward while that fits, e.g. a GRPO step; the whole `max_batch_tokens` before anything was
 measured). When every prompt left to prefill samples, such a batch's first sequences also wait
@@ -270,6 +274,9 @@ class Scheduler:
         others_wait = (bool(decoding) or self._short_beside_long(ready)) and not self._one_burst(
             decoding, ready
         )
+        if not decoding and others_wait:  # the short ones alone: the long one's next chunk is
+            # then one that sequences decode beside, held to prefill_share like any other
+            ready = [r for r in ready if r.prompt_left <= self.max_batch_tokens]
         deepest = max((r.prefilled for r in ready), default=0)
         rows = (
             chunk_rows(fair_order(ready, self._served()), self._prefill_budget(others_wait, deepest))
