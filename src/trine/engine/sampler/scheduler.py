@@ -271,13 +271,14 @@ class Scheduler:
         # someone waits on this step's chunk: a sequence decoding, or a short prompt that samples as
         # soon as it is prefilled beside a long one; a batch sent together decodes waiting for
         # nobody else: its prompts prefill as if idle
-        others_wait = (bool(decoding) or self._short_beside_long(ready)) and not self._one_burst(
+        deepest = max((r.prefilled for r in ready), default=0)
+        step = self._prefill_budget(True, deepest)  # a chunk sized for someone who waits on it
+        others_wait = (bool(decoding) or self._short_beside_long(ready, step)) and not self._one_burst(
             decoding, ready
         )
         if not decoding and others_wait:  # the short ones alone: the long one's next chunk is
             # then one that sequences decode beside, held to prefill_share like any other
-            ready = [r for r in ready if r.prompt_left <= self.max_batch_tokens]
-        deepest = max((r.prefilled for r in ready), default=0)
+            ready = [r for r in ready if r.prompt_left <= step]
         rows = (
             chunk_rows(fair_order(ready, self._served()), self._prefill_budget(others_wait, deepest))
             if ready
@@ -309,12 +310,12 @@ class Scheduler:
         short = all(r.prompt_left <= self.max_batch_tokens for r in ready)
         return one_tenant and short and max(times) - min(times) <= self.burst_seconds
 
-    def _short_beside_long(self, ready: list[Request]) -> bool:
-        """A prompt that samples and has at most `max_batch_tokens` left is ready beside one with
-        more: this step's chunk completes the short one, which then waits on the long one's chunks
-        as a decoding sequence does, so the chunk is sized as if one already decoded."""
-        return any(r.samples and r.prompt_left <= self.max_batch_tokens for r in ready) and any(
-            r.prompt_left > self.max_batch_tokens for r in ready
+    def _short_beside_long(self, ready: list[Request], step: int) -> bool:
+        """A prompt that samples and fits a `step`-sized chunk is ready beside one that does not: it
+        decodes as soon as it is prefilled and then waits on the other's chunks as a decoding
+        sequence does."""
+        return any(r.samples and r.prompt_left <= step for r in ready) and any(
+            r.prompt_left > step for r in ready
         )
 
     def _served(self) -> dict[str, int]:
