@@ -89,6 +89,15 @@ def tiny_model_dir(tiny_model_dirs) -> Path:
     return tiny_model_dirs["llama"]
 
 
+@pytest.fixture(scope="session")
+def tiny_model64(tiny_model_dir):
+    """`tiny_model_dir`'s model in fp64: the twin that measures a comparison's fp32 rounding
+    (tolerance.py, kind 3). Its weights are never trained (adapters are separate), so one serves all."""
+    from tolerance import fp64_model
+
+    return fp64_model(tiny_model_dir)
+
+
 @pytest.fixture()
 def client(server):
     """A raw PyTRIO wire client (serverutil.RawClient) on the test module's `server` fixture."""

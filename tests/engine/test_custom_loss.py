@@ -40,11 +40,6 @@ def model(tiny_model_dir):
     return load_model(tiny_model_dir, "cpu")
 
 
-@pytest.fixture(scope="module")
-def model64(tiny_model_dir):
-    return load_model(tiny_model_dir, "cpu", dtype=torch.float64)
-
-
 CASES = {
     "ppo_sum": (ppo_sum, {"logprobs": 1, "advantages": 1, "old": 1}),
     "seq_softmax": (seq_softmax, {"logprobs": 1, "scale": 0}),
@@ -92,7 +87,7 @@ def two_pass(trainer, run, handle, data):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_one_pass_gradient_equals_the_two_pass_gradient(model, model64, case):
+def test_one_pass_gradient_equals_the_two_pass_gradient(model, tiny_model64, case):
     handle, loss = traced(*CASES[case])
     data = with_inputs(random_data(5, lengths=(11, 7, 16, 9)), handle.input_names)
 
@@ -105,10 +100,10 @@ def test_one_pass_gradient_equals_the_two_pass_gradient(model, model64, case):
         want = {"grads": grads(client, "r"), "values": [total, *metrics.values()]}
         return want, {"grads": grads(server, "r"), "values": [res.loss_sum, *res.metrics.values()]}
 
-    assert_same_computation(compute, model, model64)
+    assert_same_computation(compute, model, tiny_model64)
 
 
-def test_a_custom_loss_shares_a_call_with_other_runs_and_shared_prefixes(model, model64):
+def test_a_custom_loss_shares_a_call_with_other_runs_and_shared_prefixes(model, tiny_model64):
     handle, loss = traced(*CASES["ppo_sum"])
     prompt = list(range(40, 72))  # a 32-token prompt shared by a group: the custom rows stay plain
     base = random_data(6, lengths=(8, 8, 8))
@@ -131,7 +126,7 @@ def test_a_custom_loss_shares_a_call_with_other_runs_and_shared_prefixes(model, 
         alone.forward_backward([("e", ce, Loss.parse("cross_entropy"))])
         return {r: grads(alone, r) for r in ("c", "e")}, {r: grads(mixed, r) for r in ("c", "e")}
 
-    assert_same_computation(compute, model, model64)
+    assert_same_computation(compute, model, tiny_model64)
 
 
 def test_runtime_bounds_and_failures_name_the_node_before_any_gradient_moves(model):
@@ -159,7 +154,7 @@ def test_runtime_bounds_and_failures_name_the_node_before_any_gradient_moves(mod
     assert_bitwise(grads(trainer, "r"), before)  # nothing was added, not even a rounding
 
 
-def test_a_graph_failing_only_on_real_logprobs_fails_its_entry_alone(model, model64):
+def test_a_graph_failing_only_on_real_logprobs_fails_its_entry_alone(model, tiny_model64):
     def by_value(logprobs, x):  # indices from the logprobs: in range for the dry run's zeros only
         return (x.gather(0, (logprobs * -1000).long()) * logprobs).sum(), {}
 
@@ -179,4 +174,4 @@ def test_a_graph_failing_only_on_real_logprobs_fails_its_entry_alone(model, mode
         assert_bitwise(grads(mixed, "c"), before)  # the failed datum added nothing
         return {"e": grads(alone, "e")}, {"e": grads(mixed, "e")}  # batched or alone (kind 3)
 
-    assert_same_computation(compute, model, model64)
+    assert_same_computation(compute, model, tiny_model64)

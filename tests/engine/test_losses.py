@@ -88,14 +88,9 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model64(tiny_model_dir):
-    return load_model(tiny_model_dir, "cpu", dtype=torch.float64)
-
-
 @pytest.mark.parametrize("unembed", [True, False], ids=["head-adapter", "plain-head"])
 @pytest.mark.parametrize("name,cfg", CASES)
-def test_loss_matches_reference_in_value_and_gradient(model, model64, name, cfg, unembed):
+def test_loss_matches_reference_in_value_and_gradient(model, tiny_model64, name, cfg, unembed):
     """The trainer's logprobs, per-token losses and gradients against a full forward and textbook
     formulas, one datum at a time: the same math in another order (tolerance.py, kind 3)."""
     data = random_data(1)
@@ -167,7 +162,7 @@ def test_loss_matches_reference_in_value_and_gradient(model, model64, name, cfg,
         assert abs(out.loss_sum - math.fsum(flat)) <= EPS32 * math.fsum(map(abs, flat))
         return want, got
 
-    assert_same_computation(compute, model, model64)
+    assert_same_computation(compute, model, tiny_model64)
 
 
 def test_ppo_reads_thresholds_as_ratio_bounds():

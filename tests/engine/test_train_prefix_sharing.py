@@ -8,7 +8,7 @@ import torch
 from conftest import build_tiny_model_dir
 from test_losses import randomize
 from test_trainer import grads, outputs
-from tolerance import assert_bitwise, assert_same_computation
+from tolerance import assert_bitwise, assert_same_computation, fp64_model
 
 from trine.engine.api import LOSS_NAMES, LoRAConfig, Loss, TrainDatum
 from trine.engine.model import invariant
@@ -33,7 +33,7 @@ def model(model_dir):
 @pytest.fixture(scope="module")
 def model64(model_dir):
     """The same weights in fp64: the reference that measures each comparison's fp32 rounding."""
-    return load_model(model_dir, "cpu", dtype=torch.float64)
+    return fp64_model(model_dir)
 
 
 def datum(tokens: list[int], g: torch.Generator, prompt: int = 0) -> TrainDatum:

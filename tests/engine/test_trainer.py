@@ -21,12 +21,6 @@ def model(tiny_model_dir):
     return load_model(tiny_model_dir, "cpu")
 
 
-@pytest.fixture(scope="module")
-def model64(tiny_model_dir):
-    """The same weights in fp64: the reference that measures each comparison's fp32 rounding."""
-    return load_model(tiny_model_dir, "cpu", dtype=torch.float64)
-
-
 def new_trainer(model, *runs, rank=4, **kw) -> Trainer:
     trainer = Trainer(model, base_model="tiny", **kw)
     for i, run in enumerate(runs):
@@ -61,7 +55,7 @@ def outputs(res, trainer=None, run=None, prefix="") -> dict:
     return out
 
 
-def test_two_calls_then_step_equal_one_call_on_the_union(model, model64):
+def test_two_calls_then_step_equal_one_call_on_the_union(model, tiny_model64):
     """Two calls accumulate the gradient one call on the union computes: the same math, summed in
     another order (tolerance.py, kind 3). The step then moves each weight by what AdamW makes of its
     gradient; a first AdamW step is lr * g / (|g| + eps) per weight, nearly sign(g), so a weight
@@ -86,7 +80,7 @@ def test_two_calls_then_step_equal_one_call_on_the_union(model, model64):
         stepped[m.dtype] = got["grads"], want["grads"], weights(split, "r"), weights(whole, "r")
         return want, got
 
-    assert_same_computation(compute, model, model64)
+    assert_same_computation(compute, model, tiny_model64)
     g_split, g_whole, w_split, w_whole = stepped[torch.float32]
     lr, eps = adam.learning_rate, adam.eps
     for n in w_whole:
@@ -130,7 +124,7 @@ def test_optim_step_equals_torch_adamw(model, clip):
         assert norm > clip  # clipping was really exercised
 
 
-def test_runs_batched_together_get_the_gradients_each_gets_alone(model, model64):
+def test_runs_batched_together_get_the_gradients_each_gets_alone(model, tiny_model64):
     """Two runs in one batch: each run's results are its results alone, the rows batched in another
     order (tolerance.py, kind 3); a run no datum touched keeps exactly zero gradients."""
     data_a, data_b = random_data(4, lengths=(10, 6)), random_data(5, lengths=(13, 3, 8))
@@ -149,10 +143,10 @@ def test_runs_batched_together_get_the_gradients_each_gets_alone(model, model64)
         got = outputs(ra, mixed, "a", "a.") | outputs(rb, mixed, "b", "b.")
         return outputs(sa, alone, "a", "a.") | outputs(sb, alone, "b", "b."), got
 
-    assert_same_computation(compute, model, model64)
+    assert_same_computation(compute, model, tiny_model64)
 
 
-def test_micro_batching_does_not_change_results(model, model64):
+def test_micro_batching_does_not_change_results(model, tiny_model64):
     """Micro-batches and LM-head chunks change only the order of the sums (tolerance.py, kind 3)."""
     data = random_data(6, lengths=(17, 3, 9, 9, 1, 12))
 
@@ -167,7 +161,7 @@ def test_micro_batching_does_not_change_results(model, model64):
         assert len(calls) == 4  # by length, padding counted: [17] [12] [9, 9] [3, 1 (padded to 3)]
         return outputs(rb, big, "r"), outputs(rs, small, "r")
 
-    assert_same_computation(compute, model, model64)
+    assert_same_computation(compute, model, tiny_model64)
 
 
 def test_forward_changes_no_gradient_and_reports_what_forward_backward_does(model):
