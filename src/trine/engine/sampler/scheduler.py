@@ -279,11 +279,8 @@ class Scheduler:
         if not decoding and others_wait:  # the short ones alone: the long one's next chunk is
             # then one that sequences decode beside, held to prefill_share like any other
             ready = [r for r in ready if r.prompt_left <= step]
-        rows = (
-            chunk_rows(fair_order(ready, self._served()), self._prefill_budget(others_wait, deepest))
-            if ready
-            else []
-        )
+        budget = step if others_wait else self._prefill_budget(False, deepest)
+        rows = chunk_rows(fair_order(ready, self._served()), budget) if ready else []
         if decoding and rows and not others_wait and all(r.samples for r in ready) and self._may_stall():
             return StepPlan([], rows, charged=False)  # the batch's sequences wait for its prompts' own
         self._stalled_since = None
