@@ -60,6 +60,7 @@ from .faults import Faults
 from .gate import WorkGate
 from .gc import GarbageCollector
 from .inflight import Inflight
+from .meter import Meter
 from .metrics import Metrics
 from .models import Replica, ServedModel
 from .ownership import Ownership
@@ -141,6 +142,7 @@ class Service:
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self.started_at = time.time()
 
+        self.meter = Meter(self.rate_card)  # usage, cost and timing of every sample and event
         self.ownership = Ownership(store)
         self.gate = WorkGate(store.home, store.checkpoint_dir, disk_reserve_bytes)
         self.activity = Activity()
@@ -154,7 +156,7 @@ class Service:
             self.models,
             self.checkpoints,
             self.activity,
-            self.rate_card,
+            self.meter,
             self._replica_lost,
             self.quotas,
             self.inflight,
@@ -178,7 +180,7 @@ class Service:
             self.ownership,
             self.models,
             self.adapters,
-            self.rate_card,
+            self.meter,
             self._spawn,
             self._replica_lost,
             router or Router(),

@@ -43,15 +43,10 @@ from ..engine.api import CycleEvent, EngineLost, EventOutcome, Forward, Op, RunS
 from ..engine.prepare import prepare_forward
 from ..limits import (
     CHECKPOINT_VISIBILITIES,
-    FORWARD,
-    FORWARD_BACKWARD,
-    OPTIMIZE_STEP,
     check_checkpoint_name,
     check_lora_rank,
     check_ttl_seconds,
 )
-from ..metering.events import UsageEvent
-from ..metering.rates import RateCard
 from ..store import ApiKey, EventRecord, Store, Timing, TrainingRun
 from ..store.keys import new_id
 from . import commands
@@ -61,6 +56,7 @@ from .errors import Conflict, InvalidRequest, NotFound
 from .gate import WorkGate
 from .idempotency import SingleFlight
 from .inflight import Inflight
+from .meter import Meter
 from .models import Replica, ServedModel, resolve_model
 from .ordering import CyclePlan, Pending, split_phases
 from .ownership import Ownership
@@ -69,7 +65,6 @@ from .results import EventResult
 
 log = logging.getLogger("trine.service")
 MISSING_INDEX_SECONDS = 60.0  # how long an event waits for a lower index that has not arrived
-OPERATION = {FORWARD: "forward", FORWARD_BACKWARD: "forward_backward", OPTIMIZE_STEP: "optim_step"}
 
 
 @dataclass
@@ -93,7 +88,7 @@ class Events:
         models: dict[str, ServedModel],
         checkpoints: Checkpoints,
         activity: Activity,
-        rate_card: RateCard,
+        meter: Meter,
         on_lost,
         quotas: "KeyQuotas | None" = None,
         inflight: "Inflight | None" = None,
@@ -110,7 +105,7 @@ class Events:
         self.models = models
         self.checkpoints = checkpoints
         self.activity = activity
-        self.rate_card = rate_card
+        self.meter = meter  # usage, cost and timing of each settled event
         self.on_lost = on_lost  # (model, replica, reason): a replica died (faults.py)
         self.live: dict[str, LiveEvent] = {}
         self._accepting = SingleFlight(
@@ -422,46 +417,24 @@ class Events:
                 if op.inflight:  # ... and moved the run's inflight target there
                     res.checkpoint["weights_version"] = out.weights_version
                     self.inflight.published(m, run.id, live.replica, out.weights_version, ck.id)
-            if rec.type in OPERATION:
-                event = UsageEvent(
-                    time=time.time(),
-                    api_key_id=rec.api_key_id,
-                    session_id=run.session_id,
-                    run_id=run.id,
-                    base_model=m.name,
-                    operation=OPERATION[rec.type],
-                    request_id=rec.id,
-                    train=out.train_tokens,
-                    train_loss=out.loss_tokens,
-                    train_sequence=out.train_sequence_tokens,
-                )
-                self.store.add_usage(event)
-                res.cost = self.rate_card.cost(event)["total"]
-        self._store_timing(m, live, out, cycle, span, run.session_id if run is not None else "")
-        self._finish(live, res)
-
-    def _store_timing(
-        self, m: ServedModel, live: LiveEvent, out: EventOutcome, cycle, span, session_id: str
-    ) -> None:
-        """The event's way through its replica, for session traces: advisory, so a full disk only
-        loses the row (the event's result and usage are what must be stored)."""
-        rec = live.record
-        timing = Timing(
-            api_key_id=rec.api_key_id,
-            session_id=session_id,
-            run_id=rec.run_id,
-            request_id=rec.id,
-            operation=rec.type.rsplit(".", 1)[-1],
+        metered = self.meter.event(
+            rec,
+            out,
+            session_id=run.session_id if run is not None else "",
             base_model=m.name,
             replica=live.replica.index,
-            status="failed" if out.error else "succeeded",
-            accepted=rec.created_at,
-            started=span[0],
-            op_started=out.started_at,
-            op_ended=out.ended_at,
-            ended=span[1],
-            cycle=cycle or 0,
+            cycle=cycle,
+            span=span,
         )
+        if metered.usage is not None:
+            self.store.add_usage(metered.usage)
+            res.cost = metered.cost
+        self._store_timing(rec, metered.timing)
+        self._finish(live, res)
+
+    def _store_timing(self, rec: EventRecord, timing: Timing) -> None:
+        """The event's way through its replica, for session traces: advisory, so a full disk only
+        loses the row (the event's result and usage are what must be stored)."""
         try:
             self.store.add_timing(timing)
         except DiskFull as e:

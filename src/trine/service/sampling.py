@@ -47,14 +47,13 @@ from ..engine.api import (
     WeightsIdentity,
 )
 from ..metering.diagnostics import PrefixDiagnostics
-from ..metering.events import UsageEvent
-from ..metering.rates import RateCard
-from ..store import ApiKey, SamplingRun, Store, Timing
+from ..store import ApiKey, SamplingRun, Store
 from .adapters import AdapterCache
 from .errors import Conflict, InvalidRequest, ServiceError, ShuttingDown
 from .gate import RESTART_SECONDS, WorkGate
 from .idempotency import SingleFlight
 from .inflight import Inflight
+from .meter import Meter, SampleWork
 from .models import Replica, ServedModel
 from .ownership import Ownership
 from .results import SampleOutcome
@@ -70,7 +69,7 @@ class Sampling:
     ownership: Ownership
     models: dict[str, ServedModel]
     adapters: AdapterCache
-    rate_card: RateCard
+    meter: Meter  # usage, cost and timing of each finished or cancelled request
     spawn: object  # runs a coroutine in the background
     on_lost: object  # (model, replica, reason): a replica died (faults.py)
     router: Router = field(default_factory=Router)
@@ -205,8 +204,7 @@ class Sampling:
             self._metered.discard(engine_request_id)
             return
         if partial is not None and partial.usage.prompt_tokens:
-            self.store.add_usage(self._usage_event(key, r, m, req, partial))
-            self.store.add_timing(_timing(key, r, m, req, partial, rep, accepted, "cancelled"))
+            self._store_cancelled(_work(key, r, m, req, rep, accepted), partial.usage)
 
     @contextlib.asynccontextmanager
     async def _serving_on(
@@ -285,8 +283,7 @@ class Sampling:
         key, r, req, accepted = caller
         m = self.models[r.base_model]
         self._metered.add(engine_id)
-        self.store.add_usage(self._usage_event(key, r, m, req, partial))
-        self.store.add_timing(_timing(key, r, m, req, partial, rep, accepted, "cancelled"))
+        self._store_cancelled(_work(key, r, m, req, rep, accepted), partial.usage)
 
     async def cancel(self, key: ApiKey, sampling_run_id: str, request_id: str) -> bool:
         """Cancel a running request (its client abandoned it): the engine frees its sequences and KV
@@ -336,7 +333,7 @@ class Sampling:
         """Meter a finished request and store its outcome (for retries), in one transaction off the
         event loop; the outcome is in `_recent` before any retry can miss it."""
         u = res.usage
-        event = self._usage_event(key, r, m, req, res)
+        metered = self.meter.sample(_work(key, r, m, req, rep, accepted), u)
         out = SampleOutcome(
             req.request_id,
             r.id,
@@ -350,7 +347,7 @@ class Sampling:
                 "cached_tokens": u.cached_tokens,
                 "sample_tokens": u.sample_tokens,
             },
-            self.rate_card.cost(event)["total"],
+            metered.cost,
             rep.index,
             res.prompt_alt_tokens,
             res.prompt_alt_logprobs,
@@ -360,7 +357,7 @@ class Sampling:
         self._recent[(r.id, req.request_id)] = stored
         while len(self._recent) > RECENT_OUTCOMES:
             self._recent.popitem(last=False)
-        row = (r.id, req.request_id, *stored, event, _timing(key, r, m, req, res, rep, accepted, "succeeded"))
+        row = (r.id, req.request_id, *stored, metered.usage, metered.timing)
         try:
             await asyncio.to_thread(self._store_results, row)
         except DiskFull as e:  # the caller still gets what was computed; the row is stored later
@@ -378,24 +375,11 @@ class Sampling:
                 self.store.add_sample_result(*self._unwritten[0])
                 self._unwritten.pop(0)
 
-    @staticmethod
-    def _usage_event(
-        key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest, res: SampleResult
-    ) -> UsageEvent:
-        u = res.usage
-        return UsageEvent.from_counts(
-            prompt_tokens=u.prompt_tokens,
-            prefill=u.prefill_tokens,
-            prefill_cached=u.cached_tokens,
-            time=time.time(),
-            api_key_id=key.id,
-            session_id=r.session_id,
-            run_id=r.id,
-            base_model=m.name,
-            operation="sample" if req.generate else "compute_logprobs",
-            request_id=req.request_id,
-            sample=u.sample_tokens,
-        )
+    def _store_cancelled(self, work: SampleWork, usage) -> None:
+        """Store what a cancelled request computed: its usage and timing rows."""
+        metered = self.meter.sample(work, usage, "cancelled")
+        self.store.add_usage(metered.usage)
+        self.store.add_timing(metered.timing)
 
     def _route(self, m: ServedModel, r: SamplingRun, req: SampleRequest) -> Replica:
         live = m.live_replicas()
@@ -440,33 +424,8 @@ class Sampling:
             log.exception("prefix diagnostics failed")
 
 
-def _timing(
-    key: ApiKey,
-    r: SamplingRun,
-    m: ServedModel,
-    req: SampleRequest,
-    res: SampleResult,
-    rep: Replica,
-    accepted: float,
-    status: str,
-) -> Timing:
-    """A finished (or cancelled) request's way through `rep`: accepted by the service, its prompt
-    begun and done by the engine (SampleUsage's stamps), and now."""
-    u = res.usage
-    return Timing(
-        api_key_id=key.id,
-        session_id=r.session_id,
-        run_id=r.id,
-        request_id=req.request_id,
-        operation="sample" if req.generate else "compute_logprobs",
-        base_model=m.name,
-        replica=rep.index,
-        status=status,
-        accepted=accepted,
-        started=u.started_at,
-        prefilled=u.prefilled_at,
-        ended=time.time(),
-    )
+def _work(key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest, rep: Replica, accepted: float):
+    return SampleWork(key.id, r.session_id, r.id, m.name, req.request_id, req.generate, rep.index, accepted)
 
 
 def _weights_name(r: SamplingRun) -> str | None:
