@@ -149,3 +149,17 @@ def test_stream_cancel_and_no_live_modules_across(tiny_model_dir):
             await eng.stop()
 
     asyncio.run(main())
+
+
+def test_lora_config_named_by_reads_the_planes_and_the_stores_names():
+    """One conversion: a wire body names `rank`, a run or checkpoint record `lora_rank`; a missing
+    seed is the engine's default (None)."""
+    from types import SimpleNamespace
+
+    from trine.engine.api import LoRAConfig
+
+    flags = dict(train_mlp=False, train_attn=True, train_unembed=False)
+    body = SimpleNamespace(rank=8, seed=3, **flags)
+    record = SimpleNamespace(lora_rank=4, **flags)
+    assert LoRAConfig.named_by(body) == LoRAConfig(rank=8, seed=3, **flags)
+    assert LoRAConfig.named_by(record) == LoRAConfig(rank=4, seed=None, **flags)

@@ -70,6 +70,20 @@ class LoRAConfig:
     train_unembed: bool = True
     seed: int | None = None
 
+    @classmethod
+    def named_by(cls, source) -> LoRAConfig:
+        """The shape a wire body, a run or a checkpoint record names: its `lora_rank` (or `rank`),
+        its `seed` (None if it has none) and its three `train_*` flags. The one conversion from the
+        planes' and the store's names to this type."""
+        rank = getattr(source, "lora_rank", None)
+        return cls(
+            rank=source.rank if rank is None else rank,
+            seed=getattr(source, "seed", None),
+            train_mlp=source.train_mlp,
+            train_attn=source.train_attn,
+            train_unembed=source.train_unembed,
+        )
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank

@@ -159,13 +159,7 @@ async def create_training_run(
     session_id: str, body: TrainingRunCreate, request: Request, key: ApiKey = Depends(api_key)
 ):
     svc = service_of(request)
-    lora = LoRAConfig(
-        rank=body.lora_rank,
-        seed=body.seed,
-        train_mlp=body.train_mlp,
-        train_attn=body.train_attn,
-        train_unembed=body.train_unembed,
-    )
+    lora = LoRAConfig.named_by(body)
     labels = RunLabels(body.name, tuple(body.tags), body.user_metadata or {})
     r = svc.runs.create_training_run(
         key,

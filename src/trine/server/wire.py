@@ -145,14 +145,7 @@ def parse_event(body: bytes) -> tuple[Envelope, TrainingCommand, str, dict]:
 def parse_command(type_: str, payload: dict) -> TrainingCommand:
     if type_ == INIT_RUN:
         p = parse_model(InitRunPayload, payload, "payload")
-        c = p.lora_config
-        lora = LoRAConfig(
-            rank=c.rank,
-            seed=c.seed,
-            train_mlp=c.train_mlp,
-            train_attn=c.train_attn,
-            train_unembed=c.train_unembed,
-        )
+        lora = LoRAConfig.named_by(p.lora_config)
         return InitByUri(
             lora=lora,
             base_model=p.base_model,

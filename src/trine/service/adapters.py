@@ -115,13 +115,7 @@ class AdapterCache:
 
     async def _spill(self, rep: Replica, ck: Checkpoint) -> None:
         path = str(self.store.checkpoint_dir / ck.api_key_id / ck.training_run_id / "weights" / ck.name)
-        lora = LoRAConfig(
-            rank=ck.lora_rank,
-            train_attn=ck.train_attn,
-            train_mlp=ck.train_mlp,
-            train_unembed=ck.train_unembed,
-            seed=ck.seed or 0,
-        )
+        lora = LoRAConfig.named_by(ck)
         try:
             size = await rep.engine.spill_adapter(ck.id, lora, path)
         except Exception as e:

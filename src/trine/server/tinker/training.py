@@ -248,16 +248,6 @@ def _json_reply(obj) -> Shape:
     return shape
 
 
-def _lora(run) -> LoRAConfig:
-    return LoRAConfig(
-        rank=run.lora_rank,
-        seed=run.seed,
-        train_mlp=run.train_mlp,
-        train_attn=run.train_attn,
-        train_unembed=run.train_unembed,
-    )
-
-
 # ---------------------------------------------------------------------------- models
 async def _create(
     svc: Service,
@@ -299,18 +289,12 @@ async def create_model(request: Request):
             b.session_id,
             TrainingRunSpec(
                 b.base_model,
-                LoRAConfig(
-                    rank=lora.rank,
-                    seed=lora.seed,
-                    train_mlp=lora.train_mlp,
-                    train_attn=lora.train_attn,
-                    train_unembed=lora.train_unembed,
-                ),
+                LoRAConfig.named_by(lora),
                 labels=RunLabels(user_metadata=b.user_metadata or {}),
                 optimizer=optimizer,
             ),
         ),
-        lambda run: InitByUri(lora=_lora(run), base_model=run.base_model),
+        lambda run: InitByUri(lora=LoRAConfig.named_by(run), base_model=run.base_model),
         {"type": "create_model"},
         b,
     )
@@ -342,7 +326,9 @@ async def load_weights(request: Request):
                     optimizer=_optimizer(b.optimizer_config),
                 ),
             ),
-            lambda run: InitByUri(lora=_lora(run), checkpoint_uri=uri, load_optimizer=b.optimizer),
+            lambda run: InitByUri(
+                lora=LoRAConfig.named_by(run), checkpoint_uri=uri, load_optimizer=b.optimizer
+            ),
             reply,
             b,
         )
@@ -351,7 +337,9 @@ async def load_weights(request: Request):
     m = st.model(key, b.model_id)
     run = svc.ownership.training_run(key, m.run_id)
     command = _command_or_refusal(
-        lambda: InitByUri(lora=_lora(run), checkpoint_uri=to_trio_uri(b.path), load_optimizer=b.optimizer)
+        lambda: InitByUri(
+            lora=LoRAConfig.named_by(run), checkpoint_uri=to_trio_uri(b.path), load_optimizer=b.optimizer
+        )
     )
     return await _submit(
         svc, st, key, b.model_id, m, b.seq_id, command, _json_reply({**reply, "model_id": b.model_id}), b
