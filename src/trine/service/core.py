@@ -26,7 +26,8 @@ inflight samplers follow), gc.py (restart recovery, expiry, idle
 runs), faults.py (lost engine replicas), routing.py (prefix-aware routing across replicas),
 models.py (base models, engine replicas, run placement), scheduler.py and ordering.py (clock
 cycles), quotas.py (per-key limits), idempotency.py (one request id, one piece of work),
-gate.py (no new work while draining for shutdown or short of disk space).
+gate.py (no new work while draining for shutdown or short of disk space), meter.py (the usage,
+cost and timing rows of every sample and event).
 
 Shutdown (`drain(seconds)`, then `stop()`): new work is refused at once (503
 `server_shutting_down`, Retry-After); accepted events and running samples get until the deadline
