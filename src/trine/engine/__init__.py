@@ -2,20 +2,18 @@
 
 Importing it (before torch) sets how OpenMP's threads wait between parallel regions, unless the
 environment already says (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`): libgomp's threads spin
-`SPIN_COUNT` times, about 0.3 ms on the 2-vCPU Xeon, then sleep (`GOMP_SPINCOUNT`; Intel's libiomp,
-which has no such count, sleeps at once: `KMP_BLOCKTIME=0`). A thread that has gone to sleep costs
-the next op a wake-up (on a VM, tens of microseconds), and the Python between a forward's ops is
-often longer than a short spin: a GRPO decode step took 97 ms with a 30 us spin and 84 ms with
-0.3 ms. Spinning is a loss only beside other busy processes, where threads that wait on each other
-burn their slices; there the engine runs on fewer threads (runtime/cpu_share.py), and one thread
+`SPIN_COUNT` times, then sleep (`GOMP_SPINCOUNT`; Intel's libiomp, which has no such count, sleeps
+at once: `KMP_BLOCKTIME=0`). A thread that has gone to sleep costs the next op a wake-up, and the
+Python between a forward's ops is often longer than a short spin (the figures: docs/serving.md,
+"Shared CPU cores"). Spinning is a loss only beside other busy processes, where threads that wait
+on each other burn their slices; there the engine runs on fewer threads (runtime/cpu_share.py), and one thread
 waits for nobody. Spinning without end (libgomp's default) is no faster than this count and never
 lets an idle engine's threads sleep.
 
 `OMP_WAIT_POLICY=ACTIVE` goes with the count (which still bounds the spin) for one reason: when two
 threads have run parallel regions (a server's engine thread and its main thread), libgomp counts
 more of its threads than cores and cuts every spin to a "throttled" count: 100 by default, 1000
-under ACTIVE. At 100 every op of the engine's forward paid a wake-up: a small op took 65-75 us
-instead of 4, and a decode-heavy batch ran 22 % slower in the engine thread than in the main one.
+under ACTIVE; at 100 every op of the engine thread's forward paid a wake-up.
 
 Importing it also keeps freed large blocks in the C allocator's heap for the next step (malloc.py):
 otherwise every step's tensors of a few MB page-fault in afresh.
@@ -26,9 +24,7 @@ import sys
 
 from .malloc import keep_freed_memory
 
-# Pause-loop iterations (a pause is 9.5 ns on the 2-vCPU Xeon). benchmarks/cpu_share.py there, 8
-# sequences decoding, tokens/s alone and beside a 1-core hog with the engine's CpuShare: 3000 140 /
-# 98, 30000 167 / 98; without CpuShare 30000 keeps only 44 beside the hog (fair share: half of alone).
+# Pause-loop iterations between parallel regions (benchmarks/cpu_share.py compares counts).
 SPIN_COUNT = 30000
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one, set by the operator, is kept
 

@@ -1,8 +1,8 @@
 """RMSNorm and RoPE of inference forwards, each one pass over its rows: a C kernel (fused_ops.c).
 
 torch runs RMSNorm as five elementwise ops and RoPE as four over a strided view, each a full read
-and write of the tensor: about a tenth of a 1,280-token prefill chunk on the 2-vCPU Xeon, and a
-few microseconds of dispatch each in a decode step.
+and write of the tensor, and a few microseconds of dispatch each in a decode step (docs/serving.md,
+"Where the engine's constants come from").
 
 Invariants
 - Used under `torch.inference_mode` (the sampler's forwards) for CPU fp32 tensors, with torch's

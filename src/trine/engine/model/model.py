@@ -184,8 +184,8 @@ class KVContext:
     def query_blocks(self) -> list[tuple[int, int, int]]:
         """(first query, end, keys any of them sees) per block of `QUERY_BLOCK` queries, for
         attention over gathered keys: a causal prefill chunk's early queries see few keys, and
-        SDPA over a mask computes every key of it (query blocks of 64: 17-30 % less SDPA time at 4
-        x 512 and 5 x 256 tokens on the 2-vCPU Xeon). One block of every query unless that saves
+        SDPA over a mask computes every key of it (docs/serving.md, "Where the engine's constants
+        come from"). One block of every query unless that saves
         a fifth of the scores, or with torch's batch-invariant mode (its attention tiles keys
         itself)."""
         if self._query_blocks is None:
@@ -302,9 +302,8 @@ def _grouped_sdpa(q, k, v, mask) -> torch.Tensor:
     """SDPA of q [rows, H, Q, D] over k/v [rows, KVH, L, D], the query heads that share a key/value
     head stacked as one head of `H // KVH * Q` queries (`mask` from `KVContext.grouped_mask`).
     The same attention as `enable_gqa`, in fewer, larger blocks: CPU flash attention splits work
-    by (row, head, block of queries), so 9 heads of 65 chat-turn queries over 1,120 keys ran as 27
-    tasks with a one-query tail each, and as 3 heads of 195 queries 20 % faster (1.0 against
-    1.25 ms a layer on the 2-vCPU Xeon, with its gather)."""
+    by (row, head, block of queries), so 9 heads of 65 chat-turn queries over 1,120 keys run as 27
+    tasks with a one-query tail each, and as 3 heads of 195 queries as 3 full ones."""
     rows, H, Q, D = q.shape
     out = F.scaled_dot_product_attention(q.reshape(rows, k.shape[1], -1, D), k, v, attn_mask=mask)
     return out.view(rows, H, Q, D)

@@ -2,10 +2,8 @@
 
 A decode step multiplies a few dozen rows by every weight of the model. MKL's plain sgemm repacks
 the weight into its kernel's layout on every such call, and at these sizes the repacking costs as
-much as the multiply. `cblas_sgemm_compute` on a weight packed once does not: measured on the 2-vCPU
-Xeon (fp32, 2 threads), SmolLM2-135M's gate/up projection (576 -> 3072) with 64 rows 0.80 -> 0.56 ms,
-with 8 rows 0.37 -> 0.14 ms, the 49152-wide LM head with 64 rows 14.0 -> 10.4 ms; still 3-22 %
-faster at 256-1024 rows, and within a few percent at 2048. torch exposes the path as
+much as the multiply. `cblas_sgemm_compute` on a weight packed once does not, up to `MAX_ROWS`
+rows (the figures: docs/serving.md, "Memory for packed weights"). torch exposes the path as
 `torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear` (what inductor uses for frozen CPU
 linears).
 
@@ -18,10 +16,9 @@ Invariants
   as they already do between row counts).
 - Packed copies take 2-9x their weight's memory (MKL adds about 10 MB of padding to each, which
   is never touched, so it is address space, not resident memory); those over `MAX_INFLATION` are
-  dropped (SmolLM2-135M keeps all 121 of its GEMMs, q/k/v and gate/up fused: 2.0 GB allocated,
-  about 0.5 GB resident). They are made lazily, at a weight's first few-row call, while all of
-  them fit in `budget_bytes()` (`TRINE_PACKED_GEMM_BYTES`, default 2 GiB; 0 turns the path off);
-  past it, F.linear.
+  dropped. They are made lazily, at a weight's first few-row call, while all of them fit in
+  `budget_bytes()` (`TRINE_PACKED_GEMM_BYTES`, default 2 GiB; 0 turns the path off); past it,
+  F.linear.
 - Each owner (a module) keeps one packed copy, of the weight it last multiplied. The copy is made
   again when the weight is another tensor or was changed in place (its data pointer, shape, strides
   or version counter differ); the cache holds the weight it packed, so a freed weight's address
@@ -30,10 +27,7 @@ Invariants
   packed for, else it falls back to sgemm; MKL's packed layout is valid for any count (checked
   once per process against F.linear: `available()`), so each call passes its own rows. The count
   given when packing (`PACK_ROWS`) sets the blocking MKL packs for, and so the speed, not the size
-  or the result: packed for 64 rows, a 65-row call over the 120 body weights ran in 56 ms, packed
-  for 256 in 49-50 ms (as fast as 64 rows), 128 rows 90-91 against 75-81 ms, 256 rows 160-166
-  against 147 ms (2-vCPU Xeon, `benchmarks/forward_rows.py --pack-rows 64` and `256`); the LM
-  head at 256 rows 62 against 42 ms; at 64 rows or fewer no difference.
+  or the result (`benchmarks/forward_rows.py --pack-rows N` measures it).
 """
 
 from __future__ import annotations
@@ -45,8 +39,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-# Up to this many rows the packed path is faster than sgemm; above, within a few percent (6 layers'
-# GEMMs: 256 rows 32 against 39 ms, 512 63 against 68, 1024 129 against 133, 2048 270 against 273).
+# Up to this many rows the packed path is faster than sgemm; above, within a few percent
+# (`benchmarks/forward_rows.py`).
 MAX_ROWS = 1024
 PACK_ROWS = 256  # the row count packing is told: any is correct, this one fastest (docstring)
 # A copy this many times its weight's size is dropped. MKL pads each copy by about 10 MB, so small

@@ -27,11 +27,9 @@ import torch
 
 from .cbuild import Kernel
 
-# Queries per packed row. Up to it the kernel is faster than SDPA over a gathered copy, measured
-# per layer on the 2-vCPU Xeon, SmolLM2-135M's 9/3 heads: 64 sequences x 288 keys 1.2 against 2.5
-# ms; 8 samples x 184 own keys after a 64-token prompt 1.1 against 2.5 ms; a GRPO group (8 samples
-# after a 512-token prompt) 0.39-0.47 against 0.43-0.62 ms; 16 queries over 1136 shared keys 0.43
-# against 0.44 ms. A prefill chunk's 80 queries over them: 1.9 against 1.4 ms (SDPA's GEMMs).
+# Queries per packed row. Up to it the kernel is faster than SDPA over a gathered copy; a prefill
+# chunk's many queries are faster through SDPA's GEMMs (docs/serving.md, "Where the engine's
+# constants come from").
 MAX_QUERIES = 16
 # Reassociation lets the dot products and sums vectorize (1.2-1.4x). Not -ffinite-math-only: the
 # kernel starts each running max at -inf.

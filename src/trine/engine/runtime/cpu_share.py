@@ -1,11 +1,10 @@
 """How many intra-op threads the engine runs on: its own count, less the cores other processes use.
 
 trine.engine makes OpenMP's threads spin a while between parallel regions (`SPIN_COUNT`), because a
-thread that has gone to sleep costs the next op a wake-up: on the 2-vCPU Xeon a GRPO decode step
-took 97 ms with a 30 us spin and 84 ms with a 0.3 ms one. Beside another busy process the same
-spin is a loss: two threads that wait on each other, one of them descheduled, burn their slices
-spinning (decoding beside a 1-core CPU hog kept 0.26-0.29 of its speed alone with the long spin,
-where a fair share of 2 cores is 0.5). One thread waits for nobody. So the engine measures, every
+thread that has gone to sleep costs the next op a wake-up (docs/serving.md, "Shared CPU cores").
+Beside another busy process the same spin is a loss: two threads that wait on each other, one of
+them descheduled, burn their slices spinning, and decoding keeps well under a fair share of its
+speed alone. One thread waits for nobody. So the engine measures, every
 `INTERVAL` seconds of work, how busy the CPUs it may run on were and how much of that was this
 process; the rest is other processes, and the engine runs on the cores they leave it.
 

@@ -69,12 +69,12 @@ from .prompt_scores import reads_cached_scores, serves_scores
 from .sequence import Request, Sequence
 
 TENANT_SHARE = 0.5  # of max_running and of the KV pool, per tenant while another one is active
-# Prefill rows below which a chunk is not cut while others decode: this 2-core Xeon's fp32 GEMMs
-# (SmolLM2-135M's shapes) run at ~190 GFLOP/s with 39 rows, ~275 with 128, ~285 with 256.
+# Prefill rows below which a chunk is not cut while others decode: fp32 GEMMs of fewer rows run well
+# below their peak rate (docs/serving.md, "Where the engine's constants come from").
 MIN_PREFILL_TOKENS = 128
 # Positions a prefill chunk needs for its seconds to show the engine's prefill rate: a smaller one
-# is mostly the fixed cost of a forward (every weight read once). Measured on the 2-vCPU Xeon,
-# SmolLM2-135M: 80 positions 0.15 s (530/s), 512 0.47 s (1100/s), 1024 0.82 s (1250/s).
+# is mostly the fixed cost of a forward (every weight read once; docs/serving.md, "Where the
+# engine's constants come from").
 RATE_POSITIONS = 512
 BURST_SECONDS = 0.5  # requests arriving within this of one another are one batch sent together
 BURST_STALL_SECONDS = 5.0  # the most a batch's first sequences wait, undecoded, for its other prompts
