@@ -149,7 +149,7 @@ def key_hint(store, home: Path, new_key: str | None) -> str:
     "--batch-invariant",
     is_flag=True,
     help="Batch-invariant kernels: the sampler's logprobs equal the trainer's bit for bit "
-    "(slower; see the README).",
+    "(slower; see docs/numerics.md).",
 )
 @click.option(
     "--train-prefix-sharing/--no-train-prefix-sharing",

@@ -1,4 +1,4 @@
-"""The engine: models, sampler, trainer and the runtimes that host them (see layout in README).
+"""The engine: models, sampler, trainer and the runtimes that host them (see the layout in the README).
 
 Importing it (before torch) sets how OpenMP's threads wait between parallel regions, unless the
 environment already says (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`): libgomp's threads spin

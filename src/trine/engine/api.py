@@ -10,7 +10,7 @@ only where the meaning differs (service/commands.py: a save by name, an init fro
 Invariants
 - Plain dataclasses of ints, floats, strings, lists and each other, built with keywords: no torch,
   no live objects, no closures. They pickle to a Ray replica unchanged. This module imports nothing
-  from torch (tests/engine/test_api.py checks it).
+  from torch (tests/test_layering.py checks it).
 - Usage is exact: `prompt_tokens == prefill_tokens + cached_tokens` for every SampleUsage.
 - A `Forward` reaches the trainer prepared (`engine/prepare.py`): every datum validated against the
   model, counted once (`counts`), the denominator resolved. The trainer trusts it.

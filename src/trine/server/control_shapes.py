@@ -20,7 +20,7 @@ def _model_id(svc: Service, name: str) -> str:
     """The model_id PyTRIO clients see for a record's base model (its name if no longer served).
 
     The one server path a response carries, on purpose: the official client loads its tokenizer
-    from `model_id` (a local directory, reference/pytrio-protocol.md section 9) and compares
+    from `model_id` (a local directory, ../shared/reference/pytrio-protocol.md section 9) and compares
     `by-checkpoint-uri`'s `base_model` with it. Every other `base_model` is the model's name."""
     m = svc.queries.find_model(name)
     return m.model_id if m else name

@@ -1,4 +1,4 @@
-"""Lost engine replicas: what the service does when one dies (README "Scaling out").
+"""Lost engine replicas: what the service does when one dies (docs/ray.md).
 
 Each replica is watched (`Engine.lost()` returns only when it is gone); a call that raises
 `EngineLost` reports the loss too, whichever comes first.

@@ -1,4 +1,4 @@
-"""Prefix-aware routing of sample requests across a model's engine replicas (README "Scaling out").
+"""Prefix-aware routing of sample requests across a model's engine replicas (docs/ray.md).
 
 A request's prompt is cut into full blocks (the engine's KV block size). Each block gets a stable
 key: blake2b over (weights identity, the previous block's key, the block's token ids as little-

@@ -1,4 +1,4 @@
-"""The clock-cycle scheduler of one base model (README "What the server computes", "Train, step by
+"""The clock-cycle scheduler of one base model (docs/concepts.md, "Train, step by
 step").
 
 Cycles run one after another. Each takes, for every run with work at the head of its queue, that

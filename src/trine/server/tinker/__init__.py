@@ -2,7 +2,7 @@
 
 Same server, port, keys (in their `tml-` form) and service as the PyTRIO planes: runs, events,
 ordering, the prefix cache and metering are the service's; this package only translates. See
-docs/architecture.md ("Front ends") for the protocol and README "Tinker users" for the user's view.
+docs/architecture.md ("Front ends") for the protocol and docs/protocols/tinker.md for the user's view.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ async def asample(request: Request):
         stop_at_eos=not no_stop,  # Tinker: [] disables every stop, EOS included
         top_logprobs=top_logprobs,
     )
-    spec = SampleRequest(
+    req = SampleRequest(
         request_id=f"tk-{seq}",
         prompt=prompt,
         options=options,
@@ -145,18 +145,18 @@ async def asample(request: Request):
     )
     fingerprint = hashlib.sha256(json.dumps(b, sort_keys=True).encode()).hexdigest()
     record = bool(b.get("record_stability_info"))
-    sequence_ids = [f"{request_id}:{i}" for i in range(spec.num_samples)]
+    sequence_ids = [f"{request_id}:{i}" for i in range(req.num_samples)]
 
     async def finish() -> Reply:
         try:
-            out = await svc.sampling.sample(key, run.id, spec, fingerprint)
+            out = await svc.sampling.sample(key, run.id, req, fingerprint)
         except SampleCancelled:
             raise Failure(f"sample {request_id} was cancelled (cancel_future)") from None
         if record:
             for seq_id, s in zip(sequence_ids, out.sequences):
                 st.stability.record(key.id, seq_id, s.tokens, s.logprobs)
         plp = out.prompt_logprobs if b.get("prompt_logprobs") else None
-        rows, k = len(spec.prompt) - 1, spec.prompt_alt_tokens_k
+        rows, k = len(req.prompt) - 1, req.prompt_alt_tokens_k
         alt = (
             None
             if not k
@@ -175,10 +175,10 @@ async def asample(request: Request):
                 [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences],
                 plp,
                 out.topk_prompt_logprobs,
-                spec.topk_prompt_logprobs,
+                req.topk_prompt_logprobs,
                 out.usage["cached_tokens"],
                 sequence_topk=[s.top_logprobs for s in out.sequences],
-                sequence_topk_k=spec.options.top_logprobs,
+                sequence_topk_k=req.options.top_logprobs,
                 target_prompt_logprobs=target,
                 prompt_alt_tokens=alt,
                 weights_versions=[s.weights_versions for s in out.sequences],
