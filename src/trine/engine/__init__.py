@@ -6,9 +6,9 @@ environment already says (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`): libgomp's thre
 at once: `KMP_BLOCKTIME=0`). A thread that has gone to sleep costs the next op a wake-up, and the
 Python between a forward's ops is often longer than a short spin (the figures: docs/serving.md,
 "Shared CPU cores"). Spinning is a loss only beside other busy processes, where threads that wait
-on each other burn their slices; there the engine runs on fewer threads (runtime/cpu_share.py), and one thread
-waits for nobody. Spinning without end (libgomp's default) is no faster than this count and never
-lets an idle engine's threads sleep.
+on each other burn their slices; there the engine runs on fewer threads (runtime/cpu_share.py),
+and one thread waits for nobody. Spinning without end (libgomp's default) is no faster than this
+count and never lets an idle engine's threads sleep.
 
 `OMP_WAIT_POLICY=ACTIVE` goes with the count (which still bounds the spin) for one reason: when two
 threads have run parallel regions (a server's engine thread and its main thread), libgomp counts

@@ -15,6 +15,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from ..engine.api import EngineLost, LoRAConfig
@@ -115,7 +116,8 @@ class AdapterCache:
 
     async def _spill(self, rep: Replica, ck: Checkpoint) -> None:
         path = str(self.store.checkpoint_dir / ck.api_key_id / ck.training_run_id / "weights" / ck.name)
-        lora = LoRAConfig.named_by(ck)
+        # the spilled file's metadata names the seed the adapter was made with: 0 when the run gave none
+        lora = dataclasses.replace(LoRAConfig.named_by(ck), seed=ck.seed or 0)
         try:
             size = await rep.engine.spill_adapter(ck.id, lora, path)
         except Exception as e:

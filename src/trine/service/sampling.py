@@ -44,6 +44,7 @@ from ..engine.api import (
     SampleDelta,
     SampleRequest,
     SampleResult,
+    SampleUsage,
     WeightsIdentity,
 )
 from ..metering.diagnostics import PrefixDiagnostics
@@ -375,7 +376,7 @@ class Sampling:
                 self.store.add_sample_result(*self._unwritten[0])
                 self._unwritten.pop(0)
 
-    def _store_cancelled(self, work: SampleWork, usage) -> None:
+    def _store_cancelled(self, work: SampleWork, usage: SampleUsage) -> None:
         """Store what a cancelled request computed: its usage and timing rows."""
         metered = self.meter.sample(work, usage, "cancelled")
         self.store.add_usage(metered.usage)
@@ -424,7 +425,10 @@ class Sampling:
             log.exception("prefix diagnostics failed")
 
 
-def _work(key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest, rep: Replica, accepted: float):
+def _work(
+    key: ApiKey, r: SamplingRun, m: ServedModel, req: SampleRequest, rep: Replica, accepted: float
+) -> SampleWork:
+    """What a request's usage and timing rows name: its caller, its run, where it ran, when it came."""
     return SampleWork(key.id, r.session_id, r.id, m.name, req.request_id, req.generate, rep.index, accepted)
 
 

@@ -185,9 +185,8 @@ class KVContext:
         """(first query, end, keys any of them sees) per block of `QUERY_BLOCK` queries, for
         attention over gathered keys: a causal prefill chunk's early queries see few keys, and
         SDPA over a mask computes every key of it (docs/serving.md, "Where the engine's constants
-        come from"). One block of every query unless that saves
-        a fifth of the scores, or with torch's batch-invariant mode (its attention tiles keys
-        itself)."""
+        come from"). One block of every query unless that saves a fifth of the scores, or with
+        torch's batch-invariant mode (its attention tiles keys itself)."""
         if self._query_blocks is None:
             mask = self.attn_mask  # [rows, 1, T, L]
             T, L = mask.shape[2], mask.shape[3]
@@ -303,7 +302,8 @@ def _grouped_sdpa(q, k, v, mask) -> torch.Tensor:
     head stacked as one head of `H // KVH * Q` queries (`mask` from `KVContext.grouped_mask`).
     The same attention as `enable_gqa`, in fewer, larger blocks: CPU flash attention splits work
     by (row, head, block of queries), so 9 heads of 65 chat-turn queries over 1,120 keys run as 27
-    tasks with a one-query tail each, and as 3 heads of 195 queries as 3 full ones."""
+    tasks with a one-query tail each; stacked as 3 heads of 195 queries they run as fewer, fuller
+    tasks (docs/serving.md, "Where the engine's constants come from")."""
     rows, H, Q, D = q.shape
     out = F.scaled_dot_product_attention(q.reshape(rows, k.shape[1], -1, D), k, v, attn_mask=mask)
     return out.view(rows, H, Q, D)
