@@ -117,7 +117,7 @@ def main() -> None:
         store = Store(home)
         t0 = time.perf_counter()
         run_id, key_id = build(store, args.steps, args.batch, args.seq)
-        queries, key = Queries(store, Ownership(store), {}), store.key(key_id)
+        queries, key = Queries(store=store, ownership=Ownership(store=store), models={}), store.key(key_id)
         print(f"built {2 * args.steps} events in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         base, warm, cold = [], [], []
         for _ in range(args.repeats):

@@ -27,7 +27,7 @@ def env(tmp_path):
     store = Store(tmp_path)
     key, _ = store.create_key("alice")
     store.add_session(Session("ss_1", key.id, "ACTIVE", "test", T0, T0))
-    traces = Traces(store, Ownership(store), RateCard.load(home=tmp_path))
+    traces = Traces(store=store, ownership=Ownership(store=store), rate_card=RateCard.load(home=tmp_path))
     yield store, key, traces
     store.close()
 

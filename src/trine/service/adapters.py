@@ -21,6 +21,7 @@ import logging
 from ..engine.api import EngineLost, LoRAConfig
 from ..engine.trainer.checkpoint import by_uri
 from ..store import Checkpoint, Store
+from .callbacks import OnLoop, Spawn
 from .errors import Conflict
 from .models import Replica
 
@@ -28,7 +29,7 @@ log = logging.getLogger("trine.service")
 
 
 class AdapterCache:
-    def __init__(self, store: Store, max_adapters: int, spawn, on_loop):
+    def __init__(self, *, store: Store, max_adapters: int, spawn: Spawn, on_loop: OnLoop):
         self.store = store
         self.max_adapters = max_adapters
         self._spawn = spawn  # runs a coroutine in the background (the service's task set)

@@ -30,7 +30,7 @@ from .ownership import Ownership
 
 class Checkpoints:
     def __init__(
-        self, store: Store, ownership: Ownership, models: dict[str, ServedModel], adapters: AdapterCache
+        self, *, store: Store, ownership: Ownership, models: dict[str, ServedModel], adapters: AdapterCache
     ):
         self.store = store
         self.ownership = ownership

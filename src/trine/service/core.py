@@ -46,7 +46,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 from ..diskspace import DEFAULT_RESERVE_BYTES
 from ..engine.interface import Engine
@@ -143,14 +143,20 @@ class Service:
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self.started_at = time.time()
 
-        self.meter = Meter(self.rate_card)  # usage, cost and timing of every sample and event
-        self.ownership = Ownership(store)
-        self.gate = WorkGate(store.home, store.checkpoint_dir, disk_reserve_bytes)
+        self.meter = Meter(rate_card=self.rate_card)  # usage, cost and timing of every sample and event
+        self.ownership = Ownership(store=store)
+        self.gate = WorkGate(
+            data_dir=store.home, checkpoint_dir=store.checkpoint_dir, reserve_bytes=disk_reserve_bytes
+        )
         self.activity = Activity()
-        self.adapters = AdapterCache(store, max_adapters, self._spawn, self._on_loop)
-        self.checkpoints = Checkpoints(store, self.ownership, self.models, self.adapters)
-        self.quotas = KeyQuotas(store, self.models, key_limits)
-        self.inflight = Inflight(store, self.adapters, self._spawn)
+        self.adapters = AdapterCache(
+            store=store, max_adapters=max_adapters, spawn=self._spawn, on_loop=self._on_loop
+        )
+        self.checkpoints = Checkpoints(
+            store=store, ownership=self.ownership, models=self.models, adapters=self.adapters
+        )
+        self.quotas = KeyQuotas(store=store, models=self.models, limits=key_limits)
+        self.inflight = Inflight(store=store, adapters=self.adapters, spawn=self._spawn)
         self.events = Events(
             store,
             self.ownership,
@@ -164,35 +170,41 @@ class Service:
             gate=self.gate,
             missing_index_seconds=missing_index_seconds,
         )
-        self.faults = Faults(store, self.events)
+        self.faults = Faults(store=store, events=self.events)
         self.runs = Runs(
-            store,
-            self.ownership,
-            self.models,
-            self.checkpoints,
-            self.activity,
-            self.events,
-            self.quotas,
-            self.inflight,
-            gate=self.gate,
-        )
-        self.sampling = Sampling(
-            store,
-            self.ownership,
-            self.models,
-            self.adapters,
-            self.meter,
-            self._spawn,
-            self._replica_lost,
-            router or Router(),
+            store=store,
+            ownership=self.ownership,
+            models=self.models,
+            checkpoints=self.checkpoints,
+            activity=self.activity,
+            events=self.events,
+            quotas=self.quotas,
             inflight=self.inflight,
             gate=self.gate,
         )
-        self.queries = Queries(store, self.ownership, self.models)
-        self.metrics = Metrics(store, self.ownership)
-        self.traces = Traces(store, self.ownership, self.rate_card)
+        self.sampling = Sampling(
+            store=store,
+            ownership=self.ownership,
+            models=self.models,
+            adapters=self.adapters,
+            meter=self.meter,
+            spawn=self._spawn,
+            on_lost=self._replica_lost,
+            router=router or Router(),
+            inflight=self.inflight,
+            gate=self.gate,
+        )
+        self.queries = Queries(store=store, ownership=self.ownership, models=self.models)
+        self.metrics = Metrics(store=store, ownership=self.ownership)
+        self.traces = Traces(store=store, ownership=self.ownership, rate_card=self.rate_card)
         self.gc = GarbageCollector(
-            store, self.models, self.checkpoints, self.runs, self.events, self.activity, run_idle_seconds
+            store=store,
+            models=self.models,
+            checkpoints=self.checkpoints,
+            runs=self.runs,
+            events=self.events,
+            activity=self.activity,
+            run_idle_seconds=run_idle_seconds,
         )
         # the calls embedders and tests reach for first
         self.authenticate = self.ownership.authenticate
@@ -299,7 +311,7 @@ class Service:
     def _replica_lost(self, m: ServedModel, rep: Replica, reason: str) -> None:
         self.faults.lost(m, rep, reason)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

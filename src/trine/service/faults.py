@@ -23,7 +23,7 @@ log = logging.getLogger("trine.service")
 
 
 class Faults:
-    def __init__(self, store: Store, events: Events):
+    def __init__(self, *, store: Store, events: Events):
         self.store = store
         self.events = events
         self.stopping = False  # set by Service.stop: replicas going away then are not faults

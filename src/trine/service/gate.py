@@ -21,7 +21,7 @@ RESTART_SECONDS = 30  # about how long a restart takes: added to a refusal's Ret
 
 
 class WorkGate:
-    def __init__(self, data_dir: Path, checkpoint_dir: Path, reserve_bytes: int = DEFAULT_RESERVE_BYTES):
+    def __init__(self, *, data_dir: Path, checkpoint_dir: Path, reserve_bytes: int = DEFAULT_RESERVE_BYTES):
         self.data_dir = data_dir
         self.checkpoint_dir = checkpoint_dir
         self.reserve_bytes = reserve_bytes

@@ -27,6 +27,7 @@ log = logging.getLogger("trine.service")
 class GarbageCollector:
     def __init__(
         self,
+        *,
         store: Store,
         models: dict[str, ServedModel],
         checkpoints: Checkpoints,

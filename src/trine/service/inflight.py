@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from ..engine.api import EngineLost
 from ..store import SamplingRun, Store
 from .adapters import AdapterCache
+from .callbacks import Spawn
 from .errors import Conflict
 from .models import Replica, ServedModel
 
@@ -41,7 +42,7 @@ class Target:
 
 
 class Inflight:
-    def __init__(self, store: Store, adapters: AdapterCache, spawn):
+    def __init__(self, *, store: Store, adapters: AdapterCache, spawn: Spawn):
         self.store = store
         self.adapters = adapters
         self._spawn = spawn  # runs a coroutine in the background

@@ -58,7 +58,7 @@ class SampleWork:
 class Meter:
     """Builds `Metered` rows, priced by `rate_card`."""
 
-    def __init__(self, rate_card: RateCard):
+    def __init__(self, *, rate_card: RateCard):
         self.rate_card = rate_card
 
     def sample(self, work: SampleWork, usage: SampleUsage, status: str = "succeeded") -> Metered:

@@ -27,7 +27,7 @@ MAX_POINTS_PER_RUN = 1_000_000
 
 
 class Metrics:
-    def __init__(self, store: Store, ownership: Ownership):
+    def __init__(self, *, store: Store, ownership: Ownership):
         self.store = store
         self.ownership = ownership
 

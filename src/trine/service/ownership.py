@@ -21,7 +21,7 @@ def owned(record, key: ApiKey, what: str, code: str, hint: str = ""):
 
 
 class Ownership:
-    def __init__(self, store: Store):
+    def __init__(self, *, store: Store):
         self.store = store
 
     def authenticate(self, secret: str | None) -> ApiKey:

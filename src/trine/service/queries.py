@@ -55,7 +55,7 @@ class UsageLedger:
 
 
 class Queries:
-    def __init__(self, store: Store, ownership: Ownership, models: dict[str, ServedModel]):
+    def __init__(self, *, store: Store, ownership: Ownership, models: dict[str, ServedModel]):
         self._store = store
         self._ownership = ownership
         self._models = models

@@ -27,7 +27,7 @@ def adapter_bytes(m: ServedModel, rank: int, train_mlp: bool, train_attn: bool, 
 
 
 class KeyQuotas:
-    def __init__(self, store: Store, models: dict[str, ServedModel], limits: KeyLimits | None = None):
+    def __init__(self, *, store: Store, models: dict[str, ServedModel], limits: KeyLimits | None = None):
         self.store = store
         self.models = models
         self.limits = limits or KeyLimits()

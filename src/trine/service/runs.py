@@ -41,6 +41,7 @@ log = logging.getLogger("trine.service")
 class Runs:
     def __init__(
         self,
+        *,
         store: Store,
         ownership: Ownership,
         models: dict[str, ServedModel],

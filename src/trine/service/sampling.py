@@ -50,6 +50,7 @@ from ..engine.api import (
 from ..metering.diagnostics import PrefixDiagnostics
 from ..store import ApiKey, SamplingRun, Store
 from .adapters import AdapterCache
+from .callbacks import ReplicaLost, Spawn
 from .errors import Conflict, InvalidRequest, ServiceError, ShuttingDown
 from .gate import RESTART_SECONDS, WorkGate
 from .idempotency import SingleFlight
@@ -64,15 +65,15 @@ log = logging.getLogger("trine.service")
 RECENT_OUTCOMES = 1024
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Sampling:
     store: Store
     ownership: Ownership
     models: dict[str, ServedModel]
     adapters: AdapterCache
     meter: Meter  # usage, cost and timing of each finished or cancelled request
-    spawn: object  # runs a coroutine in the background
-    on_lost: object  # (model, replica, reason): a replica died (faults.py)
+    spawn: Spawn
+    on_lost: ReplicaLost
     router: Router = field(default_factory=Router)
     diagnostics: PrefixDiagnostics = field(default_factory=PrefixDiagnostics)
     _running: SingleFlight = field(

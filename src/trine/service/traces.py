@@ -72,7 +72,7 @@ class Timeline:
 
 
 class Traces:
-    def __init__(self, store: Store, ownership: Ownership, rate_card: RateCard):
+    def __init__(self, *, store: Store, ownership: Ownership, rate_card: RateCard):
         self._store = store
         self._ownership = ownership
         self._rates = rate_card
