@@ -120,7 +120,7 @@ def test_a_full_disk_during_an_openai_request_is_507_not_500(server, monkeypatch
     async def full(*args, **kw):
         raise DiskFull(server.service.store.path, "database write", free=0)
 
-    monkeypatch.setattr(sampling, "_record", full)
+    monkeypatch.setattr(sampling.records, "finished", full)
     r = openai_chat(server)
     assert r.status_code == 507 and r.json()["error"]["code"] == "disk_full", r.text
     assert_no_server_path(server, r.text)
