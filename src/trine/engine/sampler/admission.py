@@ -33,7 +33,7 @@ class FifoAdmission:
         self._queue.append(r)
 
     def peek(self, held: Collection[str] = ()) -> Request | None:
-        return next((r for r in self._queue if r.req.tenant not in held), None)
+        return next((r for r in self._queue if r.tenant not in held), None)
 
     def pop(self, r: Request) -> None:
         self.remove(r)
@@ -52,7 +52,7 @@ class FifoAdmission:
 
 def admission_cost(r: Request) -> int:
     """Tokens a request may cost the engine: its prompt, plus every sample's `max_tokens`."""
-    return len(r.req.prompt) + r.samples * r.max_new
+    return len(r.prompt) + r.samples * r.max_new
 
 
 class FairAdmission:
@@ -71,7 +71,7 @@ class FairAdmission:
         self._charged: dict[str, int] = {}  # of the waiting tenants only
 
     def push(self, r: Request) -> None:
-        t = r.req.tenant
+        t = r.tenant
         if t not in self._queues:
             self._charged[t] = min(self._charged.values(), default=0)
             self._queues[t] = deque()
@@ -82,12 +82,12 @@ class FairAdmission:
         return min(heads, key=lambda h: h[:2])[2] if heads else None
 
     def pop(self, r: Request) -> None:
-        self._charged[r.req.tenant] += admission_cost(r)
+        self._charged[r.tenant] += admission_cost(r)
         self.remove(r)
 
     def remove(self, r: Request) -> bool:
         """Take `r` out of its tenant's queue; False if it is not waiting."""
-        t = r.req.tenant
+        t = r.tenant
         q = self._queues.get(t)
         if q is None or r not in q:
             return False

@@ -58,7 +58,7 @@ class KVLayout:
         T, L = max(take for _, take in rows), max(ends)
         tokens = torch.zeros(len(rows), T, dtype=torch.long)
         for i, (r, _) in enumerate(rows):
-            tokens[i, : ends[i] - starts[i]] = torch.tensor(r.req.prompt[starts[i] : ends[i]])
+            tokens[i, : ends[i] - starts[i]] = torch.tensor(r.prompt[starts[i] : ends[i]])
         start = torch.tensor(starts)[:, None]
         positions = (start + torch.arange(T)[None]).to(dev)  # padded queries: past the end
         read = self.slots([r.blocks for r, _ in rows], L)
@@ -128,7 +128,7 @@ class KVLayout:
     def fork(self, r: Request) -> list[list[int]]:
         """The block tables of `r`'s samples once its prompt is prefilled: sample 0 takes the prompt
         blocks, the others share the full ones and get a copy of the partial last block."""
-        bs, n = self.block_size, len(r.req.prompt)
+        bs, n = self.block_size, len(r.prompt)
         full, partial = n // bs, n % bs
         tables = [list(r.blocks)]
         for j in range(1, r.samples):
@@ -146,11 +146,11 @@ class KVLayout:
         (none when nothing is keyed: no prefix cache, or a `mixed` request)."""
         if not self.prefix_cache or r.mixed:
             return range(0)
-        bs, w = self.block_size, r.req.weights
+        bs, w = self.block_size, r.weights
         completed = range(start // bs, end // bs)
         for b in completed:
             self.kv.register(
-                r.blocks[b], r.keys[b], r.keys[b - 1] if b else w, w, r.req.prompt[b * bs : (b + 1) * bs]
+                r.blocks[b], r.keys[b], r.keys[b - 1] if b else w, w, r.prompt[b * bs : (b + 1) * bs]
             )
         return completed
 
@@ -161,7 +161,7 @@ class KVLayout:
         full, partial = divmod(len(tokens), self.block_size)
         if not self.prefix_cache or r.mixed or not partial or len(keys) < full or len(blocks) <= full:
             return
-        w, rest = r.req.weights, tokens[full * self.block_size :]
+        w, rest = r.weights, tokens[full * self.block_size :]
         self.kv.register_tail(blocks[full], keys[full - 1] if full else w, w, rest)
 
     def cache_decoded(self, seqs: list[Sequence]) -> None:
@@ -172,7 +172,7 @@ class KVLayout:
         for s in seqs:
             if len(s.tokens) % bs == 0 and not s.request.mixed:
                 b = len(s.tokens) // bs - 1
-                w = s.request.req.weights
+                w = s.request.weights
                 parent = s.keys[b - 1] if b else w
                 toks = s.tokens[b * bs :]
                 s.keys.append(block_key(parent, toks))

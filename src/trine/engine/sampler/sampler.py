@@ -154,11 +154,11 @@ class Sampler:
         """Inflight target `target` now has weights `adapter` at `version`: every live request on
         it runs them from the next step (see the module docstring for its KV). Between steps only."""
         for r in self._live.values():
-            if not r.req.inflight or r.req.weights.adapter != target or r.version >= version:
+            if not r.inflight or r.weights.adapter != target or r.version >= version:
                 continue
             r.adapter, r.version = adapter, version
             if not r.started:  # no KV yet: it starts on the new weights, cache lookups included
-                w = r.req.weights
+                w = r.weights
                 r.req = dataclasses.replace(r.req, weights=WeightsIdentity(w.base_model, w.adapter, version))
 
     def reset_prefix_cache(self) -> int:
@@ -283,11 +283,11 @@ class Sampler:
             if r.prompt_left:
                 continue
             self._prompt_done(r)
-            if not r.req.generate:
+            if not r.generate:
                 finished.append(self._result(r))
                 continue
             forked += self._fork(r)
-            last.append((i, take - 1, r.req.num_samples))
+            last.append((i, take - 1, r.num_samples))
         if forked:
             dev = self.device
             rows_at = torch.tensor([i for i, _, _ in last], device=dev)
@@ -328,7 +328,7 @@ class Sampler:
     def _prompt_done(self, r: Request) -> None:
         r.usage.prefilled_at = time.time()
         if not r.samples:  # its blocks go back now: the prompt's partial last one stays cached
-            self.layout.cache_tail(r, r.blocks, r.keys, r.req.prompt)
+            self.layout.cache_tail(r, r.blocks, r.keys, r.prompt)
         self.scheduler.prompt_done(r)
         self._meter_prompt(r)
         self._counters["requests"] += 1
@@ -337,11 +337,11 @@ class Sampler:
 
     def _fork(self, r: Request) -> list[Sequence]:
         """The request's sequences, one per sample, on the block tables the layout forks."""
-        req, full = r.req, len(r.req.prompt) // self.block_size
+        full = len(r.prompt) // self.block_size
         reserve = self.scheduler.sample_reserve(r)
-        gens = generators(req.options.seed, req.num_samples)
+        gens = generators(r.options.seed, r.num_samples)
         r.seqs = [
-            Sequence(r, list(req.prompt), blocks, list(r.keys[:full]), gen, reserve, j)
+            Sequence(r, list(r.prompt), blocks, list(r.keys[:full]), gen, reserve, j)
             for j, (blocks, gen) in enumerate(zip(self.layout.fork(r), gens))
         ]
         r.running = len(r.seqs)
@@ -366,8 +366,8 @@ class Sampler:
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampleResult]:
         """Sample one token per sequence from `logits` [B, V], apply stops, retire finished ones."""
         logits = self.grammars.mask(seqs, logits)
-        options = [s.request.req.options for s in seqs]
-        histories = [(s.request.req.prompt, s.out) for s in seqs]  # what penalties count
+        options = [s.request.options for s in seqs]
+        histories = [(s.request.prompt, s.out) for s in seqs]  # what penalties count
         tokens, logprobs, tops = sample(logits, options, [s.gen for s in seqs], histories)
         finished = []
         for s, tok, lp, top in zip(seqs, tokens, logprobs, tops):
@@ -378,24 +378,24 @@ class Sampler:
             s.logprobs.append(lp)
             if top is not None:
                 s.top.append(top)
-            if r.req.inflight:
+            if r.inflight:
                 s.versions.append(r.version)
             r.usage.sample_tokens += 1
             self._counters["sample_tokens"] += 1
             s.stop_reason, s.text = r.stops.check(s.out, self.tokenizer)
             if s.stop_reason is not None:
                 self._retire(s)
-            if r.req.stream:
+            if r.stream:
                 self._deltas.append(
                     SampleDelta(
-                        r.req.request_id,
+                        r.request_id,
                         s.index,
                         [tok],
                         [lp],
                         None if top is None else [top],
                         s.stop_reason,
                         s.text if s.stop_reason else None,
-                        [r.version] if r.req.inflight else None,
+                        [r.version] if r.inflight else None,
                     )
                 )
             if r.running == 0:
@@ -415,8 +415,8 @@ class Sampler:
         r.usage.prefill_tokens = r.prefilled - r.cached
 
     def _result(self, r: Request) -> SampleResult:
-        self._live.pop(r.req.request_id, None)
-        k = r.req.options.top_logprobs
+        self._live.pop(r.request_id, None)
+        k = r.options.top_logprobs
         seqs = [
             SampledSequence(
                 s.out,
@@ -424,12 +424,12 @@ class Sampler:
                 s.text,
                 s.stop_reason,
                 s.top if k else None,
-                s.versions if r.req.inflight else None,
+                s.versions if r.inflight else None,
             )
             for s in r.seqs
         ]
         scores = r.scores.answer(r.req) if r.scores is not None else {"prompt_logprobs": None}
-        return SampleResult(r.req.request_id, seqs, usage=r.usage, **scores)
+        return SampleResult(r.request_id, seqs, usage=r.usage, **scores)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, req: SampleRequest, adapter: Adapter | None) -> None:

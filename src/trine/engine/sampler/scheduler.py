@@ -116,9 +116,9 @@ def fair_order(ready: list[Request], served: dict[str, int]) -> list[Request]:
     ties), and across tenants by the tokens the tenant would have been served once a prompt is
     done (`served[tenant]` + its prompts up to that one). With one tenant: fewest tokens left first."""
     finish: dict[int, int] = {}
-    total = dict.fromkeys((r.req.tenant for r in ready), 0)
+    total = dict.fromkeys((r.tenant for r in ready), 0)
     for r in sorted(ready, key=lambda r: r.prompt_left):  # stable: arrival order on ties
-        t = r.req.tenant
+        t = r.tenant
         total[t] += r.prompt_left
         finish[id(r)] = served.get(t, 0) + total[t]
     return sorted(ready, key=lambda r: (finish[id(r)], r.prompt_left, r.order))
@@ -203,7 +203,7 @@ class Scheduler:
 
     def sample_reserve(self, r: Request) -> int:
         """Blocks each sample of `r` may still allocate once forked (beyond its partial copy)."""
-        n = len(r.req.prompt)
+        n = len(r.prompt)
         return self._own_blocks(n, r.max_new) - int(n % self.block_size != 0)
 
     def grow(self, seqs: list[Sequence]) -> None:
@@ -224,7 +224,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ request lifecycle
     def add(self, r: Request) -> None:
-        r.arrived = self._seen[r.req.tenant] = self.clock()
+        r.arrived = self._seen[r.tenant] = self.clock()
         self._arrivals += 1
         r.order = self._arrivals
         self.waiting.push(r)
@@ -303,7 +303,7 @@ class Scheduler:
         decode a token per large chunk)."""
         reqs = [s.request for s in decoding] + ready
         times = [r.arrived for r in reqs]
-        one_tenant = len({r.req.tenant for r in reqs}) == 1
+        one_tenant = len({r.tenant for r in reqs}) == 1
         short = all(r.prompt_left <= self.max_batch_tokens for r in ready)
         return one_tenant and short and max(times) - min(times) <= self.burst_seconds
 
@@ -318,7 +318,7 @@ class Scheduler:
     def _served(self) -> dict[str, int]:
         """`prefill_served` for the tenants now prefilling: one that starts prefilling starts at
         the lowest count among those already there (no credit banked while it was idle)."""
-        tenants = {r.req.tenant for r in self.prefilling}
+        tenants = {r.tenant for r in self.prefilling}
         kept = {t: n for t, n in self.prefill_served.items() if t in tenants}
         floor = min(kept.values(), default=0)
         self.prefill_served = {t: kept.get(t, floor) for t in tenants}
@@ -327,7 +327,7 @@ class Scheduler:
     def prefilled(self, plan: StepPlan, seconds: float) -> None:
         """The step loop ran `plan.prefill` in `seconds`."""
         for r, take in plan.prefill:
-            t = r.req.tenant
+            t = r.tenant
             self.prefill_served[t] = self.prefill_served.get(t, 0) + take
         self.last_prefill = (len(plan.prefill) * max(take for _, take in plan.prefill), seconds)
         if (
@@ -389,10 +389,10 @@ class Scheduler:
         while (r := self.waiting.peek(held)) is not None:
             if (admitted or self.running or self.prefilling) and running + r.samples > self.max_running:
                 break
-            t = r.req.tenant
+            t = r.tenant
             if t in held:  # a policy that does not skip held tenants: nothing more this step
                 break
-            need = self.blocks_needed(len(r.req.prompt), r.max_new, r.samples)
+            need = self.blocks_needed(len(r.prompt), r.max_new, r.samples)
             if (
                 samples[t]
                 and t in shared
@@ -427,7 +427,7 @@ class Scheduler:
             self._hold(samples, blocks, r)
         shared = {}  # a running request's full prompt blocks, shared by its sequences: counted once
         for s in self.running:
-            t = s.request.req.tenant
+            t = s.request.tenant
             samples[t] += 1
             blocks[t] += len(s.blocks) - s.request.shared + s.reserve
             shared[id(s.request)] = (t, s.request.shared)
@@ -439,16 +439,16 @@ class Scheduler:
     def _hold(samples: Counter, blocks: Counter, r: Request) -> None:
         """Count admitted request `r` (prompt not done) in its tenant's holdings: its samples (a
         compute_logprobs request counts 1) and its KV blocks, held and reserved."""
-        samples[r.req.tenant] += max(r.samples, 1)
-        blocks[r.req.tenant] += len(r.blocks) + len(r.copies) + r.reserved
+        samples[r.tenant] += max(r.samples, 1)
+        blocks[r.tenant] += len(r.blocks) + len(r.copies) + r.reserved
 
     def _allocate(self, r: Request, pending: set[int]) -> bool:
         """Allocate `r`'s prompt blocks (cache hits first) and partial-block copies, and reserve
         its samples' decode blocks; False, holding nothing, if they do not fit or the next block
         it needs is `pending` (being computed by another request)."""
-        bs, kv, req, n, k = self.block_size, self.kv, r.req, len(r.req.prompt), r.samples
+        bs, kv, req, n, k = self.block_size, self.kv, r.req, len(r.prompt), r.samples
         if self.prefix_cache:
-            r.keys = chain_hashes(req.weights, req.prompt, bs)
+            r.keys = chain_hashes(r.weights, r.prompt, bs)
         reads = r.cacheable
         serves = None
         if reads_cached_scores(req):
@@ -456,15 +456,15 @@ class Scheduler:
         matched = (
             []
             if not reads or not self.prefix_cache
-            else kv.match(req.weights, req.prompt[:reads], r.keys[: reads // bs], serves)
+            else kv.match(r.weights, r.prompt[:reads], r.keys[: reads // bs], serves)
         )
         if reads and r.keys[len(matched) : len(matched) + 1] and r.keys[len(matched)] in pending:
             kv.release(matched)  # the next block is being computed now: hit it when it is done
             return False
         part = None  # (block, m): a cached block's first m slots continue the matched blocks
         if reads > len(matched) * bs and self.prefix_cache and serves is None:
-            parent = r.keys[len(matched) - 1] if matched else req.weights
-            part = kv.match_partial(req.weights, parent, req.prompt[len(matched) * bs : reads])
+            parent = r.keys[len(matched) - 1] if matched else r.weights
+            part = kv.match_partial(r.weights, parent, r.prompt[len(matched) * bs : reads])
         prompt_blocks = -(-n // bs)
         copies = max(k - 1, 0) * int(n % bs != 0)
         later = k * self.sample_reserve(r)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..api import SampleRequest, SampleUsage
+from ..api import SampleRequest, SampleUsage, SamplingOptions, WeightsIdentity
 from .prompt_scores import cacheable
 from .stops import Stops
 
@@ -54,11 +54,37 @@ class Request:
     matcher: object | None = None  # the compiled grammar at its start (engine/grammar.py), if any
     adapter: "Adapter | None" = None  # the weights it runs now (an inflight target's may change)
     version: int = 0  # their version; starts as req.weights.version
+    # what the sampler reads of `req`, as its own nouns (a SampleRequest is frozen: they never change)
+    request_id: str = field(init=False)
+    tenant: str = field(init=False)  # admission and prefill are fair across tenants
+    prompt: list[int] = field(init=False)
+    options: SamplingOptions = field(init=False)
+    num_samples: int = field(init=False)
+    generate: bool = field(init=False)  # False: compute_logprobs, no sequences
+    stream: bool = field(init=False)  # report each step's new tokens
+    inflight: bool = field(init=False)  # its weights follow an inflight target
+
+    def __post_init__(self) -> None:
+        req = self.req
+        self.request_id = req.request_id
+        self.tenant = req.tenant
+        self.prompt = req.prompt
+        self.options = req.options
+        self.num_samples = req.num_samples
+        self.generate = req.generate
+        self.stream = req.stream
+        self.inflight = req.inflight
+
+    @property
+    def weights(self) -> WeightsIdentity:
+        """The weights identity its prefix-cache keys are rooted in: `req`'s, which `Sampler.publish`
+        replaces (a new version) while it has no KV yet."""
+        return self.req.weights
 
     @property
     def mixed(self) -> bool:
         """Its KV was computed under more than one weights version (an inflight swap)."""
-        return self.version != self.req.weights.version
+        return self.version != self.weights.version
 
     @property
     def started(self) -> bool:
@@ -68,12 +94,12 @@ class Request:
     @property
     def samples(self) -> int:
         """Sequences it will run: num_samples, or 0 for compute_logprobs."""
-        return self.req.num_samples if self.req.generate else 0
+        return self.num_samples if self.generate else 0
 
     @property
     def max_new(self) -> int:
         """Tokens each sample may generate."""
-        return self.req.options.max_tokens if self.req.generate else 0
+        return self.options.max_tokens if self.generate else 0
 
     @property
     def cacheable(self) -> int:
@@ -84,7 +110,7 @@ class Request:
     @property
     def prompt_left(self) -> int:
         """Prompt tokens still to prefill."""
-        return len(self.req.prompt) - self.prefilled
+        return len(self.prompt) - self.prefilled
 
 
 @dataclass(eq=False)
