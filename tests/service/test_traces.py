@@ -122,7 +122,7 @@ def test_another_keys_session_is_not_found(env):
 
 
 def test_a_stream_closed_early_is_timed_as_cancelled(tiny_model_dir, tmp_path):
-    """A stream its consumer closes is metered for what it computed (sampling.py) and timed too:
+    """A stream its consumer closes is metered for what it computed (service/sampling/run.py) and timed too:
     its queue and prefill spans, and a decode span up to the cancellation."""
     with serve(tiny_model_dir, tmp_path / "home") as srv:
         svc = srv.service

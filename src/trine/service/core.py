@@ -9,7 +9,7 @@ calls the parts' public methods directly:
   SamplingRunSpec)`;
 - `events` (events.py): `submit(key, run, event_id=, index=, step=, command=)` (ordered, idempotent)
   and `event(key, run, event_id, wait)` (a long-poll);
-- `sampling` (sampling.py): `sample(key, run, SampleRequest)`, `sample_stream` (SampleDeltas, then the
+- `sampling` (sampling/): `sample(key, run, SampleRequest)`, `sample_stream` (SampleDeltas, then the
   SampleOutcome), `cancel`;
 - `checkpoints` (checkpoints.py): `delete(key, checkpoint_id)`, `set_ttl`, `set_public`, `stored(key)`
   (what is on disk), `archive(checkpoint, flat=)` (a tar file);
@@ -27,7 +27,8 @@ runs), faults.py (lost engine replicas), routing.py (prefix-aware routing across
 models.py (base models, engine replicas, run placement), scheduler.py and ordering.py (clock
 cycles), quotas.py (per-key limits), idempotency.py (one request id, one piece of work),
 gate.py (no new work while draining for shutdown or short of disk space), meter.py (the usage,
-cost and timing rows of every sample and event).
+cost and timing rows of every sample and event), callbacks.py (the named callbacks the parts are
+handed: `Spawn`, `OnLoop`, `ReplicaLost`).
 
 Shutdown (`drain(seconds)`, then `stop()`): new work is refused at once (503
 `server_shutting_down`, Retry-After); accepted events and running samples get until the deadline
@@ -248,7 +249,7 @@ class Service:
         `DRAIN_CANCEL_SECONDS + DRAIN_SETTLE_SECONDS` before the deadline. Samples are cancelled
         first and all at once, and nothing waits on an engine longer than its step's bound: an
         engine still inside a training step answers its cancels when the step ends, and what those
-        samples computed is metered then (sampling.py, `cancel_all`)."""
+        samples computed is metered then (sampling/run.py, `cancel_all`)."""
         self.gate.drain(seconds)
         begun = time.monotonic()
         cancel_for = min(DRAIN_CANCEL_SECONDS, 0.2 * seconds)
