@@ -31,6 +31,9 @@ from .run import Runner
 
 
 class Sampling:
+    """What front ends call: `sample`, `sample_stream`, `cancel`; and the drain's `running`,
+    `cancel_all`, `await_cancels`."""
+
     def __init__(
         self,
         *,
@@ -47,10 +50,13 @@ class Sampling:
         gate: WorkGate | None = None,
     ):
         self.records = Records(
-            store=store, meter=meter, spawn=spawn, diagnostics=diagnostics or PrefixDiagnostics()
+            store=store,
+            meter=meter,
+            spawn=spawn,
+            diagnostics=PrefixDiagnostics() if diagnostics is None else diagnostics,
         )
         self.acceptance = Acceptance(ownership=ownership, models=models, records=self.records, gate=gate)
-        self.routing = Routing(store=store, adapters=adapters, router=router or Router())
+        self.routing = Routing(store=store, adapters=adapters, router=Router() if router is None else router)
         self.runner = Runner(
             routing=self.routing,
             records=self.records,
