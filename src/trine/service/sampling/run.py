@@ -70,8 +70,8 @@ class Runner:
 
     async def sample(self, call: SampleCall) -> SampleResult:
         """The engine's result for `call`, rerouted when its replica is lost."""
-        m = call.model
-        for attempt in range(len(m.replicas)):
+        m, lost = call.model, 0
+        while True:  # one try per replica: a lost one is marked dead (faults.py), the route picks another
             await self._route(call)
             try:
                 async with self._serving_on(call):
@@ -79,13 +79,13 @@ class Runner:
                     return await call.replica.engine.sample(call.engine_req)
             except EngineLost as e:
                 self._on_lost(m, call.replica, str(e))
-                if attempt == len(m.replicas) - 1:
+                lost += 1
+                if lost == len(m.replicas):
                     raise Conflict(
                         f"every engine replica of {m.name} was lost; try again later",
                         code="worker_lost",
                         status=503,
                     ) from None
-        raise AssertionError("a model has no replica")  # ServedModel always has one
 
     async def stream(self, call: SampleCall) -> AsyncIterator[SampleDelta | SampleResult]:
         """The engine's deltas (named as the client named the request), then its result, once the
