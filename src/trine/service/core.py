@@ -191,7 +191,7 @@ class Service:
             meter=self.meter,
             spawn=self._spawn,
             on_lost=self._replica_lost,
-            router=router or Router(),
+            router=router,
             inflight=self.inflight,
             gate=self.gate,
         )
