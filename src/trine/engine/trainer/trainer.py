@@ -81,7 +81,7 @@ from ..model.model import Transformer
 from ..prepare import check_datum
 from . import checkpoint, custom_graph, head, prefix_groups, shared_prefix
 from .dimuon import Dimuon
-from .losses import LossInputs, PreparedDatum, datum_tensors, sequence_log_ratios
+from .losses import LossInputs, PreparedDatum, datum_tensors
 
 
 @dataclass
@@ -348,13 +348,6 @@ class Trainer:
         with torch.set_grad_enabled(backward):
             h = model.hidden_states(tokens.to(device), positions.to(device), adapters, pad_mask.to(device))
             sel = h.reshape(B * T, -1).index_select(0, active.to(device))
-        train = backward and sel.requires_grad
-        # Each LM-head chunk reads its own leaf, so its gradient is exactly that chunk's rows.
-        pieces = (
-            [p.requires_grad_(train) for p in sel.detach().split(self.logits_chunk_tokens)]
-            if active.numel()
-            else []
-        )
         token_spans = head.token_spans(adapters, counts)
         chunks = head.HeadChunks(
             model,
@@ -365,16 +358,17 @@ class Trainer:
             lambda i, j: adapters if token_spans is None else head.chunk_adapters(token_spans, i, j, device),
             self._workspace,
         )
-        if active.numel() and any(loss.sequence_level for loss in losses_in_mb):
-            # gspo (each token's ratio needs its datum's mean log-ratio) and custom losses (the
-            # graph needs the datum's logprobs): every logp first, values only
-            values = chunks.target_logprobs(pieces)
-            inputs.seq_log_ratio = sequence_log_ratios(values, inputs, row_of.to(device), B)
-            if any(loss.custom is not None for loss in losses_in_mb):
-                inputs.custom_grad = _custom_grads(rows, values.split(counts))
-        logp_all, loss_all = chunks.losses(pieces, losses_in_mb, loss_of, inputs, scales, backward)
-        if train and pieces:  # no pieces when no position has a target
-            sel.backward(torch.cat([p.grad for p in pieces]))
+        logp_all, loss_all = chunks.score(
+            sel,
+            losses_in_mb,
+            loss_of,
+            inputs,
+            scales,
+            backward,
+            row_of.to(device),
+            B,
+            custom_grad=lambda values: _custom_grads(rows, values.split(counts)),
+        )
         for r, part_logp, part_loss in zip(range(B), logp_all.split(counts), loss_all.split(counts)):
             idx = rows[r].datum.active
             logps[r][idx] = part_logp.detach().float().cpu()
