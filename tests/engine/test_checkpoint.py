@@ -172,7 +172,7 @@ def test_restoring_a_checkpoint_deleted_after_the_restore_was_accepted_says_not_
     from types import SimpleNamespace
 
     from trine.engine import api as ops
-    from trine.engine.trainer.cycle import CycleRunner
+    from trine.engine.runtime.cycle import CycleRunner
     from trine.limits import INIT_RUN
 
     trainer = Trainer(model, base_model="tiny")
