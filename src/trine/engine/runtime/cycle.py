@@ -158,7 +158,7 @@ class CycleRunner:
         return out
 
     def _call(self, live, backward):
-        batch = [(run_id, ev.op.data, ev.op.loss, ev.op.denominator, ev.op.counts) for run_id, ev in live]
+        batch = [(run_id, ev.op) for run_id, ev in live]
         return self.trainer.forward_backward(batch, backward=backward, between_microbatches=self.w.tick)
 
     def _single(self, run_id: str, ev: CycleEvent) -> EventOutcome:
