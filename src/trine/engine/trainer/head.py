@@ -97,13 +97,13 @@ class HeadChunks:
         body). Each chunk reads its own leaf, so its gradient is exactly that chunk's rows.
 
         A sequence-level loss (gspo, custom) first needs every entry's logprob (values only):
-        `datum_of[e]` is entry e's datum among `datums`; `custom_grad(logprobs)` gives a custom
-        loss's dC/dlogp from them."""
+        `datum_of[e]` (on any device) is entry e's datum among `datums`; `custom_grad(logprobs)`
+        gives a custom loss's dC/dlogp from them."""
         train = backward and sel.requires_grad
         pieces = [p.requires_grad_(train) for p in sel.detach().split(self.chunk)] if sel.shape[0] else []
         if pieces and any(loss.sequence_level for loss in losses):
             values = self.target_logprobs(pieces)
-            inputs.seq_log_ratio = sequence_log_ratios(values, inputs, datum_of, datums)
+            inputs.seq_log_ratio = sequence_log_ratios(values, inputs, datum_of.to(self.at.device), datums)
             if custom_grad is not None and any(loss.custom is not None for loss in losses):
                 inputs.custom_grad = custom_grad(values)
         logp_all, loss_all = self.losses(pieces, losses, loss_of, inputs, scales, backward)

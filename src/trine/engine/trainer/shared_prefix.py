@@ -135,7 +135,7 @@ def run_micro_batch(
         trainer._workspace,
     )
     logp_all, loss_all = chunks.score(
-        sel, losses_in_mb, loss_of, inputs, scales, backward, datum_of[perm].to(device), len(members)
+        sel, losses_in_mb, loss_of, inputs, scales, backward, datum_of[perm], len(members)
     )
     out_logp = torch.empty_like(logp_all)
     out_loss = torch.empty_like(loss_all)

@@ -367,7 +367,7 @@ class Trainer:
             inputs,
             scales,
             backward,
-            row_of.to(device),
+            row_of,
             B,
             custom_grad=lambda values: _custom_grads(rows, values.split(counts)),
         )
