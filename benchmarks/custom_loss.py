@@ -39,7 +39,7 @@ def main():
     args = ap.parse_args()
     from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
-    from trine.engine.api import LoRAConfig, Loss, LossTensor, TrainDatum, parse_custom_loss
+    from trine.engine.api import Forward, LoRAConfig, Loss, LossTensor, TrainDatum, parse_custom_loss
     from trine.engine.model.weights import load_model
     from trine.engine.trainer.trainer import Trainer
 
@@ -65,10 +65,10 @@ def main():
     trainer.create_run("r", LoRAConfig(rank=args.rank, alpha=2.0 * args.rank))
 
     def one_pass():
-        trainer.forward_backward([("r", data, loss)])
+        trainer.forward_backward([("r", Forward(data, loss))])
 
     def two_pass():
-        fwd = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0]
+        fwd = trainer.forward_backward([("r", Forward(data, Loss.parse("cross_entropy")))], backward=False)[0]
         linear = []
         for d, lp in zip(data, fwd.logprobs):
             x = torch.tensor(lp).requires_grad_(True)
@@ -77,7 +77,7 @@ def main():
             linear.append(
                 TrainDatum(tokens=d.tokens, target_tokens=d.target_tokens, weights=(-x.grad).tolist())
             )
-        trainer.forward_backward([("r", linear, Loss.parse("cross_entropy"))])
+        trainer.forward_backward([("r", Forward(linear, Loss.parse("cross_entropy")))])
 
     one_pass(), two_pass()  # warm up both
     ratios, times = [], {"one": [], "two": []}

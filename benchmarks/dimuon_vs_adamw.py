@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
 
     from transformers import AutoTokenizer
 
-    from trine.engine.api import AdamConfig, DimuonConfig, LoRAConfig, Loss
+    from trine.engine.api import AdamConfig, DimuonConfig, Forward, LoRAConfig, Loss
     from trine.engine.model.weights import load_model
     from trine.engine.trainer.trainer import Trainer
 
@@ -98,16 +98,20 @@ def main(argv=None) -> dict:
         run = f"{family}-{lr:g}"
         trainer.create_run(run, LoRAConfig(rank=args.rank, seed=args.seed), optimizer=family)
         if "held_out_before" not in out:
-            out["held_out_before"] = per_token(trainer.forward_backward([(run, held, ce)], backward=False))
+            out["held_out_before"] = per_token(
+                trainer.forward_backward([(run, Forward(held, ce))], backward=False)
+            )
         settings = AdamConfig(learning_rate=lr) if family == "adamw" else DimuonConfig(learning_rate=lr)
         curve = []
         for batch in batches:
             t0 = time.perf_counter()
-            curve.append(per_token(trainer.forward_backward([(run, batch, ce)])))
+            curve.append(per_token(trainer.forward_backward([(run, Forward(batch, ce))])))
             trainer.optim_step(run, settings)
             step_times.append(time.perf_counter() - t0)
         name = f"{family}_{lr:g}"
-        out[f"held_out_{name}"] = per_token(trainer.forward_backward([(run, held, ce)], backward=False))
+        out[f"held_out_{name}"] = per_token(
+            trainer.forward_backward([(run, Forward(held, ce))], backward=False)
+        )
         out[f"train_{name}"] = statistics.fmean(curve[-4:])
         out[f"curve_{name}"] = [round(x, 4) for x in curve]
         print(

@@ -33,7 +33,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from trine.engine.api import LoRAConfig, Loss, TrainDatum
+    from trine.engine.api import Forward, LoRAConfig, Loss, TrainDatum
     from trine.engine.model.weights import load_model
     from trine.engine.trainer.trainer import Trainer
 
@@ -63,7 +63,7 @@ def main():
                     advantages=[0.0] * p + [1.0] * (n - p),
                 )
             )
-        batch = [("r", data, loss)]
+        batch = [("r", Forward(data, loss))]
         usage = trainers[True].forward_backward(batch)[0].usage  # warm-up, and a check that it shares
         assert usage.train_tokens == p + args.datums * args.suffix, usage
         trainers[False].forward_backward(batch)

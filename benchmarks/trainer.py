@@ -64,7 +64,7 @@ def make_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
 
 class TrineSide:
     def __init__(self, model_dir: str, tokens: torch.Tensor, rank: int, runs: int = 1):
-        from trine.engine.api import AdamConfig, LoRAConfig, Loss, TrainDatum
+        from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, TrainDatum
         from trine.engine.model.weights import load_model
         from trine.engine.trainer.trainer import Trainer
 
@@ -75,7 +75,7 @@ class TrineSide:
         rows = [TrainDatum(tokens=t.tolist(), target_tokens=t[1:].tolist() + [-100]) for t in tokens]
         per_run = len(rows) // runs
         self.batch = [
-            (run, rows[i * per_run : (i + 1) * per_run], Loss.parse("cross_entropy"))
+            (run, Forward(rows[i * per_run : (i + 1) * per_run], Loss.parse("cross_entropy")))
             for i, run in enumerate(self.runs)
         ]
         self.adam = AdamConfig(learning_rate=1e-4)
@@ -151,14 +151,14 @@ class PrefixSide:
     """One run training on `data` with prefix sharing on or off."""
 
     def __init__(self, model, data, rank: int, sharing: bool, micro_batch_tokens: int = 4096):
-        from trine.engine.api import AdamConfig, LoRAConfig, Loss
+        from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss
         from trine.engine.trainer.trainer import Trainer
 
         self.trainer = Trainer(
             model, base_model="bench", prefix_sharing=sharing, micro_batch_tokens=micro_batch_tokens
         )
         self.trainer.create_run("r", LoRAConfig(rank=rank, alpha=32.0, train_unembed=False))
-        self.batch = [("r", data, Loss.parse("importance_sampling"))]
+        self.batch = [("r", Forward(data, Loss.parse("importance_sampling")))]
         self.adam = AdamConfig(learning_rate=1e-4)
         self.usage = None
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import build_tiny_model_dir  # noqa: E402
 from tolerance import fp64_model  # noqa: E402
 
-from trine.engine.api import AdamConfig, LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum  # noqa: E402
+from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum  # noqa: E402
 from trine.engine.model.tokenizer import Tokenizer  # noqa: E402
 from trine.engine.model.weights import load_model  # noqa: E402
 from trine.engine.sampler.sampler import Sampler  # noqa: E402
@@ -67,10 +67,10 @@ def run(model, tok, tr, ps):
         for p, ts in zip(ps, toks)
         for t in ts
     ]
-    fwd = tr.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0]
+    fwd = tr.forward_backward([("r", Forward(data, Loss.parse("cross_entropy")))], backward=False)[0]
     trained = [lp[-len(w) :] for lp, w in zip(fwd.logprobs, sampled)]
     pdata = [TrainDatum(tokens=p[:-1], target_tokens=p[1:]) for p in ps]
-    pf = tr.forward_backward([("r", pdata, Loss.parse("cross_entropy"))], backward=True)[0]
+    pf = tr.forward_backward([("r", Forward(pdata, Loss.parse("cross_entropy")))], backward=True)[0]
     m = tr.optim_step("r", AdamConfig(learning_rate=1e-2))
     return (
         dict(sampled=sampled, trained=trained, prompt_s=prompt_lp, prompt_t=pf.logprobs),

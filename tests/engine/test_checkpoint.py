@@ -11,7 +11,7 @@ import torch
 from test_losses import random_data, randomize
 from tolerance import Rounding, fp64_adapter, fp64_model
 
-from trine.engine.api import AdamConfig, LoRAConfig, Loss
+from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss
 from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.weights import load_model
 from trine.engine.trainer.checkpoint import atomic_write, load_peft_adapter, save_peft_adapter
@@ -113,7 +113,7 @@ def test_load_state_with_optimizer_resumes_exactly(model, tmp_path):
     batches = [random_data(s, lengths=(7, 5)) for s in range(4)]
 
     def step(trainer, run, data):
-        trainer.forward_backward([(run, data, Loss.parse("cross_entropy"))])
+        trainer.forward_backward([(run, Forward(data, Loss.parse("cross_entropy")))])
         return trainer.optim_step(run, adam)
 
     a = Trainer(model, base_model="tiny")
@@ -172,7 +172,7 @@ def test_restoring_a_checkpoint_deleted_after_the_restore_was_accepted_says_not_
     from types import SimpleNamespace
 
     from trine.engine import api as ops
-    from trine.engine.trainer.cycle import CycleRunner
+    from trine.engine.runtime.cycle import CycleRunner
     from trine.limits import INIT_RUN
 
     trainer = Trainer(model, base_model="tiny")

@@ -16,7 +16,7 @@ from test_losses import random_data
 from test_trainer import grads, new_trainer
 from tolerance import assert_bitwise, assert_same_computation
 
-from trine.engine.api import Loss, LossTensor, TrainDatum, parse_custom_loss
+from trine.engine.api import Forward, Loss, LossTensor, TrainDatum, parse_custom_loss
 from trine.engine.model.weights import load_model
 from trine.engine.trainer.custom_graph import CustomLossError
 
@@ -68,7 +68,7 @@ def with_inputs(data: list[TrainDatum], names) -> list[TrainDatum]:
 
 def two_pass(trainer, run, handle, data):
     """The client-side path: forward, the graph per datum, then cross_entropy with -dC/dlogp."""
-    fwd = trainer.forward_backward([(run, data, Loss.parse("cross_entropy"))], backward=False)[0]
+    fwd = trainer.forward_backward([(run, Forward(data, Loss.parse("cross_entropy")))], backward=False)[0]
     linear, total, metrics = [], 0.0, {}
     for d, lp in zip(data, fwd.logprobs):
         x = torch.tensor(lp).requires_grad_(True)
@@ -82,7 +82,7 @@ def two_pass(trainer, run, handle, data):
         for k, v in values.items():
             metrics[k] = metrics.get(k, 0.0) + float(v.detach()) / (len(data) if k.endswith(":mean") else 1)
         linear.append(TrainDatum(tokens=d.tokens, target_tokens=d.target_tokens, weights=(-x.grad).tolist()))
-    trainer.forward_backward([(run, linear, Loss.parse("cross_entropy"))])
+    trainer.forward_backward([(run, Forward(linear, Loss.parse("cross_entropy")))])
     return total, metrics
 
 
@@ -93,7 +93,7 @@ def test_one_pass_gradient_equals_the_two_pass_gradient(model, tiny_model64, cas
 
     def compute(m):
         server, client = new_trainer(m, "r"), new_trainer(m, "r")
-        res = server.forward_backward([("r", data, loss)])[0]
+        res = server.forward_backward([("r", Forward(data, loss))])[0]
         total, metrics = two_pass(client, "r", handle, data)
         assert res.metrics.keys() == metrics.keys() and len(metrics) == (2 if case == "ppo_sum" else 0)
         # the loss and the metrics are the graph's values: one group, so one scalar is not its own scale
@@ -121,9 +121,9 @@ def test_a_custom_loss_shares_a_call_with_other_runs_and_shared_prefixes(model, 
 
     def compute(m):  # batched with another run or alone: another order of the same sums (kind 3)
         mixed, alone = new_trainer(m, "c", "e"), new_trainer(m, "c", "e")
-        mixed.forward_backward([("c", data, loss), ("e", ce, Loss.parse("cross_entropy"))])
-        alone.forward_backward([("c", data, loss)])
-        alone.forward_backward([("e", ce, Loss.parse("cross_entropy"))])
+        mixed.forward_backward([("c", Forward(data, loss)), ("e", Forward(ce, Loss.parse("cross_entropy")))])
+        alone.forward_backward([("c", Forward(data, loss))])
+        alone.forward_backward([("e", Forward(ce, Loss.parse("cross_entropy")))])
         return {r: grads(alone, r) for r in ("c", "e")}, {r: grads(mixed, r) for r in ("c", "e")}
 
     assert_same_computation(compute, model, tiny_model64)
@@ -150,7 +150,7 @@ def test_runtime_bounds_and_failures_name_the_node_before_any_gradient_moves(mod
         _, loss = traced(fn, {"logprobs": 1, "x": 1})
         datum = TrainDatum(tokens=d.tokens, target_tokens=d.target_tokens, custom_inputs={"x": x})
         with pytest.raises(CustomLossError, match=match):
-            trainer.forward_backward([("r", [datum], loss)])
+            trainer.forward_backward([("r", Forward([datum], loss))])
     assert_bitwise(grads(trainer, "r"), before)  # nothing was added, not even a rounding
 
 
@@ -168,8 +168,10 @@ def test_a_graph_failing_only_on_real_logprobs_fails_its_entry_alone(model, tiny
     def compute(m):
         mixed, alone = new_trainer(m, "c", "e"), new_trainer(m, "c", "e")
         before = grads(mixed, "c")
-        bad, good = mixed.forward_backward([("c", [datum], loss), ("e", ce, Loss.parse("cross_entropy"))])
-        alone.forward_backward([("e", ce, Loss.parse("cross_entropy"))])
+        bad, good = mixed.forward_backward(
+            [("c", Forward([datum], loss)), ("e", Forward(ce, Loss.parse("cross_entropy")))]
+        )
+        alone.forward_backward([("e", Forward(ce, Loss.parse("cross_entropy")))])
         assert "node 'gather'" in bad.error and "RuntimeError" in bad.error and good.error == ""
         assert_bitwise(grads(mixed, "c"), before)  # the failed datum added nothing
         return {"e": grads(alone, "e")}, {"e": grads(mixed, "e")}  # batched or alone (kind 3)

@@ -10,7 +10,7 @@ import torch
 from test_losses import random_data, randomize
 from tolerance import EPS32, Rounding, gamma
 
-from trine.engine.api import AdamConfig, DimuonConfig, LoRAConfig, Loss
+from trine.engine.api import AdamConfig, DimuonConfig, Forward, LoRAConfig, Loss
 from trine.engine.model.weights import load_model
 from trine.engine.trainer import checkpoint
 from trine.engine.trainer.dimuon import balanced, matrix_sign
@@ -48,7 +48,7 @@ def test_one_step_matches_the_definition(model):
     trainer = dimuon_run(model, rank=8)
     before = {n: p.detach().clone() for n, p in trainer.adapter("r").named_parameters()}
     data = random_data(3, lengths=(9, 6))
-    trainer.forward_backward([("r", data, CE)])
+    trainer.forward_backward([("r", Forward(data, CE))])
     grads = {n: p.grad.clone() for n, p in trainer.adapter("r").named_parameters()}
     trainer.optim_step("r", cfg)
     lr = 0.01 * (8 / 32) ** 0.5
@@ -96,7 +96,7 @@ def test_zero_momentum_does_not_move_and_state_counts_steps(model):
     a_before = {
         n: p.detach().clone() for n, p in trainer.adapter("r").named_parameters() if n.startswith("A.")
     }
-    trainer.forward_backward([("r", random_data(1, lengths=(8,)), CE)])
+    trainer.forward_backward([("r", Forward(random_data(1, lengths=(8,)), CE))])
     trainer.optim_step("r", DimuonConfig(learning_rate=0.01))
     for n, p in trainer.adapter("r").named_parameters():
         if n in a_before:
@@ -125,7 +125,7 @@ def test_checkpoint_holds_dimuon_state_and_resumes_exactly(model, tmp_path):
     batches = [random_data(s, lengths=(7, 5)) for s in range(4)]
 
     def step(trainer, run, data):
-        trainer.forward_backward([(run, data, CE)])
+        trainer.forward_backward([(run, Forward(data, CE))])
         return trainer.optim_step(run, cfg)
 
     a = dimuon_run(model)
@@ -153,6 +153,6 @@ def test_dimuon_lowers_the_loss(model):
     data = random_data(5, lengths=(12, 9, 10))
     losses = []
     for _ in range(8):
-        losses.append(trainer.forward_backward([("r", data, CE)])[0].loss_sum)
+        losses.append(trainer.forward_backward([("r", Forward(data, CE))])[0].loss_sum)
         trainer.optim_step("r", DimuonConfig(learning_rate=0.02))
     assert losses[-1] < losses[0]

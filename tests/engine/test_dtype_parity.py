@@ -26,6 +26,7 @@ import torch
 
 from trine.engine.api import (
     AdamConfig,
+    Forward,
     LoRAConfig,
     Loss,
     SampleRequest,
@@ -84,7 +85,9 @@ def test_bf16_runs_in_bf16_with_fp32_where_numerics_need_it(models):
     assert s.kv.k.dtype == torch.bfloat16
     logits = model(torch.tensor([[5, 6, 7]], device=model.device))
     assert logits.dtype == torch.float32
-    trainer.forward_backward([("r", [TrainDatum([5, 6, 7], [6, 7, 8])], Loss.parse("cross_entropy"))])
+    trainer.forward_backward(
+        [("r", Forward([TrainDatum([5, 6, 7], [6, 7, 8])], Loss.parse("cross_entropy")))]
+    )
     trainer.optim_step("r", AdamConfig(learning_rate=1e-3))
     assert all(
         v.dtype == torch.float32
@@ -123,7 +126,9 @@ def test_bf16_sampler_matches_trainer_and_stays_near_fp32(models):
     tb = trainers[torch.bfloat16]
     data, want = sample_and_score(models[torch.bfloat16], tb, prompts)
     got = {
-        dt: t.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0].logprobs
+        dt: t.forward_backward([("r", Forward(data, Loss.parse("cross_entropy")))], backward=False)[
+            0
+        ].logprobs
         for dt, t in trainers.items()
     }
     self_diff = max(
@@ -136,7 +141,7 @@ def test_bf16_sampler_matches_trainer_and_stays_near_fp32(models):
         data32, want32 = sample_and_score(models[torch.float32], trainers[torch.float32], prompts)
         got32 = (
             trainers[torch.float32]
-            .forward_backward([("r", data32, Loss.parse("cross_entropy"))], backward=False)[0]
+            .forward_backward([("r", Forward(data32, Loss.parse("cross_entropy")))], backward=False)[0]
             .logprobs
         )
         for g, w in zip(got32, want32):
@@ -165,7 +170,9 @@ def test_bf16_sft_loss_curve_follows_fp32(models):
         curve = []
         for _ in range(12):
             curve.append(
-                trainer.forward_backward([("sft", [datum] * 2, Loss.parse("cross_entropy"))])[0].loss_mean
+                trainer.forward_backward([("sft", Forward([datum] * 2, Loss.parse("cross_entropy")))])[
+                    0
+                ].loss_mean
             )
             trainer.optim_step("sft", AdamConfig(learning_rate=2e-3))
         curves[dt] = curve

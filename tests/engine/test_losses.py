@@ -8,7 +8,7 @@ import pytest
 import torch
 from tolerance import EPS32, assert_same_computation
 
-from trine.engine.api import LoRAConfig, Loss, TrainDatum
+from trine.engine.api import Forward, LoRAConfig, Loss, TrainDatum
 from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.weights import load_model
 from trine.engine.prepare import check_datum as prepare_datum
@@ -105,7 +105,9 @@ def test_loss_matches_reference_in_value_and_gradient(model, tiny_model64, name,
 
     # Old logprobs close to the current ones, so that PPO/CISPO clipping is active on some tokens;
     # made once (fp32), so both dtypes clip the same tokens.
-    fwd = new_trainer(model).forward_backward([("r", data, Loss.parse(name, cfg))], backward=False)[0]
+    fwd = new_trainer(model).forward_backward([("r", Forward(data, Loss.parse(name, cfg)))], backward=False)[
+        0
+    ]
     g = torch.Generator().manual_seed(2)
     for k, (d, lp) in enumerate(zip(data, fwd.logprobs)):
         d.logprobs = [x + 0.1 * float(torch.randn(1, generator=g)) for x in lp]
@@ -115,7 +117,7 @@ def test_loss_matches_reference_in_value_and_gradient(model, tiny_model64, name,
     def compute(m):
         trainer = new_trainer(m)
         adapter = trainer.adapter("r")
-        out = trainer.forward_backward([("r", data, Loss.parse(name, cfg))])[0]
+        out = trainer.forward_backward([("r", Forward(data, Loss.parse(name, cfg)))])[0]
         got = {
             "grads": {n: p.grad.clone() for n, p in adapter.named_parameters()},
             "logprobs": [torch.tensor(x, dtype=torch.float32) for x in out.logprobs],  # reported in fp32

@@ -10,7 +10,7 @@ import torch
 from serverutil import RawClient, event, init_payload, pytrio_env, serve
 from tolerance import SERVED_GRAD_PATHS, SERVED_PATHS, assert_same_computation
 
-from trine.engine.api import AdamConfig, LoRAConfig, Loss, TrainDatum
+from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, TrainDatum
 from trine.engine.model.weights import load_model
 from trine.engine.trainer.trainer import Trainer
 
@@ -128,7 +128,9 @@ def test_engine_keeps_the_plain_sum_without_a_denominator(tiny_model_dir, tiny_m
         for denominator in (None, 7.0):
             trainer = Trainer(model, base_model="m")
             trainer.create_run("r", LoRAConfig(rank=4, seed=1))
-            (res,) = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"), denominator)])
+            (res,) = trainer.forward_backward(
+                [("r", Forward(data, Loss.parse("cross_entropy"), denominator=denominator))]
+            )
             assert res.token_count == sum(len(t) - 1 for t in TEXTS)
             g = {n: p.grad.clone() for n, p in trainer.adapter("r").named_parameters()}
             g["norm"] = torch.tensor(trainer.optim_step("r", AdamConfig(learning_rate=1e-3))["grad_norm"])
@@ -138,7 +140,7 @@ def test_engine_keeps_the_plain_sum_without_a_denominator(tiny_model_dir, tiny_m
     assert_same_computation(compute, load_model(tiny_model_dir, "cpu"), tiny_model64)
     with pytest.raises(ValueError, match="denominator"):
         Trainer(load_model(tiny_model_dir, "cpu"), base_model="m").forward_backward(
-            [("r", data, Loss.parse("cross_entropy"), 0.5)]
+            [("r", Forward(data, Loss.parse("cross_entropy"), denominator=0.5))]
         )
 
 

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from trine.engine.api import LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum
+from trine.engine.api import Forward, LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum
 from trine.engine.model import invariant
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
@@ -104,7 +104,7 @@ def test_sampler_compute_logprobs_and_trainer_agree_exactly(tiny_model_dirs, fam
                 TrainDatum(tokens=p + sa.tokens[:-1], target_tokens=[-100] * (len(p) - 1) + sa.tokens)
             )
             want.append(sa.logprobs)
-    fwd = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0]
+    fwd = trainer.forward_backward([("r", Forward(data, Loss.parse("cross_entropy")))], backward=False)[0]
     computed = batched.run(
         [sample_req(trainer, d.tokens + d.target_tokens[-1:], generate=False) for d in data]
     )

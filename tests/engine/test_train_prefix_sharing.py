@@ -10,7 +10,7 @@ from test_losses import randomize
 from test_trainer import grads, outputs
 from tolerance import assert_bitwise, assert_same_computation, fp64_model
 
-from trine.engine.api import LOSS_NAMES, LoRAConfig, Loss, TrainDatum
+from trine.engine.api import LOSS_NAMES, Forward, LoRAConfig, Loss, TrainDatum
 from trine.engine.model import invariant
 from trine.engine.model.weights import load_model
 from trine.engine.trainer import shared_prefix
@@ -109,7 +109,7 @@ def shared_vs_plain(model, model64, entry, *runs, grads_of=("r",), check=None, *
 @pytest.mark.parametrize("denominator", [None, 37.0], ids=["sum", "denominator"])
 @pytest.mark.parametrize("name", LOSS_NAMES)
 def test_every_loss_shared_equals_plain(model, model64, name, denominator, unembed):
-    entry = [("r", shared_data(1), Loss.parse(name), denominator)]
+    entry = [("r", Forward(shared_data(1), Loss.parse(name), denominator=denominator))]
 
     def shared_less(a, b):
         assert a.usage.train_tokens < b.usage.train_tokens == a.usage.sequence_tokens  # it did share
@@ -122,14 +122,16 @@ def test_several_runs_in_one_call_share_only_within_a_run(model, model64):
     another run's, each run's gradient is its plain one."""
     data = shared_data(2)
     batch = [
-        ("a", data[:4], Loss.parse("ppo"), 50.0),
-        ("b", data, Loss.parse("cross_entropy")),
-        ("a", data[4:], Loss.parse("importance_sampling")),
+        ("a", Forward(data[:4], Loss.parse("ppo"), denominator=50.0)),
+        ("b", Forward(data, Loss.parse("cross_entropy"))),
+        ("a", Forward(data[4:], Loss.parse("importance_sampling"))),
     ]
     shared_vs_plain(model, model64, batch, "a", "b", grads_of=("a", "b"))
     shared = trainers(model, "a", "b")[0]
     computed = sum(r.usage.train_tokens for r in shared.forward_backward(batch))
-    one_run = shared.forward_backward([("b", data, Loss.parse("cross_entropy"))])[0].usage.train_tokens
+    one_run = shared.forward_backward([("b", Forward(data, Loss.parse("cross_entropy")))])[
+        0
+    ].usage.train_tokens
     assert computed == 2 * one_run  # run a's two events shared as much as run b's one
     assert one_run < sum(len(d.tokens) for d in data)
 
@@ -144,9 +146,12 @@ def test_logprobs_bit_for_bit_under_batch_invariant_kernels(model):
         for name, batch in (
             ("cross_entropy", None),
             ("gspo", None),
-            ("ppo", [("a", chains, Loss.parse("ppo"))]),
+            ("ppo", [("a", Forward(chains, Loss.parse("ppo")))]),
         ):
-            batch = batch or [("a", data, Loss.parse(name)), ("b", data[3:], Loss.parse(name))]
+            batch = batch or [
+                ("a", Forward(data, Loss.parse(name))),
+                ("b", Forward(data[3:], Loss.parse(name))),
+            ]
             for a, b in zip(shared.forward_backward(batch), plain.forward_backward(batch)):
                 assert_bitwise(a.logprobs, b.logprobs)  # the batch-invariant contract: exact
                 assert a.usage.train_tokens < b.usage.train_tokens
@@ -167,7 +172,7 @@ def test_passes_split_by_segment_length_stay_exact(model, model64, monkeypatch, 
     data = shared_data(5)
     level = sorted({len(d.tokens) for d in data})
     assert len(level) > 4  # several lengths: several passes per depth
-    entry = [("r", data, Loss.parse("importance_sampling"))]
+    entry = [("r", Forward(data, Loss.parse("importance_sampling")))]
 
     def check(a, b):
         shared_less(a, b)
@@ -182,14 +187,14 @@ def test_passes_split_by_segment_length_stay_exact(model, model64, monkeypatch, 
 
 
 def test_small_micro_batches_split_trees_and_stay_exact(model, model64):
-    entry = [("r", shared_data(4), Loss.parse("dro"))]
+    entry = [("r", Forward(shared_data(4), Loss.parse("dro")))]
     shared_vs_plain(model, model64, entry, "r", check=shared_less, micro_batch_tokens=40)
 
 
 def test_forward_shares_and_changes_no_gradient(model):
     shared, plain = trainers(model, "r")
     before = grads(shared, "r")
-    entry = [("r", shared_data(5), Loss.parse("cispo"))]
+    entry = [("r", Forward(shared_data(5), Loss.parse("cispo")))]
     a, b = shared.forward_backward(entry, backward=False)[0], plain.forward_backward(entry, backward=False)[0]
     assert_same_counts(a, b)
     assert a.usage.train_tokens < b.usage.train_tokens

@@ -9,7 +9,7 @@ import torch
 from test_losses import random_data, randomize
 from tolerance import EPS32, assert_bitwise, assert_same_computation, assert_within_bound, gamma
 
-from trine.engine.api import AdamConfig, LoRAConfig, Loss, TrainDatum
+from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, TrainDatum
 from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
@@ -67,9 +67,9 @@ def test_two_calls_then_step_equal_one_call_on_the_union(model, tiny_model64):
 
     def compute(m):
         split, whole = new_trainer(m, "r"), new_trainer(m, "r")
-        a = split.forward_backward([("r", data[:2], Loss.parse("cross_entropy"))])[0]
-        b = split.forward_backward([("r", data[2:], Loss.parse("cross_entropy"))])[0]
-        c = whole.forward_backward([("r", data, Loss.parse("cross_entropy"))])[0]
+        a = split.forward_backward([("r", Forward(data[:2], Loss.parse("cross_entropy")))])[0]
+        b = split.forward_backward([("r", Forward(data[2:], Loss.parse("cross_entropy")))])[0]
+        c = whole.forward_backward([("r", Forward(data, Loss.parse("cross_entropy")))])[0]
         for res in (a, b, c):
             assert_loss_sum_adds_up(res)
         got = {"logprobs": a.logprobs + b.logprobs, "losses": a.losses + b.losses, "grads": grads(split, "r")}
@@ -107,7 +107,9 @@ def test_optim_step_equals_torch_adamw(model, clip):
         learning_rate=2e-3, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.3, grad_clip_norm=clip
     )
     for step in range(3):
-        trainer.forward_backward([("r", random_data(step, lengths=(8, 6)), Loss.parse("cross_entropy"))])
+        trainer.forward_backward(
+            [("r", Forward(random_data(step, lengths=(8, 6)), Loss.parse("cross_entropy")))]
+        )
         for n, p in params.items():
             ref[n].grad = p.grad.clone()
         if clip:
@@ -132,12 +134,15 @@ def test_runs_batched_together_get_the_gradients_each_gets_alone(model, tiny_mod
     def compute(m):
         mixed = new_trainer(m, "a", "b")
         ra, rb = mixed.forward_backward(
-            [("a", data_a, Loss.parse("cross_entropy")), ("b", data_b, Loss.parse("importance_sampling"))]
+            [
+                ("a", Forward(data_a, Loss.parse("cross_entropy"))),
+                ("b", Forward(data_b, Loss.parse("importance_sampling"))),
+            ]
         )
         alone = new_trainer(m, "a", "b")
-        sa = alone.forward_backward([("a", data_a, Loss.parse("cross_entropy"))])[0]
+        sa = alone.forward_backward([("a", Forward(data_a, Loss.parse("cross_entropy")))])[0]
         assert all(float(g.abs().max()) == 0.0 for g in grads(alone, "b").values())
-        sb = alone.forward_backward([("b", data_b, Loss.parse("importance_sampling"))])[0]
+        sb = alone.forward_backward([("b", Forward(data_b, Loss.parse("importance_sampling")))])[0]
         for x, y in ((ra, sa), (rb, sb)):
             assert x.token_count == y.token_count and x.usage == y.usage
         got = outputs(ra, mixed, "a", "a.") | outputs(rb, mixed, "b", "b.")
@@ -154,9 +159,9 @@ def test_micro_batching_does_not_change_results(model, tiny_model64):
         big = new_trainer(m, "r")
         small = new_trainer(m, "r", micro_batch_tokens=20, logits_chunk_tokens=5)
         calls = []
-        rb = big.forward_backward([("r", data, Loss.parse("ppo"))])[0]
+        rb = big.forward_backward([("r", Forward(data, Loss.parse("ppo")))])[0]
         rs = small.forward_backward(
-            [("r", data, Loss.parse("ppo"))], between_microbatches=lambda: calls.append(1)
+            [("r", Forward(data, Loss.parse("ppo")))], between_microbatches=lambda: calls.append(1)
         )[0]
         assert len(calls) == 4  # by length, padding counted: [17] [12] [9, 9] [3, 1 (padded to 3)]
         return outputs(rb, big, "r"), outputs(rs, small, "r")
@@ -167,9 +172,9 @@ def test_micro_batching_does_not_change_results(model, tiny_model64):
 def test_forward_changes_no_gradient_and_reports_what_forward_backward_does(model):
     data = random_data(7)
     trainer = new_trainer(model, "r")
-    fwd = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))], backward=False)[0]
+    fwd = trainer.forward_backward([("r", Forward(data, Loss.parse("cross_entropy")))], backward=False)[0]
     assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
-    fb = trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))])[0]
+    fb = trainer.forward_backward([("r", Forward(data, Loss.parse("cross_entropy")))])[0]
     assert fwd.loss_sum == fb.loss_sum  # the same forward, in the same order: bit for bit
     assert fwd.logprobs == fb.logprobs and fwd.usage == fb.usage
 
@@ -179,7 +184,7 @@ def test_outputs_metrics_and_usage(model):
     d = TrainDatum(
         tokens=[5, 6, 7, 8, 9], target_tokens=[-100, -100, 7, 8, 9], weights=[1.0, 1.0, 0.0, 2.0, 1.0]
     )
-    res = trainer.forward_backward([("r", [d, d], Loss.parse("cross_entropy"))])[0]
+    res = trainer.forward_backward([("r", Forward([d, d], Loss.parse("cross_entropy")))])[0]
     assert res.usage.sequence_tokens == 10 and res.usage.loss_tokens == 4 and res.token_count == 4
     assert res.usage.train_tokens == 5  # two identical datums: computed once (prefix sharing)
     for lp, loss in zip(res.logprobs, res.losses):
@@ -194,7 +199,7 @@ def test_outputs_metrics_and_usage(model):
 def test_data_without_targets_cost_compute_but_no_loss(model):
     trainer = new_trainer(model, "r")
     d = TrainDatum(tokens=[5, 6, 7], target_tokens=[-100, -100, -100])
-    res = trainer.forward_backward([("r", [d], Loss.parse("cross_entropy"))])[0]
+    res = trainer.forward_backward([("r", Forward([d], Loss.parse("cross_entropy")))])[0]
     assert (res.loss_sum, res.token_count, res.usage.train_tokens, res.usage.loss_tokens) == (0.0, 0, 3, 0)
     assert res.logprobs == [[0.0, 0.0, 0.0]]
     assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
@@ -215,11 +220,10 @@ def test_data_without_targets_cost_compute_but_no_loss(model):
 )
 def test_bad_input_fails_before_any_gradient_changes(model, entry, field):
     trainer = new_trainer(model, "r")
-    good = ("r", random_data(8, lengths=(6,)), Loss.parse("cross_entropy"))
-    if entry[1] is None:
-        entry = (entry[0], good[1], entry[2])
+    good = ("r", Forward(random_data(8, lengths=(6,)), Loss.parse("cross_entropy")))
+    run, data, loss = entry
     with pytest.raises(ValueError, match=field):
-        trainer.forward_backward([good, entry])
+        trainer.forward_backward([good, (run, Forward(good[1].data if data is None else data, loss))])
     assert all(float(g.abs().max()) == 0.0 for g in grads(trainer, "r").values())
 
 
@@ -230,7 +234,7 @@ def test_versions_snapshots_and_run_lifecycle(model):
     snap = trainer.snapshot("r")
     assert trainer.snapshot("r") is snap and not any(p.requires_grad for p in snap.parameters())
     before = {n: p.clone() for n, p in snap.named_parameters()}
-    trainer.forward_backward([("r", random_data(9), Loss.parse("cross_entropy"))])
+    trainer.forward_backward([("r", Forward(random_data(9), Loss.parse("cross_entropy")))])
     assert trainer.weights_identity("r") == v0  # gradients alone change no weights
     trainer.optim_step("r", AdamConfig(learning_rate=1e-2))
     v1 = trainer.weights_identity("r")
@@ -285,7 +289,7 @@ def test_lora_sft_learns_a_string(model, tiny_model_dir):
     trainer.create_run("sft", LoRAConfig(rank=16))
     first = None
     for _ in range(30):
-        res = trainer.forward_backward([("sft", [datum] * 4, Loss.parse("cross_entropy"))])[0]
+        res = trainer.forward_backward([("sft", Forward([datum] * 4, Loss.parse("cross_entropy")))])[0]
         first = first if first is not None else res.loss_mean
         trainer.optim_step("sft", AdamConfig(learning_rate=2e-3))
     assert res.loss_mean < first / 5

@@ -6,7 +6,15 @@ import asyncio
 
 import pytest
 
-from trine.engine.api import LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
+from trine.engine.api import (
+    Forward,
+    LoRAConfig,
+    Loss,
+    SampleRequest,
+    SamplingOptions,
+    TrainDatum,
+    WeightsIdentity,
+)
 from trine.engine.runtime.worker import EngineWorker
 
 
@@ -32,7 +40,9 @@ def test_sampling_is_served_between_training_micro_batches(tiny_model_dir):
                 ticks.append(w.sampler.has_work())
                 w.tick()
 
-            w.trainer.forward_backward([("r", data, Loss.parse("cross_entropy"))], between_microbatches=tick)
+            w.trainer.forward_backward(
+                [("r", Forward(data, Loss.parse("cross_entropy")))], between_microbatches=tick
+            )
             return "train"
 
         finished = []

@@ -117,7 +117,15 @@ def engine(tiny_model_dir):
 
 def test_estimate_matches_metered_multi_turn_rl(engine):
     """A multi-turn RL loop on the real engine (sampler + trainer), metered, vs the estimate of its shape."""
-    from trine.engine.api import AdamConfig, LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum
+    from trine.engine.api import (
+        AdamConfig,
+        Forward,
+        LoRAConfig,
+        Loss,
+        SampleRequest,
+        SamplingOptions,
+        TrainDatum,
+    )
 
     sampler, trainer = engine
     shape = JobShape(
@@ -172,7 +180,7 @@ def test_estimate_matches_metered_multi_turn_rl(engine):
             TrainDatum(tokens=t[:-1], target_tokens=t[1:], weights=[float(m) for m in mask[1:]])
             for t, mask in zip(trajs, masks)
         ]
-        (res,) = trainer.forward_backward([("est", data, Loss.parse("cross_entropy"))])
+        (res,) = trainer.forward_backward([("est", Forward(data, Loss.parse("cross_entropy")))])
         measured["train"] += res.usage.train_tokens
         measured["train_loss"] += res.usage.loss_tokens
         trainer.optim_step("est", AdamConfig(learning_rate=1e-3))

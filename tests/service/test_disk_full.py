@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serverutil import ADAM, RawClient, ce_payload, event, serve
 
-from trine.engine.trainer import cycle
+from trine.engine.runtime import cycle
 
 MODEL = "tiny-llama"
 

@@ -11,12 +11,15 @@ from trine.limits import INIT_RUN
 from trine.limits import OPTIMIZE_STEP as OPT
 from trine.limits import SAVE_STATE as SAVE
 from trine.service.errors import Conflict
-from trine.service.ordering import Pending, RunQueue, plan_cycle, split_phases
+from trine.service.events import Event
+from trine.service.ordering import RunQueue, plan_cycle, split_phases
 from trine.service.scheduler import ClockScheduler
+from trine.store import EventRecord
 
 
-def ev(index: int, type_: str, run: str = "r", eid: str | None = None) -> Pending:
-    return Pending(eid or f"e{run}{index}", run, index, type_, None)
+def ev(index: int, type_: str, run: str = "r", eid: str | None = None, op=None) -> Event:
+    record = EventRecord(eid or f"e{run}{index}", run, "", index, type_, 0, "accepted", 0.0, 0.0)
+    return Event(record, command=op, op=op, replica=None)
 
 
 def test_events_release_in_index_order_whatever_the_arrival_order():
@@ -54,9 +57,12 @@ def test_one_cycle_takes_chunks_then_one_step_then_saves():
         q.add(ev(i, t))
     first = q.take_cycle()
     assert [e.type for e in first] == [SAVE, FB, FB, OPT, SAVE]
-    phases = split_phases(first)
-    assert [e.index for e in phases.pre] == [1] and [e.index for e in phases.forward] == [2, 3]
-    assert [e.index for e in phases.optim] == [4] and [e.index for e in phases.post] == [5]
+    share = split_phases(first)  # the engine's RunShare: its events by id
+    assert [e.event_id for e in share.pre] == ["er1"] and [e.event_id for e in share.forward] == [
+        "er2",
+        "er3",
+    ]
+    assert [e.event_id for e in share.optim] == ["er4"] and [e.event_id for e in share.post] == ["er5"]
     assert [e.type for e in q.take_cycle()] == [FB, OPT]
 
 
@@ -68,6 +74,8 @@ def test_plan_stamps_every_event_with_the_cycle_number():
     plan = plan_cycle(7, [a, b])
     assert set(plan.runs) == {"a", "b"} and len(plan) == 3
     assert all(e.cycle == 7 for evs in plan.runs.values() for e in evs)
+    assert plan.cycle.number == 7 and set(plan.cycle.runs) == {"a", "b"}  # the engine's cycle, as is
+    assert [e.event_id for e in plan.cycle.runs["b"].forward + plan.cycle.runs["b"].optim] == ["eb1", "eb2"]
 
 
 def test_scheduler_batches_runs_and_counts_cycles_per_step():
@@ -137,13 +145,11 @@ def test_fixed_cycles_start_on_clock_ticks():
     assert all(abs(g - round(g / 0.1) * 0.1) < 0.03 for g in gaps)  # multiples of the cycle length
 
 
-def forward(index: int, run: str, tokens: int) -> Pending:
+def forward(index: int, run: str, tokens: int) -> Event:
     from trine.engine.api import Forward, Loss, TrainDatum
 
     data = [TrainDatum([1] * tokens, [1] * tokens, [1.0] * tokens)]
-    return Pending(
-        f"e{run}{index}", run, index, FB, Forward(data, Loss.parse("cross_entropy"), True, False, None)
-    )
+    return ev(index, FB, run, op=Forward(data, Loss.parse("cross_entropy"), True, False, None))
 
 
 def test_one_keys_long_queue_does_not_hold_back_another_keys_step():

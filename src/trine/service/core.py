@@ -159,15 +159,15 @@ class Service:
         self.quotas = KeyQuotas(store=store, models=self.models, limits=key_limits)
         self.inflight = Inflight(store=store, adapters=self.adapters, spawn=self._spawn)
         self.events = Events(
-            store,
-            self.ownership,
-            self.models,
-            self.checkpoints,
-            self.activity,
-            self.meter,
-            self._replica_lost,
-            self.quotas,
-            self.inflight,
+            store=store,
+            ownership=self.ownership,
+            models=self.models,
+            checkpoints=self.checkpoints,
+            activity=self.activity,
+            meter=self.meter,
+            on_lost=self._replica_lost,
+            quotas=self.quotas,
+            inflight=self.inflight,
             gate=self.gate,
             missing_index_seconds=missing_index_seconds,
         )

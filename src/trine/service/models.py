@@ -7,7 +7,7 @@ one replica (its adapter and optimizer state), chosen by load when the run is fi
 Invariants
 - `ServedModel.info` (vocab size, context) is the same on every replica (same weights).
 - A run's events only ever go to the replica it was placed on; a replica that is lost takes its
-  runs with it (they are marked interrupted by the service, see `events.py`).
+  runs with it (they are marked interrupted by the service, see `events/`).
 """
 
 from __future__ import annotations

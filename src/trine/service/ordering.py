@@ -1,4 +1,7 @@
-"""Per-run event ordering and the shape of one clock cycle; plain logic, no I/O, no asyncio.
+"""Per-run event ordering and the plan of one clock cycle; plain logic, no I/O, no asyncio.
+
+`plan_cycle` builds the engine's `TrainingCycle` itself (each run's `RunShare` of `CycleEvent`s,
+split by phase), with the service's `Event`s it holds beside it (`CyclePlan.runs`), for settling.
 
 Invariants
 - A run's events execute strictly in index order 1, 2, 3, ... with no gaps: an event that arrives
@@ -18,9 +21,10 @@ Invariants
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from ..engine.api import CycleEvent, RunShare, TrainingCycle
 from ..limits import (
     END_RUN,
     FORWARD,
@@ -39,16 +43,23 @@ _FWD_TYPES = (FORWARD, FORWARD_BACKWARD)
 _SAVE_TYPES = (SAVE_STATE, SAVE_WEIGHTS)
 
 
-@dataclass
-class Pending:
-    """An accepted event waiting for (or in) execution."""
+class Event(Protocol):
+    """What ordering reads and writes of an `events.Event` (it cannot import it: events/ sits above
+    the scheduler, which imports this module)."""
 
-    event_id: str
-    run_id: str
-    index: int
-    type: str
-    op: Any
-    cycle: int | None = None
+    cycle: int | None
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def op(self) -> Any: ...
 
 
 class RunQueue:
@@ -65,9 +76,9 @@ class RunQueue:
         self.tenant = tenant  # the API key id that owns the run
         self.next_index = next_index
         self.max_waiting = max_waiting
-        self.waiting: dict[int, Pending] = {}
+        self.waiting: dict[int, Event] = {}
 
-    def add(self, ev: Pending) -> None:
+    def add(self, ev: Event) -> None:
         if ev.index < self.next_index:
             raise Conflict(
                 f"event index {ev.index} of run {self.run_id} was already used; the next "
@@ -75,10 +86,10 @@ class RunQueue:
                 code="index_conflict",
             )
         other = self.waiting.get(ev.index)
-        if other is not None and other.event_id != ev.event_id:
+        if other is not None and other.id != ev.id:
             raise Conflict(
                 f"event index {ev.index} of run {self.run_id} is taken by event "
-                f"{other.event_id}; send a new event with the next index",
+                f"{other.id}; send a new event with the next index",
                 code="index_conflict",
             )
         if len(self.waiting) >= self.max_waiting:
@@ -91,10 +102,10 @@ class RunQueue:
     def ready(self) -> bool:
         return self.next_index in self.waiting
 
-    def take_cycle(self, forward_tokens: int | None = None) -> list[Pending]:
+    def take_cycle(self, forward_tokens: int | None = None) -> list[Event]:
         """Remove and return this run's share of the next cycle (possibly empty), in index order;
         forward events stop once they hold `forward_tokens` tokens (None: no bound)."""
-        taken: list[Pending] = []
+        taken: list[Event] = []
         state = _PRE
         tokens = 0
         while self.next_index in self.waiting:
@@ -119,45 +130,39 @@ class RunQueue:
         return taken
 
 
-@dataclass
-class CyclePhases:
-    """One run's share of a cycle split by phase: pre (init/save before training), forward
-    (forward and forward_backward), optim, post (saves after the step)."""
-
-    pre: list[Pending] = field(default_factory=list)
-    forward: list[Pending] = field(default_factory=list)
-    optim: list[Pending] = field(default_factory=list)
-    post: list[Pending] = field(default_factory=list)
-
-
-def split_phases(events: list[Pending]) -> CyclePhases:
-    p = CyclePhases()
+def split_phases(events: list[Event]) -> RunShare:
+    """One run's events of a cycle (in index order) as the engine's share, split by phase."""
+    share = RunShare()
     trained = False
     for ev in events:
+        entry = CycleEvent(ev.id, ev.type, ev.op)
         if ev.type in _FWD_TYPES:
-            p.forward.append(ev)
+            share.forward.append(entry)
             trained = True
         elif ev.type == OPTIMIZE_STEP:
-            p.optim.append(ev)
+            share.optim.append(entry)
             trained = True
         else:
-            (p.post if trained else p.pre).append(ev)
-    return p
+            (share.post if trained else share.pre).append(entry)
+    return share
 
 
 @dataclass
 class CyclePlan:
-    number: int
-    runs: dict[str, list[Pending]]  # run id -> its events this cycle, in index order
+    """One planned cycle: what the engine runs (`cycle`) and the service's events it holds."""
 
-    def phases(self) -> dict[str, CyclePhases]:
-        return {run_id: split_phases(evs) for run_id, evs in self.runs.items()}
+    cycle: TrainingCycle
+    runs: dict[str, list[Event]]  # run id -> its events this cycle, in index order
+
+    @property
+    def number(self) -> int:
+        return self.cycle.number
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.runs.values())
 
 
-def _tokens(ev: Pending) -> int:
+def _tokens(ev: Event) -> int:
     """Tokens of a forward event's batch."""
     return sum(len(d.tokens) for d in getattr(ev.op, "data", None) or ())
 
@@ -168,12 +173,13 @@ def plan_cycle(number: int, queues: list[RunQueue], cycle_tokens: int | None = N
     runs_of: dict[str, int] = {}
     for q in ready:
         runs_of[q.tenant] = runs_of.get(q.tenant, 0) + 1
-    runs = {}
+    plan = CyclePlan(TrainingCycle(number, {}), {})
     for q in ready:
         share = None if cycle_tokens is None else max(1, cycle_tokens // len(runs_of) // runs_of[q.tenant])
         evs = q.take_cycle(share)
         if evs:
             for ev in evs:
                 ev.cycle = number
-            runs[q.run_id] = evs
-    return CyclePlan(number, runs)
+            plan.runs[q.run_id] = evs
+            plan.cycle.runs[q.run_id] = split_phases(evs)
+    return plan

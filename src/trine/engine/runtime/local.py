@@ -25,7 +25,7 @@ from ..api import (
 )
 from ..interface import Engine
 from ..model.lora import lora_features
-from ..trainer.cycle import CycleRunner, drop_run, load_adapter, publish_target, spill_adapter
+from .cycle import CycleRunner
 from .worker import EngineWorker
 
 RECENT_CYCLES = 32
@@ -98,19 +98,19 @@ class LocalEngine(Engine):
         return res
 
     async def drop_run(self, run_id: str) -> None:
-        await self.worker.submit(lambda w: drop_run(w, run_id))
+        await self.worker.submit(lambda w: w.drop_run(run_id))
 
     async def load_adapter(self, checkpoint_id: str, path: str) -> int:
-        return await self.worker.submit(lambda w: load_adapter(w, checkpoint_id, path))
+        return await self.worker.submit(lambda w: w.load_adapter(checkpoint_id, path))
 
     async def evict_adapter(self, checkpoint_id: str) -> None:
         await self.worker.submit(lambda w: w.adapters.evict(checkpoint_id))
 
     async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
-        return await self.worker.submit(lambda w: spill_adapter(w, checkpoint_id, lora, path))
+        return await self.worker.submit(lambda w: w.spill_adapter(checkpoint_id, lora, path))
 
     async def publish_target(self, target: str, version: int, checkpoint_id: str) -> None:
-        await self.worker.submit(lambda w: publish_target(w, target, version, checkpoint_id))
+        await self.worker.submit(lambda w: w.publish_checkpoint(target, version, checkpoint_id))
 
     async def lost(self) -> str:
         return await asyncio.shield(self.worker.exited)

@@ -12,8 +12,9 @@ asyncio futures back, settled with `loop.call_soon_threadsafe`:
 The thread also owns the adapter table (`adapters`, adapters.py: snapshots by checkpoint id and
 inflight targets); a sample request names its weights by `weights.adapter` and the thread resolves
 them when the request arrives. `publish_target` moves a target and every live request on it to new
-weights between steps. This class is the machinery; `runtime.local.LocalEngine` is the interface
-the service uses.
+weights between steps; `drop_run`, `load_adapter`, `spill_adapter` and `publish_checkpoint` are the
+jobs on the trainer and that table that are not a cycle (cycle.py runs those). This class is the
+machinery; `runtime.local.LocalEngine` is the interface the service uses.
 
 Between jobs, and between training micro-batches (`tick`, passed as the Trainer's
 `between_microbatches`), the thread admits newly arrived sample requests and runs one sampler step,
@@ -34,11 +35,12 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from ..api import SampleCancelled, SampleDelta, SampleRequest, SampleResult
+from ..api import LoRAConfig, SampleCancelled, SampleDelta, SampleRequest, SampleResult
 from ..model import invariant
 from ..model.lora import Adapter
 from ..model.tokenizer import Tokenizer
 from ..model.weights import load_model, parse_dtype
+from ..trainer.checkpoint import adapter_bytes, load_peft_adapter, save_dir, save_peft_adapter
 from .adapters import AdapterTable
 from .cpu_share import CpuShare, release_openmp_pool
 
@@ -269,6 +271,31 @@ class EngineWorker:
         one held is ignored."""
         if self.adapters.publish(target, version, adapter):
             self.sampler.publish(target, version, adapter)
+
+    def drop_run(self, run_id: str) -> None:
+        """Free a run's adapter, optimizer state and inflight target (worker thread). Requests running
+        on the target keep the weights they hold until they finish; new ones are refused."""
+        if self.trainer.has_run(run_id):
+            self.trainer.delete_run(run_id)
+        self.adapters.drop_target(run_id)
+
+    def publish_checkpoint(self, target: str, version: int, checkpoint_id: str) -> None:
+        """Point inflight target `target` at the adapter held under `checkpoint_id` (worker thread)."""
+        self.publish_target(target, version, self.adapters.snapshot(checkpoint_id))
+
+    def load_adapter(self, checkpoint_id: str, path: str) -> int:
+        """Load a saved PEFT adapter directory into the adapter table (worker thread); bytes held."""
+        adapter, _ = load_peft_adapter(self.model, path)
+        adapter.requires_grad_(False)
+        self.adapters.hold(checkpoint_id, adapter)
+        return adapter_bytes(adapter)
+
+    def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
+        """Write an in-memory snapshot to disk so it can leave memory (worker thread); bytes written."""
+        adapter = self.adapters.snapshot(checkpoint_id)
+        return save_dir(
+            Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, self.name, self.model.source_dir)
+        )
 
     def _cancel(self, request_id: str, done: asyncio.Future) -> None:
         fut = self._pending.pop(request_id, None)

@@ -14,6 +14,8 @@ Invariants
 - Every file is written with `atomic_write` (temp file in the same directory, fsync, rename, fsync
   of the directory): a crash mid-write leaves the previous file intact and no partial file behind.
 - `adapter_config.json` is written last, so a directory that has one also has its weights.
+- A whole checkpoint directory is written with `save_dir` (a sibling temp directory, then moved
+  into place): the old one stays complete until the new one replaces it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -62,6 +65,34 @@ def atomic_write(path: str | Path, data: bytes) -> int:
     finally:
         os.close(dir_fd)
     return len(data)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move the fully written directory `tmp` to `final`, replacing any old one (crash-safe: the
+    old directory stays complete until the new one is in place)."""
+    trash = None
+    if final.exists():
+        trash = final.with_name(f".{final.name}.old-{uuid.uuid4().hex}")
+        os.replace(final, trash)
+    os.replace(tmp, final)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def save_dir(final: Path, write) -> int:
+    """Run `write(tmp_dir) -> bytes` into a sibling temp directory, then move it into place."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        size = write(tmp)
+        replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return size
+
+
+def adapter_bytes(adapter: Adapter) -> int:
+    return sum(p.numel() * p.element_size() for p in adapter.parameters())
 
 
 def peft_key(module: str, which: str) -> str:

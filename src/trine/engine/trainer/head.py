@@ -16,7 +16,7 @@ from ..api import Loss
 from ..model import invariant
 from ..model.invariant import log_probs
 from ..model.lora import Adapter, AdapterBatch
-from .losses import LossInputs, loss_values
+from .losses import LossInputs, loss_values, sequence_log_ratios
 
 
 def token_spans(adapters: AdapterBatch, counts: list[int]) -> list[tuple[Adapter, int, int]] | None:
@@ -79,6 +79,37 @@ class HeadChunks:
         self.adapters_for, self.workspace = adapters_for, workspace
         cuts = torch.arange(0, rows + chunk, chunk, device=at.device)
         self.bounds = torch.searchsorted(at, cuts).tolist()  # piece k's entries: bounds[k]:bounds[k + 1]
+
+    def score(
+        self,
+        sel: torch.Tensor,
+        losses: list[Loss],
+        loss_of,
+        inputs: LossInputs,
+        scales,
+        backward: bool,
+        datum_of: torch.Tensor,
+        datums: int,
+        custom_grad: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LM-head loop over `sel` (the scored rows' hidden states): each entry's logprob and
+        loss; with `backward`, the gradient gathered for `sel` flows back into it (its graph: the
+        body). Each chunk reads its own leaf, so its gradient is exactly that chunk's rows.
+
+        A sequence-level loss (gspo, custom) first needs every entry's logprob (values only):
+        `datum_of[e]` (on any device) is entry e's datum among `datums`; `custom_grad(logprobs)`
+        gives a custom loss's dC/dlogp from them."""
+        train = backward and sel.requires_grad
+        pieces = [p.requires_grad_(train) for p in sel.detach().split(self.chunk)] if sel.shape[0] else []
+        if pieces and any(loss.sequence_level for loss in losses):
+            values = self.target_logprobs(pieces)
+            inputs.seq_log_ratio = sequence_log_ratios(values, inputs, datum_of.to(self.at.device), datums)
+            if custom_grad is not None and any(loss.custom is not None for loss in losses):
+                inputs.custom_grad = custom_grad(values)
+        logp_all, loss_all = self.losses(pieces, losses, loss_of, inputs, scales, backward)
+        if train and pieces:  # no pieces when no position has a target
+            sel.backward(torch.cat([p.grad for p in pieces]))
+        return logp_all, loss_all
 
     def _pieces(self, pieces: list[torch.Tensor], grad: bool):
         for k, hs in enumerate(pieces):

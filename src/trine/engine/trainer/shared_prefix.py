@@ -35,7 +35,7 @@ from ..model import invariant
 from ..model.lora import AdapterBatch
 from ..model.model import KVContext
 from .head import HeadChunks, chunk_adapters, position_scales
-from .losses import LossInputs, sequence_log_ratios
+from .losses import LossInputs
 from .prefix_groups import Tree
 
 
@@ -124,25 +124,19 @@ def run_micro_batch(
     spans = _adapter_spans(adapter_of_tree, tree_of_slot[used])
     one = AdapterBatch.single(adapter_of_tree[0]) if spans is None else None
 
-    chunk = trainer.logits_chunk_tokens
     sel = states.index_select(0, used.to(device))
-    train = backward and sel.requires_grad
-    pieces = [p.requires_grad_(train) for p in sel.detach().split(chunk)]
     chunks = HeadChunks(
         model,
         at.to(device),
         tgt,
         used.numel(),
-        chunk,
+        trainer.logits_chunk_tokens,
         lambda i, j: one if spans is None else chunk_adapters(spans, i, j, device),
         trainer._workspace,
     )
-    if any(loss.sequence_level for loss in losses_in_mb):  # gspo: every logp first, values only
-        logp = chunks.target_logprobs(pieces)
-        inputs.seq_log_ratio = sequence_log_ratios(logp, inputs, datum_of[perm].to(device), len(members))
-    logp_all, loss_all = chunks.losses(pieces, losses_in_mb, loss_of, inputs, scales, backward)
-    if train:
-        sel.backward(torch.cat([p.grad for p in pieces]))
+    logp_all, loss_all = chunks.score(
+        sel, losses_in_mb, loss_of, inputs, scales, backward, datum_of[perm], len(members)
+    )
     out_logp = torch.empty_like(logp_all)
     out_loss = torch.empty_like(loss_all)
     out_logp[perm.to(device)], out_loss[perm.to(device)] = logp_all, loss_all

@@ -5,13 +5,13 @@ run is made); many runs share the base model. One
 `forward_backward` call packs the data of many runs into the same micro-batches (each row uses its
 run's adapter), so each run's gradient lands only in its own adapter.
 
-Each entry of a `forward_backward` batch names its run, its data, its parsed `Loss`, optionally a
-`denominator` (engine/prepare.py: the whole logical batch's token count, so chunks of one batch add
-up to its gradient) and the datums' counts. A prepared op (every event the service accepted) brings
-its counts and is not checked again; an entry without them (a direct caller's) is checked first,
-by the same `check_datum`. Its gradient is the gradient of its summed loss divided by the
-denominator; without one the loss is the plain sum (the Tinker API). The reported `loss_sum`,
-per-token losses and logprobs never depend on it.
+Each entry of a `forward_backward` batch is a `(run_id, Forward)` pair: the op's data, its parsed
+`Loss`, its `denominator` (engine/prepare.py: the whole logical batch's token count, so chunks of one
+batch add up to its gradient; None: the plain sum) and the datums' `counts`. A prepared op (every
+event the service accepted) brings its counts and is not checked again; one without them (a direct
+caller's) is checked first, by the same `check_datum`. Its gradient is the gradient of its summed
+loss divided by the denominator; without one the loss is the plain sum (the Tinker API). The
+reported `loss_sum`, per-token losses and logprobs never depend on it.
 
 How a micro-batch is computed
 1. Rows are sorted by length and grouped so rows x longest row <= `micro_batch_tokens` (padding
@@ -70,6 +70,7 @@ from ..api import (
     OPTIMIZERS,
     AdamConfig,
     DimuonConfig,
+    Forward,
     LoRAConfig,
     Loss,
     WeightsIdentity,
@@ -81,7 +82,7 @@ from ..model.model import Transformer
 from ..prepare import check_datum
 from . import checkpoint, custom_graph, head, prefix_groups, shared_prefix
 from .dimuon import Dimuon
-from .losses import LossInputs, PreparedDatum, datum_tensors, sequence_log_ratios
+from .losses import LossInputs, PreparedDatum, datum_tensors
 
 
 @dataclass
@@ -213,16 +214,17 @@ class Trainer:
     # ------------------------------------------------------------------ forward / backward
     def forward_backward(
         self,
-        batch: list[tuple],
+        batch: list[tuple[str, Forward]],
         *,
         backward: bool = True,
         between_microbatches: Callable[[], None] | None = None,
     ) -> list[ForwardResult]:
-        """One ForwardResult per (run_id, data, loss[, denominator]) entry, in order (`loss`: a `Loss`).
+        """One ForwardResult per (run_id, Forward) entry, in order.
 
-        The data of all entries are packed together. `denominator` (a number >= 1, or None for the
-        plain sum) divides that entry's gradient. backward=False is `forward`: no gradient
-        changes. `between_microbatches` is called after each micro-batch.
+        The data of all entries are packed together. An op's `denominator` (a number >= 1, or None
+        for the plain sum) divides that entry's gradient. backward=False is `forward`: no gradient
+        changes (this flag decides, not the ops' own `backward`, by which the cycle groups them).
+        `between_microbatches` is called after each micro-batch.
         """
         rows = self._prepare(batch)
         logps = [torch.zeros(len(r.datum)) for r in rows]
@@ -253,21 +255,21 @@ class Trainer:
             res.usage.train_tokens += computed
             res.usage.sequence_tokens += len(row.datum)
             res.usage.loss_tokens += row.counts.loss_tokens(row.loss.is_policy)
-        for res, (_, data, *_) in zip(results, batch):  # a custom loss's :mean metrics: over datums
-            res.metrics = {k: v / len(data) if k.endswith(":mean") else v for k, v in res.metrics.items()}
+        for res, (_, op) in zip(results, batch):  # a custom loss's :mean metrics: over datums
+            res.metrics = {k: v / len(op.data) if k.endswith(":mean") else v for k, v in res.metrics.items()}
         return results
 
-    def _prepare(self, batch) -> list[_Row]:
+    def _prepare(self, batch: list[tuple[str, Forward]]) -> list[_Row]:
         if not isinstance(batch, (list, tuple)) or not batch:
-            raise ValueError(
-                "batch must be a non-empty list of (run_id, data, loss[, denominator[, counts]])"
-            )
+            raise ValueError("batch must be a non-empty list of (run_id, Forward)")
         vocab = self.model.cfg.vocab_size
         rows = []
         for e, entry in enumerate(batch):
-            run_id, data, loss, *rest = entry
-            scale = _grad_scale(rest[0] if rest else None, f"batch[{e}]")
-            counts = rest[1] if len(rest) > 1 else None  # a prepared op's: checked at acceptance
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], Forward)):
+                raise ValueError(f"batch[{e}] must be a (run_id, Forward) pair")
+            run_id, op = entry
+            data, loss, counts = op.data, op.loss, op.counts  # a prepared op's counts: checked at acceptance
+            scale = _grad_scale(op.denominator, f"batch[{e}]")
             adapter = self._run(run_id).adapter
             if not isinstance(loss, Loss):
                 raise ValueError(
@@ -348,13 +350,6 @@ class Trainer:
         with torch.set_grad_enabled(backward):
             h = model.hidden_states(tokens.to(device), positions.to(device), adapters, pad_mask.to(device))
             sel = h.reshape(B * T, -1).index_select(0, active.to(device))
-        train = backward and sel.requires_grad
-        # Each LM-head chunk reads its own leaf, so its gradient is exactly that chunk's rows.
-        pieces = (
-            [p.requires_grad_(train) for p in sel.detach().split(self.logits_chunk_tokens)]
-            if active.numel()
-            else []
-        )
         token_spans = head.token_spans(adapters, counts)
         chunks = head.HeadChunks(
             model,
@@ -365,16 +360,17 @@ class Trainer:
             lambda i, j: adapters if token_spans is None else head.chunk_adapters(token_spans, i, j, device),
             self._workspace,
         )
-        if active.numel() and any(loss.sequence_level for loss in losses_in_mb):
-            # gspo (each token's ratio needs its datum's mean log-ratio) and custom losses (the
-            # graph needs the datum's logprobs): every logp first, values only
-            values = chunks.target_logprobs(pieces)
-            inputs.seq_log_ratio = sequence_log_ratios(values, inputs, row_of.to(device), B)
-            if any(loss.custom is not None for loss in losses_in_mb):
-                inputs.custom_grad = _custom_grads(rows, values.split(counts))
-        logp_all, loss_all = chunks.losses(pieces, losses_in_mb, loss_of, inputs, scales, backward)
-        if train and pieces:  # no pieces when no position has a target
-            sel.backward(torch.cat([p.grad for p in pieces]))
+        logp_all, loss_all = chunks.score(
+            sel,
+            losses_in_mb,
+            loss_of,
+            inputs,
+            scales,
+            backward,
+            row_of,
+            B,
+            custom_grad=lambda values: _custom_grads(rows, values.split(counts)),
+        )
         for r, part_logp, part_loss in zip(range(B), logp_all.split(counts), loss_all.split(counts)):
             idx = rows[r].datum.active
             logps[r][idx] = part_logp.detach().float().cpu()

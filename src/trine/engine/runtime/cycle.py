@@ -1,9 +1,9 @@
-"""Executing one clock cycle inside the engine worker thread.
+"""Executing one clock cycle inside the engine worker thread, on its `EngineWorker`'s trainer.
 
 Phases, across all runs of the cycle: pre (init_run, saves queued before any training), one batched
 `Trainer.forward_backward(backward=False)` for every `forward`, one batched call for every
 `forward_backward`, each run's optim step, then post saves. The sampler steps between micro-batches
-and between phases (`worker.tick`).
+and between phases (`EngineWorker.tick`).
 
 Failure isolation: every forward op was checked when its event was accepted (engine/prepare.py); an
 op that was not (a direct caller's) is checked by the trainer before it computes anything, so if a
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import shutil
 import time
 import traceback
-import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...diskspace import DiskFull, raise_if_full
 from ..api import (
@@ -31,15 +29,16 @@ from ..api import (
     EventOutcome,
     Forward,
     InitRun,
-    LoRAConfig,
     OptimStep,
     Refused,
     Save,
     TrainingCycle,
 )
-from ..model.lora import Adapter
-from .checkpoint import by_uri, load_peft_adapter, save_peft_adapter
-from .trainer import ForwardResult
+from ..trainer.checkpoint import adapter_bytes, by_uri, save_dir
+from ..trainer.trainer import ForwardResult, Trainer
+
+if TYPE_CHECKING:  # the worker imports this module's runner's inputs, not the other way round
+    from .worker import EngineWorker
 
 log = logging.getLogger("trine.cycle")
 
@@ -93,44 +92,16 @@ def _failed(e: BaseException) -> EventOutcome:
     )
 
 
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move the fully written directory `tmp` to `final`, replacing any old one (crash-safe: the
-    old directory stays complete until the new one is in place)."""
-    trash = None
-    if final.exists():
-        trash = final.with_name(f".{final.name}.old-{uuid.uuid4().hex}")
-        os.replace(final, trash)
-    os.replace(tmp, final)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-def save_dir(final: Path, write) -> int:
-    """Run `write(tmp_dir) -> bytes` into a sibling temp directory, then move it into place."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex}")
-    try:
-        size = write(tmp)
-        replace_dir(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return size
-
-
-def adapter_bytes(adapter: Adapter) -> int:
-    return sum(p.numel() * p.element_size() for p in adapter.parameters())
-
-
 class CycleRunner:
     """Runs cycles on one worker's trainer. Lives in the worker thread (no asyncio, no store).
 
     A weights save publishes its snapshot into the worker's adapter table under the checkpoint id."""
 
-    def __init__(self, worker):
+    def __init__(self, worker: EngineWorker):
         self.w = worker
 
     @property
-    def trainer(self):
+    def trainer(self) -> Trainer:
         return self.w.trainer
 
     def run(self, cycle: TrainingCycle) -> CycleResult:
@@ -187,7 +158,7 @@ class CycleRunner:
         return out
 
     def _call(self, live, backward):
-        batch = [(run_id, ev.op.data, ev.op.loss, ev.op.denominator, ev.op.counts) for run_id, ev in live]
+        batch = [(run_id, ev.op) for run_id, ev in live]
         return self.trainer.forward_backward(batch, backward=backward, between_microbatches=self.w.tick)
 
     def _single(self, run_id: str, ev: CycleEvent) -> EventOutcome:
@@ -198,7 +169,7 @@ class CycleRunner:
             if isinstance(op, InitRun):
                 return self._init(run_id, op)
             if isinstance(op, EndRun):
-                drop_run(self.w, run_id)
+                self.w.drop_run(run_id)
                 return EventOutcome()
             if not self.trainer.has_run(run_id):
                 return _not_initialized(run_id)
@@ -268,33 +239,4 @@ def _not_initialized(run_id: str) -> EventOutcome:
             f"training run {run_id} has no weights: its "
             "init_run event did not succeed; create a new training client",
         )
-    )
-
-
-def drop_run(worker, run_id: str) -> None:
-    """Free a run's adapter, optimizer state and inflight target (worker thread). Requests running
-    on the target keep the weights they hold until they finish; new ones are refused."""
-    if worker.trainer.has_run(run_id):
-        worker.trainer.delete_run(run_id)
-    worker.adapters.drop_target(run_id)
-
-
-def publish_target(worker, target: str, version: int, checkpoint_id: str) -> None:
-    """Point inflight target `target` at the adapter held under `checkpoint_id` (worker thread)."""
-    worker.publish_target(target, version, worker.adapters.snapshot(checkpoint_id))
-
-
-def load_adapter(worker, checkpoint_id: str, path: str) -> int:
-    """Load a saved PEFT adapter directory into the worker's adapter table (worker thread)."""
-    adapter, _ = load_peft_adapter(worker.model, path)
-    adapter.requires_grad_(False)
-    worker.adapters.hold(checkpoint_id, adapter)
-    return adapter_bytes(adapter)
-
-
-def spill_adapter(worker, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
-    """Write an in-memory snapshot to disk so it can leave memory (worker thread)."""
-    adapter = worker.adapters.snapshot(checkpoint_id)
-    return save_dir(
-        Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, worker.name, worker.model.source_dir)
     )
