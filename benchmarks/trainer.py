@@ -152,10 +152,13 @@ class PrefixSide:
 
     def __init__(self, model, data, rank: int, sharing: bool, micro_batch_tokens: int = 4096):
         from trine.engine.api import AdamConfig, LoRAConfig, Loss
+        from trine.engine.config import TrainerConfig
         from trine.engine.trainer.trainer import Trainer
 
         self.trainer = Trainer(
-            model, base_model="bench", prefix_sharing=sharing, micro_batch_tokens=micro_batch_tokens
+            model,
+            base_model="bench",
+            config=TrainerConfig(prefix_sharing=sharing, micro_batch_tokens=micro_batch_tokens),
         )
         self.trainer.create_run("r", LoRAConfig(rank=rank, alpha=32.0, train_unembed=False))
         self.batch = [("r", data, Loss.parse("importance_sampling"))]

@@ -74,11 +74,12 @@ class TrineSide:
 
     def sampler(self):
         """The side's one Sampler (its KV pool allocated once, as in a server), its cache emptied."""
+        from trine.engine.config import SamplerConfig
         from trine.engine.sampler.sampler import Sampler
 
         if self._sampler is None:
             self._sampler = Sampler(
-                self.model, self.tok, kv_cache_bytes=self.kv_bytes, enable_prefix_cache=True
+                self.model, self.tok, SamplerConfig(kv_cache_bytes=self.kv_bytes, enable_prefix_cache=True)
             )
         self._sampler.reset_prefix_cache()
         return self._sampler

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tolerance import assert_same_samples, assert_within_bound, fp64_model, rms_norm_bound
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import SamplerConfig
 from trine.engine.model import fused, invariant
 from trine.engine.model.model import apply_rope, rope_tables
 from trine.engine.model.tokenizer import Tokenizer
@@ -85,7 +86,11 @@ def _run(model_tok) -> tuple[dict, list]:
     prompts = [torch.randint(100, 4000, (n,), generator=rng).tolist() for n in (40, 17, 70)]
     opts = SamplingOptions(max_tokens=10, temperature=0, stop_at_eos=False)
     reqs = [SampleRequest(f"r{i}", p, opts, WeightsIdentity("t")) for i, p in enumerate(prompts)]
-    seqs = [s for r in Sampler(*model_tok, kv_cache_bytes=16 * 2**20).run(reqs) for s in r.sequences]
+    seqs = [
+        s
+        for r in Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 * 2**20)).run(reqs)
+        for s in r.sequences
+    ]
     return {"logprobs": [s.logprobs for s in seqs]}, [s.tokens for s in seqs]
 
 

@@ -15,6 +15,7 @@ from tolerance import (
     linear_bound,
 )
 
+from trine.engine.config import SamplerConfig
 from trine.engine.model import packed
 from trine.engine.model.invariant import linear
 from trine.engine.model.lora import LoRALinear
@@ -115,7 +116,11 @@ def test_the_sampler_on_packed_weights_samples_as_on_f_linear(tiny_model_dir, mo
             SampleRequest(f"r{i}", list(range(100 + i, 140 + i)), opts, WeightsIdentity("t"), 4)
             for i in range(3)
         ]
-        return [s for r in Sampler(model, tok, kv_cache_bytes=16 << 20).run(reqs) for s in r.sequences]
+        return [
+            s
+            for r in Sampler(model, tok, SamplerConfig(kv_cache_bytes=16 << 20)).run(reqs)
+            for s in r.sequences
+        ]
 
     rows = packed.MAX_ROWS
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tolerance import assert_same_samples, assert_within_bound, attention_bound, fp64_model
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import SamplerConfig
 from trine.engine.model import invariant, model, paged_attention
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
@@ -166,7 +167,7 @@ def test_without_a_compiler_the_engine_gathers(tmp_path):
 
 
 def _decode(model_tok, requests):
-    s = Sampler(*model_tok, kv_cache_bytes=16 * 2**20)
+    s = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 * 2**20))
     return s.run(requests)
 
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from trine.engine.api import LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum, WeightsIdentity
+from trine.engine.config import EngineConfig, SamplerConfig, TrainerConfig
 from trine.engine.runtime.worker import EngineWorker
 
 
@@ -16,10 +17,12 @@ def test_sampling_is_served_between_training_micro_batches(tiny_model_dir):
         w = EngineWorker(
             "tiny",
             tiny_model_dir,
-            device="cpu",
-            num_threads=1,
-            trainer_options={"micro_batch_tokens": 64},
-            sampler_options={"kv_cache_bytes": 8 << 20},
+            EngineConfig(
+                device="cpu",
+                num_threads=1,
+                trainer=TrainerConfig(micro_batch_tokens=64),
+                sampler=SamplerConfig(kv_cache_bytes=8 << 20),
+            ),
         )
         await loop.run_in_executor(None, w.start, loop)
         ticks = []

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from serverutil import TEST_OPTIONS, pytrio_env, serve, start
+from serverutil import TEST_ENGINE, pytrio_env, serve, start
 
 import trine as trio
 from trine.engine import DEFAULT_WAIT, WAIT_SETTINGS, openmp_wait
@@ -35,7 +35,6 @@ print(os.getpgrp() == os.getpid(), own_session(), os.getsid(0) == os.getpid() ==
 """
 
 MODEL = "tiny-llama"
-ENGINE_OPTIONS = {k: TEST_OPTIONS[k] for k in ("device", "sampler_options", "trainer_options")}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +52,7 @@ def ray_server(tiny_model_dir, tmp_path_factory):
         srv = start(
             tiny_model_dir,
             tmp_path_factory.mktemp("ray-home"),
-            engines=ray_engines(2, num_threads=1, options=ENGINE_OPTIONS),
+            engines=ray_engines(2, TEST_ENGINE),
         )
         try:
             yield srv

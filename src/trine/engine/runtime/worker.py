@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from ..api import SampleCancelled, SampleDelta, SampleRequest, SampleResult
+from ..config import EngineConfig
 from ..model import invariant
 from ..model.lora import Adapter
 from ..model.tokenizer import Tokenizer
@@ -67,22 +68,11 @@ class EngineWorker:
         self,
         name: str,
         model_dir: str | Path,
-        *,
-        device: str | None = None,
-        num_threads: int | None = None,
-        sampler_options: dict | None = None,
-        trainer_options: dict | None = None,
-        dtype: str | None = None,
-        batch_invariant: bool = False,
+        config: EngineConfig = EngineConfig(),
     ):
         self.name = name
-        self.batch_invariant = batch_invariant  # invariant.enable: sampler = trainer, bit for bit
+        self.config = config
         self.model_dir = Path(model_dir).resolve()
-        self.device = device
-        self.dtype = parse_dtype(dtype)  # checked here, before the thread starts
-        self.num_threads = num_threads
-        self.sampler_options = dict(sampler_options or {})
-        self.trainer_options = dict(trainer_options or {})
         self.model = self.tokenizer = self.sampler = self.trainer = None
         self.adapters = AdapterTable()  # snapshots and inflight targets (worker thread only)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -179,22 +169,23 @@ class EngineWorker:
     # ------------------------------------------------------------------ worker thread
     def _main(self) -> None:
         try:
-            if self.num_threads:
-                torch.set_num_threads(self.num_threads)
+            cfg = self.config
+            if cfg.num_threads:
+                torch.set_num_threads(cfg.num_threads)
             from ..sampler.sampler import Sampler
             from ..trainer.trainer import Trainer
 
-            if self.batch_invariant:
+            if cfg.batch_invariant:  # sampler = trainer, bit for bit
                 invariant.enable(True)
-            self.model = load_model(self.model_dir, device=self.device, dtype=self.dtype)
+            self.model = load_model(self.model_dir, device=cfg.device, dtype=parse_dtype(cfg.dtype))
             self.tokenizer = Tokenizer(self.model_dir)
-            self._new_sampler = lambda: Sampler(self.model, self.tokenizer, **self.sampler_options)
+            self._new_sampler = lambda: Sampler(self.model, self.tokenizer, cfg.sampler)
             self.sampler = self._new_sampler()
-            self.trainer = Trainer(self.model, base_model=self.name, **self.trainer_options)
+            self.trainer = Trainer(self.model, base_model=self.name, config=cfg.trainer)
             # on CPU, the threads other processes leave it (cpu_share.py); a fixed count where the
             # numerics must be (--batch-invariant: its GEMMs' bits depend on the thread count)
             on_cpu = self.model.device.type == "cpu"
-            self.cpu_share = CpuShare(self.num_threads, enabled=on_cpu and not self.batch_invariant)
+            self.cpu_share = CpuShare(cfg.num_threads, enabled=on_cpu and not cfg.batch_invariant)
         except BaseException as e:  # reported to start()
             self._start_error = e
             self._ready.set()
