@@ -18,14 +18,18 @@ import random
 import statistics
 import time
 
-import trine.engine  # noqa: F401  (before torch: the engine's OpenMP wait policy)
-from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.config import SamplerConfig
-from trine.engine.model.default_model import ensure_default_model
-from trine.engine.model.tokenizer import Tokenizer
-from trine.engine.model.weights import load_model
-from trine.engine.sampler.sampler import Sampler
-from trine.home import trine_home
+from trine.engine.setup import configure
+
+configure()  # before torch: the engine's OpenMP wait policy
+
+# isort: split
+from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity  # noqa: E402
+from trine.engine.config import SamplerConfig  # noqa: E402
+from trine.engine.model.default_model import ensure_default_model  # noqa: E402
+from trine.engine.model.tokenizer import Tokenizer  # noqa: E402
+from trine.engine.model.weights import load_model  # noqa: E402
+from trine.engine.sampler.sampler import Sampler  # noqa: E402
+from trine.home import trine_home  # noqa: E402
 
 W = WeightsIdentity("b")
 

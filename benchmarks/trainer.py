@@ -24,7 +24,7 @@ of the per-iteration ratios, which cancels most of the drift of a shared machine
   logits, gradients, optimizer state. Median of --mem-repeats processes per side.
 
 Prefix sharing (issue 26; `--prefix-only` runs just these): one run's step (forward_backward +
-optim_step) with `Trainer(prefix_sharing=True)` against the same Trainer with it off, interleaved
+optim_step) with `TrainerConfig(prefix_sharing=True)` against the same Trainer with it off, interleaved
 as above, on two batches of policy data (importance_sampling, a target at every position, zero
 advantage on prompts):
 - GRPO: `--grpo-groups` (8) prompts of `--grpo-prompt` (256) tokens x `--grpo-completions` (8)

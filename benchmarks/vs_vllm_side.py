@@ -52,7 +52,9 @@ def gemm_peak_gflops(n: int = 1024, reps: int = 20) -> float:
 
 class TrineSide:
     def __init__(self, model_dir: Path, threads: int, kv_gib: float):
-        import trine.engine  # before torch: it sets how OpenMP's threads wait
+        from trine.engine.setup import configure, openmp_wait
+
+        configure()  # before torch: it sets how OpenMP's threads wait
 
         # isort: split
         import torch
@@ -68,9 +70,7 @@ class TrineSide:
         self.weights = WeightsIdentity("bench")
         self.n = 0
         self._sampler = None
-        self.info = dict(
-            engine="trine", threads=torch.get_num_threads(), openmp_wait=trine.engine.openmp_wait()
-        )
+        self.info = dict(engine="trine", threads=torch.get_num_threads(), openmp_wait=openmp_wait())
 
     def sampler(self):
         """The side's one Sampler (its KV pool allocated once, as in a server), its cache emptied."""

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from serverutil import TEST_ENGINE, pytrio_env, serve, start
 
 import trine as trio
-from trine.engine import DEFAULT_WAIT, WAIT_SETTINGS, openmp_wait
 from trine.engine.api import SampleRequest, SamplingOptions
 from trine.engine.malloc import keep_freed_memory
+from trine.engine.setup import DEFAULT_WAIT, WAIT_SETTINGS, openmp_wait
 from trine.service import SamplingRunSpec
 from trine.service.routing import Router
 

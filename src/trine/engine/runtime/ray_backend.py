@@ -37,7 +37,6 @@ from typing import AsyncIterator
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from .. import openmp_wait
 from ..api import (
     CycleResult,
     EngineInfo,
@@ -52,7 +51,7 @@ from ..api import (
 from ..config import EngineConfig
 from ..interface import Engine
 from ..malloc import keep_freed_memory
-from .local import LocalEngine
+from ..setup import configure, openmp_wait
 from .ray_cluster import watch_local_cluster
 
 
@@ -91,7 +90,7 @@ def own_session() -> bool:
 
 def process_info() -> dict:
     """This process as the scheduler sees it: pid, session, CPU-seconds so far (user + system),
-    torch's intra-op threads, how its OpenMP threads wait (`trine.engine.openmp_wait`) and what its
+    torch's intra-op threads, how its OpenMP threads wait (`trine.engine.setup.openmp_wait`) and what its
     C allocator keeps (`trine.engine.malloc`)."""
     import torch  # loaded by the engine already
 
@@ -115,6 +114,9 @@ class ReplicaActor:
     ):
         if new_session:
             own_session()
+        configure()  # before torch loads in this process: this module and Ray's worker import none
+        from .local import LocalEngine
+
         self.engine = LocalEngine(name, model_dir, config, replica=replica)
 
     async def process(self) -> dict:

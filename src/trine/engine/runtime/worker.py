@@ -40,6 +40,7 @@ from ..model import invariant
 from ..model.lora import Adapter
 from ..model.tokenizer import Tokenizer
 from ..model.weights import load_model, parse_dtype
+from ..setup import configure
 from .adapters import AdapterTable
 from .cpu_share import CpuShare, release_openmp_pool
 
@@ -90,6 +91,8 @@ class EngineWorker:
     def start(self, loop: asyncio.AbstractEventLoop, timeout: float | None = None) -> None:
         self.loop = loop
         self.exited = loop.create_future()  # set to the reason when the thread ends
+        for line in configure():  # a no-op where the CLI or another engine did it already
+            log.info("engine: %s", line)
         release_openmp_pool()  # this thread's OpenMP workers would throttle the engine thread's spin
         self._thread = threading.Thread(target=self._main, name=f"trine-engine-{self.name}", daemon=True)
         self._thread.start()
