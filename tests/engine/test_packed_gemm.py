@@ -1,4 +1,4 @@
-"""Few-row inference GEMMs through MKL's packed weights (engine/model/packed.py): the same results as
+"""Few-row inference GEMMs through MKL's packed weights (engine/model/kernels/packed.py): the same results as
 F.linear, a weight changed in place or replaced is packed again, the memory budget is kept."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from tolerance import (
 )
 
 from trine.engine.config import SamplerConfig
-from trine.engine.model import packed
 from trine.engine.model.invariant import linear
+from trine.engine.model.kernels import packed
 from trine.engine.model.lora import LoRALinear
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no MKL packed linear")

@@ -42,7 +42,7 @@ def ray_server(tiny_model_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         # Plain sgemm on both sides of the parity test (the replicas inherit this at ray.init, the
         # in-process engine reads it): MKL's packed copies share one budget per process
-        # (engine/model/packed.py), which other tests' models in this long-lived pytest process may
+        # (engine/model/kernels/packed.py), which other tests' models in this long-lived pytest process may
         # have used up, and then only the in-process side's LM head changes kernel (last bits).
         env.setenv("TRINE_PACKED_GEMM_BYTES", "0")
         # and one fixed thread count on both sides (runtime/cpu_share.py would give the in-process

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import packed
+from .kernels import packed
 
 ROW_TILE = 32  # rows per linear-layer GEMM call
 KEY_TILE = 16  # key positions per attention tile

@@ -60,7 +60,7 @@ def suits(q: torch.Tensor, pool: torch.Tensor, mask: torch.Tensor, read: torch.T
     """Whether attention of `q` over `pool` with `mask` [P, 1, Q, L] and slots `read` [P, L]
     should use the kernel (see the module docstring): decode-sized. Slots outside the pool never
     reach the kernel (index_select names them)."""
-    from .invariant import enabled
+    from ..invariant import enabled
 
     Q = mask.shape[2]
     return (

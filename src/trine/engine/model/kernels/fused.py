@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import invariant
+from .. import invariant
 from .cbuild import Kernel
 
 
