@@ -244,11 +244,15 @@ def engine_config_rows() -> list[dict]:
 
 
 def engine_config_table() -> str:
-    def shown(v) -> str:
-        return "unset" if v is None else _code(v) if isinstance(v, (bool, str)) else _number(v)
+    def shown(name: str, v) -> str:
+        if v is None:
+            return "unset"
+        if isinstance(v, (bool, str)):
+            return _code(v)
+        return _number(v) if name.endswith("_bytes") else f"{v:,}"  # units only for sizes
 
     rows = [
-        [_code(r["name"]), shown(r["default"]), r["doc"], _code(r["flag"]) if r["flag"] else ""]
+        [_code(r["name"]), shown(r["name"], r["default"]), r["doc"], _code(r["flag"]) if r["flag"] else ""]
         for r in engine_config_rows()
     ]
     return _table(["field", "default", "meaning", "`trine serve` flag"], rows)
