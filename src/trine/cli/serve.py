@@ -262,8 +262,8 @@ def serve(
             batch_invariant=batch_invariant,
             trainer=TrainerConfig(prefix_sharing=train_prefix_sharing),
         )
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+    except ValueError as e:  # --dtype is a choice: only the thread count can be out of range
+        raise click.BadParameter(str(e), param_hint="--threads") from None
     engines = None
     if ray_address is not None:
         engines = _ray_engines(ray_address, replicas, engine)
