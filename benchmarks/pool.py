@@ -45,13 +45,19 @@ from pathlib import Path
 
 from report import record  # benchmarks/report.py
 
-from trine.engine.api import SampleRequest, SamplingOptions
-from trine.engine.config import EngineConfig, SamplerConfig
-from trine.engine.runtime.local import LocalEngine
-from trine.engine.runtime.ray_backend import connect, ray_engines
-from trine.service import SamplingRunSpec, Service
-from trine.service.routing import Router
-from trine.store import Store
+from trine.engine.setup import configure
+
+configure()  # before torch loads with the engine: its OpenMP wait, as under `trine serve`
+
+# isort: split
+
+from trine.engine.api import SampleRequest, SamplingOptions  # noqa: E402
+from trine.engine.config import EngineConfig, SamplerConfig  # noqa: E402
+from trine.engine.runtime.local import LocalEngine  # noqa: E402
+from trine.engine.runtime.ray_backend import connect, ray_engines  # noqa: E402
+from trine.service import SamplingRunSpec, Service  # noqa: E402
+from trine.service.routing import Router  # noqa: E402
+from trine.store import Store  # noqa: E402
 
 ENGINE = EngineConfig(device="cpu", num_threads=1, sampler=SamplerConfig(kv_cache_bytes=256 << 20))
 

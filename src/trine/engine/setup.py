@@ -1,7 +1,8 @@
 """The process-wide settings an engine runs under, applied by `configure()`: once per process, at the
 `trine` CLI's entry (before any command imports torch) and again at every engine's start (a worker
 thread, a Ray replica's actor, where it is a no-op if already done). Importing trine.engine sets
-nothing; only `configure()` does.
+nothing; only `configure()` does. A program that embeds a server (`start_server`) or an engine
+calls it before it imports them (they load torch), as the benchmarks and examples do.
 
 How OpenMP's threads wait between parallel regions, unless the environment already says
 (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`): libgomp's threads spin `SPIN_COUNT` times, then sleep
