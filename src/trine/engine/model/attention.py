@@ -12,11 +12,11 @@ Paths (the first that applies):
     (`_grouped_sdpa`) unless torch's batch-invariant mode is on.
 
 Invariants
-- Every path is softmax(q k^T / sqrt(D)) v over the keys the mask allows, up to float32 rounding;
-  with batch-invariant kernels (which turn the in-place kernel and the grouped stacking off), a
-  token's result is bit for bit the same in a decode step, a prefill chunk and the training
-  forward, whatever else is in the batch.
-- A query's result depends on its own keys and their positions only, never on the other rows.
+- Every path is softmax(q k^T / sqrt(D)) v over the keys the mask allows, up to float32 rounding
+  (the paths sum in orders of their own, so the last bits may follow the path and the batch).
+- With batch-invariant kernels (which turn the in-place kernel, the query blocks and the stacked
+  heads off), a token's result is bit for bit the same in a decode step, a prefill chunk and the
+  training forward, whatever else is in the batch.
 """
 
 from __future__ import annotations
