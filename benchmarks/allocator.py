@@ -27,8 +27,10 @@ from trine.engine.malloc import ENV_NAMES
 
 CHILD = r"""
 import json, random, resource, sys, time
-import trine.engine
+from trine.engine.setup import configure
+configure()  # as an engine's start does
 import torch
+from trine.engine.config import SamplerConfig
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.malloc import keep_freed_memory
 from trine.engine.model.default_model import ensure_default_model
@@ -39,7 +41,8 @@ from trine.engine.sampler import sampler as sampler_module
 prompts, samples, prompt_len, new = map(int, sys.argv[1:5])
 torch.set_num_threads(2)
 model_dir = str(ensure_default_model())
-sampler = sampler_module.Sampler(load_model(model_dir, "cpu"), Tokenizer(model_dir), kv_cache_bytes=1 << 30)
+model, tokenizer = load_model(model_dir, "cpu"), Tokenizer(model_dir)
+sampler = sampler_module.Sampler(model, tokenizer, SamplerConfig(kv_cache_bytes=1 << 30))
 rng = random.Random(0)
 in_sample = [0.0]
 sample = sampler_module.sample

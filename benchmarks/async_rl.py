@@ -35,13 +35,21 @@ from pathlib import Path
 
 from report import record  # benchmarks/report.py
 
-import trine as trio
-from trine.server.app import start_server
+from trine.engine.setup import configure
 
-ENGINE = dict(
+configure()  # before torch loads with the engine: its OpenMP wait, as under `trine serve`
+
+# isort: split
+
+import trine as trio  # noqa: E402
+from trine.engine.config import EngineConfig, SamplerConfig, TrainerConfig  # noqa: E402
+from trine.server.app import start_server  # noqa: E402
+
+ENGINE = EngineConfig(
     device="cpu",
-    sampler_options={"kv_cache_bytes": 256 << 20, "max_batch_tokens": 1024},
-    trainer_options={"micro_batch_tokens": 2048},
+    num_threads=1,
+    sampler=SamplerConfig(kv_cache_bytes=256 << 20, max_batch_tokens=1024),
+    trainer=TrainerConfig(micro_batch_tokens=2048),
 )
 PROMPTS = [
     "Write a number:",
@@ -173,10 +181,8 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as home:
             servers = {
-                "one": start_server([model], home=Path(home) / "one", num_threads=1, **ENGINE),
-                "pool": start_server(
-                    [model], home=Path(home) / "pool", engines=ray_engines(2, num_threads=1, options=ENGINE)
-                ),
+                "one": start_server([model], home=Path(home) / "one", engine=ENGINE),
+                "pool": start_server([model], home=Path(home) / "pool", engines=ray_engines(2, ENGINE)),
             }
             clients = {e: trio.ServiceClient(api_key=s.api_key, base_url=s.url) for e, s in servers.items()}
             try:

@@ -27,11 +27,17 @@ import time
 
 from report import record  # benchmarks/report.py
 
-from trine.server.console import runs as console_runs
-from trine.service import EventResult
-from trine.service.ownership import Ownership
-from trine.service.queries import Queries
-from trine.store import EventRecord, Store, TrainingRun
+from trine.engine.setup import configure
+
+configure()  # before torch loads with the engine: its OpenMP wait, as under `trine serve`
+
+# isort: split
+
+from trine.server.console import runs as console_runs  # noqa: E402
+from trine.service import EventResult  # noqa: E402
+from trine.service.ownership import Ownership  # noqa: E402
+from trine.service.queries import Queries  # noqa: E402
+from trine.store import EventRecord, Store, TrainingRun  # noqa: E402
 
 FB, OPT = "trainer.forward_backward", "trainer.optimize_step"
 

@@ -2,14 +2,15 @@
 
 A fixed decode workload (8 sequences, `--new` tokens each, SmolLM2-135M fp32 by default) runs in a
 fresh process, alone and then beside a 1-core and an N-core CPU hog (busy-loop processes), for each
-OpenMP wait setting given (`--policies`): "default" is trine.engine's own (the workload imports it
-before torch, so with nothing in the environment its settings apply); "PASSIVE" or "ACTIVE" set
-OMP_WAIT_POLICY; "spin:N" sets OMP_WAIT_POLICY=ACTIVE and GOMP_SPINCOUNT=N (libgomp's threads spin
-N times, then sleep), the form trine.engine uses. `--share on,off`: whether the workload's loop
-calls `CpuShare.adapt()` between steps, as the engine worker does (engine/runtime/cpu_share.py:
-fewer threads while other processes keep cores busy), or keeps its threads. Reported: decode
-tokens/s per setting and the ratio to "alone". A fair share beside a 1-core hog on 2 cores is 50 %;
-OpenMP threads that spin while waiting for each other collapse far below it when a core is taken.
+OpenMP wait setting given (`--policies`): "default" is trine's own (the workload calls
+`trine.engine.setup.configure()` before torch, so with nothing in the environment its settings
+apply); "PASSIVE" or "ACTIVE" set OMP_WAIT_POLICY; "spin:N" sets OMP_WAIT_POLICY=ACTIVE and
+GOMP_SPINCOUNT=N (libgomp's threads spin N times, then sleep), the form `configure()` uses. `--share
+on,off`: whether the workload's loop calls `CpuShare.adapt()` between steps, as the engine worker
+does (engine/runtime/cpu_share.py: fewer threads while other processes keep cores busy), or keeps
+its threads. Reported: decode tokens/s per setting and the ratio to "alone". A fair share beside a
+1-core hog on 2 cores is 50 %; OpenMP threads that spin while waiting for each other collapse far
+below it when a core is taken.
 
     .venv/bin/python benchmarks/cpu_share.py [--json] [--new 64] [--rounds 3] \
         [--policies default,PASSIVE,spin:3000] [--share on,off]
@@ -30,8 +31,10 @@ from report import record  # benchmarks/report.py
 
 WORKLOAD = r"""
 import random, sys, time
-import trine.engine  # before torch: its OpenMP wait settings apply where the environment has none
+from trine.engine.setup import configure
+configure()  # before torch: its OpenMP wait settings apply where the environment has none
 import torch
+from trine.engine.config import SamplerConfig
 from trine.engine.runtime.cpu_share import CpuShare
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.model.default_model import ensure_default_model
@@ -45,7 +48,7 @@ path = ensure_default_model(trine_home(None))
 model, tok = load_model(path, device="cpu"), Tokenizer(path)
 rng = random.Random(0)
 def run(n_new):
-    s = Sampler(model, tok, kv_cache_bytes=256 << 20)
+    s = Sampler(model, tok, SamplerConfig(kv_cache_bytes=256 << 20))
     opts = SamplingOptions(max_tokens=n_new, temperature=1.0, seed=0, stop_at_eos=False)
     for i in range(8):
         prompt = [rng.randrange(100, 40000) for _ in range(32)]

@@ -40,6 +40,7 @@ def main():
     from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
     from trine.engine.api import Forward, LoRAConfig, Loss, LossTensor, TrainDatum, parse_custom_loss
+    from trine.engine.config import TrainerConfig
     from trine.engine.model.weights import load_model
     from trine.engine.trainer.trainer import Trainer
 
@@ -61,7 +62,7 @@ def main():
             "old": LossTensor((args.seq,), (-torch.rand(args.seq, generator=g) * 10).tolist()),
         }
         data.append(TrainDatum(tokens=tokens, target_tokens=tokens[1:] + [-100], custom_inputs=inputs))
-    trainer = Trainer(model, base_model="bench", prefix_sharing=False)
+    trainer = Trainer(model, base_model="bench", config=TrainerConfig(prefix_sharing=False))
     trainer.create_run("r", LoRAConfig(rank=args.rank, alpha=2.0 * args.rank))
 
     def one_pass():

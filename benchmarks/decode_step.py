@@ -23,13 +23,14 @@ import torch
 from report import record  # benchmarks/report.py
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import SamplerConfig
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.sampler.sampler import Sampler
 
 
 def step_seconds(model, tok, n: int, prompt: int, new: int, rng: random.Random) -> float:
-    s = Sampler(model, tok, kv_cache_bytes=1 << 30)
+    s = Sampler(model, tok, SamplerConfig(kv_cache_bytes=1 << 30))
     opts = SamplingOptions(max_tokens=new, temperature=1.0, seed=0, stop_at_eos=False)
     for i in range(n):
         s.add(

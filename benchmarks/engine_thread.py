@@ -25,8 +25,10 @@ from report import emit  # benchmarks/report.py
 
 CHILD = r"""
 import json, random, statistics, sys, threading, time
-import trine.engine
+from trine.engine.setup import configure, openmp_wait
+configure()  # before torch, as the trine CLI does
 import torch
+from trine.engine.config import SamplerConfig
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.model.default_model import ensure_default_model
 from trine.engine.model.tokenizer import Tokenizer
@@ -38,7 +40,7 @@ prompts, samples, prompt_len, new, repeats, release = map(int, sys.argv[1:7])
 torch.set_num_threads(2)
 model_dir = str(ensure_default_model())
 model, tok = load_model(model_dir, "cpu"), Tokenizer(model_dir)
-sampler = Sampler(model, tok, kv_cache_bytes=1 << 30)
+sampler = Sampler(model, tok, SamplerConfig(kv_cache_bytes=1 << 30))
 rng, ids = random.Random(0), iter(range(10**9))
 
 
@@ -90,7 +92,7 @@ in_thread(small_op, op_thread)
 print(json.dumps(dict(
     main_s=statistics.median(in_main), thread_s=statistics.median(in_second),
     small_op_main_us=op_main[0], small_op_thread_us=op_thread[0],
-    openmp_wait=trine.engine.openmp_wait(),
+    openmp_wait=openmp_wait(),
 )))
 """
 

@@ -40,7 +40,7 @@ import torch
 from report import record  # benchmarks/report.py
 from service import Wire  # benchmarks/service.py: the minimal PyTRIO wire client
 
-from trine.engine.sampler.scheduler import TENANT_SHARE
+from trine.engine.config import TENANT_SHARE, EngineConfig, SamplerConfig
 from trine.server.app import start_server
 from trine.store import Store
 
@@ -242,11 +242,10 @@ def main() -> None:
     if args.fifo:
         options.update(fair=False, tenant_share=1.0)
         args.tenant_share = 1.0
+    engine = EngineConfig(num_threads=threads, device="cpu", sampler=SamplerConfig(**options))
     with tempfile.TemporaryDirectory() as home:
         args.home = home
-        srv = start_server(
-            [args.model], home=home, num_threads=threads, device="cpu", sampler_options=options
-        )
+        srv = start_server([args.model], home=home, engine=engine)
         try:
             _, key_b = srv.service.store.create_key("victim")
             result = run(srv.url, srv.api_key, key_b, args.model.name, args)

@@ -22,13 +22,15 @@ import argparse
 import statistics
 import time
 
-import trine.engine  # noqa: F401  (trine's OpenMP settings, before torch starts its threads)
+from trine.engine.setup import configure
+
+configure()  # trine's OpenMP settings, before torch starts its threads
 
 # isort: split
-import torch
-import torch.nn.functional as F
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-from trine.engine.model.packed import PACK_ROWS
+from trine.engine.model.kernels.packed import PACK_ROWS  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused q/k/v, o, gate/up, down
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64

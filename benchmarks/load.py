@@ -44,6 +44,7 @@ import torch
 from report import record  # benchmarks/report.py
 from service import Wire  # benchmarks/service.py: the minimal PyTRIO wire client
 
+from trine.engine.config import EngineConfig, SamplerConfig, TrainerConfig
 from trine.server.app import start_server
 
 
@@ -354,10 +355,12 @@ def main() -> None:
         srv = start_server(
             [args.model],
             home=home,
-            num_threads=threads,
-            device="cpu",
-            sampler_options={"kv_cache_bytes": 1 << 30},
-            trainer_options={"micro_batch_tokens": 512},
+            engine=EngineConfig(
+                num_threads=threads,
+                device="cpu",
+                sampler=SamplerConfig(kv_cache_bytes=1 << 30),
+                trainer=TrainerConfig(micro_batch_tokens=512),
+            ),
         )
         try:
             result = run(srv.url, srv.api_key, args.model.name, args)

@@ -31,8 +31,14 @@ from pathlib import Path
 
 from report import record  # benchmarks/report.py
 
-import trine as trio
-from trine.server.app import start_server
+from trine.engine.setup import configure
+
+configure()  # before torch loads with the engine: its OpenMP wait, as under `trine serve`
+
+# isort: split
+
+import trine as trio  # noqa: E402
+from trine.server.app import start_server  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -42,6 +42,7 @@ import openai
 from report import record  # benchmarks/report.py
 from service import Wire, log  # benchmarks/service.py: the PyTRIO wire client
 
+from trine.engine.config import EngineConfig
 from trine.server.app import start_server
 
 SYSTEM = (
@@ -289,7 +290,9 @@ def main() -> None:
         args.model = ensure_default_model()
     name = args.model.name
     with tempfile.TemporaryDirectory() as home:
-        srv = start_server({name: args.model}, home=home, num_threads=args.threads, device="cpu")
+        srv = start_server(
+            {name: args.model}, home=home, engine=EngineConfig(num_threads=args.threads, device="cpu")
+        )
         try:
             client = openai.OpenAI(
                 base_url=srv.url + "/v1",

@@ -45,14 +45,21 @@ from pathlib import Path
 
 from report import record  # benchmarks/report.py
 
-from trine.engine.api import SampleRequest, SamplingOptions
-from trine.engine.runtime.local import LocalEngine
-from trine.engine.runtime.ray_backend import connect, ray_engines
-from trine.service import SamplingRunSpec, Service
-from trine.service.routing import Router
-from trine.store import Store
+from trine.engine.setup import configure
 
-ENGINE = dict(device="cpu", sampler_options={"kv_cache_bytes": 256 << 20})
+configure()  # before torch loads with the engine: its OpenMP wait, as under `trine serve`
+
+# isort: split
+
+from trine.engine.api import SampleRequest, SamplingOptions  # noqa: E402
+from trine.engine.config import EngineConfig, SamplerConfig  # noqa: E402
+from trine.engine.runtime.local import LocalEngine  # noqa: E402
+from trine.engine.runtime.ray_backend import connect, ray_engines  # noqa: E402
+from trine.service import SamplingRunSpec, Service  # noqa: E402
+from trine.service.routing import Router  # noqa: E402
+from trine.store import Store  # noqa: E402
+
+ENGINE = EngineConfig(device="cpu", num_threads=1, sampler=SamplerConfig(kv_cache_bytes=256 << 20))
 
 
 def _own_cpu() -> float:
@@ -133,13 +140,11 @@ class Config:
 
 
 async def run(args, model: Path, home: Path) -> dict:
-    opts = dict(num_threads=1, options=ENGINE, new_session=not args.shared_session)
+    opts = dict(new_session=not args.shared_session)
     configs = {
-        "one": Config("one", model, home, ray_engines(1, **opts)),
-        "routed": Config("routed", model, home, ray_engines(2, **opts), Router()),
-        "inproc": Config(
-            "inproc", model, home, lambda name, path: [LocalEngine(name, path, num_threads=1, **ENGINE)]
-        ),
+        "one": Config("one", model, home, ray_engines(1, ENGINE, **opts)),
+        "routed": Config("routed", model, home, ray_engines(2, ENGINE, **opts), Router()),
+        "inproc": Config("inproc", model, home, lambda name, path: [LocalEngine(name, path, ENGINE)]),
     }
     for c in configs.values():
         await c.start()

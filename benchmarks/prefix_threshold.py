@@ -34,6 +34,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from trine.engine.api import Forward, LoRAConfig, Loss, TrainDatum
+    from trine.engine.config import TrainerConfig
     from trine.engine.model.weights import load_model
     from trine.engine.trainer.trainer import Trainer
 
@@ -44,7 +45,9 @@ def main():
     model = load_model(args.model, "cpu")
     trainers = {}
     for sharing in (True, False):
-        trainers[sharing] = Trainer(model, base_model="bench", prefix_sharing=sharing, min_shared_tokens=1)
+        trainers[sharing] = Trainer(
+            model, base_model="bench", config=TrainerConfig(prefix_sharing=sharing, min_shared_tokens=1)
+        )
         trainers[sharing].create_run("r", LoRAConfig(rank=16, alpha=32.0, train_unembed=False))
     g = torch.Generator().manual_seed(0)
     loss = Loss.parse("importance_sampling")

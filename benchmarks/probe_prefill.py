@@ -18,13 +18,18 @@ import random
 import statistics
 import time
 
-import trine.engine  # noqa: F401  (before torch: the engine's OpenMP wait policy)
-from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.model.default_model import ensure_default_model
-from trine.engine.model.tokenizer import Tokenizer
-from trine.engine.model.weights import load_model
-from trine.engine.sampler.sampler import Sampler
-from trine.home import trine_home
+from trine.engine.setup import configure
+
+configure()  # before torch: the engine's OpenMP wait policy
+
+# isort: split
+from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity  # noqa: E402
+from trine.engine.config import SamplerConfig  # noqa: E402
+from trine.engine.model.default_model import ensure_default_model  # noqa: E402
+from trine.engine.model.tokenizer import Tokenizer  # noqa: E402
+from trine.engine.model.weights import load_model  # noqa: E402
+from trine.engine.sampler.sampler import Sampler  # noqa: E402
+from trine.home import trine_home  # noqa: E402
 
 W = WeightsIdentity("b")
 
@@ -49,7 +54,7 @@ def main() -> None:
         return time.perf_counter() - t
 
     for idle in (float(x) for x in args.settings.split(",")):
-        s = Sampler(model, tok, kv_cache_bytes=1 << 30, idle_prefill_seconds=idle)
+        s = Sampler(model, tok, SamplerConfig(kv_cache_bytes=1 << 30, idle_prefill_seconds=idle))
         idle_lat = []
         for i in range(2):
             s.add(probe(f"idle{i}"))

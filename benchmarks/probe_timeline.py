@@ -22,6 +22,7 @@ import torch
 from load import Load, client  # benchmarks/load.py
 from report import record  # benchmarks/report.py
 
+from trine.engine.config import EngineConfig, SamplerConfig
 from trine.engine.model.default_model import ensure_default_model
 from trine.server.app import start_server
 from trine.store import Store
@@ -59,9 +60,10 @@ def main() -> None:
         sampler["idle_prefill_seconds"] = args.idle_prefill_seconds
     with tempfile.TemporaryDirectory() as home:
         load_args.home = home
-        srv = start_server(
-            [model], home=home, num_threads=torch.get_num_threads(), device="cpu", sampler_options=sampler
+        engine = EngineConfig(
+            num_threads=torch.get_num_threads(), device="cpu", sampler=SamplerConfig(**sampler)
         )
+        srv = start_server([model], home=home, engine=engine)
         try:
             load = Load(srv.url, srv.api_key, model.name, load_args)
             probe_client = client(srv.url, srv.api_key, 1)

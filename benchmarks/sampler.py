@@ -34,6 +34,7 @@ import torch
 from report import emit  # benchmarks/report.py
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import SamplerConfig
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.sampler.sampler import Sampler
@@ -73,7 +74,9 @@ class Bench:
 
     # ------------------------------------------------------------------ helpers
     def sampler(self, cache: bool = True) -> Sampler:
-        return Sampler(self.model, self.tok, kv_cache_bytes=self.kv_cache_bytes, enable_prefix_cache=cache)
+        return Sampler(
+            self.model, self.tok, SamplerConfig(kv_cache_bytes=self.kv_cache_bytes, enable_prefix_cache=cache)
+        )
 
     def prompt(self, n: int) -> list[int]:
         return [self.rng.randrange(100, self.vocab) for _ in range(n)]

@@ -31,6 +31,7 @@ import torch
 from report import record  # benchmarks/report.py
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import EngineConfig
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.sampler.sampler import Sampler
@@ -254,9 +255,8 @@ def main() -> None:
         args.model = ensure_default_model()
     name = args.model.name
     with tempfile.TemporaryDirectory() as home:
-        srv = start_server(
-            [args.model], home=home, num_threads=args.threads or torch.get_num_threads(), device="cpu"
-        )
+        engine = EngineConfig(num_threads=args.threads or torch.get_num_threads(), device="cpu")
+        srv = start_server([args.model], home=home, engine=engine)
         try:
             result = bench_http_overhead(srv.url, srv.api_key, args.model, name, args)
             result.update(bench_cycles(srv.url, srv.api_key, name, args))

@@ -24,7 +24,7 @@ of the per-iteration ratios, which cancels most of the drift of a shared machine
   logits, gradients, optimizer state. Median of --mem-repeats processes per side.
 
 Prefix sharing (issue 26; `--prefix-only` runs just these): one run's step (forward_backward +
-optim_step) with `Trainer(prefix_sharing=True)` against the same Trainer with it off, interleaved
+optim_step) with `TrainerConfig(prefix_sharing=True)` against the same Trainer with it off, interleaved
 as above, on two batches of policy data (importance_sampling, a target at every position, zero
 advantage on prompts):
 - GRPO: `--grpo-groups` (8) prompts of `--grpo-prompt` (256) tokens x `--grpo-completions` (8)
@@ -152,10 +152,13 @@ class PrefixSide:
 
     def __init__(self, model, data, rank: int, sharing: bool, micro_batch_tokens: int = 4096):
         from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss
+        from trine.engine.config import TrainerConfig
         from trine.engine.trainer.trainer import Trainer
 
         self.trainer = Trainer(
-            model, base_model="bench", prefix_sharing=sharing, micro_batch_tokens=micro_batch_tokens
+            model,
+            base_model="bench",
+            config=TrainerConfig(prefix_sharing=sharing, micro_batch_tokens=micro_batch_tokens),
         )
         self.trainer.create_run("r", LoRAConfig(rank=rank, alpha=32.0, train_unembed=False))
         self.batch = [("r", Forward(data, Loss.parse("importance_sampling")))]

@@ -42,6 +42,7 @@ from report import emit  # noqa: E402  benchmarks/report.py
 from vs_vllm import QUICK, SIZES, linear_weights  # noqa: E402
 from vs_vllm_side import gemm_peak_gflops  # noqa: E402
 
+from trine.engine.config import SamplerConfig
 from trine.engine.model import model  # noqa: E402
 from trine.engine.sampler import kv_layout, sampler, scheduler  # noqa: E402
 from trine.engine.sampler.grammar import Grammars  # noqa: E402
@@ -76,7 +77,7 @@ REGIONS = {  # (owner, attribute) -> region label
 }
 FORWARD_OPS = {
     "aten::linear": "linear (body)",
-    "mkl::_mkl_linear": "linear (body)",  # few rows: MKL's packed weights (engine/model/packed.py)
+    "mkl::_mkl_linear": "linear (body)",  # few rows: MKL's packed weights (engine/model/kernels/packed.py)
     "aten::scaled_dot_product_attention": "attention",
     "aten::index_copy_": "KV write + gather",
     "aten::index_select": "KV write + gather",
@@ -160,7 +161,7 @@ def run(name: str, p: dict, m, tok, kv_bytes: int, weights: tuple[int, int]) -> 
         SampleRequest(f"{name}{i}", x, o, WeightsIdentity("bench"), num_samples=p["samples"])
         for i, (x, o) in enumerate(zip(prompts, opts))
     ]
-    s = sampler.Sampler(m, tok, kv_cache_bytes=kv_bytes, enable_prefix_cache=True)
+    s = sampler.Sampler(m, tok, SamplerConfig(kv_cache_bytes=kv_bytes, enable_prefix_cache=True))
     for r in reqs:
         s.add(r)
     us = Counter()

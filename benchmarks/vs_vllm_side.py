@@ -52,7 +52,9 @@ def gemm_peak_gflops(n: int = 1024, reps: int = 20) -> float:
 
 class TrineSide:
     def __init__(self, model_dir: Path, threads: int, kv_gib: float):
-        import trine.engine  # before torch: it sets how OpenMP's threads wait
+        from trine.engine.setup import configure, openmp_wait
+
+        configure()  # before torch: it sets how OpenMP's threads wait
 
         # isort: split
         import torch
@@ -68,17 +70,16 @@ class TrineSide:
         self.weights = WeightsIdentity("bench")
         self.n = 0
         self._sampler = None
-        self.info = dict(
-            engine="trine", threads=torch.get_num_threads(), openmp_wait=trine.engine.openmp_wait()
-        )
+        self.info = dict(engine="trine", threads=torch.get_num_threads(), openmp_wait=openmp_wait())
 
     def sampler(self):
         """The side's one Sampler (its KV pool allocated once, as in a server), its cache emptied."""
+        from trine.engine.config import SamplerConfig
         from trine.engine.sampler.sampler import Sampler
 
         if self._sampler is None:
             self._sampler = Sampler(
-                self.model, self.tok, kv_cache_bytes=self.kv_bytes, enable_prefix_cache=True
+                self.model, self.tok, SamplerConfig(kv_cache_bytes=self.kv_bytes, enable_prefix_cache=True)
             )
         self._sampler.reset_prefix_cache()
         return self._sampler

@@ -83,6 +83,9 @@ def connect(args):
         with trio.ServiceClient(api_key=api_key, base_url=url) as service:
             yield Connection(service, args.model or DEFAULT_MODEL, url, api_key)
         return
+    from trine.engine.setup import configure
+
+    configure()  # before the server loads torch: the engine's OpenMP wait, as under `trine serve`
     from trine.engine.model.default_model import ensure_default_model
     from trine.server.app import start_server
 

@@ -110,7 +110,7 @@ def client(server):
 
 def pytest_report_header(config):
     """The kernel path this run's numerics are on (tolerance.py; `make test-portable` runs another)."""
-    from trine.engine.model import cbuild
+    from trine.engine.model.kernels import cbuild
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo() if ln.startswith("model name")), "?")
     torch_path = torch.backends.cpu.get_cpu_capability()

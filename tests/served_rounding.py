@@ -23,6 +23,7 @@ from conftest import build_tiny_model_dir  # noqa: E402
 from tolerance import fp64_model  # noqa: E402
 
 from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum  # noqa: E402
+from trine.engine.config import SamplerConfig, TrainerConfig  # noqa: E402
 from trine.engine.model.tokenizer import Tokenizer  # noqa: E402
 from trine.engine.model.weights import load_model  # noqa: E402
 from trine.engine.sampler.sampler import Sampler  # noqa: E402
@@ -32,7 +33,7 @@ _ids = iter(range(10**9))
 
 
 def setup(model, tok, src=None):
-    tr = Trainer(model, base_model="tiny", micro_batch_tokens=1024)
+    tr = Trainer(model, base_model="tiny", config=TrainerConfig(micro_batch_tokens=1024))
     tr.create_run("r", LoRAConfig(rank=4))
     with torch.no_grad():
         if src is None:
@@ -47,7 +48,7 @@ def setup(model, tok, src=None):
 
 
 def run(model, tok, tr, ps):
-    s = Sampler(model, tok, kv_cache_bytes=64 << 20, max_batch_tokens=512)
+    s = Sampler(model, tok, SamplerConfig(kv_cache_bytes=64 << 20, max_batch_tokens=512))
     opts = SamplingOptions(max_tokens=6, temperature=1.0, seed=11, stop_at_eos=False)
     reqs = [
         (

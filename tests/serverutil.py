@@ -20,16 +20,17 @@ from pathlib import Path
 import httpx
 import msgpack
 
+from trine.engine.config import EngineConfig, SamplerConfig, TrainerConfig
 from trine.server.app import ServerHandle, start_server
 
 # Small engines: tests run on 2 shared cores.
-TEST_OPTIONS = dict(
+TEST_ENGINE = EngineConfig(
     num_threads=1,
-    gather_seconds=0.02,
     device="cpu",
-    sampler_options={"kv_cache_bytes": 16 << 20, "max_batch_tokens": 512},
-    trainer_options={"micro_batch_tokens": 1024},
+    sampler=SamplerConfig(kv_cache_bytes=16 << 20, max_batch_tokens=512),
+    trainer=TrainerConfig(micro_batch_tokens=1024),
 )
+TEST_OPTIONS = dict(gather_seconds=0.02, engine=TEST_ENGINE)
 
 
 def start(models, home: str | Path, **options) -> ServerHandle:

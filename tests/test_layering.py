@@ -1,7 +1,8 @@
 """One way down: server -> service -> engine (docs/architecture.md, "Layers"), in one vocabulary.
 
 Front ends build the engine's boundary types (`trine.engine.api`) and service commands, and read
-through service queries; they import nothing else of the engine, never the store, nor reach a
+through service queries; they import nothing else of the engine but its configuration
+(`trine.engine.config`, torch-free, which `start_server` passes down), never the store, nor reach a
 `.store` / `.engine` attribute. No class name is defined in two of server, service and engine, and
 the boundary module (with the engine interface) imports no torch. The engine never imports the layers
 above it. The service's modules import each other without cycles. Checked on the source (ast), so
@@ -79,6 +80,7 @@ def test_the_checker_resolves_relative_imports():
 
 
 BOUNDARY = "trine.engine.api"
+CONFIG = "trine.engine.config"  # the engine's configuration: built above the engine, passed down as is
 
 
 def test_front_ends_import_only_the_engines_boundary_and_never_the_store():
@@ -86,7 +88,7 @@ def test_front_ends_import_only_the_engines_boundary_and_never_the_store():
         m: [
             t
             for t in names(targets, "trine.engine", "trine.store")
-            if t != "trine.engine" and not (t == BOUNDARY or t.startswith(BOUNDARY + "."))
+            if t != "trine.engine" and not any(t == m or t.startswith(m + ".") for m in (BOUNDARY, CONFIG))
         ]
         for m, targets in imports_of("trine.server").items()
     }
@@ -103,13 +105,14 @@ def test_no_class_name_is_defined_in_two_layers():
     assert {name: sorted(layers) for name, layers in where.items() if len(layers) > 1} == {}
 
 
-def test_the_boundary_and_the_engine_interface_import_no_torch():
+def test_the_boundary_the_engine_interface_and_the_config_import_no_torch():
     """Checked in a fresh interpreter: importing them (and everything they import) loads no torch."""
     import subprocess
     import sys
 
     code = (
-        "import sys, trine.engine.api, trine.engine.interface, trine.engine.prepare, trine.tokens; "
+        "import sys, trine.engine.api, trine.engine.interface, trine.engine.prepare, trine.engine.config, "
+        "trine.tokens; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

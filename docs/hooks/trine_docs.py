@@ -24,12 +24,12 @@ MARKER = re.compile(r"^<!-- trine:table ([a-z_]+) -->$", re.M)
 
 def _engine():
     """The engine modules the docs read facts from: the boundary (loss names, config keys, defaults,
-    divisors), the losses' docstring table, and the sampler's defaults."""
-    from trine.engine import api
-    from trine.engine.sampler import sampler, scheduler
+    divisors), the losses' docstring table, and the engine's configuration (its fields, defaults,
+    meanings and flags)."""
+    from trine.engine import api, config
     from trine.engine.trainer import losses
 
-    return api, losses, sampler, scheduler
+    return api, losses, config
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -59,7 +59,7 @@ def _number(v) -> str:
 def loss_rows() -> list[dict]:
     """One row per loss the engine accepts: its objective (from losses.py's docstring table), config
     keys with the defaults `Loss.parse` resolves, and what the PyTRIO planes divide its gradient by."""
-    api, losses, _, _ = _engine()
+    api, losses, _ = _engine()
     formulas = {}
     for line in (losses.__doc__ or "").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -200,8 +200,8 @@ def limit_value(where: str, name: str):
         from trine.service import scheduler
 
         return getattr(scheduler, name)
-    _, _, sampler, _ = _engine()
-    return inspect.signature(sampler.Sampler.__init__).parameters[name].default
+    _, _, config = _engine()
+    return getattr(config.SamplerConfig(), name)
 
 
 def limits_table() -> str:
@@ -213,6 +213,49 @@ def limits_table() -> str:
         rng = f">= {_number(lo)}" if hi == float("inf") else f"[{_number(lo)}, {_number(hi)}{close}"
         rows.append([_code(f"AdamParams.{name}"), rng, "accepted range, checked before a step is queued"])
     return _table(["limit", "value", "what it bounds"], rows)
+
+
+# ---------------------------------------------------------------------------- engine configuration
+
+
+def engine_config_rows() -> list[dict]:
+    """One row per field of `EngineConfig` and of its nested `SamplerConfig` / `TrainerConfig`, named
+    as a Python caller sets it (`sampler.max_running`), with its default, meaning and `trine serve`
+    flag, all read from the dataclass fields (engine/config.py)."""
+    import dataclasses
+
+    _, _, config = _engine()
+    nested = {"sampler": config.SamplerConfig, "trainer": config.TrainerConfig}
+    rows = []
+    for cls, prefix in ((config.EngineConfig, ""), *((c, f"{n}.") for n, c in nested.items())):
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            if prefix == "" and f.name in nested:
+                continue
+            rows.append(
+                {
+                    "name": prefix + f.name,
+                    "default": getattr(defaults, f.name),
+                    "doc": f.metadata.get("doc"),
+                    "flag": f.metadata.get("flag"),
+                }
+            )
+    return rows
+
+
+def engine_config_table() -> str:
+    def shown(name: str, v) -> str:
+        if v is None:
+            return "unset"
+        if isinstance(v, (bool, str)):
+            return _code(v)
+        return _number(v) if name.endswith("_bytes") else f"{v:,}"  # units only for sizes
+
+    rows = [
+        [_code(r["name"]), shown(r["name"], r["default"]), r["doc"], _code(r["flag"]) if r["flag"] else ""]
+        for r in engine_config_rows()
+    ]
+    return _table(["field", "default", "meaning", "`trine serve` flag"], rows)
 
 
 # ---------------------------------------------------------------------------- rate card
@@ -319,6 +362,7 @@ def _command(path: str, cmd, click) -> str:
 TABLES = {
     "losses": losses_table,
     "limits": limits_table,
+    "engine_config": engine_config_table,
     "rates": rates_table,
     "openai_refused": openai_refused_table,
     "tinker_refused": tinker_refused_table,

@@ -126,6 +126,33 @@ def test_cli_reference_has_every_command_and_option():
                 assert f"`{p.opts[0]}`" in ref, f"trine {name} {p.opts[0]}"
 
 
+def test_every_engine_config_field_is_documented_with_its_flag():
+    import click
+
+    from trine.cli.serve import serve
+    from trine.engine import config
+
+    rows = hook.engine_config_rows()
+    expected = [
+        f.name for f in dataclasses.fields(config.EngineConfig) if f.name not in ("sampler", "trainer")
+    ]
+    expected += [f"sampler.{f.name}" for f in dataclasses.fields(config.SamplerConfig)]
+    expected += [f"trainer.{f.name}" for f in dataclasses.fields(config.TrainerConfig)]
+    assert [r["name"] for r in rows] == expected
+    undocumented = [r["name"] for r in rows if not r["doc"]]
+    assert not undocumented, f"EngineConfig fields without a meaning (metadata['doc']): {undocumented}"
+    flags = {o for p in serve.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
+    for r in rows:
+        for flag in (r["flag"] or "").split("/") if r["flag"] else ():
+            assert flag in flags, f"{r['name']}: `trine serve` has no {flag}"
+    table = hook.engine_config_table()
+    for r in rows:
+        assert f"| `{r['name']}` |" in table
+    assert "| `sampler.max_running` | 64 |" in table
+    assert "<!-- trine:table engine_config -->" in page("limits.md")
+    assert "limits.md#engine-configuration" in page("cli.md")
+
+
 def test_an_unknown_table_name_fails_the_build():
     with pytest.raises(ValueError, match="unknown generated table"):
         hook.render("<!-- trine:table nonesuch -->", "page.md")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trine.engine.model import cbuild
+from trine.engine.model.kernels import cbuild
 
 SOURCE = """
 float dot(const float *a, const float *b, int n) {

@@ -11,6 +11,7 @@ import pytest
 from tolerance import assert_same_samples, fp64_model
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import SamplerConfig
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.sampler.sampler import Sampler
@@ -46,7 +47,7 @@ def test_chunked_prefill_equals_one_forward(model_tok, tiny_model_dir):
         mt = (model, model_tok[1])
         results = {}
         for budget in (4096, 48):
-            s = Sampler(*mt, kv_cache_bytes=16 << 20, max_batch_tokens=budget)
+            s = Sampler(*mt, SamplerConfig(kv_cache_bytes=16 << 20, max_batch_tokens=budget))
             reqs = [
                 req(long, prompt_logprobs=True, topk_prompt_logprobs=3, temperature=0.0),
                 req(long, max_tokens=8, n=3, seed=5),
@@ -82,7 +83,9 @@ def test_chunked_prefill_equals_one_forward(model_tok, tiny_model_dir):
 def test_a_long_prompt_logprobs_request_does_not_stall_a_short_sample(model_tok):
     # sent together by one tenant, yet the sample does not wait for the scoring prompt's chunks
     # (`burst_stall_seconds`): a prompt that only scores never joins the decode batch
-    s = Sampler(*model_tok, kv_cache_bytes=32 << 20, max_batch_tokens=64, burst_stall_seconds=60.0)
+    s = Sampler(
+        *model_tok, SamplerConfig(kv_cache_bytes=32 << 20, max_batch_tokens=64, burst_stall_seconds=60.0)
+    )
     long = req(prompt(1500, 7), generate=False)
     s.add(long)
     s.step()  # the long request is admitted and its first chunk computed
@@ -102,7 +105,7 @@ def test_a_long_prompt_logprobs_request_does_not_stall_a_short_sample(model_tok)
 
 
 def test_tiny_temperature_samples_greedily(model_tok):
-    s = Sampler(*model_tok, kv_cache_bytes=16 << 20)
+    s = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 << 20))
     p = prompt(12, 9)
     greedy, tiny = s.run(
         [req(p, max_tokens=8, temperature=0.0), req(p, max_tokens=8, temperature=1e-300, seed=3)]
@@ -114,7 +117,7 @@ def test_tiny_temperature_samples_greedily(model_tok):
 
 
 def test_stop_lists_are_bounded(model_tok):
-    s = Sampler(*model_tok, kv_cache_bytes=16 << 20)
+    s = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 << 20))
     for opts, field in (
         (dict(stop_strings=tuple(f"s{i}" for i in range(300_000))), "stop strings"),
         (dict(stop_strings=("x" * 10_000,)), "characters"),
@@ -126,7 +129,9 @@ def test_stop_lists_are_bounded(model_tok):
 
 
 def test_while_others_decode_a_prefill_chunk_costs_about_one_decode_step(model_tok):
-    s = Sampler(*model_tok, kv_cache_bytes=32 << 20, max_batch_tokens=4096)  # the token bound alone: 1 chunk
+    s = Sampler(
+        *model_tok, SamplerConfig(kv_cache_bytes=32 << 20, max_batch_tokens=4096)
+    )  # the token bound alone: 1 chunk
     short = dataclasses.replace(req(prompt(10, 10), max_tokens=12, temperature=0.0), tenant="alice")
     s.add(short)
     s.step()  # the short request is decoding from now on
@@ -148,7 +153,10 @@ def test_one_tenants_batch_sent_together_prefills_in_large_chunks_while_its_firs
     chunks, one decode step each, behind its own first sequences (nobody else waits on them)."""
 
     def prefill_forwards(burst_seconds: float) -> int:
-        s = Sampler(*model_tok, kv_cache_bytes=32 << 20, max_batch_tokens=256, prefill_step_seconds=1e-9)
+        s = Sampler(
+            *model_tok,
+            SamplerConfig(kv_cache_bytes=32 << 20, max_batch_tokens=256, prefill_step_seconds=1e-9),
+        )
         s.scheduler.burst_seconds = burst_seconds
         s.scheduler.min_prefill_tokens = 16
         s.run([req(prompt(100, i), max_tokens=80) for i in range(12)])  # decoding throughout
@@ -163,7 +171,10 @@ def test_a_batch_sent_together_decodes_once_its_prompts_are_prefilled(model_tok)
     instead of decoding a few rows between them: fewer decode forwards, the same tokens."""
 
     def run(stall: float, clock=None):
-        s = Sampler(*model_tok, kv_cache_bytes=32 << 20, max_batch_tokens=256, burst_stall_seconds=stall)
+        s = Sampler(
+            *model_tok,
+            SamplerConfig(kv_cache_bytes=32 << 20, max_batch_tokens=256, burst_stall_seconds=stall),
+        )
         s.scheduler.burst_seconds = 60.0
         if clock is not None:
             s.scheduler.clock = clock
@@ -185,7 +196,7 @@ def test_cancel_while_the_prompt_prefills_in_chunks_frees_everything(model_tok):
     """A client that goes away while its long prompt is still being prefilled (chunk by chunk)
     gets its blocks, partial-block copies and decode reservation back at once; the part already
     computed is reported as its usage (prompt = prefill + cached), and others go on."""
-    s = Sampler(*model_tok, kv_cache_bytes=16 << 20, max_batch_tokens=48)
+    s = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 << 20, max_batch_tokens=48))
     free = s.kv.num_free
     long = req(prompt(300, 7), max_tokens=8, n=3, seed=1)
     other = req(prompt(20, 8), max_tokens=4, temperature=0.0)
@@ -212,7 +223,7 @@ def costly_chunks(model_tok, monkeypatch):
     monkeypatch.setattr(sampler_module.time, "perf_counter", lambda: clock[0])
 
     def build(**kw) -> Sampler:
-        s = Sampler(*model_tok, kv_cache_bytes=32 << 20, prefill_share=0.5, **kw)
+        s = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=32 << 20, prefill_share=0.5, **kw))
         real_prefill, real_decode = s._prefill, s._decode
 
         def prefill(rows):

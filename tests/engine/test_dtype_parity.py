@@ -34,6 +34,7 @@ from trine.engine.api import (
     TrainDatum,
     WeightsIdentity,
 )
+from trine.engine.config import EngineConfig, SamplerConfig
 from trine.engine.model import invariant
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
@@ -81,7 +82,7 @@ def test_bf16_runs_in_bf16_with_fp32_where_numerics_need_it(models):
     trainer = trainer_with_adapter(model)
     run = trainer._run("r")
     assert all(p.dtype == torch.float32 for p in trainer.adapter("r").parameters())  # LoRA master weights
-    s = Sampler(model, Tokenizer(model.source_dir), kv_cache_bytes=4 * MB)
+    s = Sampler(model, Tokenizer(model.source_dir), SamplerConfig(kv_cache_bytes=4 * MB))
     assert s.kv.k.dtype == torch.bfloat16
     logits = model(torch.tensor([[5, 6, 7]], device=model.device))
     assert logits.dtype == torch.float32
@@ -100,7 +101,7 @@ def test_bf16_runs_in_bf16_with_fp32_where_numerics_need_it(models):
 def sample_and_score(model, trainer, prompts):
     """Seeded samples of `prompts` from the sampler on `model` with the trainer's adapter: their
     training data, and the logprobs the sampler reported for their tokens."""
-    s = Sampler(model, Tokenizer(model.source_dir), kv_cache_bytes=8 * MB)
+    s = Sampler(model, Tokenizer(model.source_dir), SamplerConfig(kv_cache_bytes=8 * MB))
     opts = SamplingOptions(max_tokens=8, temperature=1.0, seed=3, stop_at_eos=False)
     res = s.run(
         [
@@ -184,18 +185,17 @@ def test_bf16_sft_loss_curve_follows_fp32(models):
 
 
 def test_engine_dtype_option(tiny_model_dir):
-    """`trine serve --dtype bfloat16` -> Service(dtype=...) -> LocalEngine: the engine serves in bf16."""
+    """`trine serve --dtype bfloat16` -> EngineConfig(dtype=...) -> LocalEngine: the engine serves in bf16."""
     with pytest.raises(ValueError, match="dtype"):
-        LocalEngine("tiny", tiny_model_dir, dtype="float16")
+        EngineConfig(dtype="float16")
 
     async def run():
         engine = LocalEngine(
             "tiny",
             tiny_model_dir,
-            device=DEVICE,
-            num_threads=1,
-            dtype="bfloat16",
-            sampler_options={"kv_cache_bytes": 4 * MB},
+            EngineConfig(
+                device=DEVICE, num_threads=1, dtype="bfloat16", sampler=SamplerConfig(kv_cache_bytes=4 * MB)
+            ),
         )
         await engine.start()
         try:

@@ -31,6 +31,7 @@ from trine.engine.api import (
     TrainingCycle,
     WeightsIdentity,
 )
+from trine.engine.config import EngineConfig, SamplerConfig, TrainerConfig
 from trine.engine.runtime.local import LocalEngine
 
 
@@ -38,10 +39,12 @@ def _engine(model_dir) -> LocalEngine:
     return LocalEngine(
         "tiny",
         model_dir,
-        device="cpu",
-        num_threads=1,
-        sampler_options={"kv_cache_bytes": 8 << 20},
-        trainer_options={"micro_batch_tokens": 256},
+        EngineConfig(
+            device="cpu",
+            num_threads=1,
+            sampler=SamplerConfig(kv_cache_bytes=8 << 20),
+            trainer=TrainerConfig(micro_batch_tokens=256),
+        ),
     )
 
 

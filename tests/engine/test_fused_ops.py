@@ -1,4 +1,4 @@
-"""RMSNorm and RoPE of inference forwards in one pass over the rows (model/fused.py): the torch ops'
+"""RMSNorm and RoPE of inference forwards in one pass over the rows (model/kernels/fused.py): the torch ops'
 results, and used only where no gradient is needed."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from tolerance import assert_same_samples, assert_within_bound, fp64_model, rms_norm_bound
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.model import fused, invariant
+from trine.engine.config import SamplerConfig
+from trine.engine.model import invariant
+from trine.engine.model.kernels import fused
 from trine.engine.model.model import apply_rope, rope_tables
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
@@ -85,7 +87,11 @@ def _run(model_tok) -> tuple[dict, list]:
     prompts = [torch.randint(100, 4000, (n,), generator=rng).tolist() for n in (40, 17, 70)]
     opts = SamplingOptions(max_tokens=10, temperature=0, stop_at_eos=False)
     reqs = [SampleRequest(f"r{i}", p, opts, WeightsIdentity("t")) for i, p in enumerate(prompts)]
-    seqs = [s for r in Sampler(*model_tok, kv_cache_bytes=16 * 2**20).run(reqs) for s in r.sequences]
+    seqs = [
+        s
+        for r in Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 * 2**20)).run(reqs)
+        for s in r.sequences
+    ]
     return {"logprobs": [s.logprobs for s in seqs]}, [s.tokens for s in seqs]
 
 
@@ -110,7 +116,7 @@ def test_the_sampler_decodes_the_same_with_and_without_them(tiny_model_dir, monk
 
 
 def test_without_a_compiler_the_torch_ops_run(tmp_path):
-    code = "from trine.engine.model import fused\nprint(fused._kernel.available())"
+    code = "from trine.engine.model.kernels import fused\nprint(fused._kernel.available())"
     env = {"CC": str(tmp_path / "no-such-cc"), "TRINE_KERNEL_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -13,6 +13,7 @@ import torch
 from tolerance import gamma
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import SamplerConfig
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.sampler.sampler import Sampler
@@ -35,7 +36,7 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def sampler(tiny_model_dirs):
     d = tiny_model_dirs["qwen3"]
-    return Sampler(load_model(d, "cpu"), Tokenizer(d), kv_cache_bytes=16 * 2**20)
+    return Sampler(load_model(d, "cpu"), Tokenizer(d), SamplerConfig(kv_cache_bytes=16 * 2**20))
 
 
 def run(sampler, grammar: str, *, n=1, max_tokens=60, temperature=1.0, seed=0, top_logprobs=0, rid="g"):

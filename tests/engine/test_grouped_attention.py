@@ -1,5 +1,5 @@
 """A prefill's attention over gathered keys with each KV head's query heads stacked as one head
-(`model._grouped_sdpa`): the attention SDPA's `enable_gqa` computes, its masks kept for a forward's
+(`attention._grouped_sdpa`): the attention SDPA's `enable_gqa` computes, its masks kept for a forward's
 layers only while they are small."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tolerance import assert_within_bound, attention_bound
 
-from trine.engine.model import model
+from trine.engine.model import attention
 
 
 def context(P, Q, L, H, KVH, D, slots=4000):
@@ -19,11 +19,11 @@ def context(P, Q, L, H, KVH, D, slots=4000):
     read = torch.randperm(slots, generator=g)[: P * L].view(P, L)
     pos = (L - Q) + torch.arange(Q)
     mask = (torch.arange(L)[None] <= pos[:, None])[None, None].expand(P, 1, Q, L)
-    kv = model.KVContext([kp], [vp], torch.zeros(P, Q, dtype=torch.long), read, mask)
+    kv = attention.KVContext([kp], [vp], torch.zeros(P, Q, dtype=torch.long), read, mask)
     return torch.randn(P, H, Q, D, generator=g) * 3, kp, vp, kv
 
 
-@pytest.mark.parametrize("keep_bytes", [model.GROUPED_MASK_BYTES, 0])
+@pytest.mark.parametrize("keep_bytes", [attention.GROUPED_MASK_BYTES, 0])
 @pytest.mark.parametrize(
     "P,Q,L,H,KVH,D",
     [
@@ -33,11 +33,11 @@ def context(P, Q, L, H, KVH, D, slots=4000):
     ],
 )
 def test_stacked_query_heads_attend_as_enable_gqa_does(P, Q, L, H, KVH, D, keep_bytes, monkeypatch):
-    monkeypatch.setattr(model, "GROUPED_MASK_BYTES", keep_bytes)
+    monkeypatch.setattr(attention, "GROUPED_MASK_BYTES", keep_bytes)
     q, kp, vp, kv = context(P, Q, L, H, KVH, D)
     with torch.inference_mode():
-        got = model._attend_gathered(q, kp, vp, kv)
-        again = model._attend_gathered(q, kp, vp, kv)  # the next layer: masks kept or built again
+        got = attention._attend_gathered(q, kp, vp, kv)
+        again = attention._attend_gathered(q, kp, vp, kv)  # the next layer: masks kept or built again
     kc = kp[kv.read_slots.reshape(-1)].view(P, L, KVH, D).transpose(1, 2)
     vc = vp[kv.read_slots.reshape(-1)].view(P, L, KVH, D).transpose(1, 2)
     want = F.scaled_dot_product_attention(q, kc, vc, attn_mask=kv.attn_mask, enable_gqa=True)

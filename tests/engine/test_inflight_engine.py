@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trine.engine.api import LoRAConfig, SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import SamplerConfig
 from trine.engine.model.lora import Adapter
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
@@ -68,7 +69,7 @@ PROMPT = list(range(300, 340))  # 40 tokens: 2 full KV blocks of 16
 def test_a_running_request_switches_weights_between_steps_and_records_each_tokens_version(model_tok):
     model, _ = model_tok
     a1, a2 = adapter(model, 1), adapter(model, 2)
-    s = Sampler(*model_tok, kv_cache_bytes=16 * MB)
+    s = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 * MB))
     s.add(*inflight("r", PROMPT, 1, a1))
     assert run_until(s, "r", steps=5) is None  # prefill + 4 decode steps: 5 tokens under v1
     s.publish("tr-run", 2, a2)
@@ -77,7 +78,9 @@ def test_a_running_request_switches_weights_between_steps_and_records_each_token
     assert seq.weights_versions == [1] * 5 + [2] * 19
     # the tokens before the swap are v1's greedy tokens, the ones after follow v2's weights
     only_v1 = (
-        Sampler(*model_tok, kv_cache_bytes=16 * MB).run([fixed("a", PROMPT, TARGET, a1, 24)])[0].sequences[0]
+        Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 * MB))
+        .run([fixed("a", PROMPT, TARGET, a1, 24)])[0]
+        .sequences[0]
     )
     assert seq.tokens[:5] == only_v1.tokens[:5]
     assert seq.tokens != only_v1.tokens
@@ -88,7 +91,7 @@ def test_a_running_request_switches_weights_between_steps_and_records_each_token
 def test_a_waiting_request_starts_on_the_new_version_and_gets_no_kv_of_the_old(model_tok):
     model, _ = model_tok
     a1, a2 = adapter(model, 1), adapter(model, 2)
-    s = Sampler(*model_tok, kv_cache_bytes=16 * MB, max_running=1)
+    s = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 * MB, max_running=1))
     s.add(*inflight("first", PROMPT, 1, a1, 4))
     run_until(s, "first", steps=1)  # prefilled: its prompt blocks are keyed under v1
     s.add(*inflight("waits", PROMPT, 1, a1, 4))  # queued behind it (max_running=1), same prompt, v1
@@ -96,7 +99,9 @@ def test_a_waiting_request_starts_on_the_new_version_and_gets_no_kv_of_the_old(m
     res = run_until(s, "waits")
     assert res.usage.cached_tokens == 0  # v1's cached prompt is not v2's
     assert res.sequences[0].weights_versions == [2] * 4
-    v2 = Sampler(*model_tok, kv_cache_bytes=16 * MB).run([fixed("b", PROMPT, TARGET, a2, 4)])[0]
+    v2 = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 * MB)).run([fixed("b", PROMPT, TARGET, a2, 4)])[
+        0
+    ]
     assert res.sequences[0].tokens == v2.sequences[0].tokens  # wholly v2's greedy output
     # a later request of the old version still hits its own KV (computed wholly under v1)
     old = s.run([fixed("old", PROMPT, dataclasses.replace(TARGET, version=1), a1)])[0]
@@ -106,7 +111,7 @@ def test_a_waiting_request_starts_on_the_new_version_and_gets_no_kv_of_the_old(m
 def test_kv_computed_after_a_swap_is_never_keyed_under_either_version(model_tok):
     model, _ = model_tok
     a1, a2 = adapter(model, 1), adapter(model, 2)
-    s = Sampler(*model_tok, kv_cache_bytes=16 * MB)
+    s = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 * MB))
     s.add(*inflight("r", PROMPT, 1, a1, 40))
     run_until(s, "r", steps=2)
     s.publish("tr-run", 2, a2)

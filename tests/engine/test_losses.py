@@ -9,6 +9,7 @@ import torch
 from tolerance import EPS32, assert_same_computation
 
 from trine.engine.api import Forward, LoRAConfig, Loss, TrainDatum
+from trine.engine.config import TrainerConfig
 from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.weights import load_model
 from trine.engine.prepare import check_datum as prepare_datum
@@ -98,7 +99,9 @@ def test_loss_matches_reference_in_value_and_gradient(model, tiny_model64, name,
     def new_trainer(m):
         # Without an adapter on lm_head the trainer computes the head's logits and input gradient
         # into its kept workspace, outside autograd; with one, through autograd. Both must match.
-        trainer = Trainer(m, base_model="tiny", logits_chunk_tokens=7)  # several LM-head chunks
+        trainer = Trainer(
+            m, base_model="tiny", config=TrainerConfig(logits_chunk_tokens=7)
+        )  # several LM-head chunks
         trainer.create_run("r", LoRAConfig(rank=4, train_unembed=unembed))
         randomize(trainer.adapter("r"), 0)
         return trainer

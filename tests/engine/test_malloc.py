@@ -18,14 +18,17 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the s
 # (12.5 MB each, the real tokenizer's vocabulary), freed before the next step.
 PROBE = """
 import random, resource, sys
-import trine.engine
+from trine.engine.setup import configure
+configure()  # as an engine's start does, before its first step
+from trine.engine.config import SamplerConfig
 from trine.engine.malloc import keep_freed_memory
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.sampler.sampler import Sampler
 
-sampler = Sampler(load_model(sys.argv[1], "cpu"), Tokenizer(sys.argv[1]), kv_cache_bytes=64 << 20)
+model, tokenizer = load_model(sys.argv[1], "cpu"), Tokenizer(sys.argv[1])
+sampler = Sampler(model, tokenizer, SamplerConfig(kv_cache_bytes=64 << 20))
 rng = random.Random(0)
 
 def run(tag):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trine.engine.api import Forward, LoRAConfig, Loss, SampleRequest, SamplingOptions, TrainDatum
+from trine.engine.config import SamplerConfig, TrainerConfig
 from trine.engine.model import invariant
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
@@ -47,7 +48,7 @@ def threads(request):
 def setup(model_dir):
     """A model, a trainer run whose LoRA adapter is not the identity, and its weights."""
     model = load_model(model_dir, "cpu")
-    trainer = Trainer(model, base_model="tiny", micro_batch_tokens=256)
+    trainer = Trainer(model, base_model="tiny", config=TrainerConfig(micro_batch_tokens=256))
     trainer.create_run("r", LoRAConfig(rank=4))
     with torch.no_grad():
         for b in trainer.adapter("r").B.values():
@@ -88,7 +89,7 @@ def test_sampler_compute_logprobs_and_trainer_agree_exactly(tiny_model_dirs, fam
     model, tok, trainer = setup(tiny_model_dirs[family])
     ps = prompts()
     samples = [1, 3, 1, 2, 4, 2]
-    new = lambda: Sampler(model, tok, kv_cache_bytes=16 * MB)  # noqa: E731
+    new = lambda: Sampler(model, tok, SamplerConfig(kv_cache_bytes=16 * MB))  # noqa: E731
     batched = new()
     first = batched.run([sample_req(trainer, ps[0], samples[0])])  # caches the shared prefix
     together = first + batched.run([sample_req(trainer, p, n) for p, n in zip(ps[1:], samples[1:])])
@@ -124,11 +125,11 @@ def test_cached_prompt_scores_are_the_fresh_ones_bit_for_bit(tiny_model_dir):
             r, prompt_logprobs=True, topk_prompt_logprobs=3, reuse_prompt_scores=reuse
         ), adapter
 
-    warm = Sampler(model, tok, kv_cache_bytes=16 * MB)
+    warm = Sampler(model, tok, SamplerConfig(kv_cache_bytes=16 * MB))
     warm.run([scoring(ps[0], True)])  # keys base's blocks with their scores
     served = warm.run([scoring(p, True) for p in ps[3:]])
     assert [r.usage.cached_tokens for r in served] == [32, 48, 32]  # base[:37], base[:53], base[:40] + tail
     for p, got in zip(ps[3:], served):
-        fresh = Sampler(model, tok, kv_cache_bytes=16 * MB).run([scoring(p, False)])[0]
+        fresh = Sampler(model, tok, SamplerConfig(kv_cache_bytes=16 * MB)).run([scoring(p, False)])[0]
         assert got.prompt_logprobs == fresh.prompt_logprobs
         assert got.topk_prompt_logprobs == fresh.topk_prompt_logprobs

@@ -1,4 +1,4 @@
-"""Few-row inference GEMMs through MKL's packed weights (engine/model/packed.py): the same results as
+"""Few-row inference GEMMs through MKL's packed weights (engine/model/kernels/packed.py): the same results as
 F.linear, a weight changed in place or replaced is packed again, the memory budget is kept."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from tolerance import (
     linear_bound,
 )
 
-from trine.engine.model import packed
+from trine.engine.config import SamplerConfig
 from trine.engine.model.invariant import linear
+from trine.engine.model.kernels import packed
 from trine.engine.model.lora import LoRALinear
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no MKL packed linear")
@@ -115,7 +116,11 @@ def test_the_sampler_on_packed_weights_samples_as_on_f_linear(tiny_model_dir, mo
             SampleRequest(f"r{i}", list(range(100 + i, 140 + i)), opts, WeightsIdentity("t"), 4)
             for i in range(3)
         ]
-        return [s for r in Sampler(model, tok, kv_cache_bytes=16 << 20).run(reqs) for s in r.sequences]
+        return [
+            s
+            for r in Sampler(model, tok, SamplerConfig(kv_cache_bytes=16 << 20)).run(reqs)
+            for s in r.sequences
+        ]
 
     rows = packed.MAX_ROWS
 

@@ -1,4 +1,4 @@
-"""Decode attention over the paged pool read in place (engine/model/paged_attention.py): SDPA's result
+"""Decode attention over the paged pool read in place (engine/model/kernels/paged_attention.py): SDPA's result
 over a gathered copy, per row independent of the batch, used only where it suits, and a sampler that
 decodes the same tokens with it as without."""
 
@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from tolerance import assert_same_samples, assert_within_bound, attention_bound, fp64_model
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.model import invariant, model, paged_attention
+from trine.engine.config import SamplerConfig
+from trine.engine.model import attention, invariant
+from trine.engine.model.kernels import paged_attention
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.sampler.sampler import Sampler
@@ -79,7 +81,7 @@ def test_equals_sdpa_over_a_gathered_copy(P, Q, L, H, KVH, D):
 def test_loading_it_keeps_the_process_subnormal_floats():
     """A library linked with -ffast-math sets flush-to-zero for every thread of the process."""
     code = (
-        "import torch\nfrom trine.engine.model import paged_attention as p\nassert p.available()\n"
+        "import torch\nfrom trine.engine.model.kernels import paged_attention as p\nassert p.available()\n"
         "print(float(torch.tensor(1e-40) * 1.0) != 0.0, 1e-310 * 1.0 != 0.0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -147,7 +149,7 @@ def test_used_only_where_it_suits(monkeypatch):
 
 
 def test_switched_off_by_the_environment(tmp_path):
-    code = "from trine.engine.model import paged_attention as p; print(p.available())"
+    code = "from trine.engine.model.kernels import paged_attention as p; print(p.available())"
     env = {"TRINE_PAGED_ATTENTION": "0", "TRINE_KERNEL_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False" and not list(tmp_path.iterdir())
@@ -155,7 +157,7 @@ def test_switched_off_by_the_environment(tmp_path):
 
 def test_without_a_compiler_the_engine_gathers(tmp_path):
     code = (
-        "import torch\nfrom trine.engine.model import paged_attention as p\n"
+        "import torch\nfrom trine.engine.model.kernels import paged_attention as p\n"
         "print(p.available(), p.suits(torch.zeros(1, 1, 2, 8), torch.zeros(4, 1, 8), "
         "torch.ones(1, 1, 1, 4, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.long)))"
     )
@@ -166,7 +168,7 @@ def test_without_a_compiler_the_engine_gathers(tmp_path):
 
 
 def _decode(model_tok, requests):
-    s = Sampler(*model_tok, kv_cache_bytes=16 * 2**20)
+    s = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 * 2**20))
     return s.run(requests)
 
 
@@ -190,15 +192,15 @@ def test_the_sampler_decodes_the_same_with_and_without_it(tiny_model_dir, monkey
     """Kind 3, against fp64: decoding over a gathered copy is the reference, the kernel the path
     (the kernel is fp32 only, so the fp64 model gathers on both; its paths agree exactly)."""
     tok = Tokenizer(tiny_model_dir)
-    real, in_place = model.paged_attention, model.KVContext.in_place
+    real, in_place = attention.paged_attention, attention.KVContext.in_place
 
     def compute(m):
         calls = []
-        monkeypatch.setattr(model, "paged_attention", lambda *a: calls.append(1) or real(*a))
-        monkeypatch.setattr(model.KVContext, "in_place", in_place)
+        monkeypatch.setattr(attention, "paged_attention", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(attention.KVContext, "in_place", in_place)
         with_kernel, tokens = logprob_groups(_decode((m, tok), _requests()))
         assert bool(calls) == (m.dtype == torch.float32)  # the decode steps read the pool in place
-        monkeypatch.setattr(model.KVContext, "in_place", lambda self, q: False)
+        monkeypatch.setattr(attention.KVContext, "in_place", lambda self, q: False)
         without, same = logprob_groups(_decode((m, tok), _requests()))
         assert same == tokens
         return without, with_kernel, tokens
@@ -210,7 +212,7 @@ def test_a_causal_prefill_attends_by_query_blocks_that_skip_unseen_keys():
     def blocks(T, cached, rows=1):
         pos = cached + torch.arange(T)
         mask = (torch.arange(cached + T)[None] <= pos[:, None])[None, None].expand(rows, 1, -1, -1)
-        kv = model.KVContext(
+        kv = attention.KVContext(
             [], [], torch.zeros(rows, T, dtype=torch.long), torch.zeros(rows, cached + T), mask
         )
         return kv.query_blocks()
@@ -234,17 +236,17 @@ def test_prefill_by_query_blocks_samples_what_one_attention_call_does(tiny_model
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (150, 90, 201)]
     opts = SamplingOptions(max_tokens=6, temperature=0, stop_at_eos=False)
     reqs = [SampleRequest(f"r{i}", p, opts, WeightsIdentity("t")) for i, p in enumerate(prompts)]
-    split, real, block = [], model.KVContext.query_blocks, model.QUERY_BLOCK
+    split, real, block = [], attention.KVContext.query_blocks, attention.QUERY_BLOCK
     monkeypatch.setattr(
-        model.KVContext, "query_blocks", lambda kv: split.append(len(real(kv)) > 1) or real(kv)
+        attention.KVContext, "query_blocks", lambda kv: split.append(len(real(kv)) > 1) or real(kv)
     )
 
     def compute(m):
-        monkeypatch.setattr(model, "QUERY_BLOCK", block)
+        monkeypatch.setattr(attention, "QUERY_BLOCK", block)
         split.clear()
         blocked, tokens = logprob_groups(_decode((m, tok), reqs))
         assert any(split)
-        monkeypatch.setattr(model, "QUERY_BLOCK", 10**6)
+        monkeypatch.setattr(attention, "QUERY_BLOCK", 10**6)
         split.clear()
         whole, same = logprob_groups(_decode((m, tok), reqs))
         assert not any(split)

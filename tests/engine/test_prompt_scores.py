@@ -11,6 +11,7 @@ import torch
 from tolerance import assert_same_samples, fp64_model
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import SamplerConfig
 from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
@@ -41,7 +42,7 @@ def same_scores(compute, twins) -> None:
 
 
 def sampler(model_tok) -> Sampler:
-    return Sampler(*model_tok, kv_cache_bytes=16 * 2**20)
+    return Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 * 2**20))
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

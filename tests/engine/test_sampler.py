@@ -9,6 +9,7 @@ import torch
 from tolerance import assert_same_samples, fp64_adapter, fp64_model
 
 from trine.engine.api import LoRAConfig, SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import SamplerConfig
 from trine.engine.model.lora import Adapter
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
@@ -42,7 +43,7 @@ def same_samples(compute, twins) -> None:
 
 def make(model_tok, **kw) -> Sampler:
     kw.setdefault("kv_cache_bytes", 16 * MB)
-    return Sampler(*model_tok, **kw)
+    return Sampler(*model_tok, SamplerConfig(**kw))
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

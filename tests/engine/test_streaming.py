@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from trine.engine.api import SampleCancelled, SampleRequest, SampleResult, SamplingOptions, WeightsIdentity
+from trine.engine.config import EngineConfig, SamplerConfig
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.runtime.worker import EngineWorker
@@ -28,7 +29,7 @@ def request(rid: str, n: int = 3, max_tokens: int = 8, **opts) -> SampleRequest:
 
 
 def test_deltas_concatenate_to_the_result_with_top_logprobs(model_tok):
-    sampler = Sampler(*model_tok, kv_cache_bytes=16 << 20)
+    sampler = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 << 20))
     req = dataclasses.replace(request("a", top_logprobs=3), stream=True)
     sampler.add(req)
     deltas, result, steps = [], None, 0
@@ -55,7 +56,7 @@ def test_deltas_concatenate_to_the_result_with_top_logprobs(model_tok):
 
 def test_cancel_frees_sequences_and_blocks_at_once(model_tok):
     # "a" decodes a token every step from the first on: not held while "b" (sent with it) prefills
-    sampler = Sampler(*model_tok, kv_cache_bytes=16 << 20, burst_stall_seconds=0)
+    sampler = Sampler(*model_tok, SamplerConfig(kv_cache_bytes=16 << 20, burst_stall_seconds=0))
     free = sampler.kv.num_free
     sampler.add(request("a", n=4, max_tokens=200))
     sampler.add(request("b", n=1, max_tokens=3))
@@ -80,7 +81,9 @@ def test_cancel_frees_sequences_and_blocks_at_once(model_tok):
 def test_worker_stream_yields_deltas_then_result_and_closing_it_cancels(tiny_model_dir):
     async def main():
         worker = EngineWorker(
-            "tiny", tiny_model_dir, device="cpu", num_threads=1, sampler_options={"kv_cache_bytes": 16 << 20}
+            "tiny",
+            tiny_model_dir,
+            EngineConfig(device="cpu", num_threads=1, sampler=SamplerConfig(kv_cache_bytes=16 << 20)),
         )
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, worker.start, loop)

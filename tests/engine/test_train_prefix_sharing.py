@@ -11,6 +11,7 @@ from test_trainer import grads, outputs
 from tolerance import assert_bitwise, assert_same_computation, fp64_model
 
 from trine.engine.api import LOSS_NAMES, Forward, LoRAConfig, Loss, TrainDatum
+from trine.engine.config import TrainerConfig
 from trine.engine.model import invariant
 from trine.engine.model.weights import load_model
 from trine.engine.trainer import shared_prefix
@@ -68,9 +69,8 @@ def shared_data(seed: int) -> list[TrainDatum]:
 def trainers(model, *runs, unembed=True, **kw):
     out = []
     for sharing in (True, False):
-        t = Trainer(
-            model, base_model="tiny", prefix_sharing=sharing, min_shared_tokens=4, logits_chunk_tokens=7, **kw
-        )
+        cfg = TrainerConfig(prefix_sharing=sharing, min_shared_tokens=4, logits_chunk_tokens=7, **kw)
+        t = Trainer(model, base_model="tiny", config=cfg)
         for i, run in enumerate(runs):
             t.create_run(run, LoRAConfig(rank=4, seed=i, train_unembed=unembed))
             randomize(t.adapter(run), 10 + i)

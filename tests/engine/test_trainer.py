@@ -10,6 +10,7 @@ from test_losses import random_data, randomize
 from tolerance import EPS32, assert_bitwise, assert_same_computation, assert_within_bound, gamma
 
 from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, TrainDatum
+from trine.engine.config import TrainerConfig
 from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
@@ -22,7 +23,7 @@ def model(tiny_model_dir):
 
 
 def new_trainer(model, *runs, rank=4, **kw) -> Trainer:
-    trainer = Trainer(model, base_model="tiny", **kw)
+    trainer = Trainer(model, base_model="tiny", config=TrainerConfig(**kw))
     for i, run in enumerate(runs):
         trainer.create_run(run, LoRAConfig(rank=rank, seed=i))
         randomize(trainer.adapter(run), 10 + i)  # non-zero B, so every parameter gets a gradient

@@ -17,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from serverutil import TEST_OPTIONS, RawClient, ce_payload, event, free_port, start
+from serverutil import TEST_ENGINE, RawClient, ce_payload, event, free_port, start
 
 import trine as trio
 from trine.engine.runtime.local import LocalEngine
@@ -124,8 +124,7 @@ class BusyTraining(LocalEngine):
 
 
 def busy_training(name, path):
-    opts = {k: TEST_OPTIONS[k] for k in ("num_threads", "device", "sampler_options", "trainer_options")}
-    return [BusyTraining(name, path, **opts)]
+    return [BusyTraining(name, path, TEST_ENGINE)]
 
 
 def test_a_training_step_at_the_deadline_does_not_hold_the_drain_or_lose_the_metering(

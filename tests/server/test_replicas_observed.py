@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from serverutil import TEST_OPTIONS, RawClient, serve
+from serverutil import TEST_ENGINE, RawClient, serve
 
 from trine.engine.runtime.local import LocalEngine
 
@@ -16,8 +16,7 @@ PROMPTS = [[1 + i, *range(200 + 7 * i, 240 + 7 * i)] for i in range(8)]  # new p
 
 
 def two_replicas(name, path):
-    opts = {k: TEST_OPTIONS[k] for k in ("num_threads", "device", "sampler_options", "trainer_options")}
-    return [LocalEngine(name, path, replica=f"local-{i}", **opts) for i in range(2)]
+    return [LocalEngine(name, path, TEST_ENGINE, replica=f"local-{i}") for i in range(2)]
 
 
 def test_metrics_and_the_trace_per_replica(tiny_model_dir, tmp_path):

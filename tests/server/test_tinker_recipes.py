@@ -13,6 +13,7 @@ Run `python tests/server/test_tinker_recipes.py` to print the figures the README
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -164,8 +165,9 @@ def math_rl(
 
 
 def _serve_default(tmp):
-    from serverutil import serve
+    from serverutil import TEST_ENGINE, serve
 
+    from trine.engine.config import SamplerConfig, TrainerConfig
     from trine.engine.model.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
@@ -173,8 +175,11 @@ def _serve_default(tmp):
     return serve(
         model_dir,
         tmp,
-        sampler_options={"kv_cache_bytes": 256 << 20, "max_batch_tokens": 2048},
-        trainer_options={"micro_batch_tokens": 4096},
+        engine=dataclasses.replace(
+            TEST_ENGINE,
+            sampler=SamplerConfig(kv_cache_bytes=256 << 20, max_batch_tokens=2048),
+            trainer=TrainerConfig(micro_batch_tokens=4096),
+        ),
     ), model_dir.name
 
 

@@ -15,12 +15,12 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from serverutil import TEST_OPTIONS, pytrio_env, serve, start
+from serverutil import TEST_ENGINE, pytrio_env, serve, start
 
 import trine as trio
-from trine.engine import DEFAULT_WAIT, WAIT_SETTINGS, openmp_wait
 from trine.engine.api import SampleRequest, SamplingOptions
 from trine.engine.malloc import keep_freed_memory
+from trine.engine.setup import DEFAULT_WAIT, WAIT_SETTINGS, openmp_wait
 from trine.service import SamplingRunSpec
 from trine.service.routing import Router
 
@@ -35,7 +35,6 @@ print(os.getpgrp() == os.getpid(), own_session(), os.getsid(0) == os.getpid() ==
 """
 
 MODEL = "tiny-llama"
-ENGINE_OPTIONS = {k: TEST_OPTIONS[k] for k in ("device", "sampler_options", "trainer_options")}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def ray_server(tiny_model_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         # Plain sgemm on both sides of the parity test (the replicas inherit this at ray.init, the
         # in-process engine reads it): MKL's packed copies share one budget per process
-        # (engine/model/packed.py), which other tests' models in this long-lived pytest process may
+        # (engine/model/kernels/packed.py), which other tests' models in this long-lived pytest process may
         # have used up, and then only the in-process side's LM head changes kernel (last bits).
         env.setenv("TRINE_PACKED_GEMM_BYTES", "0")
         # and one fixed thread count on both sides (runtime/cpu_share.py would give the in-process
@@ -53,7 +52,7 @@ def ray_server(tiny_model_dir, tmp_path_factory):
         srv = start(
             tiny_model_dir,
             tmp_path_factory.mktemp("ray-home"),
-            engines=ray_engines(2, num_threads=1, options=ENGINE_OPTIONS),
+            engines=ray_engines(2, TEST_ENGINE),
         )
         try:
             yield srv

@@ -1,11 +1,13 @@
 """A GRPO group's shared prompt is trained once and metered as computed: `train_tokens` (priced)
 beside `train_sequence_tokens` (as sent), through the SDK, the stored usage and the report; with
-`train_prefix_sharing=False` every datum is computed whole and the two counts are equal."""
+`TrainerConfig(prefix_sharing=False)` every datum is computed whole and the two counts are equal."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from serverutil import serve
+from serverutil import TEST_ENGINE, serve
 
 import trine as trio
 
@@ -31,7 +33,10 @@ def group() -> list[trio.Datum]:
 def test_a_group_is_metered_as_computed_and_as_sent(tiny_model_dir, tmp_path, sharing):
     sent = 4 * (len(PROMPT) + 8 - 1)  # each datum: prompt + completion, minus the last token
     computed = len(PROMPT) + 4 * 7 if sharing else sent  # the prompt once, then each completion
-    with serve(tiny_model_dir, tmp_path / "home", train_prefix_sharing=sharing) as srv:
+    engine = dataclasses.replace(
+        TEST_ENGINE, trainer=dataclasses.replace(TEST_ENGINE.trainer, prefix_sharing=sharing)
+    )
+    with serve(tiny_model_dir, tmp_path / "home", engine=engine) as srv:
         with trio.ServiceClient(api_key=srv.api_key, base_url=srv.url) as svc:
             trainer = svc.create_lora_training_client(MODEL, rank=4)
             out = trainer.forward_backward(group(), "cross_entropy").result()

@@ -1,10 +1,14 @@
-"""The `trine` command. Each subcommand lives in its own module and is imported only when run."""
+"""The `trine` command. Each subcommand lives in its own module and is imported only when run, after
+the engine's process settings are applied (`trine.engine.setup.configure()`), so they hold for any
+engine the command starts."""
 
 from __future__ import annotations
 
 import importlib
 
 import click
+
+from trine.engine.setup import configure
 
 # name -> (module, function): the module defines a click.Command named by `function`.
 COMMANDS = {
@@ -28,6 +32,8 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module, attr = COMMANDS[name]
+        # before any command loads torch: OpenMP reads its wait settings when torch loads it
+        configure()
         try:
             return getattr(importlib.import_module(module), attr)
         except ModuleNotFoundError as e:

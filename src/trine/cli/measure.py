@@ -36,11 +36,14 @@ def measure(
     import torch
 
     import trine as trio
+    from trine.engine.config import EngineConfig
     from trine.server.app import start_server
 
     batch = max(1, min(batch, MAX_BATCH))
     with tempfile.TemporaryDirectory(prefix="trine-measure-") as home:
-        server = start_server(models=[model_dir], home=home, port=0, num_threads=threads)
+        server = start_server(
+            models=[model_dir], home=home, port=0, engine=EngineConfig(num_threads=threads or None)
+        )
         try:
             with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as service:
                 name = model_dir.name

@@ -49,24 +49,14 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
         raise PathError(str(e)) from None
 
 
-def _ray_engines(
-    address: str, replicas: int, threads: int | None, dtype: str, batch_invariant: bool, prefix_sharing: bool
-):
+def _ray_engines(address: str, replicas: int, config):
     try:
         from trine.engine.runtime.ray_backend import connect, ray_engines
     except ImportError:
         raise click.UsageError("--ray needs Ray: pip install 'trine[ray]'") from None
     resources = connect(None if address == "local" else address)
     click.echo(f"Ray cluster: {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs")
-    return ray_engines(
-        replicas,
-        num_threads=threads or 1,
-        options={
-            "dtype": dtype,
-            "batch_invariant": batch_invariant,
-            "trainer_options": {"prefix_sharing": prefix_sharing},
-        },
-    )
+    return ray_engines(replicas, config)
 
 
 def check_model_family(served: dict[str, Path]) -> None:
@@ -235,6 +225,7 @@ def serve(
     quiet,
 ):
     """Serve base models for training and sampling over the PyTRIO protocol."""
+    from trine.engine.config import EngineConfig, TrainerConfig
     from trine.server import access_log
     from trine.server.app import create_app, run_forever
     from trine.server.auth import TokenSigner
@@ -264,9 +255,18 @@ def serve(
         owned.release()
     if checkpoint_dir:
         store.checkpoint_dir = checkpoint_dir
+    try:
+        engine = EngineConfig(
+            num_threads=threads or None,  # 0 means torch's count, as unset does
+            dtype=dtype,
+            batch_invariant=batch_invariant,
+            trainer=TrainerConfig(prefix_sharing=train_prefix_sharing),
+        )
+    except ValueError as e:  # --dtype is a choice: only the thread count can be out of range
+        raise click.BadParameter(str(e), param_hint="--threads") from None
     engines = None
     if ray_address is not None:
-        engines = _ray_engines(ray_address, replicas, threads, dtype, batch_invariant, train_prefix_sharing)
+        engines = _ray_engines(ray_address, replicas, engine)
     new_key = None
     if not any(k.revoked_at is None for k in store.keys()):  # first run, or every key revoked
         _, new_key = store.create_key("default")
@@ -274,11 +274,8 @@ def serve(
         store,
         served,
         cycle_seconds=cycle_seconds,
-        num_threads=threads,
+        engine=engine,
         engines=engines,
-        dtype=dtype,
-        batch_invariant=batch_invariant,
-        train_prefix_sharing=train_prefix_sharing,
         disk_reserve_bytes=disk_reserve_mb << 20,
     )
     app = create_app(service, TokenSigner(home))

@@ -256,7 +256,8 @@ def start_server(
     """Serve `models` in a background thread; returns once the models are loaded and the port is open.
 
     home: the data dir (default `$TRINE_HOME` or ~/.trine). port 0 picks a free port.
-    service_options go to `Service` (gather_seconds, num_threads, sampler_options, ...).
+    service_options go to `Service` (gather_seconds, key_limits, ...; the engine's options as one
+    `engine=EngineConfig(...)`, engine/config.py).
     """
     home = trine_home(home)
     service = Service.open(home, resolve_models(models), cycle_seconds=cycle_seconds, **service_options)

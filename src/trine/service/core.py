@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Coroutine
 
 from ..diskspace import DEFAULT_RESERVE_BYTES
+from ..engine.config import EngineConfig
 from ..engine.interface import Engine
 from ..limits import KeyLimits
 from ..metering.rates import RateCard
@@ -91,10 +92,7 @@ class Service:
         *,
         cycle_seconds: float = 0.0,
         gather_seconds: float = 0.02,
-        device: str | None = None,
-        num_threads: int | None = None,
-        sampler_options: dict | None = None,
-        trainer_options: dict | None = None,
+        engine: EngineConfig | None = None,
         max_adapters: int = 32,
         run_idle_seconds: float = 3600.0,
         gc_interval: float = 60.0,
@@ -102,9 +100,6 @@ class Service:
         engines: EngineFactory | None = None,
         router: Router | None = None,
         key_limits: KeyLimits | None = None,
-        dtype: str | None = None,
-        batch_invariant: bool = False,
-        train_prefix_sharing: bool = True,
         disk_reserve_bytes: int = DEFAULT_RESERVE_BYTES,
         missing_index_seconds: float = MISSING_INDEX_SECONDS,
     ):
@@ -114,24 +109,13 @@ class Service:
         self.cycle_seconds = cycle_seconds
         self.gather_seconds = gather_seconds
         self.gc_interval = gc_interval
-        # a shared prefix of one run's datums is trained once (engine/trainer/prefix_groups.py)
-        trainer_options = {"prefix_sharing": train_prefix_sharing, **(trainer_options or {})}
         if engines is None:
             from ..engine.runtime.local import LocalEngine
 
+            config = engine or EngineConfig()
+
             def engines(name: str, path: Path) -> list[Engine]:
-                return [
-                    LocalEngine(
-                        name,
-                        path,
-                        device=device,
-                        num_threads=num_threads,
-                        sampler_options=sampler_options,
-                        trainer_options=trainer_options,
-                        dtype=dtype,
-                        batch_invariant=batch_invariant,
-                    )
-                ]
+                return [LocalEngine(name, path, config)]
 
         self.models: dict[str, ServedModel] = {}
         for name, path in models.items():

@@ -21,11 +21,12 @@ call, so every reduction here runs in calls whose shapes do not depend on the ba
 - `log_probs`: log-softmax, the one normalisation of logits everywhere (torch's `logsumexp` splits
   a single row's reduction between threads; its `log_softmax` does not).
 
-The kernels are opt-in (`enable(True)`; `trine serve --batch-invariant`, `Service(batch_invariant=
-True)`): they cost throughput (docs/numerics.md, "Sampler = trainer, bit for bit"). Off, the same functions
-are torch's fused kernels (F.linear, or MKL's packed GEMM for few rows: packed.py; SDPA, F.silu)
-and a token's logprob may differ between the sampler and the trainer in the last bits (about 1e-6
-in fp32). The switch is process-wide: every engine in one process computes the same way.
+The kernels are opt-in (`enable(True)`; `trine serve --batch-invariant`,
+`EngineConfig(batch_invariant=True)`): they cost throughput (docs/numerics.md, "Sampler = trainer,
+bit for bit"). Off, the same functions are torch's fused kernels (F.linear, or MKL's packed GEMM for
+few rows: packed.py; SDPA, F.silu) and a token's logprob may differ between the sampler and the
+trainer in the last bits (about 1e-6 in fp32). The switch is process-wide: every engine in one
+process computes the same way.
 
 Invariants (while enabled)
 - For a fixed thread count, each output row of these functions depends only on that row's inputs
@@ -47,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import packed
+from .kernels import packed
 
 ROW_TILE = 32  # rows per linear-layer GEMM call
 KEY_TILE = 16  # key positions per attention tile

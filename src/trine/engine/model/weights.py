@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ..config import DTYPE_NAMES
 from .model import ModelConfig, Transformer, rope_inv_freq
 
 
@@ -25,7 +26,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the names EngineConfig accepts
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:

@@ -1,7 +1,8 @@
 """How many intra-op threads the engine runs on: its own count, less the cores other processes use.
 
-trine.engine makes OpenMP's threads spin a while between parallel regions (`SPIN_COUNT`), because a
-thread that has gone to sleep costs the next op a wake-up (docs/serving.md, "Shared CPU cores").
+`trine.engine.setup.configure()` makes OpenMP's threads spin a while between parallel regions
+(`SPIN_COUNT`), because a thread that has gone to sleep costs the next op a wake-up (docs/serving.md,
+"Shared CPU cores").
 Beside another busy process the same spin is a loss: two threads that wait on each other, one of
 them descheduled, burn their slices spinning, and decoding keeps well under a fair share of its
 speed alone. One thread waits for nobody. So the engine measures, every
@@ -121,7 +122,7 @@ def release_openmp_pool() -> bool:
     """Let go of the calling thread's OpenMP worker threads (`omp_pause_resource_all`), so that
     libgomp does not count them against another thread's: once more of its threads exist than
     cores, it cuts every thread's spin to a "throttled" 1000 pause loops (about 10 us), and the
-    engine thread pays a wake-up per op (trine.engine's docstring). The pool is made again if
+    engine thread pays a wake-up per op (trine/engine/setup.py's docstring). The pool is made again if
     this thread runs a parallel op later. False where the runtime has no such call."""
     try:
         gomp = ctypes.CDLL("libgomp.so.1")  # the runtime torch loaded (same soname)

@@ -23,6 +23,7 @@ from ..api import (
     SampleResult,
     TrainingCycle,
 )
+from ..config import EngineConfig
 from ..interface import Engine
 from ..model.lora import lora_features
 from .cycle import CycleRunner
@@ -36,25 +37,11 @@ class LocalEngine(Engine):
         self,
         name: str,
         model_dir: str | Path,
+        config: EngineConfig = EngineConfig(),
         *,
-        device: str | None = None,
-        num_threads: int | None = None,
-        sampler_options: dict | None = None,
-        trainer_options: dict | None = None,
         replica: str = "local",
-        dtype: str | None = None,
-        batch_invariant: bool = False,
     ):
-        self.worker = EngineWorker(
-            name,
-            model_dir,
-            device=device,
-            num_threads=num_threads,
-            sampler_options=sampler_options,
-            trainer_options=trainer_options,
-            dtype=dtype,
-            batch_invariant=batch_invariant,
-        )
+        self.worker = EngineWorker(name, model_dir, config)
         self.replica = replica
         self.recent_cycles: deque[CycleStats] = deque(maxlen=RECENT_CYCLES)
         self._runner = CycleRunner(self.worker)

@@ -6,7 +6,7 @@ without `--ray` never loads it.
 
 Each actor is an asyncio actor: its calls run on the actor's event loop and reach the engine thread
 inside it exactly as in-process calls do, so sampling still interleaves with training cycles. An
-actor takes one GPU when the cluster has GPUs, otherwise `num_threads` CPUs (torch uses as many
+actor takes one GPU when the cluster has GPUs, otherwise its config's `num_threads` CPUs (torch uses as many
 threads). Calls and results are the interface's dataclasses, pickled by Ray.
 
 Each replica process starts its own session (`os.setsid`, Linux and macOS). Ray starts every worker in
@@ -29,6 +29,7 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 from typing import AsyncIterator
@@ -36,7 +37,6 @@ from typing import AsyncIterator
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from .. import openmp_wait
 from ..api import (
     CycleResult,
     EngineInfo,
@@ -48,9 +48,10 @@ from ..api import (
     SampleResult,
     TrainingCycle,
 )
+from ..config import EngineConfig
 from ..interface import Engine
 from ..malloc import keep_freed_memory
-from .local import LocalEngine
+from ..setup import configure, openmp_wait
 from .ray_cluster import watch_local_cluster
 
 
@@ -89,7 +90,7 @@ def own_session() -> bool:
 
 def process_info() -> dict:
     """This process as the scheduler sees it: pid, session, CPU-seconds so far (user + system),
-    torch's intra-op threads, how its OpenMP threads wait (`trine.engine.openmp_wait`) and what its
+    torch's intra-op threads, how its OpenMP threads wait (`trine.engine.setup.openmp_wait`) and what its
     C allocator keeps (`trine.engine.malloc`)."""
     import torch  # loaded by the engine already
 
@@ -108,10 +109,15 @@ def process_info() -> dict:
 class ReplicaActor:
     """One engine replica in its own process (and, where it can, its own session)."""
 
-    def __init__(self, name: str, model_dir: str, replica: str, options: dict, new_session: bool = True):
+    def __init__(
+        self, name: str, model_dir: str, replica: str, config: EngineConfig, new_session: bool = True
+    ):
         if new_session:
             own_session()
-        self.engine = LocalEngine(name, model_dir, replica=replica, **options)
+        configure()  # before torch loads in this process: this module and Ray's worker import none
+        from .local import LocalEngine
+
+        self.engine = LocalEngine(name, model_dir, config, replica=replica)
 
     async def process(self) -> dict:
         return process_info()
@@ -165,25 +171,26 @@ class RayEngine(Engine):
         name: str,
         model_dir: str | Path,
         index: int,
+        config: EngineConfig = EngineConfig(),
         *,
-        num_threads: int = 1,
         num_gpus: float = 0,
-        options: dict | None = None,
         new_session: bool = True,
     ):
         self.name = name
         self.index = index
-        opts = dict(options or {})
-        opts["num_threads"] = num_threads
-        if num_gpus:
-            opts.setdefault("device", "cuda")
+        # an actor reserves its threads' CPUs, so it needs a count; on a GPU node it runs there
+        config = dataclasses.replace(
+            config,
+            num_threads=config.num_threads or 1,
+            device=config.device or ("cuda" if num_gpus else None),
+        )
         self.actor = ReplicaActor.options(
-            num_cpus=0 if num_gpus else num_threads,
+            num_cpus=0 if num_gpus else config.num_threads,
             num_gpus=num_gpus,
             max_concurrency=1000,
             max_restarts=0,
             max_task_retries=0,
-        ).remote(name, str(model_dir), f"ray:{name}/{index}", opts, new_session)
+        ).remote(name, str(model_dir), f"ray:{name}/{index}", config, new_session)
 
     async def _call(self, method: str, *args):
         try:
@@ -275,12 +282,11 @@ def connect(address: str | None, *, num_cpus: int | None = None) -> dict:
     return ray.cluster_resources()
 
 
-def ray_engines(
-    replicas: int, *, num_threads: int = 1, options: dict | None = None, new_session: bool = True
-):
-    """An engine factory for `Service(engines=...)`: `replicas` actors per base model, one GPU each
-    when the cluster has GPUs. `new_session=False` leaves each replica in the raylet's session (the
-    behaviour before issue 32; benchmarks/pool.py --shared-session measures it)."""
+def ray_engines(replicas: int, config: EngineConfig = EngineConfig(), *, new_session: bool = True):
+    """An engine factory for `Service(engines=...)`: `replicas` actors per base model, each running
+    `config` (on `config.num_threads` CPUs, 1 if unset), one GPU each when the cluster has GPUs
+    (on CUDA unless `config.device` says otherwise). `new_session=False` leaves each replica in the
+    raylet's session (the behaviour before issue 32; benchmarks/pool.py --shared-session measures it)."""
     if replicas < 1:
         raise ValueError("replicas: use 1 or more")
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
@@ -291,9 +297,8 @@ def ray_engines(
                 name,
                 model_dir,
                 i,
-                num_threads=num_threads,
+                config,
                 num_gpus=gpus,
-                options=options,
                 new_session=new_session,
             )
             for i in range(replicas)

@@ -36,10 +36,13 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from ..api import LoRAConfig, SampleCancelled, SampleDelta, SampleRequest, SampleResult
+from ..config import EngineConfig
 from ..model import invariant
+from ..model.kernels.active import startup_line
 from ..model.lora import Adapter
 from ..model.tokenizer import Tokenizer
 from ..model.weights import load_model, parse_dtype
+from ..setup import configure
 from ..trainer.checkpoint import adapter_bytes, load_peft_adapter, save_dir, save_peft_adapter
 from .adapters import AdapterTable
 from .cpu_share import CpuShare, release_openmp_pool
@@ -69,22 +72,11 @@ class EngineWorker:
         self,
         name: str,
         model_dir: str | Path,
-        *,
-        device: str | None = None,
-        num_threads: int | None = None,
-        sampler_options: dict | None = None,
-        trainer_options: dict | None = None,
-        dtype: str | None = None,
-        batch_invariant: bool = False,
+        config: EngineConfig = EngineConfig(),
     ):
         self.name = name
-        self.batch_invariant = batch_invariant  # invariant.enable: sampler = trainer, bit for bit
+        self.config = config
         self.model_dir = Path(model_dir).resolve()
-        self.device = device
-        self.dtype = parse_dtype(dtype)  # checked here, before the thread starts
-        self.num_threads = num_threads
-        self.sampler_options = dict(sampler_options or {})
-        self.trainer_options = dict(trainer_options or {})
         self.model = self.tokenizer = self.sampler = self.trainer = None
         self.adapters = AdapterTable()  # snapshots and inflight targets (worker thread only)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -102,6 +94,8 @@ class EngineWorker:
     def start(self, loop: asyncio.AbstractEventLoop, timeout: float | None = None) -> None:
         self.loop = loop
         self.exited = loop.create_future()  # set to the reason when the thread ends
+        for line in configure():  # a no-op where the CLI or another engine did it already
+            log.info("engine: %s", line)
         release_openmp_pool()  # this thread's OpenMP workers would throttle the engine thread's spin
         self._thread = threading.Thread(target=self._main, name=f"trine-engine-{self.name}", daemon=True)
         self._thread.start()
@@ -181,22 +175,25 @@ class EngineWorker:
     # ------------------------------------------------------------------ worker thread
     def _main(self) -> None:
         try:
-            if self.num_threads:
-                torch.set_num_threads(self.num_threads)
+            cfg = self.config
+            if cfg.num_threads:
+                torch.set_num_threads(cfg.num_threads)
             from ..sampler.sampler import Sampler
             from ..trainer.trainer import Trainer
 
-            if self.batch_invariant:
+            if cfg.batch_invariant:  # sampler = trainer, bit for bit
                 invariant.enable(True)
-            self.model = load_model(self.model_dir, device=self.device, dtype=self.dtype)
+            self.model = load_model(self.model_dir, device=cfg.device, dtype=parse_dtype(cfg.dtype))
             self.tokenizer = Tokenizer(self.model_dir)
-            self._new_sampler = lambda: Sampler(self.model, self.tokenizer, **self.sampler_options)
+            self._new_sampler = lambda: Sampler(self.model, self.tokenizer, cfg.sampler)
             self.sampler = self._new_sampler()
-            self.trainer = Trainer(self.model, base_model=self.name, **self.trainer_options)
+            self.trainer = Trainer(self.model, base_model=self.name, config=cfg.trainer)
             # on CPU, the threads other processes leave it (cpu_share.py); a fixed count where the
             # numerics must be (--batch-invariant: its GEMMs' bits depend on the thread count)
             on_cpu = self.model.device.type == "cpu"
-            self.cpu_share = CpuShare(self.num_threads, enabled=on_cpu and not self.batch_invariant)
+            self.cpu_share = CpuShare(cfg.num_threads, enabled=on_cpu and not cfg.batch_invariant)
+            # the C kernels are built now, not in the first sample's step
+            log.info("engine %s: %s", self.name, startup_line(self.model.device, self.model.dtype))
         except BaseException as e:  # reported to start()
             self._start_error = e
             self._ready.set()

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ..model.attention import KVContext
 from ..model.invariant import KEY_TILE
-from ..model.model import KVContext
 from .kv_cache import BlockManager, block_key
 from .sequence import Request, Sequence
 

@@ -39,6 +39,7 @@ import torch
 
 from ...limits import MAX_TOPK_PROMPT_LOGPROBS, check_prompt_length
 from ..api import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
+from ..config import SamplerConfig
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
 from ..model.tokenizer import Tokenizer
@@ -48,7 +49,7 @@ from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .prompt_scores import PromptScores, check_prompt_scores, first_scored, scores_prompt
 from .sampling import check_sampling_options, generators, sample
-from .scheduler import BURST_SECONDS, BURST_STALL_SECONDS, MIN_PREFILL_TOKENS, TENANT_SHARE, Scheduler
+from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .stops import Stops, check_stop_options, final_text
 
@@ -68,51 +69,41 @@ class Sampler:
         self,
         model: Transformer,
         tokenizer: Tokenizer,
-        *,
-        kv_cache_bytes: int | None = None,
-        block_size: int = 16,
-        max_batch_tokens: int = 2048,
-        max_running: int = 64,
-        enable_prefix_cache: bool = True,
-        prefill_share: float = 0.5,
-        prefill_step_seconds: float = 0.25,
-        idle_prefill_seconds: float = 1.0,
-        min_prefill_tokens: int = MIN_PREFILL_TOKENS,
-        burst_seconds: float = BURST_SECONDS,
-        burst_stall_seconds: float = BURST_STALL_SECONDS,
-        tenant_share: float = TENANT_SHARE,
-        fair: bool = True,
+        config: SamplerConfig = SamplerConfig(),
     ):
         self.model = model
         self.tokenizer = tokenizer
+        self.config = config
         self.cfg = model.cfg
         self.device = model.device
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.kv = BlockManager.from_budget(
-            kv_cache_bytes if kv_cache_bytes is not None else default_kv_cache_bytes(self.device),
+            config.kv_cache_bytes
+            if config.kv_cache_bytes is not None
+            else default_kv_cache_bytes(self.device),
             self.cfg.num_layers,
             self.cfg.num_kv_heads,
             self.cfg.head_dim,
-            block_size,
+            config.block_size,
             model.dtype,
             self.device,
         )
         self.scheduler = Scheduler(
             self.kv,
-            max_batch_tokens=max_batch_tokens,
-            max_running=max_running,
-            prefix_cache=enable_prefix_cache,
-            prefill_share=prefill_share,
-            prefill_step_seconds=prefill_step_seconds,
-            idle_prefill_seconds=idle_prefill_seconds,
-            min_prefill_tokens=min_prefill_tokens,
+            max_batch_tokens=config.max_batch_tokens,
+            max_running=config.max_running,
+            prefix_cache=config.enable_prefix_cache,
+            prefill_share=config.prefill_share,
+            prefill_step_seconds=config.prefill_step_seconds,
+            idle_prefill_seconds=config.idle_prefill_seconds,
+            min_prefill_tokens=config.min_prefill_tokens,
             key_cost=key_cost(model),
-            burst_seconds=burst_seconds,
-            burst_stall_seconds=burst_stall_seconds,
-            tenant_share=tenant_share,
-            admission=FairAdmission() if fair else FifoAdmission(),
+            burst_seconds=config.burst_seconds,
+            burst_stall_seconds=config.burst_stall_seconds,
+            tenant_share=config.tenant_share,
+            admission=FairAdmission() if config.fair else FifoAdmission(),
         )
-        self.layout = KVLayout(self.kv, enable_prefix_cache)
+        self.layout = KVLayout(self.kv, config.enable_prefix_cache)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.cfg.eos_token_ids)
         self.grammars = Grammars(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._live: dict[str, Request] = {}  # queued or running, by request id

@@ -63,21 +63,16 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+from ..config import BURST_SECONDS, BURST_STALL_SECONDS, MIN_PREFILL_TOKENS, TENANT_SHARE  # noqa: F401
 from .admission import AdmissionPolicy, FairAdmission
 from .kv_cache import BlockManager, chain_hashes
 from .prompt_scores import reads_cached_scores, serves_scores
 from .sequence import Request, Sequence
 
-TENANT_SHARE = 0.5  # of max_running and of the KV pool, per tenant while another one is active
-# Prefill rows below which a chunk is not cut while others decode: fp32 GEMMs of fewer rows run well
-# below their peak rate (docs/serving.md, "Where the engine's constants come from").
-MIN_PREFILL_TOKENS = 128
 # Positions a prefill chunk needs for its seconds to show the engine's prefill rate: a smaller one
 # is mostly the fixed cost of a forward (every weight read once; docs/serving.md, "Where the
 # engine's constants come from").
 RATE_POSITIONS = 512
-BURST_SECONDS = 0.5  # requests arriving within this of one another are one batch sent together
-BURST_STALL_SECONDS = 5.0  # the most a batch's first sequences wait, undecoded, for its other prompts
 
 
 @dataclass

@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from ..model import invariant
+from ..model.attention import KVContext
 from ..model.lora import AdapterBatch
-from ..model.model import KVContext
 from .head import HeadChunks, chunk_adapters, position_scales
 from .losses import LossInputs
 from .prefix_groups import Tree

@@ -76,6 +76,7 @@ from ..api import (
     WeightsIdentity,
     optimizer_of,
 )
+from ..config import TrainerConfig
 from ..model import invariant
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
@@ -139,20 +140,16 @@ class Trainer:
         model: Transformer,
         *,
         base_model: str,
-        micro_batch_tokens: int = 4096,
-        logits_chunk_tokens: int = 1024,
-        prefix_sharing: bool = True,
-        min_shared_tokens: int = prefix_groups.MIN_SHARED_TOKENS,
+        config: TrainerConfig = TrainerConfig(),
     ):
-        if micro_batch_tokens < 1 or logits_chunk_tokens < 1:
-            raise ValueError("micro_batch_tokens and logits_chunk_tokens must be >= 1")
         model.requires_grad_(False)  # the base is frozen and shared; only adapters train
         self.model = model
         self.base_model = base_model
-        self.micro_batch_tokens = micro_batch_tokens
-        self.logits_chunk_tokens = logits_chunk_tokens
-        self.prefix_sharing = prefix_sharing  # compute each token shared by datums of one run once
-        self.min_shared_tokens = min_shared_tokens
+        self.config = config
+        self.micro_batch_tokens = config.micro_batch_tokens
+        self.logits_chunk_tokens = config.logits_chunk_tokens
+        self.prefix_sharing = config.prefix_sharing  # compute each token shared by datums of one run once
+        self.min_shared_tokens = config.min_shared_tokens
         self._runs: dict[str, _Run] = {}
         self._versions = itertools.count(1)
         self._workspace = head.LogitsWorkspace()  # the LM head's [chunk, vocab] buffers, kept

@@ -1,9 +1,10 @@
-"""C kernels built on first use with the system compiler, once per source, compiler and CPU.
+"""C kernels built with the system compiler, once per source, compiler and CPU.
 
-The engine's few C kernels (paged_attention.c, fused_ops.c) are compiled when first needed, with
-`CC` (default `cc`; about a second each) and `march_flag()` (the CPU's own instruction set, or the
-level torch is held to), into `kernel_dir()`, and loaded with ctypes. The OpenMP runtime they
-link is the one torch already loaded (the same soname), so they run on torch's threads.
+The engine's few C kernels (paged_attention.c, fused_ops.c) are compiled at the engine's start
+(active.py), or when first needed by code that runs them without an engine, with `CC` (default `cc`;
+about a second each) and `march_flag()` (the CPU's own instruction set, or the level torch is held
+to), into `kernel_dir()`, and loaded with ctypes. The OpenMP runtime they link is the one torch
+already loaded (the same soname), so they run on torch's threads.
 
 Invariants
 - A built library is named by a hash of its source, flags (the -march among them), compiler

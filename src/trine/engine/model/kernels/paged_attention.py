@@ -1,4 +1,4 @@
-"""Decode attention that reads the paged KV pool in place, a C kernel built on first use.
+"""Decode attention that reads the paged KV pool in place, a C kernel built at the engine's start.
 
 Without it a decode step gathers every key it attends (`index_select` over the pool, one copy of
 the whole context per layer) and then runs SDPA over the copy: two passes over memory, both bound
@@ -13,9 +13,10 @@ Invariants
 - A query's result depends on its own keys and their positions (and, in the last bits, on how
   many queries of its packed row see each tile of keys: such a tile is scored as a small GEMM,
   others key by key), never on the other rows of the batch.
-- Built at the first decode step (cbuild.py: once per source, compiler and CPU, with the system C
-  compiler; it runs on torch's OpenMP threads). Where it cannot be built (no compiler, no OpenMP)
-  or `TRINE_PAGED_ATTENTION=0`, `available()` is False and the engine gathers as before.
+- Built at the engine's start (active.py; else at the first decode step; cbuild.py: once per source,
+  compiler and CPU, with the system C compiler; it runs on torch's OpenMP threads). Where it cannot
+  be built (no compiler, no OpenMP) or `TRINE_PAGED_ATTENTION=0`, `available()` is False and the
+  engine gathers as before.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def suits(q: torch.Tensor, pool: torch.Tensor, mask: torch.Tensor, read: torch.T
     """Whether attention of `q` over `pool` with `mask` [P, 1, Q, L] and slots `read` [P, L]
     should use the kernel (see the module docstring): decode-sized. Slots outside the pool never
     reach the kernel (index_select names them)."""
-    from .invariant import enabled
+    from ..invariant import enabled
 
     Q = mask.shape[2]
     return (

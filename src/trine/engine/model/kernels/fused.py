@@ -11,7 +11,8 @@ Invariants
   and bf16.
 - rope_ is torch's `apply_rope` bit for bit (same products and sums, no fused multiply-add);
   rms_norm is F.rms_norm up to float32 rounding (the mean summed in another order).
-- Built on first use (cbuild.py); `TRINE_FUSED_OPS=0` or no compiler: the torch ops.
+- Built at the engine's start (active.py; else at first use, cbuild.py); `TRINE_FUSED_OPS=0` or no
+  compiler: the torch ops.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import invariant
+from .. import invariant
 from .cbuild import Kernel
 
 
@@ -40,6 +41,11 @@ _kernel = Kernel(
     _declare,
     "TRINE_FUSED_OPS",
 )
+
+
+def built() -> bool:
+    """Whether the kernel is built and loaded (builds it on the first call)."""
+    return _kernel.available()
 
 
 def suits(*tensors: torch.Tensor) -> bool:

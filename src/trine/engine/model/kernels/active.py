@@ -1,0 +1,43 @@
+"""Which kernels an engine's forwards take, decided and built once at the engine's start.
+
+`active(device, dtype)` builds the C kernels (cbuild.py: compiled now, or loaded from the cache,
+rather than at the first step that needs them) and checks MKL's packed GEMM, for the engine that
+will run on `device` in `dtype`, and names the path each op takes:
+- `fused_ops`: RMSNorm and RoPE of inference forwards, `C` (fused.py) or `torch`;
+- `paged_attention`: decode attention, `C` reading the KV pool in place (paged_attention.py) or
+  `gather` (SDPA over a copy);
+- `gemm`: few-row base-weight GEMMs of inference forwards, `packed` (MKL's packed weights,
+  packed.py) or `F.linear`.
+
+Invariants
+- Each op's own check (`suits` / `applies`) still decides per call, on the same conditions, so
+  building early changes no result: only when the build happens.
+- The C kernels are built only where they can run: CPU fp32 with torch's batch-invariant kernels
+  off (`batch_invariant` names them all `invariant` otherwise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import invariant
+from . import fused, packed, paged_attention
+
+
+def active(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    """Build what applies to an engine on `device` in `dtype` and name each op's path (above)."""
+    if invariant.enabled():
+        return dict(fused_ops="invariant", paged_attention="invariant", gemm="invariant")
+    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    return dict(
+        fused_ops="C" if cpu_fp32 and fused.built() else "torch",
+        paged_attention="C" if cpu_fp32 and paged_attention.available() else "gather",
+        gemm="packed" if cpu_fp32 and packed.available() and packed.budget_bytes() > 0 else "F.linear",
+    )
+
+
+def startup_line(device: torch.device, dtype: torch.dtype) -> str:
+    """The engine's start log line: the active kernels, then the dtype and torch's threads."""
+    kernels = " ".join(f"{k}={v}" for k, v in active(device, dtype).items())
+    dtype_name = str(dtype).removeprefix("torch.")
+    return f"kernels {kernels} device={device} dtype={dtype_name} threads={torch.get_num_threads()}"
