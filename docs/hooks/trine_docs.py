@@ -193,9 +193,9 @@ def limit_value(where: str, name: str):
     if where == "KeyLimits":
         return getattr(limits.KeyLimits(), name)
     if where == "openai":
-        from trine.server.openai import params
+        from trine.server.openai import bodies
 
-        return getattr(params, name)
+        return getattr(bodies, name)
     if where == "service":
         from trine.service import scheduler
 
@@ -247,11 +247,11 @@ def rates_table() -> str:
 
 
 def openai_refused_table() -> str:
-    from trine.server.openai import params
+    from trine.server.openai import bodies
 
     rows = [
         [_code(k), ", ".join(_code(_json(v)) for v in values if v is not None) or "absent", why]
-        for k, (values, why) in sorted(params.NEUTRAL.items())
+        for k, (values, why) in sorted(bodies.NEUTRAL.items())
     ]
     return _table(["parameter", "accepted only as", "why other values are refused"], rows)
 

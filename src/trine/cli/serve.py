@@ -235,9 +235,9 @@ def serve(
     quiet,
 ):
     """Serve base models for training and sampling over the PyTRIO protocol."""
-    from trine.server import access_log
     from trine.server.app import create_app, run_forever
-    from trine.server.auth import TokenSigner
+    from trine.server.http import access_log
+    from trine.server.http.auth import TokenSigner
     from trine.service import Service
     from trine.store import Store
 

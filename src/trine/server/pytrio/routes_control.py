@@ -11,19 +11,15 @@ import time
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from ..engine.api import LoRAConfig
-from ..limits import MAX_PAGE_SIZE
-from ..service import (
+from ...limits import MAX_PAGE_SIZE
+from ...service import (
     ApiKey,
     NotFound,
-    RunLabels,
-    SamplingRunSpec,
-    TrainingRunSpec,
 )
-from .auth import iso
-from .bounds import INT64_MAX
-from .context import api_key, parse_json, parse_model, service_of, signer_of
-from .control_bodies import (
+from ..http.auth import iso
+from ..http.bounds import INT64_MAX
+from ..http.context import api_key, parse_json, parse_model, service_of, signer_of
+from .bodies import (
     SamplingRunCreate,
     SessionClose,
     SessionCreate,
@@ -40,6 +36,7 @@ from .control_shapes import (
     session_json,
     training_run_json,
 )
+from .to_api import run_labels, sampling_run_spec, training_run_spec
 
 SDK_VERSION = "0.2.9"
 
@@ -110,7 +107,7 @@ async def models(
 # ---------------------------------------------------------------------------- sessions
 @router.post("/openapi/v1/service-sessions")
 async def create_session(body: SessionCreate, request: Request, key: ApiKey = Depends(api_key)):
-    return session_json(service_of(request).runs.create_session(key, body.sdk_version, body.labels()))
+    return session_json(service_of(request).runs.create_session(key, body.sdk_version, run_labels(body)))
 
 
 @router.get("/openapi/v1/service-sessions")
@@ -159,13 +156,7 @@ async def create_training_run(
     session_id: str, body: TrainingRunCreate, request: Request, key: ApiKey = Depends(api_key)
 ):
     svc = service_of(request)
-    lora = LoRAConfig.named_by(body)
-    labels = RunLabels(body.name, tuple(body.tags), body.user_metadata or {})
-    r = svc.runs.create_training_run(
-        key,
-        session_id,
-        TrainingRunSpec(body.base_model, lora, body.source_checkpoint_uri, body.restore_optimizer, labels),
-    )
+    r = svc.runs.create_training_run(key, session_id, training_run_spec(body))
     m = svc.queries.model(r.base_model)
     return {
         **training_run_json(svc, r),
@@ -259,9 +250,7 @@ async def create_sampling_run(
     session_id: str, body: SamplingRunCreate, request: Request, key: ApiKey = Depends(api_key)
 ):
     svc = service_of(request)
-    r = svc.runs.create_sampling_run(
-        key, session_id, SamplingRunSpec(body.base_model, body.source_checkpoint_uri)
-    )
+    r = svc.runs.create_sampling_run(key, session_id, sampling_run_spec(body))
     return {
         **sampling_run_json(svc, r),
         "sampler": _capability(svc, r.base_model),

@@ -4,9 +4,9 @@
 (`<request_id>:<i>`); the future runs `Service.sample`, so Tinker traffic shares the prefix cache
 and the metering of every other front end: `prompt_cache_hit_tokens` is trine's `cached_tokens`
 (a group of n samples prefills its prompt once). With `record_stability_info`, each sampled
-sequence is kept under its sequence id for `stable_reinforce` (see `service.stability`). A
+sequence is kept under its sequence id for `stable_reinforce` (see `tinker/stability.py`). A
 sampling session made by an inflight save follows the model's later inflight saves; its sequences
-carry each token's weights version (proto.WEIGHTS_VERSIONS_FIELD).
+carry each token's weights version (shapes.WEIGHTS_VERSIONS_FIELD).
 `compute_logprobs` reaches here as a 1-token sample with prompt logprobs: it reads the prefix cache
 only before `prompt_logprobs_last_n` (0 hit tokens without it). The fields beyond PyTRIO's sample
 body (top-k per sampled token, alt-token draws, target ids) are parsed in `sample_extras`.
@@ -23,16 +23,16 @@ import json
 
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.api import SampleCancelled, SampleRequest
-from ...limits import MAX_SAMPLE_BYTES, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
+from ...limits import MAX_SAMPLE_BYTES
 from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
 from ...uris import to_tinker_path
-from ..bounds import Int64
-from ..context import json_object, parse_model
-from ..params import ModelInputBody, SamplingParamsBody, sampling_options
-from . import proto
+from ..http.context import json_object, parse_model
+from ..pytrio.bodies import ModelInputBody, SamplingParamsBody
+from ..pytrio.to_api import sampling_options
+from . import shapes
+from .bodies import PROTOBUF, AsampleBody, CancelBody, SamplingSessionBody
 from .futures import Failure, Reply
 from .sample_extras import parse_extras
 from .state import TinkerState, caller, to_trio_uri
@@ -77,32 +77,6 @@ async def get_sampler(sampler_id: str, request: Request):
         "base_model": svc.queries.model(r.base_model).model_id,  # a tokenizer dir
         "model_path": to_tinker_path(r.source_checkpoint_uri) if r.source_checkpoint_uri else None,
     }
-
-
-class SamplingSessionBody(BaseModel):
-    """The types of a `create_sampling_session` body."""
-
-    model_config = ConfigDict(extra="allow", strict=True)  # no "0" for 0, no "yes" for true
-    session_id: str | None = None
-    sampling_session_seq_id: Int64 | None = None
-    base_model: str | None = None
-    model_path: str | None = None
-
-
-class AsampleBody(BaseModel):
-    """The types of an `asample` body's top-level fields, and the ranges of its counts (the other
-    values are checked where used)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)  # no "0" for 0, no "yes" for true
-    sampling_session_id: str | None = None
-    seq_id: Int64 | None = None
-    num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
-    prompt: dict | None = None
-    sampling_params: dict | None = None
-    prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
-    prompt_logprobs_last_n: Int64 | None = None
-    record_stability_info: bool | None = None
 
 
 @router.post("/asample")
@@ -161,17 +135,17 @@ async def asample(request: Request):
             None
             if not k
             else (
-                proto.tensor(np.asarray(out.prompt_alt_tokens, np.int64), (rows, k)),
-                proto.tensor(np.asarray(out.prompt_alt_logprobs, np.float32), (rows, k)),
+                shapes.tensor(np.asarray(out.prompt_alt_tokens, np.int64), (rows, k)),
+                shapes.tensor(np.asarray(out.prompt_alt_logprobs, np.float32), (rows, k)),
             )
         )
         target = (
             None
             if targets is None
-            else proto.tensor(targets.values(out.target_prompt_logprobs), targets.shape, targets.csr)
+            else shapes.tensor(targets.values(out.target_prompt_logprobs), targets.shape, targets.csr)
         )
         return Reply(
-            proto.sample_response(
+            shapes.sample_response(
                 [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences],
                 plp,
                 out.topk_prompt_logprobs,
@@ -183,16 +157,11 @@ async def asample(request: Request):
                 prompt_alt_tokens=alt,
                 weights_versions=[s.weights_versions for s in out.sequences],
             ),
-            proto.PROTOBUF,
+            PROTOBUF,
         )
 
     st.futures.start(key.id, request_id, finish, fingerprint)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
-
-
-class CancelBody(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    request_id: str
 
 
 @router.post("/cancel_future")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from ..service import ApiKey, Checkpoint, SamplingRun, Service, Session, TrainingRun
-from ..service.labels import as_metadata
-from .auth import iso
-from .context import signer_of
+from ...service import ApiKey, Checkpoint, SamplingRun, Service, Session, TrainingRun
+from ...service.labels import as_metadata
+from ..http.auth import iso
+from ..http.context import signer_of
 
 
 def _capability(svc: Service, model_name: str) -> dict:
@@ -63,7 +63,7 @@ def training_run_json(svc: Service, r: TrainingRun) -> dict:
     }
     return {
         "training_run_cuid": r.id,
-        "base_model": r.base_model,  # the model's name: never the server's directory (refusals.py)
+        "base_model": r.base_model,  # its name, never the server's directory (http/refusals.py)
         "model_alias": r.base_model,
         "service_session_cuid": r.session_id,
         "workspace_cuid": r.api_key_id,
@@ -99,7 +99,7 @@ def checkpoint_json(svc: Service, c: Checkpoint) -> dict:
         "checkpoint_type": c.kind,
         "status": "READY",
         "checkpoint_uri": c.uri,
-        "model": c.base_model,  # names: never the server's directories (refusals.py)
+        "model": c.base_model,  # names: never the server's directories (server/http/refusals.py)
         "base_model": c.base_model,
         "model_spec_cuid": c.base_model,
         "task_id": c.training_run_id,

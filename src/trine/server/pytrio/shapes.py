@@ -14,9 +14,9 @@ from typing import Callable
 import msgpack
 import numpy as np
 
-from ..limits import OPTIMIZE_STEP
-from ..metering.money import dumps, money
-from ..service import EventRecord, EventResult, SampleOutcome
+from ...limits import OPTIMIZE_STEP
+from ...metering.money import dumps, money
+from ...service import EventRecord, EventResult, SampleOutcome
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def event_envelope(rec: EventRecord, res: EventResult | None, model_id: Callable
 
 
 def unshift(values: list[list[float]]) -> list[list[float]]:
-    """Per-position results of an auto-shifted datum (wire.py shifted its targets) back on the
+    """Per-position results of an auto-shifted datum (to_api.py shifted its targets) back on the
     client's positions: target j was scored from position j - 1, and position 0 has no score."""
     return [[0.0] + list(v[:-1]) for v in values]
 

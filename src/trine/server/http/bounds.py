@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from ..limits import INT64_MAX, MAX_TTL_SECONDS
+from ...limits import INT64_MAX, MAX_TTL_SECONDS
 
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # counts, offsets, steps

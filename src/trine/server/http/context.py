@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from ..service import ApiKey, InvalidRequest, Service, TooLarge
+from ...service import ApiKey, InvalidRequest, Service, TooLarge
 from .access_log import note_key
 from .auth import TokenSigner, bearer
 

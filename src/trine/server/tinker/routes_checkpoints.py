@@ -20,33 +20,19 @@ from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict
 
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...service import ApiKey, Checkpoint, InvalidRequest, NotFound, Service
 from ...service.labels import as_metadata
 from ...uris import to_tinker_path
-from ..context import json_object, parse_model, service_of, signer_of
-from .rest import iso
+from ..http.context import json_object, parse_model, service_of, signer_of
+from .bodies import TtlBody, WeightsInfoBody
+from .routes_sessions import iso
 from .state import TinkerState, caller, optimizer_config, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
 CHECKPOINT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"  # kind: weights | sampler_weights
 GB = 1e9
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(
-        extra="ignore", strict=True
-    )  # the official client sends JSON types: no coercion
-
-
-class WeightsInfoBody(_Body):
-    tinker_path: str
-
-
-class TtlBody(_Body):
-    ttl_seconds: int | None  # null: never expires (range checked by the service)
 
 
 def checkpoint_json(c: Checkpoint) -> dict:
