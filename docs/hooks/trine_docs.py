@@ -212,6 +212,14 @@ def limits_table() -> str:
         close = "]" if closed else ")"
         rng = f">= {_number(lo)}" if hi == float("inf") else f"[{_number(lo)}, {_number(hi)}{close}"
         rows.append([_code(f"AdamParams.{name}"), rng, "accepted range, checked before a step is queued"])
+    for name, bound in limits.SAMPLING_BOUNDS.items():
+        rows.append(
+            [
+                _code(f"SamplingParams.{name}"),
+                bound.text(),
+                "accepted range, checked by the SDK and every plane",
+            ]
+        )
     return _table(["limit", "value", "what it bounds"], rows)
 
 

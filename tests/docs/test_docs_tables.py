@@ -108,6 +108,8 @@ def test_every_limit_in_the_code_is_documented():
     assert f"| `live_runs` | {limits.KeyLimits().live_runs:,} |" in table
     for name in limits.ADAM_BOUNDS:
         assert f"`AdamParams.{name}`" in table
+    for name, bound in limits.SAMPLING_BOUNDS.items():
+        assert f"| `SamplingParams.{name}` | {bound.text()} |" in table
 
 
 def test_cli_reference_has_every_command_and_option():

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...limits import MAX_REQUEST_ID_CHARS, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
 from ...service import InvalidRequest
 from ...types import AdamParams
-from ..http.bounds import Count, FiniteFloat, Int64, Positive, Seed, TtlSeconds
+from ..http.bounds import Count, FiniteFloat, Int64, Positive, Seed, TtlSeconds, sampling_field
 
 
 class Body(BaseModel):
@@ -51,9 +51,9 @@ class ModelInputBody(Body):
 
 class SamplingParamsBody(Body):
     max_tokens: Positive
-    temperature: FiniteFloat = Field(default=1.0, ge=0)
+    temperature: FiniteFloat = sampling_field("temperature", 1.0)
     top_k: Int64 = -1
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_p: float = sampling_field("top_p", 1.0)
     seed: Seed | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[Int64] | None = None
@@ -63,10 +63,10 @@ class TrioSamplingParamsBody(SamplingParamsBody):
     """PyTRIO's sampling params with trine's extensions (vLLM's semantics, off by default; Tinker's
     plane keeps Tinker's fields). logit_bias: token id (a string, as JSON keys are) -> bias."""
 
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: FiniteFloat = Field(default=1.0, gt=0)
-    min_p: float = Field(default=0.0, ge=0, le=1)
+    presence_penalty: float = sampling_field("presence_penalty", 0.0)
+    frequency_penalty: float = sampling_field("frequency_penalty", 0.0)
+    repetition_penalty: FiniteFloat = sampling_field("repetition_penalty", 1.0)
+    min_p: float = sampling_field("min_p", 0.0)
     logit_bias: dict[int, FiniteFloat] | None = None
 
 
