@@ -18,23 +18,17 @@ computed is metered, and its future fails as cancelled. Other requests cannot be
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 import numpy as np
 from fastapi import APIRouter, Request
 
-from ...engine.api import SampleCancelled, SampleRequest
+from ...engine.api import SampleCancelled
 from ...limits import MAX_SAMPLE_BYTES
 from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
 from ...uris import to_tinker_path
 from ..http.context import json_object, parse_model
-from ..pytrio.bodies import ModelInputBody, SamplingParamsBody
-from ..pytrio.to_api import sampling_options
-from . import shapes
+from . import shapes, to_api
 from .bodies import PROTOBUF, AsampleBody, CancelBody, SamplingSessionBody
 from .futures import Failure, Reply
-from .sample_extras import parse_extras
 from .state import TinkerState, caller, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
@@ -91,33 +85,7 @@ async def asample(request: Request):
         raise InvalidRequest("asample: send sampling_session_id and seq_id (create a sampling client first)")
     run = svc.ownership.sampling_run(key, sid)
     request_id = f"{sid}:{seq}"
-    p = dict(b.get("sampling_params") or {})
-    stop = p.pop("stop", None)
-    no_stop = isinstance(stop, list) and not stop
-    if isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop):
-        p["stop_token_ids"] = stop
-    elif stop:
-        p["stop"] = stop
-    prompt = parse_model(ModelInputBody, b.get("prompt"), "prompt").tokens("prompt")
-    params = parse_model(SamplingParamsBody, p, "sampling_params")
-    with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
-    fields, targets = parse_extras(b, len(prompt), bool(b.get("prompt_logprobs")))
-    top_logprobs = fields.pop("top_logprobs")
-    options = sampling_options(
-        params,
-        stop_at_eos=not no_stop,  # Tinker: [] disables every stop, EOS included
-        top_logprobs=top_logprobs,
-    )
-    req = SampleRequest(
-        request_id=f"tk-{seq}",
-        prompt=prompt,
-        options=options,
-        num_samples=body.num_samples,
-        prompt_logprobs=with_prompt_logprobs,
-        topk_prompt_logprobs=body.topk_prompt_logprobs or 0,
-        **fields,
-    )
-    fingerprint = hashlib.sha256(json.dumps(b, sort_keys=True).encode()).hexdigest()
+    req, targets, fingerprint = to_api.sample_request(b, body, seq)
     record = bool(b.get("record_stability_info"))
     sequence_ids = [f"{request_id}:{i}" for i in range(req.num_samples)]
 

@@ -22,20 +22,18 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from ...engine.api import Forward, LoRAConfig, Loss, Refused
+from ...engine.api import LoRAConfig, Refused
 from ...limits import MAX_EVENT_BYTES
 from ...service import (
     ApiKey,
     EventResult,
     InitByUri,
     InvalidRequest,
-    RunLabels,
     SaveByName,
     Service,
     ServiceError,
     TooManyRequests,
     TrainingCommand,
-    TrainingRunSpec,
 )
 from ...uris import to_tinker_path
 from ..http.context import json_object, parse_model, read_body
@@ -44,7 +42,6 @@ from .bodies import (
     PROTOBUF,
     CreateModelBody,
     LoadBody,
-    LoraBody,
     ModelCall,
     OptimStepBody,
     SaveBody,
@@ -179,24 +176,14 @@ async def _create(
 async def create_model(request: Request):
     svc, st, key = caller(request)
     b = await _json(request, CreateModelBody)
-    optimizer = to_api.optimizer_family(b.optimizer_config)
-    lora = b.lora_config or LoraBody()
+    spec = to_api.create_model_spec(b)
     return await _create(
         svc,
         st,
         key,
         b.session_id,
         b.model_seq_id,
-        lambda: svc.runs.create_training_run(
-            key,
-            b.session_id,
-            TrainingRunSpec(
-                b.base_model,
-                LoRAConfig.named_by(lora),
-                labels=RunLabels(user_metadata=b.user_metadata or {}),
-                optimizer=optimizer,
-            ),
-        ),
+        lambda: svc.runs.create_training_run(key, b.session_id, spec),
         lambda run: InitByUri(lora=LoRAConfig.named_by(run), base_model=run.base_model),
         {"type": "create_model"},
         b,
@@ -218,17 +205,7 @@ async def load_weights(request: Request):
             key,
             b.session_id,
             b.model_seq_id,
-            lambda: svc.runs.create_training_run(
-                key,
-                b.session_id,
-                TrainingRunSpec(
-                    b.base_model or "",
-                    LoRAConfig(rank=1),
-                    uri,
-                    b.optimizer,
-                    optimizer=to_api.optimizer_family(b.optimizer_config),
-                ),
-            ),
+            lambda: svc.runs.create_training_run(key, b.session_id, to_api.load_weights_spec(b, uri)),
             lambda run: InitByUri(
                 lora=LoRAConfig.named_by(run), checkpoint_uri=uri, load_optimizer=b.optimizer
             ),
@@ -316,11 +293,7 @@ async def forward_backward(request: Request):
             if body.loss_fn.lower() == "stable_reinforce"
             else body.data
         )
-        try:
-            loss = Loss.of_custom(custom) if custom else Loss.parse(body.loss_fn, body.loss_config)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
-        command = Forward(data=data, loss=loss, backward=not body.forward_only)  # plain sums
+        command = to_api.forward(body, data, custom)
     except InvalidRequest as e:
         command = e
 
@@ -372,28 +345,8 @@ async def _save(request: Request, sampler: bool) -> dict:
     seq = _seq(b)
     type_ = "save_weights_for_sampler" if sampler else "save_weights"
     shape = _path_reply(type_)
-    inflight = b.kind == "inflight"  # the run's inflight samplers follow this save
-    if not sampler:
-        command = SaveByName(
-            kind="state", name=b.path or f"state-{seq}", ttl_seconds=b.ttl_seconds, overwrite=b.overwrite
-        )
-    elif b.kind not in ("snapshot", "inflight"):
-        command = InvalidRequest(f"kind {b.kind!r}: use 'snapshot' or 'inflight'")
-    elif b.path:
-        command = SaveByName(
-            kind="weights", name=b.path, ttl_seconds=b.ttl_seconds, overwrite=b.overwrite, inflight=inflight
-        )
-    elif b.sampling_session_seq_id is None:
-        command = InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
-    else:
-        command = SaveByName(
-            kind="weights",
-            name=f"sampler-{seq}",
-            visibility="TEMPORARY",
-            ttl_seconds=b.ttl_seconds,
-            overwrite=True,
-            inflight=inflight,
-        )
+    command = to_api.save(b, seq, sampler)
+    if sampler and not b.path and isinstance(command, SaveByName):  # a snapshot and its sampling session
         sampler_seq = b.sampling_session_seq_id
 
         async def shape(res):

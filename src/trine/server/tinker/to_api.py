@@ -1,11 +1,14 @@
-"""Tinker bodies (bodies.py) -> the engine's vocabulary (`engine/api.py`): a `forward_backward`
-protobuf's data as `TrainDatum`s (shapes and dtypes checked: one value per input token), its loss
-config, an optimizer family and an optim step. Every error is an InvalidRequest whose message names
+"""Tinker bodies (bodies.py) -> the engine's vocabulary (`engine/api.py`) and service commands: a
+`forward_backward` protobuf's data as `TrainDatum`s (shapes and dtypes checked: one value per input
+token), its loss config and `Forward`, an optimizer family and an optim step, a training run's spec,
+a save, and a sample request. Every error is an InvalidRequest whose message names
 the field.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -15,15 +18,23 @@ from ...engine.api import (
     ADAMW,
     DIMUON,
     MAX_INPUT_ELEMENTS,
+    CustomLoss,
     DimuonConfig,
+    Forward,
+    LoRAConfig,
+    Loss,
     LossTensor,
     OptimStep,
+    SampleRequest,
     TrainDatum,
 )
-from ...service import InvalidRequest
+from ...service import InvalidRequest, RunLabels, SaveByName, TrainingRunSpec
 from ..http.context import parse_model
+from ..pytrio.bodies import ModelInputBody, SamplingParamsBody
 from ..pytrio.to_api import optim_step as adam_optim_step
-from .bodies import DimuonBody, OptimStepBody
+from ..pytrio.to_api import sampling_options
+from .bodies import AsampleBody, CreateModelBody, DimuonBody, LoadBody, LoraBody, OptimStepBody, SaveBody
+from .sample_extras import TargetLayout, parse_extras
 
 _NUMPY = {1: np.float32, 2: np.int64, 3: np.int32}  # proto DType -> numpy (bf16 handled apart)
 FLOAT_INPUTS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")
@@ -279,3 +290,100 @@ def optim_step(b: OptimStepBody) -> OptimStep:
         return OptimStep(settings.check())
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- runs, losses, saves
+def create_model_spec(b: CreateModelBody) -> TrainingRunSpec:
+    """create_model's training run: its LoRA (LoraBody's defaults when none is sent), labels from
+    `user_metadata` and optimizer family."""
+    optimizer = optimizer_family(b.optimizer_config)
+    lora = b.lora_config or LoraBody()
+    return TrainingRunSpec(
+        b.base_model,
+        LoRAConfig.named_by(lora),
+        labels=RunLabels(user_metadata=b.user_metadata or {}),
+        optimizer=optimizer,
+    )
+
+
+def load_weights_spec(b: LoadBody, uri: str) -> TrainingRunSpec:
+    """load_weights' create-from-state run: its LoRA and base model come from the checkpoint `uri`."""
+    return TrainingRunSpec(
+        b.base_model or "",
+        LoRAConfig(rank=1),
+        uri,
+        b.optimizer,
+        optimizer=optimizer_family(b.optimizer_config),
+    )
+
+
+def forward(body: ForwardBackwardBody, data: list[TrainDatum], custom: CustomLoss | None) -> Forward:
+    """The forward(_backward) op of a decoded body: its loss summed per token (Tinker's contract: no
+    normalisation); `custom` is the stored custom loss the body names."""
+    try:
+        loss = Loss.of_custom(custom) if custom else Loss.parse(body.loss_fn, body.loss_config)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    return Forward(data=data, loss=loss, backward=not body.forward_only)  # plain sums
+
+
+def save(b: SaveBody, seq: int, sampler: bool) -> SaveByName | InvalidRequest:
+    """save_weights (a training state) or save_weights_for_sampler: named and persistent, or (no
+    path) a temporary snapshot for a sampling session; the InvalidRequest that refuses the call
+    (queued in its place)."""
+    inflight = b.kind == "inflight"  # the run's inflight samplers follow this save
+    if not sampler:
+        return SaveByName(
+            kind="state", name=b.path or f"state-{seq}", ttl_seconds=b.ttl_seconds, overwrite=b.overwrite
+        )
+    if b.kind not in ("snapshot", "inflight"):
+        return InvalidRequest(f"kind {b.kind!r}: use 'snapshot' or 'inflight'")
+    if b.path:
+        return SaveByName(
+            kind="weights", name=b.path, ttl_seconds=b.ttl_seconds, overwrite=b.overwrite, inflight=inflight
+        )
+    if b.sampling_session_seq_id is None:
+        return InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
+    return SaveByName(
+        kind="weights",
+        name=f"sampler-{seq}",
+        visibility="TEMPORARY",
+        ttl_seconds=b.ttl_seconds,
+        overwrite=True,
+        inflight=inflight,
+    )
+
+
+# ---------------------------------------------------------------------------- samples
+def sample_request(b: dict, body: AsampleBody, seq: int) -> tuple[SampleRequest, TargetLayout | None, str]:
+    """asample's sample request (`b` as sent, `body` its typed top-level fields), the layout of the
+    target ids it scores (sample_extras.py), and the body's fingerprint (a retry must repeat it).
+    Tinker's `stop`: token ids or strings; [] disables every stop, EOS included."""
+    p = dict(b.get("sampling_params") or {})
+    stop = p.pop("stop", None)
+    no_stop = isinstance(stop, list) and not stop
+    if isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop):
+        p["stop_token_ids"] = stop
+    elif stop:
+        p["stop"] = stop
+    prompt = parse_model(ModelInputBody, b.get("prompt"), "prompt").tokens("prompt")
+    params = parse_model(SamplingParamsBody, p, "sampling_params")
+    with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
+    fields, targets = parse_extras(b, len(prompt), bool(b.get("prompt_logprobs")))
+    top_logprobs = fields.pop("top_logprobs")
+    options = sampling_options(
+        params,
+        stop_at_eos=not no_stop,  # Tinker: [] disables every stop, EOS included
+        top_logprobs=top_logprobs,
+    )
+    req = SampleRequest(
+        request_id=f"tk-{seq}",
+        prompt=prompt,
+        options=options,
+        num_samples=body.num_samples,
+        prompt_logprobs=with_prompt_logprobs,
+        topk_prompt_logprobs=body.topk_prompt_logprobs or 0,
+        **fields,
+    )
+    fingerprint = hashlib.sha256(json.dumps(b, sort_keys=True).encode()).hexdigest()
+    return req, targets, fingerprint
