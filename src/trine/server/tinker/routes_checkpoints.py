@@ -23,48 +23,14 @@ from fastapi.responses import FileResponse, JSONResponse
 
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...service import ApiKey, Checkpoint, InvalidRequest, NotFound, Service
-from ...service.labels import as_metadata
-from ...uris import to_tinker_path
 from ..http.context import json_object, parse_model, service_of, signer_of
 from .bodies import TtlBody, WeightsInfoBody
-from .routes_sessions import iso
+from .shapes import checkpoint_json, training_run_json
 from .state import TinkerState, caller, optimizer_config, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
 CHECKPOINT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"  # kind: weights | sampler_weights
 GB = 1e9
-
-
-def checkpoint_json(c: Checkpoint) -> dict:
-    return {
-        "checkpoint_id": to_tinker_path(c.uri).split("/", 3)[3],
-        "tinker_path": to_tinker_path(c.uri),
-        "checkpoint_type": "training" if c.kind == "TRAINING" else "sampler",
-        "time": iso(c.created_at),
-        "size_bytes": c.size_bytes,
-        "public": bool(c.public),
-        "expires_at": iso(c.expires_at),
-    }
-
-
-def training_run_json(svc, key, r) -> dict:
-    cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
-    last = {
-        kind: max((c for c in cks if c.kind == kind), key=lambda c: c.created_at, default=None)
-        for kind in ("TRAINING", "SAMPLER")
-    }
-    return {
-        "training_run_id": r.id,
-        "base_model": r.base_model,
-        "model_owner": key.name,
-        "is_lora": True,
-        "corrupted": r.status == "INTERRUPTED",
-        "lora_rank": r.lora_rank,
-        "last_request_time": iso(r.updated_at),
-        "last_checkpoint": checkpoint_json(last["TRAINING"]) if last["TRAINING"] else None,
-        "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None,
-        "user_metadata": as_metadata(r) or None,
-    }
 
 
 def _run_id(st: TinkerState, key: ApiKey, id_: str) -> str:

@@ -11,7 +11,7 @@ server-side custom losses (`custom_loss_server_side`, custom_losses.py).
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import datetime, timezone
+from datetime import datetime
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
@@ -23,6 +23,7 @@ from ...service.labels import as_metadata
 from ..http.context import json_object, parse_model
 from ..traces import signed_trace_url
 from .bodies import CreateSessionBody, FinishBody, SessionBody, SessionSearchBody, StatusQuery
+from .shapes import iso
 from .state import caller
 
 router = APIRouter(prefix="/api/v1")
@@ -44,10 +45,6 @@ FINISH_STATUS = {"success": "ENDED", "errored": "CANCELLED", "interrupted": "CAN
 
 async def _json(request: Request, cls):
     return parse_model(cls, await json_object(request))
-
-
-def iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
 
 
 # ---------------------------------------------------------------------------- handshake

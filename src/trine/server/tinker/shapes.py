@@ -1,5 +1,6 @@
-"""Tinker answers that leave as protobuf (SDK 0.38 refuses JSON for them): `ForwardBackwardOutput`
-and `SampleResponse`, with the message classes the `tinker` package ships.
+"""Tinker answers: those that leave as protobuf (SDK 0.38 refuses JSON for them),
+`ForwardBackwardOutput` and `SampleResponse`, with the message classes the `tinker` package ships;
+and the JSON of a checkpoint and a training run (times in ISO 8601, UTC).
 
 trine's one extension: a sampled sequence of an inflight sampler carries, as field
 `WEIGHTS_VERSIONS_FIELD` of `SampledSequence` (int32 little-endian bytes, one per token, like
@@ -10,9 +11,13 @@ unknown field.
 from __future__ import annotations
 
 import math
+from datetime import datetime, timezone
 
 import numpy as np
 
+from ...service import Checkpoint
+from ...service.labels import as_metadata
+from ...uris import to_tinker_path
 from .bodies import pb
 
 WEIGHTS_VERSIONS_FIELD = 1000  # in SampledSequence: trine's per-token weights versions
@@ -128,3 +133,40 @@ def sample_response(
             pb.PromptAltTokens(tokens=prompt_alt_tokens[0], logprobs=prompt_alt_tokens[1])
         )
     return out.SerializeToString()
+
+
+# ---------------------------------------------------------------------------- JSON
+def iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
+
+
+def checkpoint_json(c: Checkpoint) -> dict:
+    return {
+        "checkpoint_id": to_tinker_path(c.uri).split("/", 3)[3],
+        "tinker_path": to_tinker_path(c.uri),
+        "checkpoint_type": "training" if c.kind == "TRAINING" else "sampler",
+        "time": iso(c.created_at),
+        "size_bytes": c.size_bytes,
+        "public": bool(c.public),
+        "expires_at": iso(c.expires_at),
+    }
+
+
+def training_run_json(svc, key, r) -> dict:
+    cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
+    last = {
+        kind: max((c for c in cks if c.kind == kind), key=lambda c: c.created_at, default=None)
+        for kind in ("TRAINING", "SAMPLER")
+    }
+    return {
+        "training_run_id": r.id,
+        "base_model": r.base_model,
+        "model_owner": key.name,
+        "is_lora": True,
+        "corrupted": r.status == "INTERRUPTED",
+        "lora_rank": r.lora_rank,
+        "last_request_time": iso(r.updated_at),
+        "last_checkpoint": checkpoint_json(last["TRAINING"]) if last["TRAINING"] else None,
+        "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None,
+        "user_metadata": as_metadata(r) or None,
+    }
