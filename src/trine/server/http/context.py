@@ -94,3 +94,8 @@ def parse_model(cls, data: Any, prefix: str = ""):
         return cls.model_validate(data)
     except ValidationError as e:
         raise InvalidRequest(validation_message(e, prefix)) from None
+
+
+async def json_model(request: Request, cls):
+    """The body (a JSON object, `{}` when empty) as pydantic model `cls`; errors name the field."""
+    return parse_model(cls, await json_object(request))

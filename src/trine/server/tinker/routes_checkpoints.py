@@ -23,7 +23,7 @@ from fastapi.responses import FileResponse, JSONResponse
 
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...service import ApiKey, Checkpoint, InvalidRequest, NotFound, Service
-from ..http.context import json_object, parse_model, service_of, signer_of
+from ..http.context import json_model, json_object, parse_model, service_of, signer_of
 from .bodies import TtlBody, WeightsInfoBody
 from .shapes import checkpoint_json, training_run_json
 from .state import TinkerState, caller, optimizer_config, to_trio_uri
@@ -107,7 +107,7 @@ async def list_checkpoints(
 @router.post("/weights_info")
 async def weights_info(request: Request):
     svc, _, key = caller(request)
-    b = parse_model(WeightsInfoBody, await json_object(request))
+    b = await json_model(request, WeightsInfoBody)
     c = svc.ownership.readable_by_uri(key, to_trio_uri(b.tinker_path, "tinker_path"))
     return {
         "base_model": c.base_model,

@@ -25,7 +25,7 @@ from ...engine.api import SampleCancelled
 from ...limits import MAX_SAMPLE_BYTES
 from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
 from ...uris import to_tinker_path
-from ..http.context import json_object, parse_model
+from ..http.context import json_model, json_object, parse_model
 from . import shapes, to_api
 from .bodies import PROTOBUF, AsampleBody, CancelBody, SamplingSessionBody
 from .futures import Failure, Reply
@@ -137,7 +137,7 @@ async def cancel_future(request: Request):
     """Stop the sample `request_id` (`<sampling_session_id>:<seq_id>`, as asample answered it). A
     sample that already finished, or any other request, is left as it is; the answer is empty."""
     svc, st, key = caller(request)
-    b = parse_model(CancelBody, await json_object(request))
+    b = await json_model(request, CancelBody)
     task = st.futures.get(key.id, b.request_id)
     sid, _, seq = b.request_id.rpartition(":")
     if task is None or task.done() or not sid or not seq.isdigit():

@@ -20,7 +20,7 @@ from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...metering.money import money
 from ...service import InvalidRequest, RunLabels, SessionSearch
 from ...service.labels import as_metadata
-from ..http.context import json_object, parse_model
+from ..http.context import json_model
 from ..traces import signed_trace_url
 from .bodies import CreateSessionBody, FinishBody, SessionBody, SessionSearchBody, StatusQuery
 from .shapes import iso
@@ -41,10 +41,6 @@ CLIENT_CONFIG = {
     "sample_no_retries": False,
 }
 FINISH_STATUS = {"success": "ENDED", "errored": "CANCELLED", "interrupted": "CANCELLED"}
-
-
-async def _json(request: Request, cls):
-    return parse_model(cls, await json_object(request))
 
 
 # ---------------------------------------------------------------------------- handshake
@@ -88,7 +84,7 @@ async def capabilities(request: Request):
 @router.post("/create_session")
 async def create_session(request: Request):
     svc, _, key = caller(request)
-    b = await _json(request, CreateSessionBody)
+    b = await json_model(request, CreateSessionBody)
     s = svc.runs.create_session(key, b.sdk_version, RunLabels(b.display_name, tuple(b.tags), b.user_metadata))
     return {"type": "create_session", "session_id": s.id}
 
@@ -96,7 +92,7 @@ async def create_session(request: Request):
 @router.post("/session_heartbeat")
 async def session_heartbeat(request: Request):
     svc, st, key = caller(request)
-    b = await _json(request, SessionBody)
+    b = await json_model(request, SessionBody)
     s = svc.ownership.session(key, b.session_id)
     if s.status != "ACTIVE":
         return JSONResponse(
@@ -111,7 +107,7 @@ async def session_heartbeat(request: Request):
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request):
     svc, _, key = caller(request)
-    b = await _json(request, FinishBody)
+    b = await json_model(request, FinishBody)
     await svc.runs.close_session(key, session_id, FINISH_STATUS[b.reason.type], b.reason.type)
     return {}
 
@@ -174,7 +170,7 @@ async def search_sessions(request: Request):
     trine scopes everything by API key: every owner is the key itself, and there are no projects.
     user_metadata `tags` (comma-separated) matches sessions holding each of those tags."""
     svc, _, key = caller(request)
-    b = await _json(request, SessionSearchBody)
+    b = await json_model(request, SessionSearchBody)
     if b.project_ids:
         raise InvalidRequest(
             "project_ids: trine has no projects; leave project_ids out", code="not_supported"

@@ -36,7 +36,7 @@ from ...service import (
     TrainingCommand,
 )
 from ...uris import to_tinker_path
-from ..http.context import json_object, parse_model, read_body
+from ..http.context import json_model, read_body
 from . import shapes, to_api
 from .bodies import (
     PROTOBUF,
@@ -55,10 +55,6 @@ from .futures import Failure, Reply
 from .state import Model, TinkerState, caller, model_id_of, optimizer_config, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
-
-
-async def _json(request: Request, cls):
-    return parse_model(cls, await json_object(request))
 
 
 # ---------------------------------------------------------------------------- event plumbing
@@ -175,7 +171,7 @@ async def _create(
 @router.post("/create_model")
 async def create_model(request: Request):
     svc, st, key = caller(request)
-    b = await _json(request, CreateModelBody)
+    b = await json_model(request, CreateModelBody)
     spec = to_api.create_model_spec(b)
     return await _create(
         svc,
@@ -193,7 +189,7 @@ async def create_model(request: Request):
 @router.post("/load_weights")
 async def load_weights(request: Request):
     svc, st, key = caller(request)
-    b = await _json(request, LoadBody)
+    b = await json_model(request, LoadBody)
     reply = {"type": "load_weights", "path": b.path}
     if b.session_id is not None:  # create-from-state: the model's seq 0, no create_model first
         uri = to_trio_uri(b.path)
@@ -229,7 +225,7 @@ async def load_weights(request: Request):
 @router.post("/get_info")
 async def get_info(request: Request):
     svc, st, key = caller(request)
-    b = await _json(request, ModelCall)
+    b = await json_model(request, ModelCall)
     run = svc.ownership.training_run(key, st.model(key, b.model_id).run_id)
     served = svc.queries.model(run.base_model)
     return {
@@ -318,7 +314,7 @@ def _seq(b: ModelCall) -> int:
 @router.post("/optim_step")
 async def optim_step(request: Request):
     svc, st, key = caller(request)
-    b = await _json(request, OptimStepBody)
+    b = await json_model(request, OptimStepBody)
     m = st.model(key, b.model_id)
 
     command = _command_or_refusal(lambda: to_api.optim_step(b))
@@ -340,7 +336,7 @@ async def _save(request: Request, sampler: bool) -> dict:
     """save_weights (a training state) or save_weights_for_sampler: named and persistent, or (no
     path) an in-memory snapshot plus a sampling session on it."""
     svc, st, key = caller(request)
-    b = await _json(request, SaveBody)
+    b = await json_model(request, SaveBody)
     m = st.model(key, b.model_id)
     seq = _seq(b)
     type_ = "save_weights_for_sampler" if sampler else "save_weights"
@@ -372,7 +368,7 @@ async def save_weights_for_sampler(request: Request):
 async def save_weights_external(request: Request):
     """Refused with what to use instead; the call still takes its seq_id (the SDK numbered it)."""
     svc, st, key = caller(request)
-    b = await _json(request, SaveExternalBody)
+    b = await json_model(request, SaveExternalBody)
     refusal = InvalidRequest(
         "save_weights_external (merged weights in Hugging Face format) is not supported "
         "by trine; use save_weights_for_sampler(name) and download the LoRA adapter "
