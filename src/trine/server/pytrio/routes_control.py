@@ -26,13 +26,13 @@ from .bodies import (
     TrainingRunCreate,
     TrainingRunUpdate,
 )
-from .control_shapes import (
-    _capability,
-    _model_id,
+from .shapes import (
     actor_binding,
+    capability,
     checkpoint_json,
     cursor,
     sampling_run_json,
+    served_model_id,
     session_json,
     training_run_json,
 )
@@ -81,7 +81,7 @@ async def models(
     svc = service_of(request)
     items = []
     for m in svc.queries.models():
-        cap = _capability(svc, m.name)
+        cap = capability(svc, m.name)
         items.append(
             {
                 "cuid": m.name,
@@ -162,7 +162,7 @@ async def create_training_run(
         **training_run_json(svc, r),
         "model_alias": m.name,
         "model_id": m.model_id,
-        "trainer": _capability(svc, m.name),
+        "trainer": capability(svc, m.name),
         **actor_binding(request, key, r.id, "training"),
     }
 
@@ -182,7 +182,7 @@ async def update_training_run(
     return {
         "source_checkpoint_uri": r.source_checkpoint_uri,
         "restore_optimizer": r.restore_optimizer,
-        "trainer": _capability(svc, r.base_model),
+        "trainer": capability(svc, r.base_model),
         **actor_binding(request, key, r.id, "training"),
     }
 
@@ -194,7 +194,7 @@ async def by_checkpoint_uri(
     svc = service_of(request)
     c = svc.ownership.checkpoint_by_uri(key, checkpoint_uri)
     return {
-        "base_model": _model_id(svc, c.base_model),
+        "base_model": served_model_id(svc, c.base_model),
         "lora_rank": c.lora_rank,
         "seed": c.seed,
         "train_mlp": c.train_mlp,
@@ -253,7 +253,7 @@ async def create_sampling_run(
     r = svc.runs.create_sampling_run(key, session_id, sampling_run_spec(body))
     return {
         **sampling_run_json(svc, r),
-        "sampler": _capability(svc, r.base_model),
+        "sampler": capability(svc, r.base_model),
         **actor_binding(request, key, r.id, "sampling"),
     }
 
