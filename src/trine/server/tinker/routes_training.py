@@ -22,12 +22,11 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from ...engine.api import LoRAConfig, Refused
+from ...engine.api import Refused
 from ...limits import MAX_EVENT_BYTES
 from ...service import (
     ApiKey,
     EventResult,
-    InitByUri,
     InvalidRequest,
     SaveByName,
     Service,
@@ -180,7 +179,7 @@ async def create_model(request: Request):
         b.session_id,
         b.model_seq_id,
         lambda: svc.runs.create_training_run(key, b.session_id, spec),
-        lambda run: InitByUri(lora=LoRAConfig.named_by(run), base_model=run.base_model),
+        to_api.init_run,
         {"type": "create_model"},
         b,
     )
@@ -202,9 +201,7 @@ async def load_weights(request: Request):
             b.session_id,
             b.model_seq_id,
             lambda: svc.runs.create_training_run(key, b.session_id, to_api.load_weights_spec(b, uri)),
-            lambda run: InitByUri(
-                lora=LoRAConfig.named_by(run), checkpoint_uri=uri, load_optimizer=b.optimizer
-            ),
+            lambda run: to_api.load_weights_init(run, uri, b),
             reply,
             b,
         )
@@ -212,11 +209,7 @@ async def load_weights(request: Request):
         raise InvalidRequest("load_weights: send model_id and seq_id, or session_id and model_seq_id")
     m = st.model(key, b.model_id)
     run = svc.ownership.training_run(key, m.run_id)
-    command = _command_or_refusal(
-        lambda: InitByUri(
-            lora=LoRAConfig.named_by(run), checkpoint_uri=to_trio_uri(b.path), load_optimizer=b.optimizer
-        )
-    )
+    command = _command_or_refusal(lambda: to_api.load_weights_init(run, to_trio_uri(b.path), b))
     return await _submit(
         svc, st, key, b.model_id, m, b.seq_id, command, _json_reply({**reply, "model_id": b.model_id}), b
     )

@@ -28,7 +28,7 @@ from ...engine.api import (
     SampleRequest,
     TrainDatum,
 )
-from ...service import InvalidRequest, RunLabels, SaveByName, TrainingRunSpec
+from ...service import InitByUri, InvalidRequest, RunLabels, SaveByName, TrainingRun, TrainingRunSpec
 from ..http.context import parse_model
 from ..pytrio.bodies import ModelInputBody, SamplingParamsBody
 from ..pytrio.to_api import optim_step as adam_optim_step
@@ -315,6 +315,16 @@ def load_weights_spec(b: LoadBody, uri: str) -> TrainingRunSpec:
         b.optimizer,
         optimizer=optimizer_family(b.optimizer_config),
     )
+
+
+def init_run(run: TrainingRun) -> InitByUri:
+    """create_model's init: the run's own LoRA on its base model."""
+    return InitByUri(lora=LoRAConfig.named_by(run), base_model=run.base_model)
+
+
+def load_weights_init(run: TrainingRun, uri: str, b: LoadBody) -> InitByUri:
+    """load_weights' init: the run's LoRA with the weights (and, if asked, optimizer) of `uri`."""
+    return InitByUri(lora=LoRAConfig.named_by(run), checkpoint_uri=uri, load_optimizer=b.optimizer)
 
 
 def forward(body: ForwardBackwardBody, data: list[TrainDatum], custom: CustomLoss | None) -> Forward:
