@@ -193,9 +193,9 @@ def limit_value(where: str, name: str):
     if where == "KeyLimits":
         return getattr(limits.KeyLimits(), name)
     if where == "openai":
-        from trine.server.openai import params
+        from trine.server.openai import bodies
 
-        return getattr(params, name)
+        return getattr(bodies, name)
     if where == "service":
         from trine.service import scheduler
 
@@ -212,6 +212,14 @@ def limits_table() -> str:
         close = "]" if closed else ")"
         rng = f">= {_number(lo)}" if hi == float("inf") else f"[{_number(lo)}, {_number(hi)}{close}"
         rows.append([_code(f"AdamParams.{name}"), rng, "accepted range, checked before a step is queued"])
+    for name, bound in limits.SAMPLING_BOUNDS.items():
+        rows.append(
+            [
+                _code(f"SamplingParams.{name}"),
+                bound.text(),
+                "accepted range, checked by the SDK and every plane",
+            ]
+        )
     return _table(["limit", "value", "what it bounds"], rows)
 
 
@@ -290,11 +298,11 @@ def rates_table() -> str:
 
 
 def openai_refused_table() -> str:
-    from trine.server.openai import params
+    from trine.server.openai import bodies
 
     rows = [
         [_code(k), ", ".join(_code(_json(v)) for v in values if v is not None) or "absent", why]
-        for k, (values, why) in sorted(params.NEUTRAL.items())
+        for k, (values, why) in sorted(bodies.NEUTRAL.items())
     ]
     return _table(["parameter", "accepted only as", "why other values are refused"], rows)
 

@@ -138,6 +138,47 @@ def check_adam_value(name: str, v) -> None:
         raise ValueError(f"AdamParams.{name} must be a finite number {rng}, got {v!r}")
 
 
+# ---------------------------------------------------------------------------- sampling
+@dataclass(frozen=True)
+class SamplingBound:
+    """A sampling parameter's accepted range: finite, >= `low` (> when `low_open`), <= `high`
+    (math.inf: no upper bound); `off` is the value that turns it off, named in messages."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    off: float | None = None
+
+    def holds(self, v) -> bool:
+        return math.isfinite(v) and (v > self.low if self.low_open else v >= self.low) and v <= self.high
+
+    def text(self) -> str:
+        """The range as messages and the docs write it: `in (0, 1]`, `a finite number >= 0`."""
+        if self.high == math.inf:
+            rng = f"a finite number {'>' if self.low_open else '>='} {self.low}"
+        else:
+            rng = f"in {'(' if self.low_open else '['}{self.low}, {self.high}]"
+        return rng if self.off is None else f"{rng} ({self.off}: off)"
+
+
+# SamplingParams field -> its range, the one every layer checks (the SDK, each front end, the
+# engine); OpenAI's plane keeps OpenAI's own tighter caps on temperature and repetition_penalty
+SAMPLING_BOUNDS = {
+    "temperature": SamplingBound(0, math.inf),
+    "top_p": SamplingBound(0, 1, low_open=True),
+    "presence_penalty": SamplingBound(-2, 2),  # OpenAI's and vLLM's range
+    "frequency_penalty": SamplingBound(-2, 2),
+    "repetition_penalty": SamplingBound(0, math.inf, low_open=True, off=1),
+    "min_p": SamplingBound(0, 1, off=0),
+}
+
+
+def sampling_bound_error(name: str, v) -> str | None:
+    """`must be <range>, got <v>` unless sampling parameter `name` holds a value in its range."""
+    bound = SAMPLING_BOUNDS[name]
+    return None if bound.holds(v) else f"must be {bound.text()}, got {v}"
+
+
 # ---------------------------------------------------------------------------- per API key
 
 

@@ -121,7 +121,7 @@ def test_usage_by_run_names_each_run_with_its_model_and_creation_time(server):
 
 
 def test_access_log_names_method_route_status_key_and_latency(server, caplog):
-    from trine.server import access_log
+    from trine.server.http import access_log
 
     caplog.set_level(logging.INFO, logger="trine.access")
     if True:

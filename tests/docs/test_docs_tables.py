@@ -66,13 +66,13 @@ def test_ppo_thresholds_are_documented_as_ratio_bounds():
 
 
 def test_openai_refusals_are_the_code_list_and_accepted_parameters_are_documented():
-    from trine.server.openai import params
+    from trine.server.openai import bodies
 
     table = hook.openai_refused_table()
-    assert sorted(re.findall(r"^\| `([a-z_]+)` \|", table, re.M)) == sorted(params.NEUTRAL)
+    assert sorted(re.findall(r"^\| `([a-z_]+)` \|", table, re.M)) == sorted(bodies.NEUTRAL)
     text = page("protocols/openai.md")
     assert "<!-- trine:table openai_refused -->" in text
-    undocumented = sorted(p for p in params.CHAT | params.COMPLETION if f"`{p}`" not in text)
+    undocumented = sorted(p for p in bodies.CHAT | bodies.COMPLETION if f"`{p}`" not in text)
     assert not undocumented, f"parameters the OpenAI front end accepts but its page omits: {undocumented}"
 
 
@@ -108,6 +108,8 @@ def test_every_limit_in_the_code_is_documented():
     assert f"| `live_runs` | {limits.KeyLimits().live_runs:,} |" in table
     for name in limits.ADAM_BOUNDS:
         assert f"`AdamParams.{name}`" in table
+    for name, bound in limits.SAMPLING_BOUNDS.items():
+        assert f"| `SamplingParams.{name}` | {bound.text()} |" in table
 
 
 def test_cli_reference_has_every_command_and_option():

@@ -122,7 +122,7 @@ def test_a_grammar_needs_stop_at_eos(sampler):
 
 
 def test_forced_tool_calls_parse_back_on_a_tokenizer_without_tool_call_tokens(sampler):
-    from trine.service import tool_calls
+    from trine.server.openai import tool_calls
 
     assert sampler.tokenizer.added_token_id(tool_calls.OPEN) is None  # spelt from plain-text pieces
     params = {

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from serverutil import serve
 
-from trine.server import connections
+from trine.server.http import connections
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from serverutil import TEST_ENGINE, RawClient, ce_payload, event, free_port, sta
 
 import trine as trio
 from trine.engine.runtime.local import LocalEngine
-from trine.server import actor
+from trine.server.pytrio import routes_actor
 from trine.store import Store
 
 MODEL = "tiny-llama"
@@ -40,8 +40,8 @@ def long_sample(request_id: str) -> dict:
 @pytest.fixture
 def quick_keepalive(monkeypatch):
     """The actor plane's 200 and keep-alive whitespace go out after 0.3 s instead of 20 s."""
-    monkeypatch.setattr(actor, "KEEPALIVE_AFTER", 0.3)
-    monkeypatch.setattr(actor, "KEEPALIVE_EVERY", 0.3)
+    monkeypatch.setattr(routes_actor, "KEEPALIVE_AFTER", 0.3)
+    monkeypatch.setattr(routes_actor, "KEEPALIVE_EVERY", 0.3)
 
 
 def sample_usage(home, key_id: str, request_id: str) -> list:

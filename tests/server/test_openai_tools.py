@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from serverutil import serve
 from transformers import AutoTokenizer
 
-from trine.service import tool_calls
+from trine.server.openai import tool_calls
 
 MODEL, PLAIN = "tiny-qwen-tools", "tiny-llama"
 WEATHER = {

@@ -319,10 +319,10 @@ def test_usage_api_is_mounted_and_scoped_to_the_key(server, client):
 
 
 def test_long_samples_stream_keepalive_whitespace(server, client, monkeypatch):
-    from trine.server import actor
+    from trine.server.pytrio import routes_actor
 
-    monkeypatch.setattr(actor, "KEEPALIVE_AFTER", 0.0)
-    monkeypatch.setattr(actor, "KEEPALIVE_EVERY", 0.001)
+    monkeypatch.setattr(routes_actor, "KEEPALIVE_AFTER", 0.0)
+    monkeypatch.setattr(routes_actor, "KEEPALIVE_EVERY", 0.001)
     srun = client.sampling_run(client.session(), "tiny-llama")
     body = {
         "request_id": "req_keepalive",

@@ -50,9 +50,9 @@ def test_short_top_k_rows_are_padded_with_the_clients_sentinels():
     from tinker.proto.response_conv import deserialize_sample_response
     from tinker.types.topk_logprobs import MASK_LOGPROB
 
-    from trine.server.tinker import proto
+    from trine.server.tinker import shapes
 
-    body = proto.sample_response(
+    body = shapes.sample_response(
         [([5, 6], [-0.5, -1.0], "length")],
         None,
         None,

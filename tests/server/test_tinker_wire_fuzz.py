@@ -451,10 +451,10 @@ def test_absurd_sparse_shapes_are_refused_before_anything_is_allocated(plane):
         t.shape.extend(shape)
         t.ClearField("dense")
         t.sparse_csr.values, t.sparse_csr.crow_indices, t.sparse_csr.col_indices = b"", bytes(8), b""
-        from trine.server.tinker import proto
+        from trine.server.tinker import to_api
 
         with pytest.raises(Exception, match=r"loss_fn_inputs\['weights'\]: shape"):
-            proto.forward_backward_body(msg)
+            to_api.forward_backward_body(msg)
 
 
 def test_openai_top_k_past_int64_is_a_400(srv):

@@ -226,9 +226,9 @@ def serve(
 ):
     """Serve base models for training and sampling over the PyTRIO protocol."""
     from trine.engine.config import EngineConfig, TrainerConfig
-    from trine.server import access_log
     from trine.server.app import create_app, run_forever
-    from trine.server.auth import TokenSigner
+    from trine.server.http import access_log
+    from trine.server.http.auth import TokenSigner
     from trine.service import Service
     from trine.store import Store
 

@@ -9,9 +9,9 @@ Every error leaves as `{"code", "message"}` with a 4xx status for anything the c
 (`internal_error`) means a bug in trine, and the server keeps serving (the connection too). A
 full disk is 507 `disk_full` (naming the path and its free bytes), a server shutting down 503
 `server_shutting_down` with Retry-After. `GET /health` and `GET /metrics` (Prometheus text,
-prometheus.py) need no key: status and free disk space; request, engine and cycle figures. Body
+http/prometheus.py) need no key: status and free disk space; request, engine and cycle figures. Body
 limits count the bytes actually read; connection limits and the bounded shutdown are in
-`connections.py`.
+`http/connections.py`.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ from ..metering.http import MoneyJSONResponse, make_usage_router
 from ..service import Service, ServiceError, Unauthorized
 from ..service.ownership import Ownership
 from ..service.queries import UsageLedger
-from . import actor, console, context, control, openai, runs_api, tinker, traces
-from .access_log import log_request
-from .auth import TokenSigner
-from .connections import (
+from . import console, openai, tinker, traces
+from .http import context
+from .http.access_log import log_request
+from .http.auth import TokenSigner
+from .http.connections import (
     HEADER_TIMEOUT,
     MAX_CONNECTIONS,
     SHUTDOWN_TIMEOUT,
@@ -50,10 +51,11 @@ from .connections import (
     quiet_accept_errors,
     uvicorn_config,
 )
-from .middleware import BodyLimit, InternalErrors
-from .observed import Observed
-from .prometheus import HttpMetrics, PrometheusEndpoint
-from .refusals import public_message, retry_headers
+from .http.middleware import BodyLimit, InternalErrors
+from .http.observed import Observed
+from .http.prometheus import HttpMetrics, PrometheusEndpoint
+from .http.refusals import public_message, retry_headers
+from .pytrio import routes_actor, routes_control, routes_runs
 
 log = logging.getLogger("trine.server")
 EMBEDDED_KEY_FILE = "embedded.key"
@@ -152,20 +154,20 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     @app.get("/metrics")
     async def metrics():
         """Prometheus text (no key): per-route requests and latency, engine replicas' queues, KV
-        cache and tokens by phase, clock cycles, free disk space and draining (prometheus.py)."""
+        cache and tokens by phase, clock cycles, free disk space and draining (http/prometheus.py)."""
         return await prometheus.response()
 
     # each request timed once: one INFO line on `trine.access`, and /metrics by route template
     app.add_middleware(Observed, observers=[log_request, HttpMetrics(prometheus.registry)])
-    app.include_router(control.router)
-    app.include_router(control.files_router)
-    app.include_router(actor.router)
+    app.include_router(routes_control.router)
+    app.include_router(routes_control.files_router)
+    app.include_router(routes_actor.router)
     app.include_router(tinker.make_router())  # the Tinker API (/api/v1/...), same service and keys
     # metering: usage by phase with cost, for the caller's key only (GET /api/trine/v1/usage, /rates)
     app.state.rate_card = service.rate_card
     app.include_router(make_usage_router(_usage_ledger, context.api_key, app.state.rate_card))
     app.include_router(console.router)  # the web console at /console (pages and their JSON)
-    app.include_router(runs_api.router)  # logged metrics; runs with labels (`trine runs`)
+    app.include_router(routes_runs.router)  # logged metrics; runs with labels (`trine runs`)
     app.include_router(traces.router)  # session traces: files, signed URLs, the console's timeline
     # the OpenAI-compatible API: /v1/..., /api/openai/v1/..., /oai/api/v1/... (its own error shape)
     app.include_router(openai.router)
@@ -226,7 +228,7 @@ class ServerHandle:
     _thread: threading.Thread
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Drain and stop (connections.py), within about `timeout` seconds."""
+        """Drain and stop (http/connections.py), within about `timeout` seconds."""
         self._server.shutdown_timeout = min(self._server.shutdown_timeout, timeout)
         self._server.should_exit = True
         self._thread.join(timeout)
@@ -316,7 +318,7 @@ def run_forever(
     shutdown_timeout: float = SHUTDOWN_TIMEOUT,
 ) -> None:
     """Serve in the foreground (the `trine serve` command) until interrupted; SIGTERM or Ctrl-C
-    drains and exits within `shutdown_timeout` seconds (connections.py)."""
+    drains and exits within `shutdown_timeout` seconds (http/connections.py)."""
     GuardedServer(
         uvicorn_config(
             app,

@@ -31,7 +31,7 @@ from fastapi.responses import Response
 
 from ..service import ApiKey, NotFound, Service
 from ..service.traces import MAX_REQUESTS, Timeline
-from .context import api_key, service_of, signer_of
+from .http.context import api_key, service_of, signer_of
 
 router = APIRouter()
 TRACE_URL_SECONDS = 3600.0  # the official client says its URL is "valid for about an hour"

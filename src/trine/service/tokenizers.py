@@ -12,8 +12,9 @@ import threading
 from pathlib import Path
 
 from ..engine.model.tokenizer import Tokenizer
-from . import tool_calls
 from .errors import InvalidRequest
+
+TOOL_PROBE_NAME = "trine_probe_tool"  # the tool tool_probe() renders
 
 
 class ModelTokenizer:
@@ -22,7 +23,7 @@ class ModelTokenizer:
         self.dir = Path(model_dir)
         self._tok = Tokenizer(model_dir)
         self._chat = None  # the transformers tokenizer, for its chat template
-        self._tool_format: str | None = None  # tool_call_format(), once probed ("" = none)
+        self._tool_probe: str | None = None  # tool_probe(), once rendered
         self._lock = threading.Lock()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -67,23 +68,22 @@ class ModelTokenizer:
             ) from None
         return list(ids)
 
-    def tool_call_format(self) -> str | None:
-        """How the chat template handles tools: "hermes" when it renders tool definitions and
-        teaches Qwen's / Hermes' `<tool_call>` blocks (service/tool_calls.py), "other" when it
-        renders them in another format, None when it has no tools support (it ignores them).
-        Probed once, by rendering a conversation with a tool."""
-        if self._tool_format is None:
+    def tool_probe(self) -> str:
+        """What the chat template renders for a conversation offering one tool named
+        `TOOL_PROBE_NAME` ("" when it has no template or cannot render tools): front ends read from
+        it how the template handles tools. Rendered once."""
+        if self._tool_probe is None:
             tok = self._chat_tokenizer()
             probe = {
                 "type": "function",
                 "function": {
-                    "name": "trine_probe_tool",
+                    "name": TOOL_PROBE_NAME,
                     "description": "",
                     "parameters": {"type": "object", "properties": {}},
                 },
             }
             try:
-                text = (
+                self._tool_probe = (
                     tok.apply_chat_template(
                         [{"role": "user", "content": "hi"}],
                         tools=[probe],
@@ -94,11 +94,8 @@ class ModelTokenizer:
                     else ""
                 )
             except Exception:  # a template that cannot render tools
-                text = ""
-            self._tool_format = (
-                "" if "trine_probe_tool" not in text else "hermes" if tool_calls.OPEN in text else "other"
-            )
-        return self._tool_format or None
+                self._tool_probe = ""
+        return self._tool_probe
 
     def _chat_tokenizer(self):
         with self._lock:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from pydantic import field_validator, model_validator
 
-from ..limits import ADAM_BOUNDS, check_adam_value
+from ..limits import ADAM_BOUNDS, SAMPLING_BOUNDS, check_adam_value, sampling_bound_error
 from .base import BaseModel
 
 EXTENSIONS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0}
@@ -34,24 +34,11 @@ class SamplingParams(BaseModel):
     def _check(self) -> SamplingParams:
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"SamplingParams.max_tokens must be > 0, got {self.max_tokens}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(
-                f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}"
-            )
         if self.top_k != -1 and self.top_k <= 0:
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or > 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(
-                f"SamplingParams.repetition_penalty must be a finite number > 0 (1: off), got "
-                f"{self.repetition_penalty}"
-            )
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        for name in SAMPLING_BOUNDS:
+            if (error := sampling_bound_error(name, getattr(self, name))) is not None:
+                raise ValueError(f"SamplingParams.{name} {error}")
         if any(t < 0 or not math.isfinite(v) for t, v in (self.logit_bias or {}).items()):
             raise ValueError("SamplingParams.logit_bias maps token ids (>= 0) to finite biases")
         return self

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ...limits import SAMPLING_BOUNDS, sampling_bound_error
 from ..api import SamplingOptions
 from ..model.invariant import log_probs, widened
 
@@ -33,7 +34,6 @@ _MASK64 = 2**64 - 1
 
 TopLogprobs = list[tuple[int, float]]  # (token, logprob), most likely first
 History = tuple[Sequence[int], Sequence[int]]  # a sequence's (prompt, generated tokens so far)
-MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
 
 
 def _splitmix64(x: int) -> int:
@@ -177,25 +177,14 @@ def draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def check_sampling_options(options: SamplingOptions, vocab_size: int) -> None:
-    """ValueError naming the field when a sampling option is out of range."""
-    if not (math.isfinite(options.temperature) and options.temperature >= 0):
-        raise ValueError(f"temperature: must be a finite number >= 0, got {options.temperature}")
-    if not (0 < options.top_p <= 1):
-        raise ValueError(f"top_p: must be in (0, 1], got {options.top_p}")
+    """ValueError naming the field when a sampling option is out of range (limits.SAMPLING_BOUNDS)."""
     if options.top_k < -1:
         raise ValueError(f"top_k: must be -1 (off) or >= 1, got {options.top_k}")
     if not 0 <= options.top_logprobs <= vocab_size:
         raise ValueError(f"top_logprobs: must be in [0, {vocab_size}], got {options.top_logprobs}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(options, name)
-        if not (math.isfinite(v) and -MAX_PENALTY <= v <= MAX_PENALTY):
-            raise ValueError(f"{name}: must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {v}")
-    if not (math.isfinite(options.repetition_penalty) and options.repetition_penalty > 0):
-        raise ValueError(
-            f"repetition_penalty: must be a finite number > 0 (1: off), got {options.repetition_penalty}"
-        )
-    if not 0 <= options.min_p <= 1:
-        raise ValueError(f"min_p: must be in [0, 1] (0: off), got {options.min_p}")
+    for name in SAMPLING_BOUNDS:
+        if (error := sampling_bound_error(name, getattr(options, name))) is not None:
+            raise ValueError(f"{name}: {error}")
     ids = [t for t, _ in options.logit_bias]
     if len(set(ids)) != len(ids) or any(not 0 <= t < vocab_size for t in ids):
         raise ValueError(f"logit_bias: token ids must be distinct and in [0, {vocab_size})")

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from ...service import ApiKey, NotFound
-from ..context import api_key, service_of
+from ..http.context import api_key, service_of
 from .runs import checkpoint_row, list_runs, run_detail
 from .server_stats import server_stats
 

@@ -58,7 +58,7 @@ async def server_stats(svc: Service, key: ApiKey) -> dict:
     card = svc.rate_card
     models = [
         {
-            "name": m.name,  # never the model's directory: no server path leaves (refusals.py)
+            "name": m.name,  # never the model's directory: no server path leaves (server/http/refusals.py)
             "context_length": m.max_seq_len,
             "architecture": m.architecture,
             "replicas": m.replicas,

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from ...diskspace import DiskFull
 from ...service.errors import ServiceError
-from ..refusals import public_message, retry_headers
+from ..http.refusals import public_message, retry_headers
 
 TYPES = {
     400: "invalid_request_error",
@@ -57,7 +57,7 @@ def bad_param(param: str, message: str, code: str = "invalid_value") -> OpenAIEr
 
 def from_service(e: ServiceError, params: Collection[str] = (), service=None) -> OpenAIError:
     """A service error in OpenAI's shape; `param` is set when the message names one of `params`;
-    a draining server's 503 keeps its Retry-After (refusals.py)."""
+    a draining server's 503 keeps its Retry-After (server/http/refusals.py)."""
     m = _FIELD.match(e.message)
     param = m.group(1) if m and m.group(1) in params else None
     message = public_message(service, e.message)

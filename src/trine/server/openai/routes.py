@@ -22,17 +22,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ...diskspace import DiskFull
-from ...engine.api import SampleDelta, SampleRequest, SamplingOptions
+from ...engine.api import SampleDelta, SampleRequest
 from ...limits import MAX_SAMPLE_BYTES
 from ...metering.http import MoneyJSONResponse
 from ...metering.money import dumps
-from ...service import ApiKey, Service, ServiceError, tool_calls
-from ..context import caller_key, read_body, service_of
+from ...service import ApiKey, Service, ServiceError
+from ..http.context import caller_key, read_body, service_of
 from . import models as targets
-from . import shapes, tokenize
+from . import shapes, tokenize, tool_calls
+from .bodies import CHAT, COMPLETION, Generation, parse_chat, parse_completion
 from .errors import OpenAIError, from_disk_full, from_service
-from .params import CHAT, COMPLETION, Generation, parse_chat, parse_completion
 from .text import ModelText, TextStream
+from .to_api import sample_request
 
 log = logging.getLogger("trine.server.openai")
 API_PREFIX = "/api/openai/v1"  # PyTRIO's path for it (checks its own body limit, in OpenAI's shape)
@@ -142,7 +143,7 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
     grammar = g.structured.grammar_on(text.tokenizer)
     specs = [
-        _request(g, rid if len(prompts) == 1 else f"{rid}-{i}", prompt, context, grammar)
+        sample_request(g, rid if len(prompts) == 1 else f"{rid}-{i}", prompt, context, grammar)
         for i, prompt in enumerate(prompts)
     ]
     created = int(time.time())
@@ -158,40 +159,6 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
         _events(g, rid, created, first, items, text),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-
-
-def _request(g: Generation, rid: str, prompt: list[int], context: int, grammar: str) -> SampleRequest:
-    """One prompt's sampling request. With echo and logprobs, or prompt_logprobs, the engine scores
-    the prompt in the prefill that serves it; max_tokens 0 (echo) scores it without generating."""
-    max_tokens = _max_tokens(g, len(prompt), context)
-    options = SamplingOptions(
-        max_tokens=max_tokens,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        top_k=g.top_k,
-        seed=g.seed,
-        stop_strings=g.stop,
-        stop_token_ids=g.stop_token_ids,
-        top_logprobs=g.top_logprobs,
-        grammar=grammar,
-        presence_penalty=g.presence_penalty,
-        frequency_penalty=g.frequency_penalty,
-        repetition_penalty=g.repetition_penalty,
-        min_p=g.min_p,
-        logit_bias=g.logit_bias,
-    )
-    scored = (g.echo and g.logprobs) or g.prompt_logprobs is not None
-    top = max(g.top_logprobs if g.echo and g.logprobs else 0, g.prompt_logprobs or 0)
-    return SampleRequest(
-        request_id=rid,
-        prompt=prompt,
-        options=options,
-        num_samples=g.best_of or g.n,
-        prompt_logprobs=scored,
-        topk_prompt_logprobs=top,
-        generate=max_tokens > 0,
-        reuse_prompt_scores=True,  # a harness's prompts share their few-shot stems: score those once
     )
 
 
@@ -234,26 +201,6 @@ async def _disconnect(request: Request) -> None:
     """Returns when the client disconnects (the body has been read: nothing else can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _max_tokens(g: Generation, prompt: int, context: int) -> int:
-    """The tokens to generate: as asked (0: none, echo only), or (unset) up to the end of the model's
-    context."""
-    if prompt >= context or (g.max_tokens is not None and prompt + g.max_tokens > context):
-        param = (
-            "max_tokens"
-            if g.max_tokens is not None and prompt < context
-            else ("messages" if g.chat else "prompt")
-        )
-        raise OpenAIError(
-            400,
-            f"{param}: this model's maximum context length is {context} tokens; the "
-            f"prompt has {prompt} tokens and max_tokens is {g.max_tokens or 'unset'}. "
-            "Shorten the prompt or lower max_tokens.",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return g.max_tokens if g.max_tokens is not None else context - prompt
 
 
 async def _start(

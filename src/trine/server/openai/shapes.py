@@ -18,8 +18,9 @@ from typing import Callable
 
 from ...engine.api import SampledSequence
 from ...metering.money import money
-from ...service import SampleOutcome, tool_calls
-from .params import Generation
+from ...service import SampleOutcome
+from . import tool_calls
+from .bodies import Generation
 from .structured import tool_calls_json
 
 FINISH = {"stop": "stop", "length": "length"}
@@ -27,7 +28,7 @@ FINISH = {"stop": "stop", "length": "length"}
 
 def reply(g: Generation, text: str, stop_reason: str) -> tuple[str | None, list[dict] | None, str]:
     """A chat choice's (content, tool_calls, finish_reason). With tools, the tool calls the reply
-    holds (service/tool_calls.py) become `tool_calls`, the text before them the content (None
+    holds (tool_calls.py) become `tool_calls`, the text before them the content (None
     when blank), and finish_reason is "tool_calls" unless max_tokens cut the reply."""
     content, calls = tool_calls.parse(text) if g.structured.parse_calls else (text, [])
     finish = FINISH.get(stop_reason, "stop")

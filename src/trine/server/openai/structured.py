@@ -20,7 +20,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ...service import ModelTokenizer, grammars, tool_calls
+from ...service import ModelTokenizer, grammars
+from . import tool_calls
 from .errors import bad_param
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

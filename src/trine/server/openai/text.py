@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from ...service import ModelTokenizer
+from . import tool_calls
 from .errors import OpenAIError
 
 
@@ -56,7 +57,7 @@ class ModelText:
     def require_tools(self, param: str) -> None:
         """OpenAIError naming `param` unless the model's chat template renders tools and teaches the
         `<tool_call>` format trine parses. Blocking (loads the template once)."""
-        fmt = self.tokenizer.tool_call_format()
+        fmt = tool_calls.call_format(self.tokenizer)
         if fmt == "hermes":
             return
         name = self.tokenizer.name

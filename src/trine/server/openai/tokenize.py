@@ -19,8 +19,8 @@ from typing import Any
 
 from ...service import ApiKey
 from . import models as targets
+from .bodies import _bool, _messages, _object, _prompt, _refuse_unsupported
 from .errors import OpenAIError, bad_param
-from .params import _bool, _messages, _object, _prompt, _refuse_unsupported
 
 TOKENIZE_PROMPT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 TOKENIZE_CHAT = {

@@ -11,8 +11,16 @@ from fastapi import APIRouter
 from fastapi.routing import APIRoute
 
 from ...service import ServiceError
-from ..context import caller_key
-from . import checkpoints, custom_losses, futures, refused, rest, sampling, training
+from ..http.context import caller_key
+from . import (
+    custom_losses,
+    futures,
+    refused,
+    routes_checkpoints,
+    routes_sampling,
+    routes_sessions,
+    routes_training,
+)
 from .errors import error_response
 from .state import state_of
 
@@ -37,11 +45,11 @@ class TinkerRoute(APIRoute):
 def make_router() -> APIRouter:
     router = APIRouter(route_class=TinkerRoute)
     for r in (
-        rest.router,
-        checkpoints.router,
-        training.router,
+        routes_sessions.router,
+        routes_checkpoints.router,
+        routes_training.router,
         custom_losses.router,
-        sampling.router,
+        routes_sampling.router,
         futures.make_router(state_of, caller_key),
         refused.router,
     ):

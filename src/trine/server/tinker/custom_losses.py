@@ -4,7 +4,7 @@ The official client traces a per-datum loss with torch.fx and sends the graph as
 route checks it against trine's allowlist (engine/loss_graph.py, torch-free) and answers 400 naming
 the first bad node, or keeps it for its session and resolves the future to its `loss_id`. A later
 `forward_backward` with `loss_fn="custom"` and `loss_fn_config={"loss_id": ...}` runs it on the
-server in one forward and one backward (training.py).
+server in one forward and one backward (routes_training.py).
 
 Invariants
 - The loss id is `<session>:loss:<custom_loss_seq_id>`, so a retried create (same body) joins the
@@ -20,29 +20,17 @@ import hashlib
 import json
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
 
 from ...engine.api import CustomLoss, parse_custom_loss
 from ...service import ApiKey, Conflict, InvalidRequest
-from ..bounds import Count
-from ..context import json_object, parse_model
+from ..http.context import json_object, parse_model
+from .bodies import CreateCustomLossBody
 from .futures import Reply
 from .state import Model, StoredLoss, TinkerState, caller
 
 router = APIRouter(prefix="/api/v1")
 MAX_BODY_BYTES = 4 << 20
 MAX_LOSSES_PER_SESSION = 256  # they live in memory: a session cannot grow it without bound
-
-
-class CreateCustomLossBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    session_id: str
-    custom_loss_seq_id: Count
-    name: str
-    inputs: list
-    graph: dict
-    type: str = "create_custom_loss"
 
 
 @router.post("/create_custom_loss")

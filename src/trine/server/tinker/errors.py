@@ -20,8 +20,8 @@ import re
 from fastapi.responses import JSONResponse
 
 from ...service import ServiceError
-from ..refusals import public_message as without_server_paths
-from ..refusals import retry_headers
+from ..http.refusals import public_message as without_server_paths
+from ..http.refusals import retry_headers
 
 _TRIO_PATH = re.compile(r"trio://([^/\s'\"]+)/(state|weights)/([^\s'\",;)]+)")
 _TINKER_KIND = {"state": "weights", "weights": "sampler_weights"}
@@ -59,7 +59,7 @@ def public_message(code: str, message: str) -> str:
 
 def error_response(e: ServiceError, service=None) -> JSONResponse:
     """The answer to a refused Tinker call; a draining server's 503 says when to come back
-    (Retry-After), and no message names a server path (refusals.py)."""
+    (Retry-After), and no message names a server path (server/http/refusals.py)."""
     body = {"code": e.code, "message": without_server_paths(service, public_message(e.code, e.message))}
     if e.code in REUSED:
         return JSONResponse(body, status_code=409, headers={"x-should-retry": "false"})

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ...diskspace import DiskFull
 from ...service.errors import Conflict, ServiceError, ShuttingDown
-from ..refusals import public_message as without_server_paths
+from ..http.refusals import public_message as without_server_paths
 from .errors import public_message, tinker_paths
 
 LONG_POLL_SECONDS = 25.0  # the SDK's read timeout is 45 s
@@ -98,7 +98,7 @@ class FutureTable:
 
 
 def failure_body(e: BaseException, service=None) -> dict:
-    """A failed future's body; no server path in its message (refusals.py)."""
+    """A failed future's body; no server path in its message (server/http/refusals.py)."""
     if isinstance(e, Failure):
         message, category = tinker_paths(e.message), e.category
     elif isinstance(e, ServiceError):

@@ -1,6 +1,6 @@
 """Routes of the official `tinker` 0.38 client that trine does not implement: each answers 400
 `not_supported` naming the feature and what to use instead (never a bare 404/405), so a client
-fails with a message it can act on. `save_weights_external` is refused in `training.py` (it takes a
+fails with a message it can act on. `save_weights_external` is refused in `routes_training.py` (it takes a
 seq_id), image/audio chunks where prompts are decoded.
 
 Routes the client only calls when the client config turns a feature on (`auth/token`,

@@ -19,9 +19,9 @@ from pydantic import Field
 
 from ...limits import INT64_MAX, MAX_TOPK_PROMPT_LOGPROBS
 from ...service import InvalidRequest
-from ..bounds import Int64
-from ..context import parse_model
-from ..params import Body
+from ..http.bounds import Int64
+from ..http.context import parse_model
+from ..pytrio.bodies import Body
 
 WIDTH = MAX_TOPK_PROMPT_LOGPROBS  # every top-k / draw / target width
 _Width = Field(default=0, ge=0, le=WIDTH)

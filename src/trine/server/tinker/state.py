@@ -21,9 +21,9 @@ from fastapi import Request
 from ... import uris
 from ...engine.api import CustomLoss
 from ...service import ApiKey, InvalidRequest, NotFound, Service, ServiceError
-from ...service.stability import StabilityRecords
-from ..context import caller_key, service_of
+from ..http.context import caller_key, service_of
 from .futures import FutureTable
+from .stability import StabilityRecords
 
 
 def to_trio_uri(path: str, field: str = "path") -> str:
@@ -80,7 +80,7 @@ def state_of(request: Request) -> TinkerState:
 
 def caller(request: Request) -> tuple[Service, TinkerState, ApiKey]:
     """The service, the Tinker state and the authenticated key of a request."""
-    from .proto import pb
+    from .bodies import pb
 
     if pb is None:
         raise ServiceError(

@@ -1,6 +1,6 @@
 """Tinker handshake, sessions and REST routes: client config, sessions and heartbeats, capabilities,
 telemetry (accepted and dropped) and billing usage (answered from trine's metering, in Tinker's
-hourly-bucket shape). Training runs and checkpoints are in `checkpoints.py`.
+hourly-bucket shape). Training runs and checkpoints are in `routes_checkpoints.py`.
 
 The client config turns off what a self-hosted server does not need: no JWT exchange
 (`pjwt_auth_enabled`), no
@@ -11,19 +11,19 @@ server-side custom losses (`custom_loss_server_side`, custom_losses.py).
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import datetime, timezone
-from typing import Literal
+from datetime import datetime
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...metering.money import money
 from ...service import InvalidRequest, RunLabels, SessionSearch
 from ...service.labels import as_metadata
-from ..context import json_object, parse_model
+from ..http.context import json_model
 from ..traces import signed_trace_url
+from .bodies import CreateSessionBody, FinishBody, SessionBody, SessionSearchBody, StatusQuery
+from .shapes import iso
 from .state import caller
 
 router = APIRouter(prefix="/api/v1")
@@ -43,39 +43,6 @@ CLIENT_CONFIG = {
 FINISH_STATUS = {"success": "ENDED", "errored": "CANCELLED", "interrupted": "CANCELLED"}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(
-        extra="ignore", strict=True
-    )  # the official client sends JSON types: no coercion
-
-
-class CreateSessionBody(_Body):
-    sdk_version: str = ""
-    tags: list[str] = []
-    user_metadata: dict = {}
-    display_name: str = ""
-
-
-class SessionBody(_Body):
-    session_id: str
-
-
-class FinishReason(_Body):
-    type: Literal["success", "errored", "interrupted"] = "success"
-
-
-class FinishBody(_Body):
-    reason: FinishReason = FinishReason()
-
-
-async def _json(request: Request, cls):
-    return parse_model(cls, await json_object(request))
-
-
-def iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
-
-
 # ---------------------------------------------------------------------------- handshake
 @router.post("/client/config")
 async def client_config(request: Request):
@@ -86,7 +53,7 @@ async def client_config(request: Request):
 @router.post("/client/dynamic_config")
 async def dynamic_config(request: Request):
     caller(request)
-    return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}  # cancel_future: sampling.py
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}  # cancel_future: routes_sampling.py
 
 
 @router.get("/healthz")
@@ -117,7 +84,7 @@ async def capabilities(request: Request):
 @router.post("/create_session")
 async def create_session(request: Request):
     svc, _, key = caller(request)
-    b = await _json(request, CreateSessionBody)
+    b = await json_model(request, CreateSessionBody)
     s = svc.runs.create_session(key, b.sdk_version, RunLabels(b.display_name, tuple(b.tags), b.user_metadata))
     return {"type": "create_session", "session_id": s.id}
 
@@ -125,7 +92,7 @@ async def create_session(request: Request):
 @router.post("/session_heartbeat")
 async def session_heartbeat(request: Request):
     svc, st, key = caller(request)
-    b = await _json(request, SessionBody)
+    b = await json_model(request, SessionBody)
     s = svc.ownership.session(key, b.session_id)
     if s.status != "ACTIVE":
         return JSONResponse(
@@ -140,7 +107,7 @@ async def session_heartbeat(request: Request):
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request):
     svc, _, key = caller(request)
-    b = await _json(request, FinishBody)
+    b = await json_model(request, FinishBody)
     await svc.runs.close_session(key, session_id, FINISH_STATUS[b.reason.type], b.reason.type)
     return {}
 
@@ -170,39 +137,6 @@ async def trace_export(session_id: str, request: Request):
     trine builds the trace when it is downloaded, so it is always ready (server/traces.py)."""
     _, _, key = caller(request)
     return {"status": "ready", **signed_trace_url(request, key, session_id)}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StatusQuery(_Strict):
-    type: Literal["active", "cancelled", "failed", "client_finished"]
-    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(default=None, min_length=1)
-
-
-class SearchOwner(_Strict):
-    type: Literal["own", "accessible", "user"] = "own"
-    owner_urns: list[str] | None = None
-
-
-class SearchCursor(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    last_created_at: str
-    last_session_id: str
-
-
-class SessionSearchBody(_Strict):
-    """Tinker's SessionSearchRequest."""
-
-    session_id: str | None = None
-    project_ids: list[str] | None = None
-    user_metadata: dict[str, str] = {}
-    display_name: str | None = Field(default=None, min_length=1)
-    owner: SearchOwner = SearchOwner()
-    statuses: list[StatusQuery] | None = Field(default=None, min_length=1)
-    limit: int = Field(default=50, ge=1, le=200)
-    cursor: SearchCursor | None = None
 
 
 # A Tinker status query -> trine (session status, finish reason) pairs; `failed` never matches (trine
@@ -236,7 +170,7 @@ async def search_sessions(request: Request):
     trine scopes everything by API key: every owner is the key itself, and there are no projects.
     user_metadata `tags` (comma-separated) matches sessions holding each of those tags."""
     svc, _, key = caller(request)
-    b = await _json(request, SessionSearchBody)
+    b = await json_model(request, SessionSearchBody)
     if b.project_ids:
         raise InvalidRequest(
             "project_ids: trine has no projects; leave project_ids out", code="not_supported"

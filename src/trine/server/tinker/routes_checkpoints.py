@@ -20,65 +20,17 @@ from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict
 
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...service import ApiKey, Checkpoint, InvalidRequest, NotFound, Service
-from ...service.labels import as_metadata
-from ...uris import to_tinker_path
-from ..context import json_object, parse_model, service_of, signer_of
-from .rest import iso
+from ..http.context import json_model, json_object, parse_model, service_of, signer_of
+from .bodies import TtlBody, WeightsInfoBody
+from .shapes import checkpoint_json, training_run_json
 from .state import TinkerState, caller, optimizer_config, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
 CHECKPOINT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"  # kind: weights | sampler_weights
 GB = 1e9
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(
-        extra="ignore", strict=True
-    )  # the official client sends JSON types: no coercion
-
-
-class WeightsInfoBody(_Body):
-    tinker_path: str
-
-
-class TtlBody(_Body):
-    ttl_seconds: int | None  # null: never expires (range checked by the service)
-
-
-def checkpoint_json(c: Checkpoint) -> dict:
-    return {
-        "checkpoint_id": to_tinker_path(c.uri).split("/", 3)[3],
-        "tinker_path": to_tinker_path(c.uri),
-        "checkpoint_type": "training" if c.kind == "TRAINING" else "sampler",
-        "time": iso(c.created_at),
-        "size_bytes": c.size_bytes,
-        "public": bool(c.public),
-        "expires_at": iso(c.expires_at),
-    }
-
-
-def training_run_json(svc, key, r) -> dict:
-    cks, _ = svc.queries.checkpoints(key, training_run_id=r.id)
-    last = {
-        kind: max((c for c in cks if c.kind == kind), key=lambda c: c.created_at, default=None)
-        for kind in ("TRAINING", "SAMPLER")
-    }
-    return {
-        "training_run_id": r.id,
-        "base_model": r.base_model,
-        "model_owner": key.name,
-        "is_lora": True,
-        "corrupted": r.status == "INTERRUPTED",
-        "lora_rank": r.lora_rank,
-        "last_request_time": iso(r.updated_at),
-        "last_checkpoint": checkpoint_json(last["TRAINING"]) if last["TRAINING"] else None,
-        "last_sampler_checkpoint": checkpoint_json(last["SAMPLER"]) if last["SAMPLER"] else None,
-        "user_metadata": as_metadata(r) or None,
-    }
 
 
 def _run_id(st: TinkerState, key: ApiKey, id_: str) -> str:
@@ -155,7 +107,7 @@ async def list_checkpoints(
 @router.post("/weights_info")
 async def weights_info(request: Request):
     svc, _, key = caller(request)
-    b = parse_model(WeightsInfoBody, await json_object(request))
+    b = await json_model(request, WeightsInfoBody)
     c = svc.ownership.readable_by_uri(key, to_trio_uri(b.tinker_path, "tinker_path"))
     return {
         "base_model": c.base_model,

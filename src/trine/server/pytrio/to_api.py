@@ -1,21 +1,32 @@
-"""PyTRIO actor-plane event bodies (MessagePack) -> engine ops and service commands. Shapes follow the
-official
-`pytrio` 0.2.9 client (docs/architecture.md, "Front ends"); sample bodies are in params.py.
+"""PyTRIO bodies (bodies.py) -> the engine's vocabulary (`engine/api.py`) and service commands: a
+sample request, an event's op or command, an optim step (which Tinker's front end shares), a run's
+spec and labels. The only place PyTRIO's wire names become trine's.
 
-Unknown keys are ignored (the client never sends any); every error becomes an InvalidRequest whose
-message names the field (`payload.data.0.target_ids: ...`).
+Every error becomes an InvalidRequest whose message names the field (`sampling_params.top_k: ...`,
+`payload.data.0.target_ids: ...`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+import json
 
 import msgpack
-from pydantic import Field
 
-from ..engine.api import EndRun, Forward, LoRAConfig, Loss, LossTensor, TrainDatum, parse_custom_loss
-from ..limits import (
+from ...engine.api import (
+    AdamConfig,
+    EndRun,
+    Forward,
+    LoRAConfig,
+    Loss,
+    LossTensor,
+    OptimStep,
+    SampleRequest,
+    SamplingOptions,
+    TrainDatum,
+    parse_custom_loss,
+)
+from ...limits import (
     END_RUN,
     EVENT_TYPES,
     FORWARD,
@@ -25,90 +36,94 @@ from ..limits import (
     SAVE_STATE,
     SAVE_WEIGHTS,
 )
-from ..service import InitByUri, InvalidRequest, SaveByName, TrainingCommand
-from ..tokens import TokenCounts
-from .bounds import Count, Int64, Positive, Seed, TtlSeconds
-from .context import parse_model
-from .params import Body, ModelInputBody, optim_step
+from ...service import (
+    InitByUri,
+    InvalidRequest,
+    RunLabels,
+    SamplingRunSpec,
+    SaveByName,
+    TrainingCommand,
+    TrainingRunSpec,
+)
+from ...tokens import TokenCounts
+from ..http.context import parse_model
+from .bodies import (
+    Datum,
+    EndRunPayload,
+    Envelope,
+    ForwardPayload,
+    InitRunPayload,
+    OptimStepPayload,
+    SampleBody,
+    SamplingParamsBody,
+    SamplingRunCreate,
+    SavePayload,
+    SessionCreate,
+    TrainingRunCreate,
+)
+from .shapes import SampleShape
 
 
-class Metadata(Body):
-    index: Positive
-    step: Count = 0
-    run_id: str = ""
+# ---------------------------------------------------------------------------- samples
+def parse_sample(body: dict, *, stop_at_eos: bool = True) -> tuple[SampleRequest, SampleShape, str]:
+    """The sample request of a sample body (the engine checks it against the model), the shape its
+    answer takes, and the body's fingerprint (a retry must repeat it)."""
+    b = parse_model(SampleBody, body)
+    options = sampling_options(b.sampling_params, stop_at_eos=stop_at_eos)
+    compute_logprobs = b.return_prompt_logprobs and not b.return_token_logprobs
+    req = SampleRequest(
+        request_id=b.request_id,
+        prompt=b.prompt.tokens("prompt"),
+        options=options,
+        num_samples=b.num_samples,
+        prompt_logprobs=b.return_prompt_logprobs,
+        topk_prompt_logprobs=b.topk_prompt_logprobs,
+        generate=not compute_logprobs,
+    )
+    fingerprint = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return req, SampleShape(b.return_text, b.return_token_logprobs), fingerprint
 
 
-class Envelope(Body):
-    version: Int64 = 1
-    event_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    type: str
-    metadata: Metadata
-    payload: dict[str, Any] = Field(default_factory=dict)
-
-
-class Lora(Body):
-    rank: Positive
-    seed: Seed | None = None
-    train_mlp: bool = True
-    train_attn: bool = True
-    train_unembed: bool = True
-
-
-class InitRunPayload(Body):
-    base_model: str = ""
-    lora_config: Lora
-    checkpoint_uri: str | None = None
-    load_optimizer: bool = False
-
-
-class CustomInput(Body):
-    """One custom loss input of a datum (trine extension): row-major values of `shape`."""
-
-    shape: list[Count] = Field(max_length=2)
-    values: list[float] | list[Int64]
-    dtype: Literal["float32", "int64"] = "float32"
-
-
-class Datum(Body):
-    model_input: ModelInputBody
-    target_ids: list[Int64] = Field(min_length=1)
-    weights: list[float] | None = None
-    logprobs: list[float] | None = None
-    advantages: list[float] | None = None
-    sequence_ratio_mask: list[float] | None = None  # gspo (trine extension; pytrio never sends it)
-    custom_inputs: dict[str, CustomInput] | None = None  # a custom loss's (trine extension)
-
-
-class LossSpec(Body):
-    type: str
-    config: dict[str, Any] = Field(default_factory=dict)
-
-
-class GradientAccumulation(Body):
-    total_samples: Positive
-    total_active_tokens: Count
-    total_advantage_tokens: Count
-
-
-class ForwardPayload(Body):
-    data: list[Datum] = Field(min_length=1)
-    auto_shift: bool = False
-    loss: LossSpec
-    gradient_accumulation: GradientAccumulation | None = None
-
-
-class SavePayload(Body):
-    name: str
-    ttl_seconds: TtlSeconds | None = None
-    overwrite: bool = False
-    visibility: str = "WORKSPACE"
-    kind: Literal["snapshot", "inflight"] = (
-        "snapshot"  # trine's extension (save_weights); stock clients omit it
+def sampling_options(
+    p: SamplingParamsBody, *, stop_at_eos: bool = True, top_logprobs: int = 0
+) -> SamplingOptions:
+    """The engine's sampling options of a `sampling_params` body (Tinker's, or PyTRIO's with trine's
+    extensions)."""
+    if p.top_k != -1 and p.top_k < 1:
+        raise InvalidRequest(f"sampling_params.top_k {p.top_k}: use -1 (off) or a positive integer")
+    stop = tuple([p.stop] if isinstance(p.stop, str) else p.stop or ())
+    return SamplingOptions(
+        max_tokens=p.max_tokens,
+        temperature=float(p.temperature),
+        top_p=float(p.top_p),
+        top_k=p.top_k,
+        seed=p.seed,
+        stop_strings=stop,
+        stop_token_ids=tuple(p.stop_token_ids or ()),
+        stop_at_eos=stop_at_eos,
+        top_logprobs=top_logprobs,
+        presence_penalty=float(getattr(p, "presence_penalty", 0.0)),
+        frequency_penalty=float(getattr(p, "frequency_penalty", 0.0)),
+        repetition_penalty=float(getattr(p, "repetition_penalty", 1.0)),
+        min_p=float(getattr(p, "min_p", 0.0)),
+        logit_bias=tuple(sorted((getattr(p, "logit_bias", None) or {}).items())),
     )
 
 
-class EndRunPayload(Body):
-    reason: str = ""
+def optim_step(body: dict, prefix: str = "") -> OptimStep:
+    """The optim step of `{"adam_params": {...}}` (trine.types.AdamParams: its fields, defaults and
+    bounds)."""
+    a = parse_model(OptimStepPayload, body, prefix).adam_params
+    return OptimStep(
+        AdamConfig(
+            learning_rate=a.learning_rate,
+            beta1=a.beta1,
+            beta2=a.beta2,
+            eps=a.eps,
+            weight_decay=a.weight_decay,
+            grad_clip_norm=a.grad_clip_norm,
+        )
+    )
 
 
 # ---------------------------------------------------------------------------- events
@@ -247,3 +262,20 @@ def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
         if d.custom_inputs is None
         else {k: LossTensor(tuple(t.shape), t.values, t.dtype) for k, t in d.custom_inputs.items()},
     )
+
+
+# ---------------------------------------------------------------------------- control plane
+def run_labels(body: SessionCreate | TrainingRunCreate) -> RunLabels:
+    """The labels a session or training run body names (trine's own fields; PyTRIO never sends them)."""
+    return RunLabels(body.name, tuple(body.tags), body.user_metadata or {})
+
+
+def training_run_spec(body: TrainingRunCreate) -> TrainingRunSpec:
+    lora = LoRAConfig.named_by(body)
+    return TrainingRunSpec(
+        body.base_model, lora, body.source_checkpoint_uri, body.restore_optimizer, run_labels(body)
+    )
+
+
+def sampling_run_spec(body: SamplingRunCreate) -> SamplingRunSpec:
+    return SamplingRunSpec(body.base_model, body.source_checkpoint_uri)

@@ -17,13 +17,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...limits import INT64_MAX, MAX_SAMPLES_PER_REQUEST, MAX_STOP_STRING_CHARS
+from ...limits import INT64_MAX, MAX_SAMPLES_PER_REQUEST, MAX_STOP_STRING_CHARS, SAMPLING_BOUNDS
 from .errors import OpenAIError, bad_param
 from .structured import Structured, assistant_tool_calls, parse_structured
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # token ids in one logit_bias
-MAX_REPETITION_PENALTY = 10.0
+MAX_TEMPERATURE = 2  # OpenAI's; trine's own range has no upper bound
+MAX_REPETITION_PENALTY = 10.0  # this plane's cap; trine's own range has no upper bound
 MAX_STOP_STRINGS = 16  # tighter than trine's own limit (limits.MAX_STOP_STRINGS): OpenAI allows a few
 _NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # a key shown bare in a message; others are quoted
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -217,9 +218,9 @@ def _common(body: dict, g: Generation) -> None:
     if body.get("max_tokens") is not None:
         g.max_tokens = _int(body, "max_tokens", 0 if g.echo else 1, INT64_MAX)
     if body.get("temperature") is not None:
-        g.temperature = _number(body, "temperature", 0, 2)
+        g.temperature = _number(body, "temperature", SAMPLING_BOUNDS["temperature"].low, MAX_TEMPERATURE)
     if body.get("top_p") is not None:
-        g.top_p = _number(body, "top_p", 0, 1)
+        g.top_p = _sampling(body, "top_p")
         if g.top_p == 0:
             raise bad_param("top_p", "must be > 0 (use temperature 0 for greedy decoding)")
     if body.get("top_k") is not None:
@@ -259,16 +260,19 @@ def _common(body: dict, g: Generation) -> None:
 
 
 def _penalties(body: dict, g: Generation) -> None:
-    """Penalties, min_p and logit_bias with OpenAI's (and vLLM's) ranges."""
+    """Penalties, min_p and logit_bias with OpenAI's (and vLLM's) ranges: trine's own
+    (`limits.SAMPLING_BOUNDS`), but repetition_penalty at most MAX_REPETITION_PENALTY."""
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) is not None:
-            setattr(g, name, _number(body, name, -2, 2))
+            setattr(g, name, _sampling(body, name))
     if body.get("repetition_penalty") is not None:
-        g.repetition_penalty = _number(body, "repetition_penalty", 0, MAX_REPETITION_PENALTY)
+        g.repetition_penalty = _number(
+            body, "repetition_penalty", SAMPLING_BOUNDS["repetition_penalty"].low, MAX_REPETITION_PENALTY
+        )
         if g.repetition_penalty == 0:
             raise bad_param("repetition_penalty", "must be > 0 (1: off)")
     if body.get("min_p") is not None:
-        g.min_p = _number(body, "min_p", 0, 1)
+        g.min_p = _sampling(body, "min_p")
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
@@ -300,6 +304,13 @@ def _number(body: dict, name: str, lo: float, hi: float, param: str | None = Non
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise bad_param(param or name, f"must be a number from {lo} to {hi}, got {v!r}")
     return float(v)
+
+
+def _sampling(body: dict, name: str) -> float:
+    """A bounded sampling parameter in its range (limits.SAMPLING_BOUNDS), both ends included: an
+    open end (top_p's 0) is refused after, with its own hint."""
+    b = SAMPLING_BOUNDS[name]
+    return _number(body, name, b.low, b.high)
 
 
 def _bool(body: dict, name: str, param: str | None = None) -> bool:

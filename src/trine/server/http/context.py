@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from ..service import ApiKey, InvalidRequest, Service, TooLarge
+from ...service import ApiKey, InvalidRequest, Service, TooLarge
 from .access_log import note_key
 from .auth import TokenSigner, bearer
 
@@ -94,3 +94,8 @@ def parse_model(cls, data: Any, prefix: str = ""):
         return cls.model_validate(data)
     except ValidationError as e:
         raise InvalidRequest(validation_message(e, prefix)) from None
+
+
+async def json_model(request: Request, cls):
+    """The body (a JSON object, `{}` when empty) as pydantic model `cls`; errors name the field."""
+    return parse_model(cls, await json_object(request))

@@ -11,35 +11,32 @@ import time
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from ..engine.api import LoRAConfig
-from ..limits import MAX_PAGE_SIZE
-from ..service import (
+from ...limits import MAX_PAGE_SIZE
+from ...service import (
     ApiKey,
     NotFound,
-    RunLabels,
-    SamplingRunSpec,
-    TrainingRunSpec,
 )
-from .auth import iso
-from .bounds import INT64_MAX
-from .context import api_key, parse_json, parse_model, service_of, signer_of
-from .control_bodies import (
+from ..http.auth import iso
+from ..http.bounds import INT64_MAX
+from ..http.context import api_key, parse_json, parse_model, service_of, signer_of
+from .bodies import (
     SamplingRunCreate,
     SessionClose,
     SessionCreate,
     TrainingRunCreate,
     TrainingRunUpdate,
 )
-from .control_shapes import (
-    _capability,
-    _model_id,
+from .shapes import (
     actor_binding,
+    capability,
     checkpoint_json,
     cursor,
     sampling_run_json,
+    served_model_id,
     session_json,
     training_run_json,
 )
+from .to_api import run_labels, sampling_run_spec, training_run_spec
 
 SDK_VERSION = "0.2.9"
 
@@ -84,7 +81,7 @@ async def models(
     svc = service_of(request)
     items = []
     for m in svc.queries.models():
-        cap = _capability(svc, m.name)
+        cap = capability(svc, m.name)
         items.append(
             {
                 "cuid": m.name,
@@ -110,7 +107,7 @@ async def models(
 # ---------------------------------------------------------------------------- sessions
 @router.post("/openapi/v1/service-sessions")
 async def create_session(body: SessionCreate, request: Request, key: ApiKey = Depends(api_key)):
-    return session_json(service_of(request).runs.create_session(key, body.sdk_version, body.labels()))
+    return session_json(service_of(request).runs.create_session(key, body.sdk_version, run_labels(body)))
 
 
 @router.get("/openapi/v1/service-sessions")
@@ -159,19 +156,13 @@ async def create_training_run(
     session_id: str, body: TrainingRunCreate, request: Request, key: ApiKey = Depends(api_key)
 ):
     svc = service_of(request)
-    lora = LoRAConfig.named_by(body)
-    labels = RunLabels(body.name, tuple(body.tags), body.user_metadata or {})
-    r = svc.runs.create_training_run(
-        key,
-        session_id,
-        TrainingRunSpec(body.base_model, lora, body.source_checkpoint_uri, body.restore_optimizer, labels),
-    )
+    r = svc.runs.create_training_run(key, session_id, training_run_spec(body))
     m = svc.queries.model(r.base_model)
     return {
         **training_run_json(svc, r),
         "model_alias": m.name,
         "model_id": m.model_id,
-        "trainer": _capability(svc, m.name),
+        "trainer": capability(svc, m.name),
         **actor_binding(request, key, r.id, "training"),
     }
 
@@ -191,7 +182,7 @@ async def update_training_run(
     return {
         "source_checkpoint_uri": r.source_checkpoint_uri,
         "restore_optimizer": r.restore_optimizer,
-        "trainer": _capability(svc, r.base_model),
+        "trainer": capability(svc, r.base_model),
         **actor_binding(request, key, r.id, "training"),
     }
 
@@ -203,7 +194,7 @@ async def by_checkpoint_uri(
     svc = service_of(request)
     c = svc.ownership.checkpoint_by_uri(key, checkpoint_uri)
     return {
-        "base_model": _model_id(svc, c.base_model),
+        "base_model": served_model_id(svc, c.base_model),
         "lora_rank": c.lora_rank,
         "seed": c.seed,
         "train_mlp": c.train_mlp,
@@ -259,12 +250,10 @@ async def create_sampling_run(
     session_id: str, body: SamplingRunCreate, request: Request, key: ApiKey = Depends(api_key)
 ):
     svc = service_of(request)
-    r = svc.runs.create_sampling_run(
-        key, session_id, SamplingRunSpec(body.base_model, body.source_checkpoint_uri)
-    )
+    r = svc.runs.create_sampling_run(key, session_id, sampling_run_spec(body))
     return {
         **sampling_run_json(svc, r),
-        "sampler": _capability(svc, r.base_model),
+        "sampler": capability(svc, r.base_model),
         **actor_binding(request, key, r.id, "sampling"),
     }
 

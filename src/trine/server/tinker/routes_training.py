@@ -20,145 +20,40 @@ import hashlib
 from typing import Awaitable, Callable
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-from ...engine.api import ADAMW, DIMUON, DimuonConfig, Forward, LoRAConfig, Loss, OptimStep, Refused
+from ...engine.api import Refused
 from ...limits import MAX_EVENT_BYTES
 from ...service import (
     ApiKey,
     EventResult,
-    InitByUri,
     InvalidRequest,
-    RunLabels,
     SaveByName,
     Service,
     ServiceError,
     TooManyRequests,
     TrainingCommand,
-    TrainingRunSpec,
 )
 from ...uris import to_tinker_path
-from ..bounds import Count, Seed, SeqId, TtlSeconds
-from ..context import json_object, parse_model, read_body
-from ..params import optim_step as parse_optim_step
-from . import proto
+from ..http.context import json_model, read_body
+from . import shapes, to_api
+from .bodies import (
+    PROTOBUF,
+    CreateModelBody,
+    LoadBody,
+    ModelCall,
+    OptimStepBody,
+    SaveBody,
+    SaveExternalBody,
+    decode_forward_backward,
+    decompress,
+)
 from .custom_losses import stored_loss
 from .errors import REUSED, public_message
 from .futures import Failure, Reply
 from .state import Model, TinkerState, caller, model_id_of, optimizer_config, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)  # no "yes" for true
-
-
-class LoraBody(_Body):
-    rank: int = 32
-    seed: Seed | None = None
-    train_unembed: bool = True
-    train_mlp: bool = True
-    train_attn: bool = True
-
-
-class CreateModelBody(_Body):
-    session_id: str
-    model_seq_id: Count
-    base_model: str
-    lora_config: LoraBody | None = None
-    optimizer_config: dict | None = None
-    user_metadata: dict | None = None  # `name` and comma-separated `tags` label the run
-
-
-class ModelCall(_Body):
-    model_id: str
-    seq_id: SeqId | None = None
-
-
-class OptimStepBody(ModelCall):
-    adam_params: dict | None = None  # validated as trine.types.AdamParams (same fields and defaults)
-    optimizer_params: dict | None = None  # another family's settings, by `type`: DimuonParams
-
-
-class DimuonBody(BaseModel):
-    """Tinker's DimuonParams; `damping` and `rank_lr_correction_exponent` are the later clients'
-    (their defaults apply when a 0.38 client leaves them out)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)  # no "0.1" for 0.1
-    type: str = DIMUON
-    learning_rate: float
-    grad_clip_norm: float = 0.0
-    beta1: float = 0.9
-    damping: float = 1e-4
-    rank_lr_correction_exponent: float = 0.175
-
-
-class SaveBody(ModelCall):
-    path: str | None = None
-    ttl_seconds: TtlSeconds | None = None
-    overwrite: bool = False
-    sampling_session_seq_id: Count | None = None
-    kind: str = "snapshot"  # save_weights_for_sampler: SamplingClientKind
-
-
-class LoadBody(_Body):
-    model_id: str | None = None
-    seq_id: SeqId | None = None
-    session_id: str | None = None
-    model_seq_id: Count | None = None
-    base_model: str | None = None
-    path: str
-    optimizer: bool = False
-    optimizer_config: dict | None = None
-
-
-async def _json(request: Request, cls):
-    return parse_model(cls, await json_object(request))
-
-
-def _optimizer(config: dict | None) -> str:
-    """The optimizer family of an `optimizer_config` ("" when none was sent)."""
-    if config is None:
-        return ""
-    kind = config.get("type", ADAMW)
-    if kind in ("adam", ADAMW):
-        return ADAMW
-    if kind == DIMUON:
-        if config.get("version", 1) != 1:
-            raise InvalidRequest(
-                f"optimizer_config.version {config.get('version')!r}: trine implements Dimuon version 1"
-            )
-        return DIMUON
-    raise InvalidRequest(
-        f"optimizer_config.type {kind!r}: not supported; use AdamOptimizerConfig (adamw) or "
-        "DimuonOptimizerConfig (dimuon)",
-        code="not_supported",
-    )
-
-
-def _optim_step(b: OptimStepBody) -> OptimStep:
-    """AdamParams (`adam_params`) or DimuonParams (`optimizer_params` of type dimuon)."""
-    if b.optimizer_params is None:
-        return parse_optim_step({"adam_params": b.adam_params})
-    kind = b.optimizer_params.get("type")
-    if kind != DIMUON:
-        raise InvalidRequest(
-            f"optimizer_params.type {kind!r}: not supported; send AdamParams or DimuonParams",
-            code="not_supported",
-        )
-    p = parse_model(DimuonBody, b.optimizer_params, "optimizer_params")
-    settings = DimuonConfig(
-        learning_rate=p.learning_rate,
-        beta1=p.beta1,
-        grad_clip_norm=p.grad_clip_norm,
-        damping=p.damping,
-        rank_lr_correction_exponent=p.rank_lr_correction_exponent,
-    )
-    try:
-        return OptimStep(settings.check())
-    except ValueError as e:
-        raise InvalidRequest(str(e)) from None
 
 
 # ---------------------------------------------------------------------------- event plumbing
@@ -275,26 +170,16 @@ async def _create(
 @router.post("/create_model")
 async def create_model(request: Request):
     svc, st, key = caller(request)
-    b = await _json(request, CreateModelBody)
-    optimizer = _optimizer(b.optimizer_config)
-    lora = b.lora_config or LoraBody()
+    b = await json_model(request, CreateModelBody)
+    spec = to_api.create_model_spec(b)
     return await _create(
         svc,
         st,
         key,
         b.session_id,
         b.model_seq_id,
-        lambda: svc.runs.create_training_run(
-            key,
-            b.session_id,
-            TrainingRunSpec(
-                b.base_model,
-                LoRAConfig.named_by(lora),
-                labels=RunLabels(user_metadata=b.user_metadata or {}),
-                optimizer=optimizer,
-            ),
-        ),
-        lambda run: InitByUri(lora=LoRAConfig.named_by(run), base_model=run.base_model),
+        lambda: svc.runs.create_training_run(key, b.session_id, spec),
+        to_api.init_run,
         {"type": "create_model"},
         b,
     )
@@ -303,7 +188,7 @@ async def create_model(request: Request):
 @router.post("/load_weights")
 async def load_weights(request: Request):
     svc, st, key = caller(request)
-    b = await _json(request, LoadBody)
+    b = await json_model(request, LoadBody)
     reply = {"type": "load_weights", "path": b.path}
     if b.session_id is not None:  # create-from-state: the model's seq 0, no create_model first
         uri = to_trio_uri(b.path)
@@ -315,20 +200,8 @@ async def load_weights(request: Request):
             key,
             b.session_id,
             b.model_seq_id,
-            lambda: svc.runs.create_training_run(
-                key,
-                b.session_id,
-                TrainingRunSpec(
-                    b.base_model or "",
-                    LoRAConfig(rank=1),
-                    uri,
-                    b.optimizer,
-                    optimizer=_optimizer(b.optimizer_config),
-                ),
-            ),
-            lambda run: InitByUri(
-                lora=LoRAConfig.named_by(run), checkpoint_uri=uri, load_optimizer=b.optimizer
-            ),
+            lambda: svc.runs.create_training_run(key, b.session_id, to_api.load_weights_spec(b, uri)),
+            lambda run: to_api.load_weights_init(run, uri, b),
             reply,
             b,
         )
@@ -336,11 +209,7 @@ async def load_weights(request: Request):
         raise InvalidRequest("load_weights: send model_id and seq_id, or session_id and model_seq_id")
     m = st.model(key, b.model_id)
     run = svc.ownership.training_run(key, m.run_id)
-    command = _command_or_refusal(
-        lambda: InitByUri(
-            lora=LoRAConfig.named_by(run), checkpoint_uri=to_trio_uri(b.path), load_optimizer=b.optimizer
-        )
-    )
+    command = _command_or_refusal(lambda: to_api.load_weights_init(run, to_trio_uri(b.path), b))
     return await _submit(
         svc, st, key, b.model_id, m, b.seq_id, command, _json_reply({**reply, "model_id": b.model_id}), b
     )
@@ -349,7 +218,7 @@ async def load_weights(request: Request):
 @router.post("/get_info")
 async def get_info(request: Request):
     svc, st, key = caller(request)
-    b = await _json(request, ModelCall)
+    b = await json_model(request, ModelCall)
     run = svc.ownership.training_run(key, st.model(key, b.model_id).run_id)
     served = svc.queries.model(run.base_model)
     return {
@@ -370,7 +239,7 @@ async def get_info(request: Request):
 
 
 # ---------------------------------------------------------------------------- training
-def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: proto.ForwardBackwardBody) -> list:
+def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: to_api.ForwardBackwardBody) -> list:
     """stable_reinforce: the data, with the behaviour logprobs of sampled positions taken from the
     server's records."""
     data = []
@@ -398,26 +267,22 @@ def _with_recorded_logprobs(st: TinkerState, key: ApiKey, body: proto.ForwardBac
 @router.post("/forward_backward")
 async def forward_backward(request: Request):
     svc, st, key = caller(request)
-    raw = proto.decompress(await read_body(request, MAX_EVENT_BYTES), request.headers.get("content-encoding"))
-    msg = await asyncio.get_running_loop().run_in_executor(None, proto.decode_forward_backward, raw)
+    raw = decompress(await read_body(request, MAX_EVENT_BYTES), request.headers.get("content-encoding"))
+    msg = await asyncio.get_running_loop().run_in_executor(None, decode_forward_backward, raw)
     m = st.model(key, msg.model_id)
     if msg.seq_id < 1:
         raise InvalidRequest(f"seq_id {msg.seq_id}: training calls start at 1")
     try:
-        custom = stored_loss(st, key, m, proto.loss_config(msg)) if msg.loss_fn.lower() == "custom" else None
+        custom = stored_loss(st, key, m, to_api.loss_config(msg)) if msg.loss_fn.lower() == "custom" else None
         body = await asyncio.get_running_loop().run_in_executor(
-            None, proto.forward_backward_body, msg, custom and dict(custom.inputs[1:])
+            None, to_api.forward_backward_body, msg, custom and dict(custom.inputs[1:])
         )
         data = (
             _with_recorded_logprobs(st, key, body)
             if body.loss_fn.lower() == "stable_reinforce"
             else body.data
         )
-        try:
-            loss = Loss.of_custom(custom) if custom else Loss.parse(body.loss_fn, body.loss_config)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
-        command = Forward(data=data, loss=loss, backward=not body.forward_only)  # plain sums
+        command = to_api.forward(body, data, custom)
     except InvalidRequest as e:
         command = e
 
@@ -426,7 +291,7 @@ async def forward_backward(request: Request):
         metrics.update((k, float(v)) for k, v in res.metrics.items() if k.startswith("custom/"))
         if res.cycle is not None:
             metrics["clock_cycle:unique"] = float(res.cycle)
-        return Reply(proto.forward_backward_output(res.logprobs or [], metrics), proto.PROTOBUF)
+        return Reply(shapes.forward_backward_output(res.logprobs or [], metrics), PROTOBUF)
 
     return await _submit(
         svc, st, key, msg.model_id, m, msg.seq_id, command, shape, msg.SerializeToString(deterministic=True)
@@ -442,10 +307,10 @@ def _seq(b: ModelCall) -> int:
 @router.post("/optim_step")
 async def optim_step(request: Request):
     svc, st, key = caller(request)
-    b = await _json(request, OptimStepBody)
+    b = await json_model(request, OptimStepBody)
     m = st.model(key, b.model_id)
 
-    command = _command_or_refusal(lambda: _optim_step(b))
+    command = _command_or_refusal(lambda: to_api.optim_step(b))
 
     async def shape(res):
         return Reply.json({"type": "optim_step", "metrics": res.metrics})
@@ -464,37 +329,17 @@ async def _save(request: Request, sampler: bool) -> dict:
     """save_weights (a training state) or save_weights_for_sampler: named and persistent, or (no
     path) an in-memory snapshot plus a sampling session on it."""
     svc, st, key = caller(request)
-    b = await _json(request, SaveBody)
+    b = await json_model(request, SaveBody)
     m = st.model(key, b.model_id)
     seq = _seq(b)
     type_ = "save_weights_for_sampler" if sampler else "save_weights"
     shape = _path_reply(type_)
-    inflight = b.kind == "inflight"  # the run's inflight samplers follow this save
-    if not sampler:
-        command = SaveByName(
-            kind="state", name=b.path or f"state-{seq}", ttl_seconds=b.ttl_seconds, overwrite=b.overwrite
-        )
-    elif b.kind not in ("snapshot", "inflight"):
-        command = InvalidRequest(f"kind {b.kind!r}: use 'snapshot' or 'inflight'")
-    elif b.path:
-        command = SaveByName(
-            kind="weights", name=b.path, ttl_seconds=b.ttl_seconds, overwrite=b.overwrite, inflight=inflight
-        )
-    elif b.sampling_session_seq_id is None:
-        command = InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
-    else:
-        command = SaveByName(
-            kind="weights",
-            name=f"sampler-{seq}",
-            visibility="TEMPORARY",
-            ttl_seconds=b.ttl_seconds,
-            overwrite=True,
-            inflight=inflight,
-        )
+    command = to_api.save(b, seq, sampler)
+    if sampler and not b.path and isinstance(command, SaveByName):  # a snapshot and its sampling session
         sampler_seq = b.sampling_session_seq_id
 
         async def shape(res):
-            from .sampling import sampling_session
+            from .routes_sampling import sampling_session
 
             sid = sampling_session(svc, st, key, m.session_id, sampler_seq, "", res.checkpoint["uri"])
             return Reply.json({"type": type_, "sampling_session_id": sid})
@@ -512,15 +357,11 @@ async def save_weights_for_sampler(request: Request):
     return await _save(request, sampler=True)
 
 
-class SaveExternalBody(ModelCall):
-    path: str | None = None
-
-
 @router.post("/save_weights_external")
 async def save_weights_external(request: Request):
     """Refused with what to use instead; the call still takes its seq_id (the SDK numbered it)."""
     svc, st, key = caller(request)
-    b = await _json(request, SaveExternalBody)
+    b = await json_model(request, SaveExternalBody)
     refusal = InvalidRequest(
         "save_weights_external (merged weights in Hugging Face format) is not supported "
         "by trine; use save_weights_for_sampler(name) and download the LoRA adapter "

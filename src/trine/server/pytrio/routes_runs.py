@@ -22,10 +22,10 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from ..limits import MAX_CONTROL_BYTES
-from ..service import ApiKey
-from .console.runs import list_runs, metrics_table, run_detail
-from .context import api_key, json_object, parse_model, service_of
+from ...limits import MAX_CONTROL_BYTES
+from ...service import ApiKey
+from ..console.runs import list_runs, metrics_table, run_detail
+from ..http.context import api_key, json_object, parse_model, service_of
 
 router = APIRouter(prefix="/api/trine/v1")
 

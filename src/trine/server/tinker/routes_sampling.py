@@ -4,9 +4,9 @@
 (`<request_id>:<i>`); the future runs `Service.sample`, so Tinker traffic shares the prefix cache
 and the metering of every other front end: `prompt_cache_hit_tokens` is trine's `cached_tokens`
 (a group of n samples prefills its prompt once). With `record_stability_info`, each sampled
-sequence is kept under its sequence id for `stable_reinforce` (see `service.stability`). A
+sequence is kept under its sequence id for `stable_reinforce` (see `tinker/stability.py`). A
 sampling session made by an inflight save follows the model's later inflight saves; its sequences
-carry each token's weights version (proto.WEIGHTS_VERSIONS_FIELD).
+carry each token's weights version (shapes.WEIGHTS_VERSIONS_FIELD).
 `compute_logprobs` reaches here as a 1-token sample with prompt logprobs: it reads the prefix cache
 only before `prompt_logprobs_last_n` (0 hit tokens without it). The fields beyond PyTRIO's sample
 body (top-k per sampled token, alt-token draws, target ids) are parsed in `sample_extras`.
@@ -18,23 +18,17 @@ computed is metered, and its future fails as cancelled. Other requests cannot be
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
 
-from ...engine.api import SampleCancelled, SampleRequest
-from ...limits import MAX_SAMPLE_BYTES, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
+from ...engine.api import SampleCancelled
+from ...limits import MAX_SAMPLE_BYTES
 from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
 from ...uris import to_tinker_path
-from ..bounds import Int64
-from ..context import json_object, parse_model
-from ..params import ModelInputBody, SamplingParamsBody, sampling_options
-from . import proto
+from ..http.context import json_model, json_object, parse_model
+from . import shapes, to_api
+from .bodies import PROTOBUF, AsampleBody, CancelBody, SamplingSessionBody
 from .futures import Failure, Reply
-from .sample_extras import parse_extras
 from .state import TinkerState, caller, to_trio_uri
 
 router = APIRouter(prefix="/api/v1")
@@ -79,32 +73,6 @@ async def get_sampler(sampler_id: str, request: Request):
     }
 
 
-class SamplingSessionBody(BaseModel):
-    """The types of a `create_sampling_session` body."""
-
-    model_config = ConfigDict(extra="allow", strict=True)  # no "0" for 0, no "yes" for true
-    session_id: str | None = None
-    sampling_session_seq_id: Int64 | None = None
-    base_model: str | None = None
-    model_path: str | None = None
-
-
-class AsampleBody(BaseModel):
-    """The types of an `asample` body's top-level fields, and the ranges of its counts (the other
-    values are checked where used)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)  # no "0" for 0, no "yes" for true
-    sampling_session_id: str | None = None
-    seq_id: Int64 | None = None
-    num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
-    prompt: dict | None = None
-    sampling_params: dict | None = None
-    prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
-    prompt_logprobs_last_n: Int64 | None = None
-    record_stability_info: bool | None = None
-
-
 @router.post("/asample")
 async def asample(request: Request):
     svc, st, key = caller(request)
@@ -117,33 +85,7 @@ async def asample(request: Request):
         raise InvalidRequest("asample: send sampling_session_id and seq_id (create a sampling client first)")
     run = svc.ownership.sampling_run(key, sid)
     request_id = f"{sid}:{seq}"
-    p = dict(b.get("sampling_params") or {})
-    stop = p.pop("stop", None)
-    no_stop = isinstance(stop, list) and not stop
-    if isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop):
-        p["stop_token_ids"] = stop
-    elif stop:
-        p["stop"] = stop
-    prompt = parse_model(ModelInputBody, b.get("prompt"), "prompt").tokens("prompt")
-    params = parse_model(SamplingParamsBody, p, "sampling_params")
-    with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
-    fields, targets = parse_extras(b, len(prompt), bool(b.get("prompt_logprobs")))
-    top_logprobs = fields.pop("top_logprobs")
-    options = sampling_options(
-        params,
-        stop_at_eos=not no_stop,  # Tinker: [] disables every stop, EOS included
-        top_logprobs=top_logprobs,
-    )
-    req = SampleRequest(
-        request_id=f"tk-{seq}",
-        prompt=prompt,
-        options=options,
-        num_samples=body.num_samples,
-        prompt_logprobs=with_prompt_logprobs,
-        topk_prompt_logprobs=body.topk_prompt_logprobs or 0,
-        **fields,
-    )
-    fingerprint = hashlib.sha256(json.dumps(b, sort_keys=True).encode()).hexdigest()
+    req, targets, fingerprint = to_api.sample_request(b, body, seq)
     record = bool(b.get("record_stability_info"))
     sequence_ids = [f"{request_id}:{i}" for i in range(req.num_samples)]
 
@@ -161,17 +103,17 @@ async def asample(request: Request):
             None
             if not k
             else (
-                proto.tensor(np.asarray(out.prompt_alt_tokens, np.int64), (rows, k)),
-                proto.tensor(np.asarray(out.prompt_alt_logprobs, np.float32), (rows, k)),
+                shapes.tensor(np.asarray(out.prompt_alt_tokens, np.int64), (rows, k)),
+                shapes.tensor(np.asarray(out.prompt_alt_logprobs, np.float32), (rows, k)),
             )
         )
         target = (
             None
             if targets is None
-            else proto.tensor(targets.values(out.target_prompt_logprobs), targets.shape, targets.csr)
+            else shapes.tensor(targets.values(out.target_prompt_logprobs), targets.shape, targets.csr)
         )
         return Reply(
-            proto.sample_response(
+            shapes.sample_response(
                 [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences],
                 plp,
                 out.topk_prompt_logprobs,
@@ -183,16 +125,11 @@ async def asample(request: Request):
                 prompt_alt_tokens=alt,
                 weights_versions=[s.weights_versions for s in out.sequences],
             ),
-            proto.PROTOBUF,
+            PROTOBUF,
         )
 
     st.futures.start(key.id, request_id, finish, fingerprint)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
-
-
-class CancelBody(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    request_id: str
 
 
 @router.post("/cancel_future")
@@ -200,7 +137,7 @@ async def cancel_future(request: Request):
     """Stop the sample `request_id` (`<sampling_session_id>:<seq_id>`, as asample answered it). A
     sample that already finished, or any other request, is left as it is; the answer is empty."""
     svc, st, key = caller(request)
-    b = parse_model(CancelBody, await json_object(request))
+    b = await json_model(request, CancelBody)
     task = st.futures.get(key.id, b.request_id)
     sid, _, seq = b.request_id.rpartition(":")
     if task is None or task.done() or not sid or not seq.isdigit():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jwt
 
-from ..service.errors import Unauthorized
+from ...service.errors import Unauthorized
 
 ALGORITHM = "HS256"
 

@@ -25,8 +25,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
-from ..service import ReplicaStats, Service
-from ..service.cycle_tally import Tally
+from ...service import ReplicaStats, Service
+from ...service.cycle_tally import Tally
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 REPLICA = ("model", "replica")

@@ -14,17 +14,16 @@ import re
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..diskspace import DiskFull
-from ..limits import MAX_EVENT_BYTES, MAX_SAMPLE_BYTES
-from ..service import ApiKey, EventRecord, EventResult, NotFound, Service, ServiceError
-from .access_log import note_key
-from .auth import bearer
-from .connections import ABORT_RESPONSE
-from .context import json_object, read_body, service_of, signer_of
-from .params import parse_sample
-from .refusals import public_message
+from ...diskspace import DiskFull
+from ...limits import MAX_EVENT_BYTES, MAX_SAMPLE_BYTES
+from ...service import ApiKey, EventRecord, EventResult, NotFound, Service, ServiceError
+from ..http.access_log import note_key
+from ..http.auth import bearer
+from ..http.connections import ABORT_RESPONSE
+from ..http.context import json_object, read_body, service_of, signer_of
+from ..http.refusals import public_message
 from .shapes import event_envelope, sample_response
-from .wire import parse_event
+from .to_api import parse_event, parse_sample
 
 log = logging.getLogger("trine.server")
 MAX_POLL_SECONDS = 55.0
@@ -54,7 +53,9 @@ def envelope(svc: Service, rec: EventRecord) -> bytes:
         return m.model_id if m else name
 
     res = EventResult.of(rec)
-    if res is not None and res.error:  # a failed event's message names no server path (refusals.py)
+    if (
+        res is not None and res.error
+    ):  # a failed event's message names no server path (server/http/refusals.py)
         public = public_message(svc, res.error["message"])
         res = dataclasses.replace(res, error={**res.error, "message": public})
     return event_envelope(rec, res, model_id)

@@ -8,7 +8,7 @@ Invariants
   and each served model's directory are named by what they are (a model by its name). Operators
   find the paths in the server's own log and `trine serve`'s banner. The exceptions are fields,
   not messages: the tokenizer directory an official client loads its tokenizer from (PyTRIO's
-  `model_id`, control_shapes.py; Tinker's sampler `base_model`, tinker/sampling.py).
+  `model_id`, pytrio/shapes.py; Tinker's sampler `base_model`, tinker/routes_sampling.py).
 """
 
 from __future__ import annotations

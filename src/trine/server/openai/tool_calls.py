@@ -1,7 +1,8 @@
 """Tool calls in the Hermes format that Qwen-family chat templates teach their models: each call is
 `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, several separated by a newline.
 
-`parse` reads a generated text back into calls; `forcing_grammar` is the grammar that makes a
+`call_format` tells whether a model's chat template teaches this format; `parse` reads a generated
+text back into calls; `forcing_grammar` is the grammar that makes a
 model emit calls (constrained decoding), byte for byte in the format `parse` reads and the chat
 template renders for past calls.
 """
@@ -12,7 +13,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from . import grammars
+from ...service import ModelTokenizer, grammars
+from ...service.tokenizers import TOOL_PROBE_NAME
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -75,3 +77,11 @@ def forcing_grammar(
     open_ = f"<[{open_id}]>" if open_id is not None else f'"{OPEN}"'
     close = f"<[{close_id}]>" if close_id is not None else f'"{CLOSE}"'
     return grammars.lark(f'{start}\ncall: {open_} "\\n" ({alternatives}) "\\n" {close}\n')
+
+
+def call_format(tokenizer: ModelTokenizer) -> str | None:
+    """How the model's chat template handles tools: "hermes" when it renders tool definitions and
+    teaches these `<tool_call>` blocks, "other" when it renders them in another format, None when it
+    has no tools support (it ignores them). Blocking (loads the template once)."""
+    text = tokenizer.tool_probe()
+    return None if TOOL_PROBE_NAME not in text else "hermes" if OPEN in text else "other"

@@ -1,33 +1,41 @@
-"""Tinker protobuf bodies <-> plain values, with the message classes the `tinker` package ships.
-
-`forward_backward` requests arrive as `tinker_public_pb2.ForwardBackwardRequest` (optionally zstd);
-`ForwardBackwardOutput` and `SampleResponse` results leave as protobuf because SDK 0.38 refuses
-JSON for them. Every decoding error is an InvalidRequest whose message names the field.
-
-trine's one extension: a sampled sequence of an inflight sampler carries, as field
-`WEIGHTS_VERSIONS_FIELD` of `SampledSequence` (int32 little-endian bytes, one per token, like
-`tokens`), the inflight weights version that produced each token. Stock clients ignore the
-unknown field.
+"""Tinker bodies (bodies.py) -> the engine's vocabulary (`engine/api.py`) and service commands: a
+`forward_backward` protobuf's data as `TrainDatum`s (shapes and dtypes checked: one value per input
+token), its loss config and `Forward`, an optimizer family and an optim step, a training run's spec,
+a save, and a sample request. Every error is an InvalidRequest whose message names
+the field.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...engine.api import MAX_INPUT_ELEMENTS, LossTensor, TrainDatum
-from ...service import InvalidRequest
+from ...engine.api import (
+    ADAMW,
+    DIMUON,
+    MAX_INPUT_ELEMENTS,
+    CustomLoss,
+    DimuonConfig,
+    Forward,
+    LoRAConfig,
+    Loss,
+    LossTensor,
+    OptimStep,
+    SampleRequest,
+    TrainDatum,
+)
+from ...service import InitByUri, InvalidRequest, RunLabels, SaveByName, TrainingRun, TrainingRunSpec
+from ..http.context import parse_model
+from ..pytrio.bodies import ModelInputBody, SamplingParamsBody
+from ..pytrio.to_api import optim_step as adam_optim_step
+from ..pytrio.to_api import sampling_options
+from .bodies import AsampleBody, CreateModelBody, DimuonBody, LoadBody, LoraBody, OptimStepBody, SaveBody
+from .sample_extras import TargetLayout, parse_extras
 
-try:  # the message classes ship with the official client (a dependency of trine's server)
-    from tinker.proto import tinker_public_pb2 as pb
-except ImportError:  # pragma: no cover - the Tinker front end is then unavailable
-    pb = None
-
-PROTOBUF = "application/x-protobuf"
-WEIGHTS_VERSIONS_FIELD = 1000  # in SampledSequence: trine's per-token weights versions
-MAX_DECOMPRESSED_BYTES = 256 << 20
 _NUMPY = {1: np.float32, 2: np.int64, 3: np.int32}  # proto DType -> numpy (bf16 handled apart)
 FLOAT_INPUTS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")
 KNOWN_INPUTS = ("target_tokens",) + FLOAT_INPUTS  # anything else is refused, never dropped silently
@@ -54,22 +62,6 @@ class ForwardBackwardBody:
     forward_only: bool
     data: list[TrainDatum]
     spans: list[list[Span]] = field(default_factory=list)  # per datum; [] = none sent
-
-
-def decompress(body: bytes, encoding: str | None) -> bytes:
-    if not encoding or encoding.lower() == "identity":
-        return body
-    if encoding.lower() != "zstd":
-        raise InvalidRequest(
-            f"Content-Encoding {encoding!r} is not supported; send zstd or nothing",
-            code="invalid_request_body",
-        )
-    import zstandard
-
-    try:
-        return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_DECOMPRESSED_BYTES)
-    except zstandard.ZstdError as e:
-        raise InvalidRequest(f"body: not valid zstd data ({e})", code="invalid_request_body") from None
 
 
 def _tensor(t, where: str, size: int) -> np.ndarray:
@@ -179,20 +171,6 @@ def loss_config(msg) -> dict:
     return config
 
 
-def decode_forward_backward(body: bytes):
-    """The ForwardBackwardRequest message (its model_id and seq_id are then known)."""
-    msg = pb.ForwardBackwardRequest()
-    try:
-        msg.ParseFromString(body)
-    except Exception as e:  # DecodeError and friends
-        raise InvalidRequest(
-            f"body: not a ForwardBackwardRequest protobuf ({type(e).__name__})", code="invalid_request_body"
-        ) from None
-    if not msg.model_id:
-        raise InvalidRequest("model_id: empty; send the id create_model returned")
-    return msg
-
-
 def forward_backward_body(msg, custom: dict[str, int] | None = None) -> ForwardBackwardBody:
     """The request's content as plain values; validates shapes (one value per input token) and dtypes.
 
@@ -269,114 +247,153 @@ def forward_backward_body(msg, custom: dict[str, int] | None = None) -> ForwardB
     )
 
 
-# ---------------------------------------------------------------------------- results
-def forward_backward_output(logprobs: list[list[float]], metrics: dict[str, float]) -> bytes:
-    """A ForwardBackwardOutput: one ArrayRecord holding every datum's `logprobs` (float32)."""
-    flat = (
-        np.concatenate([np.asarray(lp, dtype=np.float32) for lp in logprobs])
-        if logprobs
-        else np.zeros(0, np.float32)
-    )
-    offsets = np.cumsum([0] + [4 * len(lp) for lp in logprobs]).astype(np.int64)
-    record = pb.ArrayRecord(
-        type_tag="LossFnOutput",
-        num_datums=len(logprobs),
-        fields={
-            "logprobs": pb.BatchedTensor(
-                data=flat.tobytes(), offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32
+# ---------------------------------------------------------------------------- optimizer steps
+def optimizer_family(config: dict | None) -> str:
+    """The optimizer family of an `optimizer_config` ("" when none was sent)."""
+    if config is None:
+        return ""
+    kind = config.get("type", ADAMW)
+    if kind in ("adam", ADAMW):
+        return ADAMW
+    if kind == DIMUON:
+        if config.get("version", 1) != 1:
+            raise InvalidRequest(
+                f"optimizer_config.version {config.get('version')!r}: trine implements Dimuon version 1"
             )
-        },
-    )
-    out = pb.ForwardBackwardOutput(
-        loss_fn_output_type="ArrayRecord",
-        loss_fn_outputs=[record],
-        metrics={k: float(v) for k, v in metrics.items()},
-    )
-    return out.SerializeToString()
-
-
-def _topk(rows: list, k: int) -> "pb.TopkLogprobs":
-    ids = np.zeros((len(rows), k), dtype=np.int32)
-    lps = np.full((len(rows), k), -99999.0, dtype=np.float32)
-    for i, row in enumerate(rows):
-        for j, (tok, lp) in enumerate((row or [])[:k]):
-            ids[i, j], lps[i, j] = int(tok), float(lp) if math.isfinite(lp) else -99999.0
-    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
-
-
-def tensor(
-    values: np.ndarray, shape: tuple[int, ...], csr: tuple[list[int], list[int]] | None = None
-) -> "pb.Tensor":
-    """A proto Tensor of float32 or int64 `values`: dense in row-major order, or the values of a
-    sparse CSR tensor with the (crow, col) indices `csr`."""
-    dtype = pb.DTYPE_INT64 if values.dtype.kind in "iu" else pb.DTYPE_FLOAT32
-    raw = values.astype(np.int64 if dtype == pb.DTYPE_INT64 else np.float32).tobytes()
-    if csr is None:
-        return pb.Tensor(dense=raw, dtype=dtype, shape=list(shape))
-    crow, col = (np.asarray(x, dtype=np.int64).tobytes() for x in csr)
-    return pb.Tensor(
-        sparse_csr=pb.SparseCsr(values=raw, crow_indices=crow, col_indices=col),
-        dtype=dtype,
-        shape=list(shape),
+        return DIMUON
+    raise InvalidRequest(
+        f"optimizer_config.type {kind!r}: not supported; use AdamOptimizerConfig (adamw) or "
+        "DimuonOptimizerConfig (dimuon)",
+        code="not_supported",
     )
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _int32_field(number: int, values: list[int]) -> bytes:
-    """A length-delimited protobuf field holding int32 little-endian bytes."""
-    data = np.asarray(values, dtype=np.int32).tobytes()
-    return _varint(number << 3 | 2) + _varint(len(data)) + data
-
-
-def sample_response(
-    sequences: list[tuple[list[int], list[float] | None, str]],
-    prompt_logprobs: list[float | None] | None,
-    topk_prompt: list | None,
-    topk_k: int,
-    cache_hit_tokens: int,
-    *,
-    sequence_topk: list[list | None] | None = None,
-    sequence_topk_k: int = 0,
-    target_prompt_logprobs: "pb.Tensor | None" = None,
-    prompt_alt_tokens: "tuple[pb.Tensor, pb.Tensor] | None" = None,
-    weights_versions: list[list[int] | None] | None = None,
-) -> bytes:
-    """A SampleResponse. `sequences`: (tokens, logprobs, stop_reason "stop" | "length");
-    `sequence_topk`: each sequence's top logprobs per token, sent `sequence_topk_k` wide (dense,
-    with the client's sentinels where a row is shorter); `weights_versions`: per sequence, its tokens'
-    inflight weights versions (None: fixed weights)."""
-    seqs = []
-    for i, (tokens, lps, stop) in enumerate(sequences):
-        s = pb.SampledSequence(
-            stop_reason=pb.STOP_REASON_LENGTH if stop == "length" else pb.STOP_REASON_STOP,
-            tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
+def optim_step(b: OptimStepBody) -> OptimStep:
+    """AdamParams (`adam_params`) or DimuonParams (`optimizer_params` of type dimuon)."""
+    if b.optimizer_params is None:
+        return adam_optim_step({"adam_params": b.adam_params})
+    kind = b.optimizer_params.get("type")
+    if kind != DIMUON:
+        raise InvalidRequest(
+            f"optimizer_params.type {kind!r}: not supported; send AdamParams or DimuonParams",
+            code="not_supported",
         )
-        if lps is not None:
-            s.logprobs = np.asarray(lps, dtype=np.float32).tobytes()
-        if sequence_topk is not None and sequence_topk_k > 0:
-            s.topk_sampled_logprobs.CopyFrom(_topk(sequence_topk[i] or [], sequence_topk_k))
-        if weights_versions and weights_versions[i] is not None:  # kept as an unknown field
-            s.MergeFromString(_int32_field(WEIGHTS_VERSIONS_FIELD, weights_versions[i]))
-        seqs.append(s)
-    out = pb.SampleResponse(sequences=seqs, prompt_cache_hit_tokens=int(cache_hit_tokens))
-    if prompt_logprobs is not None:
-        out.prompt_logprobs = np.asarray(
-            [math.nan if x is None else x for x in prompt_logprobs], dtype=np.float32
-        ).tobytes()
-    if topk_prompt is not None and topk_k > 0:
-        out.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt, topk_k))
-    if target_prompt_logprobs is not None:
-        out.target_prompt_logprobs.CopyFrom(target_prompt_logprobs)
-    if prompt_alt_tokens is not None:
-        out.prompt_alt_tokens.CopyFrom(
-            pb.PromptAltTokens(tokens=prompt_alt_tokens[0], logprobs=prompt_alt_tokens[1])
+    p = parse_model(DimuonBody, b.optimizer_params, "optimizer_params")
+    settings = DimuonConfig(
+        learning_rate=p.learning_rate,
+        beta1=p.beta1,
+        grad_clip_norm=p.grad_clip_norm,
+        damping=p.damping,
+        rank_lr_correction_exponent=p.rank_lr_correction_exponent,
+    )
+    try:
+        return OptimStep(settings.check())
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- runs, losses, saves
+def create_model_spec(b: CreateModelBody) -> TrainingRunSpec:
+    """create_model's training run: its LoRA (LoraBody's defaults when none is sent), labels from
+    `user_metadata` and optimizer family."""
+    optimizer = optimizer_family(b.optimizer_config)
+    lora = b.lora_config or LoraBody()
+    return TrainingRunSpec(
+        b.base_model,
+        LoRAConfig.named_by(lora),
+        labels=RunLabels(user_metadata=b.user_metadata or {}),
+        optimizer=optimizer,
+    )
+
+
+def load_weights_spec(b: LoadBody, uri: str) -> TrainingRunSpec:
+    """load_weights' create-from-state run: its LoRA and base model come from the checkpoint `uri`."""
+    return TrainingRunSpec(
+        b.base_model or "",
+        LoRAConfig(rank=1),
+        uri,
+        b.optimizer,
+        optimizer=optimizer_family(b.optimizer_config),
+    )
+
+
+def init_run(run: TrainingRun) -> InitByUri:
+    """create_model's init: the run's own LoRA on its base model."""
+    return InitByUri(lora=LoRAConfig.named_by(run), base_model=run.base_model)
+
+
+def load_weights_init(run: TrainingRun, uri: str, b: LoadBody) -> InitByUri:
+    """load_weights' init: the run's LoRA with the weights (and, if asked, optimizer) of `uri`."""
+    return InitByUri(lora=LoRAConfig.named_by(run), checkpoint_uri=uri, load_optimizer=b.optimizer)
+
+
+def forward(body: ForwardBackwardBody, data: list[TrainDatum], custom: CustomLoss | None) -> Forward:
+    """The forward(_backward) op of a decoded body: its loss summed per token (Tinker's contract: no
+    normalisation); `custom` is the stored custom loss the body names."""
+    try:
+        loss = Loss.of_custom(custom) if custom else Loss.parse(body.loss_fn, body.loss_config)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    return Forward(data=data, loss=loss, backward=not body.forward_only)  # plain sums
+
+
+def save(b: SaveBody, seq: int, sampler: bool) -> SaveByName | InvalidRequest:
+    """save_weights (a training state) or save_weights_for_sampler: named and persistent, or (no
+    path) a temporary snapshot for a sampling session; the InvalidRequest that refuses the call
+    (queued in its place)."""
+    inflight = b.kind == "inflight"  # the run's inflight samplers follow this save
+    if not sampler:
+        return SaveByName(
+            kind="state", name=b.path or f"state-{seq}", ttl_seconds=b.ttl_seconds, overwrite=b.overwrite
         )
-    return out.SerializeToString()
+    if b.kind not in ("snapshot", "inflight"):
+        return InvalidRequest(f"kind {b.kind!r}: use 'snapshot' or 'inflight'")
+    if b.path:
+        return SaveByName(
+            kind="weights", name=b.path, ttl_seconds=b.ttl_seconds, overwrite=b.overwrite, inflight=inflight
+        )
+    if b.sampling_session_seq_id is None:
+        return InvalidRequest("save_weights_for_sampler: send a path (a name) or sampling_session_seq_id")
+    return SaveByName(
+        kind="weights",
+        name=f"sampler-{seq}",
+        visibility="TEMPORARY",
+        ttl_seconds=b.ttl_seconds,
+        overwrite=True,
+        inflight=inflight,
+    )
+
+
+# ---------------------------------------------------------------------------- samples
+def sample_request(b: dict, body: AsampleBody, seq: int) -> tuple[SampleRequest, TargetLayout | None, str]:
+    """asample's sample request (`b` as sent, `body` its typed top-level fields), the layout of the
+    target ids it scores (sample_extras.py), and the body's fingerprint (a retry must repeat it).
+    Tinker's `stop`: token ids or strings; [] disables every stop, EOS included."""
+    p = dict(b.get("sampling_params") or {})
+    stop = p.pop("stop", None)
+    no_stop = isinstance(stop, list) and not stop
+    if isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop):
+        p["stop_token_ids"] = stop
+    elif stop:
+        p["stop"] = stop
+    prompt = parse_model(ModelInputBody, b.get("prompt"), "prompt").tokens("prompt")
+    params = parse_model(SamplingParamsBody, p, "sampling_params")
+    with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
+    fields, targets = parse_extras(b, len(prompt), bool(b.get("prompt_logprobs")))
+    top_logprobs = fields.pop("top_logprobs")
+    options = sampling_options(
+        params,
+        stop_at_eos=not no_stop,  # Tinker: [] disables every stop, EOS included
+        top_logprobs=top_logprobs,
+    )
+    req = SampleRequest(
+        request_id=f"tk-{seq}",
+        prompt=prompt,
+        options=options,
+        num_samples=body.num_samples,
+        prompt_logprobs=with_prompt_logprobs,
+        topk_prompt_logprobs=body.topk_prompt_logprobs or 0,
+        **fields,
+    )
+    fingerprint = hashlib.sha256(json.dumps(b, sort_keys=True).encode()).hexdigest()
+    return req, targets, fingerprint

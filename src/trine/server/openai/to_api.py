@@ -1,0 +1,64 @@
+"""A validated OpenAI request (`Generation`, bodies.py) -> the engine's `SampleRequest`: the only place
+OpenAI's parameter names become the engine's vocabulary (`engine/api.py`). A prompt that leaves no
+room in the model's context is a 400 `context_length_exceeded` naming the parameter to change.
+"""
+
+from __future__ import annotations
+
+from ...engine.api import SampleRequest, SamplingOptions
+from .bodies import Generation
+from .errors import OpenAIError
+
+
+def sample_request(g: Generation, rid: str, prompt: list[int], context: int, grammar: str) -> SampleRequest:
+    """One prompt's sampling request. With echo and logprobs, or prompt_logprobs, the engine scores
+    the prompt in the prefill that serves it; max_tokens 0 (echo) scores it without generating."""
+    max_tokens = tokens_to_generate(g, len(prompt), context)
+    options = SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        seed=g.seed,
+        stop_strings=g.stop,
+        stop_token_ids=g.stop_token_ids,
+        top_logprobs=g.top_logprobs,
+        grammar=grammar,
+        presence_penalty=g.presence_penalty,
+        frequency_penalty=g.frequency_penalty,
+        repetition_penalty=g.repetition_penalty,
+        min_p=g.min_p,
+        logit_bias=g.logit_bias,
+    )
+    scored = (g.echo and g.logprobs) or g.prompt_logprobs is not None
+    top = max(g.top_logprobs if g.echo and g.logprobs else 0, g.prompt_logprobs or 0)
+    return SampleRequest(
+        request_id=rid,
+        prompt=prompt,
+        options=options,
+        num_samples=g.best_of or g.n,
+        prompt_logprobs=scored,
+        topk_prompt_logprobs=top,
+        generate=max_tokens > 0,
+        reuse_prompt_scores=True,  # a harness's prompts share their few-shot stems: score those once
+    )
+
+
+def tokens_to_generate(g: Generation, prompt: int, context: int) -> int:
+    """The tokens to generate: as asked (0: none, echo only), or (unset) up to the end of the model's
+    context."""
+    if prompt >= context or (g.max_tokens is not None and prompt + g.max_tokens > context):
+        param = (
+            "max_tokens"
+            if g.max_tokens is not None and prompt < context
+            else ("messages" if g.chat else "prompt")
+        )
+        raise OpenAIError(
+            400,
+            f"{param}: this model's maximum context length is {context} tokens; the "
+            f"prompt has {prompt} tokens and max_tokens is {g.max_tokens or 'unset'}. "
+            "Shorten the prompt or lower max_tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return g.max_tokens if g.max_tokens is not None else context - prompt
