@@ -7,8 +7,8 @@ calls the parts' public methods directly:
 - `runs` (runs.py): `create_session`, `close_session`, `create_training_run(key, session,
   TrainingRunSpec)`, `update_training_run`, `heartbeat`, `create_sampling_run(key, session,
   SamplingRunSpec)`;
-- `events` (events.py): `submit(key, run, event_id=, index=, step=, command=)` (ordered, idempotent)
-  and `event(key, run, event_id, wait)` (a long-poll);
+- `events` (events/: accept, settle, reads): `submit(key, run, event_id=, index=, step=, command=)`
+  (ordered, idempotent) and `event(key, run, event_id, wait)` (a long-poll);
 - `sampling` (sampling/): `sample(key, run, SampleRequest)`, `sample_stream` (SampleDeltas, then the
   SampleOutcome), `cancel`;
 - `checkpoints` (checkpoints.py): `delete(key, checkpoint_id)`, `set_ttl`, `set_public`, `stored(key)`
