@@ -629,3 +629,30 @@ def test_the_session_trace_downloads_from_the_sdk(server, service, tmp_path):
     assert [e for e in signed["traceEvents"] if e.get("cat") == "decode"][-1] == decode[-1]
     with pytest.raises(trio.TrineError, match="not found"):
         rest.download_session_trace("ss_nope", tmp_path / "x.json").result()
+
+
+def test_the_sdks_own_async_calls_answer_as_their_sync_twins(server, service, tmp_path):
+    """The four calls trine adds to PyTRIO's API have `_async` forms (as every PyTRIO call does) for
+    loops that run in asyncio: they answer what the sync call's future does."""
+    trainer = service.create_lora_training_client(MODEL, rank=4, seed=3)
+    rest = service.create_rest_client()
+    sid = service.service_session_cuid
+    prompt = trio.ModelInput.from_ints(list(range(1, 12)))
+    params = trio.SamplingParams(max_tokens=3, temperature=0.0)
+
+    async def calls():
+        logged = await trainer.log_metrics_async({"reward": 0.25}, step=1)
+        inflight = await trainer.inflight_sampling_client_async()
+        sampled = await inflight.sample_async(prompt, sampling_params=params)
+        url = await rest.export_session_trace_async(sid)
+        path = await rest.download_session_trace_async(sid, tmp_path / "trace.json")
+        return logged, sampled, url, path
+
+    logged, sampled, url, path = asyncio.run(calls())
+    assert logged == trainer.log_metrics({"reward": 0.25}, step=1).result()  # the same step replaces
+    seq = sampled.sequences[0]
+    assert seq.weights_versions == [1] * 3  # an inflight sampler: the version of its first save
+    sync = trainer.inflight_sampling_client().sample(prompt, sampling_params=params).result()
+    assert sync.sequences[0].tokens == seq.tokens
+    assert "traceEvents" in json.loads(path.read_text())
+    assert "traceEvents" in httpx.get(url, trust_env=False).json()
