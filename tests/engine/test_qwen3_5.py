@@ -227,7 +227,7 @@ def test_prefill_then_decode_over_a_kv_cache_equals_the_whole_forward(qwen3_5_di
         shape = (T, cfg.num_kv_heads, cfg.head_dim)
         pools = [torch.zeros(shape, dtype=model.dtype) for _ in cfg.attention_layers]
         vpools = [torch.zeros(shape, dtype=model.dtype) for _ in cfg.attention_layers]
-        state, outs = HybridState.empty(cfg), []
+        state, outs = HybridState.zeros(cfg, 1, dtype=model.dtype), []
         for a, e in [(0, P)] + [(t, t + 1) for t in range(P, T)]:
             slots = torch.arange(a, e)[None]
             kv = KVContext(
@@ -310,6 +310,66 @@ def test_lora_gradients_match_transformers_and_peft(qwen3_5_dir, hf_qwen3_5):
         for m in adapter.module_names()
     }
     Rounding(got, got64).assert_within(want)
+
+
+@pytest.mark.parametrize("layout", ["scattered", "contiguous"])
+def test_mixed_adapters_in_one_batch_equal_each_row_alone(qwen3_5_dir, layout):
+    """Kind 3, against fp64: each row alone is the reference, the mixed batch the path."""
+    from test_model_parity import random_adapter
+
+    tokens = torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(5))
+
+    def compute(model):
+        a1 = random_adapter(model, LoRAConfig(rank=4), seed=1)
+        a2 = random_adapter(model, LoRAConfig(rank=8, alpha=8.0, train_unembed=False), seed=2)
+        rows = [a1, None, a2, a1] if layout == "scattered" else [a1, a1, None, a2]
+        with torch.no_grad():
+            mixed = model(tokens, adapters=AdapterBatch.from_rows(rows))
+            alone = [model(tokens[i : i + 1], adapters=AdapterBatch.single(a))[0] for i, a in enumerate(rows)]
+        return {"logits": alone}, {"logits": list(mixed)}
+
+    assert_same_computation(compute, load_model(qwen3_5_dir, "cpu"), fp64_model(qwen3_5_dir))
+
+
+def test_state_rows_batch_and_snapshot(qwen3_5_dir):
+    """`HybridState` rows concatenate and split back exactly; a clone is a snapshot that a later
+    forward from the original does not change."""
+    model = load_model(qwen3_5_dir, "cpu")
+    cfg = model.cfg
+    tokens = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(9))
+    pools = [torch.zeros(8, cfg.num_kv_heads, cfg.head_dim) for _ in cfg.attention_layers]
+    vpools = [torch.zeros(8, cfg.num_kv_heads, cfg.head_dim) for _ in cfg.attention_layers]
+    state = HybridState.cat([HybridState.zeros(cfg, 1), HybridState.zeros(cfg, 1)])
+    slots = torch.stack([torch.arange(3), torch.arange(4, 7)])
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()[None, None].expand(2, 1, 3, 3)
+    with torch.no_grad():
+        model(
+            tokens[:, :3],
+            torch.arange(3).expand(2, 3),
+            kv=KVContext(pools, vpools, slots, slots, mask),
+            state=state,
+        )
+    snapshot = state.clone()
+    first, second = state.rows(slice(0, 1)), state.rows(slice(1, 2))
+    again = HybridState.cat([first, second])
+    for a, b in zip(again.layers, snapshot.layers):
+        assert_bitwise({"conv": a.conv, "s": a.recurrent}, {"conv": b.conv, "s": b.recurrent})
+    assert snapshot.nbytes == state.nbytes > 0
+    with torch.no_grad():
+        model(
+            tokens[:, 3:4],
+            torch.full((2, 1), 3),
+            kv=KVContext(
+                pools,
+                vpools,
+                slots[:, :1] + 3,
+                torch.cat([slots, slots[:, :1] + 3], 1),
+                torch.ones(2, 1, 1, 4, dtype=torch.bool),
+            ),
+            state=state,
+        )
+    assert not torch.equal(state.layers[0].recurrent, snapshot.layers[0].recurrent)
+    assert torch.equal(again.layers[0].recurrent, snapshot.layers[0].recurrent)
 
 
 def test_a_hybrid_model_is_not_servable_yet(qwen3_5_dir, tiny_model_dir):

@@ -30,6 +30,9 @@ Invariants
   K - 1 real inputs.
 - The rule is computed in `invariant.wide_dtype`, so an fp64 model (the tests' rounding reference)
   stays fp64 throughout.
+- Not batch invariant yet: the projections go through invariant.py (`LoRALinear`), the rule's
+  matmuls, triangular solves and the conv are torch's, so `--batch-invariant`'s sampler = trainer
+  contract does not cover this layer.
 """
 
 from __future__ import annotations

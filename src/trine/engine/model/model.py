@@ -75,8 +75,6 @@ class ModelConfig:
                 rope["high_freq_factor"],
                 rope["original_max_position_embeddings"],
             )
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -93,8 +91,14 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             model_type=model_type,
-            eos_token_ids=eos,
+            eos_token_ids=hf_eos_ids(cfg),
         )
+
+
+def hf_eos_ids(cfg: dict) -> tuple[int, ...]:
+    """A config.json's `eos_token_id` (one id, a list, or none) as a tuple."""
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 
 
 # ----------------------------------------------------------------------------- layers

@@ -28,7 +28,7 @@ from . import invariant
 from .attention import KVContext, attend
 from .gated_deltanet import GatedDeltaNet, LinearAttentionShape, LinearState
 from .lora import AdapterBatch, FusedLinears, LoRALinear
-from .model import MLP, ModelConfig, Transformer, apply_rope, padding_mask, rope_tables
+from .model import MLP, ModelConfig, Transformer, apply_rope, hf_eos_ids, padding_mask, rope_tables
 
 FAMILIES = ("qwen3_5_text", "qwen3_5")  # a `qwen3_5` checkpoint: its `text_config`, no vision tower
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -65,8 +65,6 @@ class HybridConfig(ModelConfig):
         if unknown or len(types) != layers:
             raise ValueError(f"layer_types {unknown or types!r}: need {layers} of {LINEAR}, {FULL}")
         rope = cfg.get("rope_parameters") or {}
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -82,7 +80,7 @@ class HybridConfig(ModelConfig):
             qk_norm=True,
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             model_type="qwen3_5_text",
-            eos_token_ids=eos,
+            eos_token_ids=hf_eos_ids(cfg),
             layer_types=tuple(types),
             linear=LinearAttentionShape(
                 num_key_heads=cfg["linear_num_key_heads"],
@@ -104,10 +102,20 @@ class HybridState:
     layers: list[LinearState | None] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, cfg: HybridConfig) -> HybridState:
-        return cls([None] * len(cfg.linear_layers))
+    def zeros(cls, cfg: HybridConfig, batch: int, device=None, dtype=torch.float32) -> HybridState:
+        """The state before any token, for `batch` rows (`dtype`: the model's)."""
+        return cls([LinearState.zeros(cfg.linear, batch, device, dtype) for _ in cfg.linear_layers])
+
+    @classmethod
+    def cat(cls, states: list[HybridState]) -> HybridState:
+        """Rows of several states (no None entries) as one batch, in order."""
+        return cls([LinearState.cat(list(layer)) for layer in zip(*(s.layers for s in states))])
+
+    def rows(self, index: torch.Tensor | slice) -> HybridState:
+        return HybridState([s.rows(index) for s in self.layers])
 
     def clone(self) -> HybridState:
+        """A snapshot (what a prefix cache keeps): later forwards from `self` do not change it."""
         return HybridState([None if s is None else s.clone() for s in self.layers])
 
     @property
