@@ -109,6 +109,21 @@ def test_logits_match_transformers_with_padding(qwen3_5_dir, hf_qwen3_5):
     Rounding(got[mask], got64[mask]).assert_within(want[mask])
 
 
+def test_an_untied_lm_head_matches_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_qwen3_5_dir(tmp_path / "untied", seed=1, tie=False)
+    ours, ours64 = load_model(path, "cpu"), fp64_model(path)
+    assert not ours.cfg.tie_word_embeddings and ours.lm_head.weight is not ours.model.embed_tokens.weight
+    tokens, mask = padded_batch(40, 33)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(
+            tokens, attention_mask=mask.long()
+        ).logits
+        got, got64 = ours(tokens, pad_mask=mask), ours64(tokens, pad_mask=mask)
+    Rounding(got[mask], got64[mask]).assert_within(want[mask])
+
+
 def test_a_multimodal_checkpoint_loads_its_language_model(qwen3_5_dir, tmp_path):
     """A `qwen3_5` checkpoint: the text config under `text_config`, the weights under
     `model.language_model.`, beside a vision tower and an MTP head that are not loaded."""
