@@ -56,6 +56,8 @@ class WeightsIdentity:
 LORA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP = ("gate_proj", "up_proj", "down_proj")
 LORA_UNEMBED = ("lm_head",)
+# A linear-attention layer's projections (Qwen3.5's Gated DeltaNet), PEFT's names: targets with train_attn.
+LORA_LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Decoder-only transformers of the Llama / Qwen2 / Qwen3 families, with per-row LoRA.
+"""Decoder-only transformers of the Llama / Qwen2 / Qwen3 families, with per-row LoRA (Qwen3.5's
+hybrid stack builds on them: qwen3_5.py).
 
 Read top to bottom: config -> RMSNorm -> RoPE -> attention -> MLP -> block -> model. Every linear
 layer is a `LoRALinear` (lora.py); each forward takes the `AdapterBatch` of its rows. Attention's
@@ -52,6 +53,11 @@ class ModelConfig:
     model_type: str = "llama"
     eos_token_ids: tuple[int, ...] = ()
 
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head RoPE rotates: all of them here (qwen3_5.py: a part)."""
+        return self.head_dim
+
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")
@@ -69,8 +75,6 @@ class ModelConfig:
                 rope["high_freq_factor"],
                 rope["original_max_position_embeddings"],
             )
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -87,8 +91,14 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             model_type=model_type,
-            eos_token_ids=eos,
+            eos_token_ids=hf_eos_ids(cfg),
         )
+
+
+def hf_eos_ids(cfg: dict) -> tuple[int, ...]:
+    """A config.json's `eos_token_id` (one id, a list, or none) as a tuple."""
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 
 
 # ----------------------------------------------------------------------------- layers
@@ -110,7 +120,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    dim = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if cfg.rope_scaling is not None:  # Llama 3.1 frequency-dependent scaling
         factor, low, high, old_ctx = cfg.rope_scaling
         wavelen = 2 * math.pi / inv
@@ -200,12 +211,25 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def padding_mask(pad_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The training forward's attention mask [B, 1, T, T] from `pad_mask` [B, T] (True = real token,
+    right padding): causal, padded keys hidden; None when nothing is padded (plain causal)."""
+    if pad_mask is None or bool(pad_mask.all()):
+        return None
+    T = pad_mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=pad_mask.device).tril()
+    # Padded keys are hidden; padded queries still see key 0 so no row is all -inf.
+    return (causal[None] & pad_mask[:, None, :])[:, None]
+
+
 class Transformer(nn.Module):
+    decoder = Decoder  # the layer stack a subclass builds instead (qwen3_5.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.source_dir: Path | None = None  # the checkpoint directory load_model read, if any
-        self.model = Decoder(cfg)
+        self.model = self.decoder(cfg)
         self.lm_head = LoRALinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -238,12 +262,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         angles = positions[..., None].to(invariant.wide_dtype(x.dtype)) * self.inv_freq  # fp32, as HF's
         cos, sin = rope_tables(angles, x.dtype)  # [B, 1, T, D]
-        mask = None
-        if kv is None and pad_mask is not None and not bool(pad_mask.all()):
-            T = tokens.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-            # Padded keys are hidden; padded queries still see key 0 so no row is all -inf.
-            mask = (causal[None] & pad_mask[:, None, :])[:, None]
+        mask = padding_mask(pad_mask) if kv is None else None
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, adapters, mask, kv, i)
         return self.model.norm(x)
@@ -251,7 +270,8 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor, adapters: AdapterBatch | None = None) -> torch.Tensor:
         return invariant.widened(self.lm_head(hidden, adapters))  # fp32, or an fp64 model's fp64
 
-    def forward(self, tokens, positions=None, adapters=None, pad_mask=None, kv=None):
+    def forward(self, tokens, positions=None, adapters=None, pad_mask=None, kv=None, **inputs):
+        """Logits [B, T, vocab]; `inputs`: a subclass's own (HybridTransformer's recurrent `state`)."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return self.logits(self.hidden_states(tokens, positions, adapters, pad_mask, kv), adapters)
+        return self.logits(self.hidden_states(tokens, positions, adapters, pad_mask, kv, **inputs), adapters)

@@ -3,6 +3,12 @@
 A directory holds config.json, one or many *.safetensors (optionally with an index), and the
 tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja). Nothing here ever
 reaches a model hub.
+
+Families: the dense `llama`, `qwen2`, `qwen3`, `mistral` (model.py) and Qwen3.5's hybrid
+`qwen3_5_text` (qwen3_5.py), or the language model of a multimodal `qwen3_5` checkpoint (its
+`model.language_model.*` weights; the vision tower and the multi-token-prediction head are not
+loaded). A hybrid model loads and runs a forward, but the sampler and the trainer do not yet keep
+its recurrent state per sequence, so it is not servable (`servable`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,11 @@ import torch
 from safetensors.torch import load_file
 
 from ..config import DTYPE_NAMES
+from . import qwen3_5
 from .model import ModelConfig, Transformer, rope_inv_freq
+
+# A multimodal checkpoint's language model and the parts of it a text model does not load.
+_LANGUAGE_MODEL, _NOT_TEXT = "model.language_model.", ("model.visual.", "mtp.")
 
 
 def default_device() -> torch.device:
@@ -45,7 +55,36 @@ def read_config(path: str | Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} is not a model directory: it has no config.json")
-    return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    return config_from_hf(json.loads(cfg_file.read_text()))
+
+
+def config_from_hf(cfg: dict) -> ModelConfig:
+    """A config.json's model config, by its family (`model_type`)."""
+    if cfg.get("model_type") in qwen3_5.FAMILIES:
+        return qwen3_5.HybridConfig.from_hf(cfg)
+    return ModelConfig.from_hf(cfg)
+
+
+def servable(cfg: ModelConfig) -> str | None:
+    """Why the sampler and trainer cannot serve a model of this config yet, or None if they can."""
+    if isinstance(cfg, qwen3_5.HybridConfig):
+        return (
+            f"model_type {cfg.model_type!r} (Qwen3.5's Gated DeltaNet hybrid) loads, but serving it "
+            "needs a recurrent-state cache in the sampler and trainer, which trine does not have yet"
+        )
+    return None
+
+
+def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights under a text model's names: a multimodal checkpoint's language model
+    (`model.language_model.X` as `model.X`) without its vision tower or MTP head; others as they are."""
+    if not any(k.startswith(_LANGUAGE_MODEL) for k in state):
+        return state
+    return {
+        "model." + k[len(_LANGUAGE_MODEL) :] if k.startswith(_LANGUAGE_MODEL) else k: v
+        for k, v in state.items()
+        if not k.startswith(_NOT_TEXT)
+    }
 
 
 def load_model(
@@ -57,13 +96,14 @@ def load_model(
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = (qwen3_5.HybridTransformer if isinstance(cfg, qwen3_5.HybridConfig) else Transformer)(cfg)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    state = text_weights(state)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     model = model.to_empty(device=device)

@@ -1,0 +1,268 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3.5's hybrid stack, with the state it carries.
+
+Math (per value head h; keys and queries L2-normalised, queries scaled by 1/sqrt(Dk)): a state
+S [Dk, Dv] is decayed, corrected toward the token's value, then read by its query,
+
+    S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,    o_t = S_t^T q_t,
+
+with a_t = exp(g_t), g_t = -exp(A_log) * softplus(a_proj + dt_bias) <= 0 and beta_t =
+sigmoid(b_proj). q, k and v come out of one projection (`in_proj_qkv`) through a short causal
+depthwise conv (kernel `linear_conv_kernel_dim`, then SiLU); the output is a gated RMSNorm of o by
+`in_proj_z`, then `out_proj`. Key heads serve `linear_num_value_heads // linear_num_key_heads`
+consecutive value heads each.
+
+Two forms of the same rule:
+- `chunked_rule` (prefill, training; any length): chunks of `CHUNK` tokens, each a triangular
+  solve (the UT transform) and a few matmuls, then one state update per chunk.
+- `recurrent_rule` (decode): one state update per token.
+
+State (`LinearState`, per layer and sequence): the recurrent state [Hv, Dk, Dv], in the wide dtype
+(fp32, or an fp64 model's fp64), and the conv state [conv_dim, K - 1]: the last K - 1 inputs of the
+conv (the `in_proj_qkv` outputs before it, in the model dtype), conv_dim = 2 Hk Dk + Hv Dv.
+
+Invariants
+- Running T tokens from a state S gives, within fp32 rounding, the same outputs and final state
+  whichever form runs them and however they are cut into pieces (the state carried from piece to
+  piece). A prefix's state is therefore reusable: what a later prefix cache relies on. Chunks are
+  counted from a piece's first token: two runs compute the same bits only if cut at the same places.
+- Padded positions (`real` False; real tokens first in each row, padding after) leave both states
+  exactly as they are: their decay is 1 and their update 0, and the conv state is each row's last
+  K - 1 real inputs.
+- The rule is computed in `invariant.wide_dtype`, so an fp64 model (the tests' rounding reference)
+  stays fp64 throughout.
+- Not batch invariant yet: the projections go through invariant.py (`LoRALinear`), the rule's
+  matmuls, triangular solves and the conv are torch's, so `--batch-invariant`'s sampler = trainer
+  contract does not cover this layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import invariant
+from .invariant import silu
+from .lora import AdapterBatch, FusedLinears, LoRALinear
+
+CHUNK = 64  # tokens per chunk of `chunked_rule` (the reference's)
+L2_EPS = 1e-6  # the reference's epsilon of the q/k L2 norm
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """A Gated DeltaNet layer's dimensions (Qwen3.5's `linear_*` config keys)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass
+class LinearState:
+    """One Gated DeltaNet layer's state for a batch of sequences (rows).
+
+    conv [B, conv_dim, K - 1]: the last K - 1 conv inputs, model dtype.
+    recurrent [B, Hv, Dk, Dv]: the delta rule's state, wide dtype.
+    """
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    @classmethod
+    def zeros(cls, shape: LinearAttentionShape, batch: int, device=None, dtype=torch.float32) -> LinearState:
+        """The state before any token: what a sequence's first forward starts from."""
+        conv = torch.zeros(batch, shape.conv_dim, shape.conv_kernel - 1, device=device, dtype=dtype)
+        rec = (batch, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim)
+        return cls(conv, torch.zeros(rec, device=device, dtype=invariant.wide_dtype(dtype)))
+
+    @classmethod
+    def cat(cls, states: list[LinearState]) -> LinearState:
+        """Rows of several states as one batch, in order."""
+        return cls(torch.cat([s.conv for s in states]), torch.cat([s.recurrent for s in states]))
+
+    def rows(self, index: torch.Tensor | slice) -> LinearState:
+        """The state of some rows (a copy for an index tensor, a view for a slice)."""
+        return LinearState(self.conv[index], self.recurrent[index])
+
+    def clone(self) -> LinearState:
+        """A snapshot: later forwards from `self` do not change it."""
+        return LinearState(self.conv.clone(), self.recurrent.clone())
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+
+# ----------------------------------------------------------------------------- the rule, two forms
+def _prepare(q, k, v, g, beta):
+    """[B, T, H*, D] inputs -> [B, Hv, T, D] in the wide dtype, q/k L2-normalised, q scaled."""
+    wide = invariant.wide_dtype(q.dtype)
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:  # each key head serves `groups` consecutive value heads
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    q, k, v, g, beta = (x.transpose(1, 2).to(wide).contiguous() for x in (q, k, v, g, beta))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def recurrent_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule one token at a time. q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta
+    [B, T, Hv]; state [B, Hv, Dk, Dv] -> (o [B, T, Hv, Dv] in v's dtype, the final state)."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    s = state.to(q.dtype)
+    outs = []
+    for t in range(q.shape[2]):
+        s = s * g[:, :, t].exp()[..., None, None]
+        kt = k[:, :, t]
+        delta = (v[:, :, t] - (s * kt[..., None]).sum(-2)) * beta[:, :, t, None]
+        s = s + kt[..., None] * delta[..., None, :]
+        outs.append((s * q[:, :, t, :, None]).sum(-2))
+    o = torch.stack(outs, 2) if outs else v
+    return o.transpose(1, 2).to(dtype), s
+
+
+def chunked_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK):
+    """`recurrent_rule`'s result, by chunks of `chunk` tokens: within a chunk the rule's updates are
+    one unit-lower-triangular system (the UT transform of DeltaNet), solved once; the state is read
+    and updated once per chunk. Same arguments and result as `recurrent_rule`."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    B, H, T, dk = k.shape
+    pad = (-T) % chunk  # padded tokens: no decay (g 0), no update (k, v, beta 0)
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (T + pad) // chunk
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    q, k, k_beta, v_beta = (x.view(B, H, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    cum = g.view(B, H, n, chunk).cumsum(-1)  # log of the decay from the chunk's start to each token
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * pair  # unit lower triangular once solved with I
+    intra = (q @ k.transpose(-1, -2)) * pair
+    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
+    )
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    s = state.to(q.dtype)
+    outs = []
+    for i in range(n):
+        v_new = values[:, :, i] - k_decayed[:, :, i] @ s
+        outs.append(q[:, :, i] @ s + intra[:, :, i] @ v_new)
+        s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    o = torch.cat(outs, 2)[:, :, :T] if outs else v[:, :, :T]
+    return o.transpose(1, 2).to(dtype), s
+
+
+# ----------------------------------------------------------------------------- the conv
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, lengths: torch.Tensor | None):
+    """The causal depthwise conv, then SiLU. x [B, T, C]; weight [C, 1, K]; conv [B, C, K - 1] the
+    inputs before x -> (out [B, T, C], the new conv state: each row's last K - 1 inputs up to its
+    `lengths` real tokens, all T when None)."""
+    B, T, C = x.shape
+    full = torch.cat([conv.to(x.dtype), x.transpose(1, 2)], -1)  # [B, C, K - 1 + T]
+    out = silu(F.conv1d(full, weight.to(x.dtype), groups=C)).transpose(1, 2)
+    keep = conv.shape[-1]
+    if lengths is None:
+        state = full[:, :, full.shape[-1] - keep :]
+    else:  # row b's inputs [lengths[b], lengths[b] + K - 1) of `full`
+        at = lengths[:, None] + torch.arange(keep, device=x.device)
+        state = full.gather(2, at[:, None, :].expand(B, C, keep))
+    return out, state.contiguous()
+
+
+# ----------------------------------------------------------------------------- the layer
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, scaled by `weight`, times SiLU of the gate (Qwen3.5's order:
+    normalise in the wide dtype, round, scale, then gate in the wide dtype)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = invariant.widened(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * silu(invariant.widened(gate))).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The layer (`model.layers.N.linear_attn`): hidden [B, T, hidden] -> [B, T, hidden], from and
+    to a `LinearState`. Module and parameter names are Hugging Face's (LoRA targets `in_proj_qkv`,
+    `in_proj_z`, `in_proj_b`, `in_proj_a`, `out_proj`: PEFT's); the four input projections are one
+    GEMM (`FusedLinears`)."""
+
+    def __init__(self, hidden_size: int, shape: LinearAttentionShape, eps: float):
+        super().__init__()
+        self.shape = shape
+        hv = shape.num_value_heads
+        self.in_proj_qkv = LoRALinear(hidden_size, shape.conv_dim, bias=False)
+        self.in_proj_z = LoRALinear(hidden_size, shape.value_dim, bias=False)
+        self.in_proj_b = LoRALinear(hidden_size, hv, bias=False)
+        self.in_proj_a = LoRALinear(hidden_size, hv, bias=False)
+        self.conv1d = nn.Conv1d(
+            shape.conv_dim, shape.conv_dim, shape.conv_kernel, groups=shape.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        self.norm = GatedRMSNorm(shape.value_head_dim, eps)
+        self.out_proj = LoRALinear(shape.value_dim, hidden_size, bias=False)
+        self.in_proj = FusedLinears("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        adapters: AdapterBatch | None,
+        real: torch.Tensor | None = None,
+        state: LinearState | None = None,
+    ) -> tuple[torch.Tensor, LinearState]:
+        """x [B, T, hidden]; `real` [B, T] bool (None: every position real); `state` the rows'
+        state before x (None: zeros) -> (output, the state after each row's real tokens). One
+        token per row runs `recurrent_rule`, more run `chunked_rule`."""
+        B, T, _ = x.shape
+        sh = self.shape
+        if state is None:
+            state = LinearState.zeros(sh, B, x.device, x.dtype)
+        if real is not None:
+            x = x * real[..., None].to(x.dtype)  # the reference zeroes padded inputs
+        qkv, z, b, a = self.in_proj(self, x, adapters)
+        lengths = None if real is None else real.sum(1)
+        qkv, conv = causal_conv(qkv, self.conv1d.weight, state.conv, lengths)
+        q, k, v = qkv.split([sh.key_dim, sh.key_dim, sh.value_dim], -1)
+        q = q.reshape(B, T, sh.num_key_heads, sh.key_head_dim)
+        k = k.reshape(B, T, sh.num_key_heads, sh.key_head_dim)
+        v = v.reshape(B, T, sh.num_value_heads, sh.value_head_dim)
+        wide = invariant.wide_dtype(x.dtype)
+        beta = torch.sigmoid(invariant.widened(b))
+        g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
+        if real is not None:  # padded positions: decay 1, no update
+            beta, g = beta * real[..., None], g * real[..., None]
+        rule = recurrent_rule if T == 1 else chunked_rule
+        o, recurrent = rule(q, k, v, g, beta, state.recurrent)
+        o = self.norm(o, z.reshape(B, T, sh.num_value_heads, sh.value_head_dim))
+        out = self.out_proj(o.reshape(B, T, sh.value_dim), adapters)
+        return out, LinearState(conv, recurrent)
