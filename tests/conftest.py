@@ -83,6 +83,17 @@ def tiny_qwen_tools_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(autouse=True)
+def gemm_dispatch_restored():
+    """An engine's start installs its GEMM choice process-wide (engine/model/kernels/gemm.py):
+    each test starts from the dispatch as it was (by default: packed where it applies)."""
+    from trine.engine.model.kernels import gemm
+
+    mode, choice = gemm.mode, dict(gemm.choice)
+    yield
+    gemm.set_choice(mode, choice)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_model_dirs) -> Path:
     """The default tiny model for tests that need one model: Llama family, like SmolLM2."""

@@ -38,6 +38,20 @@ def lora_features(model: nn.Module) -> dict[str, int]:
     return out
 
 
+def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """The base-weight shapes (out, in) the model's forward multiplies: each LoRALinear's, and each
+    FusedLinears group's as one (its members' outputs stacked), for the GEMM choice (kernels/gemm.py)."""
+    shapes = set()
+    for mod in model.modules():
+        if isinstance(mod, LoRALinear):
+            shapes.add((mod.out_features, mod.in_features))
+        for group in vars(mod).values():
+            if isinstance(group, FusedLinears):
+                members = [getattr(mod, n) for n in group.names]
+                shapes.add((sum(m.out_features for m in members), members[0].in_features))
+    return sorted(shapes)
+
+
 class Adapter(nn.Module):
     """One LoRA adapter: for each targeted linear (by its full module name), A [r, in] and B [out, r].
 

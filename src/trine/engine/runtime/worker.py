@@ -39,7 +39,7 @@ from ..api import LoRAConfig, SampleCancelled, SampleDelta, SampleRequest, Sampl
 from ..config import EngineConfig
 from ..model import invariant
 from ..model.kernels.active import startup_line
-from ..model.lora import Adapter
+from ..model.lora import Adapter, linear_shapes
 from ..model.tokenizer import Tokenizer
 from ..model.weights import load_model, parse_dtype
 from ..setup import configure
@@ -192,8 +192,9 @@ class EngineWorker:
             # numerics must be (--batch-invariant: its GEMMs' bits depend on the thread count)
             on_cpu = self.model.device.type == "cpu"
             self.cpu_share = CpuShare(cfg.num_threads, enabled=on_cpu and not cfg.batch_invariant)
-            # the C kernels are built now, not in the first sample's step
-            log.info("engine %s: %s", self.name, startup_line(self.model.device, self.model.dtype))
+            # the C kernels are built and the GEMM kernels chosen now, not in the first sample's step
+            line = startup_line(self.model.device, self.model.dtype, linear_shapes(self.model), cfg.gemm)
+            log.info("engine %s: %s", self.name, line)
         except BaseException as e:  # reported to start()
             self._start_error = e
             self._ready.set()

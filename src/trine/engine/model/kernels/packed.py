@@ -85,16 +85,21 @@ def _check() -> bool:
     return True
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight)` may take the packed path (see the module docstring)."""
+def few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` is a few-row inference GEMM a prepacked weight may serve: the
+    conditions of the module docstring but this torch's MKL (gemm.py's candidates share them)."""
     return (
         x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and 0 < x.numel() // x.shape[-1] <= MAX_ROWS
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not weight.is_inference()  # no version counter: an in-place change could not be seen
-        and available()
     )
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` may take the packed path (see the module docstring)."""
+    return few_rows(x, weight) and available()
 
 
 def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
