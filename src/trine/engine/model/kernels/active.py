@@ -40,10 +40,8 @@ def active(
     )
 
 
-def startup_line(
-    device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int]] = (), gemm: str = "auto"
-) -> str:
-    """The engine's start log line: the active kernels, then the dtype and torch's threads."""
-    kernels = " ".join(f"{k}={v}" for k, v in active(device, dtype, shapes, gemm).items())
+def startup_line(kernels: dict[str, str], device: torch.device, dtype: torch.dtype) -> str:
+    """The engine's start log line: the active kernels (`active()`), then the dtype and torch's threads."""
+    named = " ".join(f"{k}={v}" for k, v in kernels.items())
     dtype_name = str(dtype).removeprefix("torch.")
-    return f"kernels {kernels} device={device} dtype={dtype_name} threads={torch.get_num_threads()}"
+    return f"kernels {named} device={device} dtype={dtype_name} threads={torch.get_num_threads()}"
