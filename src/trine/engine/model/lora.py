@@ -39,16 +39,19 @@ def lora_features(model: nn.Module) -> dict[str, int]:
 
 
 def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
-    """The base-weight shapes (out, in) the model's forward multiplies: each LoRALinear's, and each
-    FusedLinears group's as one (its members' outputs stacked), for the GEMM choice (kernels/gemm.py)."""
-    shapes = set()
+    """The base-weight shapes (out, in) the model's inference forward multiplies, for the GEMM choice
+    (kernels/gemm.py): each FusedLinears group's as one (its members' outputs stacked: inference
+    weights are always fused), and each other LoRALinear's."""
+    shapes, members = set(), set()
     for mod in model.modules():
-        if isinstance(mod, LoRALinear):
-            shapes.add((mod.out_features, mod.in_features))
         for group in vars(mod).values():
             if isinstance(group, FusedLinears):
-                members = [getattr(mod, n) for n in group.names]
-                shapes.add((sum(m.out_features for m in members), members[0].in_features))
+                fused = [getattr(mod, n) for n in group.names]
+                members.update(map(id, fused))
+                shapes.add((sum(m.out_features for m in fused), fused[0].in_features))
+    for mod in model.modules():
+        if isinstance(mod, LoRALinear) and id(mod) not in members:
+            shapes.add((mod.out_features, mod.in_features))
     return sorted(shapes)
 
 

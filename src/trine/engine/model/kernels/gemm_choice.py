@@ -4,8 +4,8 @@ engine's start and cached on disk, so that a second start measures nothing.
 `choose(shapes, mode)` installs gemm.py's dispatch: forced (`mode` a candidate's name) it measures
 nothing; in auto it reads the choice of this machine and these shapes from `cache_path()`, or
 measures it and writes it there. For each shape and bucket (gemm.BUCKETS) every available
-candidate runs `WARMUP` calls, then `TIMED` timed ones; the fastest median whose output passed the
-self-check wins.
+candidate runs `WARMUP` calls, then `TIMED` timed ones, the candidates in turns; the fastest median
+whose output passed the self-check wins.
 
 Invariants
 - The self-check: a candidate's output lies within the float32 rounding bound of F.linear's
@@ -66,28 +66,27 @@ def measure(
     """The fastest passing candidate per shape and bucket, and every timing (seconds, or None where
     the self-check failed), as {shape: {bucket: {name: seconds}}}."""
     start = time.monotonic()
-    pairs = [(s, b) for s in shapes for b in gemm.BUCKETS if 2 * b * s[0] * s[1] <= MAX_MEASURED_FLOP]
+    buckets = {s: [b for b in gemm.BUCKETS if 2 * b * s[0] * s[1] <= MAX_MEASURED_FLOP] for s in shapes}
     log.info(
         "gemm: measuring %s on %d shapes x row buckets (%d pairs), once for this machine",
         ", ".join(names),
         len(shapes),
-        len(pairs),
+        sum(map(len, buckets.values())),
     )
     chosen: dict[tuple[int, int], dict[int, str]] = {}
     times: dict = {}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for (out_f, in_f), rows in pairs:
+        for (out_f, in_f), rows_list in buckets.items():
             w = torch.randn(out_f, in_f, generator=gen) / in_f**0.5
-            x = torch.randn(rows, in_f, generator=gen)
-            want = F.linear(x, w)
-            bound = 2 * _gamma(in_f) * (x.abs() @ w.abs().t())
-            got = {}
-            for name in names:
-                got[name] = _time(gemm.CANDIDATES[name], x, w, want, bound)
-            times.setdefault((out_f, in_f), {})[rows] = got
-            passing = {n: t for n, t in got.items() if t is not None}
-            chosen.setdefault((out_f, in_f), {})[rows] = min(passing, key=passing.get)
+            for rows in rows_list:
+                x = torch.randn(rows, in_f, generator=gen)
+                want = F.linear(x, w)
+                bound = 2 * _gamma(in_f) * (x.abs() @ w.abs().t())
+                got = _time([gemm.CANDIDATES[n] for n in names], x, w, want, bound)
+                times.setdefault((out_f, in_f), {})[rows] = got
+                passing = {n: t for n, t in got.items() if t is not None}
+                chosen.setdefault((out_f, in_f), {})[rows] = min(passing, key=passing.get)
     log.info("gemm: measured in %.1f s", time.monotonic() - start)
     return chosen, times
 
@@ -97,28 +96,34 @@ def _gamma(k: int) -> float:
     return k * u / (1 - k * u)
 
 
-def _time(cand: gemm.Candidate, x: torch.Tensor, w: torch.Tensor, want, bound) -> float | None:
-    """The median seconds of `cand` on x @ w.T, or None where it raises or fails the self-check."""
+def _time(cands: list[gemm.Candidate], x: torch.Tensor, w: torch.Tensor, want, bound) -> dict:
+    """Each candidate's median seconds on x @ w.T, timed in turns (one call of each, `TIMED` times,
+    so the machine's drift hits all alike); None for one that raises or fails the self-check."""
     global timings
-    try:
-        handle = cand.prepare(w)
-        for _ in range(WARMUP):
-            y = cand.run(x, handle, None)
+    handles = {}
+    for cand in cands:
+        try:
+            handle = cand.prepare(w)
+            for _ in range(WARMUP):
+                y = cand.run(x, handle, None)
+        except RuntimeError as e:
+            log.warning("gemm: %s failed (%s): not chosen", cand.name, e)
+            continue
         if not bool(((y - want).abs() <= bound + 1e-30).all()):
             log.warning(
                 "gemm: %s off F.linear beyond fp32 rounding at %s: not chosen", cand.name, tuple(x.shape)
             )
-            return None
-        samples = []
-        for _ in range(TIMED):
+            continue
+        handles[cand.name] = (cand, handle)
+    samples: dict[str, list[float]] = {name: [] for name in handles}
+    for _ in range(TIMED):
+        for name, (cand, handle) in handles.items():
             t = time.perf_counter()
             cand.run(x, handle, None)
-            samples.append(time.perf_counter() - t)
+            samples[name].append(time.perf_counter() - t)
             timings += 1
-    except RuntimeError as e:
-        log.warning("gemm: %s failed (%s): not chosen", cand.name, e)
-        return None
-    return sorted(samples)[len(samples) // 2]
+    medians = {name: sorted(s)[len(s) // 2] for name, s in samples.items()}
+    return {c.name: medians.get(c.name) for c in cands}
 
 
 def _versions() -> list[str]:
