@@ -15,9 +15,9 @@ Invariants
   (/proc/cpuinfo), torch's version, its MKL and oneDNN versions, torch's thread count, the shapes
   and buckets and the candidates available. A file is written aside and renamed (atomic); one that
   cannot be read or does not match is measured again.
-- A pair whose GEMM exceeds `MAX_MEASURED_FLOP` (the LM head at prefill-sized rows, which the
-  sampler computes only for each sequence's last position) is not measured: it keeps gemm.py's
-  default (`packed`), so the first start stays within seconds.
+- A pair whose GEMM exceeds `MAX_MEASURED_FLOP` (the LM head at prefill-sized rows: the sampler
+  takes logits at each sequence's last position, only prompt logprobs take more) is not measured:
+  it keeps gemm.py's default (`packed`), so the first start stays within seconds.
 """
 
 from __future__ import annotations
