@@ -84,14 +84,15 @@ def tiny_qwen_tools_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def gemm_dispatch_restored():
-    """An engine's start installs its GEMM choice process-wide (engine/model/kernels/gemm.py):
-    each test starts from the dispatch as it was (by default: packed where it applies)."""
+def gemm_dispatch_unmeasured():
+    """An engine's start installs its GEMM choice process-wide (engine/model/kernels/gemm.py), also
+    one a module's fixture starts: each test starts from none (packed where it applies), so what a
+    test asserts of the packed path does not depend on which engines ran before it."""
     from trine.engine.model.kernels import gemm
 
-    mode, choice = gemm.mode, dict(gemm.choice)
+    gemm.set_choice("auto", {})
     yield
-    gemm.set_choice(mode, choice)
+    gemm.set_choice("auto", {})
 
 
 @pytest.fixture(scope="session")
