@@ -105,6 +105,12 @@ def test_the_start_line_names_the_gemm_path():
 
 
 def test_the_config_field_names_itself_when_wrong():
+    from trine.cli.serve import serve
+    from trine.engine.config import GEMM_NAMES
+
+    # the torch-free config and the CLI spell the dispatch's modes
+    flag = next(p for p in serve.params if p.name == "gemm")
+    assert GEMM_NAMES == gemm.MODES == tuple(flag.type.choices)
     assert EngineConfig().gemm == "auto"
     with pytest.raises(ValueError, match="^gemm: 'fast' is not one of auto, packed, onednn, linear"):
         EngineConfig(gemm="fast")
