@@ -4,7 +4,8 @@ recorded as one line of `benchmarks/results/<benchmark>.jsonl` with the date, th
 The docs' Benchmarks page is generated from the last line of each results file (docs/hooks/trine_docs.py),
 so a figure reaches the docs only by a run that recorded it. `TRINE_BENCH_RECORD=0` turns recording off
 (a smoke run, a run on a machine whose figures should not be published). A record's keys: `benchmark`,
-`date` (UTC, ISO 8601), `machine` (`cpu`, `cores`, `torch`, `load_average` at the end of the run),
+`date` (UTC, ISO 8601), `machine` (`cpu` the model name, `cpu_vendor`, `cpu_features`: which of AMX,
+AVX512-BF16 and AVX-512 the CPU has, `cores`, `torch`, `load_average` at the end of the run),
 `command` (the script and its arguments) and `result` (the figures, as the script printed them).
 """
 
@@ -52,17 +53,25 @@ def record(result: dict, name: str | None = None) -> Path | None:
     return path
 
 
+# /proc/cpuinfo flags -> the feature a record names: what decides which GEMM and bf16 kernels a CPU runs
+CPU_FEATURES = {"amx_bf16": "amx", "avx512_bf16": "avx512_bf16", "avx512f": "avx512"}
+
+
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
+    """The machine block of every record: the CPU (model name, vendor, its AMX / AVX512-BF16 / AVX-512),
+    the cores, torch's version and the load average."""
+    info: dict[str, str] = {}  # the first CPU's fields: every core of a machine is the same model
     try:
         for text in Path("/proc/cpuinfo").read_text().splitlines():
-            if text.startswith("model name"):
-                cpu = text.split(":", 1)[1].strip()
-                break
+            field, _, value = text.partition(":")
+            info.setdefault(field.strip(), value.strip())
     except OSError:  # not Linux: platform's name is the best there is
         pass
+    flags = set(info.get("flags", "").split())
     return {
-        "cpu": cpu,
+        "cpu": info.get("model name") or platform.processor() or platform.machine(),
+        "cpu_vendor": info.get("vendor_id"),
+        "cpu_features": [name for flag, name in CPU_FEATURES.items() if flag in flags],
         "cores": os.cpu_count(),
         "torch": _torch_version(),
         "load_average": [round(x, 2) for x in os.getloadavg()],

@@ -78,6 +78,7 @@ REGIONS = {  # (owner, attribute) -> region label
 FORWARD_OPS = {
     "aten::linear": "linear (body)",
     "mkl::_mkl_linear": "linear (body)",  # few rows: MKL's packed weights (engine/model/kernels/packed.py)
+    "mkldnn::_linear_pointwise": "linear (body)",  # few rows where oneDNN measured faster (gemm.py)
     "aten::scaled_dot_product_attention": "attention",
     "aten::index_copy_": "KV write + gather",
     "aten::index_select": "KV write + gather",

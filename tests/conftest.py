@@ -83,6 +83,18 @@ def tiny_qwen_tools_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(autouse=True)
+def gemm_dispatch_unmeasured():
+    """An engine's start installs its GEMM choice process-wide (engine/model/kernels/gemm.py), also
+    one a module's fixture starts: each test starts from none (packed where it applies), so what a
+    test asserts of the packed path does not depend on which engines ran before it."""
+    from trine.engine.model.kernels import gemm
+
+    gemm.set_choice("auto", {})
+    yield
+    gemm.set_choice("auto", {})
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_model_dirs) -> Path:
     """The default tiny model for tests that need one model: Llama family, like SmolLM2."""

@@ -416,6 +416,18 @@ def _rows(result: dict, prefix: str = "", depth: int = 2) -> list[list[str]]:
     return rows
 
 
+FEATURE_NAMES = {"amx": "AMX", "avx512_bf16": "AVX512-BF16", "avx512": "AVX-512"}
+
+
+def _cpu_kind(machine: dict) -> str:
+    """The CPU as a record names it: its model, and (records since report.py read them) its vendor and
+    which of AMX, AVX512-BF16 and AVX-512 it has, which decide the kernels it runs."""
+    if "cpu_features" not in machine:
+        return machine["cpu"]
+    features = [FEATURE_NAMES.get(f, f) for f in machine["cpu_features"]] or ["no AVX-512"]
+    return f"{machine['cpu']} ({', '.join([machine.get('cpu_vendor') or 'vendor unknown', *features])})"
+
+
 def bench_table(name: str) -> str:
     records = bench_records(name)
     if not records and name in UNRECORDED:
@@ -424,7 +436,7 @@ def bench_table(name: str) -> str:
         return f"*Not yet recorded in this format; run `.venv/bin/python benchmarks/{name}.py --json`.*"
     r = records[-1]
     m = r["machine"]
-    where = [m["cpu"], f"{m['cores']} cores", f"torch {m['torch']}"]
+    where = [_cpu_kind(m), f"{m['cores']} cores", f"torch {m['torch']}"]
     if m.get("load_average"):
         where.append(f"load average {' '.join(f'{x:.1f}' for x in m['load_average'])} at the end")
     if m.get("note"):

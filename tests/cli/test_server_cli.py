@@ -23,15 +23,24 @@ def test_keys_create_list_revoke(tmp_path):
     assert runner.invoke(keys, ["create", "--name", " ", "--home", str(tmp_path)]).exit_code != 0
 
 
+def test_an_unknown_gemm_kernel_is_refused_naming_the_flag():
+    from trine.cli.main import main
+
+    out = CliRunner().invoke(main, ["serve", "--gemm", "fast"])
+    assert out.exit_code == 2 and "--gemm" in out.output and "'fast' is not one of" in out.output
+
+
 def test_fresh_serve_creates_a_key_and_prints_how_to_connect(tiny_model_dir, tmp_path):
     port = free_port()
-    proc, text, key = run_serve_cli(
-        ["--model", str(tiny_model_dir), "--port", str(port), "--home", str(tmp_path), "--threads", "1"]
-    )
+    args = ["--model", str(tiny_model_dir), "--port", str(port), "--home", str(tmp_path), "--threads", "1"]
+    proc, text, key = run_serve_cli([*args, "--gemm", "linear"])
     try:
         assert f"PYTRIO_BASE_URL=http://127.0.0.1:{port}" in text and "tiny-llama" in text
         r = wait_http(f"http://127.0.0.1:{port}/api/openapi/v1/api-key/verify", key)
         assert r.status_code == 200 and r.json()["api_key_name"] == "default"
+        # the forced GEMM kernel, named as the engine's start line names it
+        metrics = wait_http(f"http://127.0.0.1:{port}/metrics", key).text
+        assert 'op="gemm",path="linear"' in metrics
     finally:
         proc.terminate()
         proc.wait(30)

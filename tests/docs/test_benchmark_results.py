@@ -68,6 +68,20 @@ def test_every_record_parses_and_has_the_fields(path):
         assert isinstance(r["result"], dict) and r["result"], where
 
 
+def test_a_record_names_its_cpu_kind():
+    """Every new record's machine block: the CPU's model, vendor and which of AMX / AVX512-BF16 /
+    AVX-512 it has (from /proc/cpuinfo), and the page says them beside the figures."""
+    m = report.machine()
+    assert m["cpu"] and set(m["cpu_features"]) <= set(report.CPU_FEATURES.values())
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert ("avx512f" in flags) == ("avx512" in m["cpu_features"])
+    if "vendor_id" in flags:
+        assert m["cpu_vendor"] in flags
+    named = hook._cpu_kind(m)
+    assert named.startswith(m["cpu"]) and all(hook.FEATURE_NAMES[f] in named for f in m["cpu_features"])
+    assert hook._cpu_kind({"cpu": "an old record's CPU"}) == "an old record's CPU"  # old records as they are
+
+
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_the_page_renders_the_latest_record_of_every_results_file(path):
     source = PAGE.read_text()

@@ -143,6 +143,15 @@ def key_hint(store, home: Path, new_key: str | None) -> str:
     "(slower; see docs/numerics.md).",
 )
 @click.option(
+    "--gemm",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "packed", "onednn", "linear"]),
+    help="Kernel of few-row inference GEMMs: auto measures packed (MKL), onednn and linear "
+    "(F.linear) on the model's shapes at the first start on this machine (cached) and keeps the "
+    "fastest per shape and row count; the others force one (docs/serving.md).",
+)
+@click.option(
     "--train-prefix-sharing/--no-train-prefix-sharing",
     default=True,
     show_default=True,
@@ -214,6 +223,7 @@ def serve(
     threads,
     dtype,
     batch_invariant,
+    gemm,
     train_prefix_sharing,
     ray_address,
     replicas,
@@ -261,9 +271,10 @@ def serve(
             num_threads=threads or None,  # 0 means torch's count, as unset does
             dtype=dtype,
             batch_invariant=batch_invariant,
+            gemm=gemm,
             trainer=TrainerConfig(prefix_sharing=train_prefix_sharing),
         )
-    except ValueError as e:  # --dtype is a choice: only the thread count can be out of range
+    except ValueError as e:  # --dtype and --gemm are choices: only the thread count can be out of range
         raise click.BadParameter(str(e), param_hint="--threads") from None
     engines = None
     if ray_address is not None:

@@ -567,3 +567,4 @@ class EngineStats:
     runs: int = 0  # training runs held (adapters + optimizer state)
     adapters: int = 0  # sampler adapters held
     recent_cycles: list[CycleStats] = field(default_factory=list)
+    kernels: dict[str, str] = field(default_factory=dict)  # op -> its path (fused_ops, paged_attention, gemm)

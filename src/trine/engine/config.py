@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPE_NAMES = ("float32", "bfloat16")  # the model dtypes the engine runs (model/weights.py maps them)
+GEMM_NAMES = ("auto", "packed", "onednn", "linear")  # EngineConfig.gemm: kernels/gemm.py's MODES
 
 TENANT_SHARE = 0.5  # of max_running and of the KV pool, per tenant while another one is active
 # Prefill rows below which a chunk is not cut while others decode: fp32 GEMMs of fewer rows run well
@@ -144,6 +145,12 @@ class EngineConfig:
         "batch-invariant kernels: the sampler's logprobs equal the trainer's bit for bit (slower)",
         flag="--batch-invariant",
     )
+    gemm: str = _knob(
+        "auto",
+        "few-row inference GEMM kernel: `auto` (measured at start, per shape and row count), "
+        "`packed` (MKL), `onednn` or `linear` (F.linear)",
+        flag="--gemm",
+    )
     sampler: SamplerConfig = field(default_factory=SamplerConfig, metadata={"doc": "the sampler's knobs"})
     trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"doc": "the trainer's knobs"})
 
@@ -157,5 +164,7 @@ class EngineConfig:
         _check(
             isinstance(self.batch_invariant, bool), "batch_invariant", self.batch_invariant, "True or False"
         )
+        if self.gemm not in GEMM_NAMES:
+            raise ValueError(f"gemm: {self.gemm!r} is not one of {', '.join(GEMM_NAMES)}")
         _check(isinstance(self.sampler, SamplerConfig), "sampler", self.sampler, "a SamplerConfig")
         _check(isinstance(self.trainer, TrainerConfig), "trainer", self.trainer, "a TrainerConfig")

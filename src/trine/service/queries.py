@@ -245,4 +245,5 @@ def _replica_view(
         training_runs=st.runs,
         sampler_adapters=st.adapters,
         cycles=cycles,
+        kernels=dict(st.kernels),
     )

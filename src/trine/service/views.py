@@ -81,3 +81,4 @@ class ReplicaStats:
     cycles: list[CycleView] = field(default_factory=list)  # newest first
     inflight_samples: int = 0  # sample requests the service sent there and that have not finished
     cycle_tally: CycleTally | None = None  # every cycle it ran since the server started
+    kernels: dict = field(default_factory=dict)  # op -> the path it takes (fused_ops, paged_attention, gemm)

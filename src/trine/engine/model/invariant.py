@@ -23,8 +23,8 @@ call, so every reduction here runs in calls whose shapes do not depend on the ba
 
 The kernels are opt-in (`enable(True)`; `trine serve --batch-invariant`,
 `EngineConfig(batch_invariant=True)`): they cost throughput (docs/numerics.md, "Sampler = trainer,
-bit for bit"). Off, the same functions are torch's fused kernels (F.linear, or MKL's packed GEMM for
-few rows: packed.py; SDPA, F.silu) and a token's logprob may differ between the sampler and the
+bit for bit"). Off, the same functions are torch's fused kernels (F.linear, or the GEMM kernel chosen for
+few rows: kernels/gemm.py; SDPA, F.silu) and a token's logprob may differ between the sampler and the
 trainer in the last bits (about 1e-6 in fp32). The switch is process-wide: every engine in one
 process computes the same way.
 
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .kernels import packed
+from .kernels import gemm
 
 ROW_TILE = 32  # rows per linear-layer GEMM call
 KEY_TILE = 16  # key positions per attention tile
@@ -93,10 +93,11 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, owner: object = None
 ) -> torch.Tensor:
     """F.linear whose output rows do not depend on how many other rows the call holds. Off, a
-    module's (`owner`'s) base weight multiplies few rows through MKL's packed path (packed.py)."""
+    module's (`owner`'s) base weight multiplies few rows through the GEMM kernel chosen for it
+    (kernels/gemm.py: MKL's packed weights, oneDNN's or F.linear)."""
     if not _enabled:
-        if owner is not None and packed.applies(x, weight):
-            return packed.linear(owner, x, weight, bias)
+        if owner is not None:
+            return gemm.linear(owner, x, weight, bias)
         return F.linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.reshape(-1, k)

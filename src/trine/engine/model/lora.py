@@ -44,6 +44,23 @@ def lora_features(model: nn.Module) -> dict[str, int]:
     return out
 
 
+def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """The base-weight shapes (out, in) the model's inference forward multiplies, for the GEMM choice
+    (kernels/gemm.py): each FusedLinears group's as one (its members' outputs stacked: inference
+    weights are always fused), and each other LoRALinear's."""
+    shapes, members = set(), set()
+    for mod in model.modules():
+        for group in vars(mod).values():
+            if isinstance(group, FusedLinears):
+                fused = [getattr(mod, n) for n in group.names]
+                members.update(map(id, fused))
+                shapes.add((sum(m.out_features for m in fused), fused[0].in_features))
+    for mod in model.modules():
+        if isinstance(mod, LoRALinear) and id(mod) not in members:
+            shapes.add((mod.out_features, mod.in_features))
+    return sorted(shapes)
+
+
 class Adapter(nn.Module):
     """One LoRA adapter: for each targeted linear (by its full module name), A [r, in] and B [out, r].
 

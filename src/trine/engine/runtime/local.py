@@ -114,4 +114,5 @@ class LocalEngine(Engine):
             runs=w.trainer.num_runs,
             adapters=len(w.adapters),
             recent_cycles=list(self.recent_cycles),
+            kernels=dict(w.kernels),
         )

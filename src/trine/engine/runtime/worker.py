@@ -38,8 +38,8 @@ import torch
 from ..api import LoRAConfig, SampleCancelled, SampleDelta, SampleRequest, SampleResult
 from ..config import EngineConfig
 from ..model import invariant
-from ..model.kernels.active import startup_line
-from ..model.lora import Adapter
+from ..model.kernels.active import active, startup_line
+from ..model.lora import Adapter, linear_shapes
 from ..model.tokenizer import Tokenizer
 from ..model.weights import load_model, parse_dtype
 from ..setup import configure
@@ -78,6 +78,7 @@ class EngineWorker:
         self.config = config
         self.model_dir = Path(model_dir).resolve()
         self.model = self.tokenizer = self.sampler = self.trainer = None
+        self.kernels: dict[str, str] = {}  # op -> its path, decided at start (model/kernels/active.py)
         self.adapters = AdapterTable()  # snapshots and inflight targets (worker thread only)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.Queue = queue.Queue()
@@ -192,8 +193,10 @@ class EngineWorker:
             # numerics must be (--batch-invariant: its GEMMs' bits depend on the thread count)
             on_cpu = self.model.device.type == "cpu"
             self.cpu_share = CpuShare(cfg.num_threads, enabled=on_cpu and not cfg.batch_invariant)
-            # the C kernels are built now, not in the first sample's step
-            log.info("engine %s: %s", self.name, startup_line(self.model.device, self.model.dtype))
+            # the C kernels are built and the GEMM kernels chosen now, not in the first sample's step
+            device, dtype = self.model.device, self.model.dtype
+            self.kernels = active(device, dtype, linear_shapes(self.model), cfg.gemm)
+            log.info("engine %s: %s", self.name, startup_line(self.kernels, device, dtype))
         except BaseException as e:  # reported to start()
             self._start_error = e
             self._ready.set()

@@ -5,7 +5,8 @@ What it exposes (names and labels are documented on the Serving page, "Metrics")
 - per engine replica (`model`, `replica`): the sampler's queue depth, requests in flight, running
   sequences, KV blocks used / cached / total, prefix-cache hit and queried blocks (the hit rate is
   their ratio), tokens by phase (prefill computed, prefill cached, sample, train), clock cycles'
-  duration and training tokens (histograms), training events waiting, and whether it is up;
+  duration and training tokens (histograms), training events waiting, whether it is up, and the
+  kernel path each op takes (`trine_engine_kernel_info`: `op`, `path`, as the start line names them);
 - the data and checkpoint dirs' free bytes and whether the server drains for shutdown.
 
 Invariants
@@ -130,6 +131,12 @@ class ServiceCollector(Collector):
             "Training events accepted and waiting for a clock cycle.",
             REPLICA,
         )
+        kernels = g.gauge(
+            "trine_engine_kernel_info",
+            "1 for the kernel path each op of the replica takes (the engine's start line): fused_ops, "
+            "paged_attention, gemm (auto(...) counts the shape and row-bucket pairs each GEMM kernel won).",
+            (*REPLICA, "op", "path"),
+        )
         seconds = HistogramMetricFamily(
             "trine_training_cycle_seconds", "Duration of each clock cycle (engine time).", labels=REPLICA
         )
@@ -147,6 +154,8 @@ class ServiceCollector(Collector):
                 tokens.add_metric([*labels, "train"], r.cycle_tally.tokens.sum)
             if r.error is not None:  # lost: no engine figures
                 continue
+            for op, kernel_path in r.kernels.items():
+                kernels.add_metric([*labels, op, kernel_path], 1)
             s = r.sampler
             waiting.add_metric(labels, s.get("waiting", 0))
             running.add_metric(labels, s.get("running", 0))

@@ -1,3 +1,5 @@
 """The model's CPU kernels: C sources built with the system compiler (cbuild.py; fused_ops.c,
-paged_attention.c) and the paths that take them or MKL's packed GEMM (fused.py,
-paged_attention.py, packed.py). `active()` builds them and names those in force (engine start)."""
+paged_attention.c), the paths that take them (fused.py, paged_attention.py), and the few-row GEMM
+kernels (MKL's packed weights, packed.py; oneDNN's, onednn.py) chosen by measurement per shape and
+row count (gemm.py, gemm_choice.py). `active()` builds and chooses them and names those in force
+(engine start)."""

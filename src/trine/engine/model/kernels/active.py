@@ -1,19 +1,21 @@
 """Which kernels an engine's forwards take, decided and built once at the engine's start.
 
-`active(device, dtype)` builds the C kernels (cbuild.py: compiled now, or loaded from the cache,
-rather than at the first step that needs them) and checks MKL's packed GEMM, for the engine that
-will run on `device` in `dtype`, and names the path each op takes:
+`active(device, dtype, shapes, gemm)` builds the C kernels (cbuild.py: compiled now, or loaded from
+the cache, rather than at the first step that needs them) and chooses the GEMM kernels
+(gemm_choice.py: measured now, or read from the cache), for the engine that will run on `device`
+in `dtype` with base weights of `shapes`, and names the path each op takes:
 - `fused_ops`: RMSNorm and RoPE of inference forwards, `C` (fused.py) or `torch`;
 - `paged_attention`: decode attention, `C` reading the KV pool in place (paged_attention.py) or
   `gather` (SDPA over a copy);
-- `gemm`: few-row base-weight GEMMs of inference forwards, `packed` (MKL's packed weights,
-  packed.py) or `F.linear`.
+- `gemm`: few-row base-weight GEMMs of inference forwards, `auto(packed 20, onednn 8, ...)` (how
+  many shape and row-bucket pairs each candidate won, gemm.py), a forced candidate's name, or
+  `F.linear` where no candidate applies.
 
 Invariants
-- Each op's own check (`suits` / `applies`) still decides per call, on the same conditions, so
+- Each op's own check (`suits` / `few_rows`) still decides per call, on the same conditions, so
   building early changes no result: only when the build happens.
-- The C kernels are built only where they can run: CPU fp32 with torch's batch-invariant kernels
-  off (`batch_invariant` names them all `invariant` otherwise).
+- The C kernels are built, and GEMMs measured, only where they can run: CPU fp32 with torch's
+  batch-invariant kernels off (`batch_invariant` names them all `invariant` otherwise).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from __future__ import annotations
 import torch
 
 from .. import invariant
-from . import fused, packed, paged_attention
+from . import fused, gemm_choice, packed, paged_attention
 
 
-def active(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+def active(
+    device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int]] = (), gemm: str = "auto"
+) -> dict[str, str]:
     """Build what applies to an engine on `device` in `dtype` and name each op's path (above)."""
     if invariant.enabled():
         return dict(fused_ops="invariant", paged_attention="invariant", gemm="invariant")
@@ -32,12 +36,12 @@ def active(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     return dict(
         fused_ops="C" if cpu_fp32 and fused.built() else "torch",
         paged_attention="C" if cpu_fp32 and paged_attention.available() else "gather",
-        gemm="packed" if cpu_fp32 and packed.available() and packed.budget_bytes() > 0 else "F.linear",
+        gemm=gemm_choice.choose(list(shapes), gemm) if cpu_fp32 and packed.budget_bytes() > 0 else "F.linear",
     )
 
 
-def startup_line(device: torch.device, dtype: torch.dtype) -> str:
-    """The engine's start log line: the active kernels, then the dtype and torch's threads."""
-    kernels = " ".join(f"{k}={v}" for k, v in active(device, dtype).items())
+def startup_line(kernels: dict[str, str], device: torch.device, dtype: torch.dtype) -> str:
+    """The engine's start log line: the active kernels (`active()`), then the dtype and torch's threads."""
+    named = " ".join(f"{k}={v}" for k, v in kernels.items())
     dtype_name = str(dtype).removeprefix("torch.")
-    return f"kernels {kernels} device={device} dtype={dtype_name} threads={torch.get_num_threads()}"
+    return f"kernels {named} device={device} dtype={dtype_name} threads={torch.get_num_threads()}"

@@ -56,7 +56,7 @@ def kernel_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trine" / "kernels"
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     """What `-march=native` compiles for: the CPU model and its flags."""
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -73,7 +73,7 @@ def build(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
     all_flags = [*BASE_FLAGS, march_flag(), *flags]
     key = hashlib.sha256(
-        "\0".join([source.read_text(), cc, version, " ".join(all_flags), _cpu_identity()]).encode()
+        "\0".join([source.read_text(), cc, version, " ".join(all_flags), cpu_identity()]).encode()
     ).hexdigest()[:16]
     path = kernel_dir() / f"{source.stem}-{key}.so"
     if not path.exists():

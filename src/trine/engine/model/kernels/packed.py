@@ -1,4 +1,5 @@
-"""Base-weight GEMMs of few rows on CPU through MKL's packed-weight path.
+"""Base-weight GEMMs of few rows on CPU through MKL's packed-weight path: one of the GEMM candidates
+the engine measures at its start (gemm.py), and the one a shape or row count not measured takes.
 
 A decode step multiplies a few dozen rows by every weight of the model. MKL's plain sgemm repacks
 the weight into its kernel's layout on every such call, and at these sizes the repacking costs as
@@ -11,7 +12,8 @@ Invariants
 - Used only where nothing needs a gradient (the sampler's inference-mode forwards: decode steps
   and prefill chunks), for fp32 CPU tensors of at most `MAX_ROWS` rows, with torch's
   batch-invariant kernels off (they have their own fixed-shape GEMMs), and where this torch has
-  MKL. Everything else is `F.linear`.
+  MKL (`applies`; `few_rows` without the MKL check, which gemm.py's candidates share). Everything
+  else is `F.linear`.
 - The result is F.linear's up to float32 rounding (a different kernel, so the last bits may differ,
   as they already do between row counts).
 - Packed copies take 2-9x their weight's memory (MKL adds about 10 MB of padding to each, which
@@ -85,16 +87,21 @@ def _check() -> bool:
     return True
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight)` may take the packed path (see the module docstring)."""
+def few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` is a few-row inference GEMM a prepacked weight may serve: the
+    conditions of the module docstring but this torch's MKL (gemm.py's candidates share them)."""
     return (
         x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and 0 < x.numel() // x.shape[-1] <= MAX_ROWS
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not weight.is_inference()  # no version counter: an in-place change could not be seen
-        and available()
     )
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` may take the packed path (see the module docstring)."""
+    return few_rows(x, weight) and available()
 
 
 def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

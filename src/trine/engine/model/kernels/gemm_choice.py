@@ -1,0 +1,177 @@
+"""The GEMM candidate per (weight shape, row bucket), chosen by measurement on this machine at the
+engine's start and cached on disk, so that a second start measures nothing.
+
+`choose(shapes, mode)` installs gemm.py's dispatch: forced (`mode` a candidate's name) it measures
+nothing; in auto it reads the choice of this machine and these shapes from `cache_path()`, or
+measures it and writes it there. For each shape and bucket (gemm.BUCKETS) every available
+candidate runs `WARMUP` calls, then `TIMED` timed ones, the candidates in turns; the fastest median
+whose output passed the self-check wins.
+
+Invariants
+- The self-check: a candidate's output lies within the float32 rounding bound of F.linear's
+  (2 gamma_k sum|x||w| over the k-term dot products, plus the bias); one that fails, or raises, is
+  never chosen. `linear` (F.linear itself) always passes, so every pair has a choice.
+- The cache key holds all that makes a measurement another one: the CPU model and flags
+  (/proc/cpuinfo), torch's version, its MKL and oneDNN versions, torch's thread count, the shapes
+  and buckets and the candidates available. A file is written aside and renamed (atomic); one that
+  cannot be read or does not match is measured again.
+- A pair whose GEMM exceeds `MAX_MEASURED_FLOP` (the LM head at prefill-sized rows: the sampler
+  takes logits at each sequence's last position, only prompt logprobs take more) is not measured:
+  it keeps gemm.py's default (`packed`), so the first start stays within seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import cbuild, gemm
+
+log = logging.getLogger(__name__)
+
+WARMUP, TIMED = 2, 5
+MAX_MEASURED_FLOP = 8e9  # 2 * rows * out * in of the largest GEMM timed (the LM head at 128 rows)
+timings = 0  # candidate calls timed in this process (tests count them: a cached start adds none)
+
+
+def choose(shapes: list[tuple[int, int]], mode: str = "auto") -> str:
+    """Install the dispatch for a model whose linears have weight `shapes` [(out, in)]; return its
+    summary (gemm.summary())."""
+    if mode != "auto":
+        gemm.set_choice(mode, {})
+        return gemm.summary()
+    shapes = sorted(set(map(tuple, shapes)))
+    names = [c.name for c in gemm.CANDIDATES.values() if c.available()]
+    key = cache_key(shapes, names)
+    path = cache_path(key)
+    chosen = _read(path, key)
+    if chosen is None:
+        chosen, _ = measure(shapes, names)
+        _write(path, key, chosen)
+    gemm.set_choice("auto", chosen)
+    return gemm.summary()
+
+
+def measure(
+    shapes: list[tuple[int, int]], names: list[str]
+) -> tuple[dict[tuple[int, int], dict[int, str]], dict]:
+    """The fastest passing candidate per shape and bucket, and every timing (seconds, or None where
+    the self-check failed), as {shape: {bucket: {name: seconds}}}."""
+    start = time.monotonic()
+    buckets = {s: [b for b in gemm.BUCKETS if 2 * b * s[0] * s[1] <= MAX_MEASURED_FLOP] for s in shapes}
+    log.info(
+        "gemm: measuring %s on %d shapes x row buckets (%d pairs), once for this machine",
+        ", ".join(names),
+        len(shapes),
+        sum(map(len, buckets.values())),
+    )
+    chosen: dict[tuple[int, int], dict[int, str]] = {}
+    times: dict = {}
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for (out_f, in_f), rows_list in buckets.items():
+            w = torch.randn(out_f, in_f, generator=gen) / in_f**0.5
+            for rows in rows_list:
+                x = torch.randn(rows, in_f, generator=gen)
+                want = F.linear(x, w)
+                bound = 2 * _gamma(in_f) * (x.abs() @ w.abs().t())
+                got = _time([gemm.CANDIDATES[n] for n in names], x, w, want, bound)
+                times.setdefault((out_f, in_f), {})[rows] = got
+                passing = {n: t for n, t in got.items() if t is not None}
+                chosen.setdefault((out_f, in_f), {})[rows] = min(passing, key=passing.get)
+    log.info("gemm: measured in %.1f s", time.monotonic() - start)
+    return chosen, times
+
+
+def _gamma(k: int) -> float:
+    u = torch.finfo(torch.float32).eps / 2
+    return k * u / (1 - k * u)
+
+
+def _time(cands: list[gemm.Candidate], x: torch.Tensor, w: torch.Tensor, want, bound) -> dict:
+    """Each candidate's median seconds on x @ w.T, timed in turns (one call of each, `TIMED` times,
+    so the machine's drift hits all alike); None for one that raises or fails the self-check."""
+    global timings
+    handles = {}
+    for cand in cands:
+        try:
+            handle = cand.prepare(w)
+            for _ in range(WARMUP):
+                y = cand.run(x, handle, None)
+        except RuntimeError as e:
+            log.warning("gemm: %s failed (%s): not chosen", cand.name, e)
+            continue
+        if not bool(((y - want).abs() <= bound + 1e-30).all()):
+            log.warning(
+                "gemm: %s off F.linear beyond fp32 rounding at %s: not chosen", cand.name, tuple(x.shape)
+            )
+            continue
+        handles[cand.name] = (cand, handle)
+    samples: dict[str, list[float]] = {name: [] for name in handles}
+    for _ in range(TIMED):
+        for name, (cand, handle) in handles.items():
+            t = time.perf_counter()
+            cand.run(x, handle, None)
+            samples[name].append(time.perf_counter() - t)
+            timings += 1
+    medians = {name: sorted(s)[len(s) // 2] for name, s in samples.items()}
+    return {c.name: medians.get(c.name) for c in cands}
+
+
+def _versions() -> list[str]:
+    """torch's MKL and oneDNN versions, as its build configuration names them."""
+    lines = torch.__config__.show().splitlines()
+    return sorted(
+        ln.strip() for ln in lines if "Math Kernel Library" in ln or "MKL-DNN" in ln or "oneDNN" in ln
+    )
+
+
+def cache_key(shapes: list[tuple[int, int]], names: list[str]) -> dict:
+    return {
+        "cpu": cbuild.cpu_identity(),
+        "torch": torch.__version__,
+        "libraries": _versions(),
+        "threads": torch.get_num_threads(),
+        "shapes": [list(s) for s in shapes],
+        "buckets": list(gemm.BUCKETS),
+        "candidates": names,
+        "max_measured_flop": MAX_MEASURED_FLOP,
+    }
+
+
+def cache_path(key: dict) -> Path:
+    """Where the choice of `key` is kept: beside the C kernels' builds (cbuild.kernel_dir())."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cbuild.kernel_dir() / f"gemm-choice-{digest}.json"
+
+
+def _read(path: Path, key: dict) -> dict[tuple[int, int], dict[int, str]] | None:
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            return None
+        return {
+            tuple(int(v) for v in shape.split("x")): {int(b): n for b, n in per.items()}
+            for shape, per in data["choice"].items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _write(path: Path, key: dict, chosen: dict[tuple[int, int], dict[int, str]]) -> None:
+    data = {"key": key, "choice": {f"{o}x{i}": per for (o, i), per in chosen.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)
+    except OSError as e:  # a read-only cache: measured again at the next start
+        log.warning("gemm: choice not cached (%s)", e)

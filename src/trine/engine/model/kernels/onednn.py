@@ -1,0 +1,86 @@
+"""Base-weight GEMMs of few rows on CPU through oneDNN with weights prepacked once.
+
+torch exposes oneDNN's inner-product primitive as `torch.ops.mkldnn._reorder_linear_weight` (the
+weight, reordered into the kernel's blocked layout for a given row count) and
+`torch.ops.mkldnn._linear_pointwise` (what inductor's freezing path uses for CPU linears). One of
+the GEMM candidates the engine measures at its start (gemm.py).
+
+Invariants
+- The same conditions as MKL's packed path (packed.py: inference-mode few-row fp32 CPU GEMMs);
+  the result is F.linear's up to float32 rounding (checked once per process: `available()`, and
+  per shape and row bucket where the choice is measured).
+- The row count given when reordering is a hint for blocking; a reordered weight is correct for
+  any row count (checked by `available()`).
+- Each owner keeps one reordered copy, of the weight it last multiplied, made again when the weight
+  is another tensor or was changed in place (as packed.py's). The copies take about their weight's
+  size each and, together, at most `packed.budget_bytes()`; past it, F.linear.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from . import packed
+
+PACK_ROWS = 64  # the row count the reorder is told: a blocking hint, never a correctness matter
+_copies: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
+_available: bool | None = None
+_lock = threading.Lock()
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN's prepacked linear in fp32 and it matches F.linear."""
+    global _available
+    if _available is None:
+        _available = _check()
+    return _available
+
+
+def _check() -> bool:
+    ops = getattr(torch.ops, "mkldnn", None)
+    if not torch.backends.mkldnn.is_available() or not hasattr(ops, "_linear_pointwise"):
+        return False
+    try:
+        with torch.inference_mode():
+            gen = torch.Generator().manual_seed(0)
+            w, b = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
+            handle = prepare(w)
+            for m in (1, 7, 65, 300):
+                x = torch.randn(m, 80, generator=gen)
+                if not torch.allclose(run(x, handle, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+                    return False
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def prepare(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` reordered for oneDNN (an opaque mkldnn tensor of the weight's size)."""
+    w = weight.detach() if weight.is_contiguous() else weight.detach().contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+
+
+def run(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] times the reordered weight, plus `bias`."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, handle, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with `weight` reordered once for `owner` (callers check the path)."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight._version)
+    held = _copies.get(owner)
+    if held is None or held[0] != key:
+        with _lock:
+            others = sum(n for o, (_, _, _, n) in _copies.items() if o is not owner)
+            fits = others + weight.nbytes <= packed.budget_bytes()
+            held = (key, weight.detach(), prepare(weight) if fits else None, weight.nbytes if fits else 0)
+            _copies[owner] = held  # holds the weight: a freed weight's address is not reused under it
+    if held[2] is None:
+        return F.linear(x, weight, bias)
+    return run(x, held[2], bias)
