@@ -352,7 +352,8 @@ def test_killed_replica_fails_its_events_at_once_others_go_on_and_the_run_restor
                 num_samples=1,
                 sampling_params=trio.SamplingParams(max_tokens=3),
             ).result()
-            assert len(res.sequences[0].tokens) == 3
+            seq = res.sequences[0]  # served by the live replica: 3 tokens, or fewer ending at EOS
+            assert len(seq.tokens) == 3 or (seq.stop_reason == "stop" and 1 <= len(seq.tokens) < 3), seq
 
         key = svc_obj.authenticate(ray_server.api_key)
         metered = [e.operation for e in svc_obj.usage_events(key, run_id=doomed.training_run_id)]
