@@ -43,19 +43,8 @@ class Candidate:
     extra_bytes: Callable[[torch.Tensor, object], int]  # (weight, handle) -> bytes beside the weight
 
 
-def _packed_prepare(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w = weight.detach().contiguous()
-    return torch.ops.mkl._mkl_reorder_linear_weight(w, packed.PACK_ROWS), w
-
-
-def _packed_run(x: torch.Tensor, handle: tuple, bias: torch.Tensor | None) -> torch.Tensor:
-    pack, w = handle
-    rows = x.reshape(-1, x.shape[-1])
-    return torch.ops.mkl._mkl_linear(rows, pack, w, bias, rows.shape[0]).view(*x.shape[:-1], w.shape[0])
-
-
 CANDIDATES = {
-    "packed": Candidate("packed", packed.available, _packed_prepare, _packed_run, lambda w, h: h[0].nbytes),
+    "packed": Candidate("packed", packed.available, packed.prepare, packed.run, lambda w, h: h[0].nbytes),
     "onednn": Candidate("onednn", onednn.available, onednn.prepare, onednn.run, lambda w, h: w.nbytes),
     "linear": Candidate(
         "linear", lambda: True, lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda w, h: 0

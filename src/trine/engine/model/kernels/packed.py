@@ -72,19 +72,44 @@ def _check() -> bool:
     mkl = getattr(torch.ops, "mkl", None)
     if not torch.backends.mkl.is_available() or not hasattr(mkl, "_mkl_linear"):
         return False
+    return agrees_with_linear(prepare, run, rows=(1, 7, 65, PACK_ROWS))
+
+
+def agrees_with_linear(prepare, run, rows: tuple[int, ...]) -> bool:
+    """Whether a prepacked path (`prepare(weight) -> handle`, `run(x, handle, bias)`) gives
+    F.linear's result, up to float32 rounding, for each row count in `rows` (a once-per-process
+    check of this torch's kernels; gemm.py's candidates share it)."""
     try:
         with torch.inference_mode():
             gen = torch.Generator().manual_seed(0)
-            w = torch.randn(96, 80, generator=gen)
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)
-            for m in (1, 7, 65, PACK_ROWS):
+            w, b = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
+            handle = prepare(w)
+            for m in rows:
                 x = torch.randn(m, 80, generator=gen)
-                got = torch.ops.mkl._mkl_linear(x, packed, w, None, m)
-                if not torch.allclose(got, F.linear(x, w), rtol=1e-4, atol=1e-4):
+                if not torch.allclose(run(x, handle, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4):
                     return False
-    except RuntimeError:
+    except (RuntimeError, AttributeError):
         return False
     return True
+
+
+def weight_key(weight: torch.Tensor) -> tuple:
+    """What a prepacked copy of `weight` was made from: its data pointer, shape, strides and version
+    counter (an in-place change bumps it), so another or a changed weight gets a new copy."""
+    return (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight._version)
+
+
+def prepare(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` packed by MKL, with the contiguous weight `_mkl_linear` also reads."""
+    w = weight.detach().contiguous()
+    return torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS), w
+
+
+def run(x: torch.Tensor, handle: tuple, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] times the packed weight (`prepare`'s handle), plus `bias`."""
+    pack, w = handle
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.ops.mkl._mkl_linear(rows, pack, w, bias, rows.shape[0]).view(*x.shape[:-1], w.shape[0])
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -109,15 +134,13 @@ def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     packed = _packed(owner, weight)
     if packed is None:
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return run(x, (packed, weight), bias)
 
 
 def _packed(owner: object, weight: torch.Tensor) -> torch.Tensor | None:
     """`owner`'s packed copy of `weight`, made now if it has none of this weight; None if the copy
     did not fit the budget (remembered: that weight stays on F.linear)."""
-    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight._version)
+    key = weight_key(weight)
     held = _packs.get(owner)
     if held is not None and held[0] == key:
         return held[2]
