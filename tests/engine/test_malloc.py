@@ -69,20 +69,28 @@ def decode_run(model_dir, where: str = "main", **env: str) -> tuple[int, str]:
     return int(faults), line
 
 
+# One decode step's logits: [64, 49152] fp32 in 4 KiB pages. The measured run takes 16 decode steps,
+# each freeing its logits, softmax and log-softmax: a run that faulted them in afresh every step takes
+# about 48 of these (147k faults, what glibc's defaults gave here). With the freed blocks kept, the
+# heap may still grow once by about one such tensor when a small live block lands at its top (seen:
+# 3.1k faults in 1 run of 20), so the bound is two tensors' pages. glibc's own dynamic threshold makes
+# the default's count vary from run to run (6k to 147k seen under load), so it is not the yardstick.
+STEP_LOGITS_PAGES = 64 * 49152 * 4 // 4096
+KEPT_BOUND = 2 * STEP_LOGITS_PAGES
+
+
 def test_a_decode_heavy_run_reuses_its_freed_logits_instead_of_faulting_them_in(tiny_model_dir):
     kept, line = decode_run(tiny_model_dir)
-    default, default_line = decode_run(tiny_model_dir, TRINE_MALLOC="default")
+    _, default_line = decode_run(tiny_model_dir, TRINE_MALLOC="default")
     assert line.startswith("glibc malloc: mmap threshold 64 MiB")
     assert default_line.endswith("(TRINE_MALLOC=default)")
-    # glibc's default trims the freed logits back to the kernel: ~3000 faults per 12.5 MB tensor
-    assert default > 20_000, default
-    assert kept < default / 20, (kept, default)
+    assert kept < KEPT_BOUND, (kept, KEPT_BOUND)
 
 
 def test_so_does_a_run_in_a_second_thread(tiny_model_dir):
-    kept, _ = decode_run(tiny_model_dir, "thread")
-    default, _ = decode_run(tiny_model_dir, "thread", TRINE_MALLOC="default")
-    assert kept < default / 20, (kept, default)
+    kept, line = decode_run(tiny_model_dir, "thread")
+    assert line.startswith("glibc malloc: mmap threshold 64 MiB")
+    assert kept < KEPT_BOUND, (kept, KEPT_BOUND)
 
 
 def test_an_operators_allocator_settings_are_kept(tiny_model_dir):
