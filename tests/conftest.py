@@ -15,6 +15,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRINE_TELEMETRY", "0")
+# The suite's float bounds are an fp32 engine's: `--dtype auto` (the default) means fp32 here on any
+# CPU (it could measure bf16 faster on some); tests/engine/test_dtype_choice.py tests auto itself.
+os.environ.setdefault("TRINE_AUTO_DTYPE", "float32")
 torch.set_num_threads(1)
 
 FIXTURES = Path(__file__).parent / "fixtures"

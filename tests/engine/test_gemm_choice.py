@@ -63,7 +63,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache():
     assert gemm_choice.choose(SHAPES) == first  # a second start: read, nothing timed
     assert gemm_choice.timings - before == measured and gemm.choice == chosen
     (path,) = gemm_choice.cache_path(gemm_choice.cache_key(SHAPES, list(gemm.CANDIDATES))).parent.glob(
-        "*.json"
+        "gemm-choice-*.json"
     )
     key = json.loads(path.read_text())["key"]
     assert key["cpu"] and key["torch"] == torch.__version__ and key["threads"] == torch.get_num_threads()

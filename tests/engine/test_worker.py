@@ -96,5 +96,5 @@ def test_the_start_configures_the_process_and_names_the_active_kernels(tiny_mode
     fused_ops = "C" if fused.built() else "torch"
     in_place = "C" if paged_attention.available() else "gather"
     assert f"kernels fused_ops={fused_ops} paged_attention={in_place} gemm=" in kernels[0]
-    assert kernels[0].endswith("device=cpu dtype=float32 threads=1")
+    assert kernels[0].endswith("device=cpu dtype=float32 (auto, TRINE_AUTO_DTYPE=float32) threads=1")
     assert all(f"engine: {line}" in lines for line in configure())

@@ -48,17 +48,26 @@ def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """The base-weight shapes (out, in) the model's inference forward multiplies, for the GEMM choice
     (kernels/gemm.py): each FusedLinears group's as one (its members' outputs stacked: inference
     weights are always fused), and each other LoRALinear's."""
-    shapes, members = set(), set()
+    return sorted(linear_shape_counts(model))
+
+
+def linear_shape_counts(model: nn.Module) -> dict[tuple[int, int], int]:
+    """`linear_shapes`, each with how many GEMMs of that shape one forward runs (one per layer for
+    a layer's projections, one for the LM head): the weights of a whole forward's GEMM time."""
+    counts: dict[tuple[int, int], int] = {}
+    members = set()
     for mod in model.modules():
         for group in vars(mod).values():
             if isinstance(group, FusedLinears):
                 fused = [getattr(mod, n) for n in group.names]
                 members.update(map(id, fused))
-                shapes.add((sum(m.out_features for m in fused), fused[0].in_features))
+                shape = (sum(m.out_features for m in fused), fused[0].in_features)
+                counts[shape] = counts.get(shape, 0) + 1
     for mod in model.modules():
         if isinstance(mod, LoRALinear) and id(mod) not in members:
-            shapes.add((mod.out_features, mod.in_features))
-    return sorted(shapes)
+            shape = (mod.out_features, mod.in_features)
+            counts[shape] = counts.get(shape, 0) + 1
+    return counts
 
 
 class Adapter(nn.Module):

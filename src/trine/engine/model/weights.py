@@ -21,6 +21,9 @@ from safetensors.torch import load_file
 
 from ..config import DTYPE_NAMES
 from . import qwen3_5
+from .kernels import dtype_choice
+from .kernels.dtype_choice import DtypeChoice
+from .lora import linear_shape_counts
 from .model import ModelConfig, Transformer, rope_inv_freq
 
 # A multimodal checkpoint's language model and the parts of it a text model does not load.
@@ -32,7 +35,8 @@ def default_device() -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU (exact, deterministic), bf16 on CUDA."""
+    """A model loaded without a dtype: fp32 on CPU, bf16 on CUDA. An engine's `--dtype auto` is
+    `auto_dtype`'s measured choice instead."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
@@ -75,6 +79,18 @@ def servable(cfg: ModelConfig) -> str | None:
     return None
 
 
+def meta_model(cfg: ModelConfig) -> Transformer:
+    """The model of `cfg`, its family's class, on the meta device: shapes without memory."""
+    with torch.device("meta"):
+        return (qwen3_5.HybridTransformer if isinstance(cfg, qwen3_5.HybridConfig) else Transformer)(cfg)
+
+
+def auto_dtype(path: str | Path, device: torch.device) -> DtypeChoice:
+    """What `--dtype auto` runs the model at `path` in on `device` (kernels/dtype_choice.py: bf16 on
+    CUDA; on a CPU, bf16 only where this machine runs the model's GEMMs at least twice as fast)."""
+    return dtype_choice.choose(linear_shape_counts(meta_model(read_config(path))), device)
+
+
 def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's weights under a text model's names: a multimodal checkpoint's language model
     (`model.language_model.X` as `model.X`) without its vision tower or MTP head; others as they are."""
@@ -95,8 +111,7 @@ def load_model(
     cfg = read_config(path)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
-    with torch.device("meta"):
-        model = (qwen3_5.HybridTransformer if isinstance(cfg, qwen3_5.HybridConfig) else Transformer)(cfg)
+    model = meta_model(cfg)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors weights")

@@ -41,7 +41,7 @@ from ..model import invariant
 from ..model.kernels.active import active, startup_line
 from ..model.lora import Adapter, linear_shapes
 from ..model.tokenizer import Tokenizer
-from ..model.weights import load_model, parse_dtype
+from ..model.weights import auto_dtype, default_device, load_model, parse_dtype
 from ..setup import configure
 from ..trainer.checkpoint import adapter_bytes, load_peft_adapter, save_dir, save_peft_adapter
 from .adapters import AdapterTable
@@ -184,7 +184,12 @@ class EngineWorker:
 
             if cfg.batch_invariant:  # sampler = trainer, bit for bit
                 invariant.enable(True)
-            self.model = load_model(self.model_dir, device=cfg.device, dtype=parse_dtype(cfg.dtype))
+            device = torch.device(cfg.device) if cfg.device else default_device()
+            dtype, dtype_note = parse_dtype(cfg.dtype), "forced"
+            if dtype is None:  # auto: measured on this machine (kernels/dtype_choice.py), cached
+                chosen = auto_dtype(self.model_dir, device)
+                dtype, dtype_note = chosen.dtype, chosen.reason
+            self.model = load_model(self.model_dir, device=device, dtype=dtype)
             self.tokenizer = Tokenizer(self.model_dir)
             self._new_sampler = lambda: Sampler(self.model, self.tokenizer, cfg.sampler)
             self.sampler = self._new_sampler()
@@ -196,7 +201,7 @@ class EngineWorker:
             # the C kernels are built and the GEMM kernels chosen now, not in the first sample's step
             device, dtype = self.model.device, self.model.dtype
             self.kernels = active(device, dtype, linear_shapes(self.model), cfg.gemm)
-            log.info("engine %s: %s", self.name, startup_line(self.kernels, device, dtype))
+            log.info("engine %s: %s", self.name, startup_line(self.kernels, device, dtype, dtype_note))
         except BaseException as e:  # reported to start()
             self._start_error = e
             self._ready.set()

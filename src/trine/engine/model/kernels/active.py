@@ -40,8 +40,11 @@ def active(
     )
 
 
-def startup_line(kernels: dict[str, str], device: torch.device, dtype: torch.dtype) -> str:
-    """The engine's start log line: the active kernels (`active()`), then the dtype and torch's threads."""
+def startup_line(
+    kernels: dict[str, str], device: torch.device, dtype: torch.dtype, dtype_note: str = ""
+) -> str:
+    """The engine's start log line: the active kernels (`active()`), then the dtype (with how it was
+    chosen: `forced`, or `--dtype auto`'s reason, dtype_choice.py) and torch's threads."""
     named = " ".join(f"{k}={v}" for k, v in kernels.items())
-    dtype_name = str(dtype).removeprefix("torch.")
+    dtype_name = str(dtype).removeprefix("torch.") + (f" ({dtype_note})" if dtype_note else "")
     return f"kernels {named} device={device} dtype={dtype_name} threads={torch.get_num_threads()}"

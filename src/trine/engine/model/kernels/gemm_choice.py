@@ -82,7 +82,7 @@ def measure(
             for rows in rows_list:
                 x = torch.randn(rows, in_f, generator=gen)
                 want = F.linear(x, w)
-                bound = 2 * _gamma(in_f) * (x.abs() @ w.abs().t())
+                bound = 2 * gamma(in_f) * (x.abs() @ w.abs().t())
                 got = _time([gemm.CANDIDATES[n] for n in names], x, w, want, bound)
                 times.setdefault((out_f, in_f), {})[rows] = got
                 passing = {n: t for n, t in got.items() if t is not None}
@@ -91,7 +91,8 @@ def measure(
     return chosen, times
 
 
-def _gamma(k: int) -> float:
+def gamma(k: int) -> float:
+    """Higham's gamma_k for fp32: the relative bound of a k-term dot product's rounding."""
     u = torch.finfo(torch.float32).eps / 2
     return k * u / (1 - k * u)
 
@@ -147,31 +148,47 @@ def cache_key(shapes: list[tuple[int, int]], names: list[str]) -> dict:
     }
 
 
-def cache_path(key: dict) -> Path:
-    """Where the choice of `key` is kept: beside the C kernels' builds (cbuild.kernel_dir())."""
+def cache_path(key: dict, kind: str = "gemm-choice") -> Path:
+    """Where the measurement `kind` of `key` is kept: beside the C kernels' builds (cbuild.kernel_dir())."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cbuild.kernel_dir() / f"gemm-choice-{digest}.json"
+    return cbuild.kernel_dir() / f"{kind}-{digest}.json"
+
+
+def read_cached(path: Path, key: dict):
+    """The value cached at `path` under exactly `key`, or None (no file, another key, unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+        return data["value"] if data["key"] == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_cached(path: Path, key: dict, value) -> None:
+    """Cache `value` (JSON) under `key` at `path`: written aside and renamed, so a reader never sees
+    half a file. A read-only cache only logs: the next start measures again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump({"key": key, "value": value}, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)
+    except OSError as e:
+        log.warning("%s: not cached (%s)", path.name, e)
 
 
 def _read(path: Path, key: dict) -> dict[tuple[int, int], dict[int, str]] | None:
+    value = read_cached(path, key)
     try:
-        data = json.loads(path.read_text())
-        if data["key"] != key:
-            return None
-        return {
-            tuple(int(v) for v in shape.split("x")): {int(b): n for b, n in per.items()}
-            for shape, per in data["choice"].items()
-        }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return (
+            None
+            if value is None
+            else {
+                tuple(int(v) for v in shape.split("x")): {int(b): n for b, n in per.items()}
+                for shape, per in value.items()
+            }
+        )
+    except (ValueError, AttributeError):
         return None
 
 
 def _write(path: Path, key: dict, chosen: dict[tuple[int, int], dict[int, str]]) -> None:
-    data = {"key": key, "choice": {f"{o}x{i}": per for (o, i), per in chosen.items()}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(f.name, path)
-    except OSError as e:  # a read-only cache: measured again at the next start
-        log.warning("gemm: choice not cached (%s)", e)
+    write_cached(path, key, {f"{o}x{i}": per for (o, i), per in chosen.items()})
