@@ -4,8 +4,8 @@ SmolLM2-135M-Instruct by default (`--model DIR`), fp32 on CPU. For each batch si
 (a `--prompt`-token random prompt, one sample, `--new` new tokens) are sampled together on a fresh
 `Sampler`; the median of the decode-only steps (after the first two) is reported, with the seconds
 per sequence. On a CPU a step's cost is far from flat in n, which is what bounds how fast another
-key's short request can finish beside a large running batch (see the README, Fairness): every step
-of it decodes that batch too.
+key's short request can finish beside a large running batch (docs/serving.md, "Fair share between
+keys"): every step of it decodes that batch too.
 
     .venv/bin/python benchmarks/decode_step.py [--json] [--sizes 1,8,16,32,48,64] [--repeats 3]
 """

@@ -119,8 +119,8 @@ def losses_table() -> str:
 
 # ---------------------------------------------------------------------------- limits
 
-# (where, attribute, what it bounds). tests/docs/test_docs_tables.py fails when trine.limits gains a limit
-# this list does not name, so a new limit is documented when it is added.
+# (where, attribute, what it bounds; None: its config field's meaning). tests/docs/test_docs_tables.py fails
+# when trine.limits gains a limit this list does not name, so a new limit is documented when it is added.
 LIMITS = [
     (
         "limits",
@@ -160,29 +160,21 @@ LIMITS = [
     ("openai", "MAX_STOP_STRINGS", "OpenAI `stop` strings"),
     ("openai", "DEFAULT_COMPLETION_TOKENS", "`max_tokens` of `/v1/completions` when not given"),
     ("service", "CYCLE_TOKENS", "forward tokens of one clock cycle, split equally between keys with work"),
-    ("sampler", "max_running", "sequences decoding at once per engine"),
-    ("sampler", "max_batch_tokens", "prompt positions prefilled per engine step"),
-    ("sampler", "prefill_step_seconds", "target seconds of one prefill chunk while others decode"),
-    ("sampler", "idle_prefill_seconds", "target seconds of one prefill chunk when nothing decodes"),
-    (
-        "sampler",
-        "min_prefill_tokens",
-        "fewest positions of a prefill chunk while others decode (GEMM efficiency)",
-    ),
-    (
-        "sampler",
-        "burst_seconds",
-        "one tenant's requests arriving within this of one another prefill as one batch (idle-sized chunks)",
-    ),
-    (
-        "sampler",
-        "burst_stall_seconds",
-        "the most such a batch's first sequences wait, undecoded, while its other prompts prefill",
-    ),
-    ("sampler", "prefill_share", "share of decode time an old or long prompt's prefill may take"),
-    ("sampler", "tenant_share", "share of `max_running` and the KV pool a key holds while another is active"),
-    ("sampler", "block_size", "tokens per KV block: the prefix cache's unit"),
 ]
+# The sampler's limits a request meets, in `SamplerConfig` (their meanings are its fields', engine/config.py).
+SAMPLER_LIMITS = (
+    "max_running",
+    "max_batch_tokens",
+    "prefill_step_seconds",
+    "idle_prefill_seconds",
+    "min_prefill_tokens",
+    "burst_seconds",
+    "burst_stall_seconds",
+    "prefill_share",
+    "tenant_share",
+    "block_size",
+)
+LIMITS += [("sampler", name, None) for name in SAMPLER_LIMITS]
 
 
 def limit_value(where: str, name: str):
@@ -204,10 +196,30 @@ def limit_value(where: str, name: str):
     return getattr(config.SamplerConfig(), name)
 
 
+def limit_meaning(where: str, name: str, what: str | None) -> str:
+    """What a LIMITS row bounds: its own words, or for a sampler limit its config field's meaning."""
+    if what is not None:
+        return what
+    import dataclasses
+
+    _, _, config = _engine()
+    doc = {f.name: f.metadata["doc"] for f in dataclasses.fields(config.SamplerConfig)}[name]
+    return doc
+
+
 def limits_table() -> str:
     from trine import limits
 
-    rows = [[_code(name), _number(limit_value(where, name)), what] for where, name, what in LIMITS]
+    rows = [
+        [
+            _code(f"sampler.{name}"),
+            config_value(name, limit_value(where, name)),
+            limit_meaning(where, name, what),
+        ]
+        if where == "sampler"
+        else [_code(name), _number(limit_value(where, name)), what]
+        for where, name, what in LIMITS
+    ]
     for name, (lo, hi, closed) in limits.ADAM_BOUNDS.items():
         close = "]" if closed else ")"
         rng = f">= {_number(lo)}" if hi == float("inf") else f"[{_number(lo)}, {_number(hi)}{close}"
@@ -251,16 +263,23 @@ def engine_config_rows() -> list[dict]:
     return rows
 
 
-def engine_config_table() -> str:
-    def shown(name: str, v) -> str:
-        if v is None:
-            return "unset"
-        if isinstance(v, (bool, str)):
-            return _code(v)
-        return _number(v) if name.endswith("_bytes") else f"{v:,}"  # units only for sizes
+def config_value(name: str, v) -> str:
+    """A config field's value as the docs write it: sizes with their units, counts and seconds as numbers."""
+    if v is None:
+        return "unset"
+    if isinstance(v, (bool, str)):
+        return _code(v)
+    return _number(v) if name.endswith("_bytes") else f"{v:,}"
 
+
+def engine_config_table() -> str:
     rows = [
-        [_code(r["name"]), shown(r["name"], r["default"]), r["doc"], _code(r["flag"]) if r["flag"] else ""]
+        [
+            _code(r["name"]),
+            config_value(r["name"], r["default"]),
+            r["doc"],
+            _code(r["flag"]) if r["flag"] else "",
+        ]
         for r in engine_config_rows()
     ]
     return _table(["field", "default", "meaning", "`trine serve` flag"], rows)

@@ -143,10 +143,14 @@ def test_every_engine_config_field_is_documented_with_its_flag():
     assert [r["name"] for r in rows] == expected
     undocumented = [r["name"] for r in rows if not r["doc"]]
     assert not undocumented, f"EngineConfig fields without a meaning (metadata['doc']): {undocumented}"
-    flags = {o for p in serve.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
+    options = {o: p for p in serve.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
     for r in rows:
         for flag in (r["flag"] or "").split("/") if r["flag"] else ():
-            assert flag in flags, f"{r['name']}: `trine serve` has no {flag}"
+            assert flag in options, f"{r['name']}: `trine serve` has no {flag}"
+            # the CLI reference says what this table says: the option's default and meaning are the field's
+            opt = options[flag]
+            assert opt.default == r["default"], (flag, opt.default, r["default"])
+            assert opt.help.lower().startswith(r["doc"].replace("`", "").lower()), (flag, opt.help)
     table = hook.engine_config_table()
     for r in rows:
         assert f"| `{r['name']}` |" in table

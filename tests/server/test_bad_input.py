@@ -252,8 +252,8 @@ def _routes(routes, prefix=""):
 
 
 def test_every_route_but_the_listed_public_ones_needs_a_key(server):
-    """Walk every route the app serves: without a key, only the public ones (README, "Serve and
-    connect") answer anything but 401 — and they return nothing of any key's."""
+    """Walk every route the app serves: without a key, only the public ones (docs/serving.md,
+    "Security") answer anything but 401 — and they return nothing of any key's."""
     app = server._server.config.app
     seen = {}
     with httpx.Client(base_url=server.url, trust_env=False) as anon:

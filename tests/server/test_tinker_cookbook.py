@@ -18,7 +18,8 @@ renderer is named explicitly (`role_colon`).
   tests/server/test_tinker_cookbook.py sl_basic KEY=VALUE...` builds `supervised.train.Config` with chz from
   sl_basic's own values (lr 2e-4 linear, 1 epoch, all assistant messages) plus the arguments, swaps in
   the bundled conversations file as the recipe's comment shows, and calls the recipe's `main` unchanged.
-Run `python tests/server/test_tinker_cookbook.py` to print the figures the README quotes.
+Run `python tests/server/test_tinker_cookbook.py` to print the figures docs/benchmarks.md quotes
+("tinker-cookbook recipes").
 """
 
 from __future__ import annotations

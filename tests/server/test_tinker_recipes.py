@@ -8,7 +8,8 @@ same recipes written with the client directly, small enough to read line by line
   groups of 4, advantages centred per group; operands below 10 rather than the recipe's 100, which a
   135M model never gets right), once with `importance_sampling` and once with
   `stable_reinforce` (sampled with `record_stability_info`, tokens named by provenance spans).
-Run `python tests/server/test_tinker_recipes.py` to print the figures the README quotes.
+Run `python tests/server/test_tinker_recipes.py` to print the figures docs/benchmarks.md quotes
+("tinker-cookbook recipes").
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def test_sl_basic_and_math_rl_shaped_loops_on_smollm2(tmp_path):
             sc.close("success").result()
 
 
-if __name__ == "__main__":  # the figures for the README
+if __name__ == "__main__":  # the figures for docs/benchmarks.md
     import sys
     import tempfile
     import time

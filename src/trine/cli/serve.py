@@ -11,6 +11,7 @@ lock file naming this pid, host and port.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import socket
 import sys
@@ -18,7 +19,24 @@ from pathlib import Path
 
 import click
 
+from trine.engine.config import DTYPE_NAMES, GEMM_NAMES, EngineConfig
+
 from .datadir import PathError, claim, home_dir, model_path, writable_dir
+
+
+def engine_option(path: str, extra: str = "", **click_options):
+    """The `trine serve` option that sets `EngineConfig` field `path` (`trainer.prefix_sharing` for a
+    nested one): its flag, default and meaning are the field's (engine/config.py), so the CLI
+    reference says what the engine table of docs/limits.md says; `extra` adds what only a command
+    line needs."""
+    *outer, name = path.split(".")
+    cls = EngineConfig
+    for part in outer:
+        cls = {f.name: f for f in dataclasses.fields(cls)}[part].default_factory
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
+    doc = field.metadata["doc"].replace("`", "")
+    text = f"{doc[0].upper()}{doc[1:]}." + (f" {extra}" if extra else "")
+    return click.option(field.metadata["flag"], default=field.default, help=text, **click_options)
 
 
 def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
@@ -127,37 +145,27 @@ def key_hint(store, home: Path, new_key: str | None) -> str:
     type=float,
     help="Clock-cycle length; 0 = start a cycle as soon as training work waits.",
 )
-@click.option("--threads", default=None, type=int, help="CPU threads per model (default: torch's).")
-@click.option(
-    "--dtype",
-    default="auto",
+@engine_option("num_threads", "One engine per served model.", type=int)
+@engine_option(
+    "dtype",
+    "bfloat16 on CPU runs the engine the way CUDA does (fp32 logits, softmax, LoRA weights and "
+    "optimizer state).",
     show_default=True,
-    type=click.Choice(["auto", "float32", "bfloat16"]),
-    help="Model dtype. auto: bfloat16 on CUDA; on a CPU bfloat16 only where this machine runs the "
-    "model's GEMMs at least 2x faster in it (measured once, cached), else float32. bfloat16 on CPU "
-    "runs the engine the way CUDA does (fp32 logits, softmax, LoRA weights and optimizer state).",
+    type=click.Choice(["auto", *DTYPE_NAMES]),
 )
-@click.option(
-    "--batch-invariant",
-    is_flag=True,
-    help="Batch-invariant kernels: the sampler's logprobs equal the trainer's bit for bit "
-    "(slower; see docs/numerics.md).",
-)
-@click.option(
-    "--gemm",
-    default="auto",
+@engine_option("batch_invariant", "See docs/numerics.md.", is_flag=True)
+@engine_option(
+    "gemm",
+    "auto's choice is measured at the first start on this machine and cached; the others force one "
+    "(docs/serving.md).",
     show_default=True,
-    type=click.Choice(["auto", "packed", "onednn", "linear"]),
-    help="Kernel of few-row inference GEMMs: auto measures packed (MKL), onednn and linear "
-    "(F.linear) on the model's shapes at the first start on this machine (cached) and keeps the "
-    "fastest per shape and row count; the others force one (docs/serving.md).",
+    type=click.Choice(GEMM_NAMES),
 )
-@click.option(
-    "--train-prefix-sharing/--no-train-prefix-sharing",
-    default=True,
+@engine_option(
+    "trainer.prefix_sharing",
+    "What they share: a GRPO group's prompt, a multi-turn chain's earlier turns (computed once, "
+    "exactly; off is there to compare).",
     show_default=True,
-    help="Train each token that datums of one run share (a GRPO group's prompt, a multi-turn "
-    "chain's earlier turns) once, exactly; off computes every datum whole (to compare).",
 )
 @click.option(
     "--ray",
@@ -237,7 +245,7 @@ def serve(
     quiet,
 ):
     """Serve base models for training and sampling over the PyTRIO protocol."""
-    from trine.engine.config import EngineConfig, TrainerConfig
+    from trine.engine.config import TrainerConfig
     from trine.server.app import create_app, run_forever
     from trine.server.http import access_log
     from trine.server.http.auth import TokenSigner

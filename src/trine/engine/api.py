@@ -114,7 +114,7 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     stop_at_eos: bool = True
     top_logprobs: int = 0  # also return the k most likely tokens at each sampled position
-    grammar: str = ""  # constrained decoding: an llguidance grammar (engine/grammar.py); "" = none
+    grammar: str = ""  # constrained decoding: an llguidance grammar (engine/sampler/grammar.py); "" = none
     # penalties and biases (vLLM's semantics; engine/sampler/sampling.py), each off by default
     _: KW_ONLY
     presence_penalty: float = 0.0  # subtracted from the logit of each token the sample has generated

@@ -5,8 +5,8 @@ decode step's logits and their softmax and log-softmax ([64, 49152] fp32: 12.5 M
 chunk's MLP activations ([2048, 3072] fp32: 25 MB). glibc serves a block above its mmap threshold
 (128 KiB at first, raised as such blocks are freed, but the heap's top is trimmed back to the
 kernel whenever more than twice that is free) with fresh pages from the kernel, and each page then
-faults when first written: a decode-heavy batch took 1.5 million page faults, and its sampling
-ran 2.2x slower (the batch 6 % slower) than with the pages kept (benchmarks/allocator.py).
+faults when first written (what that cost a decode-heavy batch: docs/serving.md, "Memory kept
+between steps", benchmarks/allocator.py).
 
 `keep_freed_memory()` sets a fixed mmap threshold of `MMAP_THRESHOLD` and a trim threshold of
 `TRIM_THRESHOLD`, so such blocks come from the heap and freed ones stay there for the next step,

@@ -2,8 +2,8 @@
 files a client needs to rebuild the tokenizer.
 
 The chat template is applied by `transformers` (exactly as `tokenizer.apply_chat_template(messages,
-add_generation_prompt=True)`), loaded from the model directory on first use (transformers takes
-about 2 s to import); nothing is fetched from a hub. Blocking calls: run them in a thread.
+add_generation_prompt=True)`), loaded from the model directory on first use (importing
+transformers is slow); nothing is fetched from a hub. Blocking calls: run them in a thread.
 """
 
 from __future__ import annotations

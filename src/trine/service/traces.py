@@ -35,7 +35,7 @@ from .ownership import Ownership
 
 LANES = ("queue", "prefill", "decode", "cycle", "train")
 SAMPLING = ("sample", "compute_logprobs")
-MAX_REQUESTS = 50_000  # the latest requests and events a trace holds (~35 MB of JSON, ~6 s to build)
+MAX_REQUESTS = 50_000  # the latest requests and events a trace holds (bounds its JSON and build time)
 
 
 @dataclass

@@ -76,7 +76,7 @@ def _convert(gguf: Path, out: Path) -> None:
 
 
 def ensure_default_model(home: Path | None = None) -> Path:
-    """Return the default model's checkpoint directory, converting it on first use (~35 s on CPU)."""
+    """Return the default model's checkpoint directory, converting it on first use (once per data dir)."""
     target = default_model_dir(home)
     if (target / "config.json").is_file():
         return target

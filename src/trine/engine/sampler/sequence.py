@@ -51,7 +51,7 @@ class Request:
     seqs: list["Sequence"] = field(default_factory=list)
     running: int = 0  # sequences not stopped yet
     scores: "PromptScores | None" = None  # when `scores_prompt`: filled chunk by chunk
-    matcher: object | None = None  # the compiled grammar at its start (engine/grammar.py), if any
+    matcher: object | None = None  # the compiled grammar at its start (grammar.py), if any
     adapter: "Adapter | None" = None  # the weights it runs now (an inflight target's may change)
     version: int = 0  # their version; starts as req.weights.version
     # what the sampler reads of `req`, as its own nouns (a SampleRequest is frozen: they never change)
@@ -129,5 +129,5 @@ class Sequence:
     top: list["TopLogprobs"] = field(default_factory=list)  # when options.top_logprobs
     stop_reason: str | None = None
     text: str | None = None
-    matcher: object | None = None  # this sample's grammar state (engine/grammar.py), if constrained
+    matcher: object | None = None  # this sample's grammar state (grammar.py), if constrained
     versions: list[int] = field(default_factory=list)  # per generated token (inflight requests)

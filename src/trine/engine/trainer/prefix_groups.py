@@ -34,9 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # MIN_SHARED_TOKENS (the trainer's default, TrainerConfig.min_shared_tokens) was measured with
-# benchmarks/prefix_threshold.py (SmolLM2-135M, fp32, 1 CPU thread, 4 datums with 48-token
-# suffixes, median of 7 interleaved pairs, plain / shared step time): P=1 0.85, 2 0.91, 4 1.14,
-# 8 0.79, 16 1.07, 32 1.57. From 16 on every ratio was >= 1 (a shared machine: +-20% noise).
+# benchmarks/prefix_threshold.py (docs/serving.md, "Where the engine's constants come from").
 from ..config import MIN_SHARED_TOKENS
 
 

@@ -142,19 +142,19 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     ]
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
     grammar = g.structured.grammar_on(text.tokenizer)
-    specs = [
+    reqs = [
         sample_request(g, rid if len(prompts) == 1 else f"{rid}-{i}", prompt, context, grammar)
         for i, prompt in enumerate(prompts)
     ]
     created = int(time.time())
     if not g.stream:
-        outs = await _unless_disconnected(request, _all(st, key, target, specs))
+        outs = await _unless_disconnected(request, _all(st, key, target, reqs))
         answers = [
             shapes.Answer(p, _prompt_text(g, i, p, text), out)
             for i, (p, out) in enumerate(zip(prompts, outs))
         ]
         return MoneyJSONResponse(shapes.response(g, rid, created, answers, text.token_text))
-    first, items = await _unless_disconnected(request, _start(st, key, target, specs[0], True))
+    first, items = await _unless_disconnected(request, _start(st, key, target, reqs[0], True))
     return StreamingResponse(
         _events(g, rid, created, first, items, text),
         media_type="text/event-stream",
@@ -170,10 +170,10 @@ def _prompt_text(g: Generation, i: int, prompt: list[int], text: ModelText) -> s
     return p if isinstance(p, str) else text.tokenizer.decode(prompt)
 
 
-async def _all(st: OpenAIState, key: ApiKey, target: targets.ModelTarget, specs: list[SampleRequest]):
+async def _all(st: OpenAIState, key: ApiKey, target: targets.ModelTarget, reqs: list[SampleRequest]):
     """The outcomes of a batch's requests, run concurrently (each metered and cached as its own);
     the first failure cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(_start(st, key, target, spec, False)) for spec in specs]
+    tasks = [asyncio.ensure_future(_start(st, key, target, req, False)) for req in reqs]
     try:
         return [out for out, _ in await asyncio.gather(*tasks)]
     finally:
@@ -203,15 +203,13 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _start(
-    st: OpenAIState, key: ApiKey, target: targets.ModelTarget, spec: SampleRequest, stream: bool
-):
+async def _start(st: OpenAIState, key: ApiKey, target: targets.ModelTarget, req: SampleRequest, stream: bool):
     """Start sampling. Streaming: wait for the first chunk, so that a refused request is a plain
     HTTP error; returns (that chunk, the iterator of the rest). Otherwise: returns (the
     SampleOutcome, None)."""
     for attempt in (0, 1):
         run_id = st.runs.run_id(key, target, fresh=attempt > 0)
-        items = st.service.sampling.sample_stream(key, run_id, spec)
+        items = st.service.sampling.sample_stream(key, run_id, req)
         try:
             item = await anext(items)
             if stream:

@@ -46,9 +46,8 @@ import torch.nn.functional as F
 MAX_ROWS = 1024
 PACK_ROWS = 256  # the row count packing is told: any is correct, this one fastest (docstring)
 # A copy this many times its weight's size is dropped. MKL pads each copy by about 10 MB, so small
-# weights inflate most (SmolLM2-135M: o_proj 8.7x, q/k/v 5.2x, down 3.9x, gate/up 3.0x, LM head
-# 2.1x); they still gain (fused q/k/v with 32 rows 384 -> 107 us, o_proj 98 -> 66 us), and the
-# padding is never touched. The bound drops only weights so small that the padding dwarfs them.
+# weights inflate most; they still gain, and the padding is never touched (docs/serving.md, "Where
+# the engine's constants come from"). The bound drops only weights so small that the padding dwarfs them.
 MAX_INFLATION = 10.0
 _packs: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
 _available: bool | None = None

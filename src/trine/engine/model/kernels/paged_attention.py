@@ -32,7 +32,7 @@ from .cbuild import Kernel
 # chunk's many queries are faster through SDPA's GEMMs (docs/serving.md, "Where the engine's
 # constants come from").
 MAX_QUERIES = 16
-# Reassociation lets the dot products and sums vectorize (1.2-1.4x). Not -ffinite-math-only: the
+# Reassociation lets the dot products and sums vectorize. Not -ffinite-math-only: the
 # kernel starts each running max at -inf.
 _FLAGS = ("-fassociative-math", "-fno-signed-zeros", "-freciprocal-math")
 
