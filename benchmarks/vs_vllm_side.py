@@ -37,10 +37,11 @@ import time
 from pathlib import Path
 
 
-def gemm_peak_gflops(n: int = 1024, reps: int = 20) -> float:
+def gemm_peak_gflops(dtype: str = "float32", n: int = 1024, reps: int = 20) -> float:
+    """As benchmarks/sampler.py's (this side may run in vLLM's venv, without trine)."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
     a @ b
     best = math.inf
     for _ in range(reps):
@@ -51,7 +52,7 @@ def gemm_peak_gflops(n: int = 1024, reps: int = 20) -> float:
 
 
 class TrineSide:
-    def __init__(self, model_dir: Path, threads: int, kv_gib: float):
+    def __init__(self, model_dir: Path, threads: int, kv_gib: float, dtype: str):
         from trine.engine.setup import configure, openmp_wait
 
         configure()  # before torch: it sets how OpenMP's threads wait
@@ -64,7 +65,7 @@ class TrineSide:
         from trine.engine.model.tokenizer import Tokenizer
         from trine.engine.model.weights import load_model
 
-        self.model = load_model(model_dir, "cpu", torch.float32)
+        self.model = load_model(model_dir, "cpu", getattr(torch, dtype))
         self.tok = Tokenizer(model_dir)
         self.kv_bytes = int(kv_gib * 2**30)
         self.weights = WeightsIdentity("bench")
@@ -118,13 +119,13 @@ class TrineSide:
 
 
 class VllmSide:
-    def __init__(self, model_dir: Path, threads: int, kv_gib: float, max_model_len: int):
+    def __init__(self, model_dir: Path, threads: int, kv_gib: float, max_model_len: int, dtype: str):
         from vllm import LLM
 
-        # An empty prefix cache per generate, stats on for the token counters, fp32 as trine.
+        # An empty prefix cache per generate, stats on for the token counters, trine's dtype.
         self.llm = LLM(
             model=str(model_dir),
-            dtype="float32",
+            dtype=dtype,
             enable_prefix_caching=True,
             seed=0,
             max_model_len=max_model_len,
@@ -201,14 +202,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-gib", type=float, default=2)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--reply-fd", type=int, required=True)
     args = ap.parse_args()
     reply = os.fdopen(args.reply_fd, "w")
     t = time.perf_counter()
     if args.engine == "trine":
-        side = TrineSide(args.model, args.threads, args.kv_gib)
+        side = TrineSide(args.model, args.threads, args.kv_gib, args.dtype)
     else:
-        side = VllmSide(args.model, args.threads, args.kv_gib, args.max_model_len)
+        side = VllmSide(args.model, args.threads, args.kv_gib, args.max_model_len, args.dtype)
     reply.write(json.dumps(dict(side.info, startup_s=time.perf_counter() - t)) + "\n")
     reply.flush()
     for line in sys.stdin:
@@ -221,7 +223,7 @@ def main() -> None:
         elif op == "multiturn":
             out = multiturn(side, **cmd)
         elif op == "gemm_peak":
-            out = dict(gflops=gemm_peak_gflops())
+            out = dict(gflops=gemm_peak_gflops(args.dtype))
         else:
             raise ValueError(f"unknown op {op!r}")
         reply.write(json.dumps(out) + "\n")

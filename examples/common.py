@@ -57,6 +57,12 @@ def parser(doc: str, steps: int | None) -> argparse.ArgumentParser:
         help="The embedded server's data dir. Default: $TRINE_HOME, else ~/.trine.",
     )
     p.add_argument("--seed", type=int, default=0, help="Seed of the example's data, sampling and LoRA init.")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="The embedded server's model dtype (as `trine serve --dtype`); ignored with --url.",
+    )
     return p
 
 
@@ -86,11 +92,12 @@ def connect(args):
     from trine.engine.setup import configure
 
     configure()  # before the server loads torch: the engine's OpenMP wait, as under `trine serve`
+    from trine.engine.config import EngineConfig
     from trine.engine.model.default_model import ensure_default_model
     from trine.server.app import start_server
 
     model_dir = Path(args.model) if args.model else ensure_default_model(args.home)
-    server = start_server(models=[model_dir], home=args.home, port=0)
+    server = start_server(models=[model_dir], home=args.home, port=0, engine=EngineConfig(dtype=args.dtype))
     try:
         with trio.ServiceClient(api_key=server.api_key, base_url=server.url) as service:
             yield Connection(service, model_dir.name, server.url, server.api_key)
