@@ -142,20 +142,29 @@ def check_adam_value(name: str, v) -> None:
 @dataclass(frozen=True)
 class SamplingBound:
     """A sampling parameter's accepted range: finite, >= `low` (> when `low_open`), <= `high`
-    (math.inf: no upper bound); `off` is the value that turns it off, named in messages."""
+    (math.inf: no upper bound), an integer where `integer`; `off` is the value that turns it off,
+    accepted even outside the range (top_k's -1) and named in messages."""
 
     low: float
     high: float
     low_open: bool = False
     off: float | None = None
+    integer: bool = False
 
     def holds(self, v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return False
+        if self.off is not None and v == self.off:
+            return True
+        if self.integer and not isinstance(v, int):
+            return False
         return math.isfinite(v) and (v > self.low if self.low_open else v >= self.low) and v <= self.high
 
     def text(self) -> str:
         """The range as messages and the docs write it: `in (0, 1]`, `a finite number >= 0`."""
         if self.high == math.inf:
-            rng = f"a finite number {'>' if self.low_open else '>='} {self.low}"
+            kind = "an integer" if self.integer else "a finite number"
+            rng = f"{kind} {'>' if self.low_open else '>='} {self.low}"
         else:
             rng = f"in {'(' if self.low_open else '['}{self.low}, {self.high}]"
         return rng if self.off is None else f"{rng} ({self.off}: off)"
@@ -170,6 +179,7 @@ SAMPLING_BOUNDS = {
     "frequency_penalty": SamplingBound(-2, 2),
     "repetition_penalty": SamplingBound(0, math.inf, low_open=True, off=1),
     "min_p": SamplingBound(0, 1, off=0),
+    "top_k": SamplingBound(1, math.inf, off=-1, integer=True),  # OpenAI's plane also reads 0 as off
 }
 
 

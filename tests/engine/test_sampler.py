@@ -421,6 +421,7 @@ def test_step_api_returns_finished_requests(model_tok):
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_k=-2), "top_k"),
+        (dict(top_k=0), "top_k"),  # -1 is off (limits.SAMPLING_BOUNDS); 0 is OpenAI's plane's alias only
         (dict(stop_token_ids=(10**6,)), "stop_token_ids"),
         (dict(stop_strings=("",)), "stop_strings"),
         (dict(weights=WeightsIdentity("tiny", "run")), "adapter"),

@@ -101,6 +101,7 @@ def test_wire_integers_and_floats_are_range_checked(client):
         ({"max_tokens": 2, "seed": BIG}, "seed"),
         ({"max_tokens": 2, "stop_token_ids": [BIG]}, "stop_token_ids"),
         ({"max_tokens": 2, "top_k": BIG}, "top_k"),
+        ({"max_tokens": 2, "top_k": 0}, "top_k must be an integer >= 1 (-1: off), got 0"),
         ({"max_tokens": 2, "stop": ["x"] * 100_000}, "stop strings"),
     ):
         assert_4xx(client.sample(srun, {**base, "sampling_params": params}), word)

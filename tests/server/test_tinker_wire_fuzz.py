@@ -458,8 +458,13 @@ def test_absurd_sparse_shapes_are_refused_before_anything_is_allocated(plane):
 
 
 def test_openai_top_k_past_int64_is_a_400(srv):
+    """top_k's range is limits.SAMPLING_BOUNDS' (-1 off, or >= 1); OpenAI's plane also takes 0 as off."""
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.api_key, max_retries=0)
+    for off in (0, -1):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"top_k": off})
+    with pytest.raises(openai.BadRequestError, match=r"top_k.*must be an integer >= 1 \(-1: off\)"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"top_k": -2})
     for huge in (BIG, 2**64):
         with pytest.raises(openai.BadRequestError, match="top_k"):
             client.chat.completions.create(

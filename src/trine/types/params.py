@@ -34,8 +34,6 @@ class SamplingParams(BaseModel):
     def _check(self) -> SamplingParams:
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"SamplingParams.max_tokens must be > 0, got {self.max_tokens}")
-        if self.top_k != -1 and self.top_k <= 0:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or > 0, got {self.top_k}")
         for name in SAMPLING_BOUNDS:
             if (error := sampling_bound_error(name, getattr(self, name))) is not None:
                 raise ValueError(f"SamplingParams.{name} {error}")

@@ -178,8 +178,6 @@ def draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def check_sampling_options(options: SamplingOptions, vocab_size: int) -> None:
     """ValueError naming the field when a sampling option is out of range (limits.SAMPLING_BOUNDS)."""
-    if options.top_k < -1:
-        raise ValueError(f"top_k: must be -1 (off) or >= 1, got {options.top_k}")
     if not 0 <= options.top_logprobs <= vocab_size:
         raise ValueError(f"top_logprobs: must be in [0, {vocab_size}], got {options.top_logprobs}")
     for name in SAMPLING_BOUNDS:

@@ -17,7 +17,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...limits import INT64_MAX, MAX_SAMPLES_PER_REQUEST, MAX_STOP_STRING_CHARS, SAMPLING_BOUNDS
+from ...limits import (
+    INT64_MAX,
+    MAX_SAMPLES_PER_REQUEST,
+    MAX_STOP_STRING_CHARS,
+    SAMPLING_BOUNDS,
+    sampling_bound_error,
+)
 from .errors import OpenAIError, bad_param
 from .structured import Structured, assistant_tool_calls, parse_structured
 
@@ -224,8 +230,10 @@ def _common(body: dict, g: Generation) -> None:
         if g.top_p == 0:
             raise bad_param("top_p", "must be > 0 (use temperature 0 for greedy decoding)")
     if body.get("top_k") is not None:
-        g.top_k = _int(body, "top_k", -1, INT64_MAX)
-        g.top_k = -1 if g.top_k == 0 else g.top_k  # 0 and -1 both mean off
+        g.top_k = _int(body, "top_k", None, INT64_MAX)
+        g.top_k = -1 if g.top_k == 0 else g.top_k  # OpenAI's convention: 0 and -1 both mean off
+        if (error := sampling_bound_error("top_k", g.top_k)) is not None:
+            raise bad_param("top_k", f"{error} (or 0: off)")
     if body.get("seed") is not None:
         g.seed = _int(body, "seed", -(2**63), 2**63 - 1)
     g.stop = _stop(body.get("stop"))

@@ -35,6 +35,7 @@ from ...limits import (
     OPTIMIZE_STEP,
     SAVE_STATE,
     SAVE_WEIGHTS,
+    sampling_bound_error,
 )
 from ...service import (
     InitByUri,
@@ -89,8 +90,8 @@ def sampling_options(
 ) -> SamplingOptions:
     """The engine's sampling options of a `sampling_params` body (Tinker's, or PyTRIO's with trine's
     extensions)."""
-    if p.top_k != -1 and p.top_k < 1:
-        raise InvalidRequest(f"sampling_params.top_k {p.top_k}: use -1 (off) or a positive integer")
+    if (error := sampling_bound_error("top_k", p.top_k)) is not None:
+        raise InvalidRequest(f"sampling_params.top_k {error}")
     stop = tuple([p.stop] if isinstance(p.stop, str) else p.stop or ())
     return SamplingOptions(
         max_tokens=p.max_tokens,
