@@ -656,3 +656,104 @@ def test_the_sdks_own_async_calls_answer_as_their_sync_twins(server, service, tm
     assert sync.sequences[0].tokens == seq.tokens
     assert "traceEvents" in json.loads(path.read_text())
     assert "traceEvents" in httpx.get(url, trust_env=False).json()
+
+
+def test_pytrios_async_twins_answer_as_their_sync_twins(server, service, tokenizer, tmp_path):
+    """Every `_async` call of PyTRIO's official 0.2.9 API that trine's own code never calls (the
+    ServiceClient's, the TrainingClient's checkpoint and custom-loss calls, the RestClient's): code
+    ported from PyTRIO awaits them, so each must answer what its sync twin's future does."""
+    batch = [sft_datum(tokenizer, "Async twins answer as sync ones.")]
+    prompt = trio.ModelInput.from_ints(list(range(1, 9)))
+    params = trio.SamplingParams(max_tokens=2, temperature=0.0)
+    rest = service.create_rest_client()
+    sid = service.service_session_cuid
+
+    def nll(data, logprobs):
+        return -sum(lp.sum() for lp in logprobs), {}
+
+    async def service_and_training():
+        caps = await service.get_server_capabilities_async()
+        trainer = await service.create_lora_training_client_async(base_model=MODEL, rank=4, seed=11)
+        custom = await (await trainer.forward_backward_custom_async(batch, nll))
+        await trainer.optim_step_async(trio.AdamParams(learning_rate=1e-2))
+        state = await (await trainer.save_state_async("twins-state"))
+        weights = await (await trainer.save_weights_for_sampler_async("twins-weights"))
+        sampler = await trainer.create_sampling_client_async(weights.path)
+        base_sampler = await service.create_sampling_client_async(base_model=MODEL)
+        restored = await service.create_training_client_from_state_async(state.path)
+        with_optim = await service.create_training_client_from_state_with_optimizer_async(state.path)
+        loaded = await service.create_lora_training_client_async(base_model=MODEL, rank=4, seed=11)
+        await (await loaded.load_state_async(state.path))
+        loaded_optim = await service.create_lora_training_client_async(base_model=MODEL, rank=4, seed=11)
+        await (await loaded_optim.load_state_with_optimizer_async(state.path))
+        return (
+            caps,
+            trainer,
+            custom,
+            state,
+            weights,
+            sampler,
+            base_sampler,
+            (restored, with_optim, loaded, loaded_optim),
+        )
+
+    caps, trainer, custom, state, weights, sampler, base_sampler, restored = asyncio.run(
+        service_and_training()
+    )
+    assert caps == service.get_server_capabilities()
+    twin = service.create_lora_training_client(base_model=MODEL, rank=4, seed=11)
+    assert twin.forward_backward_custom(batch, nll).result().loss_fn_outputs[0]["logprobs"].tolist() == (
+        custom.loss_fn_outputs[0]["logprobs"].tolist()
+    )
+    greedy = sampler.sample(prompt, sampling_params=params).result().sequences[0].tokens
+    assert (
+        trainer.create_sampling_client(weights.path)
+        .sample(prompt, sampling_params=params)
+        .result()
+        .sequences[0]
+        .tokens
+        == greedy
+    )
+    assert base_sampler.sample(prompt, sampling_params=params).result().sequences[0].tokens == (
+        service.create_sampling_client(base_model=MODEL)
+        .sample(prompt, sampling_params=params)
+        .result()
+        .sequences[0]
+        .tokens
+    )
+    # every restored client holds the saved weights: the same forward as the saving run, bit for bit
+    want = trainer.forward(batch).result().metrics["loss_sum"]
+    for t in restored:
+        assert t.forward(batch).result().metrics["loss_sum"] == want
+
+    run_id, ckpt = trainer.training_run_id, None
+
+    async def rest_calls():
+        nonlocal ckpt
+        got = {
+            "run": await rest.get_training_run_async(run_id),
+            "runs": await rest.list_training_runs_async(limit=100),
+            "checkpoints": await rest.list_checkpoints_async(run_id),
+            "user_checkpoints": await rest.list_user_checkpoints_async(limit=100),
+            "session": await rest.get_session_async(sid),
+            "sessions": await rest.list_sessions_async(limit=100),
+            "sampler": await rest.get_sampler_async(sampler.sampling_run_id),
+        }
+        ckpt = got["checkpoints"].checkpoints[0].checkpoint_id
+        got["archive"] = (await rest.get_checkpoint_archive_url_async(ckpt)).url is not None
+        got["download"] = await rest.download_checkpoint_async(ckpt, tmp_path / "async.tar")
+        return got
+
+    got = asyncio.run(rest_calls())
+    assert got["run"] == rest.get_training_run(run_id).result()
+    assert got["runs"] == rest.list_training_runs(limit=100).result()
+    assert got["checkpoints"] == rest.list_checkpoints(run_id).result()
+    assert got["user_checkpoints"] == rest.list_user_checkpoints(limit=100).result()
+    assert got["session"] == rest.get_session(sid).result()
+    assert got["sessions"] == rest.list_sessions(limit=100).result()
+    assert got["sampler"] == rest.get_sampler(sampler.sampling_run_id).result()
+    sync = rest.download_checkpoint(ckpt, tmp_path / "sync.tar").result()
+    assert got["archive"] and got["download"].bytes_written == sync.bytes_written > 0
+    assert (tmp_path / "async.tar").read_bytes() == (tmp_path / "sync.tar").read_bytes()
+    asyncio.run(rest.delete_checkpoint_async(run_id, ckpt))
+    assert ckpt not in [c.checkpoint_id for c in rest.list_checkpoints(run_id).result().checkpoints]
