@@ -252,20 +252,20 @@ def test_an_adapter_saved_by_peft_on_linear_attention_loads(model, model_dir, tm
         Rounding(got, got64).assert_within(peft_model(tokens).logits)
 
 
-def test_merged_export_gives_the_adapters_logits_in_transformers(trained, model_dir, tmp_path):
-    """`trine export --merged` of a hybrid model's adapter: transformers' `Qwen3_5ForCausalLM` on
-    the merged weights and peft's adapter on the base both compute trine's adapter logits (kind 3;
-    the tied embeddings untied, the unembedding being adapted)."""
-    from peft import PeftModel
+def test_exports_give_the_adapters_logits_in_transformers(trained, tmp_path):
+    """`trine export --merged` of a hybrid model's adapter: transformers' `Qwen3_5ForCausalLM` on the
+    merged weights, and peft on the base with the adapter `trine export` writes, both compute
+    trine's adapter logits (kind 3; the tied embeddings untied, the unembedding being adapted)."""
+    from peft import AutoPeftModelForCausalLM
 
     path, _, tokens, want, want64 = trained
-    out = tmp_path / "merged"
-    r = CliRunner().invoke(main, ["export", str(path), str(out), "--merged"])
-    assert r.exit_code == 0, r.output
-    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
-    merged = hf_model(out)
+    for args, out in ((["--merged"], tmp_path / "merged"), ([], tmp_path / "adapter")):
+        r = CliRunner().invoke(main, ["export", str(path), str(out), *args])
+        assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is False
+    merged = hf_model(tmp_path / "merged")
     assert type(merged).__name__ == "Qwen3_5ForCausalLM"
-    on_base = PeftModel.from_pretrained(hf_model(model_dir), str(path)).eval()
+    on_base = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"), dtype=torch.float32).eval()
     with torch.no_grad():
         for theirs in (merged(tokens).logits, on_base(tokens).logits):
             Rounding(want, want64).assert_within(theirs)

@@ -29,8 +29,9 @@ How a micro-batch is computed
 
 Prefix sharing (`prefix_sharing=True`, the default): datums of one run that share a token prefix
 (a GRPO group's prompt, a multi-turn chain's earlier turns) are grouped first (prefix_groups.py)
-and their micro-batches compute each shared position once (shared_prefix.py), with the same
-logprobs, losses and gradients; the other datums take the path above. `TrainUsage.train_tokens`
+and their micro-batches compute each shared position once (shared_prefix.py; a hybrid model's
+children start from their prefix's recurrent state), with the same logprobs, losses and
+gradients; the other datums take the path above. `TrainUsage.train_tokens`
 counts the positions computed, `sequence_tokens` the positions sent.
 
 Custom losses (a client's graph, custom_graph.py) are not elementwise: like gspo, a micro-batch
