@@ -130,7 +130,13 @@ def trainer_vs_hf(
             out.append(timed(fn))
     del ours, hf
     args = SimpleNamespace(
-        model=str(path), batch=batch, seq=seq, rank=rank, threads=threads, mem_repeats=mem_repeats
+        model=str(path),
+        batch=batch,
+        seq=seq,
+        rank=rank,
+        threads=threads,
+        mem_repeats=mem_repeats,
+        dtype="float32",
     )
     peak_ours, peak_hf = peak_memory("trine", args), peak_memory("hf", args)
     med = statistics.median

@@ -3,8 +3,7 @@
     python benchmarks/trainer.py [--model DIR] [--batch 8] [--seq 256] [--rank 16] [--iters 5] [--json]
                                  [--no-prefix | --prefix-only]
 
-Both sides train LoRA rank 16 (alpha 32) on attention and MLP (`LoRAConfig.target_names()` without the
-unembedding; a hybrid model's linear-attention projections too) of the same fp32 weights with AdamW, on
+Both sides train LoRA rank 16 (alpha 32) on attention and MLP of the same fp32 weights with AdamW, on
 the same random batch (labels = inputs, next-token cross-entropy), in the same process; their steps
 are interleaved (each pair back to back, alternating which goes first) and each ratio is the median
 of the per-iteration ratios, which cancels most of the drift of a shared machine:
@@ -51,6 +50,8 @@ import torch
 from report import record  # benchmarks/report.py
 from sampler import gemm_peak_gflops  # benchmarks/sampler.py
 
+from trine.engine.api import LORA_LINEAR_ATTN
+
 
 def _rss_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -95,14 +96,13 @@ class HFSide:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        from trine.engine.api import LoRAConfig
-
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        # TrineSide's targets: attention (a hybrid model's linear attention too) and MLP; peft
-        # skips the names a model does not have
-        targets = list(LoRAConfig(train_unembed=False).target_names())
-        self.model = get_peft_model(
-            base, LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        self.model = get_peft_model(  # and a hybrid model's linear attention, as TrineSide's LoRAConfig
+            base,
+            LoraConfig(
+                r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=targets + list(LORA_LINEAR_ATTN)
+            ),
         )
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
