@@ -51,6 +51,8 @@ import torch
 from report import record  # benchmarks/report.py
 from sampler import gemm_peak_gflops  # benchmarks/sampler.py
 
+from trine.engine.api import LORA_LINEAR_ATTN
+
 
 def _rss_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -99,8 +101,11 @@ class HFSide:
 
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        self.model = get_peft_model(
-            base, LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
+        self.model = get_peft_model(  # and a hybrid model's linear attention, as TrineSide's LoRAConfig
+            base,
+            LoraConfig(
+                r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=targets + list(LORA_LINEAR_ATTN)
+            ),
         )
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]

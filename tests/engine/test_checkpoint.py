@@ -73,17 +73,22 @@ def test_sampler_adapter_loads_into_peft_with_the_same_logits(model, tiny_model_
     assert_like_trines(want, got, tiny_model_dir, trainer.adapter("r"), tokens)
 
 
-def test_peft_adapter_round_trip_and_partial_targets(model, tiny_model_dir, tmp_path):
+def saved_by_peft(hf, targets: list[str], path):
+    """An adapter trained elsewhere (random rank-4 LoRA weights on `targets` of transformers' model
+    `hf`), saved at `path` by peft itself; returns the peft model."""
     from peft import LoraConfig, get_peft_model
 
-    # An adapter trained elsewhere on q_proj and v_proj only, saved by peft itself.
-    peft_cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    peft_model = get_peft_model(hf_model(tiny_model_dir), peft_cfg)
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_" in n:
                 p.normal_(0, 0.1)
-    peft_model.save_pretrained(tmp_path / "ext")
+    peft_model.save_pretrained(path)
+    return peft_model.eval()
+
+
+def test_peft_adapter_round_trip_and_partial_targets(model, tiny_model_dir, tmp_path):
+    peft_model = saved_by_peft(hf_model(tiny_model_dir), ["q_proj", "v_proj"], tmp_path / "ext")
     adapter, lora = load_peft_adapter(model, tmp_path / "ext")
     assert (lora.rank, lora.alpha, lora.train_attn, lora.train_mlp, lora.train_unembed) == (
         4,

@@ -35,13 +35,13 @@ from trine.engine.model.weights import load_model, read_config, servable
 VOCAB = 49152  # SmolLM2's tokenizer (no Qwen tokenizer is available offline): tests/fixtures/README.md
 
 
-def build_tiny_qwen3_5_dir(out, seed: int = 0, tie: bool = True):
+def build_tiny_qwen3_5_dir(out, seed: int = 0, tie: bool = True, vocab_size: int = VOCAB):
     """A tiny random Qwen3.5 text model (layers: linear, linear, full, linear, full), saved by
-    transformers, with SmolLM2's tokenizer."""
+    transformers, with SmolLM2's tokenizer (a smaller `vocab_size` keeps its first ids)."""
     import transformers as tf
 
     cfg = tf.Qwen3_5TextConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=96,
         intermediate_size=256,
         num_hidden_layers=5,

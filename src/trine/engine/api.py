@@ -91,8 +91,10 @@ class LoRAConfig:
         return self.alpha / self.rank
 
     def target_names(self) -> tuple[str, ...]:
+        """The module names an adapter of this shape targets; a model has some of them (a dense
+        model no linear-attention layer, whose projections `train_attn` targets too)."""
         return (
-            (LORA_ATTN if self.train_attn else ())
+            (LORA_ATTN + LORA_LINEAR_ATTN if self.train_attn else ())
             + (LORA_MLP if self.train_mlp else ())
             + (LORA_UNEMBED if self.train_unembed else ())
         )

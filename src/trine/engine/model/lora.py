@@ -22,15 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..api import LORA_LINEAR_ATTN, LoRAConfig
+from ..api import LoRAConfig
 from . import invariant
 from .invariant import linear
-
-
-def lora_targets(config: LoRAConfig) -> set[str]:
-    """The module names an adapter of `config` targets: its `target_names`, and with `train_attn` a
-    linear-attention layer's projections too (a hybrid model's other attention)."""
-    return set(config.target_names()) | (set(LORA_LINEAR_ATTN) if config.train_attn else set())
 
 
 def lora_features(model: nn.Module) -> dict[str, int]:
@@ -84,7 +78,7 @@ class Adapter(nn.Module):
         gen = torch.Generator().manual_seed(config.seed or 0)
         self.A = nn.ParameterDict()
         self.B = nn.ParameterDict()
-        targets = lora_targets(config)
+        targets = set(config.target_names())
         for name, mod in model.named_modules():
             if isinstance(mod, LoRALinear) and name.rsplit(".", 1)[-1] in targets:
                 dtype = invariant.wide_dtype(mod.weight.dtype)

@@ -58,6 +58,12 @@ class ModelConfig:
         """The leading dims of each head RoPE rotates: all of them here (qwen3_5.py: a part)."""
         return self.head_dim
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend over keys and values (each has K/V pools of its own, indexed by
+        its ordinal here): all of them (qwen3_5.py: some)."""
+        return tuple(range(self.num_layers))
+
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")

@@ -92,15 +92,17 @@ def auto_dtype(path: str | Path, device: torch.device) -> DtypeChoice:
 
 
 def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint's weights under a text model's names: a multimodal checkpoint's language model
-    (`model.language_model.X` as `model.X`) without its vision tower or MTP head; others as they are."""
+    """A checkpoint's weights under a text model's names (`text_name`): a multimodal checkpoint's
+    language model without its vision tower or MTP head; others as they are."""
     if not any(k.startswith(_LANGUAGE_MODEL) for k in state):
         return state
-    return {
-        "model." + k[len(_LANGUAGE_MODEL) :] if k.startswith(_LANGUAGE_MODEL) else k: v
-        for k, v in state.items()
-        if not k.startswith(_NOT_TEXT)
-    }
+    return {text_name(k): v for k, v in state.items() if not k.startswith(_NOT_TEXT)}
+
+
+def text_name(name: str) -> str:
+    """A checkpoint weight's name in a text model: a multimodal checkpoint's language model's
+    `model.language_model.X` is `model.X`; other names are as they are."""
+    return "model." + name[len(_LANGUAGE_MODEL) :] if name.startswith(_LANGUAGE_MODEL) else name
 
 
 def load_model(

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from ..api import ADAMW, DIMUON, LORA_ATTN, LORA_MLP, LORA_UNEMBED, LoRAConfig
+from ..api import ADAMW, DIMUON, LORA_ATTN, LORA_LINEAR_ATTN, LORA_MLP, LORA_UNEMBED, LoRAConfig
 from ..model.lora import Adapter
 from ..model.model import Transformer
 
@@ -133,7 +133,7 @@ def save_peft_adapter(
         "lora_alpha": lora.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": sorted(lora.target_names()),
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in adapter.module_names()}),
         "fan_in_fan_out": False,
         "use_rslora": False,
         "inference_mode": True,
@@ -176,11 +176,12 @@ def read_lora_config(path: str | Path) -> LoRAConfig:
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     names = {t.rsplit(".", 1)[-1] for t in targets}
-    unsupported = sorted(names - set(LORA_ATTN + LORA_MLP + LORA_UNEMBED))
+    attn = LORA_ATTN + LORA_LINEAR_ATTN  # a hybrid model's two kinds of attention
+    unsupported = sorted(names - set(attn + LORA_MLP + LORA_UNEMBED))
     if unsupported:
         raise ValueError(
             f"{cfg_file}: target_modules {unsupported} are not supported "
-            f"(LoRA targets: {', '.join(LORA_ATTN + LORA_MLP + LORA_UNEMBED)})"
+            f"(LoRA targets: {', '.join(attn + LORA_MLP + LORA_UNEMBED)})"
         )
     rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     if cfg.get("use_rslora"):
@@ -188,7 +189,7 @@ def read_lora_config(path: str | Path) -> LoRAConfig:
     return LoRAConfig(
         rank=rank,
         alpha=alpha,
-        train_attn=bool(names & set(LORA_ATTN)),
+        train_attn=bool(names & set(attn)),
         train_mlp=bool(names & set(LORA_MLP)),
         train_unembed=bool(names & set(LORA_UNEMBED)),
     )

@@ -6,7 +6,10 @@
 
 `export_merged`: a full Hugging Face model directory with W' = W + (alpha / r) · B·A folded into
 every targeted linear, plus the base model's config, tokenizer, chat template and generation
-config, which `transformers` (and vLLM) load like any checkpoint.
+config, which `transformers` (and vLLM) load like any checkpoint. A multimodal base (a `qwen3_5`
+checkpoint, whose language model trine trains) is written whole, vision tower included, with the
+deltas folded into its language model's weights (`model.language_model.X` for the adapter's
+`model.X`).
 
 Invariants
 - The merged model computes trine's adapter logits (fp32: within 1e-4).
@@ -32,6 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..model.weights import text_name
 from .checkpoint import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -127,17 +131,19 @@ def export_merged(adapter_dir: str | Path, out: str | Path, base_dir: str | Path
             metadata = f.metadata() or {}
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
-        if untie and "model.embed_tokens.weight" in tensors:
-            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        stored = {text_name(n): n for n in tensors}  # the adapter's names -> this checkpoint's
+        if untie and "model.embed_tokens.weight" in stored:
+            tensors["lm_head.weight"] = tensors[stored["model.embed_tokens.weight"]].clone()
+            stored["lm_head.weight"] = "lm_head.weight"
         for name, delta in deltas.items():
-            if name in tensors:
-                w = tensors[name]
+            if name in stored:
+                w = tensors[stored[name]]
                 if tuple(w.shape) != tuple(delta.shape):
                     raise ValueError(
                         f"{adapter_dir}: the adapter for {name} has shape {tuple(delta.shape)}, "
                         f"the base model's weight is {tuple(w.shape)}"
                     )
-                tensors[name] = (w.float() + delta).to(w.dtype).contiguous()
+                tensors[stored[name]] = (w.float() + delta).to(w.dtype).contiguous()
                 merged.add(name)
         tmp = out / f".{shard.name}.tmp"
         save_file(tensors, str(tmp), metadata={**metadata, "format": "pt"})
@@ -157,6 +163,8 @@ def export_merged(adapter_dir: str | Path, out: str | Path, base_dir: str | Path
             _copy(f, out / f.name)
     if untie:
         config["tie_word_embeddings"] = False
+        if isinstance(config.get("text_config"), dict):  # a multimodal config says it twice
+            config["text_config"]["tie_word_embeddings"] = False
     _write_json(
         out / TRINE_FACTS,
         {

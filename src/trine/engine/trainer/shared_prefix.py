@@ -2,7 +2,7 @@
 
 How it is computed
 1. Slots: every position the micro-batch computes gets one slot, segment after segment in pass
-   order. Per layer, a flat K/V pool of that many slots holds each position's keys and values
+   order. Per attention layer, a flat K/V pool of that many slots holds each position's keys and values
    (after RoPE), written by the pass that computes the position (`KVContext`, as the sampler's
    prefix cache does).
 2. One pass of the body per tree depth: the segments of depth d are the rows (right padded; split
@@ -14,6 +14,11 @@ How it is computed
    children send into an ancestor's keys and values are summed there and flow back through the
    ancestor's pass once, in one backward call. A micro-batch of single-segment trees
    (multi-turn chains, duplicates) needs no pool: one causal pass over each tree's longest datum.
+   A hybrid model's (qwen3_5.py) linear-attention layers read no keys: their recurrent state is
+   the whole of a row's past. A root's pass starts from the zero state; each segment with children
+   keeps its row's state at its end (conv and recurrent, `HybridState`), and its children's pass
+   starts from it, so autograd sums the children's gradients into that state as into the
+   parent's keys and values. Only the attention layers have pools.
 3. The LM head runs once per scored position (a target other than -100), however many datums
    score it (a GRPO prompt position, an earlier turn of a multi-turn chain): each datum reads its
    own target's logprob from that position's log-softmax and its loss uses its own weights /
@@ -25,6 +30,10 @@ attention), and those are the same for every datum that reads it. With the batch
 kernels (invariant.py) each row's keys sit at index = position as in the plain path, so hidden
 states and logprobs are bit for bit the plain path's; without them they differ in the last bits
 (SDPA picks another kernel for an explicit mask). Gradients are the same sums, added in another order.
+A hybrid model's child runs its linear layers' chunked rule from its parent's state, with chunks
+counted from its own first token, where the plain path's chunks run on from position 0: the same
+rule cut in other places, equal within fp32 rounding (gated_deltanet.py's invariant), bit for bit
+only where the layer's form does not depend on the cuts.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import torch
 from ..model import invariant
 from ..model.attention import KVContext
 from ..model.lora import AdapterBatch
+from ..model.qwen3_5 import HybridConfig, HybridState
 from .head import HeadChunks, chunk_adapters, position_scales
 from .losses import LossInputs
 from .prefix_groups import Tree
@@ -67,18 +77,27 @@ def run_micro_batch(
     pools = (
         [
             torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=device)
-            for _ in range(2 * cfg.num_layers)
+            for _ in range(2 * len(cfg.attention_layers))
         ]
         if len(depths) > 1
         else None
     )
+    # A hybrid model's segments with children: their rows' recurrent state at the segment's end
+    # (one row each), what each child's pass starts from.
+    end_states: dict[tuple[int, int], HybridState] | None = (
+        {} if pools is not None and isinstance(cfg, HybridConfig) else None
+    )
+    parents = {(t, s.parent) for t, tree in enumerate(trees) for s in tree.segments if s.parent >= 0}
     # ---- the body, one pass per depth (several when its segments' lengths differ widely)
     hidden, slots_of = [], []
     with torch.set_grad_enabled(backward):
         for depth in depths:
             level = [(t, k) for d, t, k in order if d == depth]
             for group in _length_groups(level, trees):
-                h, real = _pass(model, rows, trees, group, base, pools, device)
+                h, real, state = _pass(model, rows, trees, group, base, pools, device, end_states)
+                for r, tk in enumerate(group) if state is not None else ():
+                    if tk in parents:
+                        end_states[tk] = state.rows(slice(r, r + 1))
                 hidden.append(h.reshape(-1, h.shape[-1]).index_select(0, real))
                 slots_of += [base[t, k] + torch.arange(_length(trees[t].segments[k])) for t, k in group]
         states = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
@@ -176,9 +195,11 @@ def _length_groups(level: list[tuple[int, int]], trees: list[Tree]) -> list[list
     return groups
 
 
-def _pass(model, rows, trees, level, base, pools, device):
-    """The body over the segments `level` (one depth): returns hidden states [R, T, hidden] and the
-    flat indices of their real (unpadded) positions, in slot order."""
+def _pass(model, rows, trees, level, base, pools, device, end_states):
+    """The body over the segments `level` (one depth): returns hidden states [R, T, hidden], the
+    flat indices of their real (unpadded) positions, in slot order, and, given `end_states` (a
+    hybrid model's recurrent state at the end of each parent segment, by (tree, segment)), the
+    rows' recurrent state after their segments (else None)."""
     segs = [trees[t].segments[k] for t, k in level]
     R, T = len(level), max(s.end - s.start for s in segs)
     L = max(s.end for s in segs)
@@ -205,13 +226,20 @@ def _pass(model, rows, trees, level, base, pools, device):
     if pools is None:  # depth 0 only: positions 0..T-1, causal attention within each row
         pad_mask = (write >= 0).to(device)
         h = model.hidden_states(tokens.to(device), positions.to(device), adapters, pad_mask)
-        return h, torch.cat(real).to(device)
+        return h, torch.cat(real).to(device), None
     key = torch.arange(L)
     # causal by position; a padded query sees its row's real keys (its output is dropped)
     mask = (key[None, None, :] <= positions[:, :, None]) & (key[None, None, :] < ends[:, None, None])
     kv = KVContext(pools[0::2], pools[1::2], write.to(device), read.to(device), mask[:, None].to(device))
-    h = model.hidden_states(tokens.to(device), positions.to(device), adapters, kv=kv)
-    return h, torch.cat(real).to(device)
+    state = None
+    if end_states is not None:  # a root starts from the zero state, a child from its parent's end
+        zero = HybridState.zeros(model.cfg, 1, device, model.dtype)
+        state = HybridState.cat(
+            [end_states[t, s.parent] if s.parent >= 0 else zero for (t, _), s in zip(level, segs)]
+        )
+    inputs = {} if state is None else {"state": state}
+    h = model.hidden_states(tokens.to(device), positions.to(device), adapters, kv=kv, **inputs)
+    return h, torch.cat(real).to(device), state
 
 
 def _adapter_spans(adapter_of_tree, tree_of_row: torch.Tensor):

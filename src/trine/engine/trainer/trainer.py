@@ -29,8 +29,9 @@ How a micro-batch is computed
 
 Prefix sharing (`prefix_sharing=True`, the default): datums of one run that share a token prefix
 (a GRPO group's prompt, a multi-turn chain's earlier turns) are grouped first (prefix_groups.py)
-and their micro-batches compute each shared position once (shared_prefix.py), with the same
-logprobs, losses and gradients; the other datums take the path above. `TrainUsage.train_tokens`
+and their micro-batches compute each shared position once (shared_prefix.py; a hybrid model's
+children start from their prefix's recurrent state), with the same logprobs, losses and
+gradients; the other datums take the path above. `TrainUsage.train_tokens`
 counts the positions computed, `sequence_tokens` the positions sent.
 
 Custom losses (a client's graph, custom_graph.py) are not elementwise: like gspo, a micro-batch
@@ -289,8 +290,11 @@ class Trainer:
         keys = {id(r.adapter): k for k, r in reversed(list(enumerate(rows)))}
         # a custom loss's datums stay on the plain path: a key of their own shares nothing
         key_of = [keys[id(r.adapter)] if r.loss.custom is None else len(rows) + i for i, r in enumerate(rows)]
-        cfg = self.model.cfg  # a context key's K and V against the least a token's activations hold
-        context_cost = 2 * cfg.num_kv_heads * cfg.head_dim / (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
+        # a context key's K and V (in the layers that attend: a hybrid model's linear layers keep
+        # a state per row instead) against the least a token's activations hold
+        cfg = self.model.cfg
+        kv = 2 * cfg.num_kv_heads * cfg.head_dim * len(cfg.attention_layers) / cfg.num_layers
+        context_cost = kv / (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
         return prefix_groups.plan(
             [r.datum.tokens.tolist() for r in rows],
             key_of,
