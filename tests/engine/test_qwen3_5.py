@@ -4,11 +4,10 @@ the Gated DeltaNet's two forms of the rule against each other (kind 3, tests/tol
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from conftest import TOKENIZER_DIR
+from conftest import build_tiny_qwen3_5_dir
 from safetensors.torch import load_file, save_file
 from tolerance import Rounding, assert_bitwise, assert_same_computation, fp64_adapter, fp64_model
 
@@ -28,52 +27,9 @@ from trine.engine.model.weights import load_model, read_config, servable
 VOCAB = 49152  # SmolLM2's tokenizer (no Qwen tokenizer is available offline): tests/fixtures/README.md
 
 
-def build_tiny_qwen3_5_dir(out, seed: int = 0, tie: bool = True):
-    """A tiny random Qwen3.5 text model (layers: linear, linear, full, linear, full), saved by
-    transformers, with SmolLM2's tokenizer."""
-    import transformers as tf
-
-    cfg = tf.Qwen3_5TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=96,
-        intermediate_size=256,
-        num_hidden_layers=5,
-        layer_types=[
-            "linear_attention",
-            "linear_attention",
-            "full_attention",
-            "linear_attention",
-            "full_attention",
-        ],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=24,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(seed)
-    model = tf.Qwen3_5ForCausalLM(cfg)
-    with torch.no_grad():  # non-trivial norms so that their loading (and 1 + w) is tested
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    for f in TOKENIZER_DIR.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
-
-
 @pytest.fixture(scope="module")
-def qwen3_5_dir(tmp_path_factory):
-    return build_tiny_qwen3_5_dir(tmp_path_factory.mktemp("qwen3_5") / "tiny-qwen3_5")
+def qwen3_5_dir(tiny_qwen3_5_dir):
+    return tiny_qwen3_5_dir
 
 
 @pytest.fixture(scope="module")
@@ -211,8 +167,8 @@ def test_the_rule_functions_agree_from_a_given_state():
 
     def compute(dtype):
         args = [t.to(dtype) for t in (q, k, v, gate, beta, s0)]
-        o1, s1 = chunked_rule(*args, chunk=16)
-        o2, s2 = recurrent_rule(*args)
+        o1, s1, _ = chunked_rule(*args, chunk=16)
+        o2, s2, _ = recurrent_rule(*args)
         return {"rule": {"o": o2, "s": s2}}, {"rule": {"o": o1, "s": s1}}
 
     assert_same_computation(compute, torch.float32, torch.float64)
@@ -228,6 +184,70 @@ def test_padded_positions_leave_the_state_as_it_is():
     _, alone = layer(x[1:, :13], None, None, start_state(torch.float64).rows(slice(1, 2)))
     assert torch.equal(padded.conv[1:], alone.conv)
     torch.testing.assert_close(padded.recurrent[1:], alone.recurrent, rtol=1e-12, atol=1e-12)
+
+
+def test_states_at_cuts_equal_the_prefix_run_alone():
+    """`cuts` (row, t): the layer's state after row's first t tokens, taken inside one forward
+    (the chunked form ends a chunk at each cut), is the state a forward of those t tokens alone
+    ends with (kind 3), conv state included; the outputs and final states are those of the
+    forward without cuts."""
+    x32 = torch.randn(3, 150, 96, generator=torch.Generator().manual_seed(11))
+    real = torch.ones(3, 150, dtype=torch.bool)
+    real[1, 97:] = False
+    cuts = [(0, 5), (0, 64), (0, 100), (1, 30), (1, 97), (2, 150)]
+
+    def compute(layer):
+        dtype = layer.out_proj.weight.dtype
+        x = x32.to(dtype)
+        out, after = layer(x, None, real, start_state(dtype, 3), cuts)
+        plain, plain_after = layer(x, None, real, start_state(dtype, 3))
+        alone = [
+            layer(x[b : b + 1, :t], None, None, start_state(dtype, 3).rows(slice(b, b + 1)))[1]
+            for b, t in cuts
+        ]
+        ref = {"out": plain[real], "state": plain_after.recurrent, "conv": plain_after.conv}
+        ref |= {
+            "cut": torch.cat([a.recurrent for a in alone]),
+            "cut_conv": torch.cat([a.conv for a in alone]),
+        }
+        path = {"out": out[real], "state": after.recurrent, "conv": after.conv}
+        path |= {"cut": after.snapshots.recurrent, "cut_conv": after.snapshots.conv}
+        return {"cuts": ref}, {"cuts": path}
+
+    with torch.no_grad():
+        assert_same_computation(compute, gdn_layer(torch.float32), gdn_layer(torch.float64))
+
+
+def test_batch_invariant_layer_is_the_same_bits_whatever_the_batch_and_pieces():
+    """Batch-invariant kernels on: a row's outputs and states are the same bits alone or in a
+    batch, in one forward or in a prefix then one token at a time (a prefill chunk from a snapshot,
+    then decode steps), and at a cut."""
+    from trine.engine.model import invariant
+
+    layer = gdn_layer(torch.float32)
+    x = torch.randn(3, 90, 96, generator=torch.Generator().manual_seed(12))
+    invariant.enable(True)
+    try:
+        with torch.no_grad():
+            whole, after = layer(x, None, None, start_state(torch.float32, 3), [(0, 70)])
+            alone, _ = layer(x[:1], None, None, start_state(torch.float32, 3).rows(slice(0, 1)))
+            outs, state = [], start_state(torch.float32, 3).rows(slice(0, 1))
+            first, state = layer(x[:1, :70], None, None, state)
+            snapshot = state
+            for t in range(70, 90):
+                out, state = layer(x[:1, t : t + 1], None, None, state)
+                outs.append(out)
+    finally:
+        invariant.enable(False)
+    assert_bitwise(alone[0], whole[0])
+    assert_bitwise(torch.cat([first, *outs], 1)[0], whole[0])
+    assert_bitwise(
+        {"s": state.recurrent[0], "c": state.conv[0]}, {"s": after.recurrent[0], "c": after.conv[0]}
+    )
+    assert_bitwise(
+        {"s": snapshot.recurrent[0], "c": snapshot.conv[0]},
+        {"s": after.snapshots.recurrent[0], "c": after.snapshots.conv[0]},
+    )
 
 
 # ----------------------------------------------------------------------------- the model's state

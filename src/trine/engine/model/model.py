@@ -58,6 +58,11 @@ class ModelConfig:
         """The leading dims of each head RoPE rotates: all of them here (qwen3_5.py: a part)."""
         return self.head_dim
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep KV (attention layers): all of them here (qwen3_5.py: a part)."""
+        return self.num_layers
+
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")
