@@ -8,6 +8,7 @@ where the sampler's logprobs also equal the training forward's."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_model_parity import random_adapter
 from test_sampler import against_full_forward, full_forward_logprobs, prompt, req
 from tolerance import assert_bitwise, assert_same_samples, fp64_model
@@ -76,6 +77,59 @@ def against_cold(mt, hot: list, reqs: list, p_of) -> tuple[dict, dict]:
     ref["full"] = [x for f, _ in full for x in f["full"]]
     path["full"] = [x for _, f in full for x in f["full"]]
     return ref, path
+
+
+# ----------------------------------------------------------------------------- parity
+def test_greedy_samples_and_prompt_logprobs_match_transformers(tiny_qwen3_5_dir, twins):
+    """Greedy decoding is transformers' `generate`, token for token, and the sampled and prompt
+    logprobs are its log-softmax (kind 3: transformers' fp32 within our fp32 rounding of the fp64
+    result)."""
+    from tolerance import Rounding
+    from transformers import AutoModelForCausalLM
+
+    prompts = [prompt(37, seed=60), prompt(21, seed=61)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_dir, dtype=torch.float32).eval()
+    want_tokens, want = [], {"sampled": [], "prompt": []}
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=8,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            got = out.sequences[0, len(p) :].tolist()
+            want_tokens.append(got)
+            lp = torch.log_softmax(torch.cat(out.logits).double(), -1)
+            want["sampled"].append(lp.gather(1, torch.tensor(got)[:, None])[:, 0])
+            plp = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1)
+            want["prompt"].append(plp[:-1].gather(1, torch.tensor(p[1:])[:, None])[:, 0])
+
+    def ours(mt):
+        res = make(mt).run([req(p, 8, temperature=0, prompt_logprobs=True) for p in prompts])
+        assert tokens(res) == want_tokens
+        return {
+            "sampled": torch.tensor([x for lp in logprobs(res) for x in lp]),
+            "prompt": torch.tensor([x for r in res for x in r.prompt_logprobs[1:]]),
+        }
+
+    (m32, tok), (m64, _) = twins
+    Rounding(ours((m32, tok)), ours((m64, tok))).assert_within({k: torch.cat(v) for k, v in want.items()})
+
+
+def test_seeded_samples_alone_equal_them_batched_with_others(twins):
+    """A request's seeded samples are the same tokens alone and decoded beside other requests (a
+    group, other prompt lengths), its logprobs the same within rounding (kind 3)."""
+    p = prompt(45, seed=62)
+
+    def compute(mt):
+        alone = make(mt).run([req(p, 8, n=2, seed=9)])[0]
+        others = [req(prompt(20, seed=63), 10, n=3, seed=1), req(prompt(70, seed=64), 6, seed=2)]
+        batched = make(mt).run([others[0], req(p, 8, n=2, seed=9), others[1]])[1]
+        return {"lp": logprobs([alone])}, {"lp": logprobs([batched])}, tokens([batched])
+
+    same_samples(compute, twins)
 
 
 # ----------------------------------------------------------------------------- where snapshots serve
