@@ -154,34 +154,3 @@ def test_access_log_names_method_route_status_key_and_latency(server, caplog):
             assert not [r for r in caplog.records if r.name == "trine.access"]
         finally:
             logging.getLogger("trine.access").setLevel(logging.NOTSET)
-
-
-def test_serve_refuses_a_hybrid_model_that_loads_but_is_not_servable_yet(tmp_path):
-    """A Qwen3.5 directory reads (its family loads in the engine), but serving it needs the
-    recurrent-state cache the sampler and trainer do not have yet: one line that says so."""
-    model = tmp_path / "qwen3_5"
-    model.mkdir()
-    config = {
-        "model_type": "qwen3_5_text",
-        "vocab_size": 64,
-        "hidden_size": 8,
-        "intermediate_size": 16,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 4,
-        "linear_num_key_heads": 1,
-        "linear_num_value_heads": 2,
-        "linear_key_head_dim": 4,
-        "linear_value_head_dim": 4,
-    }
-    (model / "config.json").write_text(json.dumps(config))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = CliRunner().invoke(
-        main, ["serve", "--model", str(model), "--port", str(port), "--home", str(tmp_path)]
-    )
-    assert r.exit_code == 1 and "'qwen3_5_text'" in r.output and "recurrent-state cache" in r.output
-    assert "loads" in r.output and "Traceback" not in r.output
-    assert len(r.output.strip().splitlines()) == 1

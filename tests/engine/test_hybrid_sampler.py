@@ -298,6 +298,30 @@ def test_prompt_logprobs_never_read_the_snapshots(model_tok):
     checked(s)
 
 
+def test_requests_that_reuse_cached_prompt_scores_are_served_at_snapshots(twins):
+    """The OpenAI plane's requests (`reuse_prompt_scores`): one that scores nothing is served its
+    prompt's snapshot like any other; one that scores its prompt is served whole blocks that carry
+    scores, up to the last snapshot at a block's end (K), and computes the same prompt logprobs."""
+    import dataclasses
+
+    p = prompt(50, seed=43)
+
+    def reuse(r):
+        return dataclasses.replace(r, reuse_prompt_scores=True)
+
+    def compute(mt):
+        s = make(mt)
+        s.run([req(p, 3)])
+        assert usage(s.run([reuse(req(p, 3))])[0]) == (1, 49)
+        first = s.run([reuse(req(p, 3, seed=1, prompt_logprobs=True))])[0]
+        scored = s.run([reuse(req(p, 3, seed=1, prompt_logprobs=True))])[0]
+        assert usage(first) == (50, 0) and usage(scored) == (50 - K, K)
+        checked(s)
+        return {"lp": first.prompt_logprobs[1:]}, {"lp": scored.prompt_logprobs[1:]}, tokens([scored])
+
+    same_samples(compute, twins)
+
+
 def test_a_group_larger_than_the_state_pool_is_refused(model_tok):
     s = make(model_tok, max_running=4)
     with pytest.raises(ValueError, match="num_samples.*max_running"):

@@ -22,7 +22,7 @@ from trine.engine.model.gated_deltanet import (
 )
 from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.qwen3_5 import HybridConfig, HybridState, HybridTransformer
-from trine.engine.model.weights import load_model, read_config, servable
+from trine.engine.model.weights import load_model, read_config
 
 VOCAB = 49152  # SmolLM2's tokenizer (no Qwen tokenizer is available offline): tests/fixtures/README.md
 
@@ -405,8 +405,3 @@ def test_state_rows_batch_and_snapshot(qwen3_5_dir):
         )
     assert not torch.equal(state.layers[0].recurrent, snapshot.layers[0].recurrent)
     assert torch.equal(again.layers[0].recurrent, snapshot.layers[0].recurrent)
-
-
-def test_a_hybrid_model_is_not_servable_yet(qwen3_5_dir, tiny_model_dir):
-    assert servable(read_config(tiny_model_dir)) is None
-    assert "recurrent-state cache" in servable(read_config(qwen3_5_dir))

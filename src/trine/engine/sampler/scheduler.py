@@ -475,14 +475,17 @@ class Scheduler:
         if reads and r.keys[len(matched) : len(matched) + 1] and r.keys[len(matched)] in pending:
             kv.release(matched)  # the next block is being computed now: hit it when it is done
             return False
+        # A request that reads cached scores is served whole blocks (they carry the scores); a
+        # hybrid model's that scores nothing also a partial block (its prompt's snapshot is in one).
+        whole_blocks = serves is not None and (states is None or r.scores_prompt)
         part = None  # (block, m): a cached block's first m slots continue the matched blocks
-        if reads > len(matched) * bs and self.prefix_cache and serves is None:
+        if reads > len(matched) * bs and self.prefix_cache and not whole_blocks:
             parent = r.keys[len(matched) - 1] if matched else r.weights
             usable = None if states is None else states.usable
             part = kv.match_partial(r.weights, parent, r.prompt[len(matched) * bs : reads], usable)
         snapshot = None  # a hybrid model's: the state after the served prefix
         if states is not None:
-            matched, part, snapshot = states.hit(matched, part, whole_blocks=serves is not None)
+            matched, part, snapshot = states.hit(matched, part, whole_blocks)
         prompt_blocks = -(-n // bs)
         copies = max(k - 1, 0) * int(n % bs != 0)
         later = k * self.sample_reserve(r)
