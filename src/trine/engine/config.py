@@ -75,7 +75,9 @@ class SamplerConfig:
     )
     block_size: int = _knob(16, "tokens per KV block: the prefix cache's unit")
     max_batch_tokens: int = _knob(2048, "prompt positions prefilled per engine step")
-    max_running: int = _knob(64, "sequences decoding at once")
+    max_running: int = _knob(
+        64, "sequences decoding at once (a hybrid model preallocates a recurrent-state slot for each)"
+    )
     enable_prefix_cache: bool = _knob(True, "serve a prompt's cached KV blocks instead of prefilling them")
     prefill_share: float = _knob(0.5, "share of decode time an old or long prompt's prefill may take")
     prefill_step_seconds: float = _knob(0.25, "target seconds of one prefill chunk while others decode")
