@@ -132,6 +132,37 @@ def test_seeded_samples_alone_equal_them_batched_with_others(twins):
     same_samples(compute, twins)
 
 
+def test_sequences_in_scattered_state_slots_decode_as_alone(twins):
+    """A request that arrives while another decodes takes the slots a finished one freed: the decode
+    batch's slots are then not consecutive (read and written back by index, not as one view of the
+    pool), and every sample is still the one it is alone (kind 3)."""
+    prompts = [prompt(20, seed=70), prompt(25, seed=71), prompt(30, seed=72)]
+    shapes = [(3, 2), (1, 12), (2, 6)]  # (samples, max_tokens): the first ends early
+
+    def compute(mt):
+        s = make(mt)
+        reqs = [req(p, m, n=n, seed=i) for i, (p, (n, m)) in enumerate(zip(prompts, shapes))]
+        s.add(reqs[0])
+        s.add(reqs[1])
+        done = []
+        while len(done) < 1:
+            done += s.step()
+        s.add(reqs[2])
+        assert [q.slot for q in s.scheduler.running] == [3]
+        while s.has_work():
+            done += s.step()
+            assert len(done) == 3 or s.scheduler.running[0].slot == 3
+        res = sorted(done, key=lambda r: int(r.request_id[1:]))
+        alone = [
+            make(mt).run([req(p, m, n=n, seed=i)])[0] for i, (p, (n, m)) in enumerate(zip(prompts, shapes))
+        ]
+        assert tokens(res) == tokens(alone)
+        checked(s)
+        return {"lp": logprobs(alone)}, {"lp": logprobs(res)}, tokens(res)
+
+    same_samples(compute, twins)
+
+
 # ----------------------------------------------------------------------------- where snapshots serve
 def test_a_group_and_a_repeated_prompt_prefill_it_once(twins):
     """A group of 4 samples prefills its prompt once; the same request again computes only the

@@ -92,6 +92,7 @@ class LinearState:
     conv: torch.Tensor
     recurrent: torch.Tensor
     snapshots: LinearState | None = None  # a forward's states at its cuts, one row per cut
+    donated: bool = False  # the caller gives these tensors up: a forward may write the new state over them
 
     @classmethod
     def zeros(cls, shape: LinearAttentionShape, batch: int, device=None, dtype=torch.float32) -> LinearState:
@@ -134,44 +135,46 @@ def _prepare(q, k, v, g, beta):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def _read(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x^T S per row and head: s [B, H, Dk, Dv], x [B, H, Dk] -> [B, H, Dv]. Batch invariant when
-    enabled (an element-wise product, then a sum over Dk in index order, whatever the batch);
-    else one batched matrix-vector product."""
-    if invariant.enabled():
-        return (s * x[..., None]).sum(-2)
-    return (x[..., None, :] @ s)[..., 0, :]
-
-
-def _step(s, q, k, v, decay, beta):
+def _step(s, q, k, v, decay, beta, in_place: bool = False):
     """One token of the rule: s [B, H, Dk, Dv]; q, k [B, H, Dk]; v [B, H, Dv]; decay, beta [B, H]
-    -> (o [B, H, Dv], the new state)."""
-    s = s * decay[..., None, None]
-    delta = (v - _read(s, k)) * beta[..., None]
-    if invariant.enabled() or s.requires_grad:
+    -> (o [B, H, Dv], the new state). `in_place`: s is the caller's to give up (the sampler's
+    pool rows), so the new state is written over it and no copy of the state is made."""
+    if invariant.enabled() or torch.is_grad_enabled():
+        # batch invariant (element-wise products, sums over Dk in index order, whatever the
+        # batch), and differentiable
+        s = s * decay[..., None, None]
+        delta = (v - (s * k[..., None]).sum(-2)) * beta[..., None]
         s = s + k[..., None] * delta[..., None, :]
-    else:  # in place on this step's own tensor: one pass fewer over the state
-        dk, dv = s.shape[-2:]
-        s.view(-1, dk, dv).baddbmm_(k.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))
-    return _read(s, q), s
+        return (s * q[..., None]).sum(-2), s
+    # One read of S gives k^T S and q^T S; then S' = decay S + k delta^T (two passes, in place on
+    # a state of our own) and o = q^T S' = decay q^T S + (q . k) delta: three passes over S in all.
+    kq = torch.stack([k, q], -2) @ s  # [B, H, 2, Dv]
+    d = decay[..., None]
+    delta = (v - d * kq[..., 0, :]) * beta[..., None]
+    o = d * kq[..., 1, :] + (q * k).sum(-1, keepdim=True) * delta
+    s = s.mul_(decay[..., None, None]) if in_place else s * decay[..., None, None]
+    dk, dv = s.shape[-2:]
+    s.view(-1, dk, dv).baddbmm_(k.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))
+    return o, s
 
 
-def _steps(s, q, k, v, decay, beta, at: dict, taken):
+def _steps(s, q, k, v, decay, beta, at: dict, taken, in_place: bool = False):
     """`_step` over tokens [0, T) of the [B, H, T, D] inputs; after token t, the state of each
     (cut index, row) in at[t + 1] goes to taken[cut index]. -> (o [B, H, T, Dv], final state)."""
     outs = []
     for t in range(q.shape[2]):
-        o, s = _step(s, q[:, :, t], k[:, :, t], v[:, :, t], decay[:, :, t], beta[:, :, t])
+        o, s = _step(s, q[:, :, t], k[:, :, t], v[:, :, t], decay[:, :, t], beta[:, :, t], in_place)
         outs.append(o)
         for i, b in at.get(t + 1, ()):
             taken[i] = s[b]
     return torch.stack(outs, 2), s
 
 
-def recurrent_rule(q, k, v, g, beta, state: torch.Tensor, cuts: Cuts | None = None):
+def recurrent_rule(q, k, v, g, beta, state: torch.Tensor, cuts: Cuts | None = None, in_place: bool = False):
     """The gated delta rule one token at a time. q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta
     [B, T, Hv]; state [B, Hv, Dk, Dv] -> (o [B, T, Hv, Dv] in v's dtype, the final state, the state
-    at each of `cuts` [len(cuts), Hv, Dk, Dv] or None). With gradients on, the tokens run in
+    at each of `cuts` [len(cuts), Hv, Dk, Dv] or None). `in_place`: `state` (in the wide dtype) may
+    be overwritten by the new state, which is then returned in it. With gradients on, the tokens run in
     checkpointed pieces of `CHUNK` (backward recomputes a piece from its first state), so the
     graph keeps a state per piece, not per token."""
     dtype = v.dtype
@@ -187,7 +190,7 @@ def recurrent_rule(q, k, v, g, beta, state: torch.Tensor, cuts: Cuts | None = No
         at.setdefault(t, []).append((i, b))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, decay, beta, s))
     if not grad:
-        o, s = _steps(s, q, k, v, decay, beta, at, taken)
+        o, s = _steps(s, q, k, v, decay, beta, at, taken, in_place)
     else:  # cuts are for inference (a prefix cache's snapshots): none with gradients
         outs = []
         for a in range(0, T, CHUNK):
@@ -219,10 +222,21 @@ def _segmented(T: int, rows: int, cuts: Cuts, chunk: int, device):
     return torch.stack(where).to(device), max(width, chunk), ends
 
 
-def chunked_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK, cuts: Cuts | None = None):
+def chunked_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+    cuts: Cuts | None = None,
+    in_place: bool = False,
+):
     """`recurrent_rule`'s result, by chunks of `chunk` tokens: within a chunk the rule's updates are
     one unit-lower-triangular system (the UT transform of DeltaNet), solved once; the state is read
-    and updated once per chunk. Same arguments and result as `recurrent_rule`. A cut ends a chunk
+    and updated once per chunk. Same arguments and result as `recurrent_rule` (it never writes
+    `state`, whatever `in_place`). A cut ends a chunk
     (the tokens after it start the next one; identity padding fills the gap), so the state there is
     one the chunk loop computes anyway."""
     dtype = v.dtype
@@ -289,12 +303,13 @@ def causal_conv(
     """The causal depthwise conv, then SiLU. x [B, T, C]; weight [C, 1, K]; conv [B, C, K - 1] the
     inputs before x -> (out [B, T, C], the new conv state: each row's last K - 1 inputs up to its
     `lengths` real tokens, all T when None; the conv state at each cut [len(cuts), C, K - 1] or
-    None). Batch-invariant kernels on: the K products summed in a fixed order (F.conv1d's
+    None). Batch-invariant kernels on, or one token (a decode step, where F.conv1d's depthwise
+    path costs more than the K products): the K products summed in a fixed order (F.conv1d's
     algorithm, and so its bits, may follow the shape)."""
     B, T, C = x.shape
     full = torch.cat([conv.to(x.dtype), x.transpose(1, 2)], -1)  # [B, C, K - 1 + T]
     w = weight.to(x.dtype)
-    if invariant.enabled():
+    if invariant.enabled() or T == 1:
         K = w.shape[-1]
         out = full[:, :, :T] * w[:, :, 0]
         for i in range(1, K):
@@ -311,9 +326,9 @@ def causal_conv(
         state = full.gather(2, at[:, None, :].expand(B, C, keep))
     taken = None
     if cuts:  # the state after row b's first t tokens: inputs [t, t + K - 1) of `full`
-        rows = torch.tensor([b for b, _ in cuts], device=x.device)
-        at = torch.tensor([t for _, t in cuts], device=x.device)[:, None] + span
-        taken = full[rows].gather(2, at[:, None, :].expand(len(cuts), C, keep)).contiguous()
+        rows = torch.tensor([b for b, _ in cuts], device=x.device)[:, None, None]
+        at = (torch.tensor([t for _, t in cuts], device=x.device)[:, None] + span)[:, None, :]
+        taken = full[rows, torch.arange(C, device=x.device)[None, :, None], at]  # [cuts, C, K - 1]
     return out, state.contiguous(), taken
 
 
@@ -394,7 +409,9 @@ class GatedDeltaNet(nn.Module):
         if real is not None:  # padded positions: decay 1, no update
             beta, g = beta * real[..., None], g * real[..., None]
         rule = recurrent_rule if T == 1 or invariant.enabled() else chunked_rule
-        o, recurrent, recurrent_at = rule(q, k, v, g, beta, state.recurrent, cuts=cuts)
+        o, recurrent, recurrent_at = rule(
+            q, k, v, g, beta, state.recurrent, cuts=cuts, in_place=state.donated
+        )
         o = self.norm(o, z.reshape(B, T, sh.num_value_heads, sh.value_head_dim))
         out = self.out_proj(o.reshape(B, T, sh.value_dim), adapters)
         snapshots = None if not cuts else LinearState(conv_at, recurrent_at)

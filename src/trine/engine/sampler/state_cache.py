@@ -43,6 +43,7 @@ Invariants
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -78,23 +79,38 @@ def state_bytes(cfg: HybridConfig, dtype: torch.dtype) -> int:
 
 class SlotState(HybridState):
     """The `HybridState` of a forward's rows, kept in the pool: layer j's state is read from the
-    rows' slots and written back there; the states at `cuts` go to `snapshot_slots` (in order)."""
+    rows' slots and written back there; the states at `cuts` go to `snapshot_slots` (in order).
+    Rows in consecutive slots (a group's samples, a batch admitted together) are read as a view of
+    the pool, which a decode step updates in place (`LinearState.donated`): no copy in or out."""
 
     def __init__(self, pool: StateCache, slots: list[int], cuts: Cuts | None = None, snapshot_slots=()):
         super().__init__([], cuts or None)
         dev = pool.conv.device
         self.pool = pool
+        self.span = (slots[0], len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) else None
         self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
         self.snapshot_slots = torch.tensor(list(snapshot_slots), dtype=torch.long, device=dev)
+        self._views: dict[int, torch.Tensor] = {}  # layer -> the recurrent rows `read` lent as a view
 
     def read(self, j: int) -> LinearState:
         p = self.pool
-        return LinearState(p.conv[j].index_select(0, self.slots), p.recurrent[j].index_select(0, self.slots))
+        if self.span is not None:
+            a, n = self.span
+            self._views[j] = rec = p.recurrent[j].narrow(0, a, n)
+            return LinearState(p.conv[j].narrow(0, a, n), rec, donated=True)
+        conv, rec = p.conv[j].index_select(0, self.slots), p.recurrent[j].index_select(0, self.slots)
+        return LinearState(conv, rec, donated=True)
 
     def write(self, j: int, state: LinearState) -> None:
         p = self.pool
-        p.conv[j].index_copy_(0, self.slots, state.conv.to(p.conv.dtype))
-        p.recurrent[j].index_copy_(0, self.slots, state.recurrent.to(p.recurrent.dtype))
+        if self.span is not None:
+            a, n = self.span
+            p.conv[j].narrow(0, a, n).copy_(state.conv)
+            if state.recurrent is not self._views.pop(j, None):  # else updated where it is
+                p.recurrent[j].narrow(0, a, n).copy_(state.recurrent)
+        else:
+            p.conv[j].index_copy_(0, self.slots, state.conv.to(p.conv.dtype))
+            p.recurrent[j].index_copy_(0, self.slots, state.recurrent.to(p.recurrent.dtype))
         if state.snapshots is not None:
             at = self.snapshot_slots
             p.conv[j].index_copy_(0, at, state.snapshots.conv.to(p.conv.dtype))
@@ -128,7 +144,9 @@ class StateCache:
         self.conv = torch.empty(layers, total, sh.conv_dim, sh.conv_kernel - 1, dtype=dtype, device=device)
         rec = (layers, total, sh.num_value_heads, sh.key_head_dim, sh.value_head_dim)
         self.recurrent = torch.empty(rec, dtype=wide_dtype(dtype), device=device)
-        self._free = list(range(running_slots - 1, -1, -1))  # pop() gives low slots first
+        self._free = list(
+            range(running_slots)
+        )  # a heap: the lowest slots first, so rows tend to be consecutive
         self._free_snapshots = list(range(total - 1, running_slots - 1, -1))
         self._lru: OrderedDict[int, tuple[Block, int]] = OrderedDict()  # slot -> (block, m), LRU first
         self._waiting = 0  # snapshot slots waiting on their requests for a keyed block
@@ -146,10 +164,11 @@ class StateCache:
         """`n` live slots (their content undefined until `load` or `copy`)."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} state slots, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        return [heapq.heappop(self._free) for _ in range(n)]
 
     def release(self, slots: list[int]) -> None:
-        self._free += slots
+        for slot in slots:
+            heapq.heappush(self._free, slot)
 
     def load(self, slot: int, snapshot: int | None) -> None:
         """Start `slot` from a snapshot (a hit: counted, and made most recently used), or from
