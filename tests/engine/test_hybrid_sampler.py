@@ -7,6 +7,8 @@ where the sampler's logprobs also equal the training forward's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_model_parity import random_adapter
@@ -307,6 +309,51 @@ def test_evicting_kv_blocks_drops_their_snapshots(model_tok):
     assert tokens(s.run([req(p, 5, seed=4)])) == tokens(cold.run([req(p, 5, seed=4)]))
 
 
+def test_random_traffic_keeps_the_caches_invariants_and_serves_cold_results(model_tok):
+    """Requests sharing stems at random lengths (groups, chat turns, repeats), added between steps,
+    some cancelled, on a small KV pool and a 3-snapshot budget: after every step the block pool's
+    and the state cache's invariants hold (every slot held once, every snapshot on a keyed block),
+    and every request that ran to its end sampled what a sampler without a prefix cache samples."""
+    import random
+
+    rng = random.Random(5)
+    stems = [prompt(40, seed=80), prompt(70, seed=81)]
+    cfg = model_tok[0].cfg
+    block = 2 * cfg.kv_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    s = make(model_tok, kv_cache_bytes=40 * block, state_cache_bytes=3 * state_bytes(cfg, model_tok[0].dtype))
+    sent, done, history = {}, {}, []
+    for i in range(14):
+        stem = rng.choice(stems + history[-2:])
+        p = stem[: rng.randrange(len(stem) // 2, len(stem) + 1)] + prompt(rng.randrange(1, 20), seed=100 + i)
+        r = req(p, rng.randrange(2, 8), n=rng.choice([1, 1, 3]), seed=i)
+        sent[r.request_id] = r
+        s.add(r)
+        for _ in range(rng.randrange(1, 4)):
+            for res in s.step():
+                done[res.request_id] = res
+                history.append(sent[res.request_id].prompt + res.sequences[0].tokens)
+            live = [x for q in s.scheduler.prefilling for x in q.slots] + [
+                q.slot for q in s.scheduler.running
+            ]
+            s.kv.check()
+            s.states.check(live)
+        if i % 5 == 4:
+            cancelled = s.cancel(r.request_id)
+            if cancelled is not None:
+                done[r.request_id] = None
+    while s.has_work():
+        for res in s.step():
+            done[res.request_id] = res
+    checked(s)
+    assert s.stats["state_snapshot_hits"] > 0 and s.stats["state_snapshot_evictions"] > 0
+    cold = make(model_tok, enable_prefix_cache=False)
+    for rid, res in done.items():
+        if res is not None:
+            assert tokens([res]) == tokens(
+                cold.run([dataclasses.replace(sent[rid], request_id=rid + "c")])
+            ), rid
+
+
 def test_other_weights_never_get_the_snapshots(model_tok):
     """A snapshot is served only to the weights identity that computed it: another version, or an
     adapter, gets no cached tokens."""
@@ -333,8 +380,6 @@ def test_requests_that_reuse_cached_prompt_scores_are_served_at_snapshots(twins)
     """The OpenAI plane's requests (`reuse_prompt_scores`): one that scores nothing is served its
     prompt's snapshot like any other; one that scores its prompt is served whole blocks that carry
     scores, up to the last snapshot at a block's end (K), and computes the same prompt logprobs."""
-    import dataclasses
-
     p = prompt(50, seed=43)
 
     def reuse(r):
