@@ -25,11 +25,14 @@ Invariants
 - Every hit is verified: same WeightsIdentity, same parent key and the same tokens (a partial
   hit: the same first m tokens), stored with the block. KV computed under other weights is never
   served, even on a hash collision.
-- Evicting a block removes its key (and the prompt scores kept with it) before the block is
-  reused, so a reused block is never served for its old content.
+- Evicting a block removes its key (and the prompt scores and state snapshots kept with it:
+  `Block.scores`, `Block.states`) before the block is reused, so a reused block is never served for
+  its old content.
 - A partial hit is never shared: its first m slots are copied, while the hit holds a reference. A
-  keyed block's slots are not written again (a full block is keyed once computed, a tail when its
-  sequence stops), so the copy is its keyed content.
+  keyed block's keyed slots are not written again (a full block is keyed once computed, a tail when
+  its sequence stops), so the copy is its keyed content. A hybrid model's prompt tail is keyed as
+  soon as the prompt is done, while its first sample goes on filling the slots after it: its key
+  then grows with the tokens (`register`, `register_tail`), never covering a slot not yet computed.
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ Invariants
   the new weights (as PipelineRL does: nothing is recomputed); its KV is then `mixed` and nothing
   it computes from then on is keyed in the prefix cache, so no later request is served KV of
   weights other than its own. Each sampled token records the version that produced it.
+- A hybrid model (Qwen3.5): every prompt being prefilled and every sequence also holds its linear
+  layers' recurrent state in a slot of the state pool (state_cache.py), read and written by each
+  forward; samples start from copies of their prompt's state. The prefix cache serves such a model
+  only prefixes that end at a state snapshot, which prefill chunks and stopping sequences take.
 """
 
 from __future__ import annotations
@@ -93,15 +97,13 @@ class Sampler:
         self.states = None  # a hybrid model's recurrent state: live slots and snapshots
         if isinstance(self.cfg, HybridConfig):
             budget = config.state_cache_bytes
+            if budget is None:
+                budget = default_state_cache_bytes(self.device)
             self.states = StateCache(
                 self.cfg,
                 self.kv,
                 config.max_running,
-                0
-                if not config.enable_prefix_cache
-                else budget
-                if budget is not None
-                else default_state_cache_bytes(self.device),
+                budget if config.enable_prefix_cache else 0,
                 config.state_snapshot_tokens,
                 model.dtype,
                 self.device,
@@ -494,7 +496,7 @@ class Sampler:
             raise ValueError(f"prompt: token ids must be ints in [0, {cfg.vocab_size})")
         if req.num_samples < 1:
             raise ValueError(f"num_samples: must be >= 1, got {req.num_samples}")
-        if self.states is not None and req.num_samples > self.states.running_slots:
+        if self.states is not None and req.generate and req.num_samples > self.states.running_slots:
             raise ValueError(
                 f"num_samples: {req.num_samples} is more than this hybrid model's sampler runs at once "
                 f"(max_running {self.states.running_slots}: a recurrent state slot each); lower "

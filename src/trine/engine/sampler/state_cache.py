@@ -72,9 +72,9 @@ def state_bytes(cfg: HybridConfig, dtype: torch.dtype) -> int:
     """Bytes of one sequence's state: every linear layer's conv state (model dtype) and recurrent
     state (its wide dtype)."""
     sh = cfg.linear
-    conv = sh.conv_dim * (sh.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
-    rec = sh.num_value_heads * sh.key_head_dim * sh.value_head_dim
-    return len(cfg.linear_layers) * (conv + rec * torch.empty((), dtype=wide_dtype(dtype)).element_size())
+    conv = sh.conv_dim * (sh.conv_kernel - 1) * dtype.itemsize
+    rec = sh.num_value_heads * sh.key_head_dim * sh.value_head_dim * wide_dtype(dtype).itemsize
+    return len(cfg.linear_layers) * (conv + rec)
 
 
 class SlotState(HybridState):
@@ -144,9 +144,8 @@ class StateCache:
         self.conv = torch.empty(layers, total, sh.conv_dim, sh.conv_kernel - 1, dtype=dtype, device=device)
         rec = (layers, total, sh.num_value_heads, sh.key_head_dim, sh.value_head_dim)
         self.recurrent = torch.empty(rec, dtype=wide_dtype(dtype), device=device)
-        self._free = list(
-            range(running_slots)
-        )  # a heap: the lowest slots first, so rows tend to be consecutive
+        # a heap: the lowest free slots go first, so a decode batch's rows tend to be consecutive
+        self._free = list(range(running_slots))
         self._free_snapshots = list(range(total - 1, running_slots - 1, -1))
         self._lru: OrderedDict[int, tuple[Block, int]] = OrderedDict()  # slot -> (block, m), LRU first
         self._waiting = 0  # snapshot slots waiting on their requests for a keyed block
