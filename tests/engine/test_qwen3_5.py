@@ -9,7 +9,14 @@ import pytest
 import torch
 from conftest import build_tiny_qwen3_5_dir
 from safetensors.torch import load_file, save_file
-from tolerance import Rounding, assert_bitwise, assert_same_computation, fp64_adapter, fp64_model
+from tolerance import (
+    Rounding,
+    assert_bitwise,
+    assert_same_computation,
+    assert_same_math_fp64,
+    fp64_adapter,
+    fp64_model,
+)
 
 from trine.engine.api import LORA_LINEAR_ATTN, LoRAConfig
 from trine.engine.model.attention import KVContext
@@ -248,6 +255,33 @@ def test_batch_invariant_layer_is_the_same_bits_whatever_the_batch_and_pieces():
         {"s": snapshot.recurrent[0], "c": snapshot.conv[0]},
         {"s": after.snapshots.recurrent[0], "c": after.snapshots.conv[0]},
     )
+
+
+def test_batch_invariant_training_forward_is_the_inference_bits_and_differentiates():
+    """Batch-invariant kernels on, with gradients (the trainer's forward: the recurrent form in
+    checkpointed pieces): the outputs are the inference forward's bits, and the input gradient is
+    the chunked form's in fp64 (the same math)."""
+    from trine.engine.model import invariant
+
+    x = torch.randn(2, 150, 96, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    w = torch.randn(2, 150, 96, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+
+    def grad(layer, enabled: bool):
+        invariant.enable(enabled)
+        try:
+            xg = x.clone().requires_grad_(True)
+            out, _ = layer(xg, None)
+            (out * w).sum().backward()
+            with torch.no_grad():
+                plain, _ = layer(x, None)
+        finally:
+            invariant.enable(False)
+        return out.detach(), plain, xg.grad
+
+    layer = gdn_layer(torch.float64)
+    out, plain, bi_grad = grad(layer, True)
+    assert_bitwise(out, plain)
+    assert_same_math_fp64(bi_grad, grad(layer, False)[2])
 
 
 # ----------------------------------------------------------------------------- the model's state
