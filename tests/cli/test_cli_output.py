@@ -64,6 +64,19 @@ def test_serve_refuses_a_port_in_use_before_loading(tiny_model_dir, tmp_path):
     assert not (tmp_path / "trine.db").exists()  # nothing was set up
 
 
+def test_serve_takes_a_qwen3_5_checkpoint_past_the_family_check(tiny_qwen3_5_dir, tmp_path):
+    """A hybrid Qwen3.5 directory is a family `trine serve` runs: it gets as far as the port check
+    (a busy port here, so nothing loads)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = CliRunner().invoke(
+            main, ["serve", "--model", str(tiny_qwen3_5_dir), "--port", str(port), "--home", str(tmp_path)]
+        )
+    assert r.exit_code == 1 and "already in use" in r.output and "qwen3_5" not in r.output
+
+
 def test_serve_refuses_an_unsupported_model_family_in_one_line(tmp_path):
     model = tmp_path / "gpt2-small"
     model.mkdir()
