@@ -30,8 +30,8 @@ The trainer half (`hybrid_trainer_vs_hf_peft`, transformers + peft) is another f
 `benchmarks/models_trainer.py` exists, its `run(model_dir, args) -> dict` adds its keys to this
 script's record (see `trainer_half`).
 
-vLLM's CPU build is not run beside it: this machine has no `.venv-vllm` (benchmarks/vs_vllm.py
-compares dense models where it has one).
+vLLM's CPU build is not run here (benchmarks/vs_vllm.py compares it on dense models, in its own
+venv).
 
     .venv/bin/python benchmarks/models.py [--json] [--quick] [--repeats 3] [--only grpo decode ...]
 
