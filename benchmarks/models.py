@@ -52,15 +52,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from report import emit  # benchmarks/report.py
 
-from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
-from trine.engine.config import SamplerConfig
-from trine.engine.model.tokenizer import Tokenizer
-from trine.engine.model.weights import load_model
-from trine.engine.sampler.sampler import Sampler
-from trine.engine.sampler.state_cache import state_bytes
+from trine.engine.setup import configure
+
+configure()  # before torch loads with the engine: its OpenMP wait, as under `trine serve`
+
+# isort: split
+
+import torch  # noqa: E402
+
+from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity  # noqa: E402
+from trine.engine.config import SamplerConfig  # noqa: E402
+from trine.engine.model.kernels.active import active  # noqa: E402
+from trine.engine.model.lora import linear_shapes  # noqa: E402
+from trine.engine.model.tokenizer import Tokenizer  # noqa: E402
+from trine.engine.model.weights import load_model  # noqa: E402
+from trine.engine.sampler.sampler import Sampler  # noqa: E402
+from trine.engine.sampler.state_cache import state_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "tests" / "fixtures" / "smollm2-tokenizer"  # decodes sampled ids; none is a Qwen text
@@ -122,6 +131,17 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def load_engine_model(model_dir: Path):
+    """The model as an engine serves it: loaded in fp32, its kernels built and its GEMM paths chosen
+    (measured on this CPU, as `trine serve` does at start)."""
+    model = load_model(model_dir, "cpu", torch.float32)
+    log(
+        "kernels: "
+        + " ".join(f"{k}={v}" for k, v in active(model.device, model.dtype, linear_shapes(model)).items())
+    )
+    return model
+
+
 def build_model_dir(shape: dict, out: Path) -> Path:
     """Random weights of `shape` (seed 0) saved by transformers as a checkpoint directory, with a
     tokenizer; reused when `out` already holds one."""
@@ -142,7 +162,7 @@ class Bench:
     def __init__(self, model_dir: Path, repeats: int):
         from transformers import AutoModelForCausalLM
 
-        self.model = load_model(model_dir, "cpu", torch.float32)
+        self.model = load_engine_model(model_dir)
         self.tok = Tokenizer(model_dir)
         self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.repeats = repeats
@@ -312,7 +332,7 @@ def _peak_child(side: str, model_dir: str, p: dict, threads: int, out) -> None:
         torch.set_num_threads(threads)
     rng = random.Random(1)
     if side == "trine":
-        model, tok = load_model(model_dir, "cpu", torch.float32), Tokenizer(model_dir)
+        model, tok = load_engine_model(model_dir), Tokenizer(model_dir)
         vocab = model.cfg.vocab_size
     else:
         from transformers import AutoModelForCausalLM
