@@ -63,6 +63,56 @@ def build_tiny_model_dir(
     return out
 
 
+def build_tiny_qwen3_5_dir(out: Path, seed: int = 0, tie: bool = True, vocab_size: int = 49152) -> Path:
+    """A tiny random Qwen3.5 text model (layers: linear, linear, full, linear, full; Gated DeltaNet
+    and gated attention), saved by transformers, with SmolLM2's tokenizer (no Qwen tokenizer is
+    available offline: tests/fixtures/README.md; a smaller `vocab_size` keeps its first ids)."""
+    import transformers as tf
+
+    cfg = tf.Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=5,
+        layer_types=[
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    model = tf.Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():  # non-trivial norms so that their loading (and 1 + w) is tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory) -> Path:
+    """`build_tiny_qwen3_5_dir`'s model, once a session (the engine's, sampler's and server's tests)."""
+    return build_tiny_qwen3_5_dir(tmp_path_factory.mktemp("models") / "tiny-qwen3_5")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

@@ -222,9 +222,12 @@ def test_register_tail_rules():
     with pytest.raises(ValueError):
         bm.register_tail(b, W, W, [1, 2, 3, 4])  # a full block is `register`'s
     assert bm.register_tail(b, W, W, [1, 2])
-    assert not bm.register_tail(b, W, W, [1, 2, 3])  # keyed already
+    assert not bm.register_tail(b, W, W, [1, 9, 3])  # keyed already, with other tokens
+    assert bm.register_tail(b, W, W, [1, 2, 3])  # its sequence filled one slot more: the key grows
+    assert bm.match_partial(W, W, [1, 2, 3]) == (b, 3) and bm.match_partial(W, W, [1, 2]) == (b, 2)
+    bm.release([b, b])
     (c,) = bm.allocate(1)
-    assert not bm.register_tail(c, W, W, [1, 2])  # the same content is cached in b
+    assert not bm.register_tail(c, W, W, [1, 2, 3])  # the same content is cached in b
     bm.release([b, c])
     with pytest.raises(ValueError):
         bm.register_tail(c, W, W, [7])  # not in use

@@ -4,11 +4,10 @@ the Gated DeltaNet's two forms of the rule against each other (kind 3, tests/tol
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from conftest import TOKENIZER_DIR
+from conftest import build_tiny_qwen3_5_dir
 from safetensors.torch import load_file, save_file
 from tolerance import (
     Rounding,
@@ -30,57 +29,14 @@ from trine.engine.model.gated_deltanet import (
 )
 from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.qwen3_5 import HybridConfig, HybridState, HybridTransformer
-from trine.engine.model.weights import load_model, read_config, servable
+from trine.engine.model.weights import load_model, read_config
 
 VOCAB = 49152  # SmolLM2's tokenizer (no Qwen tokenizer is available offline): tests/fixtures/README.md
 
 
-def build_tiny_qwen3_5_dir(out, seed: int = 0, tie: bool = True, vocab_size: int = VOCAB):
-    """A tiny random Qwen3.5 text model (layers: linear, linear, full, linear, full), saved by
-    transformers, with SmolLM2's tokenizer (a smaller `vocab_size` keeps its first ids)."""
-    import transformers as tf
-
-    cfg = tf.Qwen3_5TextConfig(
-        vocab_size=vocab_size,
-        hidden_size=96,
-        intermediate_size=256,
-        num_hidden_layers=5,
-        layer_types=[
-            "linear_attention",
-            "linear_attention",
-            "full_attention",
-            "linear_attention",
-            "full_attention",
-        ],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=24,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(seed)
-    model = tf.Qwen3_5ForCausalLM(cfg)
-    with torch.no_grad():  # non-trivial norms so that their loading (and 1 + w) is tested
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    for f in TOKENIZER_DIR.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
-
-
 @pytest.fixture(scope="module")
-def qwen3_5_dir(tmp_path_factory):
-    return build_tiny_qwen3_5_dir(tmp_path_factory.mktemp("qwen3_5") / "tiny-qwen3_5")
+def qwen3_5_dir(tiny_qwen3_5_dir):
+    return tiny_qwen3_5_dir
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +174,8 @@ def test_the_rule_functions_agree_from_a_given_state():
 
     def compute(dtype):
         args = [t.to(dtype) for t in (q, k, v, gate, beta, s0)]
-        o1, s1 = chunked_rule(*args, chunk=16)
-        o2, s2 = recurrent_rule(*args)
+        o1, s1, _ = chunked_rule(*args, chunk=16)
+        o2, s2, _ = recurrent_rule(*args)
         return {"rule": {"o": o2, "s": s2}}, {"rule": {"o": o1, "s": s1}}
 
     assert_same_computation(compute, torch.float32, torch.float64)
@@ -239,6 +195,97 @@ def test_padded_positions_leave_the_state_as_it_is():
         {"conv": padded.conv[1:], "state": padded.recurrent[1:]},
         {"conv": alone.conv, "state": alone.recurrent},
     )
+
+
+def test_states_at_cuts_equal_the_prefix_run_alone():
+    """`cuts` (row, t): the layer's state after row's first t tokens, taken inside one forward
+    (the chunked form ends a chunk at each cut), is the state a forward of those t tokens alone
+    ends with (kind 3), conv state included; the outputs and final states are those of the
+    forward without cuts."""
+    x32 = torch.randn(3, 150, 96, generator=torch.Generator().manual_seed(11))
+    real = torch.ones(3, 150, dtype=torch.bool)
+    real[1, 97:] = False
+    cuts = [(0, 5), (0, 64), (0, 100), (1, 30), (1, 97), (2, 150)]
+
+    def compute(layer):
+        dtype = layer.out_proj.weight.dtype
+        x = x32.to(dtype)
+        out, after = layer(x, None, real, start_state(dtype, 3), cuts)
+        plain, plain_after = layer(x, None, real, start_state(dtype, 3))
+        alone = [
+            layer(x[b : b + 1, :t], None, None, start_state(dtype, 3).rows(slice(b, b + 1)))[1]
+            for b, t in cuts
+        ]
+        ref = {"out": plain[real], "state": plain_after.recurrent, "conv": plain_after.conv}
+        ref |= {
+            "cut": torch.cat([a.recurrent for a in alone]),
+            "cut_conv": torch.cat([a.conv for a in alone]),
+        }
+        path = {"out": out[real], "state": after.recurrent, "conv": after.conv}
+        path |= {"cut": after.snapshots.recurrent, "cut_conv": after.snapshots.conv}
+        return {"cuts": ref}, {"cuts": path}
+
+    with torch.no_grad():
+        assert_same_computation(compute, gdn_layer(torch.float32), gdn_layer(torch.float64))
+
+
+def test_batch_invariant_layer_is_the_same_bits_whatever_the_batch_and_pieces():
+    """Batch-invariant kernels on: a row's outputs and states are the same bits alone or in a
+    batch, in one forward or in a prefix then one token at a time (a prefill chunk from a snapshot,
+    then decode steps), and at a cut."""
+    from trine.engine.model import invariant
+
+    layer = gdn_layer(torch.float32)
+    x = torch.randn(3, 90, 96, generator=torch.Generator().manual_seed(12))
+    invariant.enable(True)
+    try:
+        with torch.no_grad():
+            whole, after = layer(x, None, None, start_state(torch.float32, 3), [(0, 70)])
+            alone, _ = layer(x[:1], None, None, start_state(torch.float32, 3).rows(slice(0, 1)))
+            outs, state = [], start_state(torch.float32, 3).rows(slice(0, 1))
+            first, state = layer(x[:1, :70], None, None, state)
+            snapshot = state
+            for t in range(70, 90):
+                out, state = layer(x[:1, t : t + 1], None, None, state)
+                outs.append(out)
+    finally:
+        invariant.enable(False)
+    assert_bitwise(alone[0], whole[0])
+    assert_bitwise(torch.cat([first, *outs], 1)[0], whole[0])
+    assert_bitwise(
+        {"s": state.recurrent[0], "c": state.conv[0]}, {"s": after.recurrent[0], "c": after.conv[0]}
+    )
+    assert_bitwise(
+        {"s": snapshot.recurrent[0], "c": snapshot.conv[0]},
+        {"s": after.snapshots.recurrent[0], "c": after.snapshots.conv[0]},
+    )
+
+
+def test_batch_invariant_training_forward_is_the_inference_bits_and_differentiates():
+    """Batch-invariant kernels on, with gradients (the trainer's forward: the recurrent form in
+    checkpointed pieces): the outputs are the inference forward's bits, and the input gradient is
+    the chunked form's in fp64 (the same math)."""
+    from trine.engine.model import invariant
+
+    x = torch.randn(2, 150, 96, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    w = torch.randn(2, 150, 96, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+
+    def grad(layer, enabled: bool):
+        invariant.enable(enabled)
+        try:
+            xg = x.clone().requires_grad_(True)
+            out, _ = layer(xg, None)
+            (out * w).sum().backward()
+            with torch.no_grad():
+                plain, _ = layer(x, None)
+        finally:
+            invariant.enable(False)
+        return out.detach(), plain, xg.grad
+
+    layer = gdn_layer(torch.float64)
+    out, plain, bi_grad = grad(layer, True)
+    assert_bitwise(out, plain)
+    assert_same_math_fp64(bi_grad, grad(layer, False)[2])
 
 
 # ----------------------------------------------------------------------------- the model's state
@@ -396,8 +443,3 @@ def test_state_rows_batch_and_snapshot(qwen3_5_dir):
         )
     assert not torch.equal(state.layers[0].recurrent, snapshot.layers[0].recurrent)
     assert torch.equal(again.layers[0].recurrent, snapshot.layers[0].recurrent)
-
-
-def test_a_hybrid_model_is_not_servable_yet(qwen3_5_dir, tiny_model_dir):
-    assert servable(read_config(tiny_model_dir)) is None
-    assert "recurrent-state cache" in servable(read_config(qwen3_5_dir))

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import build_tiny_qwen3_5_dir
 from test_checkpoint import hf_model, saved_by_peft
 from test_losses import randomize
-from test_qwen3_5 import build_tiny_qwen3_5_dir
 from test_train_prefix_sharing import assert_same_counts, datum, shared_vs_plain
 from test_trainer import grads
 from tolerance import Rounding, assert_bitwise, fp64_adapter, fp64_model

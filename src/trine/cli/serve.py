@@ -78,15 +78,14 @@ def _ray_engines(address: str, replicas: int, config):
 
 
 def check_model_family(served: dict[str, Path]) -> None:
-    """Read each config.json (no weights) and refuse a family trine cannot run or cannot serve yet."""
-    from trine.engine.model.weights import read_config, servable
+    """Read each config.json (no weights) and refuse a family trine cannot run."""
+    from trine.engine.model.weights import read_config
 
     for name, path in served.items():
         try:
-            detail = servable(read_config(path))
+            read_config(path)
         except (ValueError, KeyError, OSError) as e:
             detail = str(e) if not isinstance(e, KeyError) else f"config.json has no {e}"
-        if detail:
             raise click.ClickException(f"--model {name} ({path}): {detail}") from None
 
 

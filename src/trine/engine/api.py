@@ -559,7 +559,9 @@ class CycleStats:
 class EngineStats:
     """A snapshot of one engine. `sampler` holds the KV pool and cache counters (blocks_total,
     blocks_used, blocks_cached, cache_hit_blocks, cache_queried_blocks, prompt/prefill/cached/sample
-    token totals, waiting, running)."""
+    token totals, waiting, running) and, for a hybrid model, its state slots and snapshots
+    (state_slots_total/free, state_snapshots, state_snapshots_total, state_snapshot_hits,
+    state_snapshot_evictions, state_bytes_per_sequence)."""
 
     name: str
     replica: str

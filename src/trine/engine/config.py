@@ -31,6 +31,10 @@ BURST_STALL_SECONDS = 5.0  # the most a batch's first sequences wait, undecoded,
 # The shortest token prefix that datums of one run share and the trainer computes once: a shorter
 # one costs more to split out than it saves (benchmarks/prefix_threshold.py).
 MIN_SHARED_TOKENS = 16
+# A hybrid model's prompt keeps a state snapshot every this many tokens: a prompt that diverges
+# from a cached one recomputes at most this many tokens more than a dense model would, and a
+# snapshot of Qwen3.5-0.8B is 19 MiB (docs/architecture.md, "Prefix cache of a hybrid model").
+STATE_SNAPSHOT_TOKENS = 512
 
 
 def _knob(default, doc: str, flag: str | None = None):
@@ -71,7 +75,9 @@ class SamplerConfig:
     )
     block_size: int = _knob(16, "tokens per KV block: the prefix cache's unit")
     max_batch_tokens: int = _knob(2048, "prompt positions prefilled per engine step")
-    max_running: int = _knob(64, "sequences decoding at once")
+    max_running: int = _knob(
+        64, "sequences decoding at once (a hybrid model preallocates a recurrent-state slot for each)"
+    )
     enable_prefix_cache: bool = _knob(True, "serve a prompt's cached KV blocks instead of prefilling them")
     prefill_share: float = _knob(0.5, "share of decode time an old or long prompt's prefill may take")
     prefill_step_seconds: float = _knob(0.25, "target seconds of one prefill chunk while others decode")
@@ -91,10 +97,25 @@ class SamplerConfig:
         TENANT_SHARE, "share of `max_running` and the KV pool a key holds while another is active"
     )
     fair: bool = _knob(True, "admit waiting requests fairly across keys (off: first come, first served)")
+    state_cache_bytes: int | None = _knob(
+        None,
+        "hybrid models (Qwen3.5): bytes of recurrent-state snapshots the prefix cache keeps, least "
+        "recently used evicted first; unset: 512 MiB on CPU, a quarter of the free memory on a GPU",
+    )
+    state_snapshot_tokens: int = _knob(
+        STATE_SNAPSHOT_TOKENS,
+        "hybrid models: a prompt's state is snapshotted every this many tokens (a multiple of "
+        "`block_size`), so prompts sharing a long prefix share it",
+    )
 
     def __post_init__(self):
         if self.kv_cache_bytes is not None:
             _positive_int(self, "kv_cache_bytes")
+        if self.state_cache_bytes is not None:
+            v = self.state_cache_bytes
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            _check(ok, "state_cache_bytes", v, "an integer >= 0")
+        _positive_int(self, "state_snapshot_tokens")
         _positive_int(self, "block_size", "max_batch_tokens", "max_running", "min_prefill_tokens")
         _share(self, "prefill_share")
         _share(self, "tenant_share")
@@ -102,6 +123,12 @@ class SamplerConfig:
         _seconds(self, "idle_prefill_seconds", zero=False)
         _seconds(self, "burst_seconds", zero=True)
         _seconds(self, "burst_stall_seconds", zero=True)
+        _check(
+            self.state_snapshot_tokens % self.block_size == 0,
+            "state_snapshot_tokens",
+            self.state_snapshot_tokens,
+            f"a multiple of block_size ({self.block_size})",
+        )
 
 
 @dataclass(frozen=True)

@@ -14,25 +14,31 @@ consecutive value heads each.
 Two forms of the same rule:
 - `chunked_rule` (prefill, training; any length): chunks of `CHUNK` tokens, each a triangular
   solve (the UT transform) and a few matmuls, then one state update per chunk.
-- `recurrent_rule` (decode): one state update per token.
+- `recurrent_rule` (decode; everything under batch-invariant kernels): one state update per token.
+The layer's forward is the one place that chooses between them.
 
 State (`LinearState`, per layer and sequence): the recurrent state [Hv, Dk, Dv], in the wide dtype
 (fp32, or an fp64 model's fp64), and the conv state [conv_dim, K - 1]: the last K - 1 inputs of the
-conv (the `in_proj_qkv` outputs before it, in the model dtype), conv_dim = 2 Hk Dk + Hv Dv.
+conv (the `in_proj_qkv` outputs before it, in the model dtype), conv_dim = 2 Hk Dk + Hv Dv. A
+forward may also return the state at *cuts* (row, t) inside its tokens: what a prefix cache keeps
+as snapshots, taken in the same forward (the chunked form ends a chunk at each cut).
 
 Invariants
 - Running T tokens from a state S gives, within fp32 rounding, the same outputs and final state
   whichever form runs them and however they are cut into pieces (the state carried from piece to
-  piece). A prefix's state is therefore reusable: what a later prefix cache relies on. Chunks are
-  counted from a piece's first token: two runs compute the same bits only if cut at the same places.
+  piece). A prefix's state is therefore reusable: what the sampler's prefix cache relies on. Chunks
+  are counted from a piece's first token (and from each cut): two chunked runs compute the same
+  bits only if cut at the same places.
 - Padded positions (`real` False; real tokens first in each row, padding after) leave both states
   exactly as they are: their decay is 1 and their update 0, and the conv state is each row's last
   K - 1 real inputs.
 - The rule is computed in `invariant.wide_dtype`, so an fp64 model (the tests' rounding reference)
   stays fp64 throughout.
-- Not batch invariant yet: the projections go through invariant.py (`LoRALinear`), the rule's
-  matmuls, triangular solves and the conv are torch's, so `--batch-invariant`'s sampler = trainer
-  contract does not cover this layer.
+- With batch-invariant kernels (invariant.py) the layer is batch invariant: the recurrent form's
+  element-wise steps and index-order sums, a fixed-order conv, exp-based sigmoid and softplus,
+  and the projections through `LoRALinear`. A token's output and the state after it are the same
+  bits in a decode step, any prefill chunk (from a cached snapshot or not) and the training
+  forward, whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from . import invariant
 from .invariant import silu
@@ -84,6 +91,8 @@ class LinearState:
 
     conv: torch.Tensor
     recurrent: torch.Tensor
+    snapshots: LinearState | None = None  # a forward's states at its cuts, one row per cut
+    donated: bool = False  # the caller gives these tensors up: a forward may write the new state over them
 
     @classmethod
     def zeros(cls, shape: LinearAttentionShape, batch: int, device=None, dtype=torch.float32) -> LinearState:
@@ -111,6 +120,9 @@ class LinearState:
 
 
 # ----------------------------------------------------------------------------- the rule, two forms
+Cuts = list[tuple[int, int]]  # (row, t): the state after row's first t tokens of the call, 0 < t <= T
+
+
 def _prepare(q, k, v, g, beta):
     """[B, T, H*, D] inputs -> [B, Hv, T, D] in the wide dtype, q/k L2-normalised, q scaled."""
     wide = invariant.wide_dtype(q.dtype)
@@ -123,34 +135,122 @@ def _prepare(q, k, v, g, beta):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def recurrent_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _step(s, q, k, v, decay, beta, in_place: bool = False):
+    """One token of the rule: s [B, H, Dk, Dv]; q, k [B, H, Dk]; v [B, H, Dv]; decay, beta [B, H]
+    -> (o [B, H, Dv], the new state). `in_place`: s is the caller's to give up (the sampler's
+    pool rows), so the new state is written over it and no copy of the state is made."""
+    if invariant.enabled() or torch.is_grad_enabled():
+        # batch invariant (element-wise products, sums over Dk in index order, whatever the
+        # batch), and differentiable
+        s = s * decay[..., None, None]
+        delta = (v - (s * k[..., None]).sum(-2)) * beta[..., None]
+        s = s + k[..., None] * delta[..., None, :]
+        return (s * q[..., None]).sum(-2), s
+    # One read of S gives k^T S and q^T S; then S' = decay S + k delta^T (two passes, in place on
+    # a state of our own) and o = q^T S' = decay q^T S + (q . k) delta: three passes over S in all.
+    kq = torch.stack([k, q], -2) @ s  # [B, H, 2, Dv]
+    d = decay[..., None]
+    delta = (v - d * kq[..., 0, :]) * beta[..., None]
+    o = d * kq[..., 1, :] + (q * k).sum(-1, keepdim=True) * delta
+    s = s.mul_(decay[..., None, None]) if in_place else s * decay[..., None, None]
+    dk, dv = s.shape[-2:]
+    s.view(-1, dk, dv).baddbmm_(k.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))
+    return o, s
+
+
+def _steps(s, q, k, v, decay, beta, at: dict, taken, in_place: bool = False):
+    """`_step` over tokens [0, T) of the [B, H, T, D] inputs; after token t, the state of each
+    (cut index, row) in at[t + 1] goes to taken[cut index]. -> (o [B, H, T, Dv], final state)."""
+    outs = []
+    for t in range(q.shape[2]):
+        o, s = _step(s, q[:, :, t], k[:, :, t], v[:, :, t], decay[:, :, t], beta[:, :, t], in_place)
+        outs.append(o)
+        for i, b in at.get(t + 1, ()):
+            taken[i] = s[b]
+    return torch.stack(outs, 2), s
+
+
+def recurrent_rule(q, k, v, g, beta, state: torch.Tensor, cuts: Cuts | None = None, in_place: bool = False):
     """The gated delta rule one token at a time. q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta
-    [B, T, Hv]; state [B, Hv, Dk, Dv] -> (o [B, T, Hv, Dv] in v's dtype, the final state)."""
+    [B, T, Hv]; state [B, Hv, Dk, Dv] -> (o [B, T, Hv, Dv] in v's dtype, the final state, the state
+    at each of `cuts` [len(cuts), Hv, Dk, Dv] or None). `in_place`: `state` (in the wide dtype) may
+    be overwritten by the new state, which is then returned in it. With gradients on, the tokens run in
+    checkpointed pieces of `CHUNK` (backward recomputes a piece from its first state), so the
+    graph keeps a state per piece, not per token."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     s = state.to(q.dtype)
-    outs = []
-    for t in range(q.shape[2]):
-        s = s * g[:, :, t].exp()[..., None, None]
-        kt = k[:, :, t]
-        delta = (v[:, :, t] - (s * kt[..., None]).sum(-2)) * beta[:, :, t, None]
-        s = s + kt[..., None] * delta[..., None, :]
-        outs.append((s * q[:, :, t, :, None]).sum(-2))
-    o = torch.stack(outs, 2) if outs else v
-    return o.transpose(1, 2).to(dtype), s
+    T = q.shape[2]
+    if T == 0:
+        return v.transpose(1, 2).to(dtype), s, None
+    decay = g.exp()
+    taken = None if not cuts else s.new_empty(len(cuts), *s.shape[1:])
+    at: dict[int, list[tuple[int, int]]] = {}
+    for i, (b, t) in enumerate(cuts or ()):
+        at.setdefault(t, []).append((i, b))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, decay, beta, s))
+    if not grad:
+        o, s = _steps(s, q, k, v, decay, beta, at, taken, in_place)
+    else:  # cuts are for inference (a prefix cache's snapshots): none with gradients
+        outs = []
+        for a in range(0, T, CHUNK):
+            piece = [x[:, :, a : a + CHUNK] for x in (q, k, v, decay, beta)]
+            o, s = checkpoint(_steps, s, *piece, {}, None, use_reentrant=False)
+            outs.append(o)
+        o = torch.cat(outs, 2)
+    return o.transpose(1, 2).to(dtype), s, taken
 
 
-def chunked_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK):
+def _segmented(T: int, rows: int, cuts: Cuts, chunk: int, device):
+    """The chunked rule's layout when each cut must end a chunk: every row's positions [0, T) in
+    segments at its cuts, each segment starting a new chunk (identity padding between). Returns
+    (where each position goes [rows, T], the padded length, after which chunk each cut's state is)."""
+    by_row: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
+    for i, (b, t) in enumerate(cuts):
+        by_row[b].append((t, i))
+    where, width, ends = [], 0, [0] * len(cuts)
+    for row in by_row:
+        parts, at, prev = [], 0, 0
+        for t, i in sorted(row) + [(T, -1)]:
+            parts.append(torch.arange(at, at + t - prev))
+            at += -(-(t - prev) // chunk) * chunk
+            if i >= 0:
+                ends[i] = at // chunk - 1
+            prev = t
+        where.append(torch.cat(parts))
+        width = max(width, at)
+    return torch.stack(where).to(device), max(width, chunk), ends
+
+
+def chunked_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+    cuts: Cuts | None = None,
+    in_place: bool = False,
+):
     """`recurrent_rule`'s result, by chunks of `chunk` tokens: within a chunk the rule's updates are
     one unit-lower-triangular system (the UT transform of DeltaNet), solved once; the state is read
-    and updated once per chunk. Same arguments and result as `recurrent_rule`."""
+    and updated once per chunk. Same arguments and result as `recurrent_rule` (it never writes
+    `state`, whatever `in_place`). A cut ends a chunk
+    (the tokens after it start the next one; identity padding fills the gap), so the state there is
+    one the chunk loop computes anyway."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, T, dk = k.shape
-    pad = (-T) % chunk  # padded tokens: no decay (g 0), no update (k, v, beta 0)
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    n = (T + pad) // chunk
+    ends = []
+    if cuts:
+        where, width, ends = _segmented(T, B, cuts, chunk, q.device)
+        q, k, v, g, beta = (_spread(x, where, width) for x in (q, k, v, g, beta))
+    else:
+        pad = (-T) % chunk  # padded tokens: no decay (g 0), no update (k, v, beta 0)
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = q.shape[2] // chunk
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     q, k, k_beta, v_beta = (x.view(B, H, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
     cum = g.view(B, H, n, chunk).cumsum(-1)  # log of the decay from the chunk's start to each token
@@ -166,30 +266,70 @@ def chunked_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK):
     k = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
     s = state.to(q.dtype)
+    taken = None if not cuts else s.new_empty(len(cuts), *s.shape[1:])
+    at: dict[int, list[tuple[int, int]]] = {}
+    for i, e in enumerate(ends):
+        at.setdefault(e, []).append((i, cuts[i][0]))
     outs = []
     for i in range(n):
         v_new = values[:, :, i] - k_decayed[:, :, i] @ s
         outs.append(q[:, :, i] @ s + intra[:, :, i] @ v_new)
         s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
-    o = torch.cat(outs, 2)[:, :, :T] if outs else v[:, :, :T]
-    return o.transpose(1, 2).to(dtype), s
+        for c, b in at.get(i, ()):
+            taken[c] = s[b]
+    o = torch.cat(outs, 2) if outs else v
+    o = o.gather(2, where[:, None, :, None].expand(B, H, T, o.shape[-1])) if cuts else o[:, :, :T]
+    return o.transpose(1, 2).to(dtype), s, taken
+
+
+def _spread(x: torch.Tensor, where: torch.Tensor, width: int) -> torch.Tensor:
+    """x [B, H, T, ...] placed at positions `where` [B, T] of a zero [B, H, width, ...]."""
+    B, H, T = x.shape[:3]
+    out = x.new_zeros(B, H, width, *x.shape[3:])
+    index = where[:, None, :].expand(B, H, T)
+    if x.dim() == 4:
+        index = index[..., None].expand_as(x)
+    return out.scatter_(2, index, x)
 
 
 # ----------------------------------------------------------------------------- the conv
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, lengths: torch.Tensor | None):
+def causal_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv: torch.Tensor,
+    lengths: torch.Tensor | None,
+    cuts: Cuts | None = None,
+):
     """The causal depthwise conv, then SiLU. x [B, T, C]; weight [C, 1, K]; conv [B, C, K - 1] the
     inputs before x -> (out [B, T, C], the new conv state: each row's last K - 1 inputs up to its
-    `lengths` real tokens, all T when None)."""
+    `lengths` real tokens, all T when None; the conv state at each cut [len(cuts), C, K - 1] or
+    None). Batch-invariant kernels on, or one token (a decode step, where F.conv1d's depthwise
+    path costs more than the K products): the K products summed in a fixed order (F.conv1d's
+    algorithm, and so its bits, may follow the shape)."""
     B, T, C = x.shape
     full = torch.cat([conv.to(x.dtype), x.transpose(1, 2)], -1)  # [B, C, K - 1 + T]
-    out = silu(F.conv1d(full, weight.to(x.dtype), groups=C)).transpose(1, 2)
+    w = weight.to(x.dtype)
+    if invariant.enabled() or T == 1:
+        K = w.shape[-1]
+        out = full[:, :, :T] * w[:, :, 0]
+        for i in range(1, K):
+            out = out + full[:, :, i : i + T] * w[:, :, i]
+    else:
+        out = F.conv1d(full, w, groups=C)
+    out = silu(out).transpose(1, 2)
     keep = conv.shape[-1]
+    span = torch.arange(keep, device=x.device)
     if lengths is None:
         state = full[:, :, full.shape[-1] - keep :]
     else:  # row b's inputs [lengths[b], lengths[b] + K - 1) of `full`
-        at = lengths[:, None] + torch.arange(keep, device=x.device)
+        at = lengths[:, None] + span
         state = full.gather(2, at[:, None, :].expand(B, C, keep))
-    return out, state.contiguous()
+    taken = None
+    if cuts:  # the state after row b's first t tokens: inputs [t, t + K - 1) of `full`
+        rows = torch.tensor([b for b, _ in cuts], device=x.device)[:, None, None]
+        at = (torch.tensor([t for _, t in cuts], device=x.device)[:, None] + span)[:, None, :]
+        taken = full[rows, torch.arange(C, device=x.device)[None, :, None], at]  # [cuts, C, K - 1]
+    return out, state.contiguous(), taken
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -239,10 +379,17 @@ class GatedDeltaNet(nn.Module):
         adapters: AdapterBatch | None,
         real: torch.Tensor | None = None,
         state: LinearState | None = None,
+        cuts: Cuts | None = None,
     ) -> tuple[torch.Tensor, LinearState]:
         """x [B, T, hidden]; `real` [B, T] bool (None: every position real); `state` the rows'
-        state before x (None: zeros) -> (output, the state after each row's real tokens). One
-        token per row runs `recurrent_rule`, more run `chunked_rule`."""
+        state before x (None: zeros); `cuts` (row, t): where to take the state after row's first t
+        tokens (a prefix cache's snapshots) -> (output, the state after each row's real tokens,
+        with the cuts' states as its `snapshots`).
+
+        The one place the rule's form is chosen: batch-invariant kernels on, `recurrent_rule`
+        (every token the same operations, whatever the batch, the tokens' chunking or cached
+        prefix: a decode step, a prefill chunk and the training forward compute the same bits);
+        else one token per row runs `recurrent_rule`, more run `chunked_rule`."""
         B, T, _ = x.shape
         sh = self.shape
         if state is None:
@@ -251,18 +398,21 @@ class GatedDeltaNet(nn.Module):
             x = x * real[..., None].to(x.dtype)  # the reference zeroes padded inputs
         qkv, z, b, a = self.in_proj(self, x, adapters)
         lengths = None if real is None else real.sum(1)
-        qkv, conv = causal_conv(qkv, self.conv1d.weight, state.conv, lengths)
+        qkv, conv, conv_at = causal_conv(qkv, self.conv1d.weight, state.conv, lengths, cuts)
         q, k, v = qkv.split([sh.key_dim, sh.key_dim, sh.value_dim], -1)
         q = q.reshape(B, T, sh.num_key_heads, sh.key_head_dim)
         k = k.reshape(B, T, sh.num_key_heads, sh.key_head_dim)
         v = v.reshape(B, T, sh.num_value_heads, sh.value_head_dim)
         wide = invariant.wide_dtype(x.dtype)
-        beta = torch.sigmoid(invariant.widened(b))
-        g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
+        beta = invariant.sigmoid(invariant.widened(b))
+        g = -self.A_log.to(wide).exp() * invariant.softplus(a.to(wide) + self.dt_bias.to(wide))
         if real is not None:  # padded positions: decay 1, no update
             beta, g = beta * real[..., None], g * real[..., None]
-        rule = recurrent_rule if T == 1 else chunked_rule
-        o, recurrent = rule(q, k, v, g, beta, state.recurrent)
+        rule = recurrent_rule if T == 1 or invariant.enabled() else chunked_rule
+        o, recurrent, recurrent_at = rule(
+            q, k, v, g, beta, state.recurrent, cuts=cuts, in_place=state.donated
+        )
         o = self.norm(o, z.reshape(B, T, sh.num_value_heads, sh.value_head_dim))
         out = self.out_proj(o.reshape(B, T, sh.value_dim), adapters)
-        return out, LinearState(conv, recurrent)
+        snapshots = None if not cuts else LinearState(conv_at, recurrent_at)
+        return out, LinearState(conv, recurrent, snapshots)

@@ -116,6 +116,20 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x)) if _enabled else F.silu(x)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid; enabled, 1 / (1 + exp(-x)): torch's sigmoid, like its SiLU, rounds the
+    elements of its scalar tail loop otherwise, so an element's bits followed its offset."""
+    return 1 / (1 + torch.exp(-x)) if _enabled else torch.sigmoid(x)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """F.softplus (threshold 20); enabled, from exp and log1p (vectorised to the last element, as
+    `sigmoid`). The clamp keeps exp finite, so the gradient of the branch not taken is 0, not NaN."""
+    if not _enabled:
+        return F.softplus(x)
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
+
+
 def enabled() -> bool:
     return _enabled
 

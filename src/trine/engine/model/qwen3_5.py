@@ -26,7 +26,7 @@ from torch import nn
 
 from . import invariant
 from .attention import KVContext, attend
-from .gated_deltanet import GatedDeltaNet, LinearAttentionShape, LinearState
+from .gated_deltanet import Cuts, GatedDeltaNet, LinearAttentionShape, LinearState
 from .lora import AdapterBatch, FusedLinears, LoRALinear
 from .model import MLP, ModelConfig, Transformer, apply_rope, hf_eos_ids, padding_mask, rope_tables
 
@@ -96,10 +96,18 @@ class HybridConfig(ModelConfig):
 @dataclass
 class HybridState:
     """Every linear layer's `LinearState` for a batch of sequences, by linear-layer ordinal. A
-    forward given one reads each layer's entry (None: zeros) and replaces it by the state after
-    the rows' real tokens."""
+    forward given one reads each layer's entry (`read`; None: zeros) and replaces it by the state
+    after the rows' real tokens (`write`: with the states at `cuts` as its `snapshots`, when set).
+    A subclass may keep the rows elsewhere (the sampler's state pool: sampler/state_cache.py)."""
 
     layers: list[LinearState | None] = field(default_factory=list)
+    cuts: Cuts | None = None  # (row, t): also take each layer's state after row's first t tokens
+
+    def read(self, j: int) -> LinearState | None:
+        return self.layers[j]
+
+    def write(self, j: int, state: LinearState) -> None:
+        self.layers[j] = state
 
     @classmethod
     def zeros(cls, cfg: HybridConfig, batch: int, device=None, dtype=torch.float32) -> HybridState:
@@ -170,7 +178,7 @@ class GatedAttention(nn.Module):
         v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
         out = attend(q, k, v, mask, kv, layer).transpose(1, 2).reshape(B, T, -1)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(B, T, -1)), adapters)
+        return self.o_proj(out * invariant.sigmoid(gate.reshape(B, T, -1)), adapters)
 
 
 class HybridBlock(nn.Module):
@@ -191,11 +199,11 @@ class HybridBlock(nn.Module):
     def forward(self, x, cos, sin, adapters, mask, kv, real, state: HybridState | None):
         h = self.input_layernorm(x)
         if self.kind == LINEAR:
-            h, after = self.linear_attn(
-                h, adapters, real, None if state is None else state.layers[self.index]
-            )
-            if state is not None:
-                state.layers[self.index] = after
+            if state is None:
+                h, _ = self.linear_attn(h, adapters, real)
+            else:
+                h, after = self.linear_attn(h, adapters, real, state.read(self.index), state.cuts)
+                state.write(self.index, after)
         else:
             h = self.self_attn(h, cos, sin, adapters, mask, kv, self.index)
         x = x + h

@@ -7,8 +7,7 @@ reaches a model hub.
 Families: the dense `llama`, `qwen2`, `qwen3`, `mistral` (model.py) and Qwen3.5's hybrid
 `qwen3_5_text` (qwen3_5.py), or the language model of a multimodal `qwen3_5` checkpoint (its
 `model.language_model.*` weights; the vision tower and the multi-token-prediction head are not
-loaded). A hybrid model loads and runs a forward, but the sampler and the trainer do not yet keep
-its recurrent state per sequence, so it is not servable (`servable`).
+loaded). The sampler keeps a hybrid model's recurrent state per sequence (sampler/state_cache.py).
 """
 
 from __future__ import annotations
@@ -67,16 +66,6 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     if cfg.get("model_type") in qwen3_5.FAMILIES:
         return qwen3_5.HybridConfig.from_hf(cfg)
     return ModelConfig.from_hf(cfg)
-
-
-def servable(cfg: ModelConfig) -> str | None:
-    """Why the sampler and trainer cannot serve a model of this config yet, or None if they can."""
-    if isinstance(cfg, qwen3_5.HybridConfig):
-        return (
-            f"model_type {cfg.model_type!r} (Qwen3.5's Gated DeltaNet hybrid) loads, but serving it "
-            "needs a recurrent-state cache in the sampler and trainer, which trine does not have yet"
-        )
-    return None
 
 
 def meta_model(cfg: ModelConfig) -> Transformer:

@@ -25,11 +25,14 @@ Invariants
 - Every hit is verified: same WeightsIdentity, same parent key and the same tokens (a partial
   hit: the same first m tokens), stored with the block. KV computed under other weights is never
   served, even on a hash collision.
-- Evicting a block removes its key (and the prompt scores kept with it) before the block is
-  reused, so a reused block is never served for its old content.
+- Evicting a block removes its key (and the prompt scores and state snapshots kept with it:
+  `Block.scores`, `Block.states`) before the block is reused, so a reused block is never served for
+  its old content.
 - A partial hit is never shared: its first m slots are copied, while the hit holds a reference. A
-  keyed block's slots are not written again (a full block is keyed once computed, a tail when its
-  sequence stops), so the copy is its keyed content.
+  keyed block's keyed slots are not written again (a full block is keyed once computed, a tail when
+  its sequence stops), so the copy is its keyed content. A hybrid model's prompt tail is keyed as
+  soon as the prompt is done, while its first sample goes on filling the slots after it: its key
+  then grows with the tokens (`register`, `register_tail`), never covering a slot not yet computed.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class Block:
     identity: WeightsIdentity | None = None
     tokens: tuple[int, ...] | None = None  # block_size of them; fewer for a tail
     scores: "BlockScores | None" = None  # its prompt scores, when a request that computed them keyed it
+    states: dict[int, int] | None = None  # a hybrid model's snapshots: m -> slot (state_cache.py)
 
 
 class NoFreeBlocks(RuntimeError):
@@ -133,6 +137,8 @@ class BlockManager:
         self.hit_partial_tokens = 0
         self.queried_blocks = 0
         self.evictions = 0
+        # a hybrid model's state cache frees the snapshots of an evicted block (state_cache.py)
+        self.drop_states: Callable[[dict[int, int]], None] | None = None
 
     @staticmethod
     def bytes_per_block(
@@ -199,7 +205,9 @@ class BlockManager:
         del children[block.id]
         if not children:
             del self._children[block.parent]
-        block.key = block.parent = block.identity = block.tokens = block.scores = None
+        if block.states is not None:
+            self.drop_states(block.states)
+        block.key = block.parent = block.identity = block.tokens = block.scores = block.states = None
         self.evictions += 1
 
     def incref(self, block_ids: list[int]) -> None:
@@ -311,26 +319,42 @@ class BlockManager:
         identity: WeightsIdentity,
         tokens: list[int] | tuple[int, ...],
     ) -> bool:
-        if block.key is not None or key in self._table:
+        if key in self._table:
             return False
+        if block.key is not None:  # only a tail its own sequence goes on filling grows its key
+            old = block.tokens
+            if block.parent != parent or block.identity != identity or tuple(tokens[: len(old)]) != old:
+                return False
+            del self._table[block.key]
+            block.key, block.tokens = key, tuple(tokens)
+            self._table[key] = block.id
+            return True
         block.key, block.parent, block.identity, block.tokens = key, parent, identity, tuple(tokens)
         self._table[key] = block.id
         self._children.setdefault(parent, {})[block.id] = None
         return True
 
     def match_partial(
-        self, identity: WeightsIdentity, parent: object, tokens: list[int]
+        self,
+        identity: WeightsIdentity,
+        parent: object,
+        tokens: list[int],
+        usable: Callable[[Block, int], int] | None = None,
     ) -> tuple[int, int] | None:
         """(block id, m): the cached block after `parent` (a tail or a full block; the newest
         `MAX_SCAN`) whose first m >= 1 tokens are the longest start of `tokens` (the rest of a
         prompt after its matched full blocks, up to its last token); the block with one more ref
-        (copy its first m slots, then release it). None when none starts with tokens[0]."""
+        (copy its first m slots, then release it). None when none starts with tokens[0].
+        `usable(block, m)`, if given, is how many of a block's m shared tokens may be served (a
+        hybrid model's: up to its last snapshot)."""
         best, best_m, want = None, 0, tuple(tokens[: self.block_size])
         for bid in islice(reversed(self._children.get(parent, {})), MAX_SCAN):
             block = self.blocks[bid]
             if block.identity != identity:
                 continue  # other weights under a colliding parent key: never serve it
             m = common_prefix(block.tokens, want)
+            if usable is not None:
+                m = usable(block, m)
             if m > best_m:
                 best, best_m = bid, m
         if best is None:
@@ -338,6 +362,21 @@ class BlockManager:
         self.incref([best])
         self.hit_partial_tokens += best_m
         return best, best_m
+
+    def keyed(self, key: int) -> Block | None:
+        """The block cached under `key`, if any."""
+        bid = self._table.get(key)
+        return None if bid is None else self.blocks[bid]
+
+    def unmatch(self, block_ids: list[int]) -> None:
+        """Give back full blocks `match` found that the request will not be served after all."""
+        self.hit_blocks -= len(block_ids)
+        self.release(block_ids)
+
+    def served_partial(self, m: int) -> None:
+        """A block `match` found is served as a partial hit of its first m tokens instead."""
+        self.hit_blocks -= 1
+        self.hit_partial_tokens += m
 
     def reset_cache(self) -> int:
         """Forget every cached block no one holds (they become free); blocks in use keep their keys.
@@ -369,5 +408,7 @@ class BlockManager:
             if b.key is not None:
                 assert self._table[b.key] == b.id
                 assert b.id in self._children[b.parent]
+            else:
+                assert b.scores is None and b.states is None
         assert len(self._table) == sum(b.key is not None for b in self.blocks)
         assert sum(map(len, self._children.values())) == len(self._table) and all(self._children.values())

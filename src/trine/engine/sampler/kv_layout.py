@@ -26,11 +26,12 @@ from .sequence import Request, Sequence
 
 
 class KVLayout:
-    def __init__(self, kv: BlockManager, prefix_cache: bool = True):
+    def __init__(self, kv: BlockManager, prefix_cache: bool = True, key_prompt_tail: bool = False):
         self.kv = kv
         self.block_size = kv.block_size
         self.device = kv.k.device
         self.prefix_cache = prefix_cache
+        self.key_prompt_tail = key_prompt_tail  # a hybrid model's: see `cache_prompt`
         self._arange = torch.arange(self.block_size, device=self.device)
 
     def slots(self, block_lists: list[list[int]], length: int) -> torch.Tensor:
@@ -143,7 +144,10 @@ class KVLayout:
 
     def cache_prompt(self, r: Request, start: int, end: int) -> range:
         """Key the prompt blocks that prompt tokens start..end completed; returns their indexes
-        (none when nothing is keyed: no prefix cache, or a `mixed` request)."""
+        (none when nothing is keyed: no prefix cache, or a `mixed` request). With
+        `key_prompt_tail` (a hybrid model: its snapshot after len(prompt) - 1 tokens lives there),
+        the prompt's partial last block is keyed as a tail as soon as the prompt is done; its first
+        sample goes on filling the slots after it, and the key grows with them (kv_cache.py)."""
         if not self.prefix_cache or r.mixed:
             return range(0)
         bs, w = self.block_size, r.weights
@@ -152,6 +156,8 @@ class KVLayout:
             self.kv.register(
                 r.blocks[b], r.keys[b], r.keys[b - 1] if b else w, w, r.prompt[b * bs : (b + 1) * bs]
             )
+        if self.key_prompt_tail and end == len(r.prompt):
+            self.cache_tail(r, r.blocks, r.keys, r.prompt)
         return completed
 
     def cache_tail(self, r: Request, blocks: list[int], keys: list[int], tokens: list[int]) -> None:

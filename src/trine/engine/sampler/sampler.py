@@ -28,6 +28,10 @@ Invariants
   the new weights (as PipelineRL does: nothing is recomputed); its KV is then `mixed` and nothing
   it computes from then on is keyed in the prefix cache, so no later request is served KV of
   weights other than its own. Each sampled token records the version that produced it.
+- A hybrid model (Qwen3.5): every prompt being prefilled and every sequence also holds its linear
+  layers' recurrent state in a slot of the state pool (state_cache.py), read and written by each
+  forward; samples start from copies of their prompt's state. The prefix cache serves such a model
+  only prefixes that end at a state snapshot, which prefill chunks and stopping sequences take.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from ..api import SampleDelta, SampledSequence, SampleRequest, SampleResult, Wei
 from ..config import SamplerConfig
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
+from ..model.qwen3_5 import HybridConfig
 from ..model.tokenizer import Tokenizer
 from .admission import FairAdmission, FifoAdmission
 from .grammar import Grammars
@@ -51,6 +56,7 @@ from .prompt_scores import PromptScores, check_prompt_scores, first_scored, scor
 from .sampling import check_sampling_options, generators, sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
+from .state_cache import StateCache, default_state_cache_bytes
 from .stops import Stops, check_stop_options, final_text
 
 
@@ -59,7 +65,7 @@ def key_cost(model: Transformer) -> float:
     values are 4 x heads x head_dim flops per key and layer, the layers' GEMMs 2 flops per weight."""
     cfg = model.cfg
     weights = sum(p.numel() for p in model.model.layers.parameters())
-    return 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers / (2 * weights)
+    return 4 * cfg.num_heads * cfg.head_dim * len(cfg.attention_layers) / (2 * weights)
 
 
 class Sampler:
@@ -81,13 +87,27 @@ class Sampler:
             config.kv_cache_bytes
             if config.kv_cache_bytes is not None
             else default_kv_cache_bytes(self.device),
-            self.cfg.num_layers,
+            len(self.cfg.attention_layers),
             self.cfg.num_kv_heads,
             self.cfg.head_dim,
             config.block_size,
             model.dtype,
             self.device,
         )
+        self.states = None  # a hybrid model's recurrent state: live slots and snapshots
+        if isinstance(self.cfg, HybridConfig):
+            budget = config.state_cache_bytes
+            if budget is None:
+                budget = default_state_cache_bytes(self.device)
+            self.states = StateCache(
+                self.cfg,
+                self.kv,
+                config.max_running,
+                budget if config.enable_prefix_cache else 0,
+                config.state_snapshot_tokens,
+                model.dtype,
+                self.device,
+            )
         self.scheduler = Scheduler(
             self.kv,
             max_batch_tokens=config.max_batch_tokens,
@@ -102,8 +122,9 @@ class Sampler:
             burst_stall_seconds=config.burst_stall_seconds,
             tenant_share=config.tenant_share,
             admission=FairAdmission() if config.fair else FifoAdmission(),
+            states=self.states,
         )
-        self.layout = KVLayout(self.kv, config.enable_prefix_cache)
+        self.layout = KVLayout(self.kv, config.enable_prefix_cache, key_prompt_tail=self.states is not None)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.cfg.eos_token_ids)
         self.grammars = Grammars(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._live: dict[str, Request] = {}  # queued or running, by request id
@@ -225,6 +246,23 @@ class Sampler:
             waiting=len(sch.waiting),
             prefilling=len(sch.prefilling),
             running=len(sch.running),
+            **self._state_stats(),
+        )
+
+    def _state_stats(self) -> dict:
+        """A hybrid model's state pool and snapshot cache (none for a dense model)."""
+        st = self.states
+        if st is None:
+            return {}
+        return dict(
+            state_bytes_per_sequence=st.state_bytes,
+            state_slots_total=st.running_slots,
+            state_slots_free=st.num_free,
+            state_snapshots_total=st.snapshot_slots,
+            state_snapshots=st.num_snapshots,
+            state_snapshot_hits=st.hits,
+            state_snapshots_taken=st.taken,
+            state_snapshot_evictions=st.evictions,
         )
 
     @torch.inference_mode()
@@ -258,8 +296,14 @@ class Sampler:
             r.usage.started_at = r.usage.started_at or now
         tokens, positions, kvc = self.layout.prefill(rows)
         adapters = self._adapters([r for r, _ in rows])
+        state, snapshots = {}, {}
+        if self.states is not None:  # each row's state, and the snapshots this chunk takes
+            cuts, taken = self.states.prefill_cuts(rows)
+            state["state"] = self.states.rows([r.slots[0] for r, _ in rows], cuts, [s for _, _, s in taken])
+            for r, p, slot in taken:
+                snapshots.setdefault(id(r), []).append((p, slot))
         hidden = self.model.hidden_states(
-            tokens, positions, AdapterBatch.from_rows(adapters, self.device), kv=kvc
+            tokens, positions, AdapterBatch.from_rows(adapters, self.device), kv=kvc, **state
         )
         self._counters["prefill_forwards"] += 1
         finished, forked, last = [], [], []  # last: (row, its last prompt position, its samples)
@@ -267,10 +311,13 @@ class Sampler:
             start = r.prefilled
             if r.scores_prompt:
                 self._extend_prompt_scores(r, hidden[i : i + 1, :take], start, adapters[i])
+            r.prefilled = start + take
             keyed = self.layout.cache_prompt(r, start, start + take)
             if r.scores is not None:
                 self._keep_scores(r, hidden[i], start, keyed)
-            r.prefilled = start + take
+            if self.states is not None:
+                taken = r.waiting_snapshots + snapshots.get(id(r), [])
+                r.waiting_snapshots = self.states.keep(r, taken, r.prompt, r.blocks, r.keys)
             if r.prompt_left:
                 continue
             self._prompt_done(r)
@@ -335,6 +382,11 @@ class Sampler:
             Sequence(r, list(r.prompt), blocks, list(r.keys[:full]), gen, reserve, j)
             for j, (blocks, gen) in enumerate(zip(self.layout.fork(r), gens))
         ]
+        if self.states is not None:  # each sample starts from the prompt's state
+            self.states.copy(r.slots[0], r.slots[1:])
+            for s, slot in zip(r.seqs, r.slots):
+                s.slot = slot
+            r.slots = []
         r.running = len(r.seqs)
         if r.matcher is not None:
             for s in r.seqs:
@@ -345,7 +397,11 @@ class Sampler:
         self.scheduler.grow(seqs)
         tokens, positions, kvc = self.layout.decode(seqs)
         adapters = AdapterBatch.from_rows(self._adapters([s.request for s in seqs]), self.device)
-        hidden = self.model.hidden_states(tokens, positions, adapters, kv=kvc)
+        if self.states is None:
+            hidden = self.model.hidden_states(tokens, positions, adapters, kv=kvc)
+        else:
+            state = self.states.rows([s.slot for s in seqs])
+            hidden = self.model.hidden_states(tokens, positions, adapters, kv=kvc, state=state)
         logits = self.model.logits(hidden[:, 0], adapters)
         self._counters["decode_forwards"] += 1
         self.layout.cache_decoded(seqs)
@@ -394,7 +450,10 @@ class Sampler:
         return finished
 
     def _retire(self, s: Sequence) -> None:
-        self.layout.cache_tail(s.request, s.blocks, s.keys, s.tokens[:-1])  # KV of all but its last
+        r = s.request
+        self.layout.cache_tail(r, s.blocks, s.keys, s.tokens[:-1])  # KV of all but its last
+        if self.states is not None and self.layout.prefix_cache and not r.mixed:
+            self.states.take(r, s.tokens[:-1], s.blocks, s.keys, s.slot)  # and its state after them
         self.scheduler.release(s)
         s.request.running -= 1
         if s.text is None:
@@ -437,6 +496,12 @@ class Sampler:
             raise ValueError(f"prompt: token ids must be ints in [0, {cfg.vocab_size})")
         if req.num_samples < 1:
             raise ValueError(f"num_samples: must be >= 1, got {req.num_samples}")
+        if self.states is not None and req.generate and req.num_samples > self.states.running_slots:
+            raise ValueError(
+                f"num_samples: {req.num_samples} is more than this hybrid model's sampler runs at once "
+                f"(max_running {self.states.running_slots}: a recurrent state slot each); lower "
+                f"num_samples or raise max_running"
+            )
         if req.topk_prompt_logprobs < 0:
             raise ValueError(f"topk_prompt_logprobs: must be >= 0, got {req.topk_prompt_logprobs}")
         check_prompt_scores(req, cfg.vocab_size, MAX_TOPK_PROMPT_LOGPROBS)

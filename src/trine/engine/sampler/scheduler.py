@@ -18,7 +18,8 @@ cached after the last of them (copied: kv_cache.py); a request whose uncached pr
 blocks another request is still computing waits, then hits them. A request that scores its prompt
 reads only the blocks before the first position it scores (`Request.cacheable`: none for
 whole-prompt logprobs), unless it reuses cached prompt scores: then the blocks that carry them
-(prompt_scores.py).
+(prompt_scores.py). A hybrid model's request also takes a state slot per sample (one at least) and
+is served only the longest prefix that ends at a state snapshot (state_cache.py: `StateCache.hit`).
 
 Prefill chunks. At most one prefill forward a step, over at most `max_batch_tokens` positions
 (padding included), so a long prompt is prefilled over several steps. Every chunk is sized by
@@ -61,13 +62,16 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..config import BURST_SECONDS, BURST_STALL_SECONDS, MIN_PREFILL_TOKENS, TENANT_SHARE  # noqa: F401
 from .admission import AdmissionPolicy, FairAdmission
 from .kv_cache import BlockManager, chain_hashes
 from .prompt_scores import reads_cached_scores, serves_scores
 from .sequence import Request, Sequence
+
+if TYPE_CHECKING:
+    from .state_cache import StateCache
 
 # Positions a prefill chunk needs for its seconds to show the engine's prefill rate: a smaller one
 # is mostly the fixed cost of a forward (every weight read once; docs/serving.md, "Where the
@@ -144,6 +148,7 @@ class Scheduler:
         tenant_share: float = TENANT_SHARE,
         tenant_window: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        states: StateCache | None = None,
     ):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
@@ -154,6 +159,7 @@ class Scheduler:
         if not 0 < tenant_share <= 1:
             raise ValueError(f"tenant_share: must be in (0, 1], got {tenant_share}")
         self.kv = kv
+        self.states = states  # a hybrid model's state slots and snapshots
         self.block_size = kv.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
@@ -211,11 +217,14 @@ class Scheduler:
                 self.reserved -= 1
 
     def release(self, s: Sequence) -> None:
-        """A sequence stopped: its blocks and what is left of its reservation go back."""
+        """A sequence stopped: its blocks, state slot and what is left of its reservation go back."""
         self.kv.release(s.blocks)
         self.reserved -= s.reserve
         s.reserve = 0
         s.blocks = []
+        if s.slot >= 0:
+            self.states.release([s.slot])
+            s.slot = -1
 
     # ------------------------------------------------------------------ request lifecycle
     def add(self, r: Request) -> None:
@@ -232,6 +241,8 @@ class Scheduler:
         self.prefilling.remove(r)
         if not r.samples:
             self.kv.release(r.blocks)
+            if r.slots:
+                self.states.release(r.slots)
 
     def start(self, seqs: list[Sequence]) -> None:
         """Forked sequences join the running ones (they decode from the next step on)."""
@@ -250,6 +261,10 @@ class Scheduler:
             self.kv.release(r.blocks + r.copies)
             r.blocks, r.copies = [], []
             self.reserved -= r.reserved
+            if r.slots:
+                self.states.release(r.slots)
+                self.states.forget(r.waiting_snapshots)
+                r.slots, r.waiting_snapshots = [], []
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> StepPlan:
@@ -439,9 +454,13 @@ class Scheduler:
 
     def _allocate(self, r: Request, pending: set[int]) -> bool:
         """Allocate `r`'s prompt blocks (cache hits first) and partial-block copies, and reserve
-        its samples' decode blocks; False, holding nothing, if they do not fit or the next block
-        it needs is `pending` (being computed by another request)."""
+        its samples' decode blocks (a hybrid model: and its state slots); False, holding nothing,
+        if they do not fit or the next block it needs is `pending` (being computed by another
+        request)."""
         bs, kv, req, n, k = self.block_size, self.kv, r.req, len(r.prompt), r.samples
+        states = self.states
+        if states is not None and states.num_free < max(k, 1):
+            return False
         if self.prefix_cache:
             r.keys = chain_hashes(r.weights, r.prompt, bs)
         reads = r.cacheable
@@ -456,10 +475,17 @@ class Scheduler:
         if reads and r.keys[len(matched) : len(matched) + 1] and r.keys[len(matched)] in pending:
             kv.release(matched)  # the next block is being computed now: hit it when it is done
             return False
+        # A request that reads cached scores is served whole blocks (they carry the scores); a
+        # hybrid model's that scores nothing also a partial block (its prompt's snapshot is in one).
+        whole_blocks = serves is not None and (states is None or r.scores_prompt)
         part = None  # (block, m): a cached block's first m slots continue the matched blocks
-        if reads > len(matched) * bs and self.prefix_cache and serves is None:
+        if reads > len(matched) * bs and self.prefix_cache and not whole_blocks:
             parent = r.keys[len(matched) - 1] if matched else r.weights
-            part = kv.match_partial(r.weights, parent, r.prompt[len(matched) * bs : reads])
+            usable = None if states is None else states.usable
+            part = kv.match_partial(r.weights, parent, r.prompt[len(matched) * bs : reads], usable)
+        snapshot = None  # a hybrid model's: the state after the served prefix
+        if states is not None:
+            matched, part, snapshot = states.hit(matched, part, whole_blocks)
         prompt_blocks = -(-n // bs)
         copies = max(k - 1, 0) * int(n % bs != 0)
         later = k * self.sample_reserve(r)
@@ -467,6 +493,10 @@ class Scheduler:
         if part and kv.num_free - self.reserved < need:
             kv.release([part[0]])  # its block may be the one this request needs: compute its tokens
             part = None
+            if states is not None:  # the snapshot was at the partial block's: serve nothing
+                kv.unmatch(matched)
+                matched, snapshot = [], None
+                need = prompt_blocks + copies + later
         if kv.num_free - self.reserved < need:
             kv.release(matched)
             return False
@@ -479,4 +509,7 @@ class Scheduler:
             kv.copy_tokens(part[0], [r.blocks[len(matched)]], part[1])
             kv.release([part[0]])
             r.cached = r.prefilled = r.cached + part[1]
+        if states is not None:
+            r.slots = states.acquire(max(k, 1))
+            states.load(r.slots[0], snapshot)
         return True

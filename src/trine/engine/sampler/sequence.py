@@ -10,7 +10,8 @@ Invariants
 - `cached <= prefilled <= len(prompt)`; after prefill, usage.prompt_tokens == prefill_tokens + cached_tokens.
 - `cached <= cacheable`: no position whose hidden state the request reads is served from the cache.
 - A sequence holds KV for every token but its last (`tokens[-1]` is the next forward's input);
-  `keys` are the prefix-cache keys of its full blocks.
+  `keys` are the prefix-cache keys of its full blocks. A hybrid model's sequence also holds its
+  linear layers' state after the same tokens, in its `slot` (a request prefilling: `slots[0]`).
 - `adapter` and `version` are the weights a request runs this step; they change only between
   steps, when its inflight target is published anew (`Sampler.publish`). A request whose KV then
   spans two versions is `mixed`: none of its blocks computed from then on is keyed in the cache.
@@ -48,6 +49,10 @@ class Request:
     prefilled: int = 0  # prompt tokens whose KV is computed or cached (prefill progress)
     reserved: int = 0  # blocks reserved for its samples' decoding until they fork
     shared: int = 0  # full prompt blocks, shared by reference by all its sequences
+    # a hybrid model's state slots (the prompt's, then its samples') and the snapshots it took that
+    # wait for their block to be keyed, as (prefix length, slot): state_cache.py
+    slots: list[int] = field(default_factory=list)
+    waiting_snapshots: list[tuple[int, int]] = field(default_factory=list)
     seqs: list["Sequence"] = field(default_factory=list)
     running: int = 0  # sequences not stopped yet
     scores: "PromptScores | None" = None  # when `scores_prompt`: filled chunk by chunk
@@ -124,6 +129,7 @@ class Sequence:
     gen: "torch.Generator"
     reserve: int  # blocks it may still allocate
     index: int = 0  # sample index within its request
+    slot: int = -1  # a hybrid model's state slot (state_cache.py); -1 for a dense model
     out: list[int] = field(default_factory=list)  # generated tokens
     logprobs: list[float] = field(default_factory=list)
     top: list["TopLogprobs"] = field(default_factory=list)  # when options.top_logprobs

@@ -4,7 +4,9 @@ What it exposes (names and labels are documented on the Serving page, "Metrics")
 - per route: requests by method, route template and status, and their latency (a histogram);
 - per engine replica (`model`, `replica`): the sampler's queue depth, requests in flight, running
   sequences, KV blocks used / cached / total, prefix-cache hit and queried blocks (the hit rate is
-  their ratio), tokens by phase (prefill computed, prefill cached, sample, train), clock cycles'
+  their ratio), tokens by phase (prefill computed, prefill cached, sample, train), a hybrid model's
+  recurrent-state slots and prefix-cache snapshots (held, capacity, bytes each, hits, evictions:
+  only for replicas of such a model), clock cycles'
   duration and training tokens (histograms), training events waiting, whether it is up, and the
   kernel path each op takes (`trine_engine_kernel_info`: `op`, `path`, as the start line names them);
 - the data and checkpoint dirs' free bytes and whether the server drains for shutdown.
@@ -121,6 +123,37 @@ class ServiceCollector(Collector):
             "Hit blocks over queried blocks since the replica started (0 before any lookup).",
             REPLICA,
         )
+        state = {  # a hybrid model's (sampler/state_cache.py): absent for a dense model's replicas
+            "state_slots_total": g.gauge(
+                "trine_state_slots_total",
+                "Recurrent-state slots of a hybrid model's sampler: one per live sequence (max_running).",
+                REPLICA,
+            ),
+            "state_slots_free": g.gauge("trine_state_slots_free", "Recurrent-state slots free now.", REPLICA),
+            "state_snapshots": g.gauge(
+                "trine_state_snapshots_held",
+                "State snapshots the prefix cache holds (a hybrid model's cached prefixes end at one).",
+                REPLICA,
+            ),
+            "state_snapshots_total": g.gauge(
+                "trine_state_snapshots_capacity",
+                "Snapshots the budget holds (state_cache_bytes over one snapshot's bytes).",
+                REPLICA,
+            ),
+            "state_bytes_per_sequence": g.gauge(
+                "trine_state_snapshot_bytes",
+                "Bytes of one snapshot: a sequence's conv and recurrent state, every linear layer.",
+                REPLICA,
+            ),
+            "state_snapshot_hits": g.counter(
+                "trine_state_snapshot_hits", "Requests served a prefix from a state snapshot.", REPLICA
+            ),
+            "state_snapshot_evictions": g.counter(
+                "trine_state_snapshot_evictions",
+                "Snapshots evicted for newer ones (least recently used first; their KV blocks stay).",
+                REPLICA,
+            ),
+        }
         tokens = g.counter(
             "trine_tokens",
             "Tokens computed by phase: prefill (computed), prefill_cached, sample, train.",
@@ -168,6 +201,9 @@ class ServiceCollector(Collector):
             ratio.add_metric(labels, hit / asked if asked else 0.0)
             for phase, counter in SAMPLER_PHASES.items():
                 tokens.add_metric([*labels, phase], s.get(counter, 0))
+            for k, fam in state.items():
+                if k in s:
+                    fam.add_metric(labels, s[k])
         yield from g.families
         yield seconds
         yield cycle_tokens
