@@ -87,3 +87,40 @@ def test_an_openai_chat_uses_the_checkpoints_template_and_its_next_turn_hits(ser
     r2 = oai.chat.completions.create(model=MODEL, messages=second, max_tokens=4, temperature=0)
     # at least the first turn's prompt: its snapshot after all but its last token
     assert r2.usage.prompt_tokens_details.cached_tokens >= len(r1.prompt_token_ids) - 1
+
+
+def test_a_grpo_step_through_the_sdk_trains_the_shared_prompt_once(server):
+    """Training a hybrid model through the service: a group of completions of one prompt computes the
+    prompt once (its recurrent state and KV feed every completion), metered so; the step moves the
+    weights a sampler then serves."""
+    import trine as trio
+
+    prompt, completions = list(range(200, 240)), [list(range(300 + 7 * i, 306 + 7 * i)) for i in range(4)]
+    data = [
+        trio.Datum(
+            model_input=trio.ModelInput.from_ints(prompt + c[:-1]),
+            loss_fn_inputs={
+                "target_tokens": prompt[1:] + c,
+                "logprobs": [0.0] * (len(prompt) - 1) + [-2.0] * len(c),
+                "advantages": [0.0] * (len(prompt) - 1) + [1.0 if i % 2 else -1.0] * len(c),
+            },
+        )
+        for i, c in enumerate(completions)
+    ]
+    with trio.ServiceClient(base_url=server.url, api_key=server.api_key) as service:
+        trainer = service.create_lora_training_client(base_model=MODEL, rank=4, seed=1)
+        before = trainer.save_weights_and_get_sampling_client()
+        fb = trainer.forward_backward(data, "importance_sampling")
+        opt = trainer.optim_step(trio.AdamParams(learning_rate=5e-2))
+        out, step = fb.result(), opt.result()
+        after = trainer.save_weights_and_get_sampling_client()
+        ask = trio.ModelInput.from_ints(prompt)
+        greedy = trio.SamplingParams(max_tokens=4, temperature=0.0)
+        old = before.compute_logprobs(ask).result()
+        new = after.compute_logprobs(ask).result()
+        assert after.sample(ask, sampling_params=greedy).result().sequences[0].tokens
+    sent = sum(len(d.model_input.to_ints()) for d in data)
+    shared = len(prompt) + sum(len(c) - 1 for c in completions)  # the prompt's 40 positions once, then each tail
+    assert out.usage.train_tokens == shared < sent
+    assert step.metrics["grad_norm"] > 0
+    assert old != new and len(new) == len(prompt)  # the step moved the weights the sampler serves
