@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_scheduler import add, pool, prefill, request
 
+from trine.engine.config import SamplerConfig
 from trine.engine.sampler.admission import FairAdmission, admission_cost
 from trine.engine.sampler.scheduler import Scheduler
 
@@ -38,7 +39,7 @@ def was_active(sch: Scheduler, tenant: str) -> None:
 
 
 def test_a_flood_leaves_room_for_another_tenants_request_to_start_at_once():
-    sch = Scheduler(pool(4096), max_batch_tokens=4096, max_running=8)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=4096, max_running=8))
     was_active(sch, "B")
     add(sch, *[request(8, tenant="A", first=100 * i) for i in range(50)])
     sch.schedule()
@@ -50,7 +51,7 @@ def test_a_flood_leaves_room_for_another_tenants_request_to_start_at_once():
 
 
 def test_a_tenant_over_its_kv_share_waits_while_others_are_admitted():
-    sch = Scheduler(pool(40), max_batch_tokens=4096, max_running=64)  # a tenant may hold 20 blocks
+    sch = Scheduler(pool(40), SamplerConfig(max_batch_tokens=4096, max_running=64))  # a tenant: 20 blocks
     was_active(sch, "B")
     add(sch, *[request(16, max_tokens=16, tenant="A", first=100 * i) for i in range(10)])  # 8 blocks each
     sch.schedule()
@@ -62,7 +63,7 @@ def test_a_tenant_over_its_kv_share_waits_while_others_are_admitted():
 
 def test_a_tenant_alone_uses_the_whole_engine_until_another_one_shows_up():
     clock = Clock()
-    sch = Scheduler(pool(4096), max_batch_tokens=4096, max_running=8, clock=clock)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=4096, max_running=8), clock=clock)
     add(sch, *[request(8, tenant="A", first=100 * i) for i in range(50)])
     sch.schedule()
     assert tenants(sch) == {"A": 8}  # a single user's GRPO batch is not cut to the share
@@ -77,7 +78,9 @@ def test_a_tenant_alone_uses_the_whole_engine_until_another_one_shows_up():
 
 def test_the_share_lifts_once_the_other_tenant_has_been_gone_for_the_window():
     clock = Clock()
-    sch = Scheduler(pool(4096), max_batch_tokens=4096, max_running=8, clock=clock, tenant_window=60)
+    sch = Scheduler(
+        pool(4096), SamplerConfig(max_batch_tokens=4096, max_running=8), clock=clock, tenant_window=60
+    )
     was_active(sch, "B")
     add(sch, *[request(8, tenant="A", first=100 * i) for i in range(50)])
     sch.schedule()
@@ -88,7 +91,7 @@ def test_the_share_lifts_once_the_other_tenant_has_been_gone_for_the_window():
 
 
 def test_a_single_request_larger_than_the_share_is_still_admitted():
-    sch = Scheduler(pool(40), max_batch_tokens=4096)
+    sch = Scheduler(pool(40), SamplerConfig(max_batch_tokens=4096))
     big = request(100, max_tokens=40, tenant="A")  # 35 blocks: more than the tenant's 20
     add(sch, big)
     sch.schedule()
@@ -97,7 +100,7 @@ def test_a_single_request_larger_than_the_share_is_still_admitted():
 
 def test_admission_alternates_between_tenants_by_tokens():
     policy = FairAdmission()
-    sch = Scheduler(pool(4096), max_running=64, admission=policy)
+    sch = Scheduler(pool(4096), SamplerConfig(max_running=64), admission=policy)
     flood = [request(8, tenant="A", first=100 * i) for i in range(5)]
     add(sch, *flood)
     late = request(8, tenant="B", first=9000)
@@ -137,7 +140,7 @@ def test_tokens_admitted_while_tenants_wait_differ_by_at_most_one_request(reqs):
 
 
 def test_many_short_prompts_of_one_tenant_do_not_hold_back_anothers_long_prompt():
-    sch = Scheduler(pool(4096), max_batch_tokens=64, max_running=64)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=64, max_running=64))
     long = request(64, tenant="B", first=9000)
     add(sch, long, *[request(8, tenant="A", first=100 * i) for i in range(40)])
     for _ in range(3):
@@ -146,7 +149,7 @@ def test_many_short_prompts_of_one_tenant_do_not_hold_back_anothers_long_prompt(
 
 
 def test_a_long_prompt_of_one_tenant_does_not_hold_back_anothers_short_one():
-    sch = Scheduler(pool(4096), max_batch_tokens=64)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=64))
     longs = [request(512, tenant="A", first=1000 * i, generate=False) for i in range(2)]
     add(sch, *longs)
     prefill(sch)
@@ -157,7 +160,7 @@ def test_a_long_prompt_of_one_tenant_does_not_hold_back_anothers_short_one():
 
 
 def test_one_tenant_is_prefilled_fewest_tokens_first():
-    sch = Scheduler(pool(4096), max_batch_tokens=64)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=64))
     a, b, c = request(40), request(8, first=100), request(16, first=200)
     add(sch, a, b, c)
     # nothing decodes: the whole budget (64 positions, rows x the longest row), the last row partial

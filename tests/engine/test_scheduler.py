@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
+from trine.engine.config import SamplerConfig
 from trine.engine.sampler.admission import FifoAdmission
 from trine.engine.sampler.kv_cache import BlockManager
 from trine.engine.sampler.kv_layout import KVLayout
@@ -82,7 +83,7 @@ def decoding(sch: Scheduler, *rs: Request) -> None:
 
 # ----------------------------------------------------------------------------- admission
 def test_admission_reserves_worst_case_blocks_and_waits_when_they_are_short():
-    sch = Scheduler(pool(10), max_batch_tokens=64)
+    sch = Scheduler(pool(10), SamplerConfig(max_batch_tokens=64))
     big = request(10, max_tokens=10)  # 3 prompt blocks (2 full + 1 partial) + 2 more while decoding
     assert sch.blocks_needed(10, 10, 1) == 5
     add(sch, big)
@@ -98,7 +99,7 @@ def test_admission_reserves_worst_case_blocks_and_waits_when_they_are_short():
 
 
 def test_a_request_that_does_not_fit_holds_back_the_ones_behind_it_in_arrival_order():
-    sch = Scheduler(pool(8), max_batch_tokens=64)
+    sch = Scheduler(pool(8), SamplerConfig(max_batch_tokens=64))
     add(
         sch,
         request(16, max_tokens=8),
@@ -110,7 +111,7 @@ def test_a_request_that_does_not_fit_holds_back_the_ones_behind_it_in_arrival_or
 
 
 def test_samples_share_the_full_prompt_blocks_and_reserve_their_own():
-    sch = Scheduler(pool(32), max_batch_tokens=64)
+    sch = Scheduler(pool(32), SamplerConfig(max_batch_tokens=64))
     r = request(10, max_tokens=7, samples=3)  # each sample: a copy of the partial block + 1 more block
     add(sch, r)
     sch.schedule()
@@ -119,7 +120,7 @@ def test_samples_share_the_full_prompt_blocks_and_reserve_their_own():
 
 
 def test_grow_and_release_keep_the_reservation_balanced():
-    sch = Scheduler(pool(16), max_batch_tokens=64)
+    sch = Scheduler(pool(16), SamplerConfig(max_batch_tokens=64))
     r = request(4, max_tokens=9)  # KV of 4 + 9 - 1 positions (never the last token's): 1 + 2 blocks
     decoding(sch, r)
     (s,) = sch.running
@@ -133,18 +134,18 @@ def test_grow_and_release_keep_the_reservation_balanced():
 
 
 def test_max_running_bounds_admission_but_never_blocks_an_idle_sampler():
-    sch = Scheduler(pool(64), max_batch_tokens=64, max_running=4)
+    sch = Scheduler(pool(64), SamplerConfig(max_batch_tokens=64, max_running=4))
     add(sch, request(4, samples=3), request(4, samples=3, first=50))
     sch.schedule()
     assert len(sch.prefilling) == 1  # 3 + 3 > 4
-    alone = Scheduler(pool(64), max_batch_tokens=64, max_running=2)
+    alone = Scheduler(pool(64), SamplerConfig(max_batch_tokens=64, max_running=2))
     add(alone, request(4, samples=5))
     alone.schedule()
     assert len(alone.prefilling) == 1  # more samples than max_running, but nothing else runs
 
 
 def test_a_prompt_waits_for_blocks_another_request_is_computing_then_hits_them():
-    sch = Scheduler(pool(64), max_batch_tokens=4 * BS)
+    sch = Scheduler(pool(64), SamplerConfig(max_batch_tokens=4 * BS))
     first, second = request(40), request(40)  # the same prompt
     add(sch, first)
     prefill(sch)  # the first chunk: 4 blocks of 10 computed and keyed
@@ -158,7 +159,7 @@ def test_a_prompt_waits_for_blocks_another_request_is_computing_then_hits_them()
 
 
 def test_cancel_gives_back_prompt_blocks_copies_and_reservation():
-    sch = Scheduler(pool(32), max_batch_tokens=8)
+    sch = Scheduler(pool(32), SamplerConfig(max_batch_tokens=8))
     r = request(30, max_tokens=8, samples=2)
     add(sch, r)
     prefill(sch)
@@ -176,7 +177,7 @@ def test_admission_order_is_the_policys():
         def peek(self, held=()):
             return self._queue[-1] if self._queue else None
 
-    sch = Scheduler(pool(6), max_batch_tokens=64, admission=Newest())
+    sch = Scheduler(pool(6), SamplerConfig(max_batch_tokens=64), admission=Newest())
     old, new = request(16, max_tokens=4), request(16, max_tokens=4, first=100)  # 5 blocks each
     add(sch, old, new)
     sch.schedule()
@@ -185,7 +186,9 @@ def test_admission_order_is_the_policys():
 
 # ----------------------------------------------------------------------------- prefill chunks
 def test_the_prefill_budget_follows_the_measured_step_time_while_others_decode():
-    sch = Scheduler(pool(512), max_batch_tokens=256, prefill_step_seconds=0.25, min_prefill_tokens=1)
+    sch = Scheduler(
+        pool(512), SamplerConfig(max_batch_tokens=256, prefill_step_seconds=0.25, min_prefill_tokens=1)
+    )
     assert sch._prefill_budget(decoding=True) == 4 * BS  # nothing measured yet: 4 blocks
     sch.last_prefill = (16, 0.5)
     assert sch._prefill_budget(decoding=True) == 8  # 16 tokens took 0.5 s: 8 take 0.25 s
@@ -199,19 +202,21 @@ def test_the_prefill_budget_follows_the_measured_step_time_while_others_decode()
 
 def test_a_prefill_chunk_beside_decoding_sequences_never_drops_below_the_token_floor():
     """On a slow or busy CPU, time alone would cut chunks to a few tokens, each paying a step."""
-    sch = Scheduler(pool(512), max_batch_tokens=256, prefill_step_seconds=0.25, min_prefill_tokens=64)
+    sch = Scheduler(
+        pool(512), SamplerConfig(max_batch_tokens=256, prefill_step_seconds=0.25, min_prefill_tokens=64)
+    )
     assert sch._prefill_budget(decoding=True) == 64  # nothing measured yet: the floor over 4 blocks
     sch.last_prefill = (64, 10.0)  # very slow: time alone says one token
     assert sch._prefill_budget(decoding=True) == 64
     sch.last_prefill = (64, 0.05)  # fast: time rules above the floor
     assert sch._prefill_budget(decoding=True) == 128
-    small = Scheduler(pool(512), max_batch_tokens=32, min_prefill_tokens=64)
+    small = Scheduler(pool(512), SamplerConfig(max_batch_tokens=32, min_prefill_tokens=64))
     small.last_prefill = (32, 10.0)
     assert small._prefill_budget(decoding=True) == 32  # never above max_batch_tokens
 
 
 def test_when_nothing_decodes_whole_prompts_prefill_in_one_forward():
-    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=2048, idle_prefill_seconds=1.0))
     group = [request(512, first=1000 * i, samples=8) for i in range(4)]  # a GRPO step
     add(sch, *group)
     assert prefill(sch, seconds=0.5) == [(r, 512) for r in group]  # nothing measured: all of it
@@ -224,7 +229,7 @@ def test_when_nothing_decodes_whole_prompts_prefill_in_one_forward():
 def test_when_nothing_decodes_a_slow_prefill_is_bounded_by_time_so_a_newcomer_starts_soon():
     """A prompt of many thousand tokens alone on the engine (prompt logprobs: nothing decodes)
     takes chunks of about `idle_prefill_seconds`, so a short request arriving waits one of them."""
-    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=2048, idle_prefill_seconds=1.0))
     long = request(8000, generate=False)
     add(sch, long)
     assert prefill(sch, seconds=8.0) == [(long, 2048)]  # nothing measured yet: the whole budget
@@ -239,7 +244,7 @@ def test_when_nothing_decodes_a_slow_prefill_is_bounded_by_time_so_a_newcomer_st
 def test_an_idle_chunk_is_sized_from_the_last_large_chunk_not_a_small_one():
     """A few dozen positions (a chat turn's new tokens) take most of a large chunk's time: the
     next GRPO step's prompts, prefilled when nothing decodes, are not cut to a few blocks."""
-    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=2048, idle_prefill_seconds=1.0))
     sch.last_prefill = (80, 0.15)  # a small chunk only (or the first, slowed by one-time costs)
     assert sch._prefill_budget(decoding=False) == 2048  # as if nothing were measured
     group = [request(512, first=1000 * i, samples=8) for i in range(6)]
@@ -253,7 +258,7 @@ def test_an_idle_chunk_is_sized_from_the_last_large_chunk_not_a_small_one():
 def test_an_idle_chunk_size_measured_in_a_slow_moment_recovers():
     """A large chunk slowed once (a cold process, a busy machine) sizes the next ones short; a
     short chunk that runs faster per position than that proves the rate stale."""
-    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=2048, idle_prefill_seconds=1.0))
     sch.rate_prefill = sch.last_prefill = (2048, 5.0)
     assert sch._prefill_budget(decoding=False) == 409
     add(sch, request(3000, generate=False))
@@ -265,7 +270,9 @@ def test_a_long_prompts_slower_later_chunks_update_the_rate():
     """Deep in a long prompt attention makes each position slower: a chunk of fewer than
     RATE_POSITIONS positions that took half its seconds or more shows the rate, so the next idle
     chunk is sized from it, not from the faster chunks near the prompt's start."""
-    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0, min_prefill_tokens=16)
+    sch = Scheduler(
+        pool(4096), SamplerConfig(max_batch_tokens=2048, idle_prefill_seconds=1.0, min_prefill_tokens=16)
+    )
     sch.rate_prefill = sch.last_prefill = (2048, 8.0)  # 256 a second near the start
     add(sch, request(8000, generate=False))
     assert prefill(sch, seconds=2.5)[0][1] == 256  # sized from that rate, it took 2.5 s
@@ -277,7 +284,9 @@ def test_a_short_request_beside_a_long_prompt_is_prefilled_alone_then_decodes_be
     """Nothing decodes yet, but the short request samples as soon as it is prefilled: its step holds
     it alone, not beside an idle-sized chunk of the long prompt, whose next chunk is then one the
     new sequence decodes beside (sized to prefill_step_seconds and paid for as debt)."""
-    sch = Scheduler(pool(4096), max_batch_tokens=2048, idle_prefill_seconds=1.0, prefill_step_seconds=0.25)
+    sch = Scheduler(
+        pool(4096), SamplerConfig(max_batch_tokens=2048, idle_prefill_seconds=1.0, prefill_step_seconds=0.25)
+    )
     long = request(8000, generate=False)
     add(sch, long)
     prefill(sch, seconds=8.0)  # 2048 positions in 8 s
@@ -295,7 +304,7 @@ def test_a_long_prompt_is_never_part_of_a_batch_sent_together():
     """A short request sent with a long prompt (same tenant, same moment) decodes every step
     beside its chunks: it is not held, as a batch's first sequences are, until the long prompt is
     prefilled, nor given a token per idle chunk."""
-    sch = Scheduler(pool(4096), max_batch_tokens=256, idle_prefill_seconds=1.0)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=256, idle_prefill_seconds=1.0))
     long, short = request(3000, max_tokens=2), request(8, max_tokens=8, first=20000)
     add(sch, long, short)  # the same instant, one tenant
     prefill(sch, seconds=0.1)
@@ -313,15 +322,15 @@ def test_a_long_prompt_is_never_part_of_a_batch_sent_together():
 def test_the_token_floor_falls_with_the_attention_work_deep_in_a_prompt():
     """The floor is for the GEMMs' rows: a chunk at a position where attention is most of each
     row's work may be smaller, so it still ends in about its seconds."""
-    sch = Scheduler(pool(4096), max_batch_tokens=2048, min_prefill_tokens=128, key_cost=3e-4)
+    sch = Scheduler(pool(4096), SamplerConfig(max_batch_tokens=2048, min_prefill_tokens=128), key_cost=3e-4)
     sch.last_prefill = (128, 2.0)  # deep in a long prompt: 128 positions took 2 s
     assert sch._prefill_budget(decoding=True, position=0) == 128  # the floor near the start
     assert sch._prefill_budget(decoding=True, position=7000) == 41  # 128 / (1 + 2.1)
-    assert Scheduler(pool(4096), min_prefill_tokens=128)._prefill_budget(True, 7000) >= 4 * BS
+    assert Scheduler(pool(4096), SamplerConfig(min_prefill_tokens=128))._prefill_budget(True, 7000) >= 4 * BS
 
 
 def test_prompts_with_the_fewest_tokens_left_go_first_and_the_longest_takes_the_rest():
-    sch = Scheduler(pool(256), max_batch_tokens=64)
+    sch = Scheduler(pool(256), SamplerConfig(max_batch_tokens=64))
     long, mid, short = request(300, first=0), request(30, first=1000), request(9, first=2000)
     add(sch, long, mid, short)
     assert prefill(sch) == [(short, 9), (mid, 30)]  # `long` would pad both to 3 x 21
@@ -340,7 +349,7 @@ def test_a_prefill_chunk_never_exceeds_the_budget_padding_included(lefts, budget
 
 # ----------------------------------------------------------------------------- prefill share
 def test_an_old_prompt_is_held_back_while_a_newer_request_decodes_until_decode_steps_pay_its_debt():
-    sch = Scheduler(pool(512), max_batch_tokens=64, prefill_share=0.5)
+    sch = Scheduler(pool(512), SamplerConfig(max_batch_tokens=64, prefill_share=0.5))
     old = request(1000, generate=False)
     add(sch, old)
     prefill(sch, seconds=3.0)  # nobody decodes: no debt
@@ -366,7 +375,7 @@ def test_an_old_prompt_is_held_back_while_a_newer_request_decodes_until_decode_s
 
 
 def test_newcomers_prefill_while_an_older_prompt_owes_time():
-    sch = Scheduler(pool(512), max_batch_tokens=64, prefill_share=0.5)
+    sch = Scheduler(pool(512), SamplerConfig(max_batch_tokens=64, prefill_share=0.5))
     first = request(4, max_tokens=30)
     decoding(sch, first)
     old = request(1000, generate=False, first=100)
@@ -385,7 +394,7 @@ def test_newcomers_prefill_while_an_older_prompt_owes_time():
 
 
 def test_a_prompt_longer_than_the_batch_is_held_back_even_when_it_is_newer():
-    sch = Scheduler(pool(512), max_batch_tokens=64, prefill_share=0.5)
+    sch = Scheduler(pool(512), SamplerConfig(max_batch_tokens=64, prefill_share=0.5))
     decoding(sch, request(4, max_tokens=30))
     sch.debt = 1.0
     longer, fits = request(65, generate=False, first=100), request(64, generate=False, first=200)
@@ -394,7 +403,7 @@ def test_a_prompt_longer_than_the_batch_is_held_back_even_when_it_is_newer():
 
 
 def test_without_decoders_the_debt_is_forgiven():
-    sch = Scheduler(pool(512), max_batch_tokens=64)
+    sch = Scheduler(pool(512), SamplerConfig(max_batch_tokens=64))
     add(sch, request(1000, generate=False))
     sch.debt = 10.0
     assert sch.schedule().prefill and sch.debt == 0
@@ -405,7 +414,7 @@ def test_without_decoders_the_debt_is_forgiven():
 )
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
-        Scheduler(pool(4), **kw)
+        Scheduler(pool(4), SamplerConfig(**kw))
 
 
 # ----------------------------------------------------------------------------- invariants
@@ -425,7 +434,7 @@ def test_bad_settings_are_refused(kw):
 def test_reservations_always_balance_and_no_sequence_runs_out_of_blocks(ops):
     """Random arrivals, steps (prefill as planned, then one token for every decoding sequence)
     and cancels: the reservation is always what admitted requests still may allocate."""
-    sch = Scheduler(pool(24), max_batch_tokens=16, max_running=6)
+    sch = Scheduler(pool(24), SamplerConfig(max_batch_tokens=16, max_running=6))
     live: list[Request] = []
     for op, n, max_tokens, samples, generate in ops:
         if (

@@ -120,7 +120,9 @@ def test_a_grpo_step_through_the_sdk_trains_the_shared_prompt_once(server):
         new = after.compute_logprobs(ask).result()
         assert after.sample(ask, sampling_params=greedy).result().sequences[0].tokens
     sent = sum(len(d.model_input.to_ints()) for d in data)
-    shared = len(prompt) + sum(len(c) - 1 for c in completions)  # the prompt's 40 positions once, then each tail
+    shared = len(prompt) + sum(
+        len(c) - 1 for c in completions
+    )  # the prompt's 40 positions once, then each tail
     assert out.usage.train_tokens == shared < sent
     assert step.metrics["grad_norm"] > 0
     assert old != new and len(new) == len(prompt)  # the step moved the weights the sampler serves

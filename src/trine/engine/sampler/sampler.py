@@ -48,7 +48,6 @@ from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
 from ..model.qwen3_5 import HybridConfig
 from ..model.tokenizer import Tokenizer
-from .admission import FairAdmission, FifoAdmission
 from .grammar import Grammars
 from .kv_cache import BlockManager, default_kv_cache_bytes
 from .kv_layout import KVLayout
@@ -110,18 +109,8 @@ class Sampler:
             )
         self.scheduler = Scheduler(
             self.kv,
-            max_batch_tokens=config.max_batch_tokens,
-            max_running=config.max_running,
-            prefix_cache=config.enable_prefix_cache,
-            prefill_share=config.prefill_share,
-            prefill_step_seconds=config.prefill_step_seconds,
-            idle_prefill_seconds=config.idle_prefill_seconds,
-            min_prefill_tokens=config.min_prefill_tokens,
+            config,
             key_cost=key_cost(model),
-            burst_seconds=config.burst_seconds,
-            burst_stall_seconds=config.burst_stall_seconds,
-            tenant_share=config.tenant_share,
-            admission=FairAdmission() if config.fair else FifoAdmission(),
             states=self.states,
         )
         self.layout = KVLayout(self.kv, config.enable_prefix_cache, key_prompt_tail=self.states is not None)

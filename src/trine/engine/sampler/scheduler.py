@@ -64,8 +64,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..config import BURST_SECONDS, BURST_STALL_SECONDS, MIN_PREFILL_TOKENS, TENANT_SHARE  # noqa: F401
-from .admission import AdmissionPolicy, FairAdmission
+from ..config import SamplerConfig
+from .admission import AdmissionPolicy, FairAdmission, FifoAdmission
 from .kv_cache import BlockManager, chain_hashes
 from .prompt_scores import reads_cached_scores, serves_scores
 from .sequence import Request, Sequence
@@ -133,48 +133,37 @@ class Scheduler:
     def __init__(
         self,
         kv: BlockManager,
+        config: SamplerConfig = SamplerConfig(),
         *,
-        max_batch_tokens: int = 2048,
-        max_running: int = 64,
-        prefix_cache: bool = True,
-        prefill_share: float = 0.5,
-        prefill_step_seconds: float = 0.25,
-        idle_prefill_seconds: float = 1.0,
-        min_prefill_tokens: int = MIN_PREFILL_TOKENS,
         key_cost: float = 0.0,
-        burst_seconds: float = BURST_SECONDS,
-        burst_stall_seconds: float = BURST_STALL_SECONDS,
         admission: AdmissionPolicy | None = None,
-        tenant_share: float = TENANT_SHARE,
         tenant_window: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         states: StateCache | None = None,
     ):
-        if max_batch_tokens < 1 or max_running < 1:
-            raise ValueError("max_batch_tokens and max_running must be >= 1")
-        if not (prefill_share > 0 and prefill_step_seconds > 0 and idle_prefill_seconds > 0):
-            raise ValueError("prefill_share, prefill_step_seconds and idle_prefill_seconds must be > 0")
-        if burst_stall_seconds < 0:
-            raise ValueError(f"burst_stall_seconds: must be >= 0, got {burst_stall_seconds}")
-        if not 0 < tenant_share <= 1:
-            raise ValueError(f"tenant_share: must be in (0, 1], got {tenant_share}")
+        """`config`: the sampler's knobs, checked where it was built (engine/config.py); `key_cost`:
+        a prompt position's attention work per earlier key over its linear layers' (Sampler's
+        `key_cost`); `admission`: the waiting queue's policy (default: `config.fair`'s)."""
         self.kv = kv
         self.states = states  # a hybrid model's state slots and snapshots
         self.block_size = kv.block_size
-        self.max_batch_tokens = max_batch_tokens
-        self.max_running = max_running
-        self.prefix_cache = prefix_cache
-        self.prefill_share = prefill_share
-        self.prefill_step_seconds = prefill_step_seconds
-        self.idle_prefill_seconds = idle_prefill_seconds
-        self.min_prefill_tokens = max(kv.block_size, min_prefill_tokens)
+        self.max_batch_tokens = config.max_batch_tokens
+        self.max_running = config.max_running
+        self.prefix_cache = config.enable_prefix_cache
+        self.prefill_share = config.prefill_share
+        self.prefill_step_seconds = config.prefill_step_seconds
+        self.idle_prefill_seconds = config.idle_prefill_seconds
+        self.min_prefill_tokens = max(kv.block_size, config.min_prefill_tokens)
         self.key_cost = key_cost  # a position's attention work per earlier key / its linear layers'
-        self.burst_seconds = burst_seconds
-        self.burst_stall_seconds = burst_stall_seconds
+        self.burst_seconds = config.burst_seconds
+        self.burst_stall_seconds = config.burst_stall_seconds
         self._stalled_since: float | None = None  # when a batch's sequences last skipped a decode step
-        self.waiting: AdmissionPolicy = admission if admission is not None else FairAdmission()
-        self.tenant_running = max(1, int(max_running * tenant_share))  # samples one tenant may hold
-        self.tenant_blocks = max(1, int(kv.num_blocks * tenant_share))  # blocks one tenant may hold
+        if admission is None:
+            admission = FairAdmission() if config.fair else FifoAdmission()
+        self.waiting: AdmissionPolicy = admission
+        share = config.tenant_share
+        self.tenant_running = max(1, int(config.max_running * share))  # samples one tenant may hold
+        self.tenant_blocks = max(1, int(kv.num_blocks * share))  # blocks one tenant may hold
         self.tenant_window = tenant_window  # seconds a tenant counts as active after its last work
         self.clock = clock
         self._seen: dict[str, float] = {}  # tenant -> when it last had work here (clock seconds)
