@@ -12,6 +12,8 @@ Invariants
   no live objects, no closures. They pickle to a Ray replica unchanged. This module imports nothing
   from torch (tests/test_layering.py checks it).
 - Usage is exact: `prompt_tokens == prefill_tokens + cached_tokens` for every SampleUsage.
+- Images travel as `ImageInput`s (engine/images.py, re-exported here; its docstring is the contract
+  the sampler and trainer follow): a prompt's or datum's tokens hold their placeholders.
 - A `Forward` reaches the trainer prepared (`engine/prepare.py`): every datum validated against the
   model, counted once (`counts`), the denominator resolved. The trainer trusts it.
 """
@@ -33,6 +35,15 @@ from ..limits import (
     SAVE_WEIGHTS,
 )
 from ..tokens import TokenCounts
+from .images import (  # noqa: F401  (image inputs: part of the vocabulary; the contract is ImageInput's)
+    ImageInput,
+    ImagesNotServed,
+    PromptImage,
+    VisionSpec,
+    mask_image_targets,
+    placeholders_to_pieces,
+    read_model_input,
+)
 from .loss_graph import (  # noqa: F401  (custom losses: part of the vocabulary)
     MAX_INPUT_ELEMENTS,
     CustomLoss,
@@ -164,6 +175,7 @@ class SampleRequest:
     reuse_prompt_scores: bool = False
     inflight: bool = False
     tenant: str = ""  # the caller's API key id: admission and prefill are fair across tenants
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, their placeholders in `prompt`
 
 
 @dataclass
@@ -241,6 +253,7 @@ class TrainDatum:
     advantages: list[float] | None = None
     sequence_ratio_mask: list[float] | None = None
     custom_inputs: dict[str, LossTensor] | None = None  # a custom loss's inputs by name
+    images: tuple[ImageInput, ...] | None = None  # the datum's images, their placeholders in `tokens`
 
 
 @dataclass(frozen=True)
@@ -543,6 +556,7 @@ class EngineInfo:
     device: str = "cpu"
     replica: str = "local"  # where it runs: "local" or the Ray actor's node / id
     lora_features: dict[str, int] = field(default_factory=dict)  # in + out features per LoRA target
+    vision: VisionSpec | None = None  # how it reads images; None: a text-only model
 
 
 @dataclass
