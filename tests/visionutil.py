@@ -1,7 +1,7 @@
 """Tiny vision-language checkpoints and real image files for the image tests.
 
-    build_tiny_qwen3_5_vl_dir(path)   # a random `qwen3_5` checkpoint: hybrid text model + vision tower
-    build_vision_frontend_dir(path)   # a servable text model with a vision processor
+    build_tiny_qwen3_5_vl_dir(path, tokenizer_dir)   # a random `qwen3_5` checkpoint: text + vision
+    add_vision_processor(model_dir)   # a servable text model (conftest: tiny_vision_frontend_dir)
     png(h, w), jpeg(h, w, mode="L")   # image files of random pixels
 
 The second is for the front ends' tests: a tiny Llama (servable today) whose directory also holds
@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import TOKENIZER_DIR, build_tiny_model_dir
 from PIL import Image
 
 IMAGE_TOKEN, VISION_START, VISION_END = 49152, 49153, 49154  # added tokens past SmolLM2's vocabulary
@@ -58,21 +57,23 @@ CHAT_TEMPLATE = (
 )
 
 
-def _vision_tokenizer(out: Path) -> None:
-    """SmolLM2's tokenizer with Qwen's three vision tokens added (ids 49152-49154) and the template."""
+def _vision_tokenizer(out: Path, tokenizer_dir: Path) -> None:
+    """SmolLM2's tokenizer (from `tokenizer_dir`) with Qwen's three vision tokens added (ids
+    49152-49154), its config, the chat template and the image processor's settings, in `out`."""
     from tokenizers import AddedToken, Tokenizer
 
-    tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     names = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names])
     assert [tok.token_to_id(t) for t in names] == [IMAGE_TOKEN, VISION_START, VISION_END]
     tok.save(str(out / "tokenizer.json"))
-    shutil.copy(TOKENIZER_DIR / "tokenizer_config.json", out / "tokenizer_config.json")
+    if tokenizer_dir != out:
+        shutil.copy(tokenizer_dir / "tokenizer_config.json", out / "tokenizer_config.json")
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
 
 
-def build_tiny_qwen3_5_vl_dir(out: Path, seed: int = 0) -> Path:
+def build_tiny_qwen3_5_vl_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A random `qwen3_5` checkpoint saved by transformers: the tiny hybrid text model of
     test_qwen3_5.py (layers: linear, linear, full, linear, full) and a 2-block vision tower."""
     import transformers as tf
@@ -105,17 +106,18 @@ def build_tiny_qwen3_5_vl_dir(out: Path, seed: int = 0) -> Path:
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out)
-    _vision_tokenizer(out)
+    _vision_tokenizer(out, tokenizer_dir)
     return out
 
 
-def build_vision_frontend_dir(out: Path) -> Path:
-    """A tiny random Llama (servable) with a qwen3_5 processor beside it."""
-    build_tiny_model_dir("llama", out, vocab_size=VOCAB)
+def add_vision_processor(out: Path) -> Path:
+    """A tiny text model's checkpoint (vocabulary >= VOCAB, SmolLM2's tokenizer) with a qwen3_5
+    processor beside it: vision token ids and a vision_config in config.json, the tokens added."""
     cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] >= VOCAB
     cfg.update(TOKEN_IDS, vision_config=VISION_CONFIG)
     (out / "config.json").write_text(json.dumps(cfg))
-    _vision_tokenizer(out)
+    _vision_tokenizer(out, out)
     return out
 
 

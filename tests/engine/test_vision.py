@@ -11,6 +11,7 @@ import io
 
 import pytest
 import torch
+from conftest import TOKENIZER_DIR
 from PIL import Image
 from tolerance import Rounding, assert_bitwise, fp64_model
 from visionutil import (
@@ -45,7 +46,7 @@ IMAGES = {
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
-    return build_tiny_qwen3_5_vl_dir(tmp_path_factory.mktemp("vl") / "tiny-qwen3_5-vl")
+    return build_tiny_qwen3_5_vl_dir(tmp_path_factory.mktemp("vl") / "tiny-qwen3_5-vl", TOKENIZER_DIR)
 
 
 @pytest.fixture(scope="module")

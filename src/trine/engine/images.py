@@ -253,7 +253,11 @@ class PromptImage:
 
 class ImagesNotServed(ValueError):
     """Images that are valid for the model, whose engine does not run images yet (a 400
-    `not_supported`, named apart from bad input)."""
+    `not_supported`, named apart from bad input). `field` names the first image."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 def read_model_input(pieces, spec: VisionSpec | None, model: str, field: str):
@@ -293,8 +297,9 @@ def read_model_input(pieces, spec: VisionSpec | None, model: str, field: str):
         tokens += [spec.image_token_id] * img.tokens
     if not spec.served:
         raise ImagesNotServed(
+            images[0].field,
             f"{images[0].field}: the images are valid, but {model} does not serve images yet (its "
-            "sampler and trainer take text only); send text-only inputs"
+            "sampler and trainer take text only); send text-only inputs",
         )
     return tokens, tuple(out)
 
