@@ -184,6 +184,8 @@ class SampleUsage:
     prefill_tokens: int = 0  # computed
     cached_tokens: int = 0  # served from the prefix cache
     sample_tokens: int = 0  # generated, all samples together
+    image_tokens: int = 0  # of prefill_tokens, the prompt images' vision tokens (0 until images are served)
+    cached_image_tokens: int = 0  # of cached_tokens, the prompt images' vision tokens
     # wall-clock unix seconds (0: not reached) when the engine began computing the prompt and when it
     # had all of it (decoding follows): a session trace's prefill span. Timing, not usage: not compared.
     started_at: float = field(default=0.0, compare=False)
