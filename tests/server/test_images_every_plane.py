@@ -41,15 +41,15 @@ def bomb_png(side: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tiny_vision_frontend_dir, tmp_path_factory):
+def srv(tiny_model_dir, tiny_vision_frontend_dir, tmp_path_factory):
     models = {TEXT_MODEL: tiny_model_dir, VL_MODEL: tiny_vision_frontend_dir}
-    with tinker_env(), serve(models, tmp_path_factory.mktemp("home")) as srv:
-        yield srv
+    with tinker_env(), serve(models, tmp_path_factory.mktemp("home")) as handle:
+        yield handle
 
 
 @pytest.fixture(scope="module")
-def raw(server):
-    c = RawClient(server.url, server.api_key)
+def raw(srv):
+    c = RawClient(srv.url, srv.api_key)
     yield c
     c.close()
 
@@ -60,9 +60,9 @@ def samplers(raw):
     return {m: raw.sampling_run(session, m) for m in (TEXT_MODEL, VL_MODEL)}
 
 
-def usage_rows(server) -> int:
-    key = server.service.authenticate(server.api_key)
-    return len(server.service.store.usage_events(key.id))
+def usage_rows(srv) -> int:
+    key = srv.service.authenticate(srv.api_key)
+    return len(srv.service.store.usage_events(key.id))
 
 
 def image_chunk(data: bytes = PNG, fmt: str = "png", expected: int | None = None, b64: bool = True) -> dict:
@@ -104,11 +104,14 @@ def assert_refused(r: httpx.Response, *words: str, status: int = 400) -> dict:
 
 # ---------------------------------------------------------------------------- PyTRIO: samples
 BAD_SAMPLE_IMAGES = [  # (chunk, words the 400 says: the field first)
-    ({**image_chunk(), "data": "not base64!"}, ["prompt.chunks.1.image.data", "standard base64"]),
+    (
+        {**image_chunk(), "data": "not base64!"},
+        ["prompt.chunks.1.image", "ImageChunk.data", "standard base64"],
+    ),
     (image_chunk(b"GIF89a not really"), ["prompt.chunks.1.data", "not a PNG or JPEG"]),
     (image_chunk(PNG[: len(PNG) // 2]), ["prompt.chunks.1.data", "corrupt or truncated PNG"]),
     (image_chunk(jpeg(40, 40)), ["prompt.chunks.1.format is 'png' but the data is a JPEG image"]),
-    (image_chunk(PNG, "gif"), ["prompt.chunks.1.format", "use one of png, jpeg"]),
+    (image_chunk(PNG, "gif"), ["prompt.chunks.1.image", "ImageChunk.format", "'png' or 'jpeg'"]),
     (image_chunk(bomb_png(30000)), ["prompt.chunks.1.data", f"at most {limits.MAX_IMAGE_PIXELS} pixels"]),
     (image_chunk(encoded(Image.new("L", (4097, 4096)), "PNG")), ["4097x4096", "at most"]),
     (image_chunk(png(2, 500)), ["prompt.chunks.1.data is 500x2", "aspect ratio"]),
@@ -128,10 +131,10 @@ BAD_SAMPLE_IMAGES = [  # (chunk, words the 400 says: the field first)
 
 
 @pytest.mark.parametrize("chunk,words", BAD_SAMPLE_IMAGES, ids=[w[0] for _, w in BAD_SAMPLE_IMAGES])
-def test_pytrio_bad_images_are_400s_naming_the_field(server, raw, samplers, chunk, words):
-    before = usage_rows(server)
+def test_pytrio_bad_images_are_400s_naming_the_field(srv, raw, samplers, chunk, words):
+    before = usage_rows(srv)
     assert_refused(raw.sample(samplers[VL_MODEL], sample_body([text(), chunk, text()])), *words)
-    assert usage_rows(server) == before  # nothing ran, nothing metered
+    assert usage_rows(srv) == before  # nothing ran, nothing metered
 
 
 def test_pytrio_too_many_images_and_placeholders_in_text(raw, samplers):
@@ -147,14 +150,14 @@ def test_pytrio_images_to_a_text_model_name_the_model(raw, samplers):
     assert_refused(r, "prompt.chunks.1: tiny-llama is a text-only model")
 
 
-def test_pytrio_valid_images_are_read_then_refused_as_not_served(server, raw, samplers):
-    before = usage_rows(server)
+def test_pytrio_valid_images_are_read_then_refused_as_not_served(srv, raw, samplers):
+    before = usage_rows(srv)
     chunks = [text(), image_chunk(expected=PNG_TOKENS), text(), image_chunk(jpeg(50, 70), "jpeg")]
     body = assert_refused(raw.sample(samplers[VL_MODEL], sample_body(chunks)), NOT_SERVED)
     assert body["code"] == "not_supported"
     ok = raw.sample(samplers[VL_MODEL], sample_body([text(1, 5, 6, 7)]))  # text still samples
     assert ok.status_code == 200 and len(ok.json()["sequences"][0]["tokens"]) == 2, ok.text
-    assert usage_rows(server) == before + 1
+    assert usage_rows(srv) == before + 1
 
 
 # ---------------------------------------------------------------------------- PyTRIO: training
@@ -185,14 +188,14 @@ def image_datum(chunk: dict, n_targets: int) -> dict:
     ],
     ids=["corrupt", "expected_tokens", "valid: not served"],
 )
-def test_pytrio_training_images_are_checked_before_anything_is_queued(server, raw, chunk, n, words):
+def test_pytrio_training_images_are_checked_before_anything_is_queued(srv, raw, chunk, n, words):
     run, rid = raw.started_run(VL_MODEL, wait=False)
     eid = f"event_img{rid[-6:]}{n}"
     assert_refused(raw.submit(run, event(eid, "forward_backward", 2, image_datum(chunk, n), rid)), *words)
-    assert server.service.store.event(eid) is None  # no index taken, nothing queued
+    assert srv.service.store.event(eid) is None  # no index taken, nothing queued
 
 
-def test_a_datums_fields_count_its_images_tokens(server):
+def test_a_datums_fields_count_its_images_tokens(srv):
     """Once a model serves images, a datum's per-token fields have one value per position, image
     tokens included (the message says how many are the images'), and targets that predict an
     image position are ignored."""
@@ -200,7 +203,7 @@ def test_a_datums_fields_count_its_images_tokens(server):
 
     from trine.server.pytrio.to_api import parse_command
 
-    model = server.service.queries.model(VL_MODEL)
+    model = srv.service.queries.model(VL_MODEL)
     model = dataclasses.replace(model, vision=dataclasses.replace(model.vision, served=True))
     payload = image_datum(image_chunk(PNG, b64=False), 3 + PNG_TOKENS + 1)
     with pytest.raises(Exception, match=r"target_ids has 10 values; model_input has 9 tokens \(6 of them"):
@@ -211,10 +214,10 @@ def test_a_datums_fields_count_its_images_tokens(server):
     assert d.target_tokens == [5] + [-100] * PNG_TOKENS + [5, 5]  # positions 1-6 predict image tokens
 
 
-def test_the_official_pytrio_client_sends_images(server):
+def test_the_official_pytrio_client_sends_images(srv):
     """pytrio 0.2.9 unmodified: a sample's ImageChunk, and a training datum whose image's token count
-    the client infers from the target shape, reach the server's checks (not served yet: a 400)."""
-    with pytrio_env(server.url, server.api_key) as trio:
+    the client infers from the target shape, reach trine's checks (not served yet: a 400)."""
+    with pytrio_env(srv.url, srv.api_key) as trio:
         client = trio.ServiceClient()
         try:
             sampler = client.create_sampling_client(base_model=VL_MODEL)
@@ -235,22 +238,14 @@ def test_the_official_pytrio_client_sends_images(server):
 
 
 # ---------------------------------------------------------------------------- Tinker
-@pytest.fixture(scope="module")
-def tinker_client(server):
-    tinker = pytest.importorskip("tinker")
-    c = tinker.ServiceClient(base_url=server.url, api_key="tml-" + server.api_key)
-    yield c
-    c.close("success").result()
-
-
-def test_tinker_image_chunks_in_sampling(tinker_client):
+def test_tinker_image_chunks_in_sampling(sc):
     from tinker import types
 
     def prompt(*chunks):
         return types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1, 5]), *chunks])
 
     params = types.SamplingParams(max_tokens=2)
-    vl = tinker_client.create_sampling_client(base_model=VL_MODEL).result()
+    vl = sc.create_sampling_client(base_model=VL_MODEL).result()
     cases = [
         (
             types.ImageChunk(data=jpeg(40, 40), format="png", expected_tokens=4),
@@ -270,17 +265,17 @@ def test_tinker_image_chunks_in_sampling(tinker_client):
     for chunk, words in cases:
         with pytest.raises(Exception, match=words.replace("(", r"\(").replace(")", r"\)")):
             vl.sample(prompt(chunk), 1, params).result()
-    text_only = tinker_client.create_sampling_client(base_model=TEXT_MODEL).result()
+    text_only = sc.create_sampling_client(base_model=TEXT_MODEL).result()
     with pytest.raises(Exception, match="tiny-llama is a text-only model"):
         text_only.sample(
             prompt(types.ImageChunk(data=PNG, format="png", expected_tokens=6)), 1, params
         ).result()
 
 
-def test_tinker_image_chunks_in_training(tinker_client):
+def test_tinker_image_chunks_in_training(sc):
     from tinker import types
 
-    tc = tinker_client.create_lora_training_client(base_model=VL_MODEL, rank=4).result()
+    tc = sc.create_lora_training_client(base_model=VL_MODEL, rank=4).result()
 
     def datum(image, n):
         chunks = [types.EncodedTextChunk(tokens=[1, 5]), image, types.EncodedTextChunk(tokens=[7])]
@@ -305,12 +300,12 @@ def test_tinker_image_chunks_in_training(tinker_client):
 
 
 # ---------------------------------------------------------------------------- OpenAI
-def chat(server, model: str, *parts: dict) -> httpx.Response:
+def chat(srv, model: str, *parts: dict) -> httpx.Response:
     content = [{"type": "text", "text": "What is this?"}, *parts]
     return httpx.post(
-        f"{server.url}/v1/chat/completions",
+        f"{srv.url}/v1/chat/completions",
         json={"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2},
-        headers={"Authorization": f"Bearer {server.api_key}"},
+        headers={"Authorization": f"Bearer {srv.api_key}"},
         timeout=60,
     )
 
@@ -347,24 +342,24 @@ BAD_CHAT = [  # (part, param, code, words)
 
 
 @pytest.mark.parametrize("part,param,code,words", BAD_CHAT, ids=[b[3] for b in BAD_CHAT])
-def test_openai_image_url_parts_are_read_and_refused_by_name(server, part, param, code, words):
-    before = usage_rows(server)
-    r = chat(server, VL_MODEL, part)
+def test_openai_image_url_parts_are_read_and_refused_by_name(srv, part, param, code, words):
+    before = usage_rows(srv)
+    r = chat(srv, VL_MODEL, part)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == (param, code) and words in err["message"], err
-    assert usage_rows(server) == before
+    assert usage_rows(srv) == before
 
 
-def test_openai_images_for_a_text_model_name_the_model(server):
-    r = chat(server, TEXT_MODEL, image_url(data_url(PNG)))
+def test_openai_images_for_a_text_model_name_the_model(srv):
+    r = chat(srv, TEXT_MODEL, image_url(data_url(PNG)))
     err = r.json()["error"]
     assert (
         r.status_code == 400 and err["param"] == PART and "tiny-llama is a text-only model" in err["message"]
     )
 
 
-def test_openai_chat_template_places_each_image(server, monkeypatch):
+def test_openai_chat_template_places_each_image(srv, monkeypatch):
     """Two images: each placeholder the template renders becomes that image's tokens, in order."""
     from trine.server.openai import routes
 
@@ -377,7 +372,7 @@ def test_openai_chat_template_places_each_image(server, monkeypatch):
 
     monkeypatch.setattr(routes, "chat_images", spy)
     r = chat(
-        server,
+        srv,
         VL_MODEL,
         image_url(data_url(PNG)),
         {"type": "text", "text": "and"},
@@ -388,7 +383,7 @@ def test_openai_chat_template_places_each_image(server, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- no 500 on any input
-def test_no_image_input_gets_a_500(server, raw, samplers):
+def test_no_image_input_gets_a_500(srv, raw, samplers):
     """Mutated PNG and JPEG files and random bytes, as every plane's image: always a 4xx."""
     import random
 
@@ -405,6 +400,6 @@ def test_no_image_input_gets_a_500(server, raw, samplers):
         for fmt in ("png", "jpeg"):
             r = raw.sample(samplers[VL_MODEL], sample_body([text(), image_chunk(blob, fmt)]))
             assert 400 <= r.status_code < 500, (r.status_code, r.text)
-        r = chat(server, VL_MODEL, image_url(data_url(blob)))
+        r = chat(srv, VL_MODEL, image_url(data_url(blob)))
         assert 400 <= r.status_code < 500, (r.status_code, r.text)
     assert raw.sample(samplers[VL_MODEL], sample_body([text()])).status_code == 200

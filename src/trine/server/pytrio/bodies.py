@@ -10,15 +10,14 @@ vocabulary.
 
 from __future__ import annotations
 
-import base64
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.api import PromptImage
 from ...limits import MAX_REQUEST_ID_CHARS, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
 from ...service import InvalidRequest
-from ...types import AdamParams
+from ...types import AdamParams, ImageChunk  # an image: standard base64 in JSON, bytes in MessagePack
 from ..http.bounds import Count, FiniteFloat, Int64, Positive, Seed, TtlSeconds, sampling_field
 
 
@@ -29,28 +28,6 @@ class Body(BaseModel):
 class TextChunk(Body):
     type: Literal["encoded_text"] = "encoded_text"
     tokens: list[Int64]
-
-
-class ImageChunk(Body):
-    """An image: its file's bytes (standard base64 in JSON, raw bytes in MessagePack), the format it
-    claims and the vision tokens the client expects (checked against the real count)."""
-
-    type: Literal["image"]
-    data: bytes
-    format: str
-    expected_tokens: Int64 | None = None
-
-    @field_validator("data", mode="before")
-    @classmethod
-    def _base64(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        try:
-            return base64.b64decode(value, validate=True)
-        except ValueError:
-            raise ValueError(
-                "image data must be standard base64 (in JSON) or bytes (in MessagePack)"
-            ) from None
 
 
 class PointerChunk(Body):
