@@ -1,6 +1,6 @@
 """Tiny vision-language checkpoints and real image files for the image tests.
 
-    build_tiny_qwen3_5_vl_dir(path, tokenizer_dir)   # a random `qwen3_5` checkpoint: text + vision
+    build_tiny_qwen3_5_vl_dir(path)   # a random `qwen3_5` checkpoint: text + vision
     add_vision_processor(model_dir)   # a servable text model (conftest: tiny_vision_frontend_dir)
     png(h, w), jpeg(h, w, mode="L")   # image files of random pixels
 
@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+# tests/fixtures' SmolLM2 tokenizer (conftest.TOKENIZER_DIR: not imported, as tests/server has a conftest too)
+TOKENIZER_DIR = Path(__file__).parent / "fixtures" / "smollm2-tokenizer"
 IMAGE_TOKEN, VISION_START, VISION_END = 49152, 49153, 49154  # added tokens past SmolLM2's vocabulary
 VOCAB = 49216
 # patch 16, merge 2: an image is a multiple of 32 x 32 pixels, between 2 and 64 merge blocks
@@ -73,7 +75,7 @@ def _vision_tokenizer(out: Path, tokenizer_dir: Path) -> None:
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
 
 
-def build_tiny_qwen3_5_vl_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build_tiny_qwen3_5_vl_dir(out: Path, seed: int = 0) -> Path:
     """A random `qwen3_5` checkpoint saved by transformers: the tiny hybrid text model of
     test_qwen3_5.py (layers: linear, linear, full, linear, full) and a 2-block vision tower."""
     import transformers as tf
@@ -106,7 +108,7 @@ def build_tiny_qwen3_5_vl_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> 
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out)
-    _vision_tokenizer(out, tokenizer_dir)
+    _vision_tokenizer(out, TOKENIZER_DIR)
     return out
 
 

@@ -11,7 +11,6 @@ import io
 
 import pytest
 import torch
-from conftest import TOKENIZER_DIR
 from PIL import Image
 from tolerance import Rounding, assert_bitwise, fp64_model
 from visionutil import (
@@ -46,7 +45,7 @@ IMAGES = {
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
-    return build_tiny_qwen3_5_vl_dir(tmp_path_factory.mktemp("vl") / "tiny-qwen3_5-vl", TOKENIZER_DIR)
+    return build_tiny_qwen3_5_vl_dir(tmp_path_factory.mktemp("vl") / "tiny-qwen3_5-vl")
 
 
 @pytest.fixture(scope="module")
