@@ -226,6 +226,9 @@ class ImageInput:
       group or a chat's next turn encodes an image once.
     - Training: the tower is frozen; targets that predict an image position are ignored
       (`mask_image_targets`, applied by the front ends), so the loss falls on text targets only.
+      Shared-prefix training compares datums' images (hash and offset) besides their tokens: two
+      datums whose placeholders are equal share a prefix only if their images are the same.
+    - Prompt logprobs at positions that predict an image token are None (not a text prediction).
     """
 
     content_hash: str  # sha256 of the decoded RGB pixels and size (engine/images.py says why)
