@@ -136,6 +136,17 @@ def tiny_qwen_tools_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_vision_frontend_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama served beside a qwen3_5 image processor (tests/visionutil.py): the front
+    ends read and check its images; its engine serves text only."""
+    from visionutil import VOCAB, add_vision_processor
+
+    return add_vision_processor(
+        build_tiny_model_dir("llama", tmp_path_factory.mktemp("models") / "tiny-vl", vocab_size=VOCAB)
+    )
+
+
 @pytest.fixture(autouse=True)
 def gemm_dispatch_unmeasured():
     """An engine's start installs its GEMM choice process-wide (engine/model/kernels/gemm.py), also

@@ -138,6 +138,13 @@ LIMITS = [
     ("limits", "MAX_STOP_STRING_CHARS", "characters in one stop string"),
     ("limits", "MAX_STOP_TOKEN_IDS", "stop token ids per request"),
     ("limits", "GREEDY_BELOW_TEMPERATURE", "a temperature below this samples greedily (argmax)"),
+    (
+        "limits",
+        "MAX_IMAGE_PIXELS",
+        "an image's width x height as decoded, read from its header before decoding",
+    ),
+    ("limits", "MAX_IMAGES_PER_INPUT", "images in one model input: a prompt, a datum, a chat's messages"),
+    ("limits", "MAX_IMAGE_ASPECT_RATIO", "an image's longer side over its shorter side"),
     ("limits", "MAX_CONTROL_BYTES", "body of a control-plane request (bytes read, chunked bodies included)"),
     ("limits", "MAX_EVENT_BYTES", "body of one training event"),
     ("limits", "MAX_SAMPLE_BYTES", "body of one sample request"),

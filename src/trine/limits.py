@@ -88,6 +88,16 @@ def check_prompt_length(prompt_tokens: int, max_tokens: int, context: int, model
         )
 
 
+# ---------------------------------------------------------------------------- images
+# An image's decoded size (width x height, before the processor resizes it), read from its header
+# before any pixel is decoded: trine's own bound, so a small file that declares a huge canvas (a
+# decompression bomb) is refused without being decoded, whatever Pillow's global MAX_IMAGE_PIXELS is.
+# 4096 x 4096: the largest image Qwen3.5's processor keeps at full resolution (its max_pixels).
+MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_IMAGES_PER_INPUT = 16  # images in one model input: a prompt, a datum, a chat's messages
+MAX_IMAGE_ASPECT_RATIO = 200  # the longer side over the shorter: Qwen's image processor refuses more
+
+
 # ---------------------------------------------------------------------------- request bodies
 MAX_EVENT_BYTES = 64 << 20
 MAX_SAMPLE_BYTES = 16 << 20

@@ -122,7 +122,15 @@ def test_cost_by_phase(card):
     e = ev(prefill=1_000_000, prefill_cached=2_000_000, sample=1_000_000)
     c = card.cost(e)
     assert c == pytest.approx(
-        {"prefill": 0.01, "prefill_cached": 0.004, "sample": 0.03, "train": 0.0, "total": 0.044},
+        {
+            "prefill": 0.01,
+            "prefill_cached": 0.004,
+            "sample": 0.03,
+            "train": 0.0,
+            "prefill_image": 0.0,
+            "prefill_image_cached": 0.0,
+            "total": 0.044,
+        },
         rel=1e-12,
         abs=0,
     )  # tokens x price / 1e6 and their sum: a few fp64 roundings

@@ -276,6 +276,11 @@ BAD = [
     ({"messages": []}, "messages", "invalid_value"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content[0].image_url.url",
+        "unsupported_value",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
         "messages[0].content",
         "invalid_value",
     ),

@@ -12,6 +12,8 @@ Invariants
   no live objects, no closures. They pickle to a Ray replica unchanged. This module imports nothing
   from torch (tests/test_layering.py checks it).
 - Usage is exact: `prompt_tokens == prefill_tokens + cached_tokens` for every SampleUsage.
+- Images travel as `ImageInput`s (engine/images.py, re-exported here; its docstring is the contract
+  the sampler and trainer follow): a prompt's or datum's tokens hold their placeholders.
 - A `Forward` reaches the trainer prepared (`engine/prepare.py`): every datum validated against the
   model, counted once (`counts`), the denominator resolved. The trainer trusts it.
 """
@@ -33,6 +35,15 @@ from ..limits import (
     SAVE_WEIGHTS,
 )
 from ..tokens import TokenCounts
+from .images import (  # noqa: F401  (image inputs: part of the vocabulary; the contract is ImageInput's)
+    ImageInput,
+    ImagesNotServed,
+    PromptImage,
+    VisionSpec,
+    mask_image_targets,
+    placeholders_to_pieces,
+    read_model_input,
+)
 from .loss_graph import (  # noqa: F401  (custom losses: part of the vocabulary)
     MAX_INPUT_ELEMENTS,
     CustomLoss,
@@ -166,6 +177,7 @@ class SampleRequest:
     reuse_prompt_scores: bool = False
     inflight: bool = False
     tenant: str = ""  # the caller's API key id: admission and prefill are fair across tenants
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, their placeholders in `prompt`
 
 
 @dataclass
@@ -174,6 +186,8 @@ class SampleUsage:
     prefill_tokens: int = 0  # computed
     cached_tokens: int = 0  # served from the prefix cache
     sample_tokens: int = 0  # generated, all samples together
+    image_tokens: int = 0  # of prefill_tokens, the prompt images' vision tokens (0 until images are served)
+    cached_image_tokens: int = 0  # of cached_tokens, the prompt images' vision tokens
     # wall-clock unix seconds (0: not reached) when the engine began computing the prompt and when it
     # had all of it (decoding follows): a session trace's prefill span. Timing, not usage: not compared.
     started_at: float = field(default=0.0, compare=False)
@@ -243,6 +257,7 @@ class TrainDatum:
     advantages: list[float] | None = None
     sequence_ratio_mask: list[float] | None = None
     custom_inputs: dict[str, LossTensor] | None = None  # a custom loss's inputs by name
+    images: tuple[ImageInput, ...] | None = None  # the datum's images, their placeholders in `tokens`
 
 
 @dataclass(frozen=True)
@@ -545,6 +560,7 @@ class EngineInfo:
     device: str = "cpu"
     replica: str = "local"  # where it runs: "local" or the Ray actor's node / id
     lora_features: dict[str, int] = field(default_factory=dict)  # in + out features per LoRA target
+    vision: VisionSpec | None = None  # how it reads images; None: a text-only model
 
 
 @dataclass

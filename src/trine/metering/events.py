@@ -1,7 +1,9 @@
 """What metering records: one usage event per engine call, one diagnostic per cache-unfriendly prompt.
 
 Invariants: for every event, prompt tokens = prefill + prefill_cached; `train <= train_sequence`
-(a prefix shared by several datums is computed once) and `train_loss <= train_sequence`.
+(a prefix shared by several datums is computed once) and `train_loss <= train_sequence`. Image
+tokens are prompt tokens: `prefill_image <= prefill` and `prefill_image_cached <= prefill_cached`
+count the vision tokens among them, which the rate card may price apart.
 A report's totals are sums over these events, nothing else.
 """
 
@@ -9,7 +11,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-PHASES = ("prefill", "prefill_cached", "sample", "train", "train_loss", "train_sequence")
+PHASES = (
+    "prefill",
+    "prefill_cached",
+    "sample",
+    "train",
+    "train_loss",
+    "train_sequence",
+    "prefill_image",
+    "prefill_image_cached",
+)
+IMAGE_PHASES = {"prefill_image": "prefill", "prefill_image_cached": "prefill_cached"}  # part of -> whole
 OPERATIONS = ("sample", "compute_logprobs", "forward", "forward_backward", "optim_step")
 PATTERNS = ("retokenized_history", "varying_head", "split_group")  # CacheDiagnostic.pattern values
 
@@ -31,16 +43,27 @@ class UsageEvent:
     # positions of the sequences as sent ("the entire sequence"); more than `train` when datums share
     # a prefix that was computed once. 0 (or absent, in events stored before it) means `train`.
     train_sequence: int = 0
+    prefill_image: int = 0  # of `prefill`, the images' vision tokens
+    prefill_image_cached: int = 0  # of `prefill_cached`, the images' vision tokens
 
     def __post_init__(self):
         if not self.train_sequence:
             self.train_sequence = self.train
+        for part in IMAGE_PHASES:  # events stored before images have none
+            if getattr(self, part) is None:
+                setattr(self, part, 0)
         if self.operation not in OPERATIONS:
             raise ValueError(f"UsageEvent.operation must be one of {OPERATIONS}, got {self.operation!r}")
         for phase in PHASES:
             n = getattr(self, phase)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"UsageEvent.{phase} must be a non-negative int, got {n!r}")
+        for part, whole in IMAGE_PHASES.items():
+            if getattr(self, part) > getattr(self, whole):
+                raise ValueError(
+                    f"UsageEvent.{part} ({getattr(self, part)}) exceeds {whole} ({getattr(self, whole)}): "
+                    "image tokens are prompt tokens"
+                )
         if self.train > self.train_sequence:
             raise ValueError(
                 f"UsageEvent.train ({self.train}) exceeds train_sequence ({self.train_sequence}): "

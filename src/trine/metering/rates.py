@@ -18,11 +18,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..home import trine_home
+from .events import IMAGE_PHASES
 from .money import money
 
 SHIPPED = Path(__file__).with_name("rates.toml")
 DEFAULT_ROW = "default"
-BILLED_PHASES = ("prefill", "prefill_cached", "sample", "train")
+# prefill_image(_cached): the vision tokens among prefill(_cached), priced apart (a row that names no
+# image price charges them as text: prefill's and prefill_cached's prices); `cost` charges the text
+# rows only for the text tokens, so the phases' costs add up to the total
+BILLED_PHASES = ("prefill", "prefill_cached", "sample", "train", "prefill_image", "prefill_image_cached")
 CACHED_FRACTION = 0.2  # prefill_cached = 0.2 x prefill when a row omits it
 _ROW_KEYS = {*BILLED_PHASES, "storage_gb_month", "note"}
 _TOP_KEYS = {"currency", "storage_gb_month", "models"}
@@ -40,6 +44,8 @@ class ModelPrices:
     prefill_cached: float  # USD per 1M prompt tokens served from the prefix cache
     sample: float  # USD per 1M generated tokens
     train: float  # USD per 1M computed training positions (forward or forward + backward)
+    prefill_image: float  # USD per 1M image tokens computed
+    prefill_image_cached: float  # USD per 1M image tokens served from the prefix cache
     storage_gb_month: float  # USD per GB-month of checkpoints
     note: str = ""
 
@@ -111,12 +117,14 @@ class RateCard:
             missing = [k for k in ("prefill", "sample", "train") if k not in r]
             if missing:
                 raise ValueError(f'rate card: models."{r["model"]}" needs {missing} (USD per million tokens)')
+            text = {"prefill": float(r["prefill"])}
+            text["prefill_cached"] = float(r.get("prefill_cached", CACHED_FRACTION * text["prefill"]))
             rows[key] = ModelPrices(
                 model=r["model"],
-                prefill=float(r["prefill"]),
-                prefill_cached=float(r.get("prefill_cached", CACHED_FRACTION * r["prefill"])),
+                **text,
                 sample=float(r["sample"]),
                 train=float(r["train"]),
+                **{part: float(r.get(part, text[whole])) for part, whole in IMAGE_PHASES.items()},
                 storage_gb_month=float(r.get("storage_gb_month", storage if storage is not None else 0.0)),
                 note=str(r.get("note", "")),
             )
@@ -130,7 +138,10 @@ class RateCard:
             p = m["pricing"]
             rows[model_key(m["model_id"])] = ModelPrices(
                 m["model_id"],
-                *(_price(p[k], f"{m['model_id']}.{k}") for k in (*BILLED_PHASES, "storage_gb_month")),
+                **{  # an older server names no image prices: its images were priced as text
+                    k: _price(p[k] if k in p else p[IMAGE_PHASES[k]], f"{m['model_id']}.{k}")
+                    for k in (*BILLED_PHASES, "storage_gb_month")
+                },
                 note=m.get("description", ""),
             )
         return cls(rows, currency)
@@ -153,10 +164,14 @@ class RateCard:
 
     def cost(self, usage, model: str | None = None) -> dict[str, float]:
         """Cost by billed phase plus "total", for a UsageEvent (priced at its base_model) or any object with
-        the phase attributes (prefill, prefill_cached, sample, train), priced at `model`."""
+        the phase attributes (prefill, prefill_cached, sample, train; the image phases, if it has
+        them), priced at `model`. "prefill" and "prefill_cached" are their text tokens' cost."""
         model = model if model is not None else getattr(usage, "base_model", DEFAULT_ROW)
         p = self.price(model)
-        out = {ph: getattr(usage, ph) * getattr(p, ph) / 1e6 for ph in BILLED_PHASES}
+        tokens = {ph: getattr(usage, ph, 0) or 0 for ph in BILLED_PHASES}
+        tokens["prefill"] -= tokens["prefill_image"]
+        tokens["prefill_cached"] -= tokens["prefill_image_cached"]
+        out = {ph: tokens[ph] * getattr(p, ph) / 1e6 for ph in BILLED_PHASES}
         out["total"] = sum(out.values())
         return out
 

@@ -38,6 +38,8 @@ class PhaseTokens:
     train: int = 0  # computed
     train_loss: int = 0
     train_sequence: int = 0  # as sent
+    prefill_image: int = 0  # of prefill, the images' vision tokens
+    prefill_image_cached: int = 0  # of prefill_cached, the images' vision tokens
 
     def add(self, e) -> None:
         for ph in PHASES:
@@ -46,6 +48,11 @@ class PhaseTokens:
     @property
     def prompt(self) -> int:
         return self.prefill + self.prefill_cached
+
+    @property
+    def image(self) -> int:
+        """The prompt tokens that were images' vision tokens, computed or cached."""
+        return self.prefill_image + self.prefill_image_cached
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -97,7 +104,7 @@ class ReportRow:
             "key": self.key,
             "info": self.info,
             "requests": self.requests,
-            "tokens": {**t.to_dict(), "prompt": t.prompt},
+            "tokens": {**t.to_dict(), "prompt": t.prompt, "image": t.image},
             "cost": {k: money(v) for k, v in self.cost.items()},
             "cache_hit_rate": t.cache_hit_rate,
             "loss_fraction": t.loss_fraction,
@@ -109,12 +116,12 @@ class ReportRow:
 
     @classmethod
     def from_dict(cls, d: dict) -> ReportRow:
-        tok = PhaseTokens(**{f.name: d["tokens"][f.name] for f in fields(PhaseTokens)})
+        tok = PhaseTokens(**{f.name: d["tokens"].get(f.name, 0) for f in fields(PhaseTokens)})
         return cls(
             key=d["key"],
             requests=d["requests"],
             tokens=tok,
-            cost=dict(d["cost"]),
+            cost={**dict.fromkeys((*BILLED_PHASES, "total"), 0.0), **d["cost"]},
             info=d.get("info") or {},
             parts={k: cls.from_dict(p) for k, p in (d.get("parts") or {}).items()},
         )
@@ -313,7 +320,7 @@ def render(report: Report, console=None) -> None:
     if by_run:
         for name in ("name", "model", "created", "lora", "optimizer", "last metrics"):
             t.add_column(name, overflow="fold")
-    for name in ("req", "prefill", "cached", "sample", "train", "sent", "loss", "hit"):
+    for name in ("req", "prefill", "cached", "image", "sample", "train", "sent", "loss", "hit"):
         t.add_column(name, justify="right")
     t.add_column(report.currency, justify="right", no_wrap=True)
 
@@ -325,6 +332,7 @@ def render(report: Report, console=None) -> None:
             f"{r.requests:,}",
             f"{tk.prefill:,}",
             f"{tk.prefill_cached:,}",
+            f"{tk.image:,}",
             f"{tk.sample:,}",
             f"{tk.train:,}",
             f"{tk.train_sequence:,}",
@@ -362,7 +370,8 @@ def render(report: Report, console=None) -> None:
     console.print(t)
     tk, c = report.total.tokens, report.total.cost
     console.print(
-        "cached = prompt tokens served from the prefix cache; hit = cached / prompt; "
+        "cached = prompt tokens served from the prefix cache; hit = cached / prompt; image = the "
+        "prompt tokens that were images (computed or cached, counted in prefill and cached too); "
         f"loss = train positions with non-zero weight ({fmt_pct(tk.loss_fraction)} of train)"
     )
     parts = [

@@ -77,6 +77,8 @@ class Meter:
             operation=work.operation,
             request_id=work.request_id,
             sample=usage.sample_tokens,
+            prefill_image=usage.image_tokens,
+            prefill_image_cached=usage.cached_image_tokens,
         )
         timing = Timing(
             api_key_id=work.api_key_id,

@@ -212,6 +212,7 @@ def _model_view(m: ServedModel) -> ModelView:
         info.vocab_size if info else 0,
         info.max_seq_len if info else 0,
         len(m.replicas),
+        info.vision if info else None,
     )
 
 

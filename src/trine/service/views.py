@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..engine.api import VisionSpec
 from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, TrainingRun
 from .cycle_tally import CycleTally
 
@@ -37,6 +38,7 @@ class ModelView:
     vocab_size: int  # 0 until the engines start (so is max_seq_len)
     max_seq_len: int
     replicas: int
+    vision: VisionSpec | None = None  # how it reads images (engine/images.py); None: text only
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from .model import MLP, ModelConfig, Transformer, apply_rope, hf_eos_ids, paddin
 
 FAMILIES = ("qwen3_5_text", "qwen3_5")  # a `qwen3_5` checkpoint: its `text_config`, no vision tower
 LINEAR, FULL = "linear_attention", "full_attention"
+MROPE_SECTION = (11, 11, 10)  # transformers' default when rope_parameters names none
 
 
 # ----------------------------------------------------------------------------- config
@@ -40,6 +41,7 @@ class HybridConfig(ModelConfig):
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionShape | None = None
     partial_rotary_factor: float = 0.25
+    mrope_section: tuple[int, ...] = MROPE_SECTION  # multimodal RoPE: rotary frequencies per t, h, w
 
     @property
     def rotary_dim(self) -> int:
@@ -90,6 +92,7 @@ class HybridConfig(ModelConfig):
                 conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
             ),
             partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)),
+            mrope_section=tuple(rope.get("mrope_section", MROPE_SECTION)),
         )
 
 
@@ -237,14 +240,20 @@ class HybridTransformer(Transformer):
         pad_mask: torch.Tensor | None = None,
         kv: KVContext | None = None,
         state: HybridState | None = None,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`Transformer.hidden_states`, plus `state`: the rows' recurrent state, read and replaced
         (needed with `kv`: a KV cache without the linear layers' state would be half a cache).
-        Real tokens come first in each row: `pad_mask`, or with `kv` its non-negative write slots."""
+        Real tokens come first in each row: `pad_mask`, or with `kv` its non-negative write slots.
+        Images (model/multimodal.py): `positions` [3, B, T] are multimodal RoPE's (t, h, w), and
+        `embeds` [B, T, hidden] replaces the token embeddings (its image rows the tower's features)."""
         if kv is not None and state is None:
             raise ValueError("a hybrid model's forward over a KV cache needs the rows' recurrent state")
-        x = self.model.embed_tokens(tokens)
-        angles = positions[..., None].to(invariant.wide_dtype(x.dtype)) * self.inv_freq
+        x = self.model.embed_tokens(tokens) if embeds is None else embeds
+        if positions.dim() == 3:
+            angles = self.mrope_angles(positions, x.dtype)
+        else:
+            angles = positions[..., None].to(invariant.wide_dtype(x.dtype)) * self.inv_freq
         cos, sin = rope_tables(angles, x.dtype)  # [B, 1, T, rotary_dim]
         real = pad_mask if pad_mask is not None or kv is None else kv.write_slots >= 0
         if real is not None and bool(real.all()):
@@ -253,3 +262,22 @@ class HybridTransformer(Transformer):
         for layer in self.model.layers:
             x = layer(x, cos, sin, adapters, mask, kv, real, state)
         return self.model.norm(x)
+
+    # ------------------------------------------------------------------------- multimodal RoPE
+    def mrope_angles(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """RoPE angles [B, T, rotary_dim / 2] of multimodal positions [3, B, T] (t, h, w):
+        frequency i turns by the position of its axis (`mrope_axes`). Equal axes (text) give the
+        angles of the plain positions exactly."""
+        angles = positions[..., None].to(invariant.wide_dtype(dtype)) * self.inv_freq  # [3, B, T, F]
+        axis = mrope_axes(self.cfg, positions.device).expand(1, *angles.shape[1:])
+        return angles.gather(0, axis)[0]
+
+
+def mrope_axes(cfg: HybridConfig, device=None) -> torch.Tensor:
+    """The axis (0 t, 1 h, 2 w) whose position each rotary frequency turns by: interleaved, as
+    transformers' Qwen3.5 (frequency 3j + 1 is h's and 3j + 2 is w's while j < mrope_section[1]
+    resp. [2]; the rest t's)."""
+    axis = torch.zeros(cfg.rotary_dim // 2, dtype=torch.long, device=device)
+    for dim in (1, 2):
+        axis[dim : 3 * cfg.mrope_section[dim] : 3] = dim
+    return axis

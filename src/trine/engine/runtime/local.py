@@ -22,6 +22,7 @@ from ..api import (
     SampleRequest,
     SampleResult,
     TrainingCycle,
+    VisionSpec,
 )
 from ..config import EngineConfig
 from ..interface import Engine
@@ -60,6 +61,7 @@ class LocalEngine(Engine):
             str(w.model.device),
             self.replica,
             lora_features(w.model),
+            VisionSpec.from_dir(w.model_dir),
         )
         return self.info
 

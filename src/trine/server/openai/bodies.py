@@ -12,11 +12,13 @@ prompt without generating (what evaluation harnesses' loglikelihood tasks send).
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...engine.api import PromptImage
 from ...limits import (
     INT64_MAX,
     MAX_SAMPLES_PER_REQUEST,
@@ -34,6 +36,7 @@ MAX_REPETITION_PENALTY = 10.0  # this plane's cap; trine's own range has no uppe
 MAX_STOP_STRINGS = 16  # tighter than trine's own limit (limits.MAX_STOP_STRINGS): OpenAI allows a few
 _NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # a key shown bare in a message; others are quoted
 ROLES = ("system", "developer", "user", "assistant", "tool")
+DATA_URL = re.compile(r"data:image/(png|jpeg|jpg);base64,(.*)", re.DOTALL)  # an image_url's one accepted form
 
 COMMON = {
     "model",
@@ -93,7 +96,7 @@ class Generation:
 
     chat: bool
     model: str
-    messages: list[dict] | None  # chat: [{"role", "content": str}], roles as the template knows them
+    messages: list[dict] | None  # chat: [{"role", "content": str or parts}], roles as the template knows them
     prompts: list[str | list[int]] | None  # completions: one or more prompts, each text or token ids
     n: int = 1
     max_tokens: int | None = None  # None (chat): up to the model's context
@@ -118,12 +121,20 @@ class Generation:
     prompt_logprobs: int | None = None  # extension (vLLM's): the prompt's logprobs, with this many top ones
     structured: Structured = field(default_factory=Structured)  # chat: tools, response_format
     tool_messages: bool = False  # chat: the conversation has tool calls or results (needs a tools template)
+    images: list[PromptImage] = field(default_factory=list)  # chat: image_url parts, in order
 
 
 def parse_chat(body: Any) -> Generation:
     body = _object(body)
     _refuse_unsupported(body, CHAT)
     g = Generation(True, _model(body), _messages(body.get("messages")), None)
+    g.images = [
+        p.pop("image")
+        for m in g.messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if "image" in p
+    ]
     g.structured = parse_structured(body)
     g.tool_messages = any(m["role"] == "tool" or "tool_calls" in m for m in g.messages)
     _common(body, g)
@@ -343,27 +354,64 @@ def _stop(stop: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _text(content: Any, where: str) -> str:
-    """Message content: a string, or a list of text parts (joined)."""
+def _content(content: Any, where: str) -> str | list[dict]:
+    """Message content: a string, or a list of text and image_url parts: their text joined, or,
+    with images, the parts as a chat template takes them (`{"type": "image"}` holds the image, a
+    PromptImage that parse_chat takes out)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_param(
-                    f"{where}.content",
-                    f"part {i} is {kind!r}; only text parts "
-                    '({"type": "text", "text": ...}) are supported: the served models are text-only',
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad_param(f"{where}.content", "must be a string or a list of text parts")
+    if not isinstance(content, list):
+        raise bad_param(f"{where}.content", "must be a string or a list of text and image_url parts")
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "image_url":
+            parts.append({"type": "image", "image": _image(part, f"{where}.content[{i}]")})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise bad_param(
+                f"{where}.content",
+                f'part {i} is {kind!r}; send text parts ({{"type": "text", "text": ...}}) '
+                'and images as image_url parts ({"type": "image_url", "image_url": {"url": "data:..."}})',
+            )
+    if not any(p["type"] == "image" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image(part: dict, where: str) -> PromptImage:
+    """An image_url part: a `data:` URL of a PNG or JPEG, base64. trine fetches nothing."""
+    url, detail = part.get("image_url"), None
+    if isinstance(url, dict):
+        url, detail = url.get("url"), url.get("detail")
+    param = f"{where}.image_url"
+    if not isinstance(url, str):
+        raise bad_param(param, 'must be {"url": "data:image/png;base64,..."}')
+    if detail not in (None, "auto", "high"):
+        raise bad_param(
+            f"{param}.detail",
+            f"{detail!r} is not supported: images are read at the model's own resolution "
+            "(detail auto or high)",
+            "unsupported_value",
+        )
+    if not url.startswith("data:"):
+        raise bad_param(
+            f"{param}.url",
+            "only data: URLs are accepted (data:image/png;base64,... or data:image/jpeg;base64,...): "
+            "trine fetches nothing; send the image's bytes",
+            "unsupported_value",
+        )
+    m = DATA_URL.fullmatch(url)
+    if m is None:
+        raise bad_param(
+            f"{param}.url", "must be data:image/png;base64,<data> or data:image/jpeg;base64,<data>"
+        )
+    try:
+        data = base64.b64decode(m.group(2), validate=True)
+    except ValueError:
+        raise bad_param(f"{param}.url", "the data: URL's data is not standard base64") from None
+    return PromptImage(data, "png" if m.group(1) == "png" else "jpeg", None, param)
 
 
 def _messages(messages: Any) -> list[dict]:
@@ -391,7 +439,7 @@ def _messages(messages: Any) -> list[dict]:
         # "developer" is OpenAI's newer name for the system message; chat templates know "system"
         msg = {
             "role": "system" if role == "developer" else role,
-            "content": "" if m.get("content") is None else _text(m["content"], where),
+            "content": "" if m.get("content") is None else _content(m["content"], where),
         }
         if calls:
             msg["tool_calls"] = assistant_tool_calls(calls, where)

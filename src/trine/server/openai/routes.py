@@ -33,7 +33,7 @@ from . import shapes, tokenize, tool_calls
 from .bodies import CHAT, COMPLETION, Generation, parse_chat, parse_completion
 from .errors import OpenAIError, from_disk_full, from_service
 from .text import ModelText, TextStream
-from .to_api import sample_request
+from .to_api import chat_images, sample_request
 
 log = logging.getLogger("trine.server.openai")
 API_PREFIX = "/api/openai/v1"  # PyTRIO's path for it (checks its own body limit, in OpenAI's shape)
@@ -135,15 +135,22 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
     st = state_of(request)
     target = targets.resolve(st.service, key, g.model)
     text = st.text(target.base)
-    context = st.service.queries.model(target.base).max_seq_len
+    served = st.service.queries.model(target.base)
+    context = served.max_seq_len
+    if g.images and served.vision is None:  # named before a text model's template sees image parts
+        chat_images(g, [], served)
     prompts = [
         await text.prompt_ids(g.messages, p, context, g.structured.tools, g.tool_messages)
         for p in (g.prompts or [None])
     ]
+    images = ()
+    if g.images:
+        loop = asyncio.get_running_loop()
+        prompts[0], images = await loop.run_in_executor(None, chat_images, g, prompts[0], served)
     rid = f"{'chatcmpl' if g.chat else 'cmpl'}-{secrets.token_hex(12)}"
     grammar = g.structured.grammar_on(text.tokenizer)
     reqs = [
-        sample_request(g, rid if len(prompts) == 1 else f"{rid}-{i}", prompt, context, grammar)
+        sample_request(g, rid if len(prompts) == 1 else f"{rid}-{i}", prompt, context, grammar, images)
         for i, prompt in enumerate(prompts)
     ]
     created = int(time.time())

@@ -5,14 +5,48 @@ room in the model's context is a 400 `context_length_exceeded` naming the parame
 
 from __future__ import annotations
 
-from ...engine.api import SampleRequest, SamplingOptions
+from ...engine.api import (
+    ImageInput,
+    ImagesNotServed,
+    SampleRequest,
+    SamplingOptions,
+    placeholders_to_pieces,
+    read_model_input,
+)
+from ...service import ModelView
 from .bodies import Generation
 from .errors import OpenAIError
 
 
-def sample_request(g: Generation, rid: str, prompt: list[int], context: int, grammar: str) -> SampleRequest:
-    """One prompt's sampling request. With echo and logprobs, or prompt_logprobs, the engine scores
-    the prompt in the prefill that serves it; max_tokens 0 (echo) scores it without generating."""
+def chat_images(
+    g: Generation, prompt: list[int], model: ModelView
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """A rendered chat with its images in place: each placeholder the chat template put for an
+    image_url part becomes that image's vision tokens (engine/images.py reads and checks them;
+    blocking). OpenAIError 400 whose param names the image's part (`messages[0].content[1].image_url`);
+    `unsupported_value` for images the model does not take."""
+    try:
+        pieces = placeholders_to_pieces(prompt, g.images, model.vision)
+        return read_model_input(pieces, model.vision, model.name, "messages")
+    except ValueError as e:
+        param = next((im.field for im in g.images if str(e).startswith(im.field)), "messages")
+        refused = isinstance(e, ImagesNotServed) or model.vision is None
+        raise OpenAIError(
+            400, str(e), param=param, code="unsupported_value" if refused else "invalid_value"
+        ) from None
+
+
+def sample_request(
+    g: Generation,
+    rid: str,
+    prompt: list[int],
+    context: int,
+    grammar: str,
+    images: tuple[ImageInput, ...] = (),
+) -> SampleRequest:
+    """One prompt's sampling request (`images`: a chat's, placed in `prompt` by `chat_images`). With
+    echo and logprobs, or prompt_logprobs, the engine scores the prompt in the prefill that serves
+    it; max_tokens 0 (echo) scores it without generating."""
     max_tokens = tokens_to_generate(g, len(prompt), context)
     options = SamplingOptions(
         max_tokens=max_tokens,
@@ -41,6 +75,7 @@ def sample_request(g: Generation, rid: str, prompt: list[int], context: int, gra
         topk_prompt_logprobs=top,
         generate=max_tokens > 0,
         reuse_prompt_scores=True,  # a harness's prompts share their few-shot stems: score those once
+        images=images,
     )
 
 

@@ -14,9 +14,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...engine.api import PromptImage
 from ...limits import MAX_REQUEST_ID_CHARS, MAX_SAMPLES_PER_REQUEST, MAX_TOPK_PROMPT_LOGPROBS
 from ...service import InvalidRequest
-from ...types import AdamParams
+from ...types import AdamParams, ImageChunk  # an image: standard base64 in JSON, bytes in MessagePack
 from ..http.bounds import Count, FiniteFloat, Int64, Positive, Seed, TtlSeconds, sampling_field
 
 
@@ -29,24 +30,35 @@ class TextChunk(Body):
     tokens: list[Int64]
 
 
-class ImageChunk(Body):
-    """An image or audio (`dmel`) chunk: parsed only to be refused by name."""
+class PointerChunk(Body):
+    """An image by location (Tinker's `image_asset_pointer`) or audio (`dmel`): refused by name."""
 
-    type: Literal["image", "image_asset_pointer", "dmel"]
-    format: str = ""
+    type: Literal["image_asset_pointer", "dmel"]
 
 
 class ModelInputBody(Body):
-    chunks: list[Annotated[TextChunk | ImageChunk, Field(discriminator="type")]] = Field(min_length=1)
+    chunks: list[Annotated[TextChunk | ImageChunk | PointerChunk, Field(discriminator="type")]] = Field(
+        min_length=1
+    )
 
-    def tokens(self, field: str) -> list[int]:
-        if any(isinstance(c, ImageChunk) for c in self.chunks):
-            raise InvalidRequest(
-                f"{field}: image and audio chunks are not supported; the served models are "
-                "text-only: send encoded_text chunks (token ids)",
-                code="not_supported",
+    def pieces(self, field: str) -> list[list[int] | PromptImage]:
+        """The chunks in order as `read_model_input` takes them (to_api.py reads them for a model)."""
+        out: list[list[int] | PromptImage] = []
+        for k, c in enumerate(self.chunks):
+            where = f"{field}.chunks.{k}"
+            if isinstance(c, PointerChunk):
+                what = "audio (dmel) chunks are" if c.type == "dmel" else "images by location are"
+                raise InvalidRequest(
+                    f"{where}: {what} not supported; send token ids (encoded_text) and images by "
+                    "their bytes (image chunks): trine fetches nothing",
+                    code="not_supported",
+                )
+            out.append(
+                c.tokens
+                if isinstance(c, TextChunk)
+                else PromptImage(c.data, c.format, c.expected_tokens, where)
             )
-        return [t for c in self.chunks for t in c.tokens]
+        return out
 
 
 class SamplingParamsBody(Body):

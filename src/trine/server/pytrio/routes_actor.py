@@ -65,15 +65,16 @@ def envelope(svc: Service, rec: EventRecord) -> bytes:
 async def submit_event(request: Request):
     key, run_id = _caller(request, "training")
     body = await read_body(request, MAX_EVENT_BYTES)
+    svc = service_of(request)
+    model = svc.queries.find_model(svc.ownership.training_run(key, run_id).base_model)
     env, command, fingerprint, notes = await asyncio.get_running_loop().run_in_executor(
-        None, parse_event, body
+        None, parse_event, body, model
     )
     if env.metadata.run_id and env.metadata.run_id != run_id:
         raise NotFound(
             f"training run {env.metadata.run_id} not found (this token is for {run_id})",
             code="training_run_not_found",
         )
-    svc = service_of(request)
     rec = await svc.events.submit(
         key,
         run_id,
@@ -110,8 +111,12 @@ async def sample(sampling_run_id: str, request: Request):
     body = await json_object(
         request, MAX_SAMPLE_BYTES, "the sample request must be a JSON object", empty_ok=False
     )
-    req, shape, fingerprint = parse_sample(body)
-    task = asyncio.ensure_future(service_of(request).sampling.sample(key, sampling_run_id, req, fingerprint))
+    svc = service_of(request)
+    model = svc.queries.find_model(svc.ownership.sampling_run(key, sampling_run_id).base_model)
+    req, shape, fingerprint = await asyncio.get_running_loop().run_in_executor(
+        None, parse_sample, body, model
+    )
+    task = asyncio.ensure_future(svc.sampling.sample(key, sampling_run_id, req, fingerprint))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if unawaited
     await asyncio.wait({task}, timeout=KEEPALIVE_AFTER)
     if task.done():

@@ -17,14 +17,19 @@ from ...engine.api import (
     AdamConfig,
     EndRun,
     Forward,
+    ImageInput,
+    ImagesNotServed,
     LoRAConfig,
     Loss,
     LossTensor,
     OptimStep,
+    PromptImage,
     SampleRequest,
     SamplingOptions,
     TrainDatum,
+    mask_image_targets,
     parse_custom_loss,
+    read_model_input,
 )
 from ...limits import (
     END_RUN,
@@ -40,6 +45,7 @@ from ...limits import (
 from ...service import (
     InitByUri,
     InvalidRequest,
+    ModelView,
     RunLabels,
     SamplingRunSpec,
     SaveByName,
@@ -65,16 +71,38 @@ from .bodies import (
 from .shapes import SampleShape
 
 
+# ---------------------------------------------------------------------------- model inputs
+def read_input(
+    pieces: list[list[int] | PromptImage], field: str, model: ModelView | None
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """A model input's tokens and images as `model` reads them (None: a text-only model): images
+    decoded, checked and counted now, at acceptance (blocking: call it off the event loop). Every
+    refusal an InvalidRequest naming the field; valid images the model does not serve yet, a 400
+    `not_supported`. Tinker's front end shares it."""
+    try:
+        vision, name = (model.vision, model.name) if model is not None else (None, "this model")
+        return read_model_input(pieces, vision, name, field)
+    except ImagesNotServed as e:
+        raise InvalidRequest(str(e), code="not_supported") from None
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+
+
 # ---------------------------------------------------------------------------- samples
-def parse_sample(body: dict, *, stop_at_eos: bool = True) -> tuple[SampleRequest, SampleShape, str]:
-    """The sample request of a sample body (the engine checks it against the model), the shape its
-    answer takes, and the body's fingerprint (a retry must repeat it)."""
+def parse_sample(
+    body: dict, model: ModelView | None = None, *, stop_at_eos: bool = True
+) -> tuple[SampleRequest, SampleShape, str]:
+    """The sample request of a sample body for `model` (its images read; the engine checks the rest
+    against the model), the shape its answer takes, and the body's fingerprint (a retry must repeat
+    it). Blocking when it holds images: call it off the event loop."""
     b = parse_model(SampleBody, body)
     options = sampling_options(b.sampling_params, stop_at_eos=stop_at_eos)
     compute_logprobs = b.return_prompt_logprobs and not b.return_token_logprobs
+    prompt, images = read_input(b.prompt.pieces("prompt"), "prompt", model)
     req = SampleRequest(
         request_id=b.request_id,
-        prompt=b.prompt.tokens("prompt"),
+        prompt=prompt,
+        images=images,
         options=options,
         num_samples=b.num_samples,
         prompt_logprobs=b.return_prompt_logprobs,
@@ -141,14 +169,15 @@ def decode_msgpack(body: bytes) -> dict:
     return obj
 
 
-def parse_event(body: bytes) -> tuple[Envelope, TrainingCommand, str, dict]:
-    """The envelope, the command, the request's fingerprint (type, index, step and payload: what a
-    retry must repeat; the timestamp and SDK fields may differ), and the notes its answer is shaped
-    by (`auto_shift`: shapes.unshift undoes the shift on the answer)."""
+def parse_event(body: bytes, model: ModelView | None = None) -> tuple[Envelope, TrainingCommand, str, dict]:
+    """The envelope, the command (its data's images read for the run's `model`), the request's
+    fingerprint (type, index, step and payload: what a retry must repeat; the timestamp and SDK
+    fields may differ), and the notes its answer is shaped by (`auto_shift`: shapes.unshift undoes
+    the shift on the answer)."""
     env = parse_model(Envelope, decode_msgpack(body))
     if env.type not in EVENT_TYPES:
         raise InvalidRequest(f"type {env.type!r} is not an event type; use one of {', '.join(EVENT_TYPES)}")
-    command = parse_command(env.type, env.payload)
+    command = parse_command(env.type, env.payload, model)
     packed = msgpack.packb([env.type, env.metadata.index, env.metadata.step, env.payload], use_bin_type=True)
     notes = (
         {"auto_shift": True}
@@ -158,7 +187,7 @@ def parse_event(body: bytes) -> tuple[Envelope, TrainingCommand, str, dict]:
     return env, command, hashlib.sha256(packed).hexdigest(), notes
 
 
-def parse_command(type_: str, payload: dict) -> TrainingCommand:
+def parse_command(type_: str, payload: dict, model: ModelView | None = None) -> TrainingCommand:
     if type_ == INIT_RUN:
         p = parse_model(InitRunPayload, payload, "payload")
         lora = LoRAConfig.named_by(p.lora_config)
@@ -178,7 +207,7 @@ def parse_command(type_: str, payload: dict) -> TrainingCommand:
         )
         loss = _loss(p)
         return Forward(
-            data=[_datum(d, i, p.auto_shift) for i, d in enumerate(p.data)],
+            data=[_datum(d, i, p.auto_shift, model) for i, d in enumerate(p.data)],
             loss=loss,
             backward=type_ == FORWARD_BACKWARD,
             normalise=True,
@@ -223,9 +252,9 @@ def _loss(p: ForwardPayload) -> Loss:
         ) from None
 
 
-def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
+def _datum(d: Datum, i: int, auto_shift: bool, model: ModelView | None) -> TrainDatum:
     where = f"payload.data.{i}"
-    tokens = d.model_input.tokens(f"{where}.model_input")
+    tokens, images = read_input(d.model_input.pieces(f"{where}.model_input"), f"{where}.model_input", model)
     n = len(tokens)
     fields = {
         "target_ids": d.target_ids,
@@ -236,8 +265,9 @@ def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
     }
     for name, values in fields.items():
         if values is not None and len(values) != n:
+            held = f" ({sum(im.tokens for im in images)} of them its images')" if images else ""
             raise InvalidRequest(
-                f"{where}.{name} has {len(values)} values; model_input has {n} tokens "
+                f"{where}.{name} has {len(values)} values; model_input has {n} tokens{held} "
                 "and every per-token field needs exactly one value per token"
             )
     targets, weights, logprobs, advantages, ratio_mask = (
@@ -254,7 +284,7 @@ def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
         )
     return TrainDatum(
         tokens=tokens,
-        target_tokens=list(targets),
+        target_tokens=mask_image_targets(targets, images),
         weights=weights,
         logprobs=logprobs,
         advantages=advantages,
@@ -262,6 +292,7 @@ def _datum(d: Datum, i: int, auto_shift: bool) -> TrainDatum:
         custom_inputs=None
         if d.custom_inputs is None
         else {k: LossTensor(tuple(t.shape), t.values, t.dtype) for k, t in d.custom_inputs.items()},
+        images=images or None,
     )
 
 

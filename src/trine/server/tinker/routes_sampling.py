@@ -18,6 +18,8 @@ computed is metered, and its future fails as cancelled. Other requests cannot be
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 from fastapi import APIRouter, Request
 
@@ -85,7 +87,10 @@ async def asample(request: Request):
         raise InvalidRequest("asample: send sampling_session_id and seq_id (create a sampling client first)")
     run = svc.ownership.sampling_run(key, sid)
     request_id = f"{sid}:{seq}"
-    req, targets, fingerprint = to_api.sample_request(b, body, seq)
+    model = svc.queries.find_model(run.base_model)
+    req, targets, fingerprint = await asyncio.get_running_loop().run_in_executor(
+        None, to_api.sample_request, b, body, seq, model
+    )
     record = bool(b.get("record_stability_info"))
     sequence_ids = [f"{request_id}:{i}" for i in range(req.num_samples)]
 

@@ -274,8 +274,9 @@ async def forward_backward(request: Request):
         raise InvalidRequest(f"seq_id {msg.seq_id}: training calls start at 1")
     try:
         custom = stored_loss(st, key, m, to_api.loss_config(msg)) if msg.loss_fn.lower() == "custom" else None
+        model = svc.queries.find_model(svc.ownership.training_run(key, m.run_id).base_model)
         body = await asyncio.get_running_loop().run_in_executor(
-            None, to_api.forward_backward_body, msg, custom and dict(custom.inputs[1:])
+            None, to_api.forward_backward_body, msg, custom and dict(custom.inputs[1:]), model
         )
         data = (
             _with_recorded_logprobs(st, key, body)

@@ -25,14 +25,24 @@ from ...engine.api import (
     Loss,
     LossTensor,
     OptimStep,
+    PromptImage,
     SampleRequest,
     TrainDatum,
+    mask_image_targets,
 )
-from ...service import InitByUri, InvalidRequest, RunLabels, SaveByName, TrainingRun, TrainingRunSpec
+from ...service import (
+    InitByUri,
+    InvalidRequest,
+    ModelView,
+    RunLabels,
+    SaveByName,
+    TrainingRun,
+    TrainingRunSpec,
+)
 from ..http.context import parse_model
 from ..pytrio.bodies import ModelInputBody, SamplingParamsBody
 from ..pytrio.to_api import optim_step as adam_optim_step
-from ..pytrio.to_api import sampling_options
+from ..pytrio.to_api import read_input, sampling_options
 from .bodies import AsampleBody, CreateModelBody, DimuonBody, LoadBody, LoraBody, OptimStepBody, SaveBody
 from .sample_extras import TargetLayout, parse_extras
 
@@ -111,19 +121,31 @@ def _tensor(t, where: str, size: int) -> np.ndarray:
     return arr
 
 
-def _tokens(chunks, where: str) -> list[int]:
-    out: list[int] = []
+def _pieces(chunks, where: str) -> list[list[int] | PromptImage]:
+    """A proto model input's chunks as `read_input` takes them: token ids and images."""
+    out: list[list[int] | PromptImage] = []
     for k, c in enumerate(chunks):
-        kind = c.WhichOneof("chunk")
+        kind, at = c.WhichOneof("chunk"), f"{where}.model_input[{k}]"
         if kind == "encoded_text":
             raw = c.encoded_text.tokens
             if len(raw) % 4:
-                raise InvalidRequest(f"{where}.model_input[{k}].tokens: not int32 values")
-            out.extend(np.frombuffer(raw, dtype=np.int32).tolist())
+                raise InvalidRequest(f"{at}.tokens: not int32 values")
+            out.append(np.frombuffer(raw, dtype=np.int32).tolist())
+        elif kind == "image":
+            im = c.image
+            if im.HasField("override_dimensions"):
+                raise InvalidRequest(
+                    f"{at}.override_dimensions: not supported; trine sizes an image from its pixels",
+                    code="not_supported",
+                )
+            out.append(
+                PromptImage(
+                    im.data, im.format, im.expected_tokens if im.HasField("expected_tokens") else None, at
+                )
+            )
         else:
             raise InvalidRequest(
-                f"{where}.model_input[{k}]: {kind or 'image/audio'} chunks are not "
-                "supported; the served models are text-only: send encoded_text chunks",
+                f"{at}: {kind or 'empty'} chunks are not supported; send encoded_text and image chunks",
                 code="not_supported",
             )
     return out
@@ -171,8 +193,11 @@ def loss_config(msg) -> dict:
     return config
 
 
-def forward_backward_body(msg, custom: dict[str, int] | None = None) -> ForwardBackwardBody:
-    """The request's content as plain values; validates shapes (one value per input token) and dtypes.
+def forward_backward_body(
+    msg, custom: dict[str, int] | None = None, model: ModelView | None = None
+) -> ForwardBackwardBody:
+    """The request's content as plain values; validates shapes (one value per input token) and dtypes,
+    and reads its images for the run's `model` (blocking: call it off the event loop).
 
     `custom`: the inputs (name -> rank) of the custom loss the request names. Those inputs keep
     their own shapes; the others, apart from target_tokens, are the client's and are not read."""
@@ -181,7 +206,7 @@ def forward_backward_body(msg, custom: dict[str, int] | None = None) -> ForwardB
     data, spans = [], []
     for i, d in enumerate(msg.data):
         where = f"data[{i}]"
-        tokens = _tokens(d.model_input, where)
+        tokens, images = read_input(_pieces(d.model_input, where), f"{where}.model_input", model)
         n = len(tokens)
         if n == 0:
             raise InvalidRequest(f"{where}.model_input is empty")
@@ -221,12 +246,13 @@ def forward_backward_body(msg, custom: dict[str, int] | None = None) -> ForwardB
         data.append(
             TrainDatum(
                 tokens=tokens,
-                target_tokens=[int(x) for x in targets.astype(np.int64)],
+                target_tokens=mask_image_targets([int(x) for x in targets.astype(np.int64)], images),
                 weights=floats.get("weights"),
                 logprobs=floats.get("logprobs"),
                 advantages=floats.get("advantages"),
                 sequence_ratio_mask=floats.get("sequence_ratio_mask"),
                 custom_inputs=custom_inputs if custom is not None else None,
+                images=images or None,
             )
         )
         runs = _spans(d.loss_fn_input_spans, f"{where}.loss_fn_input_spans")
@@ -365,10 +391,13 @@ def save(b: SaveBody, seq: int, sampler: bool) -> SaveByName | InvalidRequest:
 
 
 # ---------------------------------------------------------------------------- samples
-def sample_request(b: dict, body: AsampleBody, seq: int) -> tuple[SampleRequest, TargetLayout | None, str]:
-    """asample's sample request (`b` as sent, `body` its typed top-level fields), the layout of the
-    target ids it scores (sample_extras.py), and the body's fingerprint (a retry must repeat it).
-    Tinker's `stop`: token ids or strings; [] disables every stop, EOS included."""
+def sample_request(
+    b: dict, body: AsampleBody, seq: int, model: ModelView | None = None
+) -> tuple[SampleRequest, TargetLayout | None, str]:
+    """asample's sample request (`b` as sent, `body` its typed top-level fields; its images read for
+    `model`, blocking), the layout of the target ids it scores (sample_extras.py), and the body's
+    fingerprint (a retry must repeat it). Tinker's `stop`: token ids or strings; [] disables every
+    stop, EOS included."""
     p = dict(b.get("sampling_params") or {})
     stop = p.pop("stop", None)
     no_stop = isinstance(stop, list) and not stop
@@ -376,7 +405,9 @@ def sample_request(b: dict, body: AsampleBody, seq: int) -> tuple[SampleRequest,
         p["stop_token_ids"] = stop
     elif stop:
         p["stop"] = stop
-    prompt = parse_model(ModelInputBody, b.get("prompt"), "prompt").tokens("prompt")
+    prompt, images = read_input(
+        parse_model(ModelInputBody, b.get("prompt"), "prompt").pieces("prompt"), "prompt", model
+    )
     params = parse_model(SamplingParamsBody, p, "sampling_params")
     with_prompt_logprobs = bool(b.get("prompt_logprobs")) or bool(b.get("topk_prompt_logprobs"))
     fields, targets = parse_extras(b, len(prompt), bool(b.get("prompt_logprobs")))
@@ -393,6 +424,7 @@ def sample_request(b: dict, body: AsampleBody, seq: int) -> tuple[SampleRequest,
         num_samples=body.num_samples,
         prompt_logprobs=with_prompt_logprobs,
         topk_prompt_logprobs=body.topk_prompt_logprobs or 0,
+        images=images,
         **fields,
     )
     fingerprint = hashlib.sha256(json.dumps(b, sort_keys=True).encode()).hexdigest()

@@ -76,7 +76,8 @@
       document.getElementById("usage-facts").innerHTML = T.facts([
         ["requests", T.int(t.requests)], ["prompt tokens", T.int(tk.prompt)],
         ["prefill computed", T.int(tk.prefill)], ["prefill cached", T.int(tk.prefill_cached)],
-        ["cache hit rate", T.pct(t.cache_hit_rate)], ["sampled", T.int(tk.sample)],
+        ["cache hit rate", T.pct(t.cache_hit_rate)], ["of which image tokens", T.int(tk.image || 0)],
+        ["sampled", T.int(tk.sample)],
         ["train computed", T.int(tk.train)], ["train sent", T.int(tk.train_sequence || tk.train)],
         ["train in the loss", T.int(tk.train_loss)],
         [`cost (${esc(cur)})`, T.money(t.cost.total)], ["dominant phase", esc(t.dominant_phase || "–")],
