@@ -1,0 +1,200 @@
+"""Full-parameter fine-tuning (engine/trainer/full.py): a run that owns a copy of the model and trains
+its weights with AdamW on fp32 masters, beside LoRA runs on the shared base."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_losses import random_data
+from tolerance import assert_bitwise, assert_same_computation
+
+from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, TrainDatum
+from trine.engine.config import TrainerConfig
+from trine.engine.model.weights import load_model
+from trine.engine.trainer.full import tuning_shape
+from trine.engine.trainer.trainer import InsufficientMemory, Trainer
+
+FULL = LoRAConfig(rank=0)
+CE = Loss.parse("cross_entropy")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir, "cpu")
+
+
+def full_trainer(model, shape=FULL, **kw) -> Trainer:
+    trainer = Trainer(model, base_model="tiny", **kw)
+    trainer.create_run("f", shape)
+    return trainer
+
+
+def params(m) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def shared_data(seed: int) -> list[TrainDatum]:
+    """Two datums sharing a 20-token prompt (the shared-prefix path computes it once) and one more."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, 2000, (20,), generator=g).tolist()
+    out = []
+    for n in (7, 11):
+        toks = prompt + torch.randint(3, 2000, (n,), generator=g).tolist()
+        out.append(TrainDatum(tokens=toks[:-1], target_tokens=[-100] * 19 + toks[20:]))
+    return out + random_data(seed, lengths=(9,))
+
+
+def test_a_full_step_equals_plain_autograd_and_torch_adamw(model, tiny_model64):
+    """Two steps of a full run (its rows through the shared-prefix path and the plain one, the LM
+    head in chunks, gradients into the masters) against the plainest training of the same model: a
+    copy whose every weight requires grad, the summed weighted token losses of the whole logits
+    backpropagated at once, and torch's AdamW. Logprobs and every weight's update agree (tolerance.py,
+    kind 3; the model's forward against transformers' is test_model_parity's). eps is above the
+    gradients' rounding, so an update is a smooth function of its gradient."""
+    adam = AdamConfig(learning_rate=1e-2, beta1=0.9, beta2=0.99, eps=1.0, weight_decay=0.1)
+    steps = [shared_data(1), shared_data(2)]
+
+    def compute(m):
+        ref = copy.deepcopy(m).requires_grad_(True)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1.0, weight_decay=0.1)
+        trainer = full_trainer(m, config=TrainerConfig(logits_chunk_tokens=7))
+        run = trainer.full_weights("f").model
+        before = params(run)
+        want_lp, got_lp = [], []
+        for data in steps:
+            res = trainer.forward_backward([("f", Forward(data, CE))])[0]
+            assert res.usage.train_tokens < res.usage.sequence_tokens  # the shared prompt once
+            got_lp += [torch.tensor(lp, dtype=torch.float32) for lp in res.logprobs]  # as reported
+            loss = 0
+            for d in data:
+                logp = ref(torch.tensor([d.tokens]))[0].log_softmax(-1)
+                tgt = torch.tensor(d.target_tokens)
+                lp = torch.where(tgt >= 0, logp.gather(1, tgt.clamp(min=0)[:, None])[:, 0], 0.0)
+                want_lp.append(lp.detach())
+                weights = torch.tensor(d.weights, dtype=m.dtype) if d.weights is not None else 1.0
+                loss = loss - (weights * lp).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            trainer.optim_step("f", adam)
+        ref_params = dict(ref.named_parameters())
+        got = {n: p - before[n] for n, p in params(run).items()}
+        want = {n: ref_params[n].detach() - before[n] for n in got}
+        return {"logprobs": want_lp, "updates": want}, {"logprobs": got_lp, "updates": got}
+
+    assert_same_computation(compute, model, tiny_model64)
+
+
+def test_trainable_token_indices_move_only_their_rows(model):
+    """The named embedding rows (here the tied head's too) train; every other row keeps its bits,
+    however the optimizer's weight decay and momentum act."""
+    rows = (5, 700, 1999)
+    shape = LoRAConfig(rank=0, train_attn=False, train_mlp=False, trainable_token_indices=rows)
+    trainer = full_trainer(model, shape)
+    run = trainer.full_weights("f").model
+    for step in range(2):
+        trainer.forward_backward([("f", Forward(random_data(step, lengths=(12, 9)), CE))])
+        trainer.optim_step("f", AdamConfig(learning_rate=1e-2, weight_decay=0.5))
+    emb, base = run.model.embed_tokens.weight.detach(), model.model.embed_tokens.weight.detach()
+    others = torch.ones(emb.shape[0], dtype=torch.bool)
+    others[list(rows)] = False
+    assert_bitwise(emb[others], base[others])
+    assert all(not torch.equal(emb[r], base[r]) for r in rows)
+    assert_bitwise(  # attention and MLP stay frozen; the norms train
+        run.model.layers[0].self_attn.q_proj.weight.detach(), model.model.layers[0].self_attn.q_proj.weight
+    )
+    assert not torch.equal(run.model.norm.weight, model.model.norm.weight)
+
+
+def test_a_restored_full_run_continues_bit_for_bit(model, tmp_path):
+    adam = AdamConfig(learning_rate=1e-3, weight_decay=0.01)
+    data = [random_data(i, lengths=(10, 6)) for i in range(3)]
+    a = full_trainer(model)
+    for d in data[:2]:
+        a.forward_backward([("f", Forward(d, CE))])
+        a.optim_step("f", adam)
+    a.save_state("f", tmp_path / "state")
+    a.forward_backward([("f", Forward(data[2], CE))])
+    a.optim_step("f", adam)
+
+    b = Trainer(model, base_model="tiny")
+    b.load_state("f", tmp_path / "state", with_optimizer=True)
+    b.forward_backward([("f", Forward(data[2], CE))])
+    b.optim_step("f", adam)
+    assert_bitwise(params(b.full_weights("f").model), params(a.full_weights("f").model))
+    # without the optimizer's state the same step goes elsewhere (AdamW's moments matter)
+    c = Trainer(model, base_model="tiny")
+    c.load_state("f", tmp_path / "state", with_optimizer=False)
+    c.forward_backward([("f", Forward(data[2], CE))])
+    c.optim_step("f", adam)
+    norm = [t.full_weights("f").model.model.norm.weight for t in (a, c)]
+    assert not torch.equal(*norm)
+
+
+def test_bf16_weights_keep_fp32_masters_that_accumulate_small_updates(tiny_model_dir, tmp_path):
+    """A bf16 model's weights are their fp32 masters rounded, after every step; updates below half a
+    bf16 ulp move the master, not the weight, until they add up. The masters survive a restore."""
+    m16 = load_model(tiny_model_dir, "cpu", torch.bfloat16)
+    trainer = full_trainer(m16)
+    full = trainer.full_weights("f")
+    slot = next(s for s in full.slots if s.name == "model.norm.weight")
+    assert slot.master.dtype == torch.float32 and slot.param.dtype == torch.bfloat16
+    start = slot.param.detach().clone()
+    tiny_step = AdamConfig(learning_rate=1e-5)  # ~1e-5 per step against a bf16 ulp of ~4e-3 at 1.0
+    trainer.forward_backward([("f", Forward(random_data(0, lengths=(8,)), CE))])
+    trainer.optim_step("f", tiny_step)
+    assert torch.equal(slot.param.detach(), start) and not torch.equal(slot.master, start.float())
+    for s in full.slots:
+        assert_bitwise(s.param.detach(), s.master.detach().to(torch.bfloat16))
+    trainer.save_state("f", tmp_path / "s")
+    again = Trainer(m16, base_model="tiny")
+    again.load_state("f", tmp_path / "s", with_optimizer=True)
+    restored = next(s for s in again.full_weights("f").slots if s.name == "model.norm.weight")
+    assert_bitwise(restored.master.detach(), slot.master.detach())
+
+
+def test_a_run_that_does_not_fit_is_refused_before_it_allocates(model):
+    shape = tuning_shape(model, budget_bytes=0)
+    need = shape.run_bytes(FULL)
+    trainer = Trainer(model, base_model="tiny", full_tuning=tuning_shape(model, budget_bytes=need + 10))
+    trainer.create_run("a", FULL)
+    with pytest.raises(InsufficientMemory, match=rf"needs {need} bytes.* 10 of the {need + 10} bytes"):
+        trainer.create_run("b", FULL)
+    assert not trainer.has_run("b")
+    trainer.create_run("lora", LoRAConfig(rank=4))  # LoRA runs do not count against it
+    trainer.delete_run("a")
+    trainer.create_run("b", FULL)
+
+
+def test_full_and_lora_runs_in_one_call_each_get_what_they_get_alone(model):
+    """Each run's rows are computed on its own weights, in micro-batches of their own: batched
+    together or alone, the same operations in the same order (kind 1). The base model never moves."""
+    base = params(model)
+    data_f, data_l = random_data(3, lengths=(10, 5)), random_data(4, lengths=(8,))
+
+    def make():
+        t = full_trainer(model)
+        t.create_run("l", LoRAConfig(rank=4, seed=1))
+        return t
+
+    mixed = make()
+    rf, rl = mixed.forward_backward([("f", Forward(data_f, CE)), ("l", Forward(data_l, CE))])
+    alone = make()
+    sf = alone.forward_backward([("f", Forward(data_f, CE))])[0]
+    sl = alone.forward_backward([("l", Forward(data_l, CE))])[0]
+    assert (rf.logprobs, rl.logprobs) == (sf.logprobs, sl.logprobs)
+    for t in (mixed, alone):
+        t.optim_step("f", AdamConfig(learning_rate=1e-2))
+    assert_bitwise(params(mixed.full_weights("f").model), params(alone.full_weights("f").model))
+    assert_bitwise(params(model), base)
+
+
+def test_full_runs_refuse_dimuon_and_tokens_outside_the_vocabulary(model):
+    trainer = Trainer(model, base_model="tiny")
+    with pytest.raises(ValueError, match="trains with adamw"):
+        trainer.create_run("a", FULL, optimizer="dimuon")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        trainer.create_run("a", LoRAConfig(rank=0, trainable_token_indices=(49152,)))
+    assert trainer.num_runs == 0
