@@ -198,3 +198,81 @@ def test_full_runs_refuse_dimuon_and_tokens_outside_the_vocabulary(model):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         trainer.create_run("a", LoRAConfig(rank=0, trainable_token_indices=(49152,)))
     assert trainer.num_runs == 0
+
+
+def test_a_full_run_samples_its_own_weights_never_the_base_models_cache(tiny_model_dir, tmp_path):
+    """Through the engine interface: a full run's weights save is a model of its own, sampled by a
+    sampler of its own (its prefix cache keyed by the snapshot), spilled to disk as a model
+    directory and loaded back; its prompt logprobs are the trainer's forward on the run."""
+    import asyncio
+
+    from test_engine_interface import _cycle, _engine
+    from tolerance import assert_served_paths
+
+    from trine.engine.api import (
+        FORWARD_BACKWARD,
+        INIT_RUN,
+        OPTIMIZE_STEP,
+        SAVE_WEIGHTS,
+        InitRun,
+        OptimStep,
+        SampleRequest,
+        SamplingOptions,
+        Save,
+        WeightsIdentity,
+    )
+
+    prompt = list(range(300, 340))  # two full 16-token blocks and 8 more
+    data = [TrainDatum(prompt, prompt[1:] + [-100], [1.0] * 40)]
+
+    def req(rid, ck=None, **kw):
+        opts = SamplingOptions(max_tokens=3, temperature=0.0, stop_at_eos=False)
+        return SampleRequest(rid, prompt, opts, WeightsIdentity("tiny", ck), **kw)
+
+    async def main():
+        eng = _engine(tiny_model_dir)
+        info = await eng.start()
+        try:
+            assert info.full_tuning.params == sum(p.numel() for p in load_model(tiny_model_dir).parameters())
+            assert info.linear_shapes["model.layers.0.self_attn.q_proj"] == (96, 96)
+            res = await eng.run_cycle(
+                _cycle(
+                    1,
+                    "f",
+                    ("e1", INIT_RUN, InitRun(FULL)),
+                    ("e2", FORWARD_BACKWARD, Forward(data, CE)),
+                    ("e3", OPTIMIZE_STEP, OptimStep(AdamConfig(learning_rate=1e-2))),
+                    ("e4", SAVE_WEIGHTS, Save("weights", checkpoint_id="ck1")),
+                )
+            )
+            assert [res.outcomes[e].error for e in ("e1", "e2", "e3", "e4")] == [None] * 4
+            base = [await eng.sample(req(f"b{i}")) for i in range(2)]
+            assert base[1].usage.cached_tokens == 39  # the base model's blocks are cached...
+            tuned = [await eng.sample(req(f"t{i}", "ck1")) for i in range(2)]
+            assert tuned[0].usage.cached_tokens == 0  # ...and never served to the run's weights
+            assert tuned[1].usage.cached_tokens == 39  # its own cache
+            assert tuned[0].sequences[0].logprobs != base[0].sequences[0].logprobs  # trained weights
+            scored = await eng.sample(req("s", "ck1", prompt_logprobs=True, generate=False))
+            fwd = await eng.run_cycle(
+                _cycle(2, "f", ("e5", FORWARD_BACKWARD, Forward(data, CE, backward=False)))
+            )
+            assert_served_paths(scored.prompt_logprobs[1:], fwd.outcomes["e5"].logprobs[0][:-1])
+
+            inflight = await eng.run_cycle(
+                _cycle(3, "f", ("e6", SAVE_WEIGHTS, Save("weights", checkpoint_id="ck9", inflight=True)))
+            )
+            assert "inflight samplers follow LoRA runs" in inflight.outcomes["e6"].error[1]
+
+            path = str(tmp_path / "snap")
+            assert await eng.spill_adapter("ck1", FULL, path) > 0
+            assert (tmp_path / "snap" / "model.safetensors").is_file()
+            await eng.evict_adapter("ck1")
+            assert await eng.load_adapter("ck2", path) > 0
+            again = await eng.sample(req("d", "ck2"))
+            assert (
+                again.sequences[0].logprobs == tuned[0].sequences[0].logprobs
+            )  # the same weights, bit for bit
+        finally:
+            await eng.stop()
+
+    asyncio.run(main())

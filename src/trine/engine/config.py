@@ -91,10 +91,16 @@ class SamplerConfig:
         TENANT_SHARE, "share of `max_running` and the KV pool a key holds while another is active"
     )
     fair: bool = _knob(True, "admit waiting requests fairly across keys (off: first come, first served)")
+    full_weights_kv_cache_bytes: int | None = _knob(
+        None,
+        "bytes of the KV pool of each full fine-tuning snapshot being sampled (its own sampler); "
+        "unset: a quarter of the base pool's",
+    )
 
     def __post_init__(self):
-        if self.kv_cache_bytes is not None:
-            _positive_int(self, "kv_cache_bytes")
+        for name in ("kv_cache_bytes", "full_weights_kv_cache_bytes"):
+            if getattr(self, name) is not None:
+                _positive_int(self, name)
         _positive_int(self, "block_size", "max_batch_tokens", "max_running", "min_prefill_tokens")
         _share(self, "prefill_share")
         _share(self, "tenant_share")
@@ -151,14 +157,22 @@ class EngineConfig:
         "`packed` (MKL), `onednn` or `linear` (F.linear)",
         flag="--gemm",
     )
+    full_ft_memory_bytes: int | None = _knob(
+        None,
+        "bytes full fine-tuning runs may hold together on a replica (their weights, a snapshot, "
+        "gradients, fp32 masters, AdamW state); unset: three quarters of the memory free when "
+        "the engine starts",
+        flag="--full-ft-memory",
+    )
     sampler: SamplerConfig = field(default_factory=SamplerConfig, metadata={"doc": "the sampler's knobs"})
     trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"doc": "the trainer's knobs"})
 
     def __post_init__(self):
         if self.device is not None:
             _check(isinstance(self.device, str) and self.device != "", "device", self.device, "a device name")
-        if self.num_threads is not None:
-            _positive_int(self, "num_threads")
+        for name in ("num_threads", "full_ft_memory_bytes"):
+            if getattr(self, name) is not None:
+                _positive_int(self, name)
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
         _check(

@@ -190,17 +190,10 @@ class FullWeights:
         return snap
 
     # ------------------------------------------------------------------ checkpoints
-    def facts(self, base_model: str) -> dict:
-        src = self.model.source_dir
-        return {
-            "base_model": base_model,
-            "base_model_dir": str(src) if src else None,
-            FULL_FACTS_KEY: asdict(self.shape),
-        }
-
     def save_weights(self, path: str | Path, base_model: str) -> int:
         """The weights as a Hugging Face model directory at `path`; bytes written."""
-        return write_weights(self.model, Path(path), self.facts(base_model))
+        facts = full_facts(base_model, self.model.source_dir, self.shape)
+        return write_weights(self.model, Path(path), facts)
 
     def save_state(self, path: str | Path, base_model: str, optimizer: torch.optim.Optimizer) -> int:
         """The weights, then AdamW's state and the separate masters; bytes written."""
@@ -242,6 +235,16 @@ class FullWeights:
                     )
                 state[name] = value.to(s.master.device, s.master.dtype)
             optimizer.state[s.master] = state
+
+
+def full_facts(base_model: str, base_dir: Path | None, shape: LoRAConfig) -> dict:
+    """What trine_checkpoint.json records of a full run's checkpoint: the served model's name, its
+    directory, and the run's shape (which marks the directory as a full run's)."""
+    return {
+        "base_model": base_model,
+        "base_model_dir": str(base_dir) if base_dir else None,
+        FULL_FACTS_KEY: asdict(shape),
+    }
 
 
 def _into_master(master: torch.Tensor, rows: torch.Tensor | None, param: torch.Tensor) -> None:
