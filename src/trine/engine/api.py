@@ -500,8 +500,9 @@ class OptimStep:
 
 @dataclass(frozen=True)
 class Save:
-    """save_state (kind "state": weights + optimizer) or save_weights (kind "weights": a sampler),
-    to a resolved target.
+    """save_state (kind "state": weights + optimizer), save_weights (kind "weights": a sampler) or
+    external weights (kind "external": the merged model as a Hugging Face directory, written by the
+    code `trine export --merged` runs), to a resolved target.
 
     A weights save also publishes the snapshot to the engine's adapter table under `checkpoint_id`,
     so samplers can use it at once (one kept in memory only, `path` "", never touches the disk).

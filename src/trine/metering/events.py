@@ -31,6 +31,8 @@ class UsageEvent:
     # positions of the sequences as sent ("the entire sequence"); more than `train` when datums share
     # a prefix that was computed once. 0 (or absent, in events stored before it) means `train`.
     train_sequence: int = 0
+    # a full fine-tuning run's event: its `train` tokens are priced from the rate card's `:full` row
+    full_fine_tuning: bool = False
 
     def __post_init__(self):
         if not self.train_sequence:

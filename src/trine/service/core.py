@@ -94,6 +94,7 @@ class Service:
         gather_seconds: float = 0.02,
         engine: EngineConfig | None = None,
         max_adapters: int = 32,
+        max_full_weights: int = 2,
         run_idle_seconds: float = 3600.0,
         gc_interval: float = 60.0,
         rate_card: RateCard | None = None,
@@ -135,7 +136,11 @@ class Service:
         )
         self.activity = Activity()
         self.adapters = AdapterCache(
-            store=store, max_adapters=max_adapters, spawn=self._spawn, on_loop=self._on_loop
+            store=store,
+            max_adapters=max_adapters,
+            max_full_weights=max_full_weights,
+            spawn=self._spawn,
+            on_loop=self._on_loop,
         )
         self.checkpoints = Checkpoints(
             store=store, ownership=self.ownership, models=self.models, adapters=self.adapters

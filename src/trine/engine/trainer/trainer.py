@@ -60,6 +60,7 @@ import ctypes
 import gc
 import itertools
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -88,6 +89,7 @@ from ..model.model import Transformer
 from ..prepare import check_datum
 from . import checkpoint, custom_graph, head, prefix_groups, shared_prefix
 from .dimuon import Dimuon
+from .export import export_merged
 from .full import FullWeights, available_memory, is_full_checkpoint, read_full_shape, tuning_shape
 from .losses import LossInputs, PreparedDatum, datum_tensors
 
@@ -549,6 +551,20 @@ class Trainer:
         return checkpoint.save_peft_adapter(
             run.adapter, run.lora, Path(path), self.base_model, self.model.source_dir
         )
+
+    def save_merged(self, run_id: str, path: Path) -> int:
+        """Write the run's model as a Hugging Face directory (external weights): the base model with
+        the adapter merged by export.export_merged, what `trine export --merged` writes (a full
+        run: its own weights); bytes written."""
+        run = self._run(run_id)
+        path = Path(path)
+        if run.full is not None:
+            return run.full.save_weights(path, self.base_model)
+        with tempfile.TemporaryDirectory(prefix=".merge-", dir=path.parent) as scratch:
+            adapter_dir = Path(scratch) / "adapter"
+            self.save_weights(run_id, adapter_dir)
+            export_merged(adapter_dir, path, self.model.source_dir)
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
     def load_state(self, run_id: str, path: Path, *, with_optimizer: bool, optimizer: str = ADAMW) -> None:
         """(Re)build run `run_id` from a checkpoint directory: its adapter and LoRA config, and its
