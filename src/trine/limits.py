@@ -120,6 +120,7 @@ MAX_EVENT_BYTES = 64 << 20
 MAX_SAMPLE_BYTES = 16 << 20
 MAX_CONTROL_BYTES = 1 << 20
 MAX_BODY_BYTES = MAX_EVENT_BYTES  # any route without a smaller limit of its own
+MAX_ADAPTER_UPLOAD_BYTES = 1 << 30  # a PEFT adapter uploaded for import (a tar of its two files)
 
 # ---------------------------------------------------------------------------- wire numbers
 INT64_MAX = 2**63 - 1  # indexes, steps, seeds, offsets, limits: what SQLite and torch hold

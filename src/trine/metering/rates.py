@@ -187,6 +187,7 @@ class RateCard:
             "currency": self.currency,
             "unit": "per_million_tokens",
             **{k: money(getattr(p, k)) for k in (*BILLED_PHASES, "storage_gb_month")},
+            "train_full": money(self.price(model, full=True).train),  # full fine-tuning's tokens
             "rate_row": p.model,
         }
 

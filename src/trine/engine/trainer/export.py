@@ -104,6 +104,17 @@ def export_adapter(adapter_dir: str | Path, out: str | Path, base_dir: str | Pat
     return out
 
 
+def export_model_dir(src: str | Path, out: str | Path) -> Path:
+    """Copy a model directory trine wrote (a full fine-tuning run's weights: safetensors, config,
+    tokenizer, chat template) to `out`, its optimizer state (a subfolder) left behind."""
+    src, out = Path(src), Path(out)
+    _prepare_out(out)
+    for f in sorted(src.iterdir()):
+        if f.is_file():
+            _copy(f, out / f.name)
+    return out
+
+
 def lora_deltas(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
     """Base weight name (`model.layers.0.self_attn.q_proj.weight`) -> (alpha / r) · B·A, fp32."""
     adapter_dir = Path(adapter_dir)

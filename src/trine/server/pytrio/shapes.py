@@ -250,6 +250,7 @@ def checkpoint_json(svc: Service, c: Checkpoint) -> dict:
         "is_uploaded": bool(c.path),
         "expired_at": iso(c.expires_at),
         "visibility": c.visibility,
+        "source": c.source or None,  # trine's own: an imported adapter's origin
     }
 
 
