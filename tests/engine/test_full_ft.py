@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from test_losses import random_data
-from tolerance import assert_bitwise, assert_same_computation
+from tolerance import Rounding, assert_bitwise, assert_same_computation
 
 from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, TrainDatum
 from trine.engine.config import TrainerConfig
@@ -169,26 +169,53 @@ def test_a_run_that_does_not_fit_is_refused_before_it_allocates(model):
 
 
 def test_full_and_lora_runs_in_one_call_each_get_what_they_get_alone(model):
-    """Each run's rows are computed on its own weights, in micro-batches of their own: batched
-    together or alone, the same operations in the same order (kind 1). The base model never moves."""
+    """Two full runs and a LoRA run in one call: each run's rows are computed on its own weights,
+    in micro-batches of their own, so batched together or alone they take the same operations in
+    the same order (kind 1). The base model never moves."""
     base = params(model)
-    data_f, data_l = random_data(3, lengths=(10, 5)), random_data(4, lengths=(8,))
+    data = {"f": random_data(3, lengths=(10, 5)), "g": random_data(5, lengths=(7,)), "l": random_data(4)}
 
     def make():
         t = full_trainer(model)
+        t.create_run("g", LoRAConfig(rank=0, train_unembed=False))
         t.create_run("l", LoRAConfig(rank=4, seed=1))
         return t
 
     mixed = make()
-    rf, rl = mixed.forward_backward([("f", Forward(data_f, CE)), ("l", Forward(data_l, CE))])
+    together = mixed.forward_backward([(r, Forward(d, CE)) for r, d in data.items()])
     alone = make()
-    sf = alone.forward_backward([("f", Forward(data_f, CE))])[0]
-    sl = alone.forward_backward([("l", Forward(data_l, CE))])[0]
-    assert (rf.logprobs, rl.logprobs) == (sf.logprobs, sl.logprobs)
+    apart = [alone.forward_backward([(r, Forward(d, CE))])[0] for r, d in data.items()]
+    assert [r.logprobs for r in together] == [r.logprobs for r in apart]
     for t in (mixed, alone):
-        t.optim_step("f", AdamConfig(learning_rate=1e-2))
-    assert_bitwise(params(mixed.full_weights("f").model), params(alone.full_weights("f").model))
+        for run in ("f", "g"):
+            t.optim_step(run, AdamConfig(learning_rate=1e-2))
+    for run in ("f", "g"):
+        assert_bitwise(params(mixed.full_weights(run).model), params(alone.full_weights(run).model))
     assert_bitwise(params(model), base)
+
+
+def test_a_full_runs_weights_load_in_transformers_with_its_logits(model, tiny_model_dir, tmp_path):
+    """A full run's weights save is a Hugging Face directory: transformers computes the run's logits
+    from it (kind 3: the run's fp32 model is the reference, transformers' the path, the same weights
+    in fp64 the exact value)."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = full_trainer(model)
+    trainer.forward_backward([("f", Forward(random_data(1, lengths=(12, 9)), CE))])
+    trainer.optim_step("f", AdamConfig(learning_rate=1e-2))
+    trainer.save_weights("f", tmp_path / "w")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        f.name for f in (tmp_path / "w").iterdir()
+    }
+    tokens = torch.tensor([[5, 900, 17, 4000, 23, 8, 4900, 3]])
+    run = trainer.full_weights("f").model
+    with torch.no_grad():
+        ours = run(tokens)
+        ours64 = copy.deepcopy(run).double()(tokens)
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "w", dtype=torch.float32)(tokens).logits
+        base = model(tokens)
+    assert (ours - base).abs().max() > 1e-2  # trained
+    Rounding(ours, ours64).assert_within(theirs)
 
 
 def test_full_runs_refuse_dimuon_and_tokens_outside_the_vocabulary(model):

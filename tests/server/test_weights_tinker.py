@@ -57,12 +57,14 @@ def test_rank_0_fine_tunes_every_weight_and_samples_them(srv, sc):
         .result()
         .compute_logprobs(types.ModelInput.from_ints(TEXT))
     )
-    losses = []
+    losses, cycles = [], []
     for _ in range(3):
-        fb = tc.forward_backward([datum()], "cross_entropy")
+        fb = tc.forward_backward([datum()], "cross_entropy")  # submitted before waiting: pipelined
         tc.optim_step(types.AdamParams(learning_rate=1e-3))
         losses.append(fb.result().metrics["loss:sum"])
+        cycles.append(fb.result().metrics["clock_cycle:unique"])
     assert losses[2] < losses[1] < losses[0]
+    assert len(set(cycles)) == 3  # one clock cycle per step, as a LoRA run's
     trained = logprobs(tc.forward([datum()], "cross_entropy").result())
     sampler = tc.save_weights_and_get_sampling_client().result()
     sampled = sampler.compute_logprobs(types.ModelInput.from_ints(TEXT)).result()
