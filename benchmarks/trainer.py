@@ -1,7 +1,9 @@
-"""One LoRA training step (forward_backward + optim_step): trine's Trainer vs transformers + peft.
+"""One LoRA training step (forward_backward + optim_step): trine's Trainer vs transformers + peft;
+and one full fine-tuning step against a transformers Trainer-style loop.
 
     python benchmarks/trainer.py [--model DIR] [--batch 8] [--seq 256] [--rank 16] [--iters 5] [--json]
-                                 [--no-prefix | --prefix-only] [--dtype float32|bfloat16]
+                                 [--no-prefix | --prefix-only] [--no-full | --full-only] [--quick]
+                                 [--dtype float32|bfloat16]
 
 Both sides train LoRA rank 16 (alpha 32) on attention and MLP of the same fp32 weights (both bf16 with
 `--dtype bfloat16`; the GEMM peak is then bf16's) with AdamW, on
@@ -36,6 +38,18 @@ advantage on prompts):
   the per-iteration ratios); train_tokens_computed_fraction_grpo / _multiturn: tokens computed /
   tokens sent (deterministic); prefix_peak_memory_ratio_grpo / _multiturn: shared / plain peak
   memory of one step, measured as above (fresh process per side, --mem-repeats each).
+
+Full fine-tuning (issue 48; `--full-only` runs just this): a full run (rank 0: every weight, the
+embedding and head included, AdamW) on the batch above against transformers' model trained the way
+its `Trainer` does (all parameters, `model(input_ids, labels).loss`, backward, AdamW step,
+`zero_grad(set_to_none=True)`), same fp32 weights and data, interleaved as above:
+- full_ft_vs_hf: HF step time / trine step time (>= 1 means trine is faster; goal >= 1.5).
+- full_ft_peak_memory_ratio: trine / HF peak memory of a training process (goal <= 1.0): in a fresh
+  child per side, VmHWM after two steps minus the RSS before the model is loaded, so it counts the
+  weights (trine's base model and the run's own copy; HF's one model), gradients, AdamW state and
+  the steps' activations and logits. Median of --mem-repeats processes per side.
+`--quick` shrinks everything to a check that the benchmark runs (batch 4 x 64 tokens, one
+iteration, one process per side); its numbers mean nothing and are not recorded.
 """
 
 from __future__ import annotations
@@ -117,6 +131,94 @@ class HFSide:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+
+
+class FullSide:
+    """A full fine-tuning run (rank 0: every weight) on the batch."""
+
+    def __init__(self, model_dir: str, tokens: torch.Tensor):
+        from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, TrainDatum
+        from trine.engine.model.weights import load_model
+        from trine.engine.trainer.trainer import Trainer
+
+        self.trainer = Trainer(load_model(model_dir, "cpu"), base_model="bench")
+        self.trainer.create_run("full", LoRAConfig(rank=0))
+        rows = [TrainDatum(tokens=t.tolist(), target_tokens=t[1:].tolist() + [-100]) for t in tokens]
+        self.batch = [("full", Forward(rows, Loss.parse("cross_entropy")))]
+        self.adam = AdamConfig(learning_rate=1e-5)
+
+    def step(self):
+        self.trainer.forward_backward(self.batch)
+        self.trainer.optim_step("full", self.adam)
+
+
+class HFFullSide:
+    """transformers' model trained as its Trainer does: every parameter, AdamW, grads freed."""
+
+    def __init__(self, model_dir: str, tokens: torch.Tensor):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-12)
+        self.tokens = tokens
+
+    def step(self):
+        self.model(input_ids=self.tokens, labels=self.tokens).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def _full_peak_child(side: str, model_dir: str, batch: int, seq: int, threads: int, out):
+    torch.set_num_threads(threads)
+    from trine.engine.model.weights import read_config
+
+    tokens = make_batch(read_config(model_dir).vocab_size, batch, seq)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _rss_kb("VmRSS")
+    runner = FullSide(model_dir, tokens) if side == "trine" else HFFullSide(model_dir, tokens)
+    runner.step(), runner.step()
+    out.put((_rss_kb("VmHWM") - before) * 1024)
+
+
+def full_peak(side: str, args) -> int:
+    ctx = mp.get_context("spawn")
+    peaks = []
+    for _ in range(args.mem_repeats):
+        q = ctx.Queue()
+        p = ctx.Process(
+            target=_full_peak_child, args=(side, args.model, args.batch, args.seq, args.threads, q)
+        )
+        p.start()
+        peaks.append(q.get())
+        p.join()
+    return int(statistics.median(peaks))
+
+
+def full_case(args) -> dict:
+    """Full fine-tuning against a transformers Trainer-style loop (see the module docstring)."""
+    from trine.engine.model.weights import read_config
+
+    tokens = make_batch(read_config(args.model).vocab_size, args.batch, args.seq)
+    ours, hf = FullSide(args.model, tokens), HFFullSide(args.model, tokens)
+    ours.step(), hf.step()  # warm-up
+    t_ours, t_hf = [], []
+    for it in range(args.iters):
+        for fn, times in ((ours.step, t_ours), (hf.step, t_hf))[:: 1 if it % 2 == 0 else -1]:
+            times.append(timed(fn))
+    del ours, hf
+    out = {}
+    if args.iters:
+        ntok = args.batch * args.seq
+        out["full_ft_vs_hf"] = statistics.median([h / o for h, o in zip(t_hf, t_ours)])
+        out["full_ft_step_s"] = statistics.median(t_ours)
+        out["full_ft_hf_step_s"] = statistics.median(t_hf)
+        out["full_ft_tokens_per_s"] = ntok / out["full_ft_step_s"]
+    if args.mem_repeats:
+        peak_ours, peak_hf = full_peak("trine", args), full_peak("hf", args)
+        out["full_ft_peak_memory_ratio"] = peak_ours / peak_hf
+        out["full_ft_peak_bytes"], out["full_ft_hf_peak_bytes"] = peak_ours, peak_hf
+    return out
 
 
 def grpo_data(vocab: int, groups: int, completions: int, prompt: int, completion: int, seed: int = 0):
@@ -317,6 +419,9 @@ def main():
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides' dtype")
     ap.add_argument("--prefix-only", action="store_true", help="only the prefix-sharing cases")
     ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-sharing cases")
+    ap.add_argument("--full-only", action="store_true", help="only the full fine-tuning case")
+    ap.add_argument("--no-full", action="store_true", help="skip the full fine-tuning case")
+    ap.add_argument("--quick", action="store_true", help="a tiny run that checks the benchmark works")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side before a prefix case")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="the prefix cases' Trainer budget")
     ap.add_argument("--grpo-groups", type=int, default=8)
@@ -327,6 +432,8 @@ def main():
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=128)
     args = ap.parse_args()
+    if args.quick:
+        args.batch, args.seq, args.iters, args.mem_repeats, args.warmup = 4, 64, 1, 1, 0
     if args.batch % 4:
         ap.error("--batch must be a multiple of 4 (the mixed-adapter pass splits it across 4 runs)")
     if args.model is None:
@@ -334,6 +441,10 @@ def main():
 
         args.model = str(ensure_default_model())
     torch.set_num_threads(args.threads)
+    run_info = {"model": args.model, "iters": args.iters, "threads": args.threads}
+    if args.full_only:
+        _print(full_case(args) | run_info | {"batch": args.batch, "seq": args.seq}, args)
+        return
     if args.prefix_only:
         _print(prefix_cases(args) | {"model": args.model, "iters": args.iters, "threads": args.threads}, args)
         return
@@ -386,11 +497,14 @@ def main():
         "threads": args.threads,
         "dtype": args.dtype,
     }
+    if not args.no_full:
+        result |= full_case(args)
     _print(result if args.no_prefix else result | prefix_cases(args), args)
 
 
 def _print(result: dict, args) -> None:
-    record(result)  # benchmarks/results/trainer.jsonl
+    if not args.quick:  # a quick run's figures are not published
+        record(result)  # benchmarks/results/trainer.jsonl
     if args.json:
         print(json.dumps(result))
     else:

@@ -128,6 +128,13 @@ LIMITS = [
         "smallest LoRA rank a server accepts (the SDK's `LoraConfig` asks 4 to 64, as PyTRIO does)",
     ),
     ("limits", "LORA_RANK_MAX", "largest LoRA rank a server accepts"),
+    (
+        "limits",
+        "FULL_RANK",
+        "the rank that asks for full-parameter fine-tuning (Tinker `rank=0`, the SDK's `full=True`); "
+        "the PyTRIO plane refuses it",
+    ),
+    ("limits", "MAX_TRAINABLE_TOKENS", "`trainable_token_indices` of a full fine-tuning run"),
     ("limits", "MAX_WAITING_EVENTS_PER_RUN", "training events a run may have accepted and not yet executed"),
     ("limits", "CHECKPOINT_NAME_MAX", "characters in a checkpoint name (letters, digits, `.`, `_`, `-`)"),
     ("limits", "TEMPORARY_CHECKPOINT_TTL_SECONDS", "seconds a `temp-sampling-*` snapshot lives"),
@@ -149,6 +156,7 @@ LIMITS = [
     ("limits", "MAX_EVENT_BYTES", "body of one training event"),
     ("limits", "MAX_SAMPLE_BYTES", "body of one sample request"),
     ("limits", "MAX_BODY_BYTES", "body of any other route"),
+    ("limits", "MAX_ADAPTER_UPLOAD_BYTES", "a PEFT adapter uploaded for import (`trine adapters import`)"),
     ("limits", "INT64_MAX", "integers on the wire: indexes, steps, seeds, offsets, limits"),
     ("limits", "MAX_PAGE_SIZE", "`limit` of every list route"),
     ("limits", "MAX_TTL_SECONDS", "a checkpoint's `ttl_seconds` (100 years)"),

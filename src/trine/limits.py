@@ -13,10 +13,37 @@ from dataclasses import dataclass
 LORA_RANK_MIN, LORA_RANK_MAX = 1, 256
 
 
-def check_lora_rank(rank, field: str = "lora_rank") -> int:
+# rank 0 asks for full-parameter fine-tuning (the Tinker convention SkyRL's backend follows): the run
+# trains the model's own weights, not an adapter (engine/trainer/full.py)
+FULL_RANK = 0
+MAX_TRAINABLE_TOKENS = 4096  # `trainable_token_indices` of a full fine-tuning run
+
+
+def check_lora_rank(rank, field: str = "lora_rank", *, full: bool = False) -> int:
+    """A LoRA rank in range; with `full`, also 0 (full-parameter fine-tuning)."""
+    if full and rank == FULL_RANK and not isinstance(rank, bool):
+        return rank
     if isinstance(rank, bool) or not isinstance(rank, int) or not LORA_RANK_MIN <= rank <= LORA_RANK_MAX:
-        raise ValueError(f"{field} {rank!r}: use an integer from {LORA_RANK_MIN} to {LORA_RANK_MAX}")
+        also = f" (or {FULL_RANK} for full-parameter fine-tuning)" if full else ""
+        raise ValueError(f"{field} {rank!r}: use an integer from {LORA_RANK_MIN} to {LORA_RANK_MAX}{also}")
     return rank
+
+
+def check_token_indices(indices, vocab_size: int, field: str = "trainable_token_indices") -> tuple[int, ...]:
+    """The embedding rows a full fine-tuning run trains: distinct token ids below `vocab_size`, at most
+    MAX_TRAINABLE_TOKENS of them; returned sorted."""
+    if not isinstance(indices, (list, tuple)) or any(
+        isinstance(i, bool) or not isinstance(i, int) for i in indices
+    ):
+        raise ValueError(f"{field}: send a list of token ids (integers), got {indices!r}")
+    if len(indices) > MAX_TRAINABLE_TOKENS:
+        raise ValueError(f"{field}: {len(indices)} ids; at most {MAX_TRAINABLE_TOKENS} are allowed")
+    bad = [i for i in indices if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{field}: token ids repeat; name each at most once")
+    return tuple(sorted(indices))
 
 
 # ---------------------------------------------------------------------------- training events
@@ -103,6 +130,7 @@ MAX_EVENT_BYTES = 64 << 20
 MAX_SAMPLE_BYTES = 16 << 20
 MAX_CONTROL_BYTES = 1 << 20
 MAX_BODY_BYTES = MAX_EVENT_BYTES  # any route without a smaller limit of its own
+MAX_ADAPTER_UPLOAD_BYTES = 1 << 30  # a PEFT adapter uploaded for import (a tar of its two files)
 
 # ---------------------------------------------------------------------------- wire numbers
 INT64_MAX = 2**63 - 1  # indexes, steps, seeds, offsets, limits: what SQLite and torch hold

@@ -256,7 +256,7 @@ def test_versions_snapshots_and_run_lifecycle(model):
 @pytest.mark.parametrize(
     "lora,field",
     [
-        (LoRAConfig(rank=0), "rank"),
+        (LoRAConfig(rank=-1), "rank"),  # 0 is full fine-tuning (test_full_ft.py)
         (LoRAConfig(alpha=-1.0), "alpha"),
         (LoRAConfig(train_attn=False, train_mlp=False, train_unembed=False), "train_attn"),
     ],

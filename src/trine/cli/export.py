@@ -87,7 +87,8 @@ def export(checkpoint, out, merged, base_dir, home, url, api_key):
 
     Without --merged, OUT is a PEFT adapter directory that `peft` loads
     (AutoPeftModelForCausalLM.from_pretrained(OUT)); with --merged, a model directory that
-    `transformers` and vLLM load on their own. With --url the checkpoint is downloaded from the
+    `transformers` and vLLM load on their own. A full fine-tuning run's checkpoint is such a model
+    directory either way. With --url the checkpoint is downloaded from the
     server; --merged then needs the base model here (--base DIR, or the same model under
     $TRINE_HOME/models)."""
     import tempfile
@@ -109,9 +110,13 @@ def export(checkpoint, out, merged, base_dir, home, url, api_key):
 
 def _export(src: Path, out: Path, merged: bool, base_dir: Path | None, home: Path) -> None:
     from trine.engine.trainer.checkpoint import read_lora_config
-    from trine.engine.trainer.export import base_model_dir, export_adapter, export_merged
+    from trine.engine.trainer.export import base_model_dir, export_adapter, export_merged, export_model_dir
+    from trine.engine.trainer.full import is_full_checkpoint
 
     try:
+        if is_full_checkpoint(src):  # a full fine-tuning run's weights are a model already
+            export_model_dir(src, out)
+            return
         read_lora_config(src)  # refuses a directory that is not a LoRA checkpoint, naming what it lacks
         if base_dir is None and base_model_dir(src) is None:
             base_dir = named_model_dir(src, home)

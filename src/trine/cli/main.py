@@ -20,6 +20,7 @@ COMMANDS = {
     "models": ("trine.cli.models", "models"),
     "checkpoints": ("trine.cli.checkpoints", "checkpoints"),
     "export": ("trine.cli.export", "export"),
+    "adapters": ("trine.cli.adapters", "adapters"),
     "runs": ("trine.cli.runs", "runs"),
 }
 

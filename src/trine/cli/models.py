@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..metering import remote
-from ..metering.rates import RateCard, trine_home
+from ..metering.rates import FULL_SUFFIX, RateCard, trine_home
 from .output import Column, price, print_json, print_table
 
 
@@ -24,8 +24,8 @@ from .output import Column, price, print_json, print_table
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def models(url, api_key, home, rates, as_json):
-    """Models with their prices per million tokens: prefill, cached prefill, sample, train; storage per
-    GB-month."""
+    """Models with their prices per million tokens: prefill, cached prefill, sample, train (LoRA, and
+    full fine-tuning's from the model's `:full` rate row); storage per GB-month."""
     try:
         rows = _rows(url, api_key, home, rates)
     except (ValueError, ConnectionError) as e:
@@ -34,18 +34,14 @@ def models(url, api_key, home, rates, as_json):
         print_json(rows)
         return
     cols = [Column("model", fold=True), Column("status", fold=True)]
-    cols += [Column(name, numeric=True) for name in ("prefill", "cached", "sample", "train", "GB-month")]
+    names = ("prefill", "cached", "sample", "train", "train full", "GB-month")
+    cols += [Column(name, numeric=True) for name in names]
+    keys = ("prefill", "prefill_cached", "sample", "train", "train_full", "storage_gb_month")
     table = []
     for r in rows:
         p = r["pricing"]
         status = r["status"] + ("" if p["rate_row"] == r["name"] else f" (priced as {p['rate_row']})")
-        table.append(
-            (
-                r["name"],
-                status,
-                *(price(p[k]) for k in ("prefill", "prefill_cached", "sample", "train", "storage_gb_month")),
-            )
-        )
+        table.append((r["name"], status, *(price(p.get(k)) for k in keys)))
     print_table("models (USD per million tokens; storage per GB-month)", cols, table, empty="no models")
 
 
@@ -80,6 +76,6 @@ def _rows(url, api_key, home, rates) -> list[dict]:
     out += [
         {"name": m["model_id"], "model_id": m["model_id"], "status": "rate card", "pricing": m["pricing"]}
         for m in card.as_models_list()
-        if m["model_id"] not in local
+        if m["model_id"] not in local and not m["model_id"].endswith(FULL_SUFFIX)  # a price, not a model
     ]
     return out

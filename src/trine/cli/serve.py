@@ -167,6 +167,16 @@ def key_hint(store, home: Path, new_key: str | None) -> str:
     show_default=True,
 )
 @click.option(
+    "--full-ft-memory",
+    "full_ft_memory_mb",
+    default=None,
+    type=click.IntRange(min=1),
+    help="MiB that full fine-tuning runs (rank 0) may hold together per engine replica: their "
+    "weights, a sampler snapshot, gradients, fp32 masters and AdamW state. A run that does not fit "
+    "is refused (409 insufficient_memory) naming the bytes it needs (default: three quarters of the "
+    "memory free when the engine starts).",
+)
+@click.option(
     "--ray",
     "ray_address",
     is_flag=False,
@@ -233,6 +243,7 @@ def serve(
     batch_invariant,
     gemm,
     train_prefix_sharing,
+    full_ft_memory_mb,
     ray_address,
     replicas,
     checkpoint_dir,
@@ -280,6 +291,7 @@ def serve(
             dtype=dtype,
             batch_invariant=batch_invariant,
             gemm=gemm,
+            full_ft_memory_bytes=full_ft_memory_mb << 20 if full_ft_memory_mb else None,
             trainer=TrainerConfig(prefix_sharing=train_prefix_sharing),
         )
     except ValueError as e:  # --dtype and --gemm are choices: only the thread count can be out of range

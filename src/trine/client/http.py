@@ -160,10 +160,14 @@ class ControlHTTP:
         retry: bool = True,
         retry_window_s: float | None = None,
         timeout: float | None = None,
+        content: bytes | None = None,
     ) -> dict:
         """The JSON object a control endpoint returns; `retry=False` tries once (used at exit),
-        `retry_window_s` shortens the retry window, `timeout` the per-attempt timeout."""
+        `retry_window_s` shortens the retry window, `timeout` the per-attempt timeout; `content` a
+        raw body (an upload) in place of `json`."""
         kw = {"timeout": timeout} if timeout is not None else {}
+        if content is not None:
+            kw["content"] = content
         send = lambda: self.client.request(method, path, json=json, params=params, **kw)  # noqa: E731
         try:
             response = await (

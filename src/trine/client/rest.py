@@ -5,6 +5,7 @@ return the value."""
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import shutil
 import tarfile
@@ -41,7 +42,7 @@ def _cursor(c: dict) -> Cursor:
 
 
 def _checkpoint(c: dict) -> Checkpoint:
-    kind = {"TRAINING": "training", "SAMPLER": "sampler"}.get(c["checkpoint_type"])
+    kind = {"TRAINING": "training", "SAMPLER": "sampler", "EXTERNAL": "external"}.get(c["checkpoint_type"])
     if kind is None:
         raise TrineError(f"unknown checkpoint_type {c['checkpoint_type']!r}", code="invalid_response")
     return Checkpoint(
@@ -51,6 +52,7 @@ def _checkpoint(c: dict) -> Checkpoint:
         path=c["checkpoint_uri"],
         size_bytes=c.get("size_bytes"),
         expires_at=c.get("expired_at"),
+        source=c.get("source") or None,
     )
 
 
@@ -112,6 +114,33 @@ class RestClient:
         return self._future(self.list_training_runs_async(limit, offset, access_scope))
 
     # -- checkpoints ---------------------------------------------------------------------------
+
+    async def import_adapter_async(
+        self, path: str | os.PathLike, base_model: str, name: str | None = None
+    ) -> Checkpoint:
+        """Upload the PEFT adapter directory `path` (adapter_config.json + adapter_model.safetensors)
+        trained on `base_model`, as checkpoint `name` (default: the directory's name): the server
+        checks it against the model and keeps it as a sampler checkpoint (sample it, train from
+        it, export it). A mismatch raises naming the tensor and the shape the model needs."""
+        _require("base_model", base_model)
+        path = Path(path)
+        archive = adapter_archive(path)
+        params = {"base_model": base_model, "name": name or checkpoint_name(path.resolve().name)}
+        c = await self._rt.run_async(
+            self._control.call(
+                "POST",
+                "trine/v1/adapters",
+                params={**params, "filename": path.name},
+                content=archive,
+                retry=False,  # an import is not idempotent: a retry would make a second checkpoint
+            )
+        )
+        return _checkpoint(c)
+
+    def import_adapter(
+        self, path: str | os.PathLike, base_model: str, name: str | None = None
+    ) -> APIFuture[Checkpoint]:
+        return self._future(self.import_adapter_async(path, base_model, name))
 
     async def list_checkpoints_async(self, training_run_id: str) -> CheckpointsListResponse:
         """Every checkpoint of one run (all pages)."""
@@ -325,6 +354,27 @@ class RestClient:
     def get_sampler(self, sampler_id: str) -> APIFuture[GetSamplerResponse]:
         _require("sampler_id", sampler_id)
         return self._future(self.get_sampler_async(sampler_id))
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def checkpoint_name(raw: str) -> str:
+    """A checkpoint name made of `raw`: letters, digits, '.', '_' and '-' (anything else becomes '-')."""
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in raw).strip(".-") or "adapter"
+    return name[:200]
+
+
+def adapter_archive(directory: Path) -> bytes:
+    """A tar of a PEFT adapter directory's two files (what the import route reads)."""
+    missing = [f for f in ADAPTER_FILES if not (directory / f).is_file()]
+    if missing:
+        raise ValidationError(f"{directory} is not a PEFT adapter directory: it has no {', '.join(missing)}")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for f in ADAPTER_FILES:
+            tf.add(directory / f, arcname=f)
+    return buf.getvalue()
 
 
 def extract_checkpoint(archive: Path, directory: Path) -> list[Path]:

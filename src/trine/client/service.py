@@ -238,6 +238,10 @@ class ServiceClient:
         }
         if lora.seed is not None:
             body["seed"] = lora.seed
+        if lora.full:  # trine's own fields: the PyTRIO plane refuses rank 0 without them
+            body["full_fine_tuning"] = True
+            if lora.trainable_token_indices:
+                body["trainable_token_indices"] = lora.trainable_token_indices
         run = await self._rt.control.call(
             "POST", f"openapi/v1/service-sessions/{self.service_session_cuid}/training-runs", json=body
         )
@@ -254,19 +258,32 @@ class ServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
         *,
+        full: bool = False,
+        trainable_token_indices: list[int] | None = None,
+        lora_path: str | os.PathLike | None = None,
         name: str | None = None,
         tags: list[str] | None = None,
         user_metadata: dict[str, str] | None = None,
     ) -> TrainingClient:
-        """A new training run: a fresh LoRA adapter of `rank` on `base_model`. `name`, `tags` and
-        `user_metadata` label it in the console, `trine runs` and `trine usage --by run`."""
-        if not isinstance(base_model, str) or not base_model:
-            raise ValidationError("base_model must be a model name, e.g. 'SmolLM2-135M-Instruct'")
-        lora = LoraConfig(
-            rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
-        )
+        """A new training run on `base_model`: a fresh LoRA adapter of `rank`; with `full=True` (trine's
+        own) full-parameter fine-tuning of the model's weights (`train_attn`, `train_mlp`, and with
+        `train_unembed` the embedding and head; `trainable_token_indices`: only those embedding rows);
+        with `lora_path`, the PEFT adapter in that directory, uploaded and checked against the model
+        (its rank and targets are the adapter's). `name`, `tags` and `user_metadata` label it in the
+        console, `trine runs` and `trine usage --by run`."""
         return self._rt.run_sync(
-            self._create_training_run(base_model, lora, "", False, _labels(name, tags, user_metadata))
+            self._create_lora(
+                base_model,
+                rank,
+                seed,
+                train_mlp,
+                train_attn,
+                train_unembed,
+                full,
+                trainable_token_indices,
+                lora_path,
+                _labels(name, tags, user_metadata),
+            )
         )
 
     async def create_lora_training_client_async(
@@ -278,30 +295,70 @@ class ServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
         *,
+        full: bool = False,
+        trainable_token_indices: list[int] | None = None,
+        lora_path: str | os.PathLike | None = None,
         name: str | None = None,
         tags: list[str] | None = None,
         user_metadata: dict[str, str] | None = None,
     ) -> TrainingClient:
-        if not isinstance(base_model, str) or not base_model:
-            raise ValidationError("base_model must be a model name, e.g. 'SmolLM2-135M-Instruct'")
-        lora = LoraConfig(
-            rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
-        )
         return await self._rt.run_async(
-            self._create_training_run(base_model, lora, "", False, _labels(name, tags, user_metadata))
+            self._create_lora(
+                base_model,
+                rank,
+                seed,
+                train_mlp,
+                train_attn,
+                train_unembed,
+                full,
+                trainable_token_indices,
+                lora_path,
+                _labels(name, tags, user_metadata),
+            )
         )
 
-    async def _from_state(self, path: str, restore_optimizer: bool) -> TrainingClient:
-        path = checkpoint_uri(path)
-        info = await self._session.find_checkpoint(path)
+    async def _create_lora(
+        self, base_model, rank, seed, train_mlp, train_attn, train_unembed, full, tokens, lora_path, labels
+    ) -> TrainingClient:
+        if not isinstance(base_model, str) or not base_model:
+            raise ValidationError("base_model must be a model name, e.g. 'SmolLM2-135M-Instruct'")
+        if lora_path is not None:
+            if full:
+                raise ValidationError(
+                    "lora_path continues a LoRA adapter; full=True trains the weights instead"
+                )
+            ck = await RestClient(self._session).import_adapter_async(lora_path, base_model)
+            return await self._from_checkpoint(ck.path, False, labels, seed)
         lora = LoraConfig(
+            rank=rank,
+            seed=seed,
+            train_mlp=train_mlp,
+            train_attn=train_attn,
+            train_unembed=train_unembed,
+            full=full,
+            trainable_token_indices=tokens,
+        )
+        return await self._create_training_run(base_model, lora, "", False, labels)
+
+    async def _from_state(self, path: str, restore_optimizer: bool) -> TrainingClient:
+        return await self._from_checkpoint(checkpoint_uri(path), restore_optimizer)
+
+    async def _from_checkpoint(
+        self, path: str, restore_optimizer: bool, labels: dict | None = None, seed: int | None = None
+    ) -> TrainingClient:
+        """A run from checkpoint `path`, in its shape (the server's: a rank PyTRIO's client would not
+        make, or full fine-tuning, included)."""
+        info = await self._session.find_checkpoint(path)
+        lora = LoraConfig.model_construct(
             rank=info["lora_rank"],
-            seed=info.get("seed"),
+            seed=info.get("seed") if seed is None else seed,
             train_mlp=info["train_mlp"],
             train_attn=info["train_attn"],
             train_unembed=info["train_unembed"],
+            full=info["lora_rank"] == 0,
+            trainable_token_indices=info.get("trainable_token_indices"),
         )
-        return await self._create_training_run("", lora, path, restore_optimizer)
+        return await self._create_training_run("", lora, path, restore_optimizer, labels)
 
     def create_training_client_from_state(self, path: str) -> TrainingClient:
         """A new training run starting from a save_state checkpoint's weights (fresh optimizer)."""

@@ -20,6 +20,7 @@ Invariants
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import KW_ONLY, dataclass, field
 
@@ -27,6 +28,7 @@ from ..limits import (
     END_RUN,
     FORWARD,
     FORWARD_BACKWARD,
+    FULL_RANK,
     GREEDY_BELOW_TEMPERATURE,
     INIT_RUN,
     OPTIMIZE_STEP,
@@ -73,8 +75,13 @@ LORA_LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_p
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """A LoRA adapter's shape. Target names are PEFT's. `seed` None: the engine's default (0); a run
-    restored from a checkpoint takes the checkpoint's shape, and `seed` still applies when given."""
+    """A training run's shape: a LoRA adapter (target names are PEFT's), or with `rank` 0
+    (`FULL_RANK`) full-parameter fine-tuning, which trains the model's own weights
+    (engine/trainer/full.py): the attention layers with `train_attn`, the MLPs with `train_mlp`,
+    the embedding and the head with `train_unembed`, the norms always; `trainable_token_indices`
+    (full runs only) restricts the embedding and head to those rows, for added tokens. `seed` None:
+    the engine's default (0); a run restored from a checkpoint takes the checkpoint's shape, and
+    `seed` still applies when given."""
 
     rank: int = 32
     alpha: float = 32.0
@@ -82,11 +89,16 @@ class LoRAConfig:
     train_mlp: bool = True
     train_unembed: bool = True
     seed: int | None = None
+    trainable_token_indices: tuple[int, ...] = ()
+
+    def __post_init__(self):  # a list (JSON, a wire body) is the same shape as its tuple
+        object.__setattr__(self, "trainable_token_indices", tuple(self.trainable_token_indices))
 
     @classmethod
     def named_by(cls, source) -> LoRAConfig:
         """The shape a wire body, a run or a checkpoint record names: its `lora_rank` (or `rank`),
-        its `seed` (None if it has none) and its three `train_*` flags. The one conversion from the
+        its `seed` (None if it has none), its three `train_*` flags and its
+        `trainable_token_indices` (a list, or a record's JSON text). The one conversion from the
         planes' and the store's names to this type."""
         rank = getattr(source, "lora_rank", None)
         return cls(
@@ -95,10 +107,18 @@ class LoRAConfig:
             train_mlp=source.train_mlp,
             train_attn=source.train_attn,
             train_unembed=source.train_unembed,
+            trainable_token_indices=token_indices(getattr(source, "trainable_token_indices", None)),
         )
 
     @property
+    def full(self) -> bool:
+        """Full-parameter fine-tuning: no adapter, the model's own weights train."""
+        return self.rank == FULL_RANK
+
+    @property
     def scale(self) -> float:
+        if self.full:
+            raise ValueError("a full fine-tuning run (rank 0) has no LoRA scale")
         return self.alpha / self.rank
 
     def target_names(self) -> tuple[str, ...]:
@@ -109,6 +129,63 @@ class LoRAConfig:
             + (LORA_MLP if self.train_mlp else ())
             + (LORA_UNEMBED if self.train_unembed else ())
         )
+
+
+def token_indices(value) -> tuple[int, ...]:
+    """`trainable_token_indices` as a tuple, from a list, a tuple, a record's JSON text or None."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        value = json.loads(value)
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class FullTuningShape:
+    """What full-parameter fine-tuning of one model costs, counted before a run starts (torch-free,
+    so the service admits a run against a replica's budget without asking the engine).
+
+    Parameters are counted by group (engine/trainer/full.py `param_group`): `attn` (the attention
+    layers), `mlp`, `norms` (every other body weight: the layer norms), `embed`, `head` (0 when
+    tied to the embedding). `dtype_bytes` is the model's element size; optimizer state and masters
+    are in the wide dtype (fp32, fp64 on an fp64 model). `budget_bytes`: what full runs together may
+    hold on the replica (`EngineConfig.full_ft_memory_bytes`, or measured at its start)."""
+
+    attn: int
+    mlp: int
+    norms: int
+    embed: int
+    head: int
+    hidden_size: int
+    dtype_bytes: int
+    budget_bytes: int = 0
+    snapshot_kv_bytes: int = (
+        0  # the KV pool of a snapshot's sampler (SamplerConfig.full_weights_kv_cache_bytes)
+    )
+
+    @property
+    def params(self) -> int:
+        return self.attn + self.mlp + self.norms + self.embed + self.head
+
+    def trainable(self, shape: LoRAConfig) -> tuple[int, int]:
+        """Elements that train (whole tensors, token rows): the rows of a `trainable_token_indices`
+        run are its embedding's and its untied head's rows at those ids."""
+        whole = self.norms + (self.attn if shape.train_attn else 0) + (self.mlp if shape.train_mlp else 0)
+        if shape.trainable_token_indices:
+            tables = 1 + (self.head > 0)
+            return whole, len(shape.trainable_token_indices) * self.hidden_size * tables
+        return whole + ((self.embed + self.head) if shape.train_unembed else 0), 0
+
+    def run_bytes(self, shape: LoRAConfig) -> int:
+        """Bytes a full run holds from its start to its end: its own weights (model dtype), one
+        sampler snapshot of them with its KV pool, and for what trains its gradients, AdamW's two
+        moments and, where the model's dtype is narrower than the wide one or only rows train, an
+        fp32 master copy."""
+        wide = max(self.dtype_bytes, 4)
+        whole, rows = self.trainable(shape)
+        masters = rows + (whole if self.dtype_bytes < wide else 0)
+        weights = 2 * self.params * self.dtype_bytes + self.snapshot_kv_bytes
+        return weights + (3 * (whole + rows) + masters) * wide
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -440,8 +517,9 @@ class OptimStep:
 
 @dataclass(frozen=True)
 class Save:
-    """save_state (kind "state": weights + optimizer) or save_weights (kind "weights": a sampler),
-    to a resolved target.
+    """save_state (kind "state": weights + optimizer), save_weights (kind "weights": a sampler) or
+    external weights (kind "external": the merged model as a Hugging Face directory, written by the
+    code `trine export --merged` runs), to a resolved target.
 
     A weights save also publishes the snapshot to the engine's adapter table under `checkpoint_id`,
     so samplers can use it at once (one kept in memory only, `path` "", never touches the disk).
@@ -561,6 +639,9 @@ class EngineInfo:
     replica: str = "local"  # where it runs: "local" or the Ray actor's node / id
     lora_features: dict[str, int] = field(default_factory=dict)  # in + out features per LoRA target
     vision: VisionSpec | None = None  # how it reads images; None: a text-only model
+    # (out, in) of every LoRA-targetable linear, by module name: what an imported adapter is checked against
+    linear_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    full_tuning: FullTuningShape | None = None  # what a full fine-tuning run costs on this replica
 
 
 @dataclass

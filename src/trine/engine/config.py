@@ -107,10 +107,16 @@ class SamplerConfig:
         "hybrid models: a prompt's state is snapshotted every this many tokens (a multiple of "
         "`block_size`), so prompts sharing a long prefix share it",
     )
+    full_weights_kv_cache_bytes: int | None = _knob(
+        None,
+        "bytes of the KV pool of each full fine-tuning snapshot being sampled (its own sampler); "
+        "unset: a quarter of the base pool's",
+    )
 
     def __post_init__(self):
-        if self.kv_cache_bytes is not None:
-            _positive_int(self, "kv_cache_bytes")
+        for name in ("kv_cache_bytes", "full_weights_kv_cache_bytes"):
+            if getattr(self, name) is not None:
+                _positive_int(self, name)
         if self.state_cache_bytes is not None:
             v = self.state_cache_bytes
             ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -179,14 +185,22 @@ class EngineConfig:
         "`packed` (MKL), `onednn` or `linear` (F.linear)",
         flag="--gemm",
     )
+    full_ft_memory_bytes: int | None = _knob(
+        None,
+        "bytes full fine-tuning runs may hold together on a replica (their weights, a snapshot, "
+        "gradients, fp32 masters, AdamW state); unset: three quarters of the memory free when "
+        "the engine starts",
+        flag="--full-ft-memory",
+    )
     sampler: SamplerConfig = field(default_factory=SamplerConfig, metadata={"doc": "the sampler's knobs"})
     trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"doc": "the trainer's knobs"})
 
     def __post_init__(self):
         if self.device is not None:
             _check(isinstance(self.device, str) and self.device != "", "device", self.device, "a device name")
-        if self.num_threads is not None:
-            _positive_int(self, "num_threads")
+        for name in ("num_threads", "full_ft_memory_bytes"):
+            if getattr(self, name) is not None:
+                _positive_int(self, name)
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
         _check(

@@ -45,6 +45,8 @@ class UsageEvent:
     train_sequence: int = 0
     prefill_image: int = 0  # of `prefill`, the images' vision tokens
     prefill_image_cached: int = 0  # of `prefill_cached`, the images' vision tokens
+    # a full fine-tuning run's event: its `train` tokens are priced from the rate card's `:full` row
+    full_fine_tuning: bool = False
 
     def __post_init__(self):
         if not self.train_sequence:

@@ -4,6 +4,10 @@ Shipped defaults live in `rates.toml` next to this module; `$TRINE_HOME/rates.to
 file override them row by row (a row given there replaces the fields it names). Invariants: every price
 is a finite number >= 0; `price(model)` always answers (unknown models get the "default" row).
 `train_loss` tokens are never billed on their own: they are a subset of the computed `train` tokens.
+
+Full fine-tuning's training tokens (a usage event with `full_fine_tuning`) are priced from a row of
+their own: `"<model>:full"`, else `"default:full"`; such a row needs only `train` (its other phases
+are never read: sampling a fully trained model is priced by the model's row).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from .money import money
 
 SHIPPED = Path(__file__).with_name("rates.toml")
 DEFAULT_ROW = "default"
+FULL_SUFFIX = ":full"  # "<model>:full": the row that prices a model's full fine-tuning tokens
 # prefill_image(_cached): the vision tokens among prefill(_cached), priced apart (a row that names no
 # image price charges them as text: prefill's and prefill_cached's prices); `cost` charges the text
 # rows only for the text tokens, so the phases' costs add up to the total
@@ -114,6 +119,8 @@ class RateCard:
                 merged.update(row)
         rows = {}
         for key, r in raw.items():
+            if key.endswith(FULL_SUFFIX):  # only `train` is read; the rest is 0 unless given
+                r = {"prefill": 0.0, "prefill_cached": 0.0, "sample": 0.0, **r}
             missing = [k for k in ("prefill", "sample", "train") if k not in r]
             if missing:
                 raise ValueError(f'rate card: models."{r["model"]}" needs {missing} (USD per million tokens)')
@@ -146,7 +153,13 @@ class RateCard:
             )
         return cls(rows, currency)
 
-    def price(self, model: str) -> ModelPrices:
+    def price(self, model: str, *, full: bool = False) -> ModelPrices:
+        """The row that prices `model` (with `full`, its full fine-tuning row: `<model>:full`, else
+        `default:full`, else its own row)."""
+        if full:
+            row = self.rows.get(model_key(model) + FULL_SUFFIX) or self.rows.get(DEFAULT_ROW + FULL_SUFFIX)
+            if row is not None:
+                return row
         return self.rows.get(model_key(model)) or self.rows[DEFAULT_ROW]
 
     def require(self, model: str) -> ModelPrices:
@@ -165,13 +178,15 @@ class RateCard:
     def cost(self, usage, model: str | None = None) -> dict[str, float]:
         """Cost by billed phase plus "total", for a UsageEvent (priced at its base_model) or any object with
         the phase attributes (prefill, prefill_cached, sample, train; the image phases, if it has
-        them), priced at `model`. "prefill" and "prefill_cached" are their text tokens' cost."""
+        them), priced at `model`. "prefill" and "prefill_cached" are their text tokens' cost; a full
+        fine-tuning event's `train` is priced at the model's full row."""
         model = model if model is not None else getattr(usage, "base_model", DEFAULT_ROW)
         p = self.price(model)
+        train = self.price(model, full=True) if getattr(usage, "full_fine_tuning", False) else p
         tokens = {ph: getattr(usage, ph, 0) or 0 for ph in BILLED_PHASES}
         tokens["prefill"] -= tokens["prefill_image"]
         tokens["prefill_cached"] -= tokens["prefill_image_cached"]
-        out = {ph: tokens[ph] * getattr(p, ph) / 1e6 for ph in BILLED_PHASES}
+        out = {ph: tokens[ph] * getattr(train if ph == "train" else p, ph) / 1e6 for ph in BILLED_PHASES}
         out["total"] = sum(out.values())
         return out
 
@@ -185,6 +200,7 @@ class RateCard:
             "currency": self.currency,
             "unit": "per_million_tokens",
             **{k: money(getattr(p, k)) for k in (*BILLED_PHASES, "storage_gb_month")},
+            "train_full": money(self.price(model, full=True).train),  # full fine-tuning's tokens
             "rate_row": p.model,
         }
 

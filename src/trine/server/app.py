@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..diskspace import DiskFull
 from ..home import trine_home
-from ..limits import MAX_BODY_BYTES, MAX_CONTROL_BYTES
+from ..limits import MAX_ADAPTER_UPLOAD_BYTES, MAX_BODY_BYTES, MAX_CONTROL_BYTES
 from ..metering.http import MoneyJSONResponse, make_usage_router
 from ..service import Service, ServiceError, Unauthorized
 from ..service.ownership import Ownership
@@ -55,7 +55,7 @@ from .http.middleware import BodyLimit, InternalErrors
 from .http.observed import Observed
 from .http.prometheus import HttpMetrics, PrometheusEndpoint
 from .http.refusals import public_message, retry_headers
-from .pytrio import routes_actor, routes_control, routes_runs
+from .pytrio import routes_actor, routes_adapters, routes_control, routes_runs
 
 log = logging.getLogger("trine.server")
 EMBEDDED_KEY_FILE = "embedded.key"
@@ -64,6 +64,8 @@ EMBEDDED_KEY_FILE = "embedded.key"
 def body_limit(path: str) -> int:
     """The most bytes a request body to `path` may have (the actor plane checks smaller per-route
     limits itself)."""
+    if path == routes_adapters.ADAPTERS_PATH:
+        return MAX_ADAPTER_UPLOAD_BYTES
     if (
         path.startswith("/api/")
         and path not in tinker.LARGE_BODY_PATHS
@@ -168,6 +170,7 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     app.include_router(make_usage_router(_usage_ledger, context.api_key, app.state.rate_card))
     app.include_router(console.router)  # the web console at /console (pages and their JSON)
     app.include_router(routes_runs.router)  # logged metrics; runs with labels (`trine runs`)
+    app.include_router(routes_adapters.router)  # adapter imports (`trine adapters import`)
     app.include_router(traces.router)  # session traces: files, signed URLs, the console's timeline
     # the OpenAI-compatible API: /v1/..., /api/openai/v1/..., /oai/api/v1/... (its own error shape)
     app.include_router(openai.router)

@@ -1,9 +1,11 @@
 """The sampler-adapter cache: which checkpoints' weights each replica holds, and spilling to disk.
 
-Each replica keeps at most `max_adapters` sampler adapters in memory, least recently used evicted
-first. A TEMPORARY weights save lives only in the memory of the replica that trained it (published
-by its cycle); before such a snapshot is evicted it is written to disk (spilled), so a sampler made
-from it keeps working and any replica can load it from then on.
+Each replica keeps at most `max_adapters` sampler adapters in memory, and at most
+`max_full_weights` of them full fine-tuning snapshots (each a copy of the model, with a sampler and
+KV pool of its own), least recently used evicted first. A TEMPORARY weights save lives only in the
+memory of the replica that trained it (published by its cycle); before such a snapshot is evicted it
+is written to disk (spilled), so a sampler made from it keeps working and any replica can load it
+from then on.
 
 Invariants
 - A checkpoint id is loaded at most once at a time per replica: concurrent samplers of the same
@@ -18,7 +20,7 @@ import asyncio
 import dataclasses
 import logging
 
-from ..engine.api import EngineLost, LoRAConfig
+from ..engine.api import FULL_RANK, EngineLost, LoRAConfig
 from ..engine.trainer.checkpoint import by_uri
 from ..store import Checkpoint, Store
 from .callbacks import OnLoop, Spawn
@@ -29,18 +31,25 @@ log = logging.getLogger("trine.service")
 
 
 class AdapterCache:
-    def __init__(self, *, store: Store, max_adapters: int, spawn: Spawn, on_loop: OnLoop):
+    def __init__(
+        self, *, store: Store, max_adapters: int, spawn: Spawn, on_loop: OnLoop, max_full_weights: int = 2
+    ):
         self.store = store
         self.max_adapters = max_adapters
+        self.max_full_weights = max_full_weights
         self._spawn = spawn  # runs a coroutine in the background (the service's task set)
         self._on_loop = on_loop  # runs a function on the event loop (now, if called from it)
 
     def remember(self, rep: Replica, checkpoint_id: str) -> None:
         """Record that `rep` holds the checkpoint's weights; evict the least recently used."""
-        rep.adapters[checkpoint_id] = None
+        ck = self.store.checkpoint(checkpoint_id)
+        rep.adapters[checkpoint_id] = ck is not None and ck.lora_rank == FULL_RANK
         rep.adapters.move_to_end(checkpoint_id)
         while len(rep.adapters) > self.max_adapters:
             self._start_eviction(rep, next(iter(rep.adapters)), spill=True)
+        full = [c for c, is_full in rep.adapters.items() if is_full]
+        for c in full[: max(len(full) - self.max_full_weights, 0)]:
+            self._start_eviction(rep, c, spill=True)
 
     def _start_eviction(self, rep: Replica, checkpoint_id: str, spill: bool) -> None:
         """Until the eviction is done, requests for the checkpoint wait for it, then load it anew."""

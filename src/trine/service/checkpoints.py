@@ -27,6 +27,9 @@ from .errors import Conflict, InvalidRequest
 from .models import ServedModel
 from .ownership import Ownership
 
+# a Save's kind -> its checkpoint's kind
+CHECKPOINT_KINDS = {"state": "TRAINING", "weights": "SAMPLER", "external": "EXTERNAL"}
+
 
 class Checkpoints:
     def __init__(
@@ -62,7 +65,7 @@ class Checkpoints:
             run.api_key_id,
             run.id,
             save.name,
-            "TRAINING" if op.kind == "state" else "SAMPLER",
+            CHECKPOINT_KINDS[op.kind],
             op.uri,
             op.path,
             size_bytes,
@@ -77,6 +80,7 @@ class Checkpoints:
             now,
             now + ttl if ttl else None,
             inflight_version=inflight_version,
+            trainable_token_indices=run.trainable_token_indices,
         )
         self.store.add_checkpoint(ck)
         return ck

@@ -95,7 +95,8 @@ class InitByUri:
 
 @dataclass(frozen=True)
 class SaveByName:
-    """kind "state" (weights + optimizer, to resume training) or "weights" (a sampler).
+    """kind "state" (weights + optimizer, to resume training), "weights" (a sampler) or "external"
+    (the merged model as a Hugging Face directory, for download: Tinker's save_weights_external).
     visibility TEMPORARY keeps weights in memory only, for `ttl_seconds` (default 6 h).
     inflight (weights only): also publish them as the run's inflight target, which every sampler
     made from an inflight save of the run follows (service/inflight.py)."""

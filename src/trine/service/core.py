@@ -13,6 +13,8 @@ calls the parts' public methods directly:
   SampleOutcome), `cancel`;
 - `checkpoints` (checkpoints.py): `delete(key, checkpoint_id)`, `set_ttl`, `set_public`, `stored(key)`
   (what is on disk), `archive(checkpoint, flat=)` (a tar file);
+- `imports` (imports.py): `adapter(key, base_model=, name=, directory=, origin=)`: a PEFT adapter
+  trained elsewhere, checked against the model, as a sampler checkpoint;
 - `metrics` (metrics.py): `log(key, run, step, values)`, `series(key, run)`, `last(key, run)`: the
   metrics users log for their training runs;
 - `traces` (traces.py): `timeline(key, session)` and `chrome_trace(key, session)`: where a
@@ -62,6 +64,7 @@ from .events import MISSING_INDEX_SECONDS, Events
 from .faults import Faults
 from .gate import WorkGate
 from .gc import GarbageCollector
+from .imports import Imports
 from .inflight import Inflight
 from .meter import Meter
 from .metrics import Metrics
@@ -94,6 +97,7 @@ class Service:
         gather_seconds: float = 0.02,
         engine: EngineConfig | None = None,
         max_adapters: int = 32,
+        max_full_weights: int = 2,
         run_idle_seconds: float = 3600.0,
         gc_interval: float = 60.0,
         rate_card: RateCard | None = None,
@@ -135,7 +139,11 @@ class Service:
         )
         self.activity = Activity()
         self.adapters = AdapterCache(
-            store=store, max_adapters=max_adapters, spawn=self._spawn, on_loop=self._on_loop
+            store=store,
+            max_adapters=max_adapters,
+            max_full_weights=max_full_weights,
+            spawn=self._spawn,
+            on_loop=self._on_loop,
         )
         self.checkpoints = Checkpoints(
             store=store, ownership=self.ownership, models=self.models, adapters=self.adapters
@@ -180,6 +188,7 @@ class Service:
             gate=self.gate,
         )
         self.queries = Queries(store=store, ownership=self.ownership, models=self.models)
+        self.imports = Imports(store=store, models=self.models, gate=self.gate)
         self.metrics = Metrics(store=store, ownership=self.ownership)
         self.traces = Traces(store=store, ownership=self.ownership, rate_card=self.rate_card)
         self.gc = GarbageCollector(

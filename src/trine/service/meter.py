@@ -106,9 +106,11 @@ class Meter:
         replica: int,
         cycle: int | None,
         span: tuple[float, float] = (0.0, 0.0),
+        full: bool = False,
     ) -> Metered:
         """A settled training event's rows. `span`: the wall-clock start and end of the clock cycle
-        it ran in; a failed event is timed but not metered."""
+        it ran in; `full`: its run fine-tunes every weight (priced from the `:full` rate row); a
+        failed event is timed but not metered."""
         usage = None
         if not out.error and record.type in METERED_EVENTS:
             usage = UsageEvent(
@@ -122,6 +124,7 @@ class Meter:
                 train=out.train_tokens,
                 train_loss=out.loss_tokens,
                 train_sequence=out.train_sequence_tokens,
+                full_fine_tuning=full,
             )
         timing = Timing(
             api_key_id=record.api_key_id,

@@ -117,6 +117,12 @@ class Ownership:
     def restorable(self, key: ApiKey, uri: str, restore_optimizer: bool) -> Checkpoint:
         """A checkpoint a training run can start from (the key's own or a published one)."""
         ck = self.readable_by_uri(key, uri)
+        if ck.kind == "EXTERNAL":
+            raise InvalidRequest(
+                f"checkpoint {uri} holds merged weights for download (save_weights_external); "
+                "training restores a saved state or sampler weights",
+                code="checkpoint_invalid_type",
+            )
         if not ck.path:
             raise InvalidRequest(
                 f"checkpoint {uri} is a temporary sampler snapshot held in memory; "

@@ -4,7 +4,9 @@ One key cannot take the machine from the others: past a limit (`limits.KeyLimits
 refused with 429 naming the limit, before anything is created or queued.
 
 Adapter memory is estimated from the run's LoRA shape: rank x (in + out features of every
-targeted layer) fp32 parameters, held four times (weights, gradients, two Adam moments).
+targeted layer) fp32 parameters, held four times (weights, gradients, two Adam moments). A full
+fine-tuning run (rank 0) counts what it holds (`FullTuningShape.run_bytes`): its own weights, a
+snapshot, gradients, masters and AdamW state.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from .models import ServedModel
 COPIES = 4  # weights, gradients, Adam's two moments
 
 
-def adapter_bytes(m: ServedModel, rank: int, train_mlp: bool, train_attn: bool, train_unembed: bool) -> int:
-    features = m.info.lora_features if m.info is not None else {}
-    targets = LoRAConfig(
-        rank=rank, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
-    ).target_names()
-    return rank * sum(features.get(t, 0) for t in targets) * 4 * COPIES
+def adapter_bytes(m: ServedModel, lora: LoRAConfig) -> int:
+    """The training memory a run of shape `lora` holds on `m` (estimated as the module docstring says)."""
+    if m.info is None:
+        return 0
+    if lora.full:
+        return m.info.full_tuning.run_bytes(lora) if m.info.full_tuning is not None else 0
+    features = m.info.lora_features
+    return lora.rank * sum(features.get(t, 0) for t in lora.target_names()) * 4 * COPIES
 
 
 class KeyQuotas:
@@ -32,9 +36,7 @@ class KeyQuotas:
         self.models = models
         self.limits = limits or KeyLimits()
 
-    def check_new_run(
-        self, key: ApiKey, m: ServedModel, rank: int, train_mlp: bool, train_attn: bool, train_unembed: bool
-    ) -> None:
+    def check_new_run(self, key: ApiKey, m: ServedModel, lora: LoRAConfig) -> None:
         live, count = self.store.training_runs(key.id, status="ACTIVE")
         if count >= self.limits.live_runs:
             raise TooManyRequests(
@@ -43,10 +45,11 @@ class KeyQuotas:
                 code="key_limit_live_runs",
             )
         held = sum(self._run_bytes(r) for r in live)
-        new = adapter_bytes(m, rank, train_mlp, train_attn, train_unembed)
+        new = adapter_bytes(m, lora)
         if held + new > self.limits.adapter_bytes:
+            what = "a full fine-tuning run" if lora.full else f"a rank-{lora.rank} run"
             raise TooManyRequests(
-                f"a rank-{rank} run needs about {new / 2**20:.0f} MiB of adapter memory and "
+                f"{what} needs about {new / 2**20:.0f} MiB of training memory and "
                 f"this key's live runs hold {held / 2**20:.0f} MiB; the limit per key is "
                 f"{self.limits.adapter_bytes / 2**20:.0f} MiB (adapter_bytes): use a lower "
                 "rank or finish runs first",
@@ -65,4 +68,4 @@ class KeyQuotas:
 
     def _run_bytes(self, r: TrainingRun) -> int:
         m = self.models.get(r.base_model)
-        return adapter_bytes(m, r.lora_rank, r.train_mlp, r.train_attn, r.train_unembed) if m else 0
+        return adapter_bytes(m, LoRAConfig.named_by(r)) if m else 0

@@ -5,6 +5,8 @@ Invariants
 - Ending a training run fails its waiting events (`run_ended`), frees its weights on its replica
   and deletes its TEMPORARY checkpoints.
 - A run restored from a checkpoint takes the checkpoint's LoRA shape; its base model must match.
+- A full fine-tuning run (rank 0) is placed on a replica whose full-tuning budget holds it, or
+  refused (409 `insufficient_memory`) before any record is made; it trains with AdamW.
 - A run's optimizer family (AdamW or Dimuon) is fixed when it is made: a restored optimizer state
   brings its own, which the spec may not override.
 - A sampling run is attributed to at most one of its key's training runs: the one named in its
@@ -16,11 +18,13 @@ Invariants
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 
-from ..engine.api import ADAMW, OPTIMIZERS
-from ..limits import check_lora_rank
+from ..engine.api import ADAMW, OPTIMIZERS, LoRAConfig
+from ..limits import check_lora_rank, check_token_indices
 from ..store import ApiKey, SamplingRun, Session, Store, TrainingRun
 from ..store.keys import new_id
 from . import labels as run_labels
@@ -33,7 +37,7 @@ from .gate import WorkGate
 from .inflight import Inflight
 from .models import ServedModel, resolve_model
 from .ownership import Ownership
-from .quotas import KeyQuotas
+from .quotas import KeyQuotas, adapter_bytes
 
 log = logging.getLogger("trine.service")
 
@@ -96,7 +100,7 @@ class Runs:
     def create_training_run(self, key: ApiKey, session_id: str, spec: TrainingRunSpec) -> TrainingRun:
         s = self.ownership.active_session(key, session_id)
         self._admit("a new training run")
-        lora, source = spec.lora, None
+        shape, source = spec.lora, None
         if spec.source_checkpoint_uri:
             source = self.ownership.restorable(key, spec.source_checkpoint_uri, spec.restore_optimizer)
             m = resolve_model(self.models, source.base_model)
@@ -105,32 +109,23 @@ class Runs:
                     f"base_model {spec.base_model!r} differs from the checkpoint's base model "
                     f"{source.base_model!r}; leave base_model empty to use it"
                 )
-            rank, train_mlp, train_attn, train_unembed = (
-                source.lora_rank,
-                source.train_mlp,
-                source.train_attn,
-                source.train_unembed,
-            )
-            seed = source.seed if lora.seed is None else lora.seed
+            seed = source.seed if shape.seed is None else shape.seed
+            shape = dataclasses.replace(LoRAConfig.named_by(source), seed=seed)
         else:
             if not spec.base_model:
                 raise InvalidRequest("base_model is empty: name a served model or give source_checkpoint_uri")
             m = resolve_model(self.models, spec.base_model)
-            rank, train_mlp, train_attn, train_unembed, seed = (
-                lora.rank,
-                lora.train_mlp,
-                lora.train_attn,
-                lora.train_unembed,
-                lora.seed,
-            )
-        try:
-            check_lora_rank(rank)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
+        self._check_shape(shape, m)
         family = self._optimizer(spec, source)
+        if shape.full and family != ADAMW:
+            raise InvalidRequest(
+                f"optimizer {family!r}: full fine-tuning (lora_rank 0) trains with {ADAMW}; "
+                "Dimuon steps LoRA matrices",
+                code="not_supported",
+            )
         labels = run_labels.inherit(run_labels.checked(spec.labels), run_labels.of_record(s))
         if self.quotas is not None:
-            self.quotas.check_new_run(key, m, rank, train_mlp, train_attn, train_unembed)
+            self.quotas.check_new_run(key, m, shape)
         now = time.time()
         r = TrainingRun(
             new_id("tr"),
@@ -138,11 +133,11 @@ class Runs:
             s.id,
             self.store.count_runs(s.id) + 1,
             m.name,
-            rank,
-            train_mlp,
-            train_attn,
-            train_unembed,
-            seed,
+            shape.rank,
+            shape.train_mlp,
+            shape.train_attn,
+            shape.train_unembed,
+            shape.seed,
             source.uri if source else "",
             bool(spec.restore_optimizer),
             "ACTIVE",
@@ -150,11 +145,29 @@ class Runs:
             now,
             **run_labels.stored(labels),
             optimizer_family=family,
+            trainable_token_indices=_indices_text(shape),
         )
-        m.place(r.id)  # by load, now: refuses at once when no replica runs
+        # by load, now: refuses at once when no replica runs (or none has room for a full run)
+        m.place(r.id, adapter_bytes(m, shape) if shape.full else 0)
         self.store.add_training_run(r)
         self.activity.touch(r.id)
         return r
+
+    @staticmethod
+    def _check_shape(shape: LoRAConfig, m: ServedModel) -> None:
+        """A rank in range (0: full fine-tuning), and token rows only for full fine-tuning."""
+        try:
+            check_lora_rank(shape.rank, full=True)
+            if shape.trainable_token_indices:
+                check_token_indices(list(shape.trainable_token_indices), m.vocab_size)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if shape.trainable_token_indices and not shape.full:
+            raise InvalidRequest(
+                "trainable_token_indices: only full fine-tuning trains embedding rows (lora_rank 0; "
+                "the SDK's full=True); a LoRA run adapts linear layers only",
+                code="not_supported",
+            )
 
     def _optimizer(self, spec: TrainingRunSpec, source) -> str:
         """The new run's optimizer family: the spec's (AdamW when empty), or a restored state's."""
@@ -200,6 +213,11 @@ class Runs:
             raise InvalidRequest(
                 f"checkpoint {ck.uri} was trained on {ck.base_model}, this run uses {r.base_model}"
             )
+        if (ck.lora_rank == 0) != (r.lora_rank == 0):
+            raise InvalidRequest(
+                f"checkpoint {ck.uri} holds {'full' if ck.lora_rank == 0 else 'LoRA'} weights and this "
+                "run was made for the other kind: create a new training client from the checkpoint"
+            )
         self.store.update_training_run(
             r.id,
             source_checkpoint_uri=ck.uri,
@@ -211,6 +229,7 @@ class Runs:
             train_mlp=ck.train_mlp,
             train_attn=ck.train_attn,
             train_unembed=ck.train_unembed,
+            trainable_token_indices=ck.trainable_token_indices,
         )
         return self.store.training_run(r.id)
 
@@ -247,6 +266,12 @@ class Runs:
         ck = None
         if spec.source_checkpoint_uri:
             ck = self.ownership.readable_by_uri(key, spec.source_checkpoint_uri)
+            if ck.kind == "EXTERNAL":
+                raise InvalidRequest(
+                    f"checkpoint {ck.uri} holds merged weights for download; sample from a "
+                    "sampler checkpoint (save_weights_for_sampler)",
+                    code="checkpoint_invalid_type",
+                )
             m = resolve_model(self.models, ck.base_model)
             if spec.base_model and resolve_model(self.models, spec.base_model) is not m:
                 raise InvalidRequest(
@@ -277,3 +302,8 @@ class Runs:
         )
         self.store.add_sampling_run(r)
         return r
+
+
+def _indices_text(shape: LoRAConfig) -> str:
+    """`trainable_token_indices` as a record keeps them: a JSON list, "" for none."""
+    return json.dumps(list(shape.trainable_token_indices)) if shape.trainable_token_indices else ""

@@ -54,6 +54,8 @@ class TrainingRun:
     user_metadata: str = ""  # a JSON object of strings
     optimizer: str = ""  # a JSON object: the settings of the last optim_step accepted (`type` its family)
     optimizer_family: str = "adamw"  # engine.api.OPTIMIZERS: fixed when the run is made
+    # lora_rank 0 is full fine-tuning; its embedding rows that train (a JSON list; "" = all or none)
+    trainable_token_indices: str = ""
 
     @property
     def tag_list(self) -> list[str]:
@@ -143,7 +145,7 @@ class Checkpoint:
     api_key_id: str
     training_run_id: str
     name: str
-    kind: str  # TRAINING (save_state) or SAMPLER (save_weights)
+    kind: str  # TRAINING (save_state), SAMPLER (save_weights) or EXTERNAL (merged Hugging Face weights)
     uri: str
     path: str  # directory on disk, "" while it lives only in memory (TEMPORARY)
     size_bytes: int
@@ -159,6 +161,8 @@ class Checkpoint:
     expires_at: float | None = None
     public: bool = False  # readable (sampled, restored, downloaded) by every API key, not only its owner
     inflight_version: int = 0  # an inflight save: the target version it published (0: a snapshot)
+    trainable_token_indices: str = ""  # its run's (a JSON list), as TrainingRun's
+    source: str = ""  # an imported adapter: where it came from (what the upload named, its digest)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pydantic import field_validator, model_validator
+from pydantic import model_validator
 
 from ..limits import ADAM_BOUNDS, SAMPLING_BOUNDS, check_adam_value, sampling_bound_error
 from .base import BaseModel
@@ -90,23 +90,31 @@ class AdamParams(BaseModel):
 
 
 class LoraConfig(BaseModel):
-    """The LoRA adapter of a training run. rank must be in [4, 64] (as PyTRIO enforces)."""
+    """The LoRA adapter of a training run. rank must be in [4, 64] (as PyTRIO enforces). With `full`
+    (trine's own), the run fine-tunes the model's own weights instead (its rank is 0): the attention
+    layers, the MLPs and, with train_unembed, the embedding and head; `trainable_token_indices`
+    restricts the embedding and head to those rows."""
 
     rank: int = 32
     seed: int | None = None
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
-
-    @field_validator("rank")
-    @classmethod
-    def _rank(cls, v: int) -> int:
-        if not 4 <= v <= 64:
-            raise ValueError(f"LoraConfig.rank must be in [4, 64], got {v}")
-        return v
+    full: bool = False
+    trainable_token_indices: list[int] | None = None
 
     @model_validator(mode="after")
-    def _some_target(self) -> LoraConfig:
-        if not (self.train_mlp or self.train_attn or self.train_unembed):
+    def _shape(self) -> LoraConfig:
+        if self.full:
+            self.rank = 0
+        elif not 4 <= self.rank <= 64:
+            raise ValueError(
+                f"LoraConfig.rank must be in [4, 64], got {self.rank} (full=True fine-tunes every weight)"
+            )
+        elif self.trainable_token_indices:
+            raise ValueError(
+                "LoraConfig.trainable_token_indices: only full fine-tuning (full=True) trains embedding rows"
+            )
+        if not (self.train_mlp or self.train_attn or self.train_unembed or self.full):
             raise ValueError("LoraConfig: at least one of train_mlp, train_attn, train_unembed must be True")
         return self

@@ -16,12 +16,13 @@ class Cursor(BaseModel):
 
 class Checkpoint(BaseModel):
     checkpoint_id: str
-    checkpoint_type: Literal["training", "sampler"]
+    checkpoint_type: Literal["training", "sampler", "external"]
     time: datetime
     path: str
     size_bytes: int | None = None
     public: bool = False
     expires_at: datetime | None = None
+    source: str | None = None  # an imported adapter's origin (trine)
 
 
 class CheckpointsListResponse(BaseModel):

@@ -2,7 +2,7 @@
 
 One table per engine, touched by its worker thread only.
 - A *snapshot* is a published weights save or a loaded PEFT directory, named by its checkpoint id;
-  it never changes.
+  it never changes. A full fine-tuning run's snapshot is a model (`Transformer`), not an adapter.
 - An *inflight target* is a training run's moving weights (target id = the run id) at a version;
   `publish` moves it forward, never back (publications may arrive out of order on a pool).
 
@@ -17,24 +17,33 @@ import dataclasses
 
 from ..api import SampleRequest
 from ..model.lora import Adapter
+from ..model.model import Transformer
+
+Weights = Adapter | Transformer  # a LoRA adapter on the base model, or a full run's own model
 
 
 class AdapterTable:
     def __init__(self) -> None:
-        self._snapshots: dict[str, Adapter] = {}  # checkpoint id -> weights
+        self._snapshots: dict[str, Weights] = {}  # checkpoint id -> weights
         self._targets: dict[str, tuple[int, Adapter]] = {}  # inflight target -> (version, weights)
 
     def __len__(self) -> int:
         return len(self._snapshots)
 
     # ------------------------------------------------------------------ snapshots
-    def hold(self, checkpoint_id: str, adapter: Adapter) -> None:
+    def hold(self, checkpoint_id: str, adapter: Weights) -> None:
         self._snapshots[checkpoint_id] = adapter
+
+    def holds(self, weights: Weights) -> bool:
+        """Whether a snapshot or a target is these weights (by identity)."""
+        return any(w is weights for w in self._snapshots.values()) or any(
+            w is weights for _, w in self._targets.values()
+        )
 
     def evict(self, checkpoint_id: str) -> None:
         self._snapshots.pop(checkpoint_id, None)
 
-    def snapshot(self, checkpoint_id: str) -> Adapter:
+    def snapshot(self, checkpoint_id: str) -> Weights:
         adapter = self._snapshots.get(checkpoint_id)
         if adapter is None:
             raise ValueError(
@@ -60,8 +69,8 @@ class AdapterTable:
         self._targets.pop(target, None)
 
     # ------------------------------------------------------------------ requests
-    def resolve(self, req: SampleRequest) -> tuple[SampleRequest, Adapter | None]:
-        """The adapter `req.weights.adapter` names (None: the base model); an inflight request also
+    def resolve(self, req: SampleRequest) -> tuple[SampleRequest, Weights | None]:
+        """The weights `req.weights.adapter` names (None: the base model); an inflight request also
         gets its target's current version (a copy: the caller's request is untouched)."""
         name = req.weights.adapter
         if req.inflight:

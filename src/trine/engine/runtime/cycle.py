@@ -215,20 +215,21 @@ class CycleRunner:
             raise
 
     def _write_save(self, run_id: str, op: Save) -> EventOutcome:
-        if op.kind == "state":
-            size = save_dir(Path(op.path), lambda tmp: self.trainer.save_state(run_id, tmp))
+        if op.kind in ("state", "external"):
+            write = self.trainer.save_state if op.kind == "state" else self.trainer.save_merged
+            size = save_dir(Path(op.path), lambda tmp: write(run_id, tmp))
             return EventOutcome(size_bytes=size)
         snap = self.trainer.snapshot(run_id)
+        version = 0
+        if op.inflight:  # first: a full run's weights are refused before anything is written or held
+            version = self.w.adapters.target_version(run_id) + 1
+            self.w.publish_target(run_id, version, snap)
         if op.path:
             size = save_dir(Path(op.path), lambda tmp: self.trainer.save_weights(run_id, tmp))
         else:
             size = adapter_bytes(snap)
         if op.checkpoint_id:
             self.w.adapters.hold(op.checkpoint_id, snap)
-        version = 0
-        if op.inflight:
-            version = self.w.adapters.target_version(run_id) + 1
-            self.w.publish_target(run_id, version, snap)
         return EventOutcome(size_bytes=size, weights_version=version)
 
 

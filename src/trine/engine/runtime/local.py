@@ -27,6 +27,7 @@ from ..api import (
 from ..config import EngineConfig
 from ..interface import Engine
 from ..model.lora import lora_features
+from ..trainer.adapter_import import adapter_targets
 from .cycle import CycleRunner
 from .worker import EngineWorker
 
@@ -61,7 +62,9 @@ class LocalEngine(Engine):
             str(w.model.device),
             self.replica,
             lora_features(w.model),
-            VisionSpec.from_dir(w.model_dir),
+            vision=VisionSpec.from_dir(w.model_dir),
+            linear_shapes=adapter_targets(w.model),
+            full_tuning=w.trainer.full_tuning,
         )
         return self.info
 
@@ -93,7 +96,7 @@ class LocalEngine(Engine):
         return await self.worker.submit(lambda w: w.load_adapter(checkpoint_id, path))
 
     async def evict_adapter(self, checkpoint_id: str) -> None:
-        await self.worker.submit(lambda w: w.adapters.evict(checkpoint_id))
+        await self.worker.submit(lambda w: w.evict_adapter(checkpoint_id))
 
     async def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
         return await self.worker.submit(lambda w: w.spill_adapter(checkpoint_id, lora, path))

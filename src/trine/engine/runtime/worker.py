@@ -11,9 +11,11 @@ asyncio futures back, settled with `loop.call_soon_threadsafe`:
 
 The thread also owns the adapter table (`adapters`, adapters.py: snapshots by checkpoint id and
 inflight targets); a sample request names its weights by `weights.adapter` and the thread resolves
-them when the request arrives. `publish_target` moves a target and every live request on it to new
-weights between steps; `drop_run`, `load_adapter`, `spill_adapter` and `publish_checkpoint` are the
-jobs on the trainer and that table that are not a cycle (cycle.py runs those). This class is the
+them when the request arrives. A full fine-tuning snapshot is a model of its own: its requests run
+on `weights_samplers` (weights_samplers.py), stepped beside the base model's `sampler`.
+`publish_target` moves a target and every live request on it to new weights between steps;
+`drop_run`, `load_adapter`, `evict_adapter`, `spill_adapter` and `publish_checkpoint` are the jobs
+on the trainer and that table that are not a cycle (cycle.py runs those). This class is the
 machinery; `runtime.local.LocalEngine` is the interface the service uses.
 
 Between jobs, and between training micro-batches (`tick`, passed as the Trainer's
@@ -40,9 +42,11 @@ from ..config import EngineConfig
 from ..model import invariant
 from ..model.kernels.active import active, startup_line
 from ..model.lora import Adapter, linear_shapes
+from ..model.model import Transformer
 from ..model.tokenizer import Tokenizer
 from ..model.weights import auto_dtype, default_device, load_model, parse_dtype
 from ..setup import configure
+from ..trainer import full
 from ..trainer.checkpoint import adapter_bytes, load_peft_adapter, save_dir, save_peft_adapter
 from .adapters import AdapterTable
 from .cpu_share import CpuShare, release_openmp_pool
@@ -179,8 +183,10 @@ class EngineWorker:
             cfg = self.config
             if cfg.num_threads:
                 torch.set_num_threads(cfg.num_threads)
+            from ..sampler.kv_cache import default_kv_cache_bytes
             from ..sampler.sampler import Sampler
             from ..trainer.trainer import Trainer
+            from .weights_samplers import WeightsSamplers
 
             if cfg.batch_invariant:  # sampler = trainer, bit for bit
                 invariant.enable(True)
@@ -193,7 +199,17 @@ class EngineWorker:
             self.tokenizer = Tokenizer(self.model_dir)
             self._new_sampler = lambda: Sampler(self.model, self.tokenizer, cfg.sampler)
             self.sampler = self._new_sampler()
-            self.trainer = Trainer(self.model, base_model=self.name, config=cfg.trainer)
+            base_kv = cfg.sampler.kv_cache_bytes or default_kv_cache_bytes(self.model.device)
+            full_kv = cfg.sampler.full_weights_kv_cache_bytes or base_kv // 4
+            full_sampler = dataclasses.replace(cfg.sampler, kv_cache_bytes=full_kv)
+            self.weights_samplers = WeightsSamplers(lambda m: Sampler(m, self.tokenizer, full_sampler))
+            budget = cfg.full_ft_memory_bytes or full.available_memory(self.model.device) * 3 // 4
+            self.trainer = Trainer(
+                self.model,
+                base_model=self.name,
+                config=cfg.trainer,
+                full_tuning=full.tuning_shape(self.model, budget, full_kv),
+            )
             # on CPU, the threads other processes leave it (cpu_share.py); a fixed count where the
             # numerics must be (--batch-invariant: its GEMMs' bits depend on the thread count)
             on_cpu = self.model.device.type == "cpu"
@@ -220,9 +236,12 @@ class EngineWorker:
         except RuntimeError:  # the event loop is closed: nobody is waiting any more
             pass
 
+    def _sampling(self) -> bool:
+        return self.sampler.has_work() or self.weights_samplers.has_work()
+
     def _serve(self) -> None:
         while not self._stopping:
-            self._drain(block=not (self._jobs or self.sampler.has_work()))
+            self._drain(block=not (self._jobs or self._sampling()))
             if self._jobs:
                 fn, fut = self._jobs.popleft()
                 self.cpu_share.adapt()
@@ -234,13 +253,13 @@ class EngineWorker:
                     self._post(fut, exc=e)
                 else:
                     self._post(fut, result)
-            elif self.sampler.has_work():
+            elif self._sampling():
                 self._step()
 
     def tick(self) -> None:
         """Admit new sample requests and run one sampler step. Worker thread only."""
         self._drain(block=False)
-        if self.sampler.has_work():
+        if self._sampling():
             self._step()
 
     def _post(self, fut: asyncio.Future, result: Any = None, exc: BaseException | None = None):
@@ -263,8 +282,11 @@ class EngineWorker:
                 self._cancel(obj, fut)
                 continue
             try:
-                obj, adapter = self.adapters.resolve(obj)
-                self.sampler.add(obj, adapter)
+                obj, weights = self.adapters.resolve(obj)
+                if isinstance(weights, Transformer):  # a full fine-tuning snapshot
+                    self.weights_samplers.add(obj, weights)
+                else:
+                    self.sampler.add(obj, weights)
             except ValueError as e:
                 self._post(fut, exc=e)
             else:
@@ -273,7 +295,12 @@ class EngineWorker:
     def publish_target(self, target: str, version: int, adapter: Adapter) -> None:
         """Inflight target `target` now has weights `adapter` at `version` (worker thread): new
         requests on it start there, live ones switch at their next step. An older version than the
-        one held is ignored."""
+        one held is ignored. Full fine-tuning weights have no inflight targets."""
+        if isinstance(adapter, Transformer):
+            raise ValueError(
+                "inflight samplers follow LoRA runs; sample a full fine-tuning run from a weights "
+                "save (save_weights_for_sampler), which is a snapshot"
+            )
         if self.adapters.publish(target, version, adapter):
             self.sampler.publish(target, version, adapter)
 
@@ -289,39 +316,57 @@ class EngineWorker:
         self.publish_target(target, version, self.adapters.snapshot(checkpoint_id))
 
     def load_adapter(self, checkpoint_id: str, path: str) -> int:
-        """Load a saved PEFT adapter directory into the adapter table (worker thread); bytes held."""
-        adapter, _ = load_peft_adapter(self.model, path)
-        adapter.requires_grad_(False)
-        self.adapters.hold(checkpoint_id, adapter)
-        return adapter_bytes(adapter)
+        """Load a saved PEFT adapter directory (or a full fine-tuning run's model directory) into
+        the adapter table (worker thread); bytes held."""
+        if full.is_full_checkpoint(path):
+            weights = load_model(path, device=self.model.device, dtype=self.model.dtype)
+            if weights.cfg != self.model.cfg:
+                raise ValueError(f"{path}: its config.json describes another model than {self.name}")
+        else:
+            weights, _ = load_peft_adapter(self.model, path)
+        weights.requires_grad_(False)
+        self.adapters.hold(checkpoint_id, weights)
+        return adapter_bytes(weights)
+
+    def evict_adapter(self, checkpoint_id: str) -> None:
+        """Let a checkpoint's weights leave memory (worker thread); a full snapshot's sampler and KV
+        pool go too once its last request is done."""
+        self.adapters.evict(checkpoint_id)
+        self.weights_samplers.prune(self.adapters.holds)
 
     def spill_adapter(self, checkpoint_id: str, lora: LoRAConfig, path: str) -> int:
         """Write an in-memory snapshot to disk so it can leave memory (worker thread); bytes written."""
-        adapter = self.adapters.snapshot(checkpoint_id)
+        weights = self.adapters.snapshot(checkpoint_id)
+        if isinstance(weights, Transformer):
+            facts = full.full_facts(self.name, self.model.source_dir, lora)
+            return save_dir(Path(path), lambda tmp: full.write_weights(weights, tmp, facts))
         return save_dir(
-            Path(path), lambda tmp: save_peft_adapter(adapter, lora, tmp, self.name, self.model.source_dir)
+            Path(path), lambda tmp: save_peft_adapter(weights, lora, tmp, self.name, self.model.source_dir)
         )
 
     def _cancel(self, request_id: str, done: asyncio.Future) -> None:
         fut = self._pending.pop(request_id, None)
         partial = None
         if fut is not None:  # else finished (or refused) already
-            partial = self.sampler.cancel(request_id)  # frees its sequences and KV blocks now
+            samplers = self.weights_samplers if self.weights_samplers.owns(request_id) else self.sampler
+            partial = samplers.cancel(request_id)  # frees its sequences and KV blocks now
             self._post(fut, exc=SampleCancelled(f"sample request {request_id} was cancelled"))
         self._post(done, partial)
 
     def _step(self) -> None:
         self.cpu_share.adapt()
         try:
-            results: list[SampleResult] = self.sampler.step()
-        except Exception as e:  # an engine bug: fail what is running, start from a clean sampler
+            results: list[SampleResult] = self.sampler.step() if self.sampler.has_work() else []
+            results += self.weights_samplers.step()
+        except Exception as e:  # an engine bug: fail what is running, start from clean samplers
             log.error("sampler step failed:\n%s", traceback.format_exc())
             for fut in self._pending.values():
                 self._post(fut, exc=RuntimeError(f"sampling failed: {e}"))
             self._pending.clear()
             self.sampler = self._new_sampler()
+            self.weights_samplers.clear()
             return
-        for d in self.sampler.take_deltas():
+        for d in self.sampler.take_deltas() + self.weights_samplers.take_deltas():
             deltas = self._streams.get(d.request_id)
             if deltas is not None:
                 self.loop.call_soon_threadsafe(deltas.put_nowait, d)

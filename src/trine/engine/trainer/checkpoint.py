@@ -122,9 +122,24 @@ def save_peft_adapter(
     `base_model_name_or_path` is the base model's directory when known (`base_model_dir`), so
     `AutoPeftModelForCausalLM.from_pretrained(path)` loads it on this machine without a hub;
     the served model's name is kept apart in `trine_checkpoint.json`."""
+    return save_peft_tensors(adapter_state(adapter), lora, path, base_model, base_model_dir)
+
+
+def save_peft_tensors(
+    state: dict[str, torch.Tensor],
+    lora: LoRAConfig,
+    path: str | Path,
+    base_model: str,
+    base_model_dir: str | Path | None = None,
+    source: str = "",
+) -> int:
+    """`save_peft_adapter` for tensors already under PEFT keys (fp32, contiguous, on the CPU);
+    `source` (an imported adapter's origin) goes to trine_checkpoint.json."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     facts = {"base_model": base_model, "base_model_dir": str(base_model_dir) if base_model_dir else None}
+    if source:
+        facts["source"] = source
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -133,7 +148,8 @@ def save_peft_adapter(
         "lora_alpha": lora.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in adapter.module_names()}),
+        # the modules the tensors adapt (a hybrid model's linear-attention projections too)
+        "target_modules": sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state}),
         "fan_in_fan_out": False,
         "use_rslora": False,
         "inference_mode": True,
@@ -141,7 +157,7 @@ def save_peft_adapter(
         "modules_to_save": None,
     }
     meta = {"trine_lora": json.dumps(asdict(lora))}
-    written = atomic_write(path / ADAPTER_WEIGHTS, save(adapter_state(adapter), metadata=meta))
+    written = atomic_write(path / ADAPTER_WEIGHTS, save(state, metadata=meta))
     written += atomic_write(path / TRINE_FACTS, json.dumps(facts, indent=2).encode())
     return written + atomic_write(path / ADAPTER_CONFIG, json.dumps(config, indent=2).encode())
 

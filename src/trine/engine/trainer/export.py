@@ -57,6 +57,17 @@ def base_model_dir(adapter_dir: str | Path) -> Path | None:
     return p if (p / "config.json").is_file() else None
 
 
+def model_files(base: Path) -> list[Path]:
+    """The files of a model directory beside its weights and config: tokenizer, chat template,
+    generation config, licence, ... (what a merged or fully trained model copies)."""
+    skip = ("config.json", SHARD_INDEX, TRINE_FACTS)
+    return sorted(
+        f
+        for f in base.iterdir()
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in skip
+    )
+
+
 def _prepare_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} already exists and is not an empty directory; choose a new OUT")
@@ -94,6 +105,17 @@ def export_adapter(adapter_dir: str | Path, out: str | Path, base_dir: str | Pat
         cfg["base_model_name_or_path"] = str(Path(base_dir).resolve())
     _write_json(out / TRINE_FACTS, {**facts, "exported_from": str(adapter_dir)})
     _write_json(out / ADAPTER_CONFIG, cfg)
+    return out
+
+
+def export_model_dir(src: str | Path, out: str | Path) -> Path:
+    """Copy a model directory trine wrote (a full fine-tuning run's weights: safetensors, config,
+    tokenizer, chat template) to `out`, its optimizer state (a subfolder) left behind."""
+    src, out = Path(src), Path(out)
+    _prepare_out(out)
+    for f in sorted(src.iterdir()):
+        if f.is_file():
+            _copy(f, out / f.name)
     return out
 
 
@@ -158,9 +180,8 @@ def export_merged(adapter_dir: str | Path, out: str | Path, base_dir: str | Path
     if (base / SHARD_INDEX).is_file():
         index = json.loads((base / SHARD_INDEX).read_text())
         _write_json(out / SHARD_INDEX, {**index, "weight_map": weight_map})
-    for f in base.iterdir():  # tokenizer, chat template, generation config, licence, ...
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json", SHARD_INDEX):
-            _copy(f, out / f.name)
+    for f in model_files(base):
+        _copy(f, out / f.name)
     if untie:
         config["tie_word_embeddings"] = False
         if isinstance(config.get("text_config"), dict):  # a multimodal config says it twice

@@ -178,13 +178,15 @@ def chunk_log_probs(
     `grad` asks for it and anything upstream trains, `push(d)`: dLoss/dlogits `d` back into
     `hs.grad` and the head's adapters. The result may live in `workspace` until the next call.
 
-    Plain case (fp32 head without adapters, kernels not batch-invariant): the logits and their
-    log-softmax go into the workspace, and `push` is the head's one input-gradient GEMM. Otherwise
-    autograd through `lm_head` (its row-tiled GEMM under `--batch-invariant`, its adapters)."""
+    Plain case (a frozen fp32 head without adapters, kernels not batch-invariant): the logits and
+    their log-softmax go into the workspace, and `push` is the head's one input-gradient GEMM.
+    Otherwise autograd through `lm_head` (its row-tiled GEMM under `--batch-invariant`, its adapters,
+    the gradient of a head a full fine-tuning run trains)."""
     head = model.lm_head
     plain = (
         not invariant.enabled()
         and head.weight.dtype == torch.float32
+        and not head.weight.requires_grad
         and head.bias is None
         and not any(a.pair(head.lora_name) is not None for a, _ in adapters.groups)
     )

@@ -1,9 +1,12 @@
-"""LoRA training runs on one frozen base model: forward_backward, optim_step, checkpoints.
+"""Training runs on one base model: forward_backward, optim_step, checkpoints.
 
-A run is a LoRA `Adapter` with its own optimizer state (AdamW, or Dimuon: dimuon.py, chosen when the
-run is made); many runs share the base model. One
-`forward_backward` call packs the data of many runs into the same micro-batches (each row uses its
-run's adapter), so each run's gradient lands only in its own adapter.
+A LoRA run is an `Adapter` with its own optimizer state (AdamW, or Dimuon: dimuon.py, chosen when the
+run is made); many runs share the frozen base model. One `forward_backward` call packs the data of
+many LoRA runs into the same micro-batches (each row uses its run's adapter), so each run's gradient
+lands only in its own adapter. A full fine-tuning run (rank 0, full.py) owns a copy of the model:
+its rows run on that copy, in micro-batches of their own, by the same code (`_on`), and AdamW steps
+its weights (their fp32 masters). Every full run is admitted against the memory budget of
+`full_tuning` (`FullTuningShape.run_bytes`) before anything is allocated.
 
 Each entry of a `forward_backward` batch is a `(run_id, Forward)` pair: the op's data, its parsed
 `Loss`, its `denominator` (engine/prepare.py: the whole logical batch's token count, so chunks of one
@@ -41,9 +44,10 @@ once. Their datums stay off the shared-prefix path. Each graph is first run on a
 with the datum's inputs (`_prepare`), so a graph that cannot run fails before anything computes.
 
 Invariants
-- Gradients accumulate in each run's adapter across calls until `optim_step`, which applies the
-  run's optimizer, `torch.optim.AdamW` or `Dimuon` (clipping with `clip_grad_norm_` first when
-  asked), zeroes the gradients and bumps the version; a step's settings must be of the run's family.
+- Gradients accumulate in each run's adapter (a full run's masters) across calls until
+  `optim_step`, which applies the run's optimizer, `torch.optim.AdamW` or `Dimuon` (clipping with
+  `clip_grad_norm_` first when asked), zeroes the gradients and bumps the version; a step's
+  settings must be of the run's family.
   Versions come from one counter per trainer, so (base_model, run_id, version) never names two
   different weights, even across delete_run / create_run or load_state.
 - All input is validated before any computation touches gradients.
@@ -57,13 +61,14 @@ import ctypes
 import gc
 import itertools
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ...limits import ADAM_BOUNDS, check_adam_value, check_lora_rank
+from ...limits import ADAM_BOUNDS, check_adam_value, check_lora_rank, check_token_indices
 from ...tokens import TokenCounts
 from ..api import (
     ADAMW,
@@ -72,6 +77,7 @@ from ..api import (
     AdamConfig,
     DimuonConfig,
     Forward,
+    FullTuningShape,
     LoRAConfig,
     Loss,
     WeightsIdentity,
@@ -84,17 +90,30 @@ from ..model.model import Transformer
 from ..prepare import check_datum
 from . import checkpoint, custom_graph, head, prefix_groups, shared_prefix
 from .dimuon import Dimuon
+from .export import export_merged
+from .full import FullWeights, available_memory, is_full_checkpoint, read_full_shape, tuning_shape
 from .losses import LossInputs, PreparedDatum, datum_tensors
 
 
 @dataclass
 class _Run:
     lora: LoRAConfig
-    adapter: Adapter
+    adapter: Adapter | None  # None for a full run
     optimizer: torch.optim.Optimizer  # AdamW or Dimuon
     version: int
-    snapshot: Adapter | None = None
+    snapshot: Adapter | Transformer | None = None
     snapshot_version: int = -1
+    full: FullWeights | None = None  # a full fine-tuning run's own weights
+
+    def params(self) -> list[torch.Tensor]:
+        """What its optimizer steps: the adapter's parameters, or a full run's masters."""
+        return self.full.masters if self.full is not None else list(self.adapter.parameters())
+
+
+class InsufficientMemory(ValueError):
+    """A full fine-tuning run that does not fit the replica's budget: refused before it allocates."""
+
+    code = "insufficient_memory"
 
 
 @dataclass
@@ -102,11 +121,12 @@ class _Row:
     entry: int  # index into the forward_backward batch
     datum: PreparedDatum
     counts: TokenCounts
-    adapter: Adapter
+    adapter: Adapter | None
     loss: Loss
     grad_scale: float = 1.0  # 1 / the entry's denominator
     custom: custom_graph.Result | None = None  # a custom loss's value and metrics on this datum
     error: str = ""  # why its custom loss failed on the real logprobs (the datum then adds no gradient)
+    weights: Transformer | None = None  # a full run's model (None: the base model)
 
 
 @dataclass
@@ -134,7 +154,9 @@ class ForwardResult:
 
 
 class Trainer:
-    """Training runs (LoRA adapter + optimizer state) on one frozen base model."""
+    """Training runs (a LoRA adapter, or a full run's own weights, + optimizer state) on one base
+    model. `full_tuning`: what full runs cost and may hold together (default: three quarters of the
+    memory free now)."""
 
     def __init__(
         self,
@@ -142,6 +164,7 @@ class Trainer:
         *,
         base_model: str,
         config: TrainerConfig = TrainerConfig(),
+        full_tuning: FullTuningShape | None = None,
     ):
         model.requires_grad_(False)  # the base is frozen and shared; only adapters train
         self.model = model
@@ -154,14 +177,43 @@ class Trainer:
         self._runs: dict[str, _Run] = {}
         self._versions = itertools.count(1)
         self._workspace = head.LogitsWorkspace()  # the LM head's [chunk, vocab] buffers, kept
+        self.full_tuning = full_tuning or tuning_shape(model, available_memory(model.device) * 3 // 4)
 
     # ------------------------------------------------------------------ runs
     def create_run(self, run_id: str, lora: LoRAConfig, *, optimizer: str = ADAMW) -> None:
-        """A fresh adapter trained by the `optimizer` family (one of OPTIMIZERS)."""
+        """A fresh adapter (a copy of the weights for a full run, rank 0) trained by the `optimizer`
+        family (one of OPTIMIZERS; AdamW for a full run)."""
         if run_id in self._runs:
             raise ValueError(f"run_id {run_id!r} already exists")
+        if lora.full:
+            self._admit_full(self._check_full(lora, optimizer))
+            full = FullWeights.fresh(self.model, lora)
+            self._install(run_id, lora, None, full.new_optimizer(), full)
+            return
         adapter = Adapter(self.model, _check_lora(lora), device=self.model.device)
         self._install(run_id, lora, adapter, new_optimizer(adapter, optimizer, lora.rank))
+
+    def _check_full(self, lora: LoRAConfig, optimizer: str) -> LoRAConfig:
+        if optimizer != ADAMW:
+            raise ValueError(
+                f"optimizer {optimizer!r}: full fine-tuning (rank 0) trains with {ADAMW}; "
+                f"{DIMUON} steps LoRA matrices"
+            )
+        if lora.trainable_token_indices:
+            check_token_indices(list(lora.trainable_token_indices), self.model.cfg.vocab_size)
+        return lora
+
+    def _admit_full(self, lora: LoRAConfig) -> None:
+        """Refuse a full run the budget cannot hold, naming the bytes it needs and the bytes free."""
+        shape = self.full_tuning
+        need = shape.run_bytes(lora)
+        held = sum(shape.run_bytes(r.lora) for r in self._runs.values() if r.full is not None)
+        if held + need > shape.budget_bytes:
+            raise InsufficientMemory(
+                f"full fine-tuning of {self.base_model} needs {need} bytes (its weights, a sampler "
+                f"snapshot, gradients, fp32 masters and AdamW state); {max(shape.budget_bytes - held, 0)} "
+                f"of the {shape.budget_bytes} bytes for full runs are free: end a full run, or train LoRA"
+            )
 
     def delete_run(self, run_id: str) -> None:
         """Drop the run's adapter, gradients and optimizer state, and hand the memory back."""
@@ -181,17 +233,32 @@ class Trainer:
 
     def adapter(self, run_id: str) -> Adapter:
         """The live adapter: its weights change at every optim_step (and its version with them)."""
-        return self._run(run_id).adapter
+        run = self._run(run_id)
+        if run.adapter is None:
+            raise ValueError(f"run {run_id} is a full fine-tuning run: it has no adapter")
+        return run.adapter
+
+    def full_weights(self, run_id: str) -> FullWeights:
+        """A full run's live weights (they change at every optim_step)."""
+        run = self._run(run_id)
+        if run.full is None:
+            raise ValueError(f"run {run_id} is a LoRA run: it has no weights of its own")
+        return run.full
 
     def weights_identity(self, run_id: str) -> WeightsIdentity:
         return WeightsIdentity(self.base_model, run_id, self._run(run_id).version)
 
-    def snapshot(self, run_id: str) -> Adapter:
-        """A detached copy of the current weights, never modified afterwards; one copy per version."""
+    def snapshot(self, run_id: str) -> Adapter | Transformer:
+        """A detached copy of the current weights (an adapter, or a full run's model), never modified
+        afterwards; one copy per version."""
         run = self._run(run_id)
         if run.snapshot is None or run.snapshot_version != run.version:
-            snap = copy.deepcopy(run.adapter)  # Parameter deepcopy clones data, not .grad
-            snap.requires_grad_(False)
+            run.snapshot = None  # a full run's old copy is freed before the new one is made
+            if run.full is not None:
+                snap = run.full.snapshot()
+            else:
+                snap = copy.deepcopy(run.adapter)  # Parameter deepcopy clones data, not .grad
+                snap.requires_grad_(False)
             run.snapshot, run.snapshot_version = snap, run.version
         return run.snapshot
 
@@ -205,9 +272,14 @@ class Trainer:
         return optimizer_family(self._run(run_id).optimizer)
 
     def _install(
-        self, run_id: str, lora: LoRAConfig, adapter: Adapter, optimizer: torch.optim.Optimizer
+        self,
+        run_id: str,
+        lora: LoRAConfig,
+        adapter: Adapter | None,
+        optimizer: torch.optim.Optimizer,
+        full: FullWeights | None = None,
     ) -> None:
-        self._runs[run_id] = _Run(lora, adapter, optimizer, next(self._versions))
+        self._runs[run_id] = _Run(lora, adapter, optimizer, next(self._versions), full=full)
 
     # ------------------------------------------------------------------ forward / backward
     def forward_backward(
@@ -227,21 +299,19 @@ class Trainer:
         rows = self._prepare(batch)
         logps = [torch.zeros(len(r.datum)) for r in rows]
         losses = [torch.zeros(len(r.datum)) for r in rows]
-        shared = self._plan(rows)
-        for trees in shared.batches:
-            shared_prefix.run_micro_batch(self, rows, trees, logps, losses, backward)
-            if between_microbatches is not None:
-                between_microbatches()
-        plain = [rows[i] for i in shared.plain]
-        for mb in self._micro_batches(plain):
-            mb = [shared.plain[i] for i in mb]
-            self._run_micro_batch(
-                [rows[i] for i in mb], [logps[i] for i in mb], [losses[i] for i in mb], backward
+        charged = [0] * len(rows)
+        by_model: dict[int, list[int]] = {}  # the base model's rows, then each full run's
+        for i, row in enumerate(rows):
+            by_model.setdefault(id(row.weights), []).append(i)
+        for idx in by_model.values():
+            part = [rows[i] for i in idx]
+            computed = self._on(part[0].weights)._compute(
+                part, [logps[i] for i in idx], [losses[i] for i in idx], backward, between_microbatches
             )
-            if between_microbatches is not None:
-                between_microbatches()
+            for i, c in zip(idx, computed):
+                charged[i] = c
         results = [ForwardResult([], [], 0.0, 0, TrainUsage()) for _ in batch]
-        for row, logp, loss, computed in zip(rows, logps, losses, shared.charged):
+        for row, logp, loss, computed in zip(rows, logps, losses, charged):
             res = results[row.entry]
             res.logprobs.append(logp.tolist())
             res.losses.append(loss.tolist())
@@ -257,6 +327,39 @@ class Trainer:
             res.metrics = {k: v / len(op.data) if k.endswith(":mean") else v for k, v in res.metrics.items()}
         return results
 
+    def _on(self, weights: Transformer | None) -> Trainer:
+        """This trainer computing on a full run's model (`weights`), or itself (None: the base)."""
+        if weights is None:
+            return self
+        view = copy.copy(self)  # shares the runs and the head's workspace
+        view.model = weights
+        return view
+
+    def _compute(
+        self,
+        rows: list[_Row],
+        logps: list[torch.Tensor],
+        losses: list[torch.Tensor],
+        backward: bool,
+        between_microbatches: Callable[[], None] | None,
+    ) -> list[int]:
+        """Rows that all run on `self.model`: shared prefixes first, then plain micro-batches; fills
+        each row's logps and losses and returns the positions computed for each."""
+        shared = self._plan(rows)
+        for trees in shared.batches:
+            shared_prefix.run_micro_batch(self, rows, trees, logps, losses, backward)
+            if between_microbatches is not None:
+                between_microbatches()
+        plain = [rows[i] for i in shared.plain]
+        for mb in self._micro_batches(plain):
+            mb = [shared.plain[i] for i in mb]
+            self._run_micro_batch(
+                [rows[i] for i in mb], [logps[i] for i in mb], [losses[i] for i in mb], backward
+            )
+            if between_microbatches is not None:
+                between_microbatches()
+        return shared.charged
+
     def _prepare(self, batch: list[tuple[str, Forward]]) -> list[_Row]:
         if not isinstance(batch, (list, tuple)) or not batch:
             raise ValueError("batch must be a non-empty list of (run_id, Forward)")
@@ -268,7 +371,8 @@ class Trainer:
             run_id, op = entry
             data, loss, counts = op.data, op.loss, op.counts  # a prepared op's counts: checked at acceptance
             scale = _grad_scale(op.denominator, f"batch[{e}]")
-            adapter = self._run(run_id).adapter
+            run = self._run(run_id)
+            weights = run.full.model if run.full is not None else None
             if not isinstance(loss, Loss):
                 raise ValueError(
                     f"batch[{e}] loss_fn {loss!r}: pass a parsed Loss (Loss.parse(name, config))"
@@ -278,7 +382,7 @@ class Trainer:
             if counts is None:
                 counts = [check_datum(d, loss, vocab, f"batch[{e}].data[{i}]") for i, d in enumerate(data)]
             for i, (datum, c) in enumerate(zip(data, counts)):
-                rows.append(_Row(e, datum_tensors(datum, loss), c, adapter, loss, scale))
+                rows.append(_Row(e, datum_tensors(datum, loss), c, run.adapter, loss, scale, weights=weights))
                 if loss.custom is not None:  # its graph's errors surface here, before anything runs
                     rows[-1].custom = _custom_dry_run(loss, rows[-1].datum, f"data[{i}]")
         return rows
@@ -397,7 +501,7 @@ class Trainer:
             settings.check()
         else:
             _check_adam(settings)
-        params = list(run.adapter.parameters())
+        params = run.params()
         if settings.grad_clip_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip_norm, foreach=True)
         else:
@@ -421,15 +525,20 @@ class Trainer:
                 )
             run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=False)
+        if run.full is not None:
+            run.full.apply()
         run.version = next(self._versions)
         return {"grad_norm": norm, "learning_rate": float(settings.learning_rate)}
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, run_id: str, path: Path) -> int:
-        """Write adapter (PEFT format) + optimizer state + LoRA config to directory `path`; bytes written."""
+        """Write adapter (PEFT format) + optimizer state + LoRA config to directory `path` (a full
+        run: its model directory + AdamW state, full.py); bytes written."""
         run = self._run(run_id)
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        if run.full is not None:
+            return run.full.save_state(path, self.base_model, run.optimizer)
         written = checkpoint.save_optimizer_state(
             run.adapter, run.optimizer, path, optimizer_family(run.optimizer)
         )
@@ -438,16 +547,43 @@ class Trainer:
         )
 
     def save_weights(self, run_id: str, path: Path) -> int:
-        """Write the sampler weights only (a PEFT adapter directory); bytes written."""
+        """Write the sampler weights only (a PEFT adapter directory; a full run's model directory);
+        bytes written."""
         run = self._run(run_id)
+        if run.full is not None:
+            return run.full.save_weights(path, self.base_model)
         return checkpoint.save_peft_adapter(
             run.adapter, run.lora, Path(path), self.base_model, self.model.source_dir
         )
 
+    def save_merged(self, run_id: str, path: Path) -> int:
+        """Write the run's model as a Hugging Face directory (external weights): the base model with
+        the adapter merged by export.export_merged, what `trine export --merged` writes (a full
+        run: its own weights); bytes written."""
+        run = self._run(run_id)
+        path = Path(path)
+        if run.full is not None:
+            return run.full.save_weights(path, self.base_model)
+        with tempfile.TemporaryDirectory(prefix=".merge-", dir=path.parent) as scratch:
+            adapter_dir = Path(scratch) / "adapter"
+            self.save_weights(run_id, adapter_dir)
+            export_merged(adapter_dir, path, self.model.source_dir)
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
     def load_state(self, run_id: str, path: Path, *, with_optimizer: bool, optimizer: str = ADAMW) -> None:
         """(Re)build run `run_id` from a checkpoint directory: its adapter and LoRA config, and its
         optimizer state if `with_optimizer` (which must be of the `optimizer` family), else a fresh
-        `optimizer`. Pending gradients are dropped."""
+        `optimizer`. A full run's checkpoint makes a full run (its weights, masters and AdamW state).
+        Pending gradients are dropped."""
+        if is_full_checkpoint(path):
+            lora = self._check_full(read_full_shape(path), optimizer)
+            self._admit_full(lora)
+            full = FullWeights.restore(self.model, path, lora)
+            opt = full.new_optimizer()
+            if with_optimizer:
+                full.load_optimizer(opt, path)
+            self._install(run_id, lora, None, opt, full)
+            return
         adapter, lora = checkpoint.load_peft_adapter(self.model, path)
         _check_lora(lora)
         opt = new_optimizer(adapter, optimizer, lora.rank)

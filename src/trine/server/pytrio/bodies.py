@@ -113,7 +113,7 @@ class Envelope(Body):
 
 
 class Lora(Body):
-    rank: Positive
+    rank: Count  # 0 only for a full fine-tuning run (made so when it was created)
     seed: Seed | None = None
     train_mlp: bool = True
     train_attn: bool = True
@@ -201,6 +201,9 @@ class TrainingRunCreate(Body):
     name: str = ""  # trine's own (the trine SDK sends them; PyTRIO never does)
     tags: list[str] = []
     user_metadata: dict[str, Any] | None = None
+    # trine's own (the SDK's full=True): full-parameter fine-tuning, which PyTRIO's client never asks
+    full_fine_tuning: bool = False
+    trainable_token_indices: list[Int64] | None = None
 
 
 class TrainingRunUpdate(Body):

@@ -11,6 +11,7 @@ import time
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from ...engine.api import token_indices
 from ...limits import MAX_PAGE_SIZE
 from ...service import (
     ApiKey,
@@ -200,6 +201,7 @@ async def by_checkpoint_uri(
         "train_mlp": c.train_mlp,
         "train_attn": c.train_attn,
         "train_unembed": c.train_unembed,
+        "trainable_token_indices": token_indices(c.trainable_token_indices) or None,  # trine's own
         "checkpoint_type": c.kind,
         "training_run_cuid": c.training_run_id,
     }

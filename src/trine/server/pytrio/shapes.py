@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 from fastapi import Request
 
+from ...engine.api import FULL_RANK
 from ...limits import OPTIMIZE_STEP
 from ...metering.money import dumps, money
 from ...service import (
@@ -204,7 +205,7 @@ def training_run_json(svc: Service, r: TrainingRun) -> dict:
         "status": r.status,
         "run_index": r.run_index,
         "model_spec_cuid": r.base_model,
-        "is_lora": True,
+        "is_lora": r.lora_rank != FULL_RANK,  # rank 0: full fine-tuning (trine's SDK only)
         "source_checkpoint_uri": r.source_checkpoint_uri or None,
         **params,
         "corrupted": r.status == "INTERRUPTED",
@@ -249,6 +250,7 @@ def checkpoint_json(svc: Service, c: Checkpoint) -> dict:
         "is_uploaded": bool(c.path),
         "expired_at": iso(c.expires_at),
         "visibility": c.visibility,
+        "source": c.source or None,  # trine's own: an imported adapter's origin
     }
 
 

@@ -14,6 +14,7 @@ import json
 import msgpack
 
 from ...engine.api import (
+    FULL_RANK,
     AdamConfig,
     EndRun,
     Forward,
@@ -303,6 +304,17 @@ def run_labels(body: SessionCreate | TrainingRunCreate) -> RunLabels:
 
 
 def training_run_spec(body: TrainingRunCreate) -> TrainingRunSpec:
+    """A training run's spec. lora_rank 0 is refused: PyTRIO has no full fine-tuning (its client bounds
+    rank to 4..64); trine's SDK asks for it by its own `full_fine_tuning` field."""
+    if body.full_fine_tuning:
+        body = body.model_copy(update={"lora_rank": FULL_RANK})
+    elif body.lora_rank == FULL_RANK:
+        raise InvalidRequest(
+            "lora_rank 0: the PyTRIO protocol trains LoRA adapters (its client bounds rank to 4..64) "
+            "and has no full fine-tuning; ask for full fine-tuning with trine's SDK "
+            "(create_lora_training_client(full=True)) or the Tinker API (rank=0)",
+            code="not_supported",
+        )
     lora = LoRAConfig.named_by(body)
     return TrainingRunSpec(
         body.base_model, lora, body.source_checkpoint_uri, body.restore_optimizer, run_labels(body)

@@ -187,6 +187,8 @@ class LoadBody(Body):
 
 class SaveExternalBody(ModelCall):
     path: str | None = None
+    ttl_seconds: TtlSeconds | None = None
+    age_encryption_recipients: list[str] | None = None
 
 
 class SamplingSessionBody(BaseModel):

@@ -6,7 +6,9 @@ their own signed, expiring token (`/api/v1/checkpoint_archives/<id>` for a tar o
 files at the top of the archive, as Tinker's archives are; `/api/v1/checkpoint_files/<id>/<file>`
 for one file). `GET .../archive` answers with a 302 to the archive (its `Location` and `Expires`
 are what Tinker SDKs read; `?redirect=false` gets `{url, expires}` as JSON instead);
-`GET .../external_weights_urls` answers `{urls: {file: url}, expires}` for a checkpoint's files.
+`GET .../external_weights_urls` answers `{urls: {file: url}, expires}` for a checkpoint's files (an
+`external_weights` checkpoint, which `save_weights_external` writes, is a Hugging Face model
+directory).
 
 A published checkpoint stays its owner's (only the owner may change its TTL, unpublish or delete
 it); every key may sample it, train from it, read its weights info and download it.
@@ -21,6 +23,7 @@ from pathlib import Path
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 
+from ...engine.api import FULL_RANK
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...service import ApiKey, Checkpoint, InvalidRequest, NotFound, Service
 from ..http.context import json_model, json_object, parse_model, service_of, signer_of
@@ -40,15 +43,7 @@ def _run_id(st: TinkerState, key: ApiKey, id_: str) -> str:
 
 
 def _path(st: TinkerState, key: ApiKey, run_id: str, kind: str, name: str) -> str:
-    """The checkpoint's trio:// uri; external weights are refused with what to use instead."""
-    if kind == "external_weights":
-        raise InvalidRequest(
-            "external_weights: trine does not export external (merged) weights "
-            "(save_weights_external); download the LoRA adapter of a sampler checkpoint "
-            "(tinker://<run>/sampler_weights/<name>) with GET .../archive, or merge it "
-            "into the base model with `trine export <checkpoint> <dir> --merged`",
-            code="not_supported",
-        )
+    """The checkpoint's trio:// uri (kind: weights, sampler_weights or external_weights)."""
     return to_trio_uri(f"tinker://{_run_id(st, key, run_id)}/{kind}/{name}")
 
 
@@ -112,7 +107,7 @@ async def weights_info(request: Request):
     return {
         "base_model": c.base_model,
         "optimizer_config": optimizer_config(svc.ownership.checkpoint_optimizer(c)),
-        "is_lora": True,
+        "is_lora": c.lora_rank != FULL_RANK,  # rank 0: full fine-tuning's own weights
         "lora_rank": c.lora_rank,
         "train_unembed": c.train_unembed,
         "train_mlp": c.train_mlp,

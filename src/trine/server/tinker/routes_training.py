@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from ...engine.api import Refused
+from ...engine.api import FULL_RANK, Refused
 from ...limits import MAX_EVENT_BYTES
 from ...service import (
     ApiKey,
@@ -225,7 +225,7 @@ async def get_info(request: Request):
         "type": "get_info",
         "model_id": b.model_id,
         "model_name": run.base_model,
-        "is_lora": True,
+        "is_lora": run.lora_rank != FULL_RANK,  # rank 0: full fine-tuning
         "lora_rank": run.lora_rank,
         "optimizer_config": optimizer_config(run.optimizer_family),
         # the directory, not the name: samplers made from this client take model_data.model_name
@@ -360,15 +360,17 @@ async def save_weights_for_sampler(request: Request):
 
 @router.post("/save_weights_external")
 async def save_weights_external(request: Request):
-    """Refused with what to use instead; the call still takes its seq_id (the SDK numbered it)."""
+    """The model as a Hugging Face directory (safetensors, config, tokenizer, chat template): a LoRA
+    run's adapter merged into the base weights by the code `trine export --merged` runs, a full
+    run's own weights. It is checkpoint `tinker://<run>/external_weights/<name>`, whose files
+    `external_weights_urls` signs (routes_checkpoints.py)."""
     svc, st, key = caller(request)
     b = await json_model(request, SaveExternalBody)
-    refusal = InvalidRequest(
-        "save_weights_external (merged weights in Hugging Face format) is not supported "
-        "by trine; use save_weights_for_sampler(name) and download the LoRA adapter "
-        "with GET .../archive (Tinker's checkpoint archive URL), or merge it into the "
-        "base model with `trine export <checkpoint> <dir> --merged`",
-        code="not_supported",
-    )
-    await _submit(svc, st, key, b.model_id, st.model(key, b.model_id), _seq(b), refusal, _json_reply({}), b)
-    raise refusal
+    m = st.model(key, b.model_id)
+
+    async def shape(res):
+        path = to_tinker_path(res.checkpoint["uri"])
+        size = res.checkpoint["size_bytes"]
+        return Reply.json({"type": "save_weights_external", "path": path, "size_bytes": size})
+
+    return await _submit(svc, st, key, b.model_id, m, _seq(b), to_api.save_external(b), shape, b)

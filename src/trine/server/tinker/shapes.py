@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
+from ...engine.api import FULL_RANK
 from ...service import Checkpoint
 from ...service.labels import as_metadata
 from ...uris import to_tinker_path
@@ -144,7 +145,7 @@ def checkpoint_json(c: Checkpoint) -> dict:
     return {
         "checkpoint_id": to_tinker_path(c.uri).split("/", 3)[3],
         "tinker_path": to_tinker_path(c.uri),
-        "checkpoint_type": "training" if c.kind == "TRAINING" else "sampler",
+        "checkpoint_type": {"TRAINING": "training", "SAMPLER": "sampler"}.get(c.kind, "external"),
         "time": iso(c.created_at),
         "size_bytes": c.size_bytes,
         "public": bool(c.public),
@@ -162,7 +163,7 @@ def training_run_json(svc, key, r) -> dict:
         "training_run_id": r.id,
         "base_model": r.base_model,
         "model_owner": key.name,
-        "is_lora": True,
+        "is_lora": r.lora_rank != FULL_RANK,  # rank 0: full fine-tuning
         "corrupted": r.status == "INTERRUPTED",
         "lora_rank": r.lora_rank,
         "last_request_time": iso(r.updated_at),

@@ -43,7 +43,16 @@ from ..http.context import parse_model
 from ..pytrio.bodies import ModelInputBody, SamplingParamsBody
 from ..pytrio.to_api import optim_step as adam_optim_step
 from ..pytrio.to_api import read_input, sampling_options
-from .bodies import AsampleBody, CreateModelBody, DimuonBody, LoadBody, LoraBody, OptimStepBody, SaveBody
+from .bodies import (
+    AsampleBody,
+    CreateModelBody,
+    DimuonBody,
+    LoadBody,
+    LoraBody,
+    OptimStepBody,
+    SaveBody,
+    SaveExternalBody,
+)
 from .sample_extras import TargetLayout, parse_extras
 
 _NUMPY = {1: np.float32, 2: np.int64, 3: np.int32}  # proto DType -> numpy (bf16 handled apart)
@@ -388,6 +397,20 @@ def save(b: SaveBody, seq: int, sampler: bool) -> SaveByName | InvalidRequest:
         overwrite=True,
         inflight=inflight,
     )
+
+
+def save_external(b: SaveExternalBody) -> SaveByName | InvalidRequest:
+    """save_weights_external: the merged model under the name `path`; the InvalidRequest that
+    refuses the call (queued in its place)."""
+    if b.age_encryption_recipients:
+        return InvalidRequest(
+            "age_encryption_recipients: trine does not encrypt exported files; omit it (the files "
+            "are served to this key only, through signed URLs)",
+            code="not_supported",
+        )
+    if not b.path:
+        return InvalidRequest("path: name the external weights (save_weights_external(name))")
+    return SaveByName(kind="external", name=b.path, ttl_seconds=b.ttl_seconds)
 
 
 # ---------------------------------------------------------------------------- samples

@@ -115,7 +115,7 @@ class Accepting(EventsState):
         """Check a (non-forward) command against the run and the model; its engine op."""
         if isinstance(command, commands.InitByUri):
             return api.InitRun(
-                lora=command.lora,
+                lora=self._init_shape(r, command.lora),
                 checkpoint_path=self._init_checkpoint(key, r, m, command),
                 load_optimizer=command.load_optimizer,
                 checkpoint_uri=command.checkpoint_uri,
@@ -132,17 +132,35 @@ class Accepting(EventsState):
             return self._save_target(key, r, command)
         return command
 
+    @staticmethod
+    def _init_shape(r: TrainingRun, lora: api.LoRAConfig) -> api.LoRAConfig:
+        """What an init makes: the init's LoRA shape, or for a full fine-tuning run (chosen when the
+        run was made, never by an init) the run's own."""
+        if r.lora_rank == api.FULL_RANK:
+            return api.LoRAConfig.named_by(r)
+        if lora.full:
+            raise InvalidRequest(
+                "init_run lora_config.rank 0 (full fine-tuning) is chosen when the training run is "
+                "created, not by its init: create a full fine-tuning run"
+            )
+        return lora
+
     def _init_checkpoint(self, key: ApiKey, r: TrainingRun, m: ServedModel, c: commands.InitByUri) -> str:
         """The directory of the checkpoint an init loads ("" for a fresh adapter)."""
         if c.base_model and resolve_model(self.models, c.base_model) is not m:
             raise InvalidRequest(f"init_run base_model differs from the run's model {m.name}")
         if not c.checkpoint_uri:
-            _invalid_unless(check_lora_rank, c.lora.rank)
+            _invalid_unless(check_lora_rank, self._init_shape(r, c.lora).rank, full=True)
             return ""
         ck = self.ownership.restorable(key, c.checkpoint_uri, c.load_optimizer)
         if resolve_model(self.models, ck.base_model) is not m:
             raise InvalidRequest(
                 f"checkpoint {c.checkpoint_uri} was trained on {ck.base_model}, the run uses {m.name}"
+            )
+        if (ck.lora_rank == api.FULL_RANK) != (r.lora_rank == api.FULL_RANK):
+            raise InvalidRequest(
+                f"checkpoint {c.checkpoint_uri} holds {'full' if ck.lora_rank == api.FULL_RANK else 'LoRA'} "
+                "weights and this run trains the other kind: create a new training client from it"
             )
         saved = self.ownership.checkpoint_optimizer(ck)
         if c.load_optimizer and saved != r.optimizer_family:
@@ -160,7 +178,13 @@ class Accepting(EventsState):
         if c.visibility not in CHECKPOINT_VISIBILITIES:
             raise InvalidRequest(f"visibility {c.visibility!r}: use {' or '.join(CHECKPOINT_VISIBILITIES)}")
         _invalid_unless(check_ttl_seconds, c.ttl_seconds)
-        part = "state" if c.kind == "state" else "weights"
+        if c.inflight and r.lora_rank == api.FULL_RANK:
+            raise InvalidRequest(
+                "inflight samplers follow LoRA runs; sample a full fine-tuning run from a weights "
+                "save (save_weights_for_sampler), which is a snapshot",
+                code="not_supported",
+            )
+        part = c.kind  # state, weights or external: the URI's kind, and the folder it is written to
         uri = f"trio://{r.id}/{part}/{c.name}"
         existing = self.store.checkpoint_by_uri(uri)
         if (existing is not None or uri in self._reserved_uris()) and not c.overwrite:
@@ -169,7 +193,7 @@ class Accepting(EventsState):
                 code="checkpoint_exists",
             )
         path = ""
-        if c.kind == "state" or c.visibility == "WORKSPACE":
+        if c.kind != "weights" or c.visibility == "WORKSPACE":
             path = str(self.store.checkpoint_dir / key.id / r.id / part / c.name)
         return Save(kind=c.kind, checkpoint_id=new_id("ck"), path=path, uri=uri, inflight=c.inflight)
 
@@ -205,8 +229,8 @@ def _prepared(op: Forward, m: ServedModel) -> Forward:
         raise InvalidRequest(str(e)) from None
 
 
-def _invalid_unless(check, value) -> None:
+def _invalid_unless(check, value, **options) -> None:
     try:
-        check(value)
+        check(value, **options)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None

@@ -6,7 +6,7 @@ those the server lost (see __init__.py for the invariants)."""
 from __future__ import annotations
 
 from ...diskspace import DiskFull
-from ...engine.api import EngineLost, EventOutcome, Save
+from ...engine.api import FULL_RANK, EngineLost, EventOutcome, Save
 from ...store import EventRecord, Timing
 from ..models import Replica, ServedModel
 from ..ordering import CyclePlan
@@ -102,6 +102,7 @@ class Settling(EventsState):
             replica=ev.replica.index,
             cycle=cycle,
             span=span,
+            full=run is not None and run.lora_rank == FULL_RANK,
         )
         if metered.usage is not None:
             self.store.add_usage(metered.usage)

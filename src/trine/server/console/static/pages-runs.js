@@ -6,7 +6,7 @@
   // ---------------------------------------------------------------- what a run is (shared with compare)
   T.runTitle = (r) => r.name || r.id;
   T.tags = (tags) => (tags || []).map((t) => `<span class="tag">${esc(t)}</span>`).join("");
-  T.lora = (l) => (l ? `r${l.rank} ${["mlp", "attn", "unembed"].filter((p) => l[`train_${p}`]).join("+") || "nothing trained"}` : "–");
+  T.lora = (l) => (l ? `${l.rank ? `r${l.rank}` : "full"} ${["mlp", "attn", "unembed"].filter((p) => l[`train_${p}`]).join("+") || "nothing trained"}` : "–");
   T.optimizer = (o) => (!o ? "–" : o.type === "dimuon"
     ? `dimuon lr ${T.num(o.learning_rate, 3)}, β ${o.beta1}, clip ${o.grad_clip_norm}`
     : `lr ${T.num(o.learning_rate, 3)}, β ${o.beta1}/${o.beta2}, wd ${o.weight_decay}, clip ${o.grad_clip_norm}`);
