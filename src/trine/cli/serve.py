@@ -166,15 +166,11 @@ def key_hint(store, home: Path, new_key: str | None) -> str:
     "exactly; off is there to compare).",
     show_default=True,
 )
-@click.option(
-    "--full-ft-memory",
-    "full_ft_memory_mb",
-    default=None,
+@engine_option(
+    "full_ft_memory_bytes",
+    "In MiB. A full fine-tuning run (rank 0) that does not fit is refused (409 insufficient_memory) "
+    "naming the bytes it needs.",
     type=click.IntRange(min=1),
-    help="MiB that full fine-tuning runs (rank 0) may hold together per engine replica: their "
-    "weights, a sampler snapshot, gradients, fp32 masters and AdamW state. A run that does not fit "
-    "is refused (409 insufficient_memory) naming the bytes it needs (default: three quarters of the "
-    "memory free when the engine starts).",
 )
 @click.option(
     "--ray",
@@ -243,7 +239,7 @@ def serve(
     batch_invariant,
     gemm,
     train_prefix_sharing,
-    full_ft_memory_mb,
+    full_ft_memory,
     ray_address,
     replicas,
     checkpoint_dir,
@@ -291,7 +287,7 @@ def serve(
             dtype=dtype,
             batch_invariant=batch_invariant,
             gemm=gemm,
-            full_ft_memory_bytes=full_ft_memory_mb << 20 if full_ft_memory_mb else None,
+            full_ft_memory_bytes=full_ft_memory << 20 if full_ft_memory else None,
             trainer=TrainerConfig(prefix_sharing=train_prefix_sharing),
         )
     except ValueError as e:  # --dtype and --gemm are choices: only the thread count can be out of range

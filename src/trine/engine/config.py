@@ -187,9 +187,9 @@ class EngineConfig:
     )
     full_ft_memory_bytes: int | None = _knob(
         None,
-        "bytes full fine-tuning runs may hold together on a replica (their weights, a snapshot, "
-        "gradients, fp32 masters, AdamW state); unset: three quarters of the memory free when "
-        "the engine starts",
+        "memory full fine-tuning runs may hold together on a replica (their weights, a snapshot, "
+        "gradients, fp32 masters, AdamW state); unset: three quarters of the memory free when the "
+        "engine starts",
         flag="--full-ft-memory",
     )
     sampler: SamplerConfig = field(default_factory=SamplerConfig, metadata={"doc": "the sampler's knobs"})
