@@ -134,3 +134,65 @@ def _cpuinfo() -> list[str]:
         return Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return []
+
+
+WINDOWED_FAMILIES = ("gemma3", "olmo3")
+# A window the tests' 40-token prompts cross, and both layer kinds (the third layer global).
+TINY_WINDOW = 8
+TINY_LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+
+
+def build_tiny_windowed_dir(
+    family: str,
+    out: Path,
+    seed: int = 0,
+    layer_types: tuple[str, ...] = TINY_LAYER_TYPES,
+    window: int = TINY_WINDOW,
+    chat_template: str | None = None,
+    **config,
+) -> Path:
+    """A tiny random sliding-window model (`gemma3`: Gemma 3's text model, `olmo3`) saved by
+    transformers with SmolLM2's tokenizer (and `chat_template`, if given, as its template)."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=49152,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        sliding_window=window,
+        layer_types=list(layer_types),
+        tie_word_embeddings=True,
+    )
+    if family == "gemma3":  # a query scale other than head_dim's, and distinct thetas per kind
+        rope = {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}
+        common.update(query_pre_attn_scalar=32, rope_parameters=rope)
+        cls_cfg, cls_model = tf.Gemma3TextConfig, tf.Gemma3ForCausalLM
+    else:
+        cls_cfg, cls_model = tf.Olmo3Config, tf.Olmo3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls_model(cls_cfg(**{**common, **config}))
+    with torch.no_grad():  # non-trivial norms, so their loading (and Gemma's 1 + w) is tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, out / f.name)
+    if chat_template is not None:
+        (out / "chat_template.jinja").write_text(chat_template)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_windowed_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny model of each sliding-window family (`build_tiny_windowed_dir`)."""
+    root = tmp_path_factory.mktemp("windowed")
+    return {fam: build_tiny_windowed_dir(fam, root / f"tiny-{fam}") for fam in WINDOWED_FAMILIES}

@@ -4,11 +4,12 @@ A directory holds config.json, one or many *.safetensors (optionally with an ind
 tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja). Nothing here ever
 reaches a model hub.
 
-Families: the dense `llama`, `qwen2`, `qwen3`, `mistral` (model.py) and Qwen3.5's hybrid
-`qwen3_5_text` (qwen3_5.py), or the language model of a multimodal `qwen3_5` checkpoint (its
-`model.language_model.*` weights; the vision tower and the multi-token-prediction head are not
-loaded). A hybrid model loads and runs a forward, but the sampler and the trainer do not yet keep
-its recurrent state per sequence, so it is not servable (`servable`).
+Families: the dense `llama`, `qwen2`, `qwen3`, `mistral` (model.py), the sliding-window
+`gemma3_text` (gemma3.py) and `olmo3` (olmo3.py), and Qwen3.5's hybrid `qwen3_5_text`
+(qwen3_5.py); a multimodal `qwen3_5` or `gemma3` checkpoint's language model (its
+`model.language_model.*` weights; the vision tower, its projector and the multi-token-prediction
+head are not loaded). A hybrid model loads and runs a forward, but the sampler and the trainer do
+not yet keep its recurrent state per sequence, so it is not servable (`servable`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,18 @@ import torch
 from safetensors.torch import load_file
 
 from ..config import DTYPE_NAMES
-from . import qwen3_5
+from . import gemma3, olmo3, qwen3_5
 from .model import ModelConfig, Transformer, rope_inv_freq
 
 # A multimodal checkpoint's language model and the parts of it a text model does not load.
-_LANGUAGE_MODEL, _NOT_TEXT = "model.language_model.", ("model.visual.", "mtp.")
+_LANGUAGE_MODEL = "model.language_model."
+_NOT_TEXT = ("model.visual.", "mtp.", "model.vision_tower.", "model.multi_modal_projector.")
+# model_type -> (its config class, its model class); any other type is model.py's
+_FAMILIES = {
+    **dict.fromkeys(qwen3_5.FAMILIES, (qwen3_5.HybridConfig, qwen3_5.HybridTransformer)),
+    **dict.fromkeys(gemma3.FAMILIES, (gemma3.Gemma3Config, gemma3.Gemma3Transformer)),
+    **dict.fromkeys(olmo3.FAMILIES, (olmo3.Olmo3Config, olmo3.Olmo3Transformer)),
+}
 
 
 def default_device() -> torch.device:
@@ -60,9 +68,8 @@ def read_config(path: str | Path) -> ModelConfig:
 
 def config_from_hf(cfg: dict) -> ModelConfig:
     """A config.json's model config, by its family (`model_type`)."""
-    if cfg.get("model_type") in qwen3_5.FAMILIES:
-        return qwen3_5.HybridConfig.from_hf(cfg)
-    return ModelConfig.from_hf(cfg)
+    family = _FAMILIES.get(cfg.get("model_type"))
+    return family[0].from_hf(cfg) if family else ModelConfig.from_hf(cfg)
 
 
 def servable(cfg: ModelConfig) -> str | None:
@@ -96,7 +103,7 @@ def load_model(
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
-        model = (qwen3_5.HybridTransformer if isinstance(cfg, qwen3_5.HybridConfig) else Transformer)(cfg)
+        model = _FAMILIES.get(cfg.model_type, (None, Transformer))[1](cfg)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors weights")
