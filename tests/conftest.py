@@ -193,6 +193,12 @@ def build_tiny_windowed_dir(
 
 @pytest.fixture(scope="session")
 def tiny_windowed_dirs(tmp_path_factory) -> dict[str, Path]:
-    """A tiny model of each sliding-window family (`build_tiny_windowed_dir`)."""
+    """A tiny model of each sliding-window family (`build_tiny_windowed_dir`), and `gemma3-sliding`:
+    every layer windowed (the sampler frees the blocks that slide out: sampler/window.py)."""
     root = tmp_path_factory.mktemp("windowed")
-    return {fam: build_tiny_windowed_dir(fam, root / f"tiny-{fam}") for fam in WINDOWED_FAMILIES}
+    dirs = {fam: build_tiny_windowed_dir(fam, root / f"tiny-{fam}") for fam in WINDOWED_FAMILIES}
+    sliding = ("sliding_attention",) * 3
+    dirs["gemma3-sliding"] = build_tiny_windowed_dir(
+        "gemma3", root / "tiny-gemma3-sliding", layer_types=sliding
+    )
+    return dirs

@@ -83,6 +83,7 @@ def prompts() -> list[list[int]]:
         pytest.param("qwen2", 1, marks=pytest.mark.slow),
         pytest.param("qwen3", 1, marks=pytest.mark.slow),
         ("gemma3", 1),  # sliding-window layers: a context cut to the window (sliding_window.py)
+        ("gemma3-sliding", 1),  # every layer windowed: blocks that slid out are freed (window.py)
         pytest.param("olmo3", 1, marks=pytest.mark.slow),
     ],
     indirect=["threads"],
