@@ -148,11 +148,10 @@ def build_tiny_windowed_dir(
     seed: int = 0,
     layer_types: tuple[str, ...] = TINY_LAYER_TYPES,
     window: int = TINY_WINDOW,
-    chat_template: str | None = None,
     **config,
 ) -> Path:
     """A tiny random sliding-window model (`gemma3`: Gemma 3's text model, `olmo3`) saved by
-    transformers with SmolLM2's tokenizer (and `chat_template`, if given, as its template)."""
+    transformers with SmolLM2's tokenizer; `config` overrides the model config's fields."""
     import transformers as tf
 
     common = dict(
@@ -186,8 +185,6 @@ def build_tiny_windowed_dir(
     model.save_pretrained(out)
     for f in TOKENIZER_DIR.iterdir():
         shutil.copy(f, out / f.name)
-    if chat_template is not None:
-        (out / "chat_template.jinja").write_text(chat_template)
     return out
 
 
