@@ -15,8 +15,12 @@ from tolerance import Rounding, assert_same_samples, fp64_model
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 
+BOTH = list(WINDOWED_FAMILIES)
+# OLMo 3's sampler runs the same windowed contexts as Gemma 3's: beyond one test, the slow tier
+ONE = ["gemma3", *(pytest.param(f, marks=pytest.mark.slow) for f in WINDOWED_FAMILIES if f != "gemma3")]
 
-@pytest.fixture(scope="module", params=WINDOWED_FAMILIES)
+
+@pytest.fixture(scope="module")
 def twins(request, tiny_windowed_dirs):
     d = tiny_windowed_dirs[request.param]
     tok = Tokenizer(d)
@@ -44,6 +48,7 @@ def like_transformers(twins, p, seqs) -> None:
         Rounding(ours32, ours64).assert_within(theirs)
 
 
+@pytest.mark.parametrize("twins", BOTH, indirect=True)
 def test_seeded_samples_alone_and_batched(twins):
     """A request's seeded samples are the same alone and in a batch beside others of other lengths
     (decode steps packed by request and not), and their logprobs are a full forward's."""
@@ -63,6 +68,7 @@ def test_seeded_samples_alone_and_batched(twins):
     like_transformers(twins, p, alone.sequences)
 
 
+@pytest.mark.parametrize("twins", ONE, indirect=True)
 def test_prompt_logprobs_are_a_full_forwards(twins):
     p = prompt(40, seed=3)
 
@@ -74,6 +80,7 @@ def test_prompt_logprobs_are_a_full_forwards(twins):
     same_samples(compute, twins)
 
 
+@pytest.mark.parametrize("twins", ONE, indirect=True)
 def test_cached_prefixes_serve_what_a_fresh_prefill_computes(twins):
     """A group's second request, a chat's next turn and a prompt sharing another's system prompt
     are served from the cache (metered as cached) and sample what a sampler without a prefix cache
@@ -109,6 +116,7 @@ def test_cached_prefixes_serve_what_a_fresh_prefill_computes(twins):
     same_samples(compute, twins)
 
 
+@pytest.mark.parametrize("twins", ONE, indirect=True)
 def test_chunked_prefill_across_the_window_is_one_prefill(twins):
     """A 40-token prompt prefilled in chunks of 16 (each chunk's windowed layers read keys of the
     chunk before) samples as one prefill does."""
