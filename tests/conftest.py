@@ -22,6 +22,20 @@ TOKENIZER_DIR = FIXTURES / "smollm2-tokenizer"
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
+# The tiny models' shape and special tokens, every family's.
+TINY_SHAPE = dict(
+    hidden_size=96,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
 def build_tiny_model_dir(
     family: str, out: Path, seed: int = 0, tie: bool = True, vocab_size: int = 49152
 ) -> Path:
@@ -29,17 +43,9 @@ def build_tiny_model_dir(
     import transformers as tf
 
     common = dict(
+        TINY_SHAPE,
         vocab_size=vocab_size,
-        hidden_size=96,
-        intermediate_size=256,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
         tie_word_embeddings=tie,
         rms_norm_eps=1e-6,
     )
@@ -49,8 +55,13 @@ def build_tiny_model_dir(
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
     }[family]
     torch.manual_seed(seed)
-    model = cls_model(cls_cfg(**common))
-    with torch.no_grad():  # non-trivial norms and biases so their loading is actually tested
+    return save_tiny(cls_model(cls_cfg(**common)), out)
+
+
+def save_tiny(model, out: Path) -> Path:
+    """`model` (transformers', random) with non-trivial norms and biases, so that their loading is
+    actually tested, saved by transformers with SmolLM2's tokenizer."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
@@ -155,17 +166,9 @@ def build_tiny_windowed_dir(
     import transformers as tf
 
     common = dict(
+        TINY_SHAPE,
         vocab_size=49152,
-        hidden_size=96,
-        intermediate_size=256,
         num_hidden_layers=len(layer_types),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
         sliding_window=window,
         layer_types=list(layer_types),
         tie_word_embeddings=True,
@@ -177,15 +180,7 @@ def build_tiny_windowed_dir(
     else:
         cls_cfg, cls_model = tf.Olmo3Config, tf.Olmo3ForCausalLM
     torch.manual_seed(seed)
-    model = cls_model(cls_cfg(**{**common, **config}))
-    with torch.no_grad():  # non-trivial norms, so their loading (and Gemma's 1 + w) is tested
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    for f in TOKENIZER_DIR.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
+    return save_tiny(cls_model(cls_cfg(**{**common, **config})), out)  # Gemma's norms: 1 + w
 
 
 @pytest.fixture(scope="session")

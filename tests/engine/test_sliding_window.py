@@ -13,6 +13,7 @@ import torch
 from conftest import TINY_WINDOW, WINDOWED_FAMILIES, build_tiny_windowed_dir
 from safetensors.torch import load_file, save_file
 from test_model_parity import hf_model, random_adapter
+from test_qwen3_5 import padded_batch as two_rows
 from tolerance import Rounding, assert_bitwise, assert_same_computation, fp64_adapter, fp64_model
 
 from trine.engine.api import LoRAConfig
@@ -26,13 +27,9 @@ from trine.engine.model.weights import config_from_hf, load_model, read_config, 
 VOCAB = 49152
 
 
-def padded_batch(T: int = 40, short: int = 29):
-    """Two rows of T tokens, the second right-padded after `short`; both longer than the window."""
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (2, T), generator=g)
-    mask = torch.ones(2, T, dtype=torch.bool)
-    mask[1, short:] = False
-    return tokens, mask
+def padded_batch():
+    """Two rows of 40 tokens, the second right-padded after 29; both longer than the window."""
+    return two_rows(40, 29)
 
 
 # ----------------------------------------------------------------------------- configs
