@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_WINDOW, WINDOWED_FAMILIES, build_tiny_windowed_dir
+from conftest import TINY_SHAPE, TINY_WINDOW, WINDOWED_FAMILIES, build_tiny_windowed_dir, save_tiny
 from safetensors.torch import load_file, save_file
 from test_model_parity import hf_model, random_adapter
 from test_qwen3_5 import padded_batch as two_rows
@@ -23,6 +23,8 @@ from trine.engine.model.lora import AdapterBatch
 from trine.engine.model.olmo3 import Olmo3Config, Olmo3Transformer
 from trine.engine.model.sliding_window import FULL, SLIDING, RopeSpec, windowed
 from trine.engine.model.weights import config_from_hf, load_model, read_config, servable
+from trine.engine.model.windowed_dense import DenseWindowedConfig, DenseWindowedTransformer
+from trine.engine.sampler.window import freed_window
 
 VOCAB = 49152
 
@@ -197,6 +199,33 @@ def test_rope_kinds_match_transformers(tmp_path):
             want = hf_model(path)(tokens, attention_mask=mask.long()).logits
             got, got64 = ours(tokens, pad_mask=mask), ours64(tokens, pad_mask=mask)
         Rounding(got[mask], got64[mask]).assert_within(want[mask])
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_dense_checkpoints_with_a_window_match_transformers(tmp_path, family):
+    """A Mistral with a `sliding_window` (every layer windowed: what slides out is freed) and a Qwen2
+    with `use_sliding_window` (layers from `max_window_layers` on): windowed as transformers does."""
+    import transformers as tf
+
+    shape = dict(TINY_SHAPE, vocab_size=VOCAB, num_hidden_layers=3, sliding_window=TINY_WINDOW)
+    torch.manual_seed(4)
+    if family == "mistral":
+        hf = tf.MistralForCausalLM(tf.MistralConfig(**shape))
+    else:
+        hf = tf.Qwen2ForCausalLM(tf.Qwen2Config(**shape, use_sliding_window=True, max_window_layers=1))
+    path = save_tiny(hf, tmp_path / family)
+    cfg = read_config(path)
+    assert isinstance(cfg, DenseWindowedConfig) and isinstance(
+        load_model(path, "cpu"), DenseWindowedTransformer
+    )
+    assert cfg.layer_types == ((SLIDING,) * 3 if family == "mistral" else (FULL, SLIDING, SLIDING))
+    assert freed_window(cfg) == (TINY_WINDOW if family == "mistral" else None)
+    ours, ours64 = load_model(path, "cpu"), fp64_model(path)
+    tokens, mask = padded_batch()
+    with torch.no_grad():
+        want = hf_model(path)(tokens, attention_mask=mask.long()).logits
+        got, got64 = ours(tokens, pad_mask=mask), ours64(tokens, pad_mask=mask)
+    Rounding(got[mask], got64[mask]).assert_within(want[mask])
 
 
 # ----------------------------------------------------------------------------- LoRA

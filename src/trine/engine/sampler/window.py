@@ -1,5 +1,6 @@
 """KV blocks that slide out of a model's window: freed while a sequence runs, and cached prefixes
-served without them (a model whose every layer is windowed: model/sliding_window.py).
+served without them (a model whose every layer is windowed, Mistral 7B v0.1's kind:
+model/sliding_window.py).
 
 A windowed layer's query at position p reads keys p - W + 1 .. p only. A block is needed while any
 layer may still read it, so:
