@@ -25,6 +25,20 @@ TOKENIZER_DIR = FIXTURES / "smollm2-tokenizer"
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
+# The tiny models' shape and special tokens, every family's.
+TINY_SHAPE = dict(
+    hidden_size=96,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
 def build_tiny_model_dir(
     family: str, out: Path, seed: int = 0, tie: bool = True, vocab_size: int = 49152
 ) -> Path:
@@ -32,17 +46,9 @@ def build_tiny_model_dir(
     import transformers as tf
 
     common = dict(
+        TINY_SHAPE,
         vocab_size=vocab_size,
-        hidden_size=96,
-        intermediate_size=256,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
         tie_word_embeddings=tie,
         rms_norm_eps=1e-6,
     )
@@ -52,8 +58,13 @@ def build_tiny_model_dir(
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
     }[family]
     torch.manual_seed(seed)
-    model = cls_model(cls_cfg(**common))
-    with torch.no_grad():  # non-trivial norms and biases so their loading is actually tested
+    return save_tiny(cls_model(cls_cfg(**common)), out)
+
+
+def save_tiny(model, out: Path) -> Path:
+    """`model` (transformers', random) with non-trivial norms and biases, so that their loading is
+    actually tested, saved by transformers with SmolLM2's tokenizer."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
@@ -198,3 +209,52 @@ def _cpuinfo() -> list[str]:
         return Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return []
+
+
+WINDOWED_FAMILIES = ("gemma3", "olmo3")
+# A window the tests' 40-token prompts cross, and both layer kinds (the third layer global).
+TINY_WINDOW = 8
+TINY_LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+
+
+def build_tiny_windowed_dir(
+    family: str,
+    out: Path,
+    seed: int = 0,
+    layer_types: tuple[str, ...] = TINY_LAYER_TYPES,
+    window: int = TINY_WINDOW,
+    **config,
+) -> Path:
+    """A tiny random sliding-window model (`gemma3`: Gemma 3's text model, `olmo3`) saved by
+    transformers with SmolLM2's tokenizer; `config` overrides the model config's fields."""
+    import transformers as tf
+
+    common = dict(
+        TINY_SHAPE,
+        vocab_size=49152,
+        num_hidden_layers=len(layer_types),
+        sliding_window=window,
+        layer_types=list(layer_types),
+        tie_word_embeddings=True,
+    )
+    if family == "gemma3":  # a query scale other than head_dim's, and distinct thetas per kind
+        rope = {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}
+        common.update(query_pre_attn_scalar=32, rope_parameters=rope)
+        cls_cfg, cls_model = tf.Gemma3TextConfig, tf.Gemma3ForCausalLM
+    else:
+        cls_cfg, cls_model = tf.Olmo3Config, tf.Olmo3ForCausalLM
+    torch.manual_seed(seed)
+    return save_tiny(cls_model(cls_cfg(**{**common, **config})), out)  # Gemma's norms: 1 + w
+
+
+@pytest.fixture(scope="session")
+def tiny_windowed_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny model of each sliding-window family (`build_tiny_windowed_dir`), and `gemma3-sliding`:
+    every layer windowed (the sampler frees the blocks that slide out: sampler/window.py)."""
+    root = tmp_path_factory.mktemp("windowed")
+    dirs = {fam: build_tiny_windowed_dir(fam, root / f"tiny-{fam}") for fam in WINDOWED_FAMILIES}
+    sliding = ("sliding_attention",) * 3
+    dirs["gemma3-sliding"] = build_tiny_windowed_dir(
+        "gemma3", root / "tiny-gemma3-sliding", layer_types=sliding
+    )
+    return dirs

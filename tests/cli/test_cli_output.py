@@ -51,6 +51,35 @@ def test_listings_are_tables_with_a_json_twin(tmp_path):
     assert all(r["name"] and r["pricing"]["prefill"] >= 0 for r in rows)
 
 
+def test_models_lists_the_real_models_with_their_licenses(tmp_path):
+    """Offline: the real models trine builds from PyPI are listed with their licenses before they
+    are built; only SmolLM2 is the default; a built one is listed as downloaded."""
+    runner = CliRunner()
+    rows = {
+        r["name"]: r
+        for r in json.loads(runner.invoke(main, ["models", "--home", str(tmp_path), "--json"]).stdout)
+    }
+    gemma, smol = rows["gemma-3-270m"], rows["SmolLM2-135M-Instruct"]
+    assert (
+        gemma["license"] == "Gemma Terms of Use"
+        and gemma["license_url"] == "https://ai.google.dev/gemma/terms"
+    )
+    assert gemma["status"] == "built on first use" and smol["status"] == "built on first use (the default)"
+    assert smol["license"] == "Apache-2.0" and gemma["pricing"]["rate_row"] == "gemma-3-270m"
+    out = runner.invoke(main, ["models", "--home", str(tmp_path)], env={"COLUMNS": "200"}).stdout
+    assert "Gemma Terms of Use" in next(line for line in out.splitlines() if "gemma-3-270m" in line)
+    (tmp_path / "models" / "gemma-3-270m").mkdir(parents=True)
+    (tmp_path / "models" / "gemma-3-270m" / "config.json").write_text("{}")
+    rows = {
+        r["name"]: r
+        for r in json.loads(runner.invoke(main, ["models", "--home", str(tmp_path), "--json"]).stdout)
+    }
+    assert (
+        rows["gemma-3-270m"]["status"] == "downloaded"
+        and rows["gemma-3-270m"]["license"] == "Gemma Terms of Use"
+    )
+
+
 def test_serve_refuses_a_port_in_use_before_loading(tiny_model_dir, tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

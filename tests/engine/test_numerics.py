@@ -82,11 +82,18 @@ def prompts() -> list[list[int]]:
         ("llama", 2),
         pytest.param("qwen2", 1, marks=pytest.mark.slow),
         pytest.param("qwen3", 1, marks=pytest.mark.slow),
+        # sliding-window layers read a context cut to the window (sliding_window.py); with every
+        # layer windowed, the blocks that slid out are freed as the sequences run (window.py)
+        ("gemma3-sliding", 1),
+        pytest.param("gemma3", 1, marks=pytest.mark.slow),
+        pytest.param("olmo3", 1, marks=pytest.mark.slow),
     ],
     indirect=["threads"],
 )
-def test_sampler_compute_logprobs_and_trainer_agree_exactly(tiny_model_dirs, family, threads):
-    model, tok, trainer = setup(tiny_model_dirs[family])
+def test_sampler_compute_logprobs_and_trainer_agree_exactly(
+    tiny_model_dirs, tiny_windowed_dirs, family, threads
+):
+    model, tok, trainer = setup({**tiny_model_dirs, **tiny_windowed_dirs}[family])
     ps = prompts()
     samples = [1, 3, 1, 2, 4, 2]
     new = lambda: Sampler(model, tok, SamplerConfig(kv_cache_bytes=16 * MB))  # noqa: E731

@@ -152,10 +152,10 @@ def estimate(
 def _model_dir(model: str, given: Path | None, home: Path) -> Path:
     if given is not None:
         return given
-    from ..engine.model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from ..engine.model.default_model import REAL_MODELS, ensure_model
 
-    if model == DEFAULT_MODEL_NAME:
-        return ensure_default_model(home)
+    if model in REAL_MODELS:
+        return ensure_model(model, home)
     candidate = home / "models" / model
     if not (candidate / "config.json").is_file():
         raise click.ClickException(

@@ -1,4 +1,5 @@
-"""`trine models`: the model list with per-phase prices, from a server or from the rate card + data dir."""
+"""`trine models`: the model list with per-phase prices, from a server or from the rate card + data dir,
+and the real models trine can build (engine/model/default_model.py) with their licenses."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from .output import Column, price, print_json, print_table
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def models(url, api_key, home, rates, as_json):
     """Models with their prices per million tokens: prefill, cached prefill, sample, train (LoRA, and
-    full fine-tuning's from the model's `:full` rate row); storage per GB-month."""
+    full fine-tuning's from the model's `:full` rate row); storage per GB-month; and the license of
+    each real model trine builds from PyPI."""
     try:
         rows = _rows(url, api_key, home, rates)
     except (ValueError, ConnectionError) as e:
@@ -33,7 +35,7 @@ def models(url, api_key, home, rates, as_json):
     if as_json:
         print_json(rows)
         return
-    cols = [Column("model", fold=True), Column("status", fold=True)]
+    cols = [Column("model", fold=True), Column("status", fold=True), Column("license", fold=True)]
     names = ("prefill", "cached", "sample", "train", "train full", "GB-month")
     cols += [Column(name, numeric=True) for name in names]
     keys = ("prefill", "prefill_cached", "sample", "train", "train_full", "storage_gb_month")
@@ -41,13 +43,16 @@ def models(url, api_key, home, rates, as_json):
     for r in rows:
         p = r["pricing"]
         status = r["status"] + ("" if p["rate_row"] == r["name"] else f" (priced as {p['rate_row']})")
-        table.append((r["name"], status, *(price(p.get(k)) for k in keys)))
+        table.append((r["name"], status, r.get("license") or "", *(price(p.get(k)) for k in keys)))
     print_table("models (USD per million tokens; storage per GB-month)", cols, table, empty="no models")
 
 
 def _rows(url, api_key, home, rates) -> list[dict]:
     """One entry per model: name (what clients pass as base_model), model_id (a server's model
-    directory), status (served / downloaded / rate card), pricing."""
+    directory), status (served / downloaded / built on first use / rate card), license (a real
+    model's; None for other checkpoints), pricing."""
+    from ..engine.model.default_model import DEFAULT_MODEL_NAME, REAL_MODELS
+
     url = remote.server_url(url)
     if url is not None:
         key = remote.api_key(api_key)
@@ -65,6 +70,7 @@ def _rows(url, api_key, home, rates) -> list[dict]:
                     "name": item.get("alias") or item["model_id"],
                     "model_id": item["model_id"],
                     "status": "served",
+                    "license": item.get("license"),
                     "pricing": pricing,
                 }
             )
@@ -72,10 +78,24 @@ def _rows(url, api_key, home, rates) -> list[dict]:
     home = home or trine_home()
     card = RateCard.load(rates, home=home)
     local = sorted(p.name for p in (home / "models").glob("*") if (p / "config.json").is_file())
-    out = [{"name": m, "model_id": m, "status": "downloaded", "pricing": card.pricing(m)} for m in local]
+
+    def row(name: str, status: str, pricing: dict) -> dict:
+        real = REAL_MODELS.get(name)
+        if real is not None and status != "downloaded":  # built from its wheels on first use
+            default = " (the default)" if name == DEFAULT_MODEL_NAME else ""
+            status = f"built on first use{default}"
+        row = {"name": name, "model_id": name, "status": status, "license": real and real.license}
+        if real is not None:
+            row |= {"license_url": real.license_url, "download": real.download}
+        return row | {"pricing": pricing}
+
+    out = [row(m, "downloaded", card.pricing(m)) for m in local]
+    out += [row(m, "real model", card.pricing(m)) for m in REAL_MODELS if m not in local]
     out += [
-        {"name": m["model_id"], "model_id": m["model_id"], "status": "rate card", "pricing": m["pricing"]}
+        row(m["model_id"], "rate card", m["pricing"])
         for m in card.as_models_list()
-        if m["model_id"] not in local and not m["model_id"].endswith(FULL_SUFFIX)  # a price, not a model
+        if m["model_id"] not in local
+        and m["model_id"] not in REAL_MODELS
+        and not m["model_id"].endswith(FULL_SUFFIX)  # a price, not a model
     ]
     return out

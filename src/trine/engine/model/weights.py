@@ -4,10 +4,13 @@ A directory holds config.json, one or many *.safetensors (optionally with an ind
 tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja). Nothing here ever
 reaches a model hub.
 
-Families: the dense `llama`, `qwen2`, `qwen3`, `mistral` (model.py) and Qwen3.5's hybrid
-`qwen3_5_text` (qwen3_5.py), or the language model of a multimodal `qwen3_5` checkpoint (its
-`model.language_model.*` weights; the vision tower and the multi-token-prediction head are not
-loaded). The sampler keeps a hybrid model's recurrent state per sequence (sampler/state_cache.py).
+Families: the dense `llama`, `qwen2`, `qwen3`, `mistral` (model.py; a Mistral with a
+`sliding_window` or a Qwen2 with `use_sliding_window`: windowed_dense.py), the sliding-window
+`gemma3_text` (gemma3.py) and `olmo3` (olmo3.py), and Qwen3.5's hybrid `qwen3_5_text`
+(qwen3_5.py); a multimodal `qwen3_5` or `gemma3` checkpoint's language model (its
+`model.language_model.*` weights; the vision tower, its projector and the multi-token-prediction
+head are not loaded). The sampler keeps a hybrid model's recurrent state per sequence
+(sampler/state_cache.py).
 """
 
 from __future__ import annotations
@@ -19,14 +22,28 @@ import torch
 from safetensors.torch import load_file
 
 from ..config import DTYPE_NAMES
-from . import qwen3_5
+from . import gemma3, olmo3, qwen3_5, windowed_dense
 from .kernels import dtype_choice
 from .kernels.dtype_choice import DtypeChoice
 from .lora import linear_shape_counts
 from .model import ModelConfig, Transformer, rope_inv_freq
 
 # A multimodal checkpoint's language model and the parts of it a text model does not load.
-_LANGUAGE_MODEL, _NOT_TEXT = "model.language_model.", ("model.visual.", "mtp.")
+_LANGUAGE_MODEL = "model.language_model."
+_NOT_TEXT = ("model.visual.", "mtp.", "model.vision_tower.", "model.multi_modal_projector.")
+# model_type -> its config class; any other type is model.py's
+_CONFIGS = {
+    **dict.fromkeys(qwen3_5.FAMILIES, qwen3_5.HybridConfig),
+    **dict.fromkeys(gemma3.FAMILIES, gemma3.Gemma3Config),
+    **dict.fromkeys(olmo3.FAMILIES, olmo3.Olmo3Config),
+}
+# config class -> its model class
+_MODELS = {
+    qwen3_5.HybridConfig: qwen3_5.HybridTransformer,
+    gemma3.Gemma3Config: gemma3.Gemma3Transformer,
+    olmo3.Olmo3Config: olmo3.Olmo3Transformer,
+    windowed_dense.DenseWindowedConfig: windowed_dense.DenseWindowedTransformer,
+}
 
 
 def default_device() -> torch.device:
@@ -63,15 +80,15 @@ def read_config(path: str | Path) -> ModelConfig:
 
 def config_from_hf(cfg: dict) -> ModelConfig:
     """A config.json's model config, by its family (`model_type`)."""
-    if cfg.get("model_type") in qwen3_5.FAMILIES:
-        return qwen3_5.HybridConfig.from_hf(cfg)
-    return ModelConfig.from_hf(cfg)
+    if windowed_dense.has_windows(cfg):  # Mistral 7B v0.1, a Qwen2 with use_sliding_window
+        return windowed_dense.DenseWindowedConfig.from_hf(cfg)
+    return _CONFIGS.get(cfg.get("model_type"), ModelConfig).from_hf(cfg)
 
 
 def meta_model(cfg: ModelConfig) -> Transformer:
     """The model of `cfg`, its family's class, on the meta device: shapes without memory."""
     with torch.device("meta"):
-        return (qwen3_5.HybridTransformer if isinstance(cfg, qwen3_5.HybridConfig) else Transformer)(cfg)
+        return _MODELS.get(type(cfg), Transformer)(cfg)
 
 
 def auto_dtype(path: str | Path, device: torch.device) -> DtypeChoice:

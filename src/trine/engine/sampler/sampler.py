@@ -49,14 +49,14 @@ from ..model.model import Transformer
 from ..model.qwen3_5 import HybridConfig
 from ..model.tokenizer import Tokenizer
 from .grammar import Grammars
-from .kv_cache import BlockManager, default_kv_cache_bytes
+from .kv_cache import default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .prompt_scores import PromptScores, check_prompt_scores, first_scored, scores_prompt
 from .sampling import check_sampling_options, generators, sample
-from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .state_cache import StateCache, default_state_cache_bytes
 from .stops import Stops, check_stop_options, final_text
+from .window import kv_classes
 
 
 def key_cost(model: Transformer) -> float:
@@ -82,7 +82,8 @@ class Sampler:
         self.cfg = model.cfg
         self.device = model.device
         self.block_size = config.block_size
-        self.kv = BlockManager.from_budget(
+        blocks, scheduler = kv_classes(self.cfg)  # a windowed-only model's frees what slid out (window.py)
+        self.kv = blocks.from_budget(
             config.kv_cache_bytes
             if config.kv_cache_bytes is not None
             else default_kv_cache_bytes(self.device),
@@ -107,7 +108,7 @@ class Sampler:
                 model.dtype,
                 self.device,
             )
-        self.scheduler = Scheduler(
+        self.scheduler = scheduler(
             self.kv,
             config,
             key_cost=key_cost(model),
