@@ -240,3 +240,23 @@ def test_images_are_checked_against_the_model(twins, spec, tiny_qwen3_5_dir):  #
     with pytest.raises(ValueError, match=r"prompt.images\[0\]: its span"):
         s.add(ask(tokens[:10], images))
     assert not s.has_work()
+
+
+def test_only_a_checkpoint_with_its_tower_serves_images(tiny_vl_dir, tmp_path):
+    """The engine's encoder needs a qwen3_5 language model and the tower's weights: a directory
+    with the language model alone (a full fine-tuning run's weights) serves text, its images refused
+    by the planes as not served."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from trine.engine.model.multimodal import load_image_encoder
+
+    model = load_model(tiny_vl_dir, "cpu")
+    enc = load_image_encoder(tiny_vl_dir, model)
+    assert enc is not None and enc.spec.served and enc.tower.dtype == model.dtype
+    text_only = tmp_path / "language-model-only"
+    shutil.copytree(tiny_vl_dir, text_only)
+    for f in text_only.glob("*.safetensors"):
+        save_file({k: v for k, v in load_file(f).items() if ".visual." not in f".{k}"}, f)
+    assert load_image_encoder(text_only, load_model(text_only, "cpu")) is None

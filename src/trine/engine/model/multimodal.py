@@ -34,7 +34,7 @@ from ..api import ImageInput, VisionSpec
 from ..config import IMAGE_CACHE_BYTES
 from ..images import decode_for_tower
 from .lora import AdapterBatch
-from .vision import VisionTower, load_vision_tower
+from .vision import VisionTower, has_vision_weights, load_vision_tower
 
 
 # ----------------------------------------------------------------------------- positions
@@ -154,11 +154,12 @@ def embed_with_images(
 def load_image_encoder(path, model, budget_bytes: int = IMAGE_CACHE_BYTES) -> ImageEncoder | None:
     """The engine's encoder of the checkpoint at `path`, whose language model is `model`: its vision
     tower in the model's device and dtype, its spec marked served. None when the engine serves no
-    images: a text model, or a language model without multimodal RoPE (only Qwen3.5's has it)."""
+    images: a text model, a language model without multimodal RoPE (only Qwen3.5's has it), or a
+    directory without the tower's weights (a full fine-tuning run's own)."""
     from .qwen3_5 import HybridTransformer
 
     spec = VisionSpec.from_dir(path)
-    if spec is None or not isinstance(model, HybridTransformer):
+    if spec is None or not isinstance(model, HybridTransformer) or not has_vision_weights(path):
         return None
     tower = load_vision_tower(path, model.device, model.dtype)
     return ImageEncoder(tower, dataclasses.replace(spec, served=True), budget_bytes)
