@@ -28,12 +28,15 @@ f. Decode cost per token at 1K and 16K tokens of context (`hybrid_decode_ms_per_
 
 The trainer half (`hybrid_trainer_vs_hf_peft`, transformers + peft) is another file's: when
 `benchmarks/models_trainer.py` exists, its `run(model_dir, args) -> dict` adds its keys to this
-script's record (see `trainer_half`).
+script's record (see `trainer_half`). So are images (`vision_group_vs_hf`,
+`vision_group_prefill_cached_fraction`: a group of 8 samples over one 448 x 448 image, with the
+vision tower's time and the prefill tokens computed against cached): benchmarks/models_vision.py,
+whose `run(args)` is this script's `vision` part.
 
 vLLM's CPU build is not run here (benchmarks/vs_vllm.py compares it on dense models, in its own
 venv).
 
-    .venv/bin/python benchmarks/models.py [--json] [--quick] [--repeats 3] [--only grpo decode ...]
+    .venv/bin/python benchmarks/models.py [--json] [--quick] [--repeats 3] [--only grpo decode vision ...]
 
 `--quick`: a 4-layer shape of the same kinds and small sizes, for a smoke run (seconds).
 """
@@ -387,13 +390,23 @@ def trainer_half(model_dir: Path, args) -> dict:
     return models_trainer.run(model_dir, args)
 
 
+def vision_half(args) -> dict:
+    """The `vision_*` figures of benchmarks/models_vision.py (its own random vision-language
+    checkpoint, built in a temp dir)."""
+    import models_vision  # noqa: PLC0415  (benchmarks/models_vision.py imports this file)
+
+    return models_vision.run(args)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a 4-layer shape and small sizes, for a smoke run")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    ap.add_argument("--only", nargs="*", choices=[*SIZES, "memory", "trainer"], help="run only these")
+    ap.add_argument(
+        "--only", nargs="*", choices=[*SIZES, "memory", "trainer", "vision"], help="run only these"
+    )
     ap.add_argument(
         "--model-dir", type=Path, help="where the random checkpoint is built (default: a temp dir)"
     )
@@ -401,7 +414,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = QUICK if args.quick else SIZES
-    only = args.only or [*SIZES, "memory", "trainer"]
+    only = args.only or [*SIZES, "memory", "trainer", "vision"]
     tmp = None
     if args.model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="trine-models-")
@@ -434,6 +447,8 @@ def main() -> None:
             )
         if "trainer" in only:
             out.update(trainer_half(model_dir, args))
+        if "vision" in only:
+            out.update(vision_half(args))
     finally:
         if tmp is not None:
             tmp.cleanup()

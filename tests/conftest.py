@@ -148,6 +148,15 @@ def tiny_qwen_tools_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory) -> Path:
+    """A tiny random `qwen3_5` checkpoint with its vision tower (tests/visionutil.py): its engine
+    serves images."""
+    from visionutil import build_tiny_qwen3_5_vl_dir
+
+    return build_tiny_qwen3_5_vl_dir(tmp_path_factory.mktemp("models") / "tiny-qwen3_5-vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_vision_frontend_dir(tmp_path_factory) -> Path:
     """A tiny random Llama served beside a qwen3_5 image processor (tests/visionutil.py): the front
     ends read and check its images; its engine serves text only."""

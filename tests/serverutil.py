@@ -122,9 +122,8 @@ class RawClient:
         run = self.training_run(self.session(), base_model)
         rid = run["training_run_cuid"]
         init = f"event_init{rid[-6:]}"
-        assert (
-            self.submit(run, event(init, "init_run", 1, init_payload(run["model_id"]), rid)).status_code < 300
-        )
+        r = self.submit(run, event(init, "init_run", 1, init_payload(run["model_id"]), rid))
+        assert r.status_code < 300, r.text
         if wait:
             assert self.wait(run, init)["status"] == "succeeded"
         return run, rid

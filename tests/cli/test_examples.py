@@ -55,7 +55,51 @@ def test_every_example_runs_through_the_sdk(tiny_server, capsys):
     assert any(int(t[2].replace(",", "")) > 0 for t in timed)
 
 
-EXAMPLE_NAMES = ("sft_chat", "grpo_arithmetic", "dpo", "multi_turn_agent", "distill")
+def test_vision_grpo_runs_on_the_tiny_vision_model(tiny_vl_dir, tmp_path, capsys):
+    """The image example on an embedded server of the tiny random qwen3_5 checkpoint (its --model):
+    pictures drawn and sampled in groups. Its datums (a picture, a reply, advantages; the image's
+    token count left to the SDK) train through the SDK: a random model rarely earns a reward, so the
+    run above may have had nothing to train on."""
+    vg = example("vision_grpo")
+    out = vg.main(
+        ["--model", str(tiny_vl_dir), "--home", str(tmp_path), "--steps", "2", "--prompts", "2"]
+        + ["--group", "3", "--size", "96", "--dtype", "float32"]
+    )
+    assert len(out["reward_curve"]) == 2 and all(0 <= r <= 1 for r in out["reward_curve"])
+    printed = capsys.readouterr().out
+    assert "Usage by phase" in printed and printed.count("step ") >= 2
+
+    import random
+
+    import trine as trio
+
+    args = vg.parser(vg.__doc__, steps=1).parse_args(["--model", str(tiny_vl_dir), "--home", str(tmp_path)])
+    with example("common").connect(args) as conn:
+        trainer = conn.service.create_lora_training_client(base_model=conn.model, rank=4)
+        png, _ = vg.draw(random.Random(0), 96)
+        prompt = vg.image_prompt(trainer.get_tokenizer(), png)
+        sampler = trainer.save_weights_and_get_sampling_client()
+        res = sampler.sample(prompt, 2, trio.SamplingParams(max_tokens=3)).result()
+        assert res.input_tokens == len(prompt.chunks[0]) + 9 + len(prompt.chunks[2])  # 96 px: 3 x 3 tokens
+        logprobs = sampler.compute_logprobs(prompt).result()
+        image_at = range(len(prompt.chunks[0]), len(prompt.chunks[0]) + 9)
+        assert [i for i, x in enumerate(logprobs) if x is None] == [0, *image_at]
+        data = [
+            vg.policy_datum(prompt, res.input_tokens, s.tokens, s.logprobs, a)
+            for s, a in zip(res.sequences, (1.0, 0.5))
+        ]
+        fb = trainer.forward_backward(data, "importance_sampling").result()
+        assert fb.metrics["token_count"] == sum(len(s.tokens) for s in res.sequences)  # the replies'
+        assert fb.metrics["loss_sum"] != 0
+
+
+def test_vision_grpo_needs_a_vision_model(capsys):
+    with pytest.raises(SystemExit):
+        example("vision_grpo").main([])
+    assert "--model: name a vision-language model" in capsys.readouterr().err
+
+
+EXAMPLE_NAMES = ("sft_chat", "grpo_arithmetic", "dpo", "multi_turn_agent", "distill", "vision_grpo")
 
 
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)

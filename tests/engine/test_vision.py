@@ -18,7 +18,6 @@ from visionutil import (
     PREPROCESSOR,
     VISION_END,
     VISION_START,
-    build_tiny_qwen3_5_vl_dir,
     jpeg,
     png,
 )
@@ -44,8 +43,8 @@ IMAGES = {
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory):
-    return build_tiny_qwen3_5_vl_dir(tmp_path_factory.mktemp("vl") / "tiny-qwen3_5-vl")
+def vl_dir(tiny_vl_dir):
+    return tiny_vl_dir
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from trine.engine.api import ImageInput
 from trine.service.models import Replica
 from trine.service.routing import Router, block_keys
 
@@ -19,6 +20,19 @@ def test_block_keys_are_stable_across_processes_and_depend_on_weights():
     assert keys == [4867572638503693814, 4469386065086479619]
     assert block_keys("m\0other", prompt, 16)[0] != keys[0]
     assert block_keys("m\0ck", prompt[:20], 16) == keys[:1]  # a block's key depends only on its prefix
+
+
+def test_block_keys_tell_images_with_equal_placeholders_apart():
+    """Blocks overlapping an image are keyed by its content hash and offset, as the engine's cache."""
+    prompt = [1, 2, 3] + [49152] * 40 + [4, 5]
+
+    def image(h: str) -> ImageInput:
+        return ImageInput(h, 3, 40, (1, 10, 16), b"", "png")
+
+    a, b = (block_keys("m\0", prompt, 16, images=[image(h)]) for h in ("aa", "bb"))
+    assert a != b and a[0] != b[0]  # every block meets the image here
+    assert block_keys("m\0", prompt, 16, images=[image("aa")]) == a
+    assert block_keys("m\0", prompt, 16) not in (a, b)
 
 
 def test_conversations_and_groups_stick_to_one_replica_while_loads_stay_bounded():

@@ -25,16 +25,11 @@ if TYPE_CHECKING:
 _DEFAULT_PARAMS = SamplingParams()
 
 
-def _check_prompt(prompt: ModelInput, *, logprobs: bool) -> None:
+def _check_prompt(prompt: ModelInput) -> None:
     if not isinstance(prompt, ModelInput):
         raise ValidationError(f"prompt must be a trine.ModelInput, got {type(prompt).__name__}")
     if prompt.is_empty:
         raise ValidationError("prompt is empty", code="validation.empty_prompt")
-    if logprobs and prompt.has_images:
-        raise ValidationError(
-            "prompt logprobs are not available for prompts with images",
-            code="validation.image_logprobs_unsupported",
-        )
     for c in prompt.chunks:
         bad = [t for t in getattr(c, "tokens", ()) if t < 0]
         if bad:
@@ -71,7 +66,7 @@ class SamplingClient:
         return_text: bool,
         return_token_logprobs: bool,
     ) -> dict:
-        _check_prompt(prompt, logprobs=include_prompt_logprobs or topk_prompt_logprobs > 0)
+        _check_prompt(prompt)
         if not isinstance(sampling_params, SamplingParams):
             raise ValidationError(
                 f"sampling_params must be a trine.SamplingParams, got {type(sampling_params).__name__}"
@@ -182,8 +177,9 @@ class SamplingClient:
         return PromptLogprobs(parsed.prompt_logprobs, usage=parsed.usage)
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[PromptLogprobs]:
-        """log p(token_i | tokens_<i) for every prompt position (entry 0 is None). Never served
-        from the prefix cache."""
+        """log p(token_i | tokens_<i) for every prompt position (entry 0 is None, and so is every
+        entry whose token is an image's: an image token is no text prediction). Never served from
+        the prefix cache."""
         body = self._request(prompt, 1, SamplingParams(max_tokens=1), True, 0, False, False)
         return APIFuture(self._rt.spawn(self._post(body))).map(self._parse_logprobs)
 

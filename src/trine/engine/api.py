@@ -263,7 +263,7 @@ class SampleUsage:
     prefill_tokens: int = 0  # computed
     cached_tokens: int = 0  # served from the prefix cache
     sample_tokens: int = 0  # generated, all samples together
-    image_tokens: int = 0  # of prefill_tokens, the prompt images' vision tokens (0 until images are served)
+    image_tokens: int = 0  # of prefill_tokens, the prompt images' vision tokens
     cached_image_tokens: int = 0  # of cached_tokens, the prompt images' vision tokens
     # wall-clock unix seconds (0: not reached) when the engine began computing the prompt and when it
     # had all of it (decoding follows): a session trace's prefill span. Timing, not usage: not compared.
@@ -658,7 +658,9 @@ class EngineStats:
     blocks_used, blocks_cached, cache_hit_blocks, cache_queried_blocks, prompt/prefill/cached/sample
     token totals, waiting, running) and, for a hybrid model, its state slots and snapshots
     (state_slots_total/free, state_snapshots, state_snapshots_total, state_snapshot_hits,
-    state_snapshot_evictions, state_bytes_per_sequence)."""
+    state_snapshot_evictions, state_bytes_per_sequence); for a model that takes images, its image
+    token totals (image_tokens, cached_image_tokens) and its encoder's (image_encodes,
+    image_encoder_hits, image_encoder_seconds, image_cache_bytes)."""
 
     name: str
     replica: str

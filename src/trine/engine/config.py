@@ -35,6 +35,9 @@ MIN_SHARED_TOKENS = 16
 # from a cached one recomputes at most this many tokens more than a dense model would, and a
 # snapshot of Qwen3.5-0.8B is 19 MiB (docs/architecture.md, "Prefix cache of a hybrid model").
 STATE_SNAPSHOT_TOKENS = 512
+# Vision-language models: the encoded images the engine keeps, by content hash (a 448x448 image is
+# 196 vision tokens, 0.8 MiB of features for Qwen3.5-0.8B in bf16: hundreds of images).
+IMAGE_CACHE_BYTES = 256 * 2**20
 
 
 def _knob(default, doc: str, flag: str | None = None):
@@ -192,6 +195,11 @@ class EngineConfig:
         "engine starts",
         flag="--full-ft-memory",
     )
+    image_cache_bytes: int = _knob(
+        IMAGE_CACHE_BYTES,
+        "vision-language models: bytes of encoded images (the vision tower's output) kept by content "
+        "hash for the sampler and the trainer, least recently used evicted first; 0 keeps none",
+    )
     sampler: SamplerConfig = field(default_factory=SamplerConfig, metadata={"doc": "the sampler's knobs"})
     trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"doc": "the trainer's knobs"})
 
@@ -201,6 +209,9 @@ class EngineConfig:
         for name in ("num_threads", "full_ft_memory_bytes"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)
+        v = self.image_cache_bytes
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        _check(ok, "image_cache_bytes", v, "an integer >= 0")
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
         _check(

@@ -326,6 +326,51 @@ def placeholders_to_pieces(tokens: list[int], images: list[PromptImage], spec: V
     return pieces + [tokens[start:]]
 
 
+def keyed_tokens(tokens: list, images) -> list:
+    """`tokens` as the prefix cache and shared-prefix training compare them: an image's positions
+    hold (content hash, index within the image) instead of the placeholder id, so two sequences are
+    equal at a position only where they hold the same image at the same offset (placeholders of
+    different images are not). `tokens` itself, not a copy, when there are no images."""
+    if not images:
+        return tokens
+    out = list(tokens)
+    for im in images:
+        out[im.offset : im.offset + im.tokens] = [(im.content_hash, i) for i in range(im.tokens)]
+    return out
+
+
+def image_positions(images, start: int, end: int) -> int:
+    """How many of positions [start, end) are image positions."""
+    return sum(max(0, min(end, im.offset + im.tokens) - max(start, im.offset)) for im in images)
+
+
+def check_placement(tokens: list[int], images, spec: VisionSpec | None, model: str, field: str) -> None:
+    """ValueError unless `images` are placed as `read_model_input` places them: in offset order,
+    each span within `tokens` and all placeholder ids (`spec.image_token_id`), none elsewhere, each
+    span its grid's token count; and `spec` is a model that takes images (the engine's check of
+    what the front ends built)."""
+    if not images:
+        return
+    if spec is None:
+        raise ValueError(f"{field}: {model} does not take images (a text-only model)")
+    at, merge = 0, spec.merge_size**2
+    for i, im in enumerate(images):
+        t, h, w = im.grid
+        if im.offset < at or im.offset + im.tokens > len(tokens) or im.tokens != t * h * w // merge:
+            raise ValueError(
+                f"{field}.images[{i}]: its span [{im.offset}, {im.offset + im.tokens}) of grid "
+                f"{im.grid} is not placed in order within the {len(tokens)} tokens"
+            )
+        at = im.offset + im.tokens
+    placeholders = [i for i, t in enumerate(tokens) if t == spec.image_token_id]
+    spans = [p for im in images for p in range(im.offset, im.offset + im.tokens)]
+    if placeholders != spans:
+        raise ValueError(
+            f"{field}: the image placeholder id {spec.image_token_id} must be exactly at the images' "
+            "positions (build inputs with read_model_input)"
+        )
+
+
 def mask_image_targets(targets: list[int], images) -> list[int]:
     """Pre-shifted targets with every position that predicts an image position ignored
     (IGNORE_INDEX): the loss falls on text targets only (the tower is not trained to be predicted)."""

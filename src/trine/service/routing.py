@@ -2,7 +2,8 @@
 
 A request's prompt is cut into full blocks (the engine's KV block size). Each block gets a stable
 key: blake2b over (weights identity, the previous block's key, the block's token ids as little-
-endian int32) - the same in every process and on every run, unlike Python's salted `hash()`.
+endian int32, and the content hash and offset of each image the block overlaps, as the engine's
+prefix cache keys it) - the same in every process and on every run, unlike Python's salted `hash()`.
 
 Choosing a replica:
 1. Affinity: the replica that last served the longest prefix of these block keys, if it is alive
@@ -42,8 +43,11 @@ def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def block_keys(identity: str, prompt: list[int], block_size: int, max_blocks: int = MAX_BLOCKS) -> list[int]:
-    """Stable chained keys of the prompt's first full blocks."""
+def block_keys(
+    identity: str, prompt: list[int], block_size: int, max_blocks: int = MAX_BLOCKS, images=()
+) -> list[int]:
+    """Stable chained keys of the prompt's first full blocks (`images`: the prompt's `ImageInput`s,
+    whose placeholders alone would not tell two images apart)."""
     n = min(len(prompt) // block_size, max_blocks)
     if n == 0:
         return []
@@ -51,7 +55,11 @@ def block_keys(identity: str, prompt: list[int], block_size: int, max_blocks: in
     step = 4 * block_size
     keys, prev = [], _digest(identity.encode())
     for b in range(n):
-        prev = _digest(prev.to_bytes(8, "little") + tokens[b * step : (b + 1) * step])
+        data = prev.to_bytes(8, "little") + tokens[b * step : (b + 1) * step]
+        for im in images:
+            if im.overlaps(b * block_size, (b + 1) * block_size):
+                data += f"{im.content_hash}@{im.offset}".encode()
+        prev = _digest(data)
         keys.append(prev)
     return keys
 
@@ -67,7 +75,9 @@ class Router:
         self._affinity: OrderedDict[int, int] = OrderedDict()  # block key -> replica index
         self._rings: dict[int, tuple[list[int], list[int]]] = {}  # n replicas -> (points, indices)
 
-    def route(self, replicas: list[Replica], identity: str, prompt: list[int], block_size: int) -> Replica:
+    def route(
+        self, replicas: list[Replica], identity: str, prompt: list[int], block_size: int, images=()
+    ) -> Replica:
         live = [r for r in replicas if r.alive]
         if not live:
             raise RuntimeError("no live replica")
@@ -79,7 +89,7 @@ class Router:
         share = math.ceil((sum(loads) + 1) / len(live))
         bound = max(math.ceil(self.load_factor * (sum(loads) + 1) / len(live)), min(loads) + self.slack)
         fits = {r.index: r for r in live if r.inflight_samples + 1 <= bound}
-        keys = block_keys(identity, prompt, block_size)
+        keys = block_keys(identity, prompt, block_size, images=images)
         chosen = None
         for k in reversed(keys):
             idx = self._affinity.get(k)

@@ -23,15 +23,18 @@ Invariants
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
 from ..api import ImageInput, VisionSpec
+from ..config import IMAGE_CACHE_BYTES
 from ..images import decode_for_tower
 from .lora import AdapterBatch
-from .vision import VisionTower
+from .vision import VisionTower, has_vision_weights, load_vision_tower
 
 
 # ----------------------------------------------------------------------------- positions
@@ -56,9 +59,12 @@ def mrope_positions(length: int, images: Sequence[ImageInput], merge: int) -> tu
     return pos, (int(pos.max()) + 1 - length) if length else 0
 
 
-def batch_positions(images: Sequence[Sequence[ImageInput]], merge: int, width: int) -> torch.Tensor:
-    """Positions [3, B, width] of right-padded rows (a padded tail continues as text)."""
-    return torch.stack([mrope_positions(width, ims, merge)[0] for ims in images], dim=1)
+def window_positions(images: Sequence[ImageInput], merge: int, start: int, width: int) -> torch.Tensor:
+    """Positions [3, width] of a sequence's positions [start, start + width) whose images are
+    `images` (all of them: the positions after an image depend on it); past the sequence's end
+    (a padded tail) they continue as text."""
+    end = max([start + width] + [im.offset + im.tokens for im in images])
+    return mrope_positions(end, images, merge)[0][:, start : start + width]
 
 
 # ----------------------------------------------------------------------------- the encoder
@@ -68,11 +74,12 @@ class ImageEncoder:
     decoded again, engine/images.py). `budget_bytes` bounds the cached features; past it the least
     recently used go first (an image larger than the budget is encoded and not kept)."""
 
-    def __init__(self, tower: VisionTower, spec: VisionSpec, budget_bytes: int = 256 << 20):
+    def __init__(self, tower: VisionTower, spec: VisionSpec, budget_bytes: int = IMAGE_CACHE_BYTES):
         self.tower, self.spec, self.budget = tower, spec, budget_bytes
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.bytes = 0
         self.hits = self.misses = 0
+        self.seconds = 0.0  # spent encoding (decoding the files included)
 
     @torch.no_grad()
     def features(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
@@ -90,8 +97,23 @@ class ImageEncoder:
         return out
 
     def encode(self, im: ImageInput) -> torch.Tensor:
+        start = time.perf_counter()
         patches = torch.from_numpy(decode_for_tower(im.data, im.format, self.spec))
-        return self.tower(patches.to(self.tower.pos_embed.weight.device), [im.grid])
+        device = self.tower.pos_embed.weight.device
+        out = self.tower(patches.to(device), [im.grid])
+        if device.type == "cuda":  # the time is the tower's, not the launch's
+            torch.cuda.synchronize(device)
+        self.seconds += time.perf_counter() - start
+        return out
+
+    @property
+    def stats(self) -> dict:
+        return dict(
+            image_encodes=self.misses,
+            image_encoder_hits=self.hits,
+            image_encoder_seconds=self.seconds,
+            image_cache_bytes=self.bytes,
+        )
 
     def _keep(self, key: str, f: torch.Tensor) -> None:
         size = f.numel() * f.element_size()
@@ -129,6 +151,39 @@ def embed_with_images(
     return x
 
 
+def load_image_encoder(path, model, budget_bytes: int = IMAGE_CACHE_BYTES) -> ImageEncoder | None:
+    """The engine's encoder of the checkpoint at `path`, whose language model is `model`: its vision
+    tower in the model's device and dtype, its spec marked served. None when the engine serves no
+    images: a text model, a language model without multimodal RoPE (only Qwen3.5's has it), or a
+    directory without the tower's weights (a full fine-tuning run's own)."""
+    from .qwen3_5 import HybridTransformer
+
+    spec = VisionSpec.from_dir(path)
+    if spec is None or not isinstance(model, HybridTransformer) or not has_vision_weights(path):
+        return None
+    tower = load_vision_tower(path, model.device, model.dtype)
+    return ImageEncoder(tower, dataclasses.replace(spec, served=True), budget_bytes)
+
+
+def image_inputs(
+    model,
+    encoder: ImageEncoder,
+    tokens: torch.Tensor,
+    images: Sequence[Sequence[ImageInput]],
+    starts: Sequence[int] | None = None,
+) -> dict:
+    """A forward's `positions` [3, B, T] and `embeds` [B, T, hidden] for right-padded rows `tokens`:
+    row b holds positions starts[b].. (default 0) of a sequence whose images are `images[b]` (the
+    training forward, a shared-prefix segment); only the images the window meets are encoded."""
+    B, T = tokens.shape
+    starts = [0] * B if starts is None else starts
+    merge = encoder.spec.merge_size
+    positions = torch.stack([window_positions(ims, merge, s, T) for ims, s in zip(images, starts)], 1)
+    inside = [[im for im in ims if im.overlaps(s, s + T)] for ims, s in zip(images, starts)]
+    embeds = embed_with_images(model, tokens, inside, [encoder.features(ims) for ims in inside], starts)
+    return dict(positions=positions.to(tokens.device), embeds=embeds)
+
+
 def forward_with_images(
     model,
     encoder: ImageEncoder,
@@ -138,8 +193,5 @@ def forward_with_images(
     adapters: AdapterBatch | None = None,
 ) -> torch.Tensor:
     """Logits [B, T, vocab] of right-padded rows `tokens` (pad_mask: True = real) whose images are
-    `images[b]`: the training forward and a whole-prompt prefill, each row from the zero state."""
-    feats = [encoder.features(ims) for ims in images]
-    embeds = embed_with_images(model, tokens, images, feats)
-    positions = batch_positions(images, encoder.spec.merge_size, tokens.shape[1])
-    return model(tokens, positions.to(tokens.device), adapters, pad_mask, embeds=embeds)
+    `images[b]`: a whole-prompt forward, each row from the zero state."""
+    return model(tokens, adapters=adapters, pad_mask=pad_mask, **image_inputs(model, encoder, tokens, images))

@@ -229,6 +229,16 @@ def read_vision_config(path: str | Path) -> VisionConfig | None:
     return VisionConfig.from_hf(vision) if vision else None
 
 
+def has_vision_weights(path: str | Path) -> bool:
+    """Whether the checkpoint at `path` holds vision tower weights (`model.visual.*`): a full
+    fine-tuning run's weights directory keeps the config but holds the language model only."""
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            if any(k.startswith(VISUAL) for k in st.keys()):
+                return True
+    return False
+
+
 def load_vision_tower(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> VisionTower | None:

@@ -22,7 +22,6 @@ from ..api import (
     SampleRequest,
     SampleResult,
     TrainingCycle,
-    VisionSpec,
 )
 from ..config import EngineConfig
 from ..interface import Engine
@@ -62,7 +61,7 @@ class LocalEngine(Engine):
             str(w.model.device),
             self.replica,
             lora_features(w.model),
-            vision=VisionSpec.from_dir(w.model_dir),
+            vision=w.vision,
             linear_shapes=adapter_targets(w.model),
             full_tuning=w.trainer.full_tuning,
         )

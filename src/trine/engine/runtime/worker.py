@@ -37,12 +37,13 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from ..api import LoRAConfig, SampleCancelled, SampleDelta, SampleRequest, SampleResult
+from ..api import LoRAConfig, SampleCancelled, SampleDelta, SampleRequest, SampleResult, VisionSpec
 from ..config import EngineConfig
 from ..model import invariant
 from ..model.kernels.active import active, startup_line
 from ..model.lora import Adapter, linear_shapes
 from ..model.model import Transformer
+from ..model.multimodal import load_image_encoder
 from ..model.tokenizer import Tokenizer
 from ..model.weights import auto_dtype, default_device, load_model, parse_dtype
 from ..setup import configure
@@ -81,7 +82,8 @@ class EngineWorker:
         self.name = name
         self.config = config
         self.model_dir = Path(model_dir).resolve()
-        self.model = self.tokenizer = self.sampler = self.trainer = None
+        self.model = self.tokenizer = self.sampler = self.trainer = self.encoder = None
+        self.vision: VisionSpec | None = None  # how its model reads images; None: a text model
         self.kernels: dict[str, str] = {}  # op -> its path, decided at start (model/kernels/active.py)
         self.adapters = AdapterTable()  # snapshots and inflight targets (worker thread only)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -197,18 +199,24 @@ class EngineWorker:
                 dtype, dtype_note = chosen.dtype, chosen.reason
             self.model = load_model(self.model_dir, device=device, dtype=dtype)
             self.tokenizer = Tokenizer(self.model_dir)
-            self._new_sampler = lambda: Sampler(self.model, self.tokenizer, cfg.sampler)
+            # a vision-language model's tower, shared by the sampler, the snapshots' and the trainer
+            self.encoder = load_image_encoder(self.model_dir, self.model, cfg.image_cache_bytes)
+            self.vision = self.encoder.spec if self.encoder else VisionSpec.from_dir(self.model_dir)
+            self._new_sampler = lambda: Sampler(self.model, self.tokenizer, cfg.sampler, self.encoder)
             self.sampler = self._new_sampler()
             base_kv = cfg.sampler.kv_cache_bytes or default_kv_cache_bytes(self.model.device)
             full_kv = cfg.sampler.full_weights_kv_cache_bytes or base_kv // 4
             full_sampler = dataclasses.replace(cfg.sampler, kv_cache_bytes=full_kv)
-            self.weights_samplers = WeightsSamplers(lambda m: Sampler(m, self.tokenizer, full_sampler))
+            self.weights_samplers = WeightsSamplers(
+                lambda m: Sampler(m, self.tokenizer, full_sampler, self.encoder)
+            )
             budget = cfg.full_ft_memory_bytes or full.available_memory(self.model.device) * 3 // 4
             self.trainer = Trainer(
                 self.model,
                 base_model=self.name,
                 config=cfg.trainer,
                 full_tuning=full.tuning_shape(self.model, budget, full_kv),
+                encoder=self.encoder,
             )
             # on CPU, the threads other processes leave it (cpu_share.py); a fixed count where the
             # numerics must be (--batch-invariant: its GEMMs' bits depend on the thread count)

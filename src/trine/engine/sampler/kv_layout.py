@@ -11,8 +11,9 @@ Invariants
 - Only blocks whose KV is computed are keyed: full ones as they fill, a sequence's partial last
   block (a tail) when it stops, a prompt's when a request without samples is done. A block's key
   chains its parent's key (the `WeightsIdentity` for block 0), so KV is only ever served to the
-  same weights and tokens. Blocks a `mixed` request (an inflight one whose weights changed under
-  it) computes are never keyed.
+  same weights and tokens. Keys are of `Request.key` and a sequence's `tokens`, where an image's
+  positions are its content hash and offset, not placeholder ids. Blocks a `mixed` request (an
+  inflight one whose weights changed under it) computes are never keyed.
 """
 
 from __future__ import annotations
@@ -154,10 +155,10 @@ class KVLayout:
         completed = range(start // bs, end // bs)
         for b in completed:
             self.kv.register(
-                r.blocks[b], r.keys[b], r.keys[b - 1] if b else w, w, r.prompt[b * bs : (b + 1) * bs]
+                r.blocks[b], r.keys[b], r.keys[b - 1] if b else w, w, r.key[b * bs : (b + 1) * bs]
             )
         if self.key_prompt_tail and end == len(r.prompt):
-            self.cache_tail(r, r.blocks, r.keys, r.prompt)
+            self.cache_tail(r, r.blocks, r.keys, r.key)
         return completed
 
     def cache_tail(self, r: Request, blocks: list[int], keys: list[int], tokens: list[int]) -> None:

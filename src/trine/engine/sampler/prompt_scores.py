@@ -9,6 +9,8 @@ Invariants
 - Every value is of the model's raw distribution (log-softmax at temperature 1), like token
   logprobs (sampling.py); draws are taken at the request's temperature (no top-k / top-p), with
   replacement, from a generator of their own, so they never change the request's samples.
+- Entries at an image's positions (`SampleRequest.images`) are None, with their top-k: an image
+  token is not a prediction of the text model.
 - `first_scored(req)` is the first prompt entry anything is computed for. The prefix cache may serve
   every position before the one that predicts it (`cacheable`); entries before it are None (rows:
   empty). `prompt_logprobs_last_n` moves it for prompt logprobs and their top-k only; draws and
@@ -202,6 +204,10 @@ class PromptScores:
         cut = logprobs_from(req)  # entries before it stay None even where draws or targets computed them
         lps = [None] * min(cut, len(self.logprobs)) + self.logprobs[cut:]
         tops = [None] * min(cut, len(self.topk)) + self.topk[cut:]
+        for im in req.images:  # an image token is no text prediction: no logprob
+            span = range(im.offset, min(im.offset + im.tokens, len(lps)))
+            lps[span.start : span.stop] = [None] * len(span)
+            tops[span.start : span.stop] = [None] * len(span)
         wants_lps = req.prompt_logprobs or not req.generate
         return dict(
             prompt_logprobs=lps if wants_lps else None,

@@ -32,6 +32,12 @@ Invariants
   layers' recurrent state in a slot of the state pool (state_cache.py), read and written by each
   forward; samples start from copies of their prompt's state. The prefix cache serves such a model
   only prefixes that end at a state snapshot, which prefill chunks and stopping sequences take.
+- Images (a vision-language model's sampler, given the engine's `ImageEncoder`): a prompt's images
+  become the tower's features at their placeholders, with multimodal RoPE positions, in the prefill
+  chunks that hold them; its sequences decode at index + rope delta (image_prefill.py). Its prefix
+  cache keys name each image by content hash and offset (`Request.key`), so a group or a chat's next
+  turn reuses the image's KV and state, and two images never share an entry. Usage counts image
+  tokens among the prefill and cached tokens (`image_tokens`, `cached_image_tokens`).
 """
 
 from __future__ import annotations
@@ -44,11 +50,14 @@ import torch
 from ...limits import MAX_TOPK_PROMPT_LOGPROBS, check_prompt_length
 from ..api import SampleDelta, SampledSequence, SampleRequest, SampleResult, WeightsIdentity
 from ..config import SamplerConfig
+from ..images import check_placement
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
+from ..model.multimodal import ImageEncoder
 from ..model.qwen3_5 import HybridConfig
 from ..model.tokenizer import Tokenizer
 from .grammar import Grammars
+from .image_prefill import ImagePrefill, meter_images
 from .kv_cache import default_kv_cache_bytes
 from .kv_layout import KVLayout
 from .prompt_scores import PromptScores, check_prompt_scores, first_scored, scores_prompt
@@ -75,7 +84,9 @@ class Sampler:
         model: Transformer,
         tokenizer: Tokenizer,
         config: SamplerConfig = SamplerConfig(),
+        encoder: ImageEncoder | None = None,
     ):
+        """`encoder`: the engine's image encoder, for a model that takes images (None: text only)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -117,6 +128,7 @@ class Sampler:
         self.layout = KVLayout(self.kv, config.enable_prefix_cache, key_prompt_tail=self.states is not None)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.cfg.eos_token_ids)
         self.grammars = Grammars(tokenizer, self.cfg.vocab_size, self.eos_ids)
+        self.images = None if encoder is None else ImagePrefill(model, encoder)
         self._live: dict[str, Request] = {}  # queued or running, by request id
         self._deltas: list[SampleDelta] = []  # streaming requests' new tokens this step
         self._carry: list[SampleResult] = []  # finished during run() but not run()'s own
@@ -126,6 +138,8 @@ class Sampler:
             prefill_tokens=0,
             cached_tokens=0,
             sample_tokens=0,
+            image_tokens=0,
+            cached_image_tokens=0,
             steps=0,
             prefill_forwards=0,
             decode_forwards=0,
@@ -149,6 +163,8 @@ class Sampler:
         )
         if req.generate and req.options.grammar:
             r.matcher = self.grammars.compile(req.options.grammar)
+        if self.images is not None:
+            self.images.queued(r)
         self._live[req.request_id] = r
         self.scheduler.add(r)
 
@@ -237,6 +253,7 @@ class Sampler:
             prefilling=len(sch.prefilling),
             running=len(sch.running),
             **self._state_stats(),
+            **(self.images.encoder.stats if self.images is not None else {}),
         )
 
     def _state_stats(self) -> dict:
@@ -286,6 +303,9 @@ class Sampler:
             r.usage.started_at = r.usage.started_at or now
         tokens, positions, kvc = self.layout.prefill(rows)
         adapters = self._adapters([r for r, _ in rows])
+        inputs = {"positions": positions}
+        if self.images is not None:  # a chunk with an image row: multimodal positions, embeddings
+            inputs.update(self.images.chunk_inputs(rows, tokens, positions))
         state, snapshots = {}, {}
         if self.states is not None:  # each row's state, and the snapshots this chunk takes
             cuts, taken = self.states.prefill_cuts(rows)
@@ -293,7 +313,7 @@ class Sampler:
             for r, p, slot in taken:
                 snapshots.setdefault(id(r), []).append((p, slot))
         hidden = self.model.hidden_states(
-            tokens, positions, AdapterBatch.from_rows(adapters, self.device), kv=kvc, **state
+            tokens, adapters=AdapterBatch.from_rows(adapters, self.device), kv=kvc, **inputs, **state
         )
         self._counters["prefill_forwards"] += 1
         finished, forked, last = [], [], []  # last: (row, its last prompt position, its samples)
@@ -307,7 +327,7 @@ class Sampler:
                 self._keep_scores(r, hidden[i], start, keyed)
             if self.states is not None:
                 taken = r.waiting_snapshots + snapshots.get(id(r), [])
-                r.waiting_snapshots = self.states.keep(r, taken, r.prompt, r.blocks, r.keys)
+                r.waiting_snapshots = self.states.keep(r, taken, r.key, r.blocks, r.keys)
             if r.prompt_left:
                 continue
             self._prompt_done(r)
@@ -356,11 +376,19 @@ class Sampler:
     def _prompt_done(self, r: Request) -> None:
         r.usage.prefilled_at = time.time()
         if not r.samples:  # its blocks go back now: the prompt's partial last one stays cached
-            self.layout.cache_tail(r, r.blocks, r.keys, r.prompt)
+            self.layout.cache_tail(r, r.blocks, r.keys, r.key)
         self.scheduler.prompt_done(r)
         self._meter_prompt(r)
+        if self.images is not None:
+            self.images.prompt_done(r)
         self._counters["requests"] += 1
-        for key in ("prompt_tokens", "prefill_tokens", "cached_tokens"):
+        for key in (
+            "prompt_tokens",
+            "prefill_tokens",
+            "cached_tokens",
+            "image_tokens",
+            "cached_image_tokens",
+        ):
             self._counters[key] += getattr(r.usage, key)
 
     def _fork(self, r: Request) -> list[Sequence]:
@@ -369,7 +397,7 @@ class Sampler:
         reserve = self.scheduler.sample_reserve(r)
         gens = generators(r.options.seed, r.num_samples)
         r.seqs = [
-            Sequence(r, list(r.prompt), blocks, list(r.keys[:full]), gen, reserve, j)
+            Sequence(r, list(r.key), blocks, list(r.keys[:full]), gen, reserve, j)
             for j, (blocks, gen) in enumerate(zip(self.layout.fork(r), gens))
         ]
         if self.states is not None:  # each sample starts from the prompt's state
@@ -386,6 +414,8 @@ class Sampler:
     def _decode(self, seqs: list[Sequence]) -> list[SampleResult]:
         self.scheduler.grow(seqs)
         tokens, positions, kvc = self.layout.decode(seqs)
+        if self.images is not None:
+            positions = self.images.decode_positions(seqs, positions)
         adapters = AdapterBatch.from_rows(self._adapters([s.request for s in seqs]), self.device)
         if self.states is None:
             hidden = self.model.hidden_states(tokens, positions, adapters, kv=kvc)
@@ -453,9 +483,11 @@ class Sampler:
         """The request's prompt usage: the tokens prefilled so far, cached or computed."""
         r.usage.prompt_tokens, r.usage.cached_tokens = r.prefilled, r.cached
         r.usage.prefill_tokens = r.prefilled - r.cached
+        meter_images(r)
 
     def _result(self, r: Request) -> SampleResult:
-        self._live.pop(r.request_id, None)
+        if self._live.pop(r.request_id, None) is not None and self.images is not None:
+            self.images.finished(r)
         k = r.options.top_logprobs
         seqs = [
             SampledSequence(
@@ -478,6 +510,9 @@ class Sampler:
             raise ValueError(f"request_id {req.request_id!r} is already queued or running")
         if n == 0:
             raise ValueError("prompt: is empty; give at least one token")
+        if req.images:
+            spec = self.images.encoder.spec if self.images is not None else None
+            check_placement(req.prompt, req.images, spec, req.weights.base_model, "prompt")
         if (
             any(not isinstance(t, int) for t in req.prompt)
             or min(req.prompt) < 0

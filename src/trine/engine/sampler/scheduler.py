@@ -451,7 +451,7 @@ class Scheduler:
         if states is not None and states.num_free < max(k, 1):
             return False
         if self.prefix_cache:
-            r.keys = chain_hashes(r.weights, r.prompt, bs)
+            r.keys = chain_hashes(r.weights, r.key, bs)
         reads = r.cacheable
         serves = None
         if reads_cached_scores(req):
@@ -459,7 +459,7 @@ class Scheduler:
         matched = (
             []
             if not reads or not self.prefix_cache
-            else kv.match(r.weights, r.prompt[:reads], r.keys[: reads // bs], serves)
+            else kv.match(r.weights, r.key[:reads], r.keys[: reads // bs], serves)
         )
         if reads and r.keys[len(matched) : len(matched) + 1] and r.keys[len(matched)] in pending:
             kv.release(matched)  # the next block is being computed now: hit it when it is done
@@ -471,7 +471,7 @@ class Scheduler:
         if reads > len(matched) * bs and self.prefix_cache and not whole_blocks:
             parent = r.keys[len(matched) - 1] if matched else r.weights
             usable = None if states is None else states.usable
-            part = kv.match_partial(r.weights, parent, r.prompt[len(matched) * bs : reads], usable)
+            part = kv.match_partial(r.weights, parent, r.key[len(matched) * bs : reads], usable)
         snapshot = None  # a hybrid model's: the state after the served prefix
         if states is not None:
             matched, part, snapshot = states.hit(matched, part, whole_blocks)

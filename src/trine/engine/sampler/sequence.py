@@ -9,6 +9,8 @@ from the prompt's blocks) -> finished when no sequence runs. A `compute_logprobs
 Invariants
 - `cached <= prefilled <= len(prompt)`; after prefill, usage.prompt_tokens == prefill_tokens + cached_tokens.
 - `cached <= cacheable`: no position whose hidden state the request reads is served from the cache.
+- Prefix-cache keys are of `key` (and a sequence's `tokens`, which start with it), never of
+  placeholder ids: an image's positions are keyed by its content hash and offset.
 - A sequence holds KV for every token but its last (`tokens[-1]` is the next forward's input);
   `keys` are the prefix-cache keys of its full blocks. A hybrid model's sequence also holds its
   linear layers' state after the same tokens, in its `slot` (a request prefilling: `slots[0]`).
@@ -22,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..api import SampleRequest, SampleUsage, SamplingOptions, WeightsIdentity
+from ..api import ImageInput, SampleRequest, SampleUsage, SamplingOptions, WeightsIdentity
+from ..images import keyed_tokens
 from .prompt_scores import cacheable
 from .stops import Stops
 
@@ -53,6 +56,11 @@ class Request:
     # wait for their block to be keyed, as (prefix length, slot): state_cache.py
     slots: list[int] = field(default_factory=list)
     waiting_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # a prompt with images (sampler/image_prefill.py): its multimodal RoPE positions [3, len(prompt)],
+    # its decode positions' offset, and its images' features while it is prefilled (by content hash)
+    mrope: "torch.Tensor | None" = None
+    rope_delta: int = 0
+    features: dict[str, "torch.Tensor"] = field(default_factory=dict)
     seqs: list["Sequence"] = field(default_factory=list)
     running: int = 0  # sequences not stopped yet
     scores: "PromptScores | None" = None  # when `scores_prompt`: filled chunk by chunk
@@ -63,6 +71,10 @@ class Request:
     request_id: str = field(init=False)
     tenant: str = field(init=False)  # admission and prefill are fair across tenants
     prompt: list[int] = field(init=False)
+    images: tuple[ImageInput, ...] = field(init=False)  # the prompt's, in offset order
+    # what the prefix cache compares: the prompt with each image position keyed by its image
+    # (images.keyed_tokens); the prompt itself for text. Its samples' `tokens` extend it.
+    key: list = field(init=False)
     options: SamplingOptions = field(init=False)
     num_samples: int = field(init=False)
     generate: bool = field(init=False)  # False: compute_logprobs, no sequences
@@ -74,6 +86,8 @@ class Request:
         self.request_id = req.request_id
         self.tenant = req.tenant
         self.prompt = req.prompt
+        self.images = req.images
+        self.key = keyed_tokens(req.prompt, req.images)
         self.options = req.options
         self.num_samples = req.num_samples
         self.generate = req.generate
@@ -123,7 +137,7 @@ class Sequence:
     """One sample of a request."""
 
     request: Request  # the request it samples for
-    tokens: list[int]  # prompt + generated
+    tokens: list  # the request's `key` + generated
     blocks: list[int]
     keys: list[int]
     gen: "torch.Generator"

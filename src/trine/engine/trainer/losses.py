@@ -146,6 +146,7 @@ class PreparedDatum:
     inputs: LossInputs  # each [N]
     active: torch.Tensor  # int64 indices into [0, N)
     custom: list[torch.Tensor] | None = None  # a custom loss's inputs, in the order it takes them
+    images: tuple = ()  # its ImageInputs (engine/images.py), their placeholders in `tokens`
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -176,4 +177,6 @@ def datum_tensors(datum: TrainDatum, loss: Loss) -> PreparedDatum:
     else:
         weights = torch.ones(n) if datum.weights is None else torch.tensor(datum.weights, dtype=torch.float32)
         inputs = LossInputs(weights, torch.zeros(n), torch.zeros(n))
-    return PreparedDatum(tokens, targets, inputs, mask.nonzero().squeeze(1), custom)
+    return PreparedDatum(
+        tokens, targets, inputs, mask.nonzero().squeeze(1), custom, tuple(datum.images or ())
+    )

@@ -34,6 +34,11 @@ A hybrid model's child runs its linear layers' chunked rule from its parent's st
 counted from its own first token, where the plain path's chunks run on from position 0: the same
 rule cut in other places, equal within fp32 rounding (gated_deltanet.py's invariant), bit for bit
 only where the layer's form does not depend on the cuts.
+
+Images: datums share a prefix only where their images are the same (prefix_groups sees each image
+position as its content hash and offset, `images.keyed_tokens`), so a segment's multimodal
+positions and features are those of any datum through it, and a GRPO group over one image
+computes the image's positions once.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def run_micro_batch(
         for depth in depths:
             level = [(t, k) for d, t, k in order if d == depth]
             for group in _length_groups(level, trees):
-                h, real, state = _pass(model, rows, trees, group, base, pools, device, end_states)
+                h, real, state = _pass(trainer, rows, trees, group, base, pools, device, end_states)
                 for r, tk in enumerate(group) if state is not None else ():
                     if tk in parents:
                         end_states[tk] = state.rows(slice(r, r + 1))
@@ -195,11 +200,13 @@ def _length_groups(level: list[tuple[int, int]], trees: list[Tree]) -> list[list
     return groups
 
 
-def _pass(model, rows, trees, level, base, pools, device, end_states):
+def _pass(trainer, rows, trees, level, base, pools, device, end_states):
     """The body over the segments `level` (one depth): returns hidden states [R, T, hidden], the
     flat indices of their real (unpadded) positions, in slot order, and, given `end_states` (a
     hybrid model's recurrent state at the end of each parent segment, by (tree, segment)), the
-    rows' recurrent state after their segments (else None)."""
+    rows' recurrent state after their segments (else None). A segment of a datum with images runs
+    on its positions' multimodal RoPE and features (`Trainer.inputs`); keys stay at index = position."""
+    model = trainer.model
     segs = [trees[t].segments[k] for t, k in level]
     R, T = len(level), max(s.end - s.start for s in segs)
     L = max(s.end for s in segs)
@@ -223,9 +230,11 @@ def _pass(model, rows, trees, level, base, pools, device, end_states):
         ends[r] = s.end
         real.append(r * T + torch.arange(m))
     adapters = AdapterBatch.from_rows([rows[trees[t].members[0][0]].adapter for t, _ in level], device=device)
+    tokens = tokens.to(device)
+    inputs = trainer.inputs(tokens, [rows[s.source].datum.images for s in segs], [s.start for s in segs])
     if pools is None:  # depth 0 only: positions 0..T-1, causal attention within each row
         pad_mask = (write >= 0).to(device)
-        h = model.hidden_states(tokens.to(device), positions.to(device), adapters, pad_mask)
+        h = model.hidden_states(tokens, adapters=adapters, pad_mask=pad_mask, **inputs)
         return h, torch.cat(real).to(device), None
     key = torch.arange(L)
     # causal by position; a padded query sees its row's real keys (its output is dropped)
@@ -237,8 +246,9 @@ def _pass(model, rows, trees, level, base, pools, device, end_states):
         state = HybridState.cat(
             [end_states[t, s.parent] if s.parent >= 0 else zero for (t, _), s in zip(level, segs)]
         )
-    inputs = {} if state is None else {"state": state}
-    h = model.hidden_states(tokens.to(device), positions.to(device), adapters, kv=kv, **inputs)
+    if state is not None:
+        inputs["state"] = state
+    h = model.hidden_states(tokens, adapters=adapters, kv=kv, **inputs)
     return h, torch.cat(real).to(device), state
 
 

@@ -37,6 +37,12 @@ children start from their prefix's recurrent state), with the same logprobs, los
 gradients; the other datums take the path above. `TrainUsage.train_tokens`
 counts the positions computed, `sequence_tokens` the positions sent.
 
+Images (`TrainDatum.images`, a vision-language model's trainer, given the engine's `ImageEncoder`):
+a datum's image positions take the frozen tower's features (under no_grad: LoRA trains the language
+model) and multimodal RoPE positions (`inputs`); targets at image positions were set to -100 at
+acceptance, so the loss falls on text targets only. Prefix sharing compares images as well as
+tokens (`images.keyed_tokens`).
+
 Custom losses (a client's graph, custom_graph.py) are not elementwise: like gspo, a micro-batch
 computes its datums' logprobs first (values only), runs each datum's graph on them for the loss and
 its gradient dC/dlogp, and step 3 then uses that gradient, so the body runs forward and backward
@@ -80,13 +86,16 @@ from ..api import (
     FullTuningShape,
     LoRAConfig,
     Loss,
+    TrainDatum,
     WeightsIdentity,
     optimizer_of,
 )
 from ..config import TrainerConfig
+from ..images import check_placement, keyed_tokens
 from ..model import invariant
 from ..model.lora import Adapter, AdapterBatch
 from ..model.model import Transformer
+from ..model.multimodal import ImageEncoder, image_inputs
 from ..prepare import check_datum
 from . import checkpoint, custom_graph, head, prefix_groups, shared_prefix
 from .dimuon import Dimuon
@@ -165,7 +174,9 @@ class Trainer:
         base_model: str,
         config: TrainerConfig = TrainerConfig(),
         full_tuning: FullTuningShape | None = None,
+        encoder: ImageEncoder | None = None,
     ):
+        """`encoder`: the engine's image encoder, for a model that takes images (None: text only)."""
         model.requires_grad_(False)  # the base is frozen and shared; only adapters train
         self.model = model
         self.base_model = base_model
@@ -177,6 +188,7 @@ class Trainer:
         self._runs: dict[str, _Run] = {}
         self._versions = itertools.count(1)
         self._workspace = head.LogitsWorkspace()  # the LM head's [chunk, vocab] buffers, kept
+        self.encoder = encoder  # the frozen vision tower behind its cache (model/multimodal.py)
         self.full_tuning = full_tuning or tuning_shape(model, available_memory(model.device) * 3 // 4)
 
     # ------------------------------------------------------------------ runs
@@ -379,6 +391,10 @@ class Trainer:
                 )
             if not isinstance(data, (list, tuple)) or not data:
                 raise ValueError(f"batch[{e}] data must be a non-empty list of TrainDatum")
+            spec = self.encoder.spec if self.encoder is not None else None
+            for i, d in enumerate(data):  # images first: a text model's vocabulary lacks placeholders
+                if isinstance(d, TrainDatum) and d.images:
+                    check_placement(d.tokens, d.images, spec, self.base_model, f"batch[{e}].data[{i}]")
             if counts is None:
                 counts = [check_datum(d, loss, vocab, f"batch[{e}].data[{i}]") for i, d in enumerate(data)]
             for i, (datum, c) in enumerate(zip(data, counts)):
@@ -399,8 +415,8 @@ class Trainer:
         cfg = self.model.cfg
         kv = 2 * cfg.num_kv_heads * cfg.head_dim * len(cfg.attention_layers) / cfg.num_layers
         context_cost = kv / (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
-        return prefix_groups.plan(
-            [r.datum.tokens.tolist() for r in rows],
+        return prefix_groups.plan(  # equal placeholders of different images share nothing
+            [keyed_tokens(r.datum.tokens.tolist(), r.datum.images) for r in rows],
             key_of,
             min_shared=self.min_shared_tokens,
             budget=self.micro_batch_tokens,
@@ -451,9 +467,10 @@ class Trainer:
         )
 
         adapters = AdapterBatch.from_rows([row.adapter for row in rows], device=device)
-        positions = torch.arange(T).expand(B, T)
+        tokens = tokens.to(device)
         with torch.set_grad_enabled(backward):
-            h = model.hidden_states(tokens.to(device), positions.to(device), adapters, pad_mask.to(device))
+            body = self.inputs(tokens, [row.datum.images for row in rows])
+            h = model.hidden_states(tokens, adapters=adapters, pad_mask=pad_mask.to(device), **body)
             sel = h.reshape(B * T, -1).index_select(0, active.to(device))
         token_spans = head.token_spans(adapters, counts)
         chunks = head.HeadChunks(
@@ -480,6 +497,18 @@ class Trainer:
             idx = rows[r].datum.active
             logps[r][idx] = part_logp.detach().float().cpu()
             losses[r][idx] = part_loss.detach().float().cpu()
+
+    def inputs(self, tokens: torch.Tensor, images: list[tuple], starts: list[int] | None = None) -> dict:
+        """The body's `positions` (and, with images, `embeds`) for right-padded rows `tokens` whose
+        row b holds positions starts[b].. (default 0) of a datum with images `images[b]`: plain
+        positions for text rows; multimodal RoPE and the frozen tower's features otherwise."""
+        B, T = tokens.shape
+        if any(images):
+            return image_inputs(self.model, self.encoder, tokens, images, starts)
+        positions = torch.arange(T, device=tokens.device).expand(B, T)
+        if starts is not None:
+            positions = positions + torch.tensor(starts, device=tokens.device)[:, None]
+        return {"positions": positions}
 
     # ------------------------------------------------------------------ optimizer
     def optim_step(self, run_id: str, settings: AdamConfig | DimuonConfig) -> dict[str, float]:

@@ -9,7 +9,8 @@ Invariants
   retry never misses it, whether or not the store has it yet.
 - A row a full disk keeps from the store stays in `_unwritten` (and in `_recent`); it is stored,
   once and in order, before the next row (`_store_results` runs in threads, under one lock).
-- Prefix diagnostics are advisory: they run in the background and never fail a request.
+- Prefix diagnostics are advisory: they run in the background and never fail a request. Prompts
+  with images are not diagnosed (their tokens hold placeholder ids, equal for different images).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Records:
             await asyncio.to_thread(self._store_results, row)
         except DiskFull as e:  # the caller still gets what was computed; the row is stored later
             log.error("sample %s/%s could not be stored yet (retried on the next one): %s", *row[:2], e)
-        if req.generate:
+        if req.generate and not req.images:  # placeholders of two images look alike: no diagnosis
             self._spawn(self._diagnose(call, res))
         return out
 

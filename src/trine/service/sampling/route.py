@@ -52,7 +52,7 @@ class Routing:
         if r.inflight_run_id:  # sample beside the training, not on its replica (when the pool has more)
             trainer = m.placement.get(r.inflight_run_id)
             replicas = [rep for rep in live if rep is not trainer] or live
-        return self.router.route(replicas, identity, call.req.prompt, m.info.block_size)
+        return self.router.route(replicas, identity, call.req.prompt, m.info.block_size, call.req.images)
 
 
 def _live(m: ServedModel) -> list[Replica]:
