@@ -10,12 +10,13 @@ fp32 only: bf16 variants are not candidates.
 
 Invariants
 - Only calls `packed.few_rows` admits take a candidate (inference-mode fp32 CPU GEMMs of at most
-  `packed.MAX_ROWS` rows, torch's batch-invariant kernels off: invariant.py never calls here then);
+  `MAX_ROWS` rows, torch's batch-invariant kernels off: invariant.py never calls here then);
   every other call is F.linear. Every candidate's result is F.linear's up to float32 rounding.
 - `mode` is "auto" or a candidate's name (`EngineConfig.gemm`), set by the engine's start, one per
   process. Forced, every admitted call takes that candidate (F.linear where it is not available).
   In auto, a call takes the candidate chosen for its weight's shape at the smallest row bucket at or
-  above its row count (`BUCKETS`); a shape or bucket not measured takes `packed` where available.
+  above its row count (`BUCKETS`); a shape or bucket not measured takes `packed` where available up
+  to `packed.MAX_ROWS` rows (where its packing pays), F.linear above.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import torch.nn.functional as F
 
 from . import onednn, packed
 
-# The row buckets measured: a decode step's rows (1 to max_running, 64 by default), prefill chunks
-# (min_prefill_tokens 128 and up), up to packed.MAX_ROWS; more rows are F.linear.
-BUCKETS = (1, 8, 32, 128, 512, packed.MAX_ROWS)
+# The row buckets measured: a decode step's rows (1 to max_running, 64 by default) and prefill chunks
+# (min_prefill_tokens 128 up to max_batch_tokens, 2048 by default); more rows are F.linear.
+BUCKETS = (1, 8, 32, 128, 512, 1024, 2048)
+MAX_ROWS = BUCKETS[-1]
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,12 @@ def bucket(rows: int) -> int | None:
 
 def path(x: torch.Tensor, weight: torch.Tensor) -> str:
     """The candidate `linear(owner, x, weight, bias)` takes (see the module docstring)."""
-    if not packed.few_rows(x, weight):
+    if not packed.few_rows(x, weight, MAX_ROWS):
         return "linear"
     if mode == "auto":
-        chosen = choice.get(tuple(weight.shape), {}).get(bucket(x.numel() // x.shape[-1]))
-        name = chosen or "packed"
+        rows = x.numel() // x.shape[-1]
+        chosen = choice.get(tuple(weight.shape), {}).get(bucket(rows))
+        name = chosen or ("packed" if rows <= packed.MAX_ROWS else "linear")
     else:
         name = mode
     return name if CANDIDATES[name].available() else "linear"

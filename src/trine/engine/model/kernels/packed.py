@@ -111,13 +111,14 @@ def run(x: torch.Tensor, handle: tuple, bias: torch.Tensor | None) -> torch.Tens
     return torch.ops.mkl._mkl_linear(rows, pack, w, bias, rows.shape[0]).view(*x.shape[:-1], w.shape[0])
 
 
-def few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def few_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether `linear(x, weight)` is a few-row inference GEMM a prepacked weight may serve: the
-    conditions of the module docstring but this torch's MKL (gemm.py's candidates share them)."""
+    conditions of the module docstring but this torch's MKL, up to `max_rows` rows (gemm.py's
+    candidates share them, up to its own bound)."""
     return (
         x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
-        and 0 < x.numel() // x.shape[-1] <= MAX_ROWS
+        and 0 < x.numel() // x.shape[-1] <= max_rows
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not weight.is_inference()  # no version counter: an in-place change could not be seen
     )
