@@ -49,6 +49,8 @@ from trine.engine.api import (  # noqa: E402
 )
 from trine.engine.config import SamplerConfig  # noqa: E402
 from trine.engine.model import invariant  # noqa: E402
+from trine.engine.model.kernels.active import active  # noqa: E402
+from trine.engine.model.lora import linear_shapes  # noqa: E402
 from trine.engine.model.tokenizer import Tokenizer  # noqa: E402
 from trine.engine.model.weights import auto_dtype, load_model  # noqa: E402
 from trine.engine.sampler.sampler import Sampler  # noqa: E402
@@ -76,6 +78,8 @@ class Side:
 
     def __init__(self, model_dir: Path, dtype: torch.dtype):
         self.model = load_model(model_dir, "cpu", dtype)
+        # the kernels an engine's start builds and chooses, as `trine serve` runs them
+        self.kernels = active(self.model.device, self.model.dtype, linear_shapes(self.model))
         self.tok = Tokenizer(model_dir)
         self.sampler = Sampler(self.model, self.tok, SamplerConfig(kv_cache_bytes=1 << 30))
         self.trainer = Trainer(self.model, base_model="bench")

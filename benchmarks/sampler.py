@@ -36,6 +36,8 @@ from report import emit  # benchmarks/report.py
 
 from trine.engine.api import SampleRequest, SamplingOptions, WeightsIdentity
 from trine.engine.config import SamplerConfig
+from trine.engine.model.kernels.active import active
+from trine.engine.model.lora import linear_shapes
 from trine.engine.model.tokenizer import Tokenizer
 from trine.engine.model.weights import load_model
 from trine.engine.sampler.sampler import Sampler
@@ -72,6 +74,8 @@ class Bench:
 
         self.dtype = dtype
         self.model = load_model(model_dir, "cpu", getattr(torch, dtype))
+        # the kernels an engine's start builds and chooses, as `trine serve` runs them
+        self.kernels = active(self.model.device, self.model.dtype, linear_shapes(self.model))
         self.tok = Tokenizer(model_dir)
         self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self.repeats = repeats
@@ -307,6 +311,7 @@ def main() -> None:
         repeats=args.repeats,
         threads=torch.get_num_threads(),
         dtype=args.dtype,
+        kernels=bench.kernels,
         quick=args.quick,
         sizes={k: sizes[k] for k in (args.only or sizes)},
     )

@@ -62,16 +62,23 @@ class TrineSide:
 
         torch.set_num_threads(threads)
         from trine.engine.api import WeightsIdentity
+        from trine.engine.model.kernels.active import active
+        from trine.engine.model.lora import linear_shapes
         from trine.engine.model.tokenizer import Tokenizer
         from trine.engine.model.weights import load_model
 
         self.model = load_model(model_dir, "cpu", getattr(torch, dtype))
+        # the kernels an engine's start builds and chooses (C kernels, the measured GEMM path), as
+        # `trine serve` runs them: without this every few-row GEMM would take the unmeasured default
+        kernels = active(self.model.device, self.model.dtype, linear_shapes(self.model))
         self.tok = Tokenizer(model_dir)
         self.kv_bytes = int(kv_gib * 2**30)
         self.weights = WeightsIdentity("bench")
         self.n = 0
         self._sampler = None
-        self.info = dict(engine="trine", threads=torch.get_num_threads(), openmp_wait=openmp_wait())
+        self.info = dict(
+            engine="trine", threads=torch.get_num_threads(), openmp_wait=openmp_wait(), kernels=kernels
+        )
 
     def sampler(self):
         """The side's one Sampler (its KV pool allocated once, as in a server), its cache emptied."""
