@@ -211,6 +211,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from trine.engine.model.kernels.active import active
+    from trine.engine.model.lora import linear_shapes
     from trine.engine.model.tokenizer import Tokenizer
     from trine.engine.model.weights import load_model
 
@@ -220,11 +222,15 @@ def main() -> None:
 
         model_dir = ensure_default_model()
     m, tok = load_model(model_dir, "cpu", torch.float32), Tokenizer(model_dir)
+    # the kernels an engine's start builds and chooses, as `trine serve` runs them
+    kernels = active(m.device, m.dtype, linear_shapes(m))
     instrument()
     sizes, kv_bytes = (QUICK if args.quick else SIZES), args.kv_gib * 2**30
     run("warm", QUICK["decode"], m, tok, kv_bytes, linear_weights(model_dir))
     peak = gemm_peak_gflops()
-    out: dict = dict(threads=torch.get_num_threads(), quick=args.quick, gemm_peak_gflops=peak)
+    out: dict = dict(
+        threads=torch.get_num_threads(), quick=args.quick, gemm_peak_gflops=peak, kernels=kernels
+    )
     for name in args.only:
         print(f"[vs_vllm_profile] {name}: {sizes[name]}", file=sys.stderr, flush=True)
         out[name] = run(name, sizes[name], m, tok, kv_bytes, linear_weights(model_dir))
