@@ -63,7 +63,8 @@ def run_micro_batch(
     backward: bool,
 ) -> None:
     """Forward (and backward when `backward`) of the datums of `trees`; `rows` are the trainer's
-    `_Row`s of the whole call (tree members index them); fills logps[i] / losses[i] of each member."""
+    `Row`s (micro_batch.py) of the whole call (tree members index them); fills logps[i] / losses[i]
+    of each member."""
     model, device = trainer.model, trainer.model.device
     # ---- slots, segment by segment in pass order (depth, then tree, then segment)
     order = sorted(((s.depth, t, k) for t, tree in enumerate(trees) for k, s in enumerate(tree.segments)))

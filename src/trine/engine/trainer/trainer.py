@@ -16,19 +16,10 @@ caller's) is checked first, by the same `check_datum`. Its gradient is the gradi
 loss divided by the denominator; without one the loss is the plain sum (the Tinker API). The
 reported `loss_sum`, per-token losses and logprobs never depend on it.
 
-How a micro-batch is computed
-1. Rows are sorted by length and grouped so rows x longest row <= `micro_batch_tokens` (padding
-   included); a longer sequence runs alone. Within a micro-batch the rows of one run are adjacent,
-   so each LoRA layer handles a run's rows as one slice (`AdapterBatch.spans`).
-2. The body runs once with autograd, giving final hidden states h.
-3. Only positions with a target (not -100) go through the LM head, `logits_chunk_tokens` at a time.
-   Because every loss is elementwise in the target logprob, dLoss/dlogits = g * (onehot - softmax)
-   with g = dloss/dlogp is known right away: each chunk's softmax is computed in place, turned into
-   that gradient and pushed back through the LM head at once. Two [chunk, vocab] fp32 buffers
-   (the logits and their log-softmax, invariant.log_probs: the sampler's logprobs) hold a chunk;
-   the full logits are never stored. Without an adapter on lm_head they are the trainer's kept
-   workspace (head.LogitsWorkspace), reused by every chunk and call.
-4. The gradient gathered for h flows back through the body in one backward call.
+How a micro-batch is computed: micro_batch.py. Its rows are grouped by length under
+`micro_batch_tokens`, the body runs once with autograd, only positions with a target go through the
+LM head, a chunk at a time with each chunk's gradient pushed back at once (the full logits are never
+stored), and the gradient gathered for the hidden states flows back through the body in one call.
 
 Prefix sharing (`prefix_sharing=True`, the default): datums of one run that share a token prefix
 (a GRPO group's prompt, a multi-turn chain's earlier turns) are grouped first (prefix_groups.py)
@@ -45,9 +36,10 @@ tokens (`images.keyed_tokens`).
 
 Custom losses (a client's graph, custom_graph.py) are not elementwise: like gspo, a micro-batch
 computes its datums' logprobs first (values only), runs each datum's graph on them for the loss and
-its gradient dC/dlogp, and step 3 then uses that gradient, so the body runs forward and backward
-once. Their datums stay off the shared-prefix path. Each graph is first run on all-zero logprobs
-with the datum's inputs (`_prepare`), so a graph that cannot run fails before anything computes.
+its gradient dC/dlogp, and the LM head then uses that gradient, so the body runs forward and
+backward once (micro_batch.py). Their datums stay off the shared-prefix path. Each graph is first
+run on all-zero logprobs with the datum's inputs (`_prepare`), so a graph that cannot run fails
+before anything computes.
 
 Invariants
 - Gradients accumulate in each run's adapter (a full run's masters) across calls until
@@ -74,12 +66,10 @@ from typing import Callable
 
 import torch
 
-from ...limits import ADAM_BOUNDS, check_adam_value, check_lora_rank, check_token_indices
-from ...tokens import TokenCounts
+from ...limits import check_lora_rank, check_token_indices
 from ..api import (
     ADAMW,
     DIMUON,
-    OPTIMIZERS,
     AdamConfig,
     DimuonConfig,
     Forward,
@@ -92,16 +82,16 @@ from ..api import (
 )
 from ..config import TrainerConfig
 from ..images import check_placement, keyed_tokens
-from ..model import invariant
-from ..model.lora import Adapter, AdapterBatch
+from ..model.lora import Adapter
 from ..model.model import Transformer
 from ..model.multimodal import ImageEncoder, image_inputs
 from ..prepare import check_datum
-from . import checkpoint, custom_graph, head, prefix_groups, shared_prefix
-from .dimuon import Dimuon
+from . import checkpoint, head, micro_batch, prefix_groups, shared_prefix
 from .export import export_merged
 from .full import FullWeights, available_memory, is_full_checkpoint, read_full_shape, tuning_shape
-from .losses import LossInputs, PreparedDatum, datum_tensors
+from .losses import datum_tensors
+from .micro_batch import Row
+from .optimizers import check_adam, new_optimizer, optimizer_family
 
 
 @dataclass
@@ -123,19 +113,6 @@ class InsufficientMemory(ValueError):
     """A full fine-tuning run that does not fit the replica's budget: refused before it allocates."""
 
     code = "insufficient_memory"
-
-
-@dataclass
-class _Row:
-    entry: int  # index into the forward_backward batch
-    datum: PreparedDatum
-    counts: TokenCounts
-    adapter: Adapter | None
-    loss: Loss
-    grad_scale: float = 1.0  # 1 / the entry's denominator
-    custom: custom_graph.Result | None = None  # a custom loss's value and metrics on this datum
-    error: str = ""  # why its custom loss failed on the real logprobs (the datum then adds no gradient)
-    weights: Transformer | None = None  # a full run's model (None: the base model)
 
 
 @dataclass
@@ -349,7 +326,7 @@ class Trainer:
 
     def _compute(
         self,
-        rows: list[_Row],
+        rows: list[Row],
         logps: list[torch.Tensor],
         losses: list[torch.Tensor],
         backward: bool,
@@ -363,16 +340,16 @@ class Trainer:
             if between_microbatches is not None:
                 between_microbatches()
         plain = [rows[i] for i in shared.plain]
-        for mb in self._micro_batches(plain):
+        for mb in micro_batch.micro_batches(plain, self.micro_batch_tokens):
             mb = [shared.plain[i] for i in mb]
-            self._run_micro_batch(
-                [rows[i] for i in mb], [logps[i] for i in mb], [losses[i] for i in mb], backward
+            micro_batch.run_micro_batch(
+                self, [rows[i] for i in mb], [logps[i] for i in mb], [losses[i] for i in mb], backward
             )
             if between_microbatches is not None:
                 between_microbatches()
         return shared.charged
 
-    def _prepare(self, batch: list[tuple[str, Forward]]) -> list[_Row]:
+    def _prepare(self, batch: list[tuple[str, Forward]]) -> list[Row]:
         if not isinstance(batch, (list, tuple)) or not batch:
             raise ValueError("batch must be a non-empty list of (run_id, Forward)")
         vocab = self.model.cfg.vocab_size
@@ -382,7 +359,7 @@ class Trainer:
                 raise ValueError(f"batch[{e}] must be a (run_id, Forward) pair")
             run_id, op = entry
             data, loss, counts = op.data, op.loss, op.counts  # a prepared op's counts: checked at acceptance
-            scale = _grad_scale(op.denominator, f"batch[{e}]")
+            scale = micro_batch.grad_scale(op.denominator, f"batch[{e}]")
             run = self._run(run_id)
             weights = run.full.model if run.full is not None else None
             if not isinstance(loss, Loss):
@@ -398,12 +375,12 @@ class Trainer:
             if counts is None:
                 counts = [check_datum(d, loss, vocab, f"batch[{e}].data[{i}]") for i, d in enumerate(data)]
             for i, (datum, c) in enumerate(zip(data, counts)):
-                rows.append(_Row(e, datum_tensors(datum, loss), c, run.adapter, loss, scale, weights=weights))
+                rows.append(Row(e, datum_tensors(datum, loss), c, run.adapter, loss, scale, weights=weights))
                 if loss.custom is not None:  # its graph's errors surface here, before anything runs
-                    rows[-1].custom = _custom_dry_run(loss, rows[-1].datum, f"data[{i}]")
+                    rows[-1].custom = micro_batch.custom_dry_run(loss, rows[-1].datum, f"data[{i}]")
         return rows
 
-    def _plan(self, rows: list[_Row]) -> prefix_groups.Plan:
+    def _plan(self, rows: list[Row]) -> prefix_groups.Plan:
         """Which rows share a prefix (keyed by adapter: runs never share); all plain when off."""
         if not self.prefix_sharing or len(rows) < 2:
             return prefix_groups.Plan([], list(range(len(rows))), [len(r.datum) for r in rows])
@@ -422,81 +399,6 @@ class Trainer:
             budget=self.micro_batch_tokens,
             context_cost=context_cost,
         )
-
-    def _micro_batches(self, rows: list[_Row]) -> list[list[int]]:
-        """Rows by decreasing length, cut so rows x longest <= micro_batch_tokens; within a micro-batch
-        the rows of one adapter are contiguous (so LoRA runs on views, see AdapterBatch.spans)."""
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i].datum))
-        batches: list[list[int]] = []
-        for i in order:  # a micro-batch's first row is its longest
-            if (
-                batches
-                and (len(batches[-1]) + 1) * len(rows[batches[-1][0]].datum) <= self.micro_batch_tokens
-            ):
-                batches[-1].append(i)
-            else:
-                batches.append([i])
-        first_seen = {}
-        for row in rows:
-            first_seen.setdefault(id(row.adapter), len(first_seen))
-        return [sorted(mb, key=lambda i: first_seen[id(rows[i].adapter)]) for mb in batches]
-
-    def _run_micro_batch(
-        self, rows: list[_Row], logps: list[torch.Tensor], losses: list[torch.Tensor], backward: bool
-    ) -> None:
-        model, device = self.model, self.model.device
-        B, T = len(rows), max(len(row.datum) for row in rows)
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        targets = torch.zeros(B, T, dtype=torch.long)
-        pad_mask = torch.zeros(B, T, dtype=torch.bool)
-        for r, row in enumerate(rows):
-            n = len(row.datum)
-            tokens[r, :n] = row.datum.tokens
-            targets[r, :n] = row.datum.targets
-            pad_mask[r, :n] = True
-        # Active positions (a real target), row-major, with their row, loss and loss inputs.
-        active = torch.cat([row.datum.active + r * T for r, row in enumerate(rows)])
-        counts = [row.datum.active.numel() for row in rows]
-        row_of = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
-        losses_in_mb = list(dict.fromkeys(row.loss for row in rows))
-        loss_of = torch.tensor([losses_in_mb.index(row.loss) for row in rows])[row_of].to(device)
-        inputs = LossInputs.cat([row.datum.inputs.select(row.datum.active) for row in rows]).to(device)
-        tgt = targets.reshape(-1)[active].to(device)
-        scales = head.position_scales(
-            [row.grad_scale for row in rows], row_of, invariant.wide_dtype(model.dtype), device
-        )
-
-        adapters = AdapterBatch.from_rows([row.adapter for row in rows], device=device)
-        tokens = tokens.to(device)
-        with torch.set_grad_enabled(backward):
-            body = self.inputs(tokens, [row.datum.images for row in rows])
-            h = model.hidden_states(tokens, adapters=adapters, pad_mask=pad_mask.to(device), **body)
-            sel = h.reshape(B * T, -1).index_select(0, active.to(device))
-        token_spans = head.token_spans(adapters, counts)
-        chunks = head.HeadChunks(
-            model,
-            torch.arange(active.numel(), device=device),  # each scored position read once, in order
-            tgt,
-            active.numel(),
-            self.logits_chunk_tokens,
-            lambda i, j: adapters if token_spans is None else head.chunk_adapters(token_spans, i, j, device),
-            self._workspace,
-        )
-        logp_all, loss_all = chunks.score(
-            sel,
-            losses_in_mb,
-            loss_of,
-            inputs,
-            scales,
-            backward,
-            row_of,
-            B,
-            custom_grad=lambda values: _custom_grads(rows, values.split(counts)),
-        )
-        for r, part_logp, part_loss in zip(range(B), logp_all.split(counts), loss_all.split(counts)):
-            idx = rows[r].datum.active
-            logps[r][idx] = part_logp.detach().float().cpu()
-            losses[r][idx] = part_loss.detach().float().cpu()
 
     def inputs(self, tokens: torch.Tensor, images: list[tuple], starts: list[int] | None = None) -> dict:
         """The body's `positions` (and, with images, `embeds`) for right-padded rows `tokens` whose
@@ -529,7 +431,7 @@ class Trainer:
         if isinstance(settings, DimuonConfig):
             settings.check()
         else:
-            _check_adam(settings)
+            check_adam(settings)
         params = run.params()
         if settings.grad_clip_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip_norm, foreach=True)
@@ -621,56 +523,6 @@ class Trainer:
         self._install(run_id, lora, adapter, opt)
 
 
-def _custom_dry_run(loss: Loss, datum: PreparedDatum, where: str) -> custom_graph.Result:
-    """The loss on all-zero logprobs: a graph that fails on this datum's inputs fails here, naming
-    it, before any gradient moves. Its value is the datum's when no position has a target."""
-    try:
-        return custom_graph.loss_and_grad(loss.custom, torch.zeros(len(datum)), datum.custom)
-    except ValueError as e:
-        raise custom_graph.CustomLossError(f"{where}: {e}") from None
-
-
-def _custom_grads(rows: list[_Row], logps: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """dC/dlogp at each active position of `rows` (0 for rows of other losses); keeps each custom
-    row's value and metrics on the row. A graph that passed its dry run but fails on the real
-    logprobs (indices computed from them) gives its datum no gradient and an error that fails its
-    entry; the other rows of the micro-batch, other runs' included, are unaffected."""
-    out = []
-    for row, logp in zip(rows, logps):
-        if row.loss.custom is None:
-            out.append(torch.zeros_like(logp))
-            continue
-        active = row.datum.active.to(logp.device)
-        full = torch.zeros(len(row.datum), device=logp.device).index_put_((active,), logp.float())
-        inputs = [t.to(logp.device) for t in row.datum.custom]
-        try:
-            row.custom = custom_graph.loss_and_grad(row.loss.custom, full, inputs)
-        except ValueError as e:  # value-dependent (the dry run passed): fail this datum's entry only
-            row.error = str(e)
-            out.append(torch.zeros_like(logp))
-            continue
-        out.append(row.custom.grad[active])
-    return torch.cat(out)
-
-
-def new_optimizer(adapter: Adapter, family: str, rank: int) -> torch.optim.Optimizer:
-    """The `family` optimizer over the adapter; hyperparameters come with each step. Gradients start
-    as zeros, so a step without a preceding forward_backward still decays and applies momentum."""
-    if family not in OPTIMIZERS:
-        raise ValueError(f"optimizer {family!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
-    params = list(adapter.parameters())
-    for p in params:
-        p.requires_grad_(True)
-        p.grad = torch.zeros_like(p)
-    if family == DIMUON:
-        return Dimuon(params, rank)
-    return torch.optim.AdamW(params, lr=0.0, foreach=True)
-
-
-def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
-    return DIMUON if isinstance(optimizer, Dimuon) else ADAMW
-
-
 def return_freed_memory() -> None:
     """Freed CPU tensors go back to glibc's heap, which keeps them unless trimmed: collect cycles and
     trim, so the memory of a deleted run is returned to the operating system."""
@@ -679,22 +531,6 @@ def return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-def _grad_scale(denominator, where: str) -> float:
-    if denominator is None:
-        return 1.0
-    if (
-        isinstance(denominator, bool)
-        or not isinstance(denominator, (int, float))
-        or not math.isfinite(denominator)
-        or denominator < 1
-    ):
-        raise ValueError(
-            f"{where} denominator must be a finite number >= 1 (or None for the plain sum), "
-            f"got {denominator!r}"
-        )
-    return 1.0 / float(denominator)
 
 
 def _check_lora(lora: LoRAConfig) -> LoRAConfig:
@@ -706,8 +542,3 @@ def _check_lora(lora: LoRAConfig) -> LoRAConfig:
             "lora config trains nothing: set at least one of train_attn, train_mlp, train_unembed"
         )
     return lora
-
-
-def _check_adam(adam: AdamConfig) -> None:
-    for name in ADAM_BOUNDS:
-        check_adam_value(name, getattr(adam, name))
