@@ -87,6 +87,42 @@ def test_a_full_step_equals_plain_autograd_and_torch_adamw(model, tiny_model64):
     assert_same_computation(compute, model, tiny_model64)
 
 
+def test_a_full_run_cuts_its_micro_batches_at_full_micro_batch_tokens(model, tiny_model64, monkeypatch):
+    """A full run's rows go in micro-batches of `full_micro_batch_tokens` (its gradients and AdamW
+    state hold the memory that LoRA leaves to activations), and the step is the one a single
+    micro-batch computes (kind 3) while a LoRA run keeps `micro_batch_tokens`."""
+    from trine.engine.trainer import micro_batch
+
+    sizes = []
+    run = micro_batch.run_micro_batch
+    monkeypatch.setattr(
+        micro_batch, "run_micro_batch", lambda tr, rows, *a: (sizes.append(len(rows)), run(tr, rows, *a))
+    )
+    data = random_data(3, lengths=(12, 9, 12, 10))
+    adam = AdamConfig(learning_rate=1e-2, eps=1.0, weight_decay=0.1)  # eps: an update smooth in its gradient
+
+    def compute(m):
+        out = []
+        for cut in (4096, 12):
+            trainer = full_trainer(m, config=TrainerConfig(full_micro_batch_tokens=cut, prefix_sharing=False))
+            before = params(trainer.full_weights("f").model)
+            trainer.forward_backward([("f", Forward(data, CE))])
+            trainer.optim_step("f", adam)
+            after = params(trainer.full_weights("f").model)
+            out.append({"updates": {n: after[n] - before[n] for n in after}})
+        return out[0], out[1]
+
+    assert_same_computation(compute, model, tiny_model64)
+    assert sizes == [4, 1, 1, 1, 1] * 2  # 4096: one micro-batch of 4 rows; 12: one row each
+    sizes.clear()
+    lora = Trainer(
+        model, base_model="tiny", config=TrainerConfig(full_micro_batch_tokens=12, prefix_sharing=False)
+    )
+    lora.create_run("l", LoRAConfig(rank=4))
+    lora.forward_backward([("l", Forward(data, CE))])
+    assert sizes == [4]
+
+
 def test_trainable_token_indices_move_only_their_rows(model):
     """The named embedding rows (here the tied head's too) train; every other row keeps its bits,
     however the optimizer's weight decay and momentum act."""

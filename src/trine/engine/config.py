@@ -146,6 +146,11 @@ class TrainerConfig:
     cut into micro-batches and LM-head chunks, and whether shared prefixes are computed once."""
 
     micro_batch_tokens: int = _knob(4096, "tokens of one training micro-batch (rows are packed up to it)")
+    full_micro_batch_tokens: int = _knob(
+        1024,
+        "tokens of one micro-batch of a full fine-tuning run (its gradients and AdamW state leave "
+        "less room for activations)",
+    )
     logits_chunk_tokens: int = _knob(1024, "positions whose logits the LM head computes at once")
     prefix_sharing: bool = _knob(
         True,
@@ -155,7 +160,9 @@ class TrainerConfig:
     min_shared_tokens: int = _knob(MIN_SHARED_TOKENS, "the shortest shared prefix that is computed once")
 
     def __post_init__(self):
-        _positive_int(self, "micro_batch_tokens", "logits_chunk_tokens", "min_shared_tokens")
+        _positive_int(
+            self, "micro_batch_tokens", "full_micro_batch_tokens", "logits_chunk_tokens", "min_shared_tokens"
+        )
 
 
 @dataclass(frozen=True)

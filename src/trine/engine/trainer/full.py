@@ -138,7 +138,6 @@ class FullWeights:
                 src = p.detach() if slot_rows is None else p.detach().index_select(0, slot_rows)
                 master = src.to(wide, copy=True).requires_grad_(True)
                 p.register_post_accumulate_grad_hook(functools.partial(_into_master, master, slot_rows))
-            master.grad = torch.zeros_like(master)  # a step before any backward still decays
             self.slots.append(Slot(name, p, master, slot_rows))
 
     @classmethod
@@ -169,8 +168,18 @@ class FullWeights:
         return [s.master for s in self.slots]
 
     def new_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the masters; hyperparameters come with each step."""
-        return torch.optim.AdamW(self.masters, lr=0.0, foreach=True)
+        """AdamW over the masters; hyperparameters come with each step. The fused kernel steps each
+        tensor in one pass, with no temporaries the size of the weights (the foreach form makes
+        several)."""
+        return torch.optim.AdamW(self.masters, lr=0.0, fused=True)
+
+    def fill_grads(self) -> None:
+        """Before a step: a zero gradient for each master that has none (none is held between a step
+        and the next backward, so a step's peak is not the gradients' bytes above the activations),
+        so a step without a preceding forward_backward still decays and applies momentum."""
+        for s in self.slots:
+            if s.master.grad is None:
+                s.master.grad = torch.zeros_like(s.master)
 
     def apply(self) -> None:
         """After a step: each weight with a separate master becomes that master in its dtype."""
@@ -250,7 +259,10 @@ def full_facts(base_model: str, base_dir: Path | None, shape: LoRAConfig) -> dic
 def _into_master(master: torch.Tensor, rows: torch.Tensor | None, param: torch.Tensor) -> None:
     """A post-accumulate-grad hook: the weight's gradient (its rows) into the master's, in fp32."""
     grad = param.grad if rows is None else param.grad.index_select(0, rows)
-    master.grad.add_(grad.to(master.dtype))
+    if master.grad is None:
+        master.grad = grad.to(master.dtype, copy=True)
+    else:
+        master.grad.add_(grad.to(master.dtype))
     param.grad = None
 
 

@@ -159,6 +159,7 @@ class Trainer:
         self.base_model = base_model
         self.config = config
         self.micro_batch_tokens = config.micro_batch_tokens
+        self.full_micro_batch_tokens = config.full_micro_batch_tokens
         self.logits_chunk_tokens = config.logits_chunk_tokens
         self.prefix_sharing = config.prefix_sharing  # compute each token shared by datums of one run once
         self.min_shared_tokens = config.min_shared_tokens
@@ -322,6 +323,7 @@ class Trainer:
             return self
         view = copy.copy(self)  # shares the runs and the head's workspace
         view.model = weights
+        view.micro_batch_tokens = self.full_micro_batch_tokens
         return view
 
     def _compute(
@@ -432,14 +434,18 @@ class Trainer:
             settings.check()
         else:
             check_adam(settings)
+        if run.full is not None:
+            run.full.fill_grads()
         params = run.params()
         if settings.grad_clip_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip_norm, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         norm = float(norm)
+        # a full run's gradients are the weights' size: none is held between steps (fill_grads)
+        keep_none = run.full is not None
         if not math.isfinite(norm):
-            run.optimizer.zero_grad(set_to_none=False)
+            run.optimizer.zero_grad(set_to_none=keep_none)
             raise ValueError(
                 "gradients are not finite (NaN or inf); the step was skipped and the gradients "
                 "cleared: lower the loss weights / advantages or the learning rate"
@@ -455,7 +461,7 @@ class Trainer:
                     weight_decay=settings.weight_decay,
                 )
             run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=False)
+        run.optimizer.zero_grad(set_to_none=keep_none)
         if run.full is not None:
             run.full.apply()
         run.version = next(self._versions)
