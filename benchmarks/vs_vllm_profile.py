@@ -17,7 +17,7 @@ by kind, and the Python between them. Rows:
 
 Beside the rows, the body's linear layers inside prefill forwards alone:
 prefill_linear_gflops_in_op (2 x body weights x prefill tokens over their linear time) and
-prefill_linear_fraction_of_peak, against the best fp32 1024^3 matmul measured in this process
+prefill_linear_fraction_of_peak, against the best 1024^3 matmul in the model's dtype (`--dtype`, fp32 by default) measured in this process
 before the workloads (the issue's goal: >= 0.75).
 
     PYTHONPATH=src .venv/bin/python benchmarks/vs_vllm_profile.py [--quick] [--json] [--threads 2]
@@ -43,7 +43,7 @@ from vs_vllm import QUICK, SIZES, linear_weights  # noqa: E402
 from vs_vllm_side import gemm_peak_gflops  # noqa: E402
 
 from trine.engine.config import SamplerConfig
-from trine.engine.model import model  # noqa: E402
+from trine.engine.model import attention, model  # noqa: E402
 from trine.engine.sampler import kv_layout, sampler, scheduler  # noqa: E402
 from trine.engine.sampler.grammar import Grammars  # noqa: E402
 
@@ -56,7 +56,7 @@ REGIONS = {  # (owner, attribute) -> region label
     (Grammars, "mask"): "sampling",
     (model.Transformer, "hidden_states"): "forward",
     (model.Transformer, "logits"): "LM head",
-    (model, "paged_attention"): "attention",  # the C kernel (no torch op): decode attention in place
+    (attention, "paged_attention"): "attention",  # the C kernel (no torch op): decode attention in place
     **{
         (kv_layout.KVLayout, m): "KV layout"
         for m in ("prefill", "decode", "fork", "cache_prompt", "cache_decoded")
@@ -208,6 +208,9 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="*", choices=("decode", "batch", "grpo"), default=["decode", "batch"])
+    ap.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's and the peak's dtype"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -221,15 +224,19 @@ def main() -> None:
         from trine.engine.model.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
-    m, tok = load_model(model_dir, "cpu", torch.float32), Tokenizer(model_dir)
+    m, tok = load_model(model_dir, "cpu", getattr(torch, args.dtype)), Tokenizer(model_dir)
     # the kernels an engine's start builds and chooses, as `trine serve` runs them
     kernels = active(m.device, m.dtype, linear_shapes(m))
     instrument()
     sizes, kv_bytes = (QUICK if args.quick else SIZES), args.kv_gib * 2**30
     run("warm", QUICK["decode"], m, tok, kv_bytes, linear_weights(model_dir))
-    peak = gemm_peak_gflops()
+    peak = gemm_peak_gflops(args.dtype)
     out: dict = dict(
-        threads=torch.get_num_threads(), quick=args.quick, gemm_peak_gflops=peak, kernels=kernels
+        threads=torch.get_num_threads(),
+        dtype=args.dtype,
+        quick=args.quick,
+        gemm_peak_gflops=peak,
+        kernels=kernels,
     )
     for name in args.only:
         print(f"[vs_vllm_profile] {name}: {sizes[name]}", file=sys.stderr, flush=True)
