@@ -17,8 +17,8 @@ by kind, and the Python between them. Rows:
 
 Beside the rows, the body's linear layers inside prefill forwards alone:
 prefill_linear_gflops_in_op (2 x body weights x prefill tokens over their linear time) and
-prefill_linear_fraction_of_peak, against the best 1024^3 matmul in the model's dtype (`--dtype`, fp32 by default) measured in this process
-before the workloads (the issue's goal: >= 0.75).
+prefill_linear_fraction_of_peak, against the best 1024^3 matmul in the model's dtype (`--dtype`,
+fp32 by default) measured in this process before the workloads (the issue's goal: >= 0.75).
 
     PYTHONPATH=src .venv/bin/python benchmarks/vs_vllm_profile.py [--quick] [--json] [--threads 2]
 """

@@ -174,9 +174,9 @@ def gemm_dispatch_unmeasured():
     test asserts of the packed path does not depend on which engines ran before it."""
     from trine.engine.model.kernels import gemm
 
-    gemm.set_choice("auto", {})
+    gemm.reset()
     yield
-    gemm.set_choice("auto", {})
+    gemm.reset()
 
 
 @pytest.fixture(scope="session")

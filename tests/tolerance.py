@@ -258,6 +258,26 @@ def linear_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return dot_bound(a, b, kernels=kernels).view(*x.shape[:-1], weight.shape[0])
 
 
+def bf16_linear_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, want: torch.Tensor):
+    """Kind 2 for two bf16 kernels of F.linear(x, weight, bias) on the same bf16 inputs, `want` one
+    of them: elementwise bound (fp64) on |got - want|. Each product of two bf16 values is exact in
+    fp32, each kernel sums the K terms (the bias one more) in fp32 in an order of its own (within
+    gamma_K S of the exact E, S = sum|x w| + |bias|), then rounds to bf16 once (u = 2^-8). With A, B
+    the fp32 sums and b = bf16(B) = want: |a - b| <= u|A| + 2 gamma_K S + u|B|, |B| <= |b| / (1 - u)
+    and |A| <= |B| + 2 gamma_K S, so |a - b| <= 2 (u |want| + gamma_K S) (1 + 2u) / (1 - u). A kernel
+    rounding x w to bf16 before adding the bias rounds once more: u (1 + gamma_K) sum|x w| each."""
+    u = 2.0**-8
+    xw = x.reshape(-1, x.shape[-1]).double().abs() @ weight.double().abs().t()
+    k, s = x.shape[-1], xw
+    if bias is not None:
+        k, s = k + 1, xw + bias.double().abs()
+    g = gamma(k)
+    bound = 2 * (u * want.reshape(xw.shape).double().abs() + g * s) * (1 + 2 * u) / (1 - u)
+    if bias is not None:
+        bound = bound + 2 * u * (1 + g) * xw
+    return bound.view(*x.shape[:-1], weight.shape[0])
+
+
 def attention_bound(q, k, v, mask):
     """The exact (fp64) attention softmax(q k^T / sqrt(D)) v and an a-priori bound on any fp32
     kernel's distance from it, elementwise. q [N, H, T, D], k/v [N, KVH, L, D], mask [N, 1, T, L]

@@ -1,18 +1,21 @@
 """`--dtype auto` on a CPU (engine/model/kernels/dtype_choice.py): bf16 only where the model's GEMMs
-are measured at least MIN_SPEEDUP times faster in bf16, the choice cached, a broken bf16 kernel kept
-out, and the engine's start line saying what was chosen and why."""
+are measured at least MIN_SPEEDUP times faster in bf16 (each dtype timed on the fastest of the GEMM
+kernels an engine in it would take), the choice cached, a broken bf16 kernel kept out, and the
+engine's start line saying what was chosen and why."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from trine.engine.model.kernels import dtype_choice
+from trine.engine.model.kernels import dtype_choice, gemm, onednn
 from trine.engine.model.lora import linear_shape_counts
 from trine.engine.model.weights import auto_dtype, meta_model, read_config
 
@@ -45,6 +48,31 @@ def test_the_slower_regime_decides(monkeypatch):
         dtype_choice, "_time_pair", lambda fp32, x, w: ((3.0 if x.shape[0] == 16 else 1.5) * 1e-3, 1e-3)
     )
     assert dtype_choice.choose(COUNTS, torch.device("cpu")).dtype == torch.float32
+
+
+def test_each_dtype_is_timed_on_the_candidates_its_engine_would_take(monkeypatch):
+    seen = []
+
+    def record(cands, x, w):
+        seen.append({gemm.dtype_name(dt): [c.name for c in cs] for dt, cs in cands.items()})
+        return 3e-3, 1e-3
+
+    monkeypatch.setattr(dtype_choice, "_time_pair", record)
+    dtype_choice.choose(COUNTS, torch.device("cpu"))
+    fp32 = [n for n, c in gemm.CANDIDATES.items() if c.available(torch.float32)]
+    bf16 = ["onednn", "linear"] if onednn.available(torch.bfloat16) else ["linear"]
+    assert seen and all(s == {"float32": fp32, "bfloat16": bf16} for s in seen)
+
+
+def test_each_dtypes_time_is_its_fastest_candidates():
+    """A kernel that sleeps 20 ms beside F.linear on 16 x 64 x 96 (microseconds): bf16 takes F.linear's."""
+    linear = gemm.CANDIDATES["linear"]
+    slow = dataclasses.replace(
+        linear, name="slow", run=lambda x, h, b: (time.sleep(0.02), linear.run(x, h, b))[1]
+    )
+    x, w = torch.randn(16, 64), torch.randn(96, 64)
+    fp32_s, bf16_s = dtype_choice._time_pair({torch.float32: [slow], torch.bfloat16: [slow, linear]}, x, w)
+    assert fp32_s >= 0.02 > bf16_s
 
 
 def test_measured_once_then_read_from_the_cache():

@@ -1,6 +1,8 @@
 """The few-row GEMM kernel chosen by measurement (engine/model/kernels/gemm.py, gemm_choice.py): the
 dispatch takes each bucket's choice and stays within fp32 rounding of F.linear, the choice is cached
-(a second start times nothing), a forced kernel is used, and the self-check keeps a wrong kernel out."""
+(a second start times nothing), a forced kernel is used, and the self-check keeps a wrong kernel out.
+bf16 engines get their own choice (oneDNN or F.linear, never MKL's fp32-only packed path), within
+bf16 rounding of bf16 F.linear, beside an fp32 engine's."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerance import assert_bitwise, assert_within_bound, linear_bound
+from tolerance import assert_bitwise, assert_within_bound, bf16_linear_bound, linear_bound
 
 from trine.engine.config import EngineConfig
+from trine.engine.model import invariant
 from trine.engine.model.kernels import active, gemm, gemm_choice, onednn, packed
 from trine.engine.model.lora import LoRALinear, linear_shapes
 
@@ -20,6 +23,8 @@ pytestmark = pytest.mark.skipif(
     not (packed.available() and onednn.available()), reason="this torch lacks MKL's or oneDNN's packed linear"
 )
 SHAPES = [(160, 96), (96, 64)]
+BF16 = torch.bfloat16
+needs_bf16 = pytest.mark.skipif(not onednn.available(BF16), reason="this torch lacks oneDNN's bf16 linear")
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +33,9 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(packed, "MAX_INFLATION", 1e4)  # MKL pads small weights' copies past the bound
 
 
-def layer(n_in=96, n_out=160) -> LoRALinear:
+def layer(n_in=96, n_out=160, dtype=torch.float32) -> LoRALinear:
     torch.manual_seed(0)
-    return LoRALinear(n_in, n_out, bias=True).requires_grad_(False)
+    return LoRALinear(n_in, n_out, bias=True).requires_grad_(False).to(dtype)
 
 
 def test_each_row_count_takes_its_buckets_choice_within_rounding_of_f_linear():
@@ -115,7 +120,10 @@ def test_the_start_line_names_the_gemm_path():
     kernels = active.active(torch.device("cpu"), torch.float32, SHAPES, "auto")
     line = active.startup_line(kernels, torch.device("cpu"), torch.float32)
     assert f" gemm={gemm.summary()} " in line and gemm.summary().startswith("auto(")
-    assert active.active(torch.device("cpu"), torch.bfloat16, SHAPES, "onednn")["gemm"] == "F.linear"
+    # a CPU bf16 engine takes oneDNN where it serves bf16 (measured in auto: below); a GPU engine no candidate
+    forced = active.active(torch.device("cpu"), BF16, SHAPES, "onednn")["gemm"]
+    assert forced == ("onednn" if onednn.available(BF16) else "linear")
+    assert active.active(torch.device("cuda"), BF16, SHAPES, "onednn")["gemm"] == "F.linear"
 
 
 def test_the_config_field_names_itself_when_wrong():
@@ -143,3 +151,119 @@ def test_the_model_shapes_are_its_fused_and_plain_linears(tiny_model_dir):
     )
     shapes = set(linear_shapes(model))
     assert {(q + 2 * kv, h), (q, h), (h, q), (2 * inter, h), (h, inter), (cfg.vocab_size, h)} <= shapes
+
+
+def counted(summary: str) -> dict[str, int]:
+    """`auto(onednn 9, linear 5)` -> {"onednn": 9, "linear": 5}."""
+    words = summary.removeprefix("auto(").removesuffix(")").replace(",", "").split()
+    return dict(zip(words[::2], map(int, words[1::2])))
+
+
+@needs_bf16
+def test_a_bf16_engines_choice_is_measured_cached_and_kept_beside_fp32s():
+    before = gemm_choice.timings
+    kernels = active.active(torch.device("cpu"), BF16, SHAPES, "auto")
+    measured = gemm_choice.timings - before
+    # every pair, the two bf16 candidates (packed serves fp32 only)
+    assert measured == len(SHAPES) * len(gemm.BUCKETS) * 2 * gemm_choice.TIMED
+    bf16 = dict(gemm.choice["bfloat16"])
+    assert kernels["gemm"] == gemm.summary(BF16) and set(counted(kernels["gemm"])) <= {"onednn", "linear"}
+    assert sum(counted(kernels["gemm"]).values()) == len(SHAPES) * len(gemm.BUCKETS)
+    assert all(name != "packed" for per in bf16.values() for name in per.values())
+    line = active.startup_line(kernels, torch.device("cpu"), BF16)
+    assert f" gemm={gemm.summary(BF16)} " in line and "dtype=bfloat16" in line
+
+    gemm.reset()
+    assert gemm_choice.choose(SHAPES, "auto", BF16) == kernels["gemm"]  # a second start: read
+    assert gemm_choice.timings - before == measured and gemm.choice["bfloat16"] == bf16
+    bf16_key = gemm_choice.cache_key(sorted(SHAPES), ["onednn", "linear"], BF16)
+    fp32_key = gemm_choice.cache_key(sorted(SHAPES), ["packed", "onednn", "linear"])
+    assert bf16_key["dtype"] == "bfloat16" and "dtype" not in fp32_key  # fp32's caches stay valid
+    saved = json.loads(gemm_choice.cache_path(bf16_key).read_text())
+    assert saved["key"] == bf16_key
+
+    # an fp32 engine in the same process: its own measurement and choice, the bf16 one kept
+    fp32_summary = gemm_choice.choose(SHAPES, "auto")
+    assert gemm_choice.timings - before == measured + len(SHAPES) * len(gemm.BUCKETS) * 3 * gemm_choice.TIMED
+    assert gemm.choice["bfloat16"] == bf16 and gemm.summary(BF16) == kernels["gemm"]
+    assert gemm.summary() == fp32_summary and gemm.choice["float32"] != {}
+    gemm_choice.choose(SHAPES, "linear", BF16)  # forcing bf16 leaves fp32's auto alone
+    assert gemm.summary() == fp32_summary and gemm.summary(BF16) == "linear"
+
+
+@needs_bf16
+def test_each_dtype_takes_its_own_choice_and_bf16_stays_within_bf16_rounding():
+    bf16_choice = {1: "onednn", 8: "linear", 32: "onednn", 128: "linear", 512: "onednn", 1024: "linear"}
+    gemm.set_choice("auto", {(160, 96): {b: "packed" for b in gemm.BUCKETS}})
+    gemm.set_choice("auto", {(160, 96): {**bf16_choice, 2048: "onednn"}}, BF16)
+    m32, m16 = layer(), layer(dtype=BF16)
+    for rows, want in [(1, "onednn"), (5, "linear"), (9, "onednn"), (100, "linear"), (300, "onednn")]:
+        x = torch.randn(rows, 96).to(BF16)
+        with torch.inference_mode():
+            assert gemm.path(x, m16.weight) == want, rows
+            assert gemm.path(x.float(), m32.weight) == "packed", rows  # fp32's own choice
+            got = m16(x)
+        ref = F.linear(x, m16.weight, m16.bias)
+        assert got.dtype == BF16
+        # kind 2, a priori: two fp32 accumulations of the same bf16 products, each rounded to bf16
+        assert_within_bound(got, ref, bf16_linear_bound(x, m16.weight, m16.bias, ref), want)
+    with torch.inference_mode():
+        square = layer(96, 96, BF16)
+        assert gemm.path(torch.randn(4, 96).to(BF16), square.weight) == "linear"  # not measured: F.linear
+        assert gemm.path(torch.randn(4, 96).to(BF16), m32.weight) == "linear"  # dtypes differ
+    assert gemm.path(torch.randn(4, 96, requires_grad=True).to(BF16), m16.weight) == "linear"  # autograd
+
+
+@needs_bf16
+def test_bf16_never_takes_packed_and_a_forced_packed_is_f_linear():
+    gemm.set_choice("auto", {(160, 96): {b: "packed" for b in gemm.BUCKETS}}, BF16)  # a stale choice
+    m = layer(dtype=BF16)
+    x = torch.randn(16, 96).to(BF16)
+    with torch.inference_mode():
+        assert gemm.path(x, m.weight) == "linear"
+    assert not gemm.CANDIDATES["packed"].available(BF16) and not packed.applies(x, m.weight)
+    chosen, times = gemm_choice.measure(SHAPES[:1], ["onednn", "linear"], BF16)
+    assert all(set(t) == {"onednn", "linear"} for per in times.values() for t in per.values())
+    before = gemm_choice.timings
+    kernels = active.active(torch.device("cpu"), BF16, SHAPES, "packed")
+    assert kernels["gemm"] == "linear" and gemm_choice.timings == before  # forced: nothing measured
+    with torch.inference_mode():
+        assert gemm.path(x, m.weight) == "linear"
+        got = m(x)
+    assert_bitwise(got, F.linear(x, m.weight, m.bias))  # kind 1: F.linear itself
+
+
+@needs_bf16
+def test_a_bf16_kernel_off_beyond_bf16_rounding_is_never_chosen(monkeypatch):
+    """5 % off (bf16 rounding is 2^-8 of a value, 0.4 %): failed, every pair."""
+    good = gemm.CANDIDATES["onednn"]
+    wrong = dataclasses.replace(good, run=lambda x, h, b: good.run(x, h, b) * 1.05)
+    monkeypatch.setitem(gemm.CANDIDATES, "onednn", wrong)
+    chosen, times = gemm_choice.measure(SHAPES, ["onednn", "linear"], BF16)
+    assert all(t["onednn"] is None for per in times.values() for t in per.values())
+    assert all(name == "linear" for per in chosen.values() for name in per.values())
+
+
+@needs_bf16
+def test_training_and_batch_invariance_never_take_a_bf16_candidate(monkeypatch):
+    """The forward of a trainer (autograd) and the batch-invariant kernels keep F.linear in bf16."""
+    gemm.set_choice("onednn", {}, BF16)
+
+    def refuse(*args):
+        raise AssertionError("oneDNN took a call it must not")
+
+    monkeypatch.setattr(onednn, "linear", refuse)
+    m = layer(dtype=BF16)
+    x = torch.randn(8, 96).to(BF16)
+    m(x.clone().requires_grad_(True)).sum().backward()  # training: x needs a gradient
+    m.weight.requires_grad_(True)
+    m(x).sum().backward()  # full fine-tuning: the weight needs one
+    m.weight.requires_grad_(False)
+    invariant.enable(True)
+    try:
+        with torch.inference_mode():
+            m(x)  # batch-invariant: its own row-tiled GEMMs
+    finally:
+        invariant.enable(False)
+    with torch.inference_mode(), pytest.raises(AssertionError, match="oneDNN took"):
+        m(x)  # the same call, inference and variant kernels: oneDNN's

@@ -8,14 +8,16 @@ in `dtype` with base weights of `shapes`, and names the path each op takes:
 - `paged_attention`: decode attention, `C` reading the KV pool in place (paged_attention.py) or
   `gather` (SDPA over a copy);
 - `gemm`: few-row base-weight GEMMs of inference forwards, `auto(packed 20, onednn 8, ...)` (how
-  many shape and row-bucket pairs each candidate won, gemm.py), a forced candidate's name, or
-  `F.linear` where no candidate applies.
+  many shape and row-bucket pairs each candidate won in the engine's dtype, gemm.py), a forced
+  candidate's name, or `F.linear` where no candidate applies.
 
 Invariants
 - Each op's own check (`suits` / `few_rows`) still decides per call, on the same conditions, so
   building early changes no result: only when the build happens.
-- The C kernels are built, and GEMMs measured, only where they can run: CPU fp32 with torch's
-  batch-invariant kernels off (`batch_invariant` names them all `invariant` otherwise).
+- The C kernels are built only where they can run: CPU fp32 with torch's batch-invariant kernels
+  off (`batch_invariant` names them all `invariant` otherwise). GEMMs are measured for CPU fp32
+  and bf16 engines (gemm.DTYPES), with the same kernels off and `packed.budget_bytes()` above 0;
+  each dtype's choice is installed for that dtype alone.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from .. import invariant
 from . import fused, gemm_choice, packed, paged_attention
+from .gemm import DTYPES as GEMM_DTYPES
 
 
 def active(
@@ -33,10 +36,11 @@ def active(
     if invariant.enabled():
         return dict(fused_ops="invariant", paged_attention="invariant", gemm="invariant")
     cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    measured = device.type == "cpu" and dtype in GEMM_DTYPES and packed.budget_bytes() > 0
     return dict(
         fused_ops="C" if cpu_fp32 and fused.built() else "torch",
         paged_attention="C" if cpu_fp32 and paged_attention.available() else "gather",
-        gemm=gemm_choice.choose(list(shapes), gemm) if cpu_fp32 and packed.budget_bytes() > 0 else "F.linear",
+        gemm=gemm_choice.choose(list(shapes), gemm, dtype) if measured else "F.linear",
     )
 
 

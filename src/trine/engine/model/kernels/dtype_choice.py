@@ -6,17 +6,18 @@ AVX512-BF16 on AMD EPYC and Intel), can double the GEMM rate or more; elsewhere 
 slower than fp32. Its numerics are those of a bf16 CUDA run (docs/numerics.md: fp32 norms,
 softmax, logits, LoRA and optimizer state), held by tests/engine/test_dtype_parity.py. So `auto`
 takes bf16 on a CPU only where the model's own GEMMs run at least `MIN_SPEEDUP` times faster in
-bf16 than in fp32's fastest kernel, at a decode step's rows and at a prefill chunk's
+bf16's fastest kernel than in fp32's, at a decode step's rows and at a prefill chunk's
 (`ROWS`), each shape weighted by how many GEMMs of it a forward runs; on CUDA it is bf16.
 
 Invariants
-- fp32's time is the fastest of the GEMM candidates that can run (gemm.py: packed, oneDNN, F.linear),
-  the kernels an fp32 engine would take, and bf16's is F.linear in bf16; they run in turns, so the
-  machine's drift hits both alike. Where the bf16 result is not within bf16's rounding bound of
-  fp32's (a broken kernel), auto is fp32.
+- Each dtype's time is the fastest of the GEMM candidates available in it (gemm.py: packed,
+  oneDNN, F.linear in fp32; oneDNN, F.linear in bf16), the kernels an engine in that dtype would
+  take; all run in turns, so the machine's drift hits both alike. Where bf16 F.linear's result is
+  not within bf16's rounding bound of fp32's (a broken kernel), auto is fp32 (the other bf16
+  candidates are within bf16 rounding of bf16 F.linear: their own self-check, `available`).
 - The choice is cached under the same key parts as the GEMM choice (CPU model and flags, torch and
-  its libraries' versions, threads, shapes): a second start measures nothing. A forced `--dtype`
-  measures nothing.
+  its libraries' versions, threads, shapes) and each dtype's candidates: a second start measures
+  nothing. A forced `--dtype` measures nothing.
 - `TRINE_AUTO_DTYPE=float32` (or `bfloat16`) pins what auto means without measuring: for a fleet
   that must run one dtype whatever its CPUs, and for the test suite, whose fp32 bounds are an fp32
   engine's.
@@ -66,6 +67,7 @@ def choose(counts: dict[tuple[int, int], int], device: torch.device) -> DtypeCho
     key = {
         **gemm_choice.cache_key(sorted(counts), []),
         "counts": sorted([o, i, n] for (o, i), n in counts.items()),
+        "candidates": {gemm.dtype_name(dt): [c.name for c in _candidates(dt)] for dt in gemm.DTYPES},
     }
     key.update(kind="dtype", rows=list(ROWS), min_speedup=MIN_SPEEDUP)
     path = gemm_choice.cache_path(key, "dtype-choice")
@@ -79,11 +81,17 @@ def choose(counts: dict[tuple[int, int], int], device: torch.device) -> DtypeCho
     )
 
 
+def _candidates(dtype: torch.dtype) -> list[gemm.Candidate]:
+    """The GEMM candidates an engine in `dtype` may take on this machine."""
+    return [c for c in gemm.CANDIDATES.values() if c.available(dtype)]
+
+
 def measure(counts: dict[tuple[int, int], int]) -> float:
     """bf16's speedup over fp32 on this machine: min over `ROWS` of sum(count x fp32 seconds) /
-    sum(count x bf16 seconds); 0.0 where bf16 fails its rounding check."""
+    sum(count x bf16 seconds), each the fastest candidate's in its dtype; 0.0 where bf16 fails its
+    rounding check."""
     start = time.monotonic()
-    fp32 = [c for c in gemm.CANDIDATES.values() if c.available()]
+    cands = {dt: _candidates(dt) for dt in (torch.float32, torch.bfloat16)}
     log.info("dtype: timing %d GEMM shapes in fp32 and bf16, once for this machine", len(counts))
     gen = torch.Generator().manual_seed(0)
     speedups = []
@@ -95,7 +103,7 @@ def measure(counts: dict[tuple[int, int], int]) -> float:
                     continue
                 w = torch.randn(out_f, in_f, generator=gen) / in_f**0.5
                 x = torch.randn(rows, in_f, generator=gen)
-                times = _time_pair(fp32, x, w)
+                times = _time_pair(cands, x, w)
                 if times is None:
                     log.warning(
                         "dtype: bf16 GEMM off fp32 beyond bf16 rounding at %s: fp32", (rows, out_f, in_f)
@@ -108,9 +116,12 @@ def measure(counts: dict[tuple[int, int], int]) -> float:
     return min(speedups)
 
 
-def _time_pair(fp32: list[gemm.Candidate], x: torch.Tensor, w: torch.Tensor) -> tuple[float, float] | None:
-    """(the fastest fp32 candidate's median seconds, bf16 F.linear's) on x @ w.T, timed in turns;
-    None when bf16's result is off fp32's beyond bf16 rounding."""
+def _time_pair(
+    cands: dict[torch.dtype, list[gemm.Candidate]], x: torch.Tensor, w: torch.Tensor
+) -> tuple[float, float] | None:
+    """(the fastest fp32 candidate's median seconds, the fastest bf16 candidate's) on x @ w.T (x, w
+    fp32; bf16 takes them rounded), timed in turns; None when bf16 F.linear's result is off fp32's
+    beyond bf16 rounding."""
     global timings
     xb, wb = x.bfloat16(), w.bfloat16()
     want = F.linear(x, w)
@@ -119,11 +130,13 @@ def _time_pair(fp32: list[gemm.Candidate], x: torch.Tensor, w: torch.Tensor) -> 
     got = F.linear(xb, wb).float()
     if not bool(((got - want).abs() <= 2 * bound + 1e-30).all()):
         return None
-    runs = {c.name: (c.run, c.prepare(w), x) for c in fp32}
-    runs["bf16"] = (lambda x_, w_, b: F.linear(x_, w_, b), wb, xb)
+    inputs = {torch.float32: (x, w), torch.bfloat16: (xb, wb)}
+    runs = {
+        (dt, c.name): (c.run, c.prepare(inputs[dt][1]), inputs[dt][0]) for dt, cs in cands.items() for c in cs
+    }
     for run, handle, inp in runs.values():  # warm-up: first-call costs are not the steady state
         run(inp, handle, None)
-    samples: dict[str, list[float]] = {name: [] for name in runs}
+    samples: dict[tuple, list[float]] = {name: [] for name in runs}
     for _ in range(TURNS):
         for name, (run, handle, inp) in runs.items():
             t = time.perf_counter()
@@ -131,4 +144,5 @@ def _time_pair(fp32: list[gemm.Candidate], x: torch.Tensor, w: torch.Tensor) -> 
             samples[name].append(time.perf_counter() - t)
             timings += 1
     med = {name: sorted(s)[len(s) // 2] for name, s in samples.items()}
-    return min(med[c.name] for c in fp32), med["bf16"]
+    fp32, bf16 = (min(med[(dt, c.name)] for c in cands[dt]) for dt in (torch.float32, torch.bfloat16))
+    return fp32, bf16

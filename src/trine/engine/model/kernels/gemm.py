@@ -1,22 +1,27 @@
 """Which kernel a few-row base-weight GEMM of an inference forward takes: the candidates, and the
 dispatch over the choice measured at the engine's start (gemm_choice.py).
 
-Candidates (`CANDIDATES`), each `prepare(weight) -> handle`, `run(x, handle, bias) -> y` and the
-memory a handle takes beside its weight (`extra_bytes`):
-- `packed`: MKL's packed weights (packed.py);
-- `onednn`: oneDNN with prepacked weights (onednn.py);
-- `linear`: plain `F.linear` (sgemm), no copy.
-fp32 only: bf16 variants are not candidates.
+Candidates (`CANDIDATES`), each serving the dtypes it names where it is available in them
+(`available(dtype)`: it runs there and passes its self-check), each `prepare(weight) -> handle`,
+`run(x, handle, bias) -> y` and the memory a handle takes beside its weight (`extra_bytes`):
+- `packed`: MKL's packed weights (packed.py), fp32 only;
+- `onednn`: oneDNN with prepacked weights (onednn.py), fp32 and bf16;
+- `linear`: plain `F.linear`, no copy, any dtype.
 
 Invariants
-- Only calls `packed.few_rows` admits take a candidate (inference-mode fp32 CPU GEMMs of at most
-  `MAX_ROWS` rows, torch's batch-invariant kernels off: invariant.py never calls here then);
-  every other call is F.linear. Every candidate's result is F.linear's up to float32 rounding.
-- `mode` is "auto" or a candidate's name (`EngineConfig.gemm`), set by the engine's start, one per
-  process. Forced, every admitted call takes that candidate (F.linear where it is not available).
-  In auto, a call takes the candidate chosen for its weight's shape at the smallest row bucket at or
-  above its row count (`BUCKETS`); a shape or bucket not measured takes `packed` where available up
-  to `packed.MAX_ROWS` rows (where its packing pays), F.linear above.
+- Only calls `admits` takes a candidate: inference-mode CPU GEMMs in one of `DTYPES` (fp32, bf16;
+  input and weight of one dtype) of at most `MAX_ROWS` rows, torch's batch-invariant kernels off
+  (invariant.py never calls here then); every other call is F.linear. Every candidate's result is
+  F.linear's in that dtype up to its rounding (rounding.py).
+- The mode and the choice are per dtype (the weight's): an fp32 and a bf16 engine in one process
+  each keep their own. `mode[dtype]` is "auto" or a candidate's name (`EngineConfig.gemm`), set by
+  the engine's start. Forced, every admitted call in that dtype takes that candidate (F.linear
+  where it does not serve the dtype). In auto, a call takes the candidate chosen for its weight's
+  dtype and shape at the smallest row bucket at or above its row count (`BUCKETS`); a dtype, shape
+  or bucket not measured takes `packed` where it serves the dtype, up to `packed.MAX_ROWS` rows
+  (where its packing pays), F.linear otherwise (bf16 always: packed is fp32 only).
+- A candidate never takes a call in a dtype it does not serve: `path` checks `available(dtype)`
+  whatever the choice says.
 """
 
 from __future__ import annotations
@@ -34,36 +39,67 @@ from . import onednn, packed
 # (min_prefill_tokens 128 up to max_batch_tokens, 2048 by default); more rows are F.linear.
 BUCKETS = (1, 8, 32, 128, 512, 1024, 2048)
 MAX_ROWS = BUCKETS[-1]
+DTYPES = (torch.float32, torch.bfloat16)  # the dtypes whose few-row GEMMs take a candidate
 
 
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    available: Callable[[], bool]
+    dtypes: tuple[torch.dtype, ...] | None  # the dtypes it may serve; None: any
+    ready: Callable[[torch.dtype], bool]  # whether it runs and passes its self-check in a dtype
     prepare: Callable[[torch.Tensor], object]
     run: Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
     extra_bytes: Callable[[torch.Tensor, object], int]  # (weight, handle) -> bytes beside the weight
 
+    def available(self, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether it serves `dtype` on this machine."""
+        return (self.dtypes is None or dtype in self.dtypes) and self.ready(dtype)
+
 
 CANDIDATES = {
-    "packed": Candidate("packed", packed.available, packed.prepare, packed.run, lambda w, h: h[0].nbytes),
-    "onednn": Candidate("onednn", onednn.available, onednn.prepare, onednn.run, lambda w, h: w.nbytes),
+    "packed": Candidate(
+        "packed",
+        (torch.float32,),
+        lambda dtype: packed.available(),
+        packed.prepare,
+        packed.run,
+        lambda w, h: h[0].nbytes,
+    ),
+    "onednn": Candidate(
+        "onednn", onednn.DTYPES, onednn.available, onednn.prepare, onednn.run, lambda w, h: w.nbytes
+    ),
     "linear": Candidate(
-        "linear", lambda: True, lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda w, h: 0
+        "linear", None, lambda dtype: True, lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda w, h: 0
     ),
 }
 MODES = ("auto", *CANDIDATES)
 
-mode = "auto"
-choice: dict[tuple[int, int], dict[int, str]] = {}  # (out, in) -> bucket -> candidate (auto)
+# Per dtype (its name, `dtype_name`): absent is auto, unmeasured.
+mode: dict[str, str] = {}  # dtype -> "auto" or a candidate's name
+choice: dict[str, dict[tuple[int, int], dict[int, str]]] = {}  # dtype -> (out, in) -> bucket -> candidate
+_NAMES = {dt: str(dt).removeprefix("torch.") for dt in DTYPES}  # path() runs per GEMM: no str()
 
 
-def set_choice(new_mode: str, new_choice: dict[tuple[int, int], dict[int, str]]) -> None:
-    """Install the engine's mode and, in auto, its measured choice (gemm_choice.py)."""
-    global mode, choice
+def dtype_name(dtype: torch.dtype) -> str:
+    """`float32`, `bfloat16`: the key of a dtype's mode and choice."""
+    return _NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def set_choice(
+    new_mode: str, new_choice: dict[tuple[int, int], dict[int, str]], dtype: torch.dtype = torch.float32
+) -> None:
+    """Install the mode of engines in `dtype` and, in auto, their measured choice (gemm_choice.py);
+    the other dtypes' are kept."""
     if new_mode not in MODES:
         raise ValueError(f"gemm: {new_mode!r} is not one of {', '.join(MODES)}")
-    mode, choice = new_mode, dict(new_choice)
+    key = dtype_name(dtype)
+    mode[key], choice[key] = new_mode, dict(new_choice)
+
+
+def reset() -> None:
+    """Every dtype back to auto, unmeasured."""
+    mode.clear()
+    choice.clear()
 
 
 def bucket(rows: int) -> int | None:
@@ -72,17 +108,23 @@ def bucket(rows: int) -> int | None:
     return BUCKETS[i] if i < len(BUCKETS) else None
 
 
+def admits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(owner, x, weight, bias)` may take a candidate (the module docstring)."""
+    return packed.few_rows(x, weight, MAX_ROWS, DTYPES)
+
+
 def path(x: torch.Tensor, weight: torch.Tensor) -> str:
     """The candidate `linear(owner, x, weight, bias)` takes (see the module docstring)."""
-    if not packed.few_rows(x, weight, MAX_ROWS):
+    if not admits(x, weight):
         return "linear"
-    if mode == "auto":
+    dtype = weight.dtype
+    key = dtype_name(dtype)
+    name = mode.get(key, "auto")
+    if name == "auto":
         rows = x.numel() // x.shape[-1]
-        chosen = choice.get(tuple(weight.shape), {}).get(bucket(rows))
+        chosen = choice.get(key, {}).get(tuple(weight.shape), {}).get(bucket(rows))
         name = chosen or ("packed" if rows <= packed.MAX_ROWS else "linear")
-    else:
-        name = mode
-    return name if CANDIDATES[name].available() else "linear"
+    return name if CANDIDATES[name].available(dtype) else "linear"
 
 
 def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -95,15 +137,18 @@ def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return F.linear(x, weight, bias)
 
 
-def summary() -> str:
-    """The path for the start line and /metrics: a forced candidate's name, or
-    `auto(packed 20, onednn 8, linear 2)`: how many (shape, bucket) pairs each candidate won."""
-    if mode != "auto":
-        return mode if CANDIDATES[mode].available() else "linear"
-    if not choice:
+def summary(dtype: torch.dtype = torch.float32) -> str:
+    """The path of engines in `dtype`, for the start line and /metrics: a forced candidate's name
+    (F.linear's where it does not serve the dtype), or `auto(packed 20, onednn 8, linear 2)`: how
+    many (shape, bucket) pairs each candidate won."""
+    key = dtype_name(dtype)
+    forced = mode.get(key, "auto")
+    if forced != "auto":
+        return forced if CANDIDATES[forced].available(dtype) else "linear"
+    if not choice.get(key):
         return "auto(unmeasured)"
     counts: dict[str, int] = {}
-    for per_bucket in choice.values():
+    for per_bucket in choice[key].values():
         for name in per_bucket.values():
             counts[name] = counts.get(name, 0) + 1
     return "auto(" + ", ".join(f"{n} {c}" for n, c in sorted(counts.items(), key=lambda kv: -kv[1])) + ")"

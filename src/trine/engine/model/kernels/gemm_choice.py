@@ -1,23 +1,28 @@
 """The GEMM candidate per (weight shape, row bucket), chosen by measurement on this machine at the
 engine's start and cached on disk, so that a second start measures nothing.
 
-`choose(shapes, mode)` installs gemm.py's dispatch: forced (`mode` a candidate's name) it measures
-nothing; in auto it reads the choice of this machine and these shapes from `cache_path()`, or
-measures it and writes it there. For each shape and bucket (gemm.BUCKETS) every available
-candidate runs `WARMUP` calls, then `TIMED` timed ones, the candidates in turns; the fastest median
-whose output passed the self-check wins.
+`choose(shapes, mode, dtype)` installs gemm.py's dispatch for engines in `dtype` (fp32 or bf16):
+forced (`mode` a candidate's name) it measures nothing; in auto it reads the choice of this
+machine, these shapes and this dtype from `cache_path()`, or measures it and writes it there. For
+each shape and bucket (gemm.BUCKETS) every candidate available in the dtype runs `WARMUP` calls,
+then `TIMED` timed ones, the candidates in turns, on inputs and weights in that dtype; the fastest
+median whose output passed the self-check wins.
 
 Invariants
-- The self-check: a candidate's output lies within the float32 rounding bound of F.linear's
-  (2 gamma_k sum|x||w| over the k-term dot products, plus the bias); one that fails, or raises, is
-  never chosen. `linear` (F.linear itself) always passes, so every pair has a choice.
+- The self-check: a candidate's output lies within the rounding bound of F.linear's in the same
+  dtype (rounding.py: fp32 2 gamma_k sum|x||w| over the k-term dot products; bf16 that plus each
+  result's rounding to bf16, 2^-8 of it); one that fails, or raises, is never chosen. `linear`
+  (F.linear itself) always passes, so every pair has a choice.
 - The cache key holds all that makes a measurement another one: the CPU model and flags
   (/proc/cpuinfo), torch's version, its MKL and oneDNN versions, torch's thread count, the shapes
-  and buckets and the candidates available. A file is written aside and renamed (atomic); one that
-  cannot be read or does not match is measured again.
+  and buckets, the candidates available and the dtype (named in the key for dtypes other than
+  fp32, so fp32's key is the one written before bf16 was measured, and its caches stay valid). A
+  file is written aside and renamed (atomic); one that cannot be read or does not match is
+  measured again.
 - A pair whose GEMM exceeds `MAX_MEASURED_FLOP` (the LM head at prefill-sized rows: the sampler
   takes logits at each sequence's last position, only prompt logprobs take more) is not measured:
-  it keeps gemm.py's default (`packed`), so the first start stays within seconds.
+  it keeps gemm.py's default (`packed` in fp32, F.linear in bf16), so the first start stays within
+  seconds.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import cbuild, gemm
+from . import cbuild, gemm, rounding
 
 log = logging.getLogger(__name__)
 
@@ -42,34 +47,35 @@ MAX_MEASURED_FLOP = 8e9  # 2 * rows * out * in of the largest GEMM timed (the LM
 timings = 0  # candidate calls timed in this process (tests count them: a cached start adds none)
 
 
-def choose(shapes: list[tuple[int, int]], mode: str = "auto") -> str:
-    """Install the dispatch for a model whose linears have weight `shapes` [(out, in)]; return its
-    summary (gemm.summary())."""
+def choose(shapes: list[tuple[int, int]], mode: str = "auto", dtype: torch.dtype = torch.float32) -> str:
+    """Install the dispatch for engines in `dtype` running a model whose linears have weight
+    `shapes` [(out, in)]; return its summary (gemm.summary(dtype))."""
     if mode != "auto":
-        gemm.set_choice(mode, {})
-        return gemm.summary()
+        gemm.set_choice(mode, {}, dtype)
+        return gemm.summary(dtype)
     shapes = sorted(set(map(tuple, shapes)))
-    names = [c.name for c in gemm.CANDIDATES.values() if c.available()]
-    key = cache_key(shapes, names)
+    names = [c.name for c in gemm.CANDIDATES.values() if c.available(dtype)]
+    key = cache_key(shapes, names, dtype)
     path = cache_path(key)
     chosen = _read(path, key)
     if chosen is None:
-        chosen, _ = measure(shapes, names)
+        chosen, _ = measure(shapes, names, dtype)
         _write(path, key, chosen)
-    gemm.set_choice("auto", chosen)
-    return gemm.summary()
+    gemm.set_choice("auto", chosen, dtype)
+    return gemm.summary(dtype)
 
 
 def measure(
-    shapes: list[tuple[int, int]], names: list[str]
+    shapes: list[tuple[int, int]], names: list[str], dtype: torch.dtype = torch.float32
 ) -> tuple[dict[tuple[int, int], dict[int, str]], dict]:
-    """The fastest passing candidate per shape and bucket, and every timing (seconds, or None where
-    the self-check failed), as {shape: {bucket: {name: seconds}}}."""
+    """The fastest passing candidate per shape and bucket in `dtype`, and every timing (seconds, or
+    None where the self-check failed), as {shape: {bucket: {name: seconds}}}."""
     start = time.monotonic()
     buckets = {s: [b for b in gemm.BUCKETS if 2 * b * s[0] * s[1] <= MAX_MEASURED_FLOP] for s in shapes}
     log.info(
-        "gemm: measuring %s on %d shapes x row buckets (%d pairs), once for this machine",
+        "gemm: measuring %s in %s on %d shapes x row buckets (%d pairs), once for this machine",
         ", ".join(names),
+        gemm.dtype_name(dtype),
         len(shapes),
         sum(map(len, buckets.values())),
     )
@@ -78,11 +84,11 @@ def measure(
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for (out_f, in_f), rows_list in buckets.items():
-            w = torch.randn(out_f, in_f, generator=gen) / in_f**0.5
+            w = (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype)
             for rows in rows_list:
-                x = torch.randn(rows, in_f, generator=gen)
+                x = torch.randn(rows, in_f, generator=gen).to(dtype)
                 want = F.linear(x, w)
-                bound = 2 * gamma(in_f) * (x.abs() @ w.abs().t())
+                bound = rounding.linear_bound(x, w, None, want)
                 got = _time([gemm.CANDIDATES[n] for n in names], x, w, want, bound)
                 times.setdefault((out_f, in_f), {})[rows] = got
                 passing = {n: t for n, t in got.items() if t is not None}
@@ -93,8 +99,7 @@ def measure(
 
 def gamma(k: int) -> float:
     """Higham's gamma_k for fp32: the relative bound of a k-term dot product's rounding."""
-    u = torch.finfo(torch.float32).eps / 2
-    return k * u / (1 - k * u)
+    return rounding.gamma(k)
 
 
 def _time(cands: list[gemm.Candidate], x: torch.Tensor, w: torch.Tensor, want, bound) -> dict:
@@ -110,9 +115,12 @@ def _time(cands: list[gemm.Candidate], x: torch.Tensor, w: torch.Tensor, want, b
         except RuntimeError as e:
             log.warning("gemm: %s failed (%s): not chosen", cand.name, e)
             continue
-        if not bool(((y - want).abs() <= bound + 1e-30).all()):
+        if not bool(((y.float() - want.float()).abs() <= bound + 1e-30).all()):
             log.warning(
-                "gemm: %s off F.linear beyond fp32 rounding at %s: not chosen", cand.name, tuple(x.shape)
+                "gemm: %s off F.linear beyond %s rounding at %s: not chosen",
+                cand.name,
+                gemm.dtype_name(x.dtype),
+                tuple(x.shape),
             )
             continue
         handles[cand.name] = (cand, handle)
@@ -135,8 +143,10 @@ def _versions() -> list[str]:
     )
 
 
-def cache_key(shapes: list[tuple[int, int]], names: list[str]) -> dict:
-    return {
+def cache_key(shapes: list[tuple[int, int]], names: list[str], dtype: torch.dtype = torch.float32) -> dict:
+    """What a measurement of `shapes` by candidates `names` in `dtype` depends on (the module
+    docstring); fp32's has no "dtype" entry, as before bf16 was measured."""
+    key = {
         "cpu": cbuild.cpu_identity(),
         "torch": torch.__version__,
         "libraries": _versions(),
@@ -146,6 +156,9 @@ def cache_key(shapes: list[tuple[int, int]], names: list[str]) -> dict:
         "candidates": names,
         "max_measured_flop": MAX_MEASURED_FLOP,
     }
+    if dtype != torch.float32:
+        key["dtype"] = gemm.dtype_name(dtype)
+    return key
 
 
 def cache_path(key: dict, kind: str = "gemm-choice") -> Path:

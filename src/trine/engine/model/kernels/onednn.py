@@ -6,9 +6,10 @@ weight, reordered into the kernel's blocked layout for a given row count) and
 the GEMM candidates the engine measures at its start (gemm.py).
 
 Invariants
-- The same conditions as MKL's packed path (packed.py: inference-mode few-row fp32 CPU GEMMs);
-  the result is F.linear's up to float32 rounding (checked once per process: `available()`, and
-  per shape and row bucket where the choice is measured).
+- The same conditions as MKL's packed path (packed.py: inference-mode few-row CPU GEMMs, torch's
+  batch-invariant kernels off), in fp32 or bf16; the result is F.linear's in that dtype up to its
+  rounding (rounding.py; checked once per process and dtype: `available(dtype)`, and per shape and
+  row bucket where the choice is measured). A dtype whose check fails is never served.
 - The row count given when reordering is a hint for blocking; a reordered weight is correct for
   any row count (checked by `available()`).
 - Each owner keeps one reordered copy, of the weight it last multiplied, made again when the weight
@@ -28,23 +29,28 @@ from . import packed
 
 PACK_ROWS = 64  # the row count the reorder is told: a blocking hint, never a correctness matter
 _copies: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
-_available: bool | None = None
+DTYPES = (torch.float32, torch.bfloat16)  # the dtypes it may serve, where `available(dtype)`
+_available: dict[torch.dtype, bool] = {}  # dtype -> its check's answer, once per process
 _lock = threading.Lock()
 
 
-def available() -> bool:
-    """Whether this torch has oneDNN's prepacked linear in fp32 and it matches F.linear."""
-    global _available
-    if _available is None:
-        _available = _check()
-    return _available
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch has oneDNN's prepacked linear in `dtype` and it matches F.linear there."""
+    got = _available.get(dtype)
+    if got is None:
+        got = _available[dtype] = _check(dtype)
+    return got
 
 
-def _check() -> bool:
+def _check(dtype: torch.dtype) -> bool:
     ops = getattr(torch.ops, "mkldnn", None)
-    if not torch.backends.mkldnn.is_available() or not hasattr(ops, "_linear_pointwise"):
+    if (
+        dtype not in DTYPES
+        or not torch.backends.mkldnn.is_available()
+        or not hasattr(ops, "_linear_pointwise")
+    ):
         return False
-    return packed.agrees_with_linear(prepare, run, rows=(1, 7, 65, 300))
+    return packed.agrees_with_linear(prepare, run, rows=(1, 7, 65, 300), dtype=dtype)
 
 
 def prepare(weight: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ Invariants
 - Used only where nothing needs a gradient (the sampler's inference-mode forwards: decode steps
   and prefill chunks), for fp32 CPU tensors of at most `MAX_ROWS` rows, with torch's
   batch-invariant kernels off (they have their own fixed-shape GEMMs), and where this torch has
-  MKL (`applies`; `few_rows` without the MKL check, which gemm.py's candidates share). Everything
-  else is `F.linear`.
+  MKL (`applies`; `few_rows` without the MKL check, which gemm.py's candidates share, in the
+  dtypes they serve: fp32 and bf16). Everything else is `F.linear`: packed is fp32 only.
 - The result is F.linear's up to float32 rounding (a different kernel, so the last bits may differ,
   as they already do between row counts).
 - Packed copies take 2-9x their weight's memory (MKL adds about 10 MB of padding to each, which
@@ -40,6 +40,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+
+from . import rounding
 
 # Up to this many rows the packed path is faster than sgemm; above, within a few percent
 # (`benchmarks/forward_rows.py`).
@@ -74,18 +76,27 @@ def _check() -> bool:
     return agrees_with_linear(prepare, run, rows=(1, 7, 65, PACK_ROWS))
 
 
-def agrees_with_linear(prepare, run, rows: tuple[int, ...]) -> bool:
+def agrees_with_linear(prepare, run, rows: tuple[int, ...], dtype: torch.dtype = torch.float32) -> bool:
     """Whether a prepacked path (`prepare(weight) -> handle`, `run(x, handle, bias)`) gives
-    F.linear's result, up to float32 rounding, for each row count in `rows` (a once-per-process
-    check of this torch's kernels; gemm.py's candidates share it)."""
+    F.linear's result in `dtype`, up to that dtype's rounding, for each row count in `rows` (a
+    once-per-process check of this torch's kernels; gemm.py's candidates share it). fp32: within
+    1e-4 (relative and absolute); bf16: within rounding.linear_bound of bf16 F.linear."""
     try:
         with torch.inference_mode():
             gen = torch.Generator().manual_seed(0)
-            w, b = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
+            w, b = torch.randn(96, 80, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype)
             handle = prepare(w)
             for m in rows:
-                x = torch.randn(m, 80, generator=gen)
-                if not torch.allclose(run(x, handle, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+                x = torch.randn(m, 80, generator=gen).to(dtype)
+                got, want = run(x, handle, b), F.linear(x, w, b)
+                if got.dtype != want.dtype or got.shape != want.shape:
+                    return False
+                if dtype == torch.float32:
+                    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                        return False
+                elif not bool(
+                    ((got.float() - want.float()).abs() <= rounding.linear_bound(x, w, b, want)).all()
+                ):
                     return False
     except (RuntimeError, AttributeError):
         return False
@@ -111,13 +122,19 @@ def run(x: torch.Tensor, handle: tuple, bias: torch.Tensor | None) -> torch.Tens
     return torch.ops.mkl._mkl_linear(rows, pack, w, bias, rows.shape[0]).view(*x.shape[:-1], w.shape[0])
 
 
-def few_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+def few_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    max_rows: int = MAX_ROWS,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+) -> bool:
     """Whether `linear(x, weight)` is a few-row inference GEMM a prepacked weight may serve: the
-    conditions of the module docstring but this torch's MKL, up to `max_rows` rows (gemm.py's
-    candidates share them, up to its own bound)."""
+    conditions of the module docstring but this torch's MKL, up to `max_rows` rows and in one of
+    `dtypes` (gemm.py's candidates share them, up to its own bound and in its own dtypes)."""
     return (
         x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
+        and x.dtype == weight.dtype
+        and x.dtype in dtypes
         and 0 < x.numel() // x.shape[-1] <= max_rows
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not weight.is_inference()  # no version counter: an in-place change could not be seen
