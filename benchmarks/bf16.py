@@ -111,7 +111,9 @@ class Side:
         return time.perf_counter() - t
 
     def sampled_and_scored(self, prompts: list[list[int]]) -> tuple[list[TrainDatum], list[list[float]]]:
-        """Seeded samples' training data and the logprobs the Sampler reported for their tokens."""
+        """Seeded samples' training data and the logprobs the Sampler reported for their tokens. The
+        prefix cache starts empty: a prompt's KV from the other kernel mode must not serve it."""
+        self.sampler.reset_prefix_cache()
         res = self.sampler.run([self.request(p, 2, 32, seed=7 + i) for i, p in enumerate(prompts)])
         data, reported = [], []
         for p, r in zip(prompts, res):

