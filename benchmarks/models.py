@@ -27,7 +27,7 @@ f. Decode cost per token at 1K and 16K tokens of context (`hybrid_decode_ms_per_
    (`hybrid_attention_layers_ms_per_token_*`): a linear layer's decode does not grow with context.
 
 The trainer half (`hybrid_trainer_vs_hf_peft`, transformers + peft) is another file's: when
-`benchmarks/models_trainer.py` exists, its `run(model_dir, args) -> dict` adds its keys to this
+`benchmarks/models_trainer.py` exists, its `trainer_vs_hf(model_dir, ...) -> dict` adds its keys to this
 script's record (see `trainer_half`). So are images (`vision_group_vs_hf`,
 `vision_group_prefill_cached_fraction`: a group of 8 samples over one 448 x 448 image, with the
 vision tower's time and the prefill tokens computed against cached): benchmarks/models_vision.py,
@@ -386,12 +386,15 @@ def peak_memory(side: str, model_dir: Path, p: dict, threads: int) -> int:
 
 def trainer_half(model_dir: Path, args) -> dict:
     """`hybrid_trainer_vs_hf_peft` and its figures, from benchmarks/models_trainer.py when it exists
-    (its own file: transformers + peft against trine's Trainer on the same weights)."""
+    (its own file: transformers + peft against trine's Trainer on the same weights). Its peak-memory
+    children start beside this process, which keeps what the sampler half allocated: on a 24 GiB
+    machine the 0.8B shape's children do not fit beside it (the OOM killer ends one), so run
+    benchmarks/models_trainer.py in a process of its own there."""
     try:
         import models_trainer  # noqa: PLC0415  (benchmarks/models_trainer.py, optional)
     except ImportError:
         return {}
-    return models_trainer.run(model_dir, args)
+    return models_trainer.trainer_vs_hf(model_dir, quick=args.quick, threads=args.threads or None)
 
 
 def vision_half(args) -> dict:
@@ -444,6 +447,7 @@ def main() -> None:
         if "memory" in only:
             trine = peak_memory("trine", model_dir, sizes["grpo"], args.threads)
             hf = peak_memory("hf", model_dir, sizes["grpo"], args.threads)
+            log(f"  peak memory: trine {trine / 2**20:.0f} MiB  HF {hf / 2**20:.0f} MiB")
             out.update(
                 hybrid_peak_memory_mib=trine / 2**20,
                 hybrid_peak_memory_hf_mib=hf / 2**20,
