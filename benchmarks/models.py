@@ -433,8 +433,9 @@ def main() -> None:
             repeats=args.repeats,
             threads=torch.get_num_threads(),
             quick=args.quick,
-            sizes={k: sizes[k] for k in only if k in sizes},
         )
+        if any(k in sizes for k in only):
+            out["sizes"] = {k: sizes[k] for k in only if k in sizes}
         bench = Bench(model_dir, args.repeats)
         out["hybrid_snapshot_mib_per_sequence"] = state_bytes(bench.model.cfg, torch.float32) / 2**20
         bench.sampler().run([bench.req(bench.prompt(32), 2, 2)])  # warm-up: allocator and kernel setup
