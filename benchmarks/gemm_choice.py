@@ -85,7 +85,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, "cpu", torch.float32), Tokenizer(args.model)
     shapes = linear_shapes(model)
-    names = [c.name for c in gemm.CANDIDATES.values() if c.available()]
+    names = [c.name for c in gemm.CANDIDATES.values() if c.available(torch.float32)]
     start = time.monotonic()
     chosen, times = gemm_choice.measure(shapes, names)
     measure_s = time.monotonic() - start

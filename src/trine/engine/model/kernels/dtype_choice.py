@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ...config import DTYPE_NAMES
-from . import gemm, gemm_choice
+from . import gemm, gemm_choice, rounding
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _time_pair(
     xb, wb = x.bfloat16(), w.bfloat16()
     want = F.linear(x, w)
     # bf16 rounds x and w (a relative 2^-8 each), then accumulates in fp32: 2 * 2^-8 + fp32's gamma_k
-    bound = (2 * 2.0**-8 + 2 * gemm_choice.gamma(x.shape[1])) * (x.abs() @ w.abs().t())
+    bound = (2 * 2.0**-8 + 2 * rounding.gamma(x.shape[1])) * (x.abs() @ w.abs().t())
     got = F.linear(xb, wb).float()
     if not bool(((got - want).abs() <= 2 * bound + 1e-30).all()):
         return None

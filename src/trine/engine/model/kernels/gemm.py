@@ -1,8 +1,8 @@
 """Which kernel a few-row base-weight GEMM of an inference forward takes: the candidates, and the
 dispatch over the choice measured at the engine's start (gemm_choice.py).
 
-Candidates (`CANDIDATES`), each serving the dtypes it names where it is available in them
-(`available(dtype)`: it runs there and passes its self-check), each `prepare(weight) -> handle`,
+Candidates (`CANDIDATES`), each serving a dtype where `available(dtype)` (it runs in that dtype
+and passes its self-check there), each `prepare(weight) -> handle`,
 `run(x, handle, bias) -> y` and the memory a handle takes beside its weight (`extra_bytes`):
 - `packed`: MKL's packed weights (packed.py), fp32 only;
 - `onednn`: oneDNN with prepacked weights (onednn.py), fp32 and bf16;
@@ -45,31 +45,23 @@ DTYPES = (torch.float32, torch.bfloat16)  # the dtypes whose few-row GEMMs take 
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    dtypes: tuple[torch.dtype, ...] | None  # the dtypes it may serve; None: any
-    ready: Callable[[torch.dtype], bool]  # whether it runs and passes its self-check in a dtype
+    available: Callable[[torch.dtype], bool]  # whether it serves a dtype here (runs, passes its check)
     prepare: Callable[[torch.Tensor], object]
     run: Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
     extra_bytes: Callable[[torch.Tensor, object], int]  # (weight, handle) -> bytes beside the weight
-
-    def available(self, dtype: torch.dtype = torch.float32) -> bool:
-        """Whether it serves `dtype` on this machine."""
-        return (self.dtypes is None or dtype in self.dtypes) and self.ready(dtype)
 
 
 CANDIDATES = {
     "packed": Candidate(
         "packed",
-        (torch.float32,),
-        lambda dtype: packed.available(),
+        lambda dtype: dtype == torch.float32 and packed.available(),
         packed.prepare,
         packed.run,
         lambda w, h: h[0].nbytes,
     ),
-    "onednn": Candidate(
-        "onednn", onednn.DTYPES, onednn.available, onednn.prepare, onednn.run, lambda w, h: w.nbytes
-    ),
+    "onednn": Candidate("onednn", onednn.available, onednn.prepare, onednn.run, lambda w, h: w.nbytes),
     "linear": Candidate(
-        "linear", None, lambda dtype: True, lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda w, h: 0
+        "linear", lambda dtype: True, lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda w, h: 0
     ),
 }
 MODES = ("auto", *CANDIDATES)

@@ -97,11 +97,6 @@ def measure(
     return chosen, times
 
 
-def gamma(k: int) -> float:
-    """Higham's gamma_k for fp32: the relative bound of a k-term dot product's rounding."""
-    return rounding.gamma(k)
-
-
 def _time(cands: list[gemm.Candidate], x: torch.Tensor, w: torch.Tensor, want, bound) -> dict:
     """Each candidate's median seconds on x @ w.T, timed in turns (one call of each, `TIMED` times,
     so the machine's drift hits all alike); None for one that raises or fails the self-check."""
