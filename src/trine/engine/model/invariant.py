@@ -8,11 +8,13 @@ pick their blocking, their code path and their threads' split of a reduction fro
 call, so every reduction here runs in calls whose shapes do not depend on the batch:
 
 - `linear`: rows go through `F.linear` in chunks of exactly `ROW_TILE` rows (the last one zero
-  padded). Measured on MKL: a row's result changes with M below 16 rows, and with 2 threads the
-  K reduction is split between threads for some M and not others.
-- `attention`: keys are cut in tiles of `KEY_TILE` positions. Scores are one matmul per
-  (sequence, kv head) with at least `MIN_QUERY_ROWS` query rows; the softmax is two-pass with an
-  exact max; each tile's probabilities times its values is one fixed-shape [rows, KEY_TILE] x
+  padded). Measured on MKL: a row's result changes with M below 16 rows; with 2 threads the K
+  reduction is split between threads for some M and not others; and on its AVX2 path rows are
+  computed in blocks of 6, a remainder of 1 to 3 rows in other bits, so a 32-row call gave its last
+  two rows other bits than its first. `ROW_TILE` = 24 = 4 x 6 is a multiple of both paths' blocks.
+- `attention`: keys are cut in tiles of `KEY_TILE` positions. Scores are matmuls of `ROW_TILE`
+  query rows per (sequence, kv head), the rows zero padded; the softmax is two-pass with an exact
+  max; each key tile's probabilities times its values is one fixed-shape [ROW_TILE, KEY_TILE] x
   [KEY_TILE, head_dim] matmul, and the tiles' partial sums (and the denominators) are added in
   key order by a sequential `cumsum`. Fully masked tiles add exactly zero, so a query's result is
   the same whatever keys it does not see, how many there are, and where they sit.
@@ -50,9 +52,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .kernels import gemm
 
-ROW_TILE = 32  # rows per linear-layer GEMM call
+ROW_TILE = 24  # rows per GEMM call: >= 16 (MKL's small-M path) and a multiple of its AVX2 6-row block
 KEY_TILE = 16  # key positions per attention tile
-MIN_QUERY_ROWS = 16  # MKL's small-M GEMM path differs below this
 QUERY_CHUNK = 256  # queries per attention pass: bounds the [queries, keys] score memory
 _enabled = False
 log = logging.getLogger(__name__)
@@ -65,20 +66,28 @@ def enable(on: bool) -> None:
     _enabled = bool(on)
     if _enabled and not rows_invariant():
         log.warning(
-            "--batch-invariant: this process's kernels give a query's attention other bits when a "
-            "call holds fewer of its sequence's queries (MKL_CBWR=%s), so the sampler's and the "
-            "trainer's logprobs may differ in their last bits; unset MKL_CBWR for bit-for-bit numerics",
+            "--batch-invariant: this process's GEMMs give a row other bits in another place of a "
+            "%d-row call (kernel path: ATen %s, MKL_ENABLE_INSTRUCTIONS=%s, MKL_CBWR=%s), so the "
+            "sampler's and the trainer's logprobs may differ in their last bits",
+            ROW_TILE,
+            torch.backends.cpu.get_cpu_capability(),
+            os.environ.get("MKL_ENABLE_INSTRUCTIONS", "unset"),
             os.environ.get("MKL_CBWR", "unset"),
         )
 
 
 @functools.cache
 def rows_invariant() -> bool:
-    """Whether this process's kernels give a query's attention the same bits whether the call holds
-    its whole sequence or its last few queries (what a cached prefix or a decode step does). MKL's
-    own code paths (AVX2, AVX-512) keep it; its reproducibility mode MKL_CBWR=COMPATIBLE does not.
-    A probe of a 2-head, 17-position attention, once a process (milliseconds); call it enabled."""
+    """Whether this process's GEMMs keep what the kernels rely on: a row's bits in a ROW_TILE-row
+    call do not depend on its place there, so `linear` gives a row the same bits in any batch and
+    `attention` gives a sequence's last queries the bits they have in the whole sequence's call
+    (what a cached prefix or a decode step does). A probe of a few ms, once a process; call it
+    enabled. (A tile of 32 rows failed it on MKL's AVX2 path, which computes rows in blocks of 6.)"""
     g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(ROW_TILE, 96, generator=g), torch.randn(80, 96, generator=g)
+    whole = linear(x, w)
+    if not all(torch.equal(linear(x.roll(s, 0), w).roll(-s, 0), whole) for s in (1, 5, ROW_TILE - 2)):
+        return False
     q = torch.randn(1, 4, 17, 24, generator=g)
     k, v = torch.randn(1, 2, 17, 24, generator=g), torch.randn(1, 2, 17, 24, generator=g)
     whole = attention(q, k, v, causal=True)
@@ -197,15 +206,23 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     N, H, T, D = q.shape
     kvh, L = k.shape[1], k.shape[2]
     g = H // kvh
-    tp = max(T, -(-MIN_QUERY_ROWS // g))  # query rows per kv head >= MIN_QUERY_ROWS
-    if tp > T:  # padding queries attend what the last query does
-        q = F.pad(q, (0, 0, 0, tp - T))
-        mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, tp - T, -1)], 2)
-    rows = q.reshape(N, kvh, g * tp, D)  # a kv head's queries: (group member, position)
-    s = torch.matmul(rows, k.transpose(-1, -2)).mul_(1 / math.sqrt(D)).view(N, kvh, g, tp, L)
+    rows = q.reshape(N, kvh, g * T, D)  # a kv head's queries: (group member, position)
+    s = _row_tiled(rows, k.transpose(-1, -2)[:, :, None]).mul_(1 / math.sqrt(D)).view(N, kvh, g, T, L)
     s = s.masked_fill(~mask[:, :, None], -math.inf)
-    p = torch.exp(s - s.amax(-1, keepdim=True)).view(N, kvh, g * tp, L // KEY_TILE, KEY_TILE)
+    p = torch.exp(s - s.amax(-1, keepdim=True)).view(N, kvh, g * T, L // KEY_TILE, KEY_TILE)
     denom = p.sum(-1).cumsum(-1)[..., -1:]  # [N, kvh, rows, 1]: tile sums added in key order
-    parts = torch.matmul(p.transpose(2, 3), v.view(N, kvh, L // KEY_TILE, KEY_TILE, D))
+    parts = _row_tiled(p.transpose(2, 3), v.view(N, kvh, L // KEY_TILE, 1, KEY_TILE, D))
     out = parts.cumsum(2)[:, :, -1] / denom  # [N, kvh, rows, D]
-    return out.view(N, H, tp, D)[:, :, :T]
+    return out.view(N, H, T, D)
+
+
+def _row_tiled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b [..., 1, K, N] -> [..., M, N] as GEMMs of exactly ROW_TILE rows of `a` (zero
+    padded), `b` broadcast over the tiles: each row's bits then do not depend on M or its place."""
+    m, kk = a.shape[-2], a.shape[-1]
+    pad = (-m) % ROW_TILE
+    if pad:
+        a = F.pad(a, (0, 0, 0, pad))
+    out = torch.matmul(a.reshape(*a.shape[:-2], (m + pad) // ROW_TILE, ROW_TILE, kk), b)
+    out = out.view(*a.shape[:-2], m + pad, out.shape[-1])
+    return out[..., :m, :] if pad else out
