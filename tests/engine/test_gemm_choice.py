@@ -69,18 +69,34 @@ def test_each_row_count_takes_its_buckets_choice_within_rounding_of_f_linear():
     assert gemm.path(torch.randn(4, 96, requires_grad=True), m.weight) == "linear"  # autograd: F.linear
 
 
+@pytest.mark.parametrize("chosen", ["packed", "onednn"])
+def test_a_copy_past_the_budget_takes_the_fastest_copy_free_kernel(monkeypatch, chosen):
+    """A large model's LM head: its copy does not fit, so the call takes the copy-free kernel
+    measured fastest for its shape and bucket, not F.linear."""
+    monkeypatch.setattr(packed, "budget_bytes", lambda: 0)
+    gemm.set_choice("auto", {(160, 96): {8: chosen}}, new_copy_free={(160, 96): {8: "transposed"}})
+    m, x = layer(), torch.randn(5, 96)
+    with torch.inference_mode():
+        assert gemm.path(x, m.weight) == chosen
+        assert_bitwise(m(x), gemm.transposed(x, m.weight, m.bias))  # kind 1: that kernel itself
+    gemm.set_choice("auto", {(160, 96): {8: chosen}})  # no copy-free choice measured: F.linear
+    with torch.inference_mode():
+        assert_bitwise(m(x), F.linear(x, m.weight, m.bias))
+
+
 def test_the_choice_is_measured_once_then_read_from_the_cache():
     before = gemm_choice.timings
     first = gemm_choice.choose(SHAPES)
     measured = gemm_choice.timings - before
-    assert measured == len(SHAPES) * len(gemm.BUCKETS) * 3 * gemm_choice.TIMED  # every pair, every kernel
+    assert measured == len(SHAPES) * len(gemm.BUCKETS) * 4 * gemm_choice.TIMED  # every pair, every kernel
     assert first.startswith("auto(") and sum(map(int, first[5:-1].replace(",", "").split()[1::2])) == len(
         SHAPES
     ) * len(gemm.BUCKETS)
-    chosen = dict(gemm.choice)
+    chosen, free = dict(gemm.choice), dict(gemm.copy_free)
+    assert all(set(per.values()) <= {"transposed", "linear"} for per in free["float32"].values())
     gemm.set_choice("auto", {})
     assert gemm_choice.choose(SHAPES) == first  # a second start: read, nothing timed
-    assert gemm_choice.timings - before == measured and gemm.choice == chosen
+    assert gemm_choice.timings - before == measured and gemm.choice == chosen and gemm.copy_free == free
     (path,) = gemm_choice.cache_path(gemm_choice.cache_key(SHAPES, list(gemm.CANDIDATES))).parent.glob(
         "gemm-choice-*.json"
     )
@@ -99,7 +115,7 @@ def test_a_kernel_off_f_linear_beyond_rounding_is_never_chosen(monkeypatch):
     assert all(name != "onednn" for per in chosen.values() for name in per.values())
 
 
-@pytest.mark.parametrize("forced", ["packed", "onednn", "linear"])
+@pytest.mark.parametrize("forced", ["packed", "onednn", "transposed", "linear"])
 def test_a_forced_kernel_is_used_and_nothing_is_measured(forced):
     before = gemm_choice.timings
     kernels = active.active(torch.device("cpu"), torch.float32, SHAPES, forced)
@@ -134,7 +150,8 @@ def test_the_config_field_names_itself_when_wrong():
     flag = next(p for p in serve.params if p.name == "gemm")
     assert GEMM_NAMES == gemm.MODES == tuple(flag.type.choices)
     assert EngineConfig().gemm == "auto"
-    with pytest.raises(ValueError, match="^gemm: 'fast' is not one of auto, packed, onednn, linear"):
+    names = "auto, packed, onednn, transposed, linear"
+    with pytest.raises(ValueError, match=f"^gemm: 'fast' is not one of {names}"):
         EngineConfig(gemm="fast")
 
 
@@ -164,10 +181,11 @@ def test_a_bf16_engines_choice_is_measured_cached_and_kept_beside_fp32s():
     before = gemm_choice.timings
     kernels = active.active(torch.device("cpu"), BF16, SHAPES, "auto")
     measured = gemm_choice.timings - before
-    # every pair, the two bf16 candidates (packed serves fp32 only)
-    assert measured == len(SHAPES) * len(gemm.BUCKETS) * 2 * gemm_choice.TIMED
+    # every pair, the three bf16 candidates (packed serves fp32 only)
+    assert measured == len(SHAPES) * len(gemm.BUCKETS) * 3 * gemm_choice.TIMED
     bf16 = dict(gemm.choice["bfloat16"])
-    assert kernels["gemm"] == gemm.summary(BF16) and set(counted(kernels["gemm"])) <= {"onednn", "linear"}
+    assert kernels["gemm"] == gemm.summary(BF16)
+    assert set(counted(kernels["gemm"])) <= {"onednn", "transposed", "linear"}
     assert sum(counted(kernels["gemm"]).values()) == len(SHAPES) * len(gemm.BUCKETS)
     assert all(name != "packed" for per in bf16.values() for name in per.values())
     line = active.startup_line(kernels, torch.device("cpu"), BF16)
@@ -176,15 +194,15 @@ def test_a_bf16_engines_choice_is_measured_cached_and_kept_beside_fp32s():
     gemm.reset()
     assert gemm_choice.choose(SHAPES, "auto", BF16) == kernels["gemm"]  # a second start: read
     assert gemm_choice.timings - before == measured and gemm.choice["bfloat16"] == bf16
-    bf16_key = gemm_choice.cache_key(sorted(SHAPES), ["onednn", "linear"], BF16)
-    fp32_key = gemm_choice.cache_key(sorted(SHAPES), ["packed", "onednn", "linear"])
+    bf16_key = gemm_choice.cache_key(sorted(SHAPES), ["onednn", "transposed", "linear"], BF16)
+    fp32_key = gemm_choice.cache_key(sorted(SHAPES), list(gemm.CANDIDATES))
     assert bf16_key["dtype"] == "bfloat16" and "dtype" not in fp32_key  # fp32's caches stay valid
     saved = json.loads(gemm_choice.cache_path(bf16_key).read_text())
     assert saved["key"] == bf16_key
 
     # an fp32 engine in the same process: its own measurement and choice, the bf16 one kept
     fp32_summary = gemm_choice.choose(SHAPES, "auto")
-    assert gemm_choice.timings - before == measured + len(SHAPES) * len(gemm.BUCKETS) * 3 * gemm_choice.TIMED
+    assert gemm_choice.timings - before == measured + len(SHAPES) * len(gemm.BUCKETS) * 4 * gemm_choice.TIMED
     assert gemm.choice["bfloat16"] == bf16 and gemm.summary(BF16) == kernels["gemm"]
     assert gemm.summary() == fp32_summary and gemm.choice["float32"] != {}
     gemm_choice.choose(SHAPES, "linear", BF16)  # forcing bf16 leaves fp32's auto alone

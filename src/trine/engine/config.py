@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPE_NAMES = ("float32", "bfloat16")  # the model dtypes the engine runs (model/weights.py maps them)
-GEMM_NAMES = ("auto", "packed", "onednn", "linear")  # EngineConfig.gemm: kernels/gemm.py's MODES
+# EngineConfig.gemm: kernels/gemm.py's MODES
+GEMM_NAMES = ("auto", "packed", "onednn", "transposed", "linear")
 
 TENANT_SHARE = 0.5  # of max_running and of the KV pool, per tenant while another one is active
 # Prefill rows below which a chunk is not cut while others decode: fp32 GEMMs of fewer rows run well

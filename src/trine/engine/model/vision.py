@@ -127,8 +127,12 @@ class VisionAttention(nn.Module):
         cos, sin = cos[:, None].to(wide), sin[:, None].to(wide)
         q = (q.to(wide) * cos + rotate_half(q.to(wide)) * sin).to(x.dtype)
         k = (k.to(wide) * cos + rotate_half(k.to(wide)) * sin).to(x.dtype)
-        out = [  # each image attends within itself, not causally
-            F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+        # each image attends within itself, not causally; 4D [1, H, N, D], as torch's fused CPU kernel
+        # takes only 4D inputs (3D ones go to its unfused math path, several times slower)
+        out = [
+            F.scaled_dot_product_attention(
+                qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
+            )[0]
             for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))
         ]
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(n, -1))

@@ -6,6 +6,9 @@ and passes its self-check there), each `prepare(weight) -> handle`,
 `run(x, handle, bias) -> y` and the memory a handle takes beside its weight (`extra_bytes`):
 - `packed`: MKL's packed weights (packed.py), fp32 only;
 - `onednn`: oneDNN with prepacked weights (onednn.py), fp32 and bf16;
+- `transposed`: the same GEMM laid out the other way, `(weight @ x^T)^T`, no copy, any dtype: at
+  8-32 rows MKL streams a large weight faster so on some CPUs, slower elsewhere (measured, like the
+  rest; docs/serving.md);
 - `linear`: plain `F.linear`, no copy, any dtype.
 
 Invariants
@@ -42,6 +45,15 @@ MAX_ROWS = BUCKETS[-1]
 DTYPES = (torch.float32, torch.bfloat16)  # the dtypes whose few-row GEMMs take a candidate
 
 
+def transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) as `weight @ x^T`, returned contiguous in F.linear's layout."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.mm(weight, rows.t()).t().contiguous()
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 @dataclass(frozen=True)
 class Candidate:
     name: str
@@ -49,6 +61,7 @@ class Candidate:
     prepare: Callable[[torch.Tensor], object]
     run: Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
     extra_bytes: Callable[[torch.Tensor, object], int]  # (weight, handle) -> bytes beside the weight
+    copies: bool = False  # keeps a copy of each weight (within packed.budget_bytes(), or not taken)
 
 
 CANDIDATES = {
@@ -58,8 +71,12 @@ CANDIDATES = {
         packed.prepare,
         packed.run,
         lambda w, h: h[0].nbytes,
+        copies=True,
     ),
-    "onednn": Candidate("onednn", onednn.available, onednn.prepare, onednn.run, lambda w, h: w.nbytes),
+    "onednn": Candidate(
+        "onednn", onednn.available, onednn.prepare, onednn.run, lambda w, h: w.nbytes, copies=True
+    ),
+    "transposed": Candidate("transposed", lambda dtype: True, lambda w: w, transposed, lambda w, h: 0),
     "linear": Candidate(
         "linear", lambda dtype: True, lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda w, h: 0
     ),
@@ -69,6 +86,8 @@ MODES = ("auto", *CANDIDATES)
 # Per dtype (its name, `dtype_name`): absent is auto, unmeasured.
 mode: dict[str, str] = {}  # dtype -> "auto" or a candidate's name
 choice: dict[str, dict[tuple[int, int], dict[int, str]]] = {}  # dtype -> (out, in) -> bucket -> candidate
+# The same for the candidates that keep no copy: taken where the chosen one's copy did not fit.
+copy_free: dict[str, dict[tuple[int, int], dict[int, str]]] = {}
 _NAMES = {dt: str(dt).removeprefix("torch.") for dt in DTYPES}  # path() runs per GEMM: no str()
 
 
@@ -78,20 +97,24 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def set_choice(
-    new_mode: str, new_choice: dict[tuple[int, int], dict[int, str]], dtype: torch.dtype = torch.float32
+    new_mode: str,
+    new_choice: dict[tuple[int, int], dict[int, str]],
+    dtype: torch.dtype = torch.float32,
+    new_copy_free: dict[tuple[int, int], dict[int, str]] | None = None,
 ) -> None:
-    """Install the mode of engines in `dtype` and, in auto, their measured choice (gemm_choice.py);
-    the other dtypes' are kept."""
+    """Install the mode of engines in `dtype` and, in auto, their measured choice and copy-free
+    choice (gemm_choice.py); the other dtypes' are kept."""
     if new_mode not in MODES:
         raise ValueError(f"gemm: {new_mode!r} is not one of {', '.join(MODES)}")
     key = dtype_name(dtype)
-    mode[key], choice[key] = new_mode, dict(new_choice)
+    mode[key], choice[key], copy_free[key] = new_mode, dict(new_choice), dict(new_copy_free or {})
 
 
 def reset() -> None:
     """Every dtype back to auto, unmeasured."""
     mode.clear()
     choice.clear()
+    copy_free.clear()
 
 
 def bucket(rows: int) -> int | None:
@@ -120,13 +143,26 @@ def path(x: torch.Tensor, weight: torch.Tensor) -> str:
 
 
 def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) through the chosen candidate, its copy of `weight` kept by `owner`."""
+    """F.linear(x, weight, bias) through the chosen candidate, its copy of `weight` kept by `owner`;
+    where that copy does not fit packed.budget_bytes(), through the copy-free choice."""
     name = path(x, weight)
-    if name == "packed":  # its copies are kept within packed.budget_bytes() there
-        return packed.linear(owner, x, weight, bias)
-    if name == "onednn":
-        return onednn.linear(owner, x, weight, bias)
+    if name == "packed" or name == "onednn":
+        y = (packed if name == "packed" else onednn).linear(owner, x, weight, bias)
+        if y is not None:
+            return y
+        name = _copy_free_path(x, weight)
+    if name == "transposed":
+        return transposed(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _copy_free_path(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The copy-free candidate measured fastest for this call's shape and bucket, else F.linear."""
+    key = dtype_name(weight.dtype)
+    if mode.get(key, "auto") != "auto":
+        return "linear"
+    rows = x.numel() // x.shape[-1]
+    return copy_free.get(key, {}).get(tuple(weight.shape), {}).get(bucket(rows), "linear")
 
 
 def summary(dtype: torch.dtype = torch.float32) -> str:

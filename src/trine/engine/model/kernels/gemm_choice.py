@@ -19,6 +19,9 @@ Invariants
   fp32, so fp32's key is the one written before bf16 was measured, and its caches stay valid). A
   file is written aside and renamed (atomic); one that cannot be read or does not match is
   measured again.
+- Beside the choice, the fastest candidate that keeps no copy of the weight (`copy_free_choice`) per
+  shape and bucket: a chosen copy past packed.budget_bytes() (a large model's LM head) is not
+  made, and the call takes that one, not F.linear.
 - A pair whose GEMM exceeds `MAX_MEASURED_FLOP` (the LM head at prefill-sized rows: the sampler
   takes logits at each sequence's last position, only prompt logprobs take more) is not measured:
   it keeps gemm.py's default (`packed` in fp32, F.linear in bf16), so the first start stays within
@@ -57,12 +60,24 @@ def choose(shapes: list[tuple[int, int]], mode: str = "auto", dtype: torch.dtype
     names = [c.name for c in gemm.CANDIDATES.values() if c.available(dtype)]
     key = cache_key(shapes, names, dtype)
     path = cache_path(key)
-    chosen = _read(path, key)
-    if chosen is None:
-        chosen, _ = measure(shapes, names, dtype)
-        _write(path, key, chosen)
-    gemm.set_choice("auto", chosen, dtype)
+    cached = _read(path, key)
+    if cached is None:
+        chosen, times = measure(shapes, names, dtype)
+        cached = chosen, copy_free_choice(times)
+        _write(path, key, *cached)
+    gemm.set_choice("auto", cached[0], dtype, cached[1])
     return gemm.summary(dtype)
+
+
+def copy_free_choice(times: dict) -> dict[tuple[int, int], dict[int, str]]:
+    """From `measure`'s timings, the fastest passing candidate per shape and bucket among those that
+    keep no copy of the weight (gemm.Candidate.copies): where a chosen copy does not fit the budget."""
+    out: dict[tuple[int, int], dict[int, str]] = {}
+    for shape, per in times.items():
+        for rows, got in per.items():
+            free = {n: t for n, t in got.items() if t is not None and not gemm.CANDIDATES[n].copies}
+            out.setdefault(shape, {})[rows] = min(free, key=free.get) if free else "linear"
+    return out
 
 
 def measure(
@@ -183,20 +198,22 @@ def write_cached(path: Path, key: dict, value) -> None:
         log.warning("%s: not cached (%s)", path.name, e)
 
 
-def _read(path: Path, key: dict) -> dict[tuple[int, int], dict[int, str]] | None:
+def _read(path: Path, key: dict):
+    """(choice, copy-free choice) cached at `path` under `key`, or None."""
     value = read_cached(path, key)
     try:
-        return (
-            None
-            if value is None
-            else {
-                tuple(int(v) for v in shape.split("x")): {int(b): n for b, n in per.items()}
-                for shape, per in value.items()
-            }
-        )
-    except (ValueError, AttributeError):
+        return None if value is None else (_shapes(value["chosen"]), _shapes(value["copy_free"]))
+    except (ValueError, AttributeError, KeyError, TypeError):
         return None
 
 
-def _write(path: Path, key: dict, chosen: dict[tuple[int, int], dict[int, str]]) -> None:
-    write_cached(path, key, {f"{o}x{i}": per for (o, i), per in chosen.items()})
+def _shapes(value: dict) -> dict[tuple[int, int], dict[int, str]]:
+    return {
+        tuple(int(v) for v in shape.split("x")): {int(b): n for b, n in per.items()}
+        for shape, per in value.items()
+    }
+
+
+def _write(path: Path, key: dict, *choices: dict[tuple[int, int], dict[int, str]]) -> None:
+    chosen, free = ({f"{o}x{i}": per for (o, i), per in c.items()} for c in choices)
+    write_cached(path, key, {"chosen": chosen, "copy_free": free})

@@ -14,7 +14,7 @@ Invariants
   any row count (checked by `available()`).
 - Each owner keeps one reordered copy, of the weight it last multiplied, made again when the weight
   is another tensor or was changed in place (as packed.py's). The copies take about their weight's
-  size each and, together, at most `packed.budget_bytes()`; past it, F.linear.
+  size each and, together, at most `packed.budget_bytes()`; past it, `linear` says so (None).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import threading
 import weakref
 
 import torch
-import torch.nn.functional as F
 
 from . import packed
 
@@ -66,8 +65,11 @@ def run(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> tor
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) with `weight` reordered once for `owner` (callers check the path)."""
+def linear(
+    owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """F.linear(x, weight, bias) with `weight` reordered once for `owner` (callers check the path);
+    None where the copy does not fit the budget (remembered: the caller takes a copy-free path)."""
     key = packed.weight_key(weight)
     held = _copies.get(owner)
     if held is None or held[0] != key:
@@ -76,6 +78,4 @@ def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
             fits = others + weight.nbytes <= packed.budget_bytes()
             held = (key, weight.detach(), prepare(weight) if fits else None, weight.nbytes if fits else 0)
             _copies[owner] = held  # holds the weight: a freed weight's address is not reused under it
-    if held[2] is None:
-        return F.linear(x, weight, bias)
-    return run(x, held[2], bias)
+    return None if held[2] is None else run(x, held[2], bias)

@@ -20,7 +20,7 @@ Invariants
   is never touched, so it is address space, not resident memory); those over `MAX_INFLATION` are
   dropped. They are made lazily, at a weight's first few-row call, while all of them fit in
   `budget_bytes()` (`TRINE_PACKED_GEMM_BYTES`, default 2 GiB; 0 turns the path off); past it,
-  F.linear.
+  `linear` returns None and gemm.py takes the fastest copy-free kernel measured for the shape.
 - Each owner (a module) keeps one packed copy, of the weight it last multiplied. The copy is made
   again when the weight is another tensor or was changed in place (its data pointer, shape, strides
   or version counter differ); the cache holds the weight it packed, so a freed weight's address
@@ -146,12 +146,13 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return few_rows(x, weight) and available()
 
 
-def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) with `weight` packed once for `owner` (callers check `applies`)."""
+def linear(
+    owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """F.linear(x, weight, bias) with `weight` packed once for `owner` (callers check `applies`);
+    None where its copy did not fit (remembered: the caller takes a copy-free path)."""
     packed = _packed(owner, weight)
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return run(x, (packed, weight), bias)
+    return None if packed is None else run(x, (packed, weight), bias)
 
 
 def _packed(owner: object, weight: torch.Tensor) -> torch.Tensor | None:
