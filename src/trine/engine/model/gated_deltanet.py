@@ -13,7 +13,8 @@ consecutive value heads each.
 
 Two forms of the same rule:
 - `chunked_rule` (prefill, training; any length): chunks of `CHUNK` tokens, each a triangular
-  solve (the UT transform) and a few matmuls, then one state update per chunk.
+  solve (the UT transform) and a few matmuls, then one state update per chunk. Its decays below
+  e^`LOG_TINY` are 0 (`_decay`): no subnormal floats, a change far below fp64's rounding.
 - `recurrent_rule` (decode; everything under batch-invariant kernels): one state update per token.
 The layer's forward is the one place that chooses between them.
 
@@ -56,6 +57,11 @@ from .lora import AdapterBatch, FusedLinears, LoRALinear
 
 CHUNK = 64  # tokens per chunk of `chunked_rule` (the reference's)
 L2_EPS = 1e-6  # the reference's epsilon of the q/k L2 norm
+# Decays below e^-30 (9e-14 of what they scale: under the tests' fp64 same-math bound, far under
+# fp32's rounding) are taken as 0 in `chunked_rule`: strong decays over a chunk otherwise made
+# subnormal floats in its products and their gradients, which x86 CPUs compute in microcode, several
+# times slower (a training step's chunk matmuls and triangular solves).
+LOG_TINY = -30.0
 
 
 @dataclass(frozen=True)
@@ -255,16 +261,18 @@ def chunked_rule(
     q, k, k_beta, v_beta = (x.view(B, H, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
     cum = g.view(B, H, n, chunk).cumsum(-1)  # log of the decay from the chunk's start to each token
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    system = (k_beta @ k.transpose(-1, -2)) * pair  # unit lower triangular once solved with I
+    pair = _decay((cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")))
+    kk = k_beta @ k.transpose(-1, -2)
+    system = kk * pair  # unit lower triangular once solved with I
     intra = (q @ k.transpose(-1, -2)) * pair
     values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_decayed = torch.linalg.solve_triangular(
-        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
-    )
-    q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
+    # solve(system, k_beta * e^cum) = e^cum * solve(system without its decays, k_beta): the decays
+    # cancel between the rows, and the solve then never meets the tiny products of two of them
+    from_start = _decay(cum)[..., None]
+    k_decayed = from_start * torch.linalg.solve_triangular(kk, k_beta, upper=False, unitriangular=True)
+    q = q * from_start
+    k = k * _decay(cum[..., -1:] - cum)[..., None]
+    chunk_decay = _decay(cum[..., -1])[..., None, None]
     s = state.to(q.dtype)
     taken = None if not cuts else s.new_empty(len(cuts), *s.shape[1:])
     at: dict[int, list[tuple[int, int]]] = {}
@@ -280,6 +288,12 @@ def chunked_rule(
     o = torch.cat(outs, 2) if outs else v
     o = o.gather(2, where[:, None, :, None].expand(B, H, T, o.shape[-1])) if cuts else o[:, :, :T]
     return o.transpose(1, 2).to(dtype), s, taken
+
+
+def _decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp(log_decay), 0 below e^LOG_TINY (never subnormal); its gradient 0 there too."""
+    keep = log_decay >= LOG_TINY
+    return torch.where(keep, log_decay.clamp(min=LOG_TINY).exp(), 0.0)
 
 
 def _spread(x: torch.Tensor, where: torch.Tensor, width: int) -> torch.Tensor:
@@ -316,7 +330,9 @@ def causal_conv(
             out = out + full[:, :, i : i + T] * w[:, :, i]
     else:
         out = F.conv1d(full, w, groups=C)
-    out = silu(out).transpose(1, 2)
+    # SiLU in the [B, T, C] layout its consumers read: over the conv's [B, C, T] one, its backward met
+    # the gradient transposed, a strided elementwise loop about 10x slower than a contiguous one
+    out = silu(out.transpose(1, 2).contiguous())
     keep = conv.shape[-1]
     span = torch.arange(keep, device=x.device)
     if lengths is None:
