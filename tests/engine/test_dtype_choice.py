@@ -60,7 +60,9 @@ def test_each_dtype_is_timed_on_the_candidates_its_engine_would_take(monkeypatch
     monkeypatch.setattr(dtype_choice, "_time_pair", record)
     dtype_choice.choose(COUNTS, torch.device("cpu"))
     fp32 = [n for n, c in gemm.CANDIDATES.items() if c.available(torch.float32)]
-    bf16 = ["onednn", "linear"] if onednn.available(torch.bfloat16) else ["linear"]
+    bf16 = (
+        ["onednn", "transposed", "linear"] if onednn.available(torch.bfloat16) else ["transposed", "linear"]
+    )
     assert seen and all(s == {"float32": fp32, "bfloat16": bf16} for s in seen)
 
 

@@ -78,6 +78,28 @@ def test_equals_sdpa_over_a_gathered_copy(P, Q, L, H, KVH, D):
     assert_attends(got, q, kp, vp, read, mask)
 
 
+@pytest.mark.parametrize(
+    "P,Q,L,H,KVH,D",
+    [(6, 1, 77, 9, 3, 64), (2, 7, 300, 9, 3, 64), (2, 4, 90, 16, 2, 128), (3, 8, 200, 4, 2, 24)],
+)
+def test_a_bf16_pool_is_read_as_its_exact_values(P, Q, L, H, KVH, D):
+    """A bf16 engine's pool: its rows widened to fp32 as they are read (exact), the attention in
+    fp32, the result rounded to bf16 once. Kind 2: within the fp32 attention bound of the exact
+    attention over the same bf16 values, plus that one rounding (half a bf16 ulp: 2^-8 of it)."""
+    q, kp, vp, read, mask = (
+        x.to(torch.bfloat16) if x.is_floating_point() else x for x in case(P, Q, L, H, KVH, D)
+    )
+    assert paged_attention.suits(q, kp, mask[:, None], read)
+    got = paged_attention.paged_attention(q, kp, vp, read, mask)
+    assert got.dtype == torch.bfloat16
+    kc = kp[read.reshape(-1)].view(P, L, KVH, D).transpose(1, 2).float()
+    vc = vp[read.reshape(-1)].view(P, L, KVH, D).transpose(1, 2).float()
+    exact, bound = attention_bound(q.float().transpose(1, 2), kc, vc, mask[:, None])
+    exact, bound = exact.transpose(1, 2), bound.transpose(1, 2)
+    assert_within_bound(got.float(), exact, bound * (1 + 2**-8) + 2**-8 * exact.abs(), "the bf16 kernel")
+    assert not paged_attention.suits(q, kp.float(), mask[:, None], read)  # dtypes differ: gathered
+
+
 def test_loading_it_keeps_the_process_subnormal_floats():
     """A library linked with -ffast-math sets flush-to-zero for every thread of the process."""
     code = (

@@ -39,7 +39,9 @@ def active(
     measured = device.type == "cpu" and dtype in GEMM_DTYPES and packed.budget_bytes() > 0
     return dict(
         fused_ops="C" if cpu_fp32 and fused.built() else "torch",
-        paged_attention="C" if cpu_fp32 and paged_attention.available() else "gather",
+        paged_attention="C"
+        if device.type == "cpu" and dtype in paged_attention.DTYPES and paged_attention.available()
+        else "gather",
         gemm=gemm_choice.choose(list(shapes), gemm, dtype) if measured else "F.linear",
     )
 

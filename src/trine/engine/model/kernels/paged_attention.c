@@ -1,7 +1,8 @@
 /* Decode attention over the paged KV pool, read in place (see paged_attention.py).
  *
  * q    [P, Q, H, D]   fp32, contiguous: packed row p, its query j, head h
- * kp   [slots, KVH, D] fp32, contiguous: the layer's K pool (vp: its V pool)
+ * kp   [slots, KVH, D] fp32 or (kv_bf16) bf16, contiguous: the layer's K pool (vp: its V pool);
+ *                     bf16 rows are widened to fp32 a tile at a time, exactly, as they are read
  * read [P, L]         int64: the pool slot of key l of row p
  * mask [P, Q, L]      uint8: 1 where query j of row p may attend key l (each query sees >= 1 key)
  * out  [P, Q, H, D]   fp32
@@ -30,6 +31,15 @@ static inline float exp_neg(float x) {
     y = y * z + x + 1.0f;
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
     return y * scale.f;
+}
+
+/* n bf16 values (their bits) widened to fp32, exactly: a bf16 is an fp32's upper half. */
+static inline __attribute__((always_inline)) void widen(const uint16_t *src, float *dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        union { uint32_t u; float f; } x = {.u = (uint32_t)src[i] << 16};
+        dst[i] = x.f;
+    }
 }
 
 /* 16 floats as one value: GCC/Clang vector extensions, lowered to whatever the CPU has (one
@@ -138,7 +148,8 @@ static inline __attribute__((always_inline)) void values(
 }
 
 /* One task: row p, kv head h. Scratch: m, den [NQ + BLOCK]; acc [(NQ + BLOCK) * D]; kt [D * TILE];
- * sc [BLOCK * TILE]; heads [NQ]. Entries NQ.. are where a partial block's padding heads write.
+ * sc [BLOCK * TILE]; heads [NQ]; wide [2 * TILE * D] (a bf16 tile's K and V rows in fp32). Entries
+ * NQ.. are where a partial block's padding heads write.
  *
  * Keys go in tiles of TILE, in position order; the query heads that see a key of the tile go
  * through it BLOCK at a time: scores, softmax step, values. A tile seen by at least SHARED_HEADS
@@ -146,9 +157,11 @@ static inline __attribute__((always_inline)) void values(
  * a small GEMM; one seen by fewer (a sequence's own keys) is scored with dot products, which need
  * no copy. Either way a key's rows are read from the pool once per task. */
 static inline __attribute__((always_inline)) void task(
-    const float *q, const float *kp, const float *vp, const int64_t *read, const uint8_t *mask,
+    const float *q, const void *kp, const void *vp, const int64_t *read, const uint8_t *mask,
     float *out, int64_t p, int64_t h, int64_t Q, int64_t L, int64_t H, int64_t KVH, float scale,
-    float *m, float *den, float *acc, float *kt, float *sc, int64_t *heads, const int64_t D) {
+    float *m, float *den, float *acc, float *kt, float *sc, int64_t *heads, int kv_bf16, float *wide,
+    const int64_t D) {
+    const int64_t esize = kv_bf16 ? 2 : 4;
     const int64_t G = H / KVH, NQ = Q * G;
     const float *krow[TILE], *vrow[TILE];
     for (int64_t i = 0; i < NQ + BLOCK; i++) m[i] = -INFINITY, den[i] = 0.0f;
@@ -157,15 +170,22 @@ static inline __attribute__((always_inline)) void task(
     for (int64_t l0 = 0; l0 < L; l0 += TILE) {
         const int64_t n = L - l0 < TILE ? L - l0 : TILE;
         for (int64_t t = 0; t < n; t++) {
-            krow[t] = kp + (slots[l0 + t] * KVH + h) * D;
-            vrow[t] = vp + (slots[l0 + t] * KVH + h) * D;
+            const int64_t at = (slots[l0 + t] * KVH + h) * D;
+            if (kv_bf16) {
+                float *kw = wide + t * D, *vw = wide + (TILE + t) * D;
+                widen((const uint16_t *)kp + at, kw, D), widen((const uint16_t *)vp + at, vw, D);
+                krow[t] = kw, vrow[t] = vw;
+            } else {
+                krow[t] = (const float *)kp + at, vrow[t] = (const float *)vp + at;
+            }
         }
         /* The next tile's rows are asked for now, so they arrive while this one is computed: the
          * pool comes from memory, not cache, inside the engine (GRPO 15 %, decode 7 % less kernel
          * time; two tiles ahead was slower). */
         for (int64_t t = l0 + TILE; t < L && t < l0 + 2 * TILE; t++) {
-            const float *kn = kp + (slots[t] * KVH + h) * D, *vn = vp + (slots[t] * KVH + h) * D;
-            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(kn + d), __builtin_prefetch(vn + d);
+            const char *kn = (const char *)kp + (slots[t] * KVH + h) * D * esize;
+            const char *vn = (const char *)vp + (slots[t] * KVH + h) * D * esize;
+            for (int64_t b = 0; b < D * esize; b += 64) __builtin_prefetch(kn + b), __builtin_prefetch(vn + b);
         }
         int64_t nh = 0; /* the query heads (j * G + g) that see a key of this tile */
         for (int64_t j = 0; j < Q; j++) {
@@ -211,17 +231,19 @@ static inline __attribute__((always_inline)) void task(
 
 /* The task with its head size a constant where it is a common one (the loops unroll). */
 #define TASK_ARGS                                                                                  \
-    const float *q, const float *kp, const float *vp, const int64_t *read, const uint8_t *mask,    \
+    const float *q, const void *kp, const void *vp, const int64_t *read, const uint8_t *mask,      \
         float *out, int64_t p, int64_t h, int64_t Q, int64_t L, int64_t H, int64_t KVH,           \
-        float scale, float *m, float *den, float *acc, float *kt, float *sc, int64_t *heads, int64_t D
-#define TASK_PASS q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc, kt, sc, heads
+        float scale, float *m, float *den, float *acc, float *kt, float *sc, int64_t *heads,       \
+        int kv_bf16, float *wide, int64_t D
+#define TASK_PASS                                                                                  \
+    q, kp, vp, read, mask, out, p, h, Q, L, H, KVH, scale, m, den, acc, kt, sc, heads, kv_bf16, wide
 static void task_64(TASK_ARGS) { task(TASK_PASS, 64); }
 static void task_128(TASK_ARGS) { task(TASK_PASS, 128); }
 static void task_any(TASK_ARGS) { task(TASK_PASS, D); }
 
-void paged_attention(const float *q, const float *kp, const float *vp, const int64_t *read,
+void paged_attention(const float *q, const void *kp, const void *vp, const int64_t *read,
                      const uint8_t *mask, float *out, int64_t P, int64_t Q, int64_t L, int64_t H,
-                     int64_t KVH, int64_t D, float scale, int threads) {
+                     int64_t KVH, int64_t D, float scale, int threads, int kv_bf16) {
     const int64_t NQ = Q * (H / KVH);
     void (*run)(TASK_ARGS) = D == 64 ? task_64 : D == 128 ? task_128 : task_any;
 #pragma omp parallel num_threads(threads)
@@ -230,6 +252,7 @@ void paged_attention(const float *q, const float *kp, const float *vp, const int
         float *acc = malloc(sizeof(float) * (NQ + BLOCK) * D), *kt = malloc(sizeof(float) * D * TILE);
         float *sc = malloc(sizeof(float) * BLOCK * TILE);
         int64_t *heads = malloc(sizeof(int64_t) * NQ);
+        float *wide = kv_bf16 ? malloc(sizeof(float) * 2 * TILE * D) : NULL;
         /* With rows enough to keep every thread busy, a row's KV heads go in one task: the
          * heads of a slot are adjacent in the pool, so its rows are read whole and in order (7-9 %
          * faster per call inside the engine, where the pool comes from memory, not cache). With
@@ -239,7 +262,7 @@ void paged_attention(const float *q, const float *kp, const float *vp, const int
         for (int64_t i = 0; i < P * KVH / per; i++)
             for (int64_t h = i * per % KVH, end = h + per; h < end; h++)
                 run(q, kp, vp, read, mask, out, i * per / KVH, h, Q, L, H, KVH, scale, m, den, acc, kt,
-                    sc, heads, D);
-        free(m), free(den), free(acc), free(kt), free(sc), free(heads);
+                    sc, heads, kv_bf16, wide, D);
+        free(m), free(den), free(acc), free(kt), free(sc), free(heads), free(wide);
     }
 }
