@@ -63,6 +63,46 @@ def test_rope_in_place_is_torchs_bit_for_bit(B, T):
 
 
 @pytest.mark.usefixtures("inference")
+@pytest.mark.parametrize("B,T", [(1, 1), (32, 1), (5, 256)])
+def test_bf16_rope_in_place_is_torchs_bit_for_bit(B, T):
+    """bf16: each product and the sum rounded to bf16 as torch's bf16 ops round them (kind 1)."""
+    H, KVH, D = 9, 3, 64
+    gen = torch.Generator().manual_seed(B * T)
+    qkv = torch.randn(B, T, (H + 2 * KVH) * D, generator=gen).to(torch.bfloat16)
+    q, k, _ = qkv.split([H * D, KVH * D, KVH * D], -1)
+    q, k = q.view(B, T, H, D), k.view(B, T, KVH, D)
+    positions = torch.randint(0, 4000, (B, T), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = rope_tables(positions[..., None].float() * inv_freq, torch.bfloat16)
+    want_q, want_k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+    assert fused.rope_suits(q, cos, sin)
+    assert torch.equal(fused.rope_(q, cos, sin).transpose(1, 2), want_q)
+    assert torch.equal(fused.rope_(k, cos, sin).transpose(1, 2), want_k)
+
+
+@pytest.mark.usefixtures("inference")
+@pytest.mark.parametrize("rows", [1, 80, 1300])
+def test_bf16_rms_norm_is_the_models_up_to_its_roundings(rows):
+    """bf16: normalised in fp32, rounded to bf16, times the bf16 weight, rounded (model.RMSNorm's
+    steps). Kind 2: each side's fp32 norm is within `rms_norm_bound` of the exact one, then rounded
+    to bf16 twice (2^-8 of it each): the two sides are within twice the sum of those."""
+    from trine.engine.model.model import RMSNorm
+
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(torch.bfloat16)
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
+    assert fused.suits(x, norm.weight)
+    got = norm(x)  # the kernel (inference mode)
+    with torch.inference_mode(False), torch.no_grad():
+        want = norm(x)  # the torch steps
+    exact, bound = rms_norm_bound(x.float(), norm.weight.float(), 1e-5)
+    sides = 2 * (bound + 2 * 2**-8 * exact.abs()) * (1 + 2**-7)
+    assert_within_bound(got.float(), want.float(), sides, "the bf16 kernel")
+
+
+@pytest.mark.usefixtures("inference")
 def test_the_trainer_and_fixed_numerics_keep_the_torch_ops():
     x = torch.randn(4, 8)
     assert fused.suits(x)
@@ -70,7 +110,9 @@ def test_the_trainer_and_fixed_numerics_keep_the_torch_ops():
         assert not fused.suits(x)  # training, and the trainer's forward-only passes
         with torch.no_grad():
             assert not fused.suits(x)
-    assert not fused.suits(torch.randn(4, 8, dtype=torch.bfloat16))
+    assert fused.suits(torch.randn(4, 8, dtype=torch.bfloat16))  # a bf16 engine's sampler
+    assert not fused.suits(torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8))  # mixed dtypes
+    assert not fused.suits(torch.randn(4, 8, dtype=torch.float64))
     invariant.enable(True)
     try:
         assert not fused.suits(torch.randn(4, 8))  # batch-invariant mode has its own kernels

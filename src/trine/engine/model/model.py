@@ -118,9 +118,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.suits(x, self.weight):  # inference, fp32 or bf16: one pass over the rows (fused.py)
+            return fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == self.weight.dtype == torch.float32:
-            if fused.suits(x, self.weight):  # inference: one pass over the rows (fused.py)
-                return fused.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # bit for bit the steps below
         dtype = x.dtype  # Hugging Face's order: normalise in fp32, round, then scale
         x = invariant.widened(x)

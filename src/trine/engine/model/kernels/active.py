@@ -14,8 +14,8 @@ in `dtype` with base weights of `shapes`, and names the path each op takes:
 Invariants
 - Each op's own check (`suits` / `few_rows`) still decides per call, on the same conditions, so
   building early changes no result: only when the build happens.
-- The C kernels are built only where they can run: CPU fp32 with torch's batch-invariant kernels
-  off (`batch_invariant` names them all `invariant` otherwise). GEMMs are measured for CPU fp32
+- The C kernels are built only where they can run: CPU fp32 or bf16 with torch's batch-invariant
+  kernels off (`batch_invariant` names them all `invariant` otherwise). GEMMs are measured for CPU fp32
   and bf16 engines (gemm.DTYPES), with the same kernels off and `packed.budget_bytes()` above 0;
   each dtype's choice is installed for that dtype alone.
 """
@@ -35,10 +35,9 @@ def active(
     """Build what applies to an engine on `device` in `dtype` and name each op's path (above)."""
     if invariant.enabled():
         return dict(fused_ops="invariant", paged_attention="invariant", gemm="invariant")
-    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
     measured = device.type == "cpu" and dtype in GEMM_DTYPES and packed.budget_bytes() > 0
     return dict(
-        fused_ops="C" if cpu_fp32 and fused.built() else "torch",
+        fused_ops="C" if device.type == "cpu" and dtype in fused.DTYPES and fused.built() else "torch",
         paged_attention="C"
         if device.type == "cpu" and dtype in paged_attention.DTYPES and paged_attention.available()
         else "gather",

@@ -5,12 +5,13 @@ and write of the tensor, and a few microseconds of dispatch each in a decode ste
 "Where the engine's constants come from").
 
 Invariants
-- Used under `torch.inference_mode` (the sampler's forwards) for CPU fp32 tensors, with torch's
-  batch-invariant mode off (`suits`). The trainer keeps the torch ops, also in its forward-only
-  passes, so `forward` and `forward_backward` report the same logprobs bit for bit; so do CUDA
-  and bf16.
-- rope_ is torch's `apply_rope` bit for bit (same products and sums, no fused multiply-add);
-  rms_norm is F.rms_norm up to float32 rounding (the mean summed in another order).
+- Used under `torch.inference_mode` (the sampler's forwards) for CPU tensors all fp32 or all bf16,
+  with torch's batch-invariant mode off (`suits`). The trainer keeps the torch ops, also in its
+  forward-only passes, so `forward` and `forward_backward` report the same logprobs bit for bit;
+  so does CUDA.
+- rope_ is torch's `apply_rope` bit for bit in either dtype (same products and sums, each rounded
+  as torch rounds it, no fused multiply-add); rms_norm is model.RMSNorm's up to float32 rounding
+  of the mean of squares (summed in another order; in bf16, then the same roundings to bf16).
 - Built at the engine's start (active.py; else at first use, cbuild.py); `TRINE_FUSED_OPS=0` or no
   compiler: the torch ops.
 """
@@ -28,9 +29,10 @@ from .cbuild import Kernel
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i32]
-    lib.rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i32]
-    lib.rms_norm.restype = lib.rope.restype = None
+    for dt in ("", "_bf16"):
+        getattr(lib, "rms_norm" + dt).argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i32]
+        getattr(lib, "rope" + dt).argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i32]
+        getattr(lib, "rms_norm" + dt).restype = getattr(lib, "rope" + dt).restype = None
 
 
 # Reassociation lets RMSNorm's sum of squares vectorize; RoPE has no sum, and -ffp-contract=off
@@ -43,6 +45,9 @@ _kernel = Kernel(
 )
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def built() -> bool:
     """Whether the kernel is built and loaded (builds it on the first call)."""
     return _kernel.available()
@@ -52,14 +57,15 @@ def suits(*tensors: torch.Tensor) -> bool:
     """Whether an RMSNorm or RoPE of these tensors may take the kernel (the module docstring)."""
     return (
         torch.is_inference_mode_enabled()
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and tensors[0].dtype in DTYPES
+        and all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors)
         and not invariant.enabled()
         and _kernel.available()
     )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.rms_norm(x, weight.shape, weight, eps) over x's last dim -> a new contiguous tensor."""
+    """model.RMSNorm's result (F.rms_norm's in fp32) over x's last dim -> a new contiguous tensor."""
     d = x.shape[-1]
     rows = x.reshape(-1, d)
     if rows.stride(1) != 1:
@@ -67,7 +73,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     w = weight.detach().contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     n, threads = rows.shape[0], torch.get_num_threads()
-    _kernel.lib.rms_norm(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), n, d, eps, threads)
+    fn = _kernel.lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else _kernel.lib.rms_norm
+    fn(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), n, d, eps, threads)
     return out
 
 
@@ -95,5 +102,6 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     B, T, H, D = x.shape
     c, s = cos.reshape(B * T, D), sin.reshape(B * T, D)
     threads = torch.get_num_threads()
-    _kernel.lib.rope(x.data_ptr(), _token_stride(x), H, D, c.data_ptr(), s.data_ptr(), B * T, threads)
+    fn = _kernel.lib.rope_bf16 if x.dtype == torch.bfloat16 else _kernel.lib.rope
+    fn(x.data_ptr(), _token_stride(x), H, D, c.data_ptr(), s.data_ptr(), B * T, threads)
     return x

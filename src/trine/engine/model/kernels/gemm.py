@@ -137,9 +137,14 @@ def path(x: torch.Tensor, weight: torch.Tensor) -> str:
     name = mode.get(key, "auto")
     if name == "auto":
         rows = x.numel() // x.shape[-1]
-        chosen = choice.get(key, {}).get(tuple(weight.shape), {}).get(bucket(rows))
-        name = chosen or ("packed" if rows <= packed.MAX_ROWS else "linear")
+        name = choice.get(key, {}).get(tuple(weight.shape), {}).get(bucket(rows)) or default(rows)
     return name if CANDIDATES[name].available(dtype) else "linear"
+
+
+def default(rows: int) -> str:
+    """The candidate a call of `rows` rows takes where nothing was measured (the module docstring),
+    and the one a measurement keeps unless another is measurably faster (gemm_choice.MARGIN)."""
+    return "packed" if rows <= packed.MAX_ROWS else "linear"
 
 
 def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
