@@ -92,7 +92,8 @@ def test_a_candidate_within_the_margin_of_the_default_does_not_move_the_dispatch
     assert gemm_choice._winner({**near, "onednn": 0.8}, gemm.default(8)) == "onednn"
     assert gemm.default(packed.MAX_ROWS + 1) == "linear"
     assert gemm_choice._winner({"linear": 1.0, "onednn": 0.97}, gemm.default(packed.MAX_ROWS + 1)) == "linear"
-    assert gemm_choice._winner({"onednn": 1.0, "linear": 1.02}, "packed") == "onednn"  # no default timed
+    # the incumbent not timed (packed in a bf16 measurement): the fastest wins
+    assert gemm_choice._winner({"onednn": 1.0, "linear": 1.02}, "packed") == "onednn"
     # bf16's incumbent is oneDNN: F.linear must beat it by more than the margin
     assert gemm_choice.incumbent(8, BF16) == "onednn" and gemm_choice.incumbent(8, torch.float32) == "packed"
     assert gemm_choice._winner({"onednn": 1.0, "linear": 0.97}, gemm_choice.incumbent(8, BF16)) == "onednn"

@@ -136,14 +136,21 @@ def path(x: torch.Tensor, weight: torch.Tensor) -> str:
     key = dtype_name(dtype)
     name = mode.get(key, "auto")
     if name == "auto":
-        rows = x.numel() // x.shape[-1]
-        name = choice.get(key, {}).get(tuple(weight.shape), {}).get(bucket(rows)) or default(rows)
+        name = _measured(choice, x, weight) or default(x.numel() // x.shape[-1])
     return name if CANDIDATES[name].available(dtype) else "linear"
+
+
+def _measured(table: dict, x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """`table`'s (`choice`'s or `copy_free`'s) candidate for this call's dtype, weight shape and row
+    bucket; None where that was not measured."""
+    rows = x.numel() // x.shape[-1]
+    return table.get(dtype_name(weight.dtype), {}).get(tuple(weight.shape), {}).get(bucket(rows))
 
 
 def default(rows: int) -> str:
     """The candidate a call of `rows` rows takes where nothing was measured (the module docstring),
-    and the one a measurement keeps unless another is measurably faster (gemm_choice.MARGIN)."""
+    and in fp32 the one a measurement keeps unless another is measurably faster
+    (gemm_choice.incumbent)."""
     return "packed" if rows <= packed.MAX_ROWS else "linear"
 
 
@@ -163,11 +170,9 @@ def linear(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 def _copy_free_path(x: torch.Tensor, weight: torch.Tensor) -> str:
     """The copy-free candidate measured fastest for this call's shape and bucket, else F.linear."""
-    key = dtype_name(weight.dtype)
-    if mode.get(key, "auto") != "auto":
+    if mode.get(dtype_name(weight.dtype), "auto") != "auto":
         return "linear"
-    rows = x.numel() // x.shape[-1]
-    return copy_free.get(key, {}).get(tuple(weight.shape), {}).get(bucket(rows), "linear")
+    return _measured(copy_free, x, weight) or "linear"
 
 
 def summary(dtype: torch.dtype = torch.float32) -> str:

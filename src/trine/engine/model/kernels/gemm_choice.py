@@ -51,7 +51,7 @@ from . import cbuild, gemm, rounding
 log = logging.getLogger(__name__)
 
 WARMUP, TIMED = 2, 7
-MARGIN = 0.05  # how much faster than the default a candidate must be measured to be chosen
+MARGIN = 0.05  # how much faster than the incumbent a candidate must be measured to be chosen
 MAX_MEASURED_FLOP = 8e9  # 2 * rows * out * in of the largest GEMM timed (the LM head at 128 rows)
 timings = 0  # candidate calls timed in this process (tests count them: a cached start adds none)
 
@@ -127,11 +127,11 @@ def incumbent(rows: int, dtype: torch.dtype) -> str:
     return gemm.default(rows) if dtype == torch.float32 else "onednn"
 
 
-def _winner(times: dict[str, float], default: str) -> str:
-    """The fastest of `times`, unless `default` is among them and within MARGIN of it."""
+def _winner(times: dict[str, float], held: str) -> str:
+    """The fastest of `times`, unless `held` (the incumbent) is among them and within MARGIN of it."""
     best = min(times, key=times.get)
-    if default in times and times[best] > (1 - MARGIN) * times[default]:
-        return default
+    if held in times and times[best] > (1 - MARGIN) * times[held]:
+        return held
     return best
 
 
