@@ -18,6 +18,12 @@ import argparse
 import statistics
 import time
 
+from trine.engine.setup import configure
+
+configure()  # before torch loads: the engine's OpenMP wait and allocator, as under `trine serve`
+
+# isort: split
+
 import torch
 from report import emit  # benchmarks/report.py
 

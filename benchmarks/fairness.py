@@ -35,6 +35,12 @@ import threading
 import time
 from pathlib import Path
 
+from trine.engine.setup import configure
+
+configure()  # before torch loads: the engine's OpenMP wait and allocator, as under `trine serve`
+
+# isort: split
+
 import httpx
 import torch
 from report import record  # benchmarks/report.py

@@ -36,6 +36,12 @@ import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
+from trine.engine.setup import configure
+
+configure()  # before torch loads: the engine's OpenMP wait and allocator, as under `trine serve`
+
+# isort: split
+
 import torch
 from report import emit  # benchmarks/report.py
 from trainer import HFSide, TrineSide, make_batch, peak_memory, timed  # benchmarks/trainer.py

@@ -36,6 +36,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from trine.engine.setup import configure
+
+configure()  # before torch loads: the engine's OpenMP wait and allocator, as under `trine serve`
+
+# isort: split
+
 import torch
 from models import QUICK_SHAPE, QWEN3_5_0_8B, TOKENIZER, W, load_engine_model, log  # benchmarks/models.py
 from PIL import Image, ImageDraw

@@ -18,6 +18,12 @@ import tempfile
 import threading
 import time
 
+from trine.engine.setup import configure
+
+configure()  # before torch loads: the engine's OpenMP wait and allocator, as under `trine serve`
+
+# isort: split
+
 import torch
 from load import Load, client  # benchmarks/load.py
 from report import record  # benchmarks/report.py

@@ -40,6 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from trine.engine.setup import configure
+
+configure()  # before torch loads: the engine's OpenMP wait and allocator, as under `trine serve`
+
+# isort: split
+
 import torch
 from report import emit  # benchmarks/report.py
 

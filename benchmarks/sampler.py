@@ -31,6 +31,12 @@ import sys
 import time
 from pathlib import Path
 
+from trine.engine.setup import configure
+
+configure()  # before torch loads: the engine's OpenMP wait and allocator, as under `trine serve`
+
+# isort: split
+
 import torch
 from report import emit  # benchmarks/report.py
 

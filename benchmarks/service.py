@@ -25,6 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from trine.engine.setup import configure
+
+configure()  # before torch loads: the engine's OpenMP wait and allocator, as under `trine serve`
+
+# isort: split
+
 import httpx
 import msgpack
 import torch

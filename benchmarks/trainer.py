@@ -61,6 +61,12 @@ import statistics
 import time
 from pathlib import Path
 
+from trine.engine.setup import configure
+
+configure()  # before torch loads: the engine's OpenMP wait and allocator, as under `trine serve`
+
+# isort: split
+
 import torch
 from report import record  # benchmarks/report.py
 from sampler import gemm_peak_gflops  # benchmarks/sampler.py

@@ -34,6 +34,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from trine.engine.setup import configure
+
+configure()  # before torch loads: the engine's OpenMP wait and allocator, as under `trine serve`
+
+# isort: split
+
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 

@@ -141,3 +141,48 @@ def test_record_appends_one_line_with_the_fields(tmp_path, monkeypatch):
     assert lines[0]["machine"]["cores"] >= 1 and lines[0]["date"].endswith("+00:00")
     monkeypatch.setenv("TRINE_BENCH_RECORD", "0")
     assert report.record({"x": 3.5}) is None and len(path.read_text().splitlines()) == 2
+
+
+def engine_settings_order(source: str) -> list[str]:
+    """A benchmark's top-level statements that matter to the engine's process settings, in order:
+    'engine' (an import of trine.engine or trine.server), 'configure' (a `configure()` call) and
+    'import' (any other import that may load torch: not the standard library's, nor the settings'
+    own modules or the benchmarks' torch-free helpers)."""
+    import ast
+
+    std = set(sys.stdlib_module_names) | {"__future__", "report", "fresh_process"}
+    seen = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            if getattr(node.value.func, "id", None) == "configure":
+                seen.append("configure")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            for name in names:
+                if name in ("trine.engine.setup", "trine.engine.malloc"):
+                    continue
+                if name.startswith(("trine.engine", "trine.server")):
+                    seen.append("engine")
+                elif name.split(".")[0] not in std:
+                    seen.append("import")
+    return seen
+
+
+def test_a_benchmark_that_runs_an_engine_applies_its_process_settings_before_torch_loads():
+    """A benchmark that runs trine's engine in its own process measures it under the settings
+    `trine serve` applies (engine/setup.py: OpenMP's wait and the allocator's thresholds), and
+    those take effect only before torch loads: so `configure()` comes before every import that
+    may load it."""
+    late = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        seen = engine_settings_order(path.read_text())
+        if "engine" in seen and (
+            "configure" not in seen
+            or seen.index("configure") > min(seen.index(k) for k in ("engine", "import") if k in seen)
+        ):
+            late.append(path.name)
+    assert late == []
+    assert engine_settings_order(
+        "import torch\nfrom trine.engine.setup import configure\nconfigure()\n"
+        "from trine.engine.api import Forward\n"
+    ) == ["import", "configure", "engine"]
