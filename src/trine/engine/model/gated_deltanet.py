@@ -53,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import invariant
 from .invariant import silu
+from .kernels import delta_rule
 from .lora import AdapterBatch, FusedLinears, LoRALinear
 
 CHUNK = 64  # tokens per chunk of `chunked_rule` (the reference's)
@@ -152,6 +153,9 @@ def _step(s, q, k, v, decay, beta, in_place: bool = False):
         delta = (v - (s * k[..., None]).sum(-2)) * beta[..., None]
         s = s + k[..., None] * delta[..., None, :]
         return (s * q[..., None]).sum(-2), s
+    if delta_rule.suits(s):  # the same math in C: one read and one write of S
+        s = s if in_place else s.clone()
+        return delta_rule.step_(s, q, k, v, decay, beta), s
     # One read of S gives k^T S and q^T S; then S' = decay S + k delta^T (two passes, in place on
     # a state of our own) and o = q^T S' = decay q^T S + (q . k) delta: three passes over S in all.
     kq = torch.stack([k, q], -2) @ s  # [B, H, 2, Dv]

@@ -9,7 +9,9 @@ in `dtype` with base weights of `shapes`, and names the path each op takes:
   `gather` (SDPA over a copy);
 - `gemm`: few-row base-weight GEMMs of inference forwards, `auto(packed 20, onednn 8, ...)` (how
   many shape and row-bucket pairs each candidate won in the engine's dtype, gemm.py), a forced
-  candidate's name, or `F.linear` where no candidate applies.
+  candidate's name, or `F.linear` where no candidate applies;
+- `delta_rule`: the gated delta rule's decode step of a hybrid model's linear-attention layers,
+  `C` updating the recurrent state in place (delta_rule.py) or `torch`.
 
 Invariants
 - Each op's own check (`suits` / `few_rows`) still decides per call, on the same conditions, so
@@ -25,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .. import invariant
-from . import fused, gemm_choice, packed, paged_attention
+from . import delta_rule, fused, gemm_choice, packed, paged_attention
 from .gemm import DTYPES as GEMM_DTYPES
 
 
@@ -34,7 +36,9 @@ def active(
 ) -> dict[str, str]:
     """Build what applies to an engine on `device` in `dtype` and name each op's path (above)."""
     if invariant.enabled():
-        return dict(fused_ops="invariant", paged_attention="invariant", gemm="invariant")
+        return dict(
+            fused_ops="invariant", paged_attention="invariant", gemm="invariant", delta_rule="invariant"
+        )
     measured = device.type == "cpu" and dtype in GEMM_DTYPES and packed.budget_bytes() > 0
     return dict(
         fused_ops="C" if device.type == "cpu" and dtype in fused.DTYPES and fused.built() else "torch",
@@ -42,6 +46,7 @@ def active(
         if device.type == "cpu" and dtype in paged_attention.DTYPES and paged_attention.available()
         else "gather",
         gemm=gemm_choice.choose(list(shapes), gemm, dtype) if measured else "F.linear",
+        delta_rule="C" if device.type == "cpu" and delta_rule.built() else "torch",
     )
 
 
