@@ -4,6 +4,8 @@ where it lies, or left alone when the caller keeps it."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -70,3 +72,77 @@ def test_torchs_form_stays_where_the_kernel_does_not_apply():
         assert not delta_rule.suits(s)  # batch-invariant kernels: torch's form
     finally:
         invariant.enable(False)
+
+
+# ----------------------------------------------------------------------------- the whole layer's step
+def layer(hk=2, hv=4, dk=16, dv=24, hidden=40, seed=0):
+    """A GatedDeltaNet with every parameter random (A_log and dt_bias too, so the gates vary)."""
+    torch.manual_seed(seed)
+    shape = gdn.LinearAttentionShape(hk, hv, dk, dv, conv_kernel=4)
+    m = gdn.GatedDeltaNet(hidden, shape, eps=1e-6)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return m.double()
+
+
+def layer_inputs(m, B=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, 1, m.in_proj_qkv.in_features, generator=g, dtype=torch.float64)
+    state = gdn.LinearState.zeros(m.shape, B, dtype=torch.float64)
+    state.conv.normal_(generator=g)
+    state.recurrent.normal_(generator=g)
+    return x, state
+
+
+def torch_layer(m, x, state):
+    """The layer's torch form (both kernels switched off for this call)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(delta_rule, "suits", lambda s: False)
+        mp.setattr(delta_rule, "layer_suits", lambda *a: False)
+        return m(x, None, None, state)
+
+
+def as32(m, x, state):
+    return copy.deepcopy(m).float(), x.float(), gdn.LinearState(state.conv.float(), state.recurrent.float())
+
+
+@pytest.mark.parametrize("dims", [(2, 4, 16, 24), (1, 1, 7, 5), (4, 4, 32, 32)])
+def test_the_layers_step_in_c_computes_its_torch_form_within_fp32_rounding(dims):
+    m64 = layer(*dims)
+    x64, s64 = layer_inputs(m64)
+    m, x, s = as32(m64, x64, s64)
+    with torch.inference_mode():
+        assert delta_rule.layer_suits(x, s, m)
+        want64 = torch_layer(m64, x64, s64)
+        want = torch_layer(m, x, s)
+        got = m(x, None, None, s)
+    names = ("out", "conv", "recurrent")
+    pick = lambda r: dict(zip(names, (r[0], r[1].conv, r[1].recurrent)))  # noqa: E731
+    Rounding(pick(want), pick(want64)).assert_within(pick(got))
+
+
+def test_the_layers_step_updates_a_donated_state_in_place_and_else_leaves_it():
+    m, x, s = as32(*((lambda m: (m, *layer_inputs(m)))(layer())))
+    kept = s.clone()
+    with torch.inference_mode():
+        out, new = m(x, None, None, s)  # the caller keeps s
+        assert torch.equal(s.conv, kept.conv) and torch.equal(s.recurrent, kept.recurrent)
+        given = gdn.LinearState(s.conv, s.recurrent, donated=True)
+        again, after = m(x, None, None, given)  # the caller gives s up: no copy
+    assert after.conv is s.conv and after.recurrent is s.recurrent
+    assert torch.equal(again, out)
+    assert torch.equal(after.conv, new.conv) and torch.equal(after.recurrent, new.recurrent)
+
+
+def test_the_layers_step_is_left_to_torch_where_it_does_not_apply():
+    m, x, s = as32(*((lambda m: (m, *layer_inputs(m)))(layer())))
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(delta_rule, "layer_step", lambda *a: calls.append(1))
+        with torch.inference_mode():
+            m(torch.cat([x, x], 1), None, None, s)  # two tokens a row: the chunked rule
+            m(x, None, torch.tensor([[True], [False], [True]]), s)  # a padded row
+            m(x, None, None, s, cuts=[(0, 1)])  # a snapshot to take
+            m.double()(x.double(), None, None, gdn.LinearState(s.conv.double(), s.recurrent.double()))
+    assert calls == []

@@ -45,6 +45,25 @@ def test_rms_norm_is_torchs_up_to_rounding(rows):
 
 
 @pytest.mark.usefixtures("inference")
+def test_qwen3_5s_zero_centred_norm_takes_the_kernel_in_fp32_inference(monkeypatch):
+    from trine.engine.model.qwen3_5 import ZeroCenteredRMSNorm
+
+    norm = ZeroCenteredRMSNorm(576, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3)
+    x = torch.randn(5, 3, 576) * 3
+    calls = []
+    real = fused.rms_norm
+    monkeypatch.setattr(fused, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    got = norm(x)
+    assert calls == [1] and got.shape == x.shape
+    exact, bound = rms_norm_bound(x, 1 + norm.weight, 1e-6)  # kind 2: scaled by 1 + weight
+    assert_within_bound(got, exact, bound, "the fused kernel")
+    norm(x.double())  # the fp64 twin keeps torch's ops
+    assert calls == [1]
+
+
+@pytest.mark.usefixtures("inference")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,T", [(1, 1), (32, 1), (1, 80), (5, 256)])
 def test_rope_in_place_is_torchs_bit_for_bit(B, T, dtype):

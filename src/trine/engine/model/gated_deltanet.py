@@ -409,7 +409,8 @@ class GatedDeltaNet(nn.Module):
         The one place the rule's form is chosen: batch-invariant kernels on, `recurrent_rule`
         (every token the same operations, whatever the batch, the tokens' chunking or cached
         prefix: a decode step, a prefill chunk and the training forward compute the same bits);
-        else one token per row runs `recurrent_rule`, more run `chunked_rule`."""
+        else one token per row runs `recurrent_rule` (or, fp32 on CPU with every row real, all of
+        it after the input projections in C: `delta_rule.layer_step`), more run `chunked_rule`."""
         B, T, _ = x.shape
         sh = self.shape
         if state is None:
@@ -417,6 +418,9 @@ class GatedDeltaNet(nn.Module):
         if real is not None:
             x = x * real[..., None].to(x.dtype)  # the reference zeroes padded inputs
         qkv, z, b, a = self.in_proj(self, x, adapters)
+        if T == 1 and real is None and not cuts and delta_rule.layer_suits(x, state, self):
+            o, conv, recurrent = delta_rule.layer_step(self, qkv, z, b, a, state, L2_EPS)
+            return self.out_proj(o, adapters), LinearState(conv, recurrent)
         lengths = None if real is None else real.sum(1)
         qkv, conv, conv_at = causal_conv(qkv, self.conv1d.weight, state.conv, lengths, cuts)
         q, k, v = qkv.split([sh.key_dim, sh.key_dim, sh.value_dim], -1)

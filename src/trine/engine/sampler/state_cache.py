@@ -90,14 +90,16 @@ class SlotState(HybridState):
         self.span = (slots[0], len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) else None
         self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
         self.snapshot_slots = torch.tensor(list(snapshot_slots), dtype=torch.long, device=dev)
-        self._views: dict[int, torch.Tensor] = {}  # layer -> the recurrent rows `read` lent as a view
+        # layer -> the (conv, recurrent) rows `read` lent as views
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def read(self, j: int) -> LinearState:
         p = self.pool
         if self.span is not None:
             a, n = self.span
-            self._views[j] = rec = p.recurrent[j].narrow(0, a, n)
-            return LinearState(p.conv[j].narrow(0, a, n), rec, donated=True)
+            conv, rec = p.conv[j].narrow(0, a, n), p.recurrent[j].narrow(0, a, n)
+            self._views[j] = (conv, rec)
+            return LinearState(conv, rec, donated=True)
         conv, rec = p.conv[j].index_select(0, self.slots), p.recurrent[j].index_select(0, self.slots)
         return LinearState(conv, rec, donated=True)
 
@@ -105,8 +107,10 @@ class SlotState(HybridState):
         p = self.pool
         if self.span is not None:
             a, n = self.span
-            p.conv[j].narrow(0, a, n).copy_(state.conv)
-            if state.recurrent is not self._views.pop(j, None):  # else updated where it is
+            conv, rec = self._views.pop(j, (None, None))
+            if state.conv is not conv:  # else updated where it is
+                p.conv[j].narrow(0, a, n).copy_(state.conv)
+            if state.recurrent is not rec:
                 p.recurrent[j].narrow(0, a, n).copy_(state.recurrent)
         else:
             p.conv[j].index_copy_(0, self.slots, state.conv.to(p.conv.dtype))
