@@ -147,3 +147,95 @@ def test_full_true_fine_tunes_every_weight_over_the_pytrio_wire(server, service)
     assert server.service.store.training_run(again.training_run_id).lora_rank == 0
     with pytest.raises(Exception, match="only full fine-tuning"):
         service.create_lora_training_client(MODEL, rank=8, trainable_token_indices=[1])
+
+
+def test_lora_path_follows_symlinks_as_a_hugging_face_snapshot_holds_them(
+    server, service, adapter_dir, tmp_path
+):
+    """A snapshot in the Hugging Face cache links its files into blobs/: the SDK uploads the files
+    the links name (the route reads regular files only, and once read 'adapter_config.json is
+    missing')."""
+    snap = tmp_path / "snapshot"
+    snap.mkdir()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (snap / f).symlink_to(adapter_dir / f)
+    trainer = service.create_lora_training_client(MODEL, lora_path=snap)
+    assert server.service.store.training_run(trainer.training_run_id).lora_rank == 4
+
+
+def upload(server, body: bytes, name: str):
+    import httpx
+
+    return httpx.post(
+        f"{server.url}/api/trine/v1/adapters",
+        params={"base_model": MODEL, "name": name},
+        content=body,
+        headers={"X-API-Key": server.api_key},
+        timeout=60,
+    )
+
+
+def tar_of(files: dict[str, bytes], mode: str = "w") -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode=mode) as tf:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_truncated_or_bomb_archive_is_a_400_naming_the_body(server, adapter_dir, monkeypatch):
+    """A truncated tar or gzip stream, and an archive that unpacks past the upload bound (refused
+    from the member's header, before it is unpacked), are 400s naming the body, never a 500."""
+    from trine.server.pytrio import routes_adapters
+
+    files = {f: (adapter_dir / f).read_bytes() for f in ("adapter_config.json", "adapter_model.safetensors")}
+    for mode in ("w", "w:gz"):
+        whole = tar_of(files, mode)
+        r = upload(server, whole[: len(whole) // 2], "cut")
+        assert r.status_code == 400 and r.json()["code"] == "invalid_request_body", r.text
+        assert r.json()["message"].startswith("body: the tar archive is truncated or corrupt")
+    monkeypatch.setattr(routes_adapters, "MAX_ADAPTER_UPLOAD_BYTES", 1 << 20)
+    bomb = tar_of({"adapter_model.safetensors": bytes(4 << 20)}, "w:gz")  # 4 MiB of zeros
+    assert len(bomb) < 64 << 10
+    r = upload(server, bomb, "bomb")
+    assert r.status_code == 400, r.text
+    assert (
+        f"unpacks to more than {1 << 20} bytes (at its member 'adapter_model.safetensors')"
+        in r.json()["message"]
+    )
+    assert not list((server.service.store.home / "imports").glob("*/*"))  # nothing left unpacked
+
+
+def test_an_adapter_that_computes_nan_or_inf_is_refused_and_leaves_nothing(server, adapter_dir, tmp_path):
+    """NaN in a tensor, a scale that overflows (rsLoRA's lora_alpha x sqrt(r)) and a config nested
+    too deeply to parse are each a 400 naming the file and the field; nothing is stored."""
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    state = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    nan_file = tmp_path / "nan.safetensors"
+    save_file({**state, key: torch.full_like(state[key], float("nan"))}, str(nan_file))
+    weights = (adapter_dir / "adapter_model.safetensors").read_bytes()
+    cases = [
+        (json.dumps(cfg).encode(), nan_file.read_bytes(), f"tensor {key} holds NaN or infinite values"),
+        (
+            json.dumps({**cfg, "lora_alpha": 1e308, "use_rslora": True}).encode(),
+            weights,
+            "lora_alpha makes the scale inf",
+        ),
+        (b"[" * 100_000 + b"]" * 100_000, weights, "adapter_config.json is nested too deeply to parse"),
+    ]
+    store = server.service.store
+    api_key = store.key_by_secret(server.api_key)
+    before = (store.checkpoints(api_key.id)[1], store.training_runs(api_key.id)[1])
+    for i, (config, tensors, words) in enumerate(cases):
+        r = upload(
+            server, tar_of({"adapter_config.json": config, "adapter_model.safetensors": tensors}), f"x{i}"
+        )
+        assert r.status_code == 400 and r.json()["code"] == "adapter_invalid", r.text
+        assert words in r.json()["message"], r.json()["message"]
+    assert (store.checkpoints(api_key.id)[1], store.training_runs(api_key.id)[1]) == before

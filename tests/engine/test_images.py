@@ -195,6 +195,29 @@ def test_bad_model_inputs_are_named(spec):
         read_model_input([PromptImage(one, "png", 5, "c[0]")], spec, "tiny", "prompt")
     with pytest.raises(ValueError, match=r"^prompt: a text chunk holds the image placeholder id"):
         read_model_input([[1, IMAGE_TOKEN], PromptImage(one, "png", None, "c[1]")], spec, "tiny", "prompt")
+    with pytest.raises(ValueError, match=r"^prompt: a text chunk holds the image placeholder id"):
+        read_model_input([[1, IMAGE_TOKEN, 5]], spec, "tiny", "prompt")  # text alone: the same
+    assert read_model_input([[1, IMAGE_TOKEN]], None, "m", "prompt") == (
+        [1, IMAGE_TOKEN],
+        (),
+    )  # a text model's id
+
+
+def multi_picture_jpeg() -> bytes:
+    """An MPO file (what phones and stereo cameras write): a JPEG whose first picture is the image."""
+    first, second = Image.fromarray(pixels(40, 56)), Image.fromarray(pixels(40, 56, seed=1))
+    return encoded(first, "MPO", save_all=True, append_images=[second])
+
+
+def test_a_multi_picture_jpeg_is_read_as_a_jpeg(spec):
+    """Pillow opens an MPO as format "MPO": it is a JPEG (its first picture), and claimed as a PNG it
+    is refused naming the format, like any JPEG."""
+    data = multi_picture_jpeg()
+    img = read_image(data, "jpeg", spec, "img")
+    single = read_image(encoded(Image.open(io.BytesIO(data)).convert("RGB"), "PNG"), "png", spec)
+    assert img.content_hash == single.content_hash and img.tokens == 2  # the first picture's pixels
+    with pytest.raises(ValueError, match=r"^img.format is 'png' but the data is a JPEG image"):
+        read_image(data, "png", spec, "img")
 
 
 def test_a_rendered_chat_splits_at_its_placeholders(spec):

@@ -148,6 +148,26 @@ def test_pytrio_too_many_images_and_placeholders_in_text(raw, samplers):
     assert_refused(r, f"prompt: {len(many)} images; at most {limits.MAX_IMAGES_PER_INPUT}")
     r = raw.sample(samplers[VL_MODEL], sample_body([text(1, IMAGE_TOKEN), image_chunk()]))
     assert_refused(r, f"prompt: a text chunk holds the image placeholder id {IMAGE_TOKEN}")
+    r = raw.sample(samplers[VL_MODEL], sample_body([text(1, IMAGE_TOKEN, 5)]))  # no image at all
+    assert_refused(r, f"prompt: a text chunk holds the image placeholder id {IMAGE_TOKEN}")
+
+
+def test_a_multi_picture_jpeg_samples_on_every_plane(srv, raw, samplers):
+    """An MPO file (a JPEG with more pictures, as phones write) is a JPEG: it samples, where it once
+    left the request unanswered (Pillow names its format "MPO")."""
+    mpo = encoded(
+        Image.new("RGB", (40, 40), (9, 99, 9)),
+        "MPO",
+        save_all=True,
+        append_images=[Image.new("RGB", (40, 40))],
+    )
+    r = raw.sample(samplers[VL_MODEL], sample_body([text(), image_chunk(mpo, "jpeg", expected=4)]))
+    assert r.status_code == 200, r.text
+    assert_refused(
+        raw.sample(samplers[VL_MODEL], sample_body([text(), image_chunk(mpo)])), "but the data is a JPEG"
+    )
+    r = chat(srv, VL_MODEL, image_url(data_url(mpo, "image/jpeg")))
+    assert r.status_code == 200, r.text
 
 
 def test_pytrio_images_to_a_text_model_name_the_model(raw, samplers):
@@ -437,6 +457,31 @@ def test_openai_chat_with_an_image_url(srv):
     (row,) = usage(srv)[before:]
     assert row.prefill_image + row.prefill_image_cached == PNG_TOKENS
     assert out.usage.prompt_tokens == row.prefill + row.prefill_cached
+
+
+def test_openai_reads_a_data_url_whose_scheme_and_media_type_are_upper_case(srv):
+    """RFC 2397: a URL's scheme and a media type are case-insensitive (the data is as sent)."""
+    url = "DATA:IMAGE/PNG;BASE64," + base64.b64encode(PNG).decode()
+    r = chat(srv, VL_MODEL, {"type": "text", "text": "What is this?"}, image_url(url))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > PNG_TOKENS
+
+
+def test_openai_text_that_holds_the_image_placeholder_is_refused(srv):
+    """A placeholder is an image's: a vision model's chat text or prompt ids that hold one with no
+    image_url part are a 400 naming the messages or the prompt, nothing metered."""
+    before = usage_rows(srv)
+    r = chat(srv, VL_MODEL, {"type": "text", "text": " <|image_pad|>"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages" and f"(id {IMAGE_TOKEN})" in err["message"]
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        json={"model": VL_MODEL, "prompt": [1, IMAGE_TOKEN, 5], "max_tokens": 2},
+        headers={"Authorization": f"Bearer {srv.api_key}"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert usage_rows(srv) == before
 
 
 def test_openai_images_for_a_text_model_name_the_model(srv):

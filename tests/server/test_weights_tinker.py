@@ -95,6 +95,11 @@ def test_save_weights_external_serves_what_trine_export_merged_writes(srv, sc, t
     sampler_path = tc.save_weights_for_sampler("adapter").result().path
     external = tc.save_weights_external("hf", ttl_seconds=3600).result().path
     assert external == sampler_path.replace("/sampler_weights/adapter", "/external_weights/hf")
+    with pytest.raises(Exception) as again:  # the name is taken: the client's own path, a fix it can make
+        tc.save_weights_external("hf").result()
+    said = str(again.value)
+    assert external in said and "pick another name" in said
+    assert "overwrite" not in said and "trio://" not in said
     rest = tinker.RestClient(base_url=srv.url, api_key="tml-" + srv.api_key)
     listed = rest.list_checkpoints(external.split("/")[2]).result().checkpoints
     assert {c.checkpoint_type for c in listed if c.tinker_path == external} == {"external"}
@@ -132,3 +137,35 @@ def test_the_pytrio_plane_refuses_rank_0_naming_why(srv):
     )
     assert r.status_code == 400
     assert "its client bounds rank to 4..64" in r.json()["message"] and "full=True" in r.json()["message"]
+
+
+def test_a_lora_run_that_adapts_nothing_is_refused_at_creation_on_both_planes(srv, sc):
+    """train_attn, train_mlp and train_unembed all false: a LoRA run has nothing to adapt, a 400
+    naming the fields when it is created (not an accepted run whose init fails later)."""
+    headers = {"X-API-Key": srv.api_key}
+    off = {"train_attn": False, "train_mlp": False, "train_unembed": False}
+    s = httpx.post(f"{srv.url}/api/openapi/v1/service-sessions", json={}, headers=headers).json()
+    r = httpx.post(
+        f"{srv.url}/api/openapi/v1/service-sessions/{s['service_session_cuid']}/training-runs",
+        json={"base_model": MODEL, "lora_rank": 4, **off},
+        headers=headers,
+    )
+    assert (
+        r.status_code == 400
+        and "train_attn, train_mlp and train_unembed are all false" in r.json()["message"]
+    )
+    tinker_headers = {"X-API-Key": "tml-" + srv.api_key}
+    session = httpx.post(
+        f"{srv.url}/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}, headers=tinker_headers
+    ).json()["session_id"]
+    r = httpx.post(
+        f"{srv.url}/api/v1/create_model",
+        json={
+            "session_id": session,
+            "model_seq_id": 0,
+            "base_model": MODEL,
+            "lora_config": {"rank": 4, **off},
+        },
+        headers=tinker_headers,
+    )
+    assert r.status_code == 400 and "are all false" in r.json()["message"], r.text

@@ -366,12 +366,13 @@ def checkpoint_name(raw: str) -> str:
 
 
 def adapter_archive(directory: Path) -> bytes:
-    """A tar of a PEFT adapter directory's two files (what the import route reads)."""
+    """A tar of a PEFT adapter directory's two files (what the import route reads), symlinks followed
+    (a Hugging Face cache snapshot links its files into blobs/; the route reads regular files only)."""
     missing = [f for f in ADAPTER_FILES if not (directory / f).is_file()]
     if missing:
         raise ValidationError(f"{directory} is not a PEFT adapter directory: it has no {', '.join(missing)}")
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
+    with tarfile.open(fileobj=buf, mode="w", dereference=True) as tf:
         for f in ADAPTER_FILES:
             tf.add(directory / f, arcname=f)
     return buf.getvalue()

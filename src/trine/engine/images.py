@@ -43,6 +43,9 @@ from ..limits import MAX_IMAGE_ASPECT_RATIO, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_IN
 from ..tokens import IGNORE_INDEX
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}  # the wire's name -> Pillow's
+# Pillow's name of an opened file -> the wire's: MPO is a multi-picture JPEG (phones and cameras write
+# them), which Pillow's JPEG reader opens as such; the processor reads its first picture, as trine does
+OPENED = {"PNG": "png", "JPEG": "jpeg", "MPO": "jpeg"}
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # Qwen2VLImageProcessor's defaults
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -164,7 +167,9 @@ def read_image(data: bytes, fmt: str, spec: VisionSpec, field: str = "image") ->
             f"{field}.data ({len(data)} bytes) is not a PNG or JPEG image, or its header is corrupt"
         ) from None
     with image:
-        real = next(k for k, v in FORMATS.items() if v == image.format)
+        real = OPENED.get(image.format)
+        if real is None:
+            raise ValueError(f"{field}.data is a {image.format} image, not a PNG or JPEG")
         if real != fmt:
             raise ValueError(f"{field}.format is {fmt!r} but the data is a {real.upper()} image")
         width, height = image.size
@@ -269,6 +274,13 @@ def read_model_input(pieces, spec: VisionSpec | None, model: str, field: str):
     (tokens, tuple of `ImageInput`). ValueError naming the field for every refusal (the module's
     invariants); `ImagesNotServed` last, once everything else holds."""
     images = [p for p in pieces if isinstance(p, PromptImage)]
+    if spec is not None and any(
+        spec.image_token_id in p for p in pieces if not isinstance(p, PromptImage)
+    ):  # with or without images: a placeholder is an image's, never text's
+        raise ValueError(
+            f"{field}: a text chunk holds the image placeholder id {spec.image_token_id}; "
+            "send each image as an image chunk (its placeholders are the server's)"
+        )
     if not images:
         return [t for p in pieces for t in p], ()
     if spec is None:
@@ -282,11 +294,6 @@ def read_model_input(pieces, spec: VisionSpec | None, model: str, field: str):
     out = []
     for p in pieces:
         if not isinstance(p, PromptImage):
-            if spec.image_token_id in p:
-                raise ValueError(
-                    f"{field}: a text chunk holds the image placeholder id {spec.image_token_id}; "
-                    "send each image as an image chunk (its placeholders are the server's)"
-                )
             tokens += p
             continue
         img = read_image(p.data, p.format, spec, p.field)

@@ -155,13 +155,19 @@ class Runs:
 
     @staticmethod
     def _check_shape(shape: LoRAConfig, m: ServedModel) -> None:
-        """A rank in range (0: full fine-tuning), and token rows only for full fine-tuning."""
+        """A rank in range (0: full fine-tuning), something to adapt, and token rows only for full
+        fine-tuning."""
         try:
             check_lora_rank(shape.rank, full=True)
             if shape.trainable_token_indices:
                 check_token_indices(list(shape.trainable_token_indices), m.vocab_size)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        if not (shape.full or shape.train_attn or shape.train_mlp or shape.train_unembed):
+            raise InvalidRequest(
+                "train_attn, train_mlp and train_unembed are all false: a LoRA run adapts at least "
+                "one of them (full fine-tuning, lora_rank 0, always trains the norms)"
+            )
         if shape.trainable_token_indices and not shape.full:
             raise InvalidRequest(
                 "trainable_token_indices: only full fine-tuning trains embedding rows (lora_rank 0; "

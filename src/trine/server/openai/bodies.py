@@ -36,7 +36,8 @@ MAX_REPETITION_PENALTY = 10.0  # this plane's cap; trine's own range has no uppe
 MAX_STOP_STRINGS = 16  # tighter than trine's own limit (limits.MAX_STOP_STRINGS): OpenAI allows a few
 _NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # a key shown bare in a message; others are quoted
 ROLES = ("system", "developer", "user", "assistant", "tool")
-DATA_URL = re.compile(r"data:image/(png|jpeg|jpg);base64,(.*)", re.DOTALL)  # an image_url's one accepted form
+# an image_url's one accepted form; its scheme and media type in any case (RFC 2397), its data as sent
+DATA_URL = re.compile(r"data:image/(png|jpeg|jpg);base64,(.*)", re.DOTALL | re.IGNORECASE)
 
 COMMON = {
     "model",
@@ -395,7 +396,7 @@ def _image(part: dict, where: str) -> PromptImage:
             "(detail auto or high)",
             "unsupported_value",
         )
-    if not url.startswith("data:"):
+    if not url[:5].lower() == "data:":
         raise bad_param(
             f"{param}.url",
             "only data: URLs are accepted (data:image/png;base64,... or data:image/jpeg;base64,...): "
@@ -411,7 +412,7 @@ def _image(part: dict, where: str) -> PromptImage:
         data = base64.b64decode(m.group(2), validate=True)
     except ValueError:
         raise bad_param(f"{param}.url", "the data: URL's data is not standard base64") from None
-    return PromptImage(data, "png" if m.group(1) == "png" else "jpeg", None, param)
+    return PromptImage(data, "png" if m.group(1).lower() == "png" else "jpeg", None, param)
 
 
 def _messages(messages: Any) -> list[dict]:

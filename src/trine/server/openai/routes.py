@@ -33,7 +33,7 @@ from . import shapes, tokenize, tool_calls
 from .bodies import CHAT, COMPLETION, Generation, parse_chat, parse_completion
 from .errors import OpenAIError, from_disk_full, from_service
 from .text import ModelText, TextStream
-from .to_api import chat_images, sample_request
+from .to_api import chat_images, no_placeholders, sample_request
 
 log = logging.getLogger("trine.server.openai")
 API_PREFIX = "/api/openai/v1"  # PyTRIO's path for it (checks its own body limit, in OpenAI's shape)
@@ -143,6 +143,7 @@ async def _generate(request: Request, key: ApiKey, g: Generation):
         await text.prompt_ids(g.messages, p, context, g.structured.tools, g.tool_messages)
         for p in (g.prompts or [None])
     ]
+    no_placeholders(g, prompts, served)
     images = ()
     if g.images:
         loop = asyncio.get_running_loop()

@@ -36,6 +36,23 @@ def chat_images(
         ) from None
 
 
+def no_placeholders(g: Generation, prompts: list[list[int]], model: ModelView) -> None:
+    """A vision model's text-only prompts hold no image placeholder id (a chat's text or a prompt's
+    ids): a placeholder is an image's (engine/images.py), so text that holds one is a 400."""
+    if model.vision is None or g.images:
+        return
+    pad = model.vision.image_token_id
+    if any(pad in p for p in prompts):
+        param = "messages" if g.chat else "prompt"
+        raise OpenAIError(
+            400,
+            f"{param}: the text holds the image placeholder token (id {pad}) but no image_url part; "
+            "send each image as an image_url part (its placeholders are the server's)",
+            param=param,
+            code="invalid_value",
+        )
+
+
 def sample_request(
     g: Generation,
     rid: str,

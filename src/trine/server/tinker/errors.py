@@ -20,11 +20,11 @@ import re
 from fastapi.responses import JSONResponse
 
 from ...service import ServiceError
+from ...uris import to_tinker_path
 from ..http.refusals import public_message as without_server_paths
 from ..http.refusals import retry_headers
 
-_TRIO_PATH = re.compile(r"trio://([^/\s'\"]+)/(state|weights)/([^\s'\",;)]+)")
-_TINKER_KIND = {"state": "weights", "weights": "sampler_weights"}
+_TRIO_PATH = re.compile(r"trio://[^/\s'\"]+/(?:state|weights|external)/[^\s'\",;)]+")
 _NOT_OWNED = {
     "training_run_not_found": "training_run_id not found: use a training run id (or model_id) this API "
     "key created",
@@ -45,7 +45,7 @@ _REUSED_MESSAGE = (
 
 def tinker_paths(message: str) -> str:
     """`message` with every `trio://` checkpoint path in its `tinker://` form."""
-    return _TRIO_PATH.sub(lambda m: f"tinker://{m[1]}/{_TINKER_KIND[m[2]]}/{m[3]}", message)
+    return _TRIO_PATH.sub(lambda m: to_tinker_path(m[0]), message)
 
 
 def public_message(code: str, message: str) -> str:

@@ -188,10 +188,11 @@ class Accepting(EventsState):
         uri = f"trio://{r.id}/{part}/{c.name}"
         existing = self.store.checkpoint_by_uri(uri)
         if (existing is not None or uri in self._reserved_uris()) and not c.overwrite:
-            raise Conflict(
-                f"checkpoint {uri} already exists; pick another name or save with overwrite=True",
-                code="checkpoint_exists",
-            )
+            # a merged export takes no overwrite flag (Tinker's save_weights_external has none)
+            fix = "pick another name"
+            if c.kind != "external":
+                fix += " or save with overwrite=True"
+            raise Conflict(f"checkpoint {uri} already exists; {fix}", code="checkpoint_exists")
         path = ""
         if c.kind != "weights" or c.visibility == "WORKSPACE":
             path = str(self.store.checkpoint_dir / key.id / r.id / part / c.name)
