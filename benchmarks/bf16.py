@@ -13,12 +13,9 @@ interleaved (alternating which goes first), `--repeats` times; a ratio is the me
   contract of docs/numerics.md).
 - bf16_vs_fp32_logprob_max_abs / _mean_abs: the Trainer's logprobs of those tokens, bf16 vs fp32.
 - dtype_auto_speedup / dtype_auto: what `--dtype auto` measures and picks here (dtype_choice.py).
-- grpo_example_reward_{fp32,bf16}: examples/grpo_arithmetic.py's mean reward over its last
-  `--grpo-last` steps, `--grpo-steps` steps, the same seed, in an embedded server of each dtype
-  (`--grpo-steps 0` skips it). Its sampling draws differ between dtypes from the first step (the
-  logits differ), so the two curves are two runs of the same recipe, not one run twice.
+(The GRPO example's reward in each dtype: benchmarks/grpo_dtype.py.)
 
-    .venv/bin/python benchmarks/bf16.py [--json] [--quick] [--repeats 3] [--grpo-steps 20]
+    .venv/bin/python benchmarks/bf16.py [--json] [--quick] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -171,21 +168,6 @@ def numerics(sides: dict[str, Side], rng: random.Random, vocab: int) -> dict:
     return out
 
 
-def grpo_example(model_dir: Path, steps: int, last: int) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import grpo_arithmetic  # examples/grpo_arithmetic.py
-
-    out = {}
-    for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
-        log(f"grpo example, {dtype}: {steps} steps")
-        curve = grpo_arithmetic.main(["--steps", str(steps), "--dtype", dtype, "--model", str(model_dir)])[
-            "reward_curve"
-        ]
-        out[f"grpo_example_reward_{name}"] = statistics.fmean(curve[-last:])
-        out[f"grpo_example_curve_{name}"] = curve
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -194,10 +176,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    ap.add_argument(
-        "--grpo-steps", type=int, default=20, help="steps of the GRPO example per dtype (0: skip)"
-    )
-    ap.add_argument("--grpo-last", type=int, default=5, help="steps the example's final reward averages")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -234,8 +212,6 @@ def main() -> None:
     log(f"trainer: bf16 {out['bf16_trainer_speedup']:.2f}x fp32")
     out.update(numerics(sides, rng, vocab))
     del sides
-    if args.grpo_steps:
-        out.update(grpo_example(model_dir, args.grpo_steps, min(args.grpo_last, args.grpo_steps)))
     emit(out, args.json)
 
 
