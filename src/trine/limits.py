@@ -150,12 +150,14 @@ def check_ttl_seconds(ttl, field: str = "ttl_seconds"):
 
 
 # ---------------------------------------------------------------------------- optimizer
-# AdamParams field -> (low, high, high included): sane ranges, checked before a step is queued
+# AdamParams field -> (low, high, high included): sane ranges, checked before a step is queued.
+# eps > 0: with eps 0, a weight whose gradient is 0 (LoRA's A while B is still 0) steps by 0/0 = NaN
+# and every later step of the run fails.
 ADAM_BOUNDS = {
     "learning_rate": (0.0, 10.0, True),
     "beta1": (0.0, 1.0, False),
     "beta2": (0.0, 1.0, False),
-    "eps": (0.0, 1.0, True),
+    "eps": (1e-30, 1.0, True),
     "weight_decay": (0.0, 100.0, True),
     "grad_clip_norm": (0.0, math.inf, False),
 }

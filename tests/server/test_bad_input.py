@@ -74,9 +74,15 @@ def test_save_ttl_is_range_checked_and_listing_keeps_working(client, payload, wo
 
 def test_adam_params_must_be_finite_and_sane(client):
     run, rid = new_run(client)
-    for name, value in (("learning_rate", 1e300), ("eps", 2.0), ("beta1", 1.0), ("weight_decay", -1.0)):
+    bad = (("learning_rate", 1e300), ("eps", 2.0), ("eps", 0.0), ("beta1", 1.0), ("weight_decay", -1.0))
+    for name, value in bad:
         adam = {"adam_params": {**ADAM["adam_params"], name: value}}
         assert_4xx(client.submit(run, event("event_adam00000001", "optimize_step", 2, adam, rid)), name)
+    # eps 0 used to be accepted: a zero gradient then stepped its weight by 0/0, and every later
+    # step of the run failed on a NaN loss. The run still trains.
+    fb = event("event_adam00000002", "forward_backward", 2, ce_payload([5, 6, 7]))
+    assert client.submit(run, fb).is_success
+    assert client.wait(run, "event_adam00000002")["status"] == "succeeded"
 
 
 def test_wire_integers_and_floats_are_range_checked(client):
@@ -103,6 +109,7 @@ def test_wire_integers_and_floats_are_range_checked(client):
         ({"max_tokens": 2, "top_k": BIG}, "top_k"),
         ({"max_tokens": 2, "top_k": 0}, "top_k must be an integer >= 1 (-1: off), got 0"),
         ({"max_tokens": 2, "stop": ["x"] * 100_000}, "stop strings"),
+        ({"max_tokens": 2, "stop": ["ok", ""]}, "sampling_params.stop: stop strings must be non-empty"),
     ):
         assert_4xx(client.sample(srun, {**base, "sampling_params": params}), word)
     body = json.dumps({**base, "sampling_params": {"max_tokens": 2, "temperature": float("inf")}})

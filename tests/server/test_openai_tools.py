@@ -280,6 +280,14 @@ def test_tool_calls_are_parsed_from_hermes_blocks():
 
 
 # ----------------------------------------------------------------------------- refusals
+def nested(depth: int) -> dict:
+    """A JSON schema of objects `depth` deep (past llguidance's recursion limit at 100)."""
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 BAD = [
     (dict(model=PLAIN, tools=[WEATHER]), "tools", "has no tools support"),
     (
@@ -328,6 +336,17 @@ BAD = [
         ),
         "tools[0].function.parameters",
         "cannot use this schema",
+    ),
+    # nested past llguidance's recursion limit: used to be a 500 (its ValueError while building)
+    (
+        dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": nested(120)}}),
+        "response_format.json_schema.schema",
+        "recursion limit",
+    ),
+    (
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": nested(120)}}]),
+        "tools[0].function.parameters",
+        "recursion limit",
     ),
     (
         dict(

@@ -18,7 +18,8 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 from ...service import ModelTokenizer, grammars
 from . import tool_calls
@@ -71,7 +72,7 @@ def parse_structured(body: dict) -> Structured:
         return Structured(list(tools.values()), True)
     forced = {n: t["function"].get("parameters") for n, t in tools.items() if named in (None, n)}
     several = choice == "required" and parallel is not False
-    _checked(tool_calls.forcing_grammar(forced, several), "tools")
+    _checked(lambda: tool_calls.forcing_grammar(forced, several), "tools")
     return Structured(list(tools.values()), True, forced=forced, several=several)
 
 
@@ -136,7 +137,7 @@ def _tools(tools: Any) -> dict[str, dict]:
         if params is not None and not isinstance(params, dict):
             raise bad_param(f"{at}.function.parameters", "must be a JSON schema object")
         if params is not None:
-            _checked(grammars.json_schema(params), f"{at}.function.parameters")
+            _checked(partial(grammars.json_schema, params), f"{at}.function.parameters")
         out[name] = {
             "type": "function",
             "function": {k: v for k, v in fn.items() if k in ("name", "description", "parameters", "strict")},
@@ -187,15 +188,22 @@ def _response_format(fmt: Any) -> str:
         schema = js.get("schema", {"type": "object"})
         if not isinstance(schema, dict):
             raise bad_param("response_format.json_schema.schema", "must be a JSON schema object")
-        return _checked(grammars.json_schema(schema), "response_format.json_schema.schema")
+        return _checked(lambda: grammars.json_schema(schema), "response_format.json_schema.schema")
     raise bad_param(
         "response_format",
         'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}',
     )
 
 
-def _checked(grammar: str, param: str) -> str:
-    problem = grammars.problem(grammar)
+def _checked(build: Callable[[], str], param: str) -> str:
+    """The grammar `build` returns, or a 400 naming `param` where llguidance refuses to build or
+    compile it (a schema nested past its recursion limit raises while being built)."""
+    try:
+        grammar = build()
+    except (ValueError, RecursionError) as e:
+        problem = str(e) or type(e).__name__
+    else:
+        problem = grammars.problem(grammar)
     if problem:
         raise bad_param(
             param, f"constrained decoding cannot use this schema: {problem.strip()}", "unsupported_value"

@@ -122,6 +122,8 @@ def sampling_options(
     if (error := sampling_bound_error("top_k", p.top_k)) is not None:
         raise InvalidRequest(f"sampling_params.top_k {error}")
     stop = tuple([p.stop] if isinstance(p.stop, str) else p.stop or ())
+    if any(not isinstance(s, str) or not s for s in stop):  # named as sent (the engine's stop_strings)
+        raise InvalidRequest("sampling_params.stop: stop strings must be non-empty strings")
     return SamplingOptions(
         max_tokens=p.max_tokens,
         temperature=float(p.temperature),
