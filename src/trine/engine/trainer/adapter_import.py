@@ -13,8 +13,10 @@ What is checked, each failure a ValueError naming the tensor or the field and wh
 - the base model it names (`base_model_name_or_path`, compared by its last path component, case
   insensitively, with the served model's name and directory; an adapter that names none passes);
 - every tensor: its module is one of the model's LoRA targets (`adapter_targets`), its shape the one
-  the model needs (A [r, in], B [out, r]), its dtype a float (fp32, fp16, bf16), every A with its B;
-- the rank: the config's `r`, the same for every module, within `limits.check_lora_rank`.
+  the model needs (A [r, in], B [out, r]), its dtype a float (fp32, fp16, bf16), every A with its B,
+  its values finite (checked as it is read for writing, still before anything is written);
+- the rank: the config's `r`, the same for every module, within `limits.check_lora_rank`; the
+  scale finite (rsLoRA's lora_alpha times sqrt(r) can overflow).
 
 An adapter on some modules of a group (q_proj and v_proj only, some layers only) is imported as it
 is: the group's other modules hold B = 0, adding nothing (checkpoint.load_peft_adapter), and train
@@ -79,6 +81,10 @@ def check_adapter(
         cfg = json.loads(cfg_file.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{ADAPTER_CONFIG} is not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(
+            f"{ADAPTER_CONFIG} is nested too deeply to parse (PEFT writes a flat JSON object)"
+        ) from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{ADAPTER_CONFIG} must hold a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -101,6 +107,11 @@ def check_adapter(
         raise ValueError(f"{ADAPTER_CONFIG}: lora_alpha {alpha!r} must be a positive number")
     if cfg.get("use_rslora"):
         alpha = alpha * math.sqrt(rank)  # rsLoRA scales by alpha / sqrt(r); trine by alpha / r
+        if not math.isfinite(alpha):
+            raise ValueError(
+                f"{ADAPTER_CONFIG}: lora_alpha makes the scale {alpha} (rsLoRA multiplies it by "
+                "sqrt(r)); use a finite lora_alpha"
+            )
     modules = _check_tensors(weights, targets, rank)
     names = {m.rsplit(".", 1)[-1] for m in modules.values()}
     lora = LoRAConfig(
@@ -131,7 +142,10 @@ def import_adapter(
     with safe_open(str(weights), "pt") as f:
         for key, module in modules.items():
             which = "A" if ".lora_A." in key else "B"
-            state[peft_key(module, which)] = f.get_tensor(key).to(torch.float32).contiguous()
+            tensor = f.get_tensor(key).to(torch.float32).contiguous()
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{ADAPTER_WEIGHTS}: tensor {key} holds NaN or infinite values")
+            state[peft_key(module, which)] = tensor
     named = json.loads((Path(src) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
     source = "; ".join(x for x in (origin, f"trained on {named}" if named else "", f"sha256 {digest}") if x)

@@ -396,7 +396,7 @@ def _image(part: dict, where: str) -> PromptImage:
             "(detail auto or high)",
             "unsupported_value",
         )
-    if not url[:5].lower() == "data:":
+    if url[:5].lower() != "data:":
         raise bad_param(
             f"{param}.url",
             "only data: URLs are accepted (data:image/png;base64,... or data:image/jpeg;base64,...): "

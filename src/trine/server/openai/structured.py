@@ -72,7 +72,7 @@ def parse_structured(body: dict) -> Structured:
         return Structured(list(tools.values()), True)
     forced = {n: t["function"].get("parameters") for n, t in tools.items() if named in (None, n)}
     several = choice == "required" and parallel is not False
-    _checked(lambda: tool_calls.forcing_grammar(forced, several), "tools")
+    _checked(partial(tool_calls.forcing_grammar, forced, several), "tools")
     return Structured(list(tools.values()), True, forced=forced, several=several)
 
 
@@ -188,7 +188,7 @@ def _response_format(fmt: Any) -> str:
         schema = js.get("schema", {"type": "object"})
         if not isinstance(schema, dict):
             raise bad_param("response_format.json_schema.schema", "must be a JSON schema object")
-        return _checked(lambda: grammars.json_schema(schema), "response_format.json_schema.schema")
+        return _checked(partial(grammars.json_schema, schema), "response_format.json_schema.schema")
     raise bad_param(
         "response_format",
         'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}',

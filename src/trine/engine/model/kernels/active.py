@@ -10,8 +10,9 @@ in `dtype` with base weights of `shapes`, and names the path each op takes:
 - `gemm`: few-row base-weight GEMMs of inference forwards, `auto(packed 20, onednn 8, ...)` (how
   many shape and row-bucket pairs each candidate won in the engine's dtype, gemm.py), a forced
   candidate's name, or `F.linear` where no candidate applies;
-- `delta_rule`: the gated delta rule's decode step of a hybrid model's linear-attention layers,
-  `C` updating the recurrent state in place (delta_rule.py) or `torch`.
+- `delta_rule`: the decode step of a hybrid model's linear-attention layers, `C` (delta_rule.py:
+  the layer after its input projections in one call, or the rule alone, updating the states in
+  place) or `torch`.
 
 Invariants
 - Each op's own check (`suits` / `few_rows`) still decides per call, on the same conditions, so

@@ -84,11 +84,6 @@ def step_(s, q, k, v, decay, beta) -> torch.Tensor:
     return o
 
 
-def _rows(x: torch.Tensor) -> bool:
-    """[B, 1, N] (or [B, N]) with its last dim contiguous: read as B rows of a row stride."""
-    return x.stride(-1) == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
-
-
 def layer_suits(x: torch.Tensor, state, layer) -> bool:
     """Whether `layer`'s (a GatedDeltaNet) decode step from `state` over `x` may take `layer_step`."""
     params = (layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
@@ -108,7 +103,8 @@ def layer_step(layer, qkv, z, b, a, state, l2_eps: float):
     left as it was. `l2_eps`: the q/k L2 norm's epsilon."""
     sh = layer.shape
     B = qkv.shape[0]
-    qkv, z, b, a = (t if _rows(t) else t.contiguous() for t in (qkv, z, b, a))
+    # each [B, 1, N] read as B rows a row stride apart (the fused projection's views), last dim contiguous
+    qkv, z, b, a = (t if t.stride(-1) == 1 else t.contiguous() for t in (qkv, z, b, a))
     if b.stride(0) != a.stride(0):
         b, a = b.contiguous(), a.contiguous()
     conv, rec = state.conv, state.recurrent
