@@ -42,7 +42,9 @@ advantage on prompts):
 Full fine-tuning (issue 48; `--full-only` runs just this): a full run (rank 0: every weight, the
 embedding and head included, AdamW) on the batch above against transformers' model trained the way
 its `Trainer` does (all parameters, `model(input_ids, labels).loss`, backward, AdamW step,
-`zero_grad(set_to_none=True)`), same fp32 weights and data, interleaved as above:
+`zero_grad(set_to_none=True)`), same fp32 weights and data, interleaved as above. With `--dtype
+bfloat16` trine's run holds bf16 weights with fp32 masters, and HF's is its `bf16=True` on a CPU
+(fp32 weights, the forward under bf16 autocast):
 - full_ft_vs_hf: HF step time / trine step time (>= 1 means trine is faster; goal >= 1.5).
 - full_ft_peak_memory_ratio: trine / HF peak memory of a training process (goal <= 1.0): in a fresh
   child per side, VmHWM after two steps minus the RSS before the model is loaded, so it counts the
@@ -140,14 +142,14 @@ class HFSide:
 
 
 class FullSide:
-    """A full fine-tuning run (rank 0: every weight) on the batch."""
+    """A full fine-tuning run (rank 0: every weight) on the batch; bf16 weights keep fp32 masters."""
 
-    def __init__(self, model_dir: str, tokens: torch.Tensor):
+    def __init__(self, model_dir: str, tokens: torch.Tensor, dtype: str = "float32"):
         from trine.engine.api import AdamConfig, Forward, LoRAConfig, Loss, TrainDatum
         from trine.engine.model.weights import load_model
         from trine.engine.trainer.trainer import Trainer
 
-        self.trainer = Trainer(load_model(model_dir, "cpu"), base_model="bench")
+        self.trainer = Trainer(load_model(model_dir, "cpu", getattr(torch, dtype)), base_model="bench")
         self.trainer.create_run("full", LoRAConfig(rank=0))
         rows = [TrainDatum(tokens=t.tolist(), target_tokens=t[1:].tolist() + [-100]) for t in tokens]
         self.batch = [("full", Forward(rows, Loss.parse("cross_entropy")))]
@@ -159,30 +161,34 @@ class FullSide:
 
 
 class HFFullSide:
-    """transformers' model trained as its Trainer does: every parameter, AdamW, grads freed."""
+    """transformers' model trained as its Trainer does: every parameter, AdamW, grads freed. bf16 is
+    `TrainingArguments(bf16=True)` on a CPU: fp32 weights, the forward under bf16 autocast."""
 
-    def __init__(self, model_dir: str, tokens: torch.Tensor):
+    def __init__(self, model_dir: str, tokens: torch.Tensor, dtype: str = "float32"):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-12)
         self.tokens = tokens
+        self.autocast = dtype == "bfloat16"
 
     def step(self):
-        self.model(input_ids=self.tokens, labels=self.tokens).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.model(input_ids=self.tokens, labels=self.tokens).loss
+        loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
 
-def _full_peak_child(side: str, model_dir: str, batch: int, seq: int, threads: int, out):
+def _full_peak_child(side: str, model_dir: str, batch: int, seq: int, threads: int, dtype: str, out):
     torch.set_num_threads(threads)
     from trine.engine.model.weights import read_config
 
     tokens = make_batch(read_config(model_dir).vocab_size, batch, seq)
     Path("/proc/self/clear_refs").write_text("5")
     before = _rss_kb("VmRSS")
-    runner = FullSide(model_dir, tokens) if side == "trine" else HFFullSide(model_dir, tokens)
+    runner = (FullSide if side == "trine" else HFFullSide)(model_dir, tokens, dtype)
     runner.step(), runner.step()
     out.put((_rss_kb("VmHWM") - before) * 1024)
 
@@ -193,7 +199,8 @@ def full_peak(side: str, args) -> int:
     for _ in range(args.mem_repeats):
         q = ctx.Queue()
         p = ctx.Process(
-            target=_full_peak_child, args=(side, args.model, args.batch, args.seq, args.threads, q)
+            target=_full_peak_child,
+            args=(side, args.model, args.batch, args.seq, args.threads, args.dtype, q),
         )
         p.start()
         peaks.append(q.get())
@@ -206,7 +213,7 @@ def full_case(args) -> dict:
     from trine.engine.model.weights import read_config
 
     tokens = make_batch(read_config(args.model).vocab_size, args.batch, args.seq)
-    ours, hf = FullSide(args.model, tokens), HFFullSide(args.model, tokens)
+    ours, hf = FullSide(args.model, tokens, args.dtype), HFFullSide(args.model, tokens, args.dtype)
     ours.step(), hf.step()  # warm-up
     t_ours, t_hf = [], []
     for it in range(args.iters):

@@ -79,7 +79,7 @@ def test_metrics_after_training_and_sampling(server):
     assert value(m, "trine_replica_up", **rep) == 1
     # the kernels the engine's start line named, one series per op
     kernels = {lab["op"]: lab["path"] for lab, v in m["trine_engine_kernel_info"] if v == 1}
-    assert set(kernels) == {"fused_ops", "paged_attention", "gemm", "delta_rule"}, kernels
+    assert set(kernels) == {"fused_ops", "paged_attention", "gemm", "delta_rule", "fused_train"}, kernels
     assert kernels["gemm"].startswith(("auto(", "packed", "onednn", "linear", "F.linear", "invariant"))
     # clock cycles: init, then forward_backward + optim_step (one cycle or two)
     cycles = value(m, "trine_training_cycle_seconds_count", **rep)

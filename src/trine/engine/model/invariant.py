@@ -170,12 +170,19 @@ def attention(
     gradients on, the attention is recomputed in backward rather than storing its [T, L] tensors.
     Computed in fp32 (`wide_dtype`) whatever the inputs' dtype (as flash attention accumulates),
     returned in it.
-    Not enabled: torch's SDPA, the fused kernel of every device.
+    Not enabled: torch's SDPA, the fused kernel of every device. On CPU, bf16 inputs outside
+    inference mode (the trainer's forwards, with or without gradients, so its `forward` and
+    `forward_backward` agree bit for bit) run it in fp32 and round the result: CPU flash
+    attention's bf16 backward is several times slower than its fp32 one (docs/numerics.md).
     """
     if not _enabled:
-        return F.scaled_dot_product_attention(
+        dtype = q.dtype
+        if dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_inference_mode_enabled():
+            q, k, v = q.float(), k.float(), v.float()
+        out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=k.shape[1] != q.shape[1]
         )
+        return out.to(dtype)
     dtype = q.dtype
     q, k, v = widened(q), widened(k), widened(v)
     N, H, T, D = q.shape

@@ -4,7 +4,8 @@ hybrid stack builds on them: qwen3_5.py).
 Read top to bottom: config -> RMSNorm -> RoPE -> attention -> MLP -> block -> model. Every linear
 layer is a `LoRALinear` (lora.py); each forward takes the `AdapterBatch` of its rows. Attention's
 computation, and which of its paths runs, is attention.py's (`attend`); the CPU kernels RMSNorm and
-RoPE take in inference are kernels/fused.py's.
+RoPE take in inference are kernels/fused.py's, those RMSNorm and SwiGLU take in training
+kernels/fused_train.py's.
 
 Invariants
 - Module names mirror Hugging Face's (`model.layers.N.self_attn.q_proj`, `lm_head`, ...), so a
@@ -29,7 +30,7 @@ from torch import nn
 from . import invariant
 from .attention import KVContext, attend
 from .invariant import silu
-from .kernels import fused
+from .kernels import fused, fused_train
 from .lora import AdapterBatch, FusedLinears, LoRALinear
 
 
@@ -120,6 +121,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused.suits(x, self.weight):  # inference, fp32 or bf16: one pass over the rows (fused.py)
             return fused.rms_norm(x, self.weight, self.eps)
+        if x.dtype == self.weight.dtype and fused_train.suits(x, self.weight):  # training: fused_train.py
+            return fused_train.rms_norm(x, self.weight, self.eps)
         if x.dtype == self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # bit for bit the steps below
         dtype = x.dtype  # Hugging Face's order: normalise in fp32, round, then scale
@@ -198,6 +201,8 @@ class MLP(nn.Module):
 
     def forward(self, x, adapters):
         gate, up = self.gate_up(self, x, adapters)
+        if self.act is silu and gate.dtype == up.dtype and fused_train.suits(gate, up):  # training
+            return self.down_proj(fused_train.swiglu(gate, up), adapters)
         return self.down_proj(self.act(gate) * up, adapters)
 
 

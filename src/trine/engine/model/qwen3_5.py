@@ -27,7 +27,7 @@ from torch import nn
 from . import invariant
 from .attention import KVContext, attend
 from .gated_deltanet import Cuts, GatedDeltaNet, LinearAttentionShape, LinearState
-from .kernels import fused
+from .kernels import fused, fused_train
 from .lora import AdapterBatch, FusedLinears, LoRALinear
 from .model import MLP, ModelConfig, Transformer, apply_rope, hf_eos_ids, padding_mask, rope_tables
 
@@ -149,6 +149,8 @@ class ZeroCenteredRMSNorm(nn.Module):
         w = 1 + invariant.widened(self.weight)
         if x.dtype == torch.float32 and fused.suits(x, w):  # inference: one C pass, not aten's six ops
             return fused.rms_norm(x, w, self.eps)
+        if fused_train.suits(x, w):  # training: one C pass forward and one backward (fused_train.py)
+            return fused_train.rms_norm(x, w, self.eps, round_first=False)
         return F.rms_norm(invariant.widened(x), w.shape, w, self.eps).to(x.dtype)
 
 

@@ -12,7 +12,9 @@ in `dtype` with base weights of `shapes`, and names the path each op takes:
   candidate's name, or `F.linear` where no candidate applies;
 - `delta_rule`: the decode step of a hybrid model's linear-attention layers, `C` (delta_rule.py:
   the layer after its input projections in one call, or the rule alone, updating the states in
-  place) or `torch`.
+  place) or `torch`;
+- `fused_train`: RMSNorm and SwiGLU of the trainer's forwards with their backward, `C`
+  (fused_train.py) or `torch`.
 
 Invariants
 - Each op's own check (`suits` / `few_rows`) still decides per call, on the same conditions, so
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .. import invariant
-from . import delta_rule, fused, gemm_choice, packed, paged_attention
+from . import delta_rule, fused, fused_train, gemm_choice, packed, paged_attention
 from .gemm import DTYPES as GEMM_DTYPES
 
 
@@ -38,7 +40,11 @@ def active(
     """Build what applies to an engine on `device` in `dtype` and name each op's path (above)."""
     if invariant.enabled():
         return dict(
-            fused_ops="invariant", paged_attention="invariant", gemm="invariant", delta_rule="invariant"
+            fused_ops="invariant",
+            paged_attention="invariant",
+            gemm="invariant",
+            delta_rule="invariant",
+            fused_train="invariant",
         )
     measured = device.type == "cpu" and dtype in GEMM_DTYPES and packed.budget_bytes() > 0
     return dict(
@@ -48,6 +54,9 @@ def active(
         else "gather",
         gemm=gemm_choice.choose(list(shapes), gemm, dtype) if measured else "F.linear",
         delta_rule="C" if device.type == "cpu" and delta_rule.built() else "torch",
+        fused_train="C"
+        if device.type == "cpu" and dtype in fused_train.DTYPES and fused_train.built()
+        else "torch",
     )
 
 

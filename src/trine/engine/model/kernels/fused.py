@@ -6,9 +6,9 @@ and write of the tensor, and a few microseconds of dispatch each in a decode ste
 
 Invariants
 - Used under `torch.inference_mode` (the sampler's forwards) for CPU tensors all fp32 or all bf16,
-  with torch's batch-invariant mode off (`suits`). The trainer keeps the torch ops, also in its
-  forward-only passes, so `forward` and `forward_backward` report the same logprobs bit for bit;
-  so does CUDA.
+  with torch's batch-invariant mode off (`suits`). The trainer's forwards, its forward-only
+  passes too, take fused_train.py's RMSNorm and torch's RoPE, so `forward` and `forward_backward`
+  report the same logprobs bit for bit; CUDA keeps the torch ops.
 - rope_ is torch's `apply_rope` bit for bit in either dtype (same products and sums, each rounded
   as torch rounds it, no fused multiply-add); rms_norm is model.RMSNorm's up to float32 rounding
   of the mean of squares (summed in another order; in bf16, then the same roundings to bf16).
