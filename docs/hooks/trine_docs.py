@@ -157,6 +157,11 @@ LIMITS = [
     ("limits", "MAX_SAMPLE_BYTES", "body of one sample request"),
     ("limits", "MAX_BODY_BYTES", "body of any other route"),
     ("limits", "MAX_ADAPTER_UPLOAD_BYTES", "a PEFT adapter uploaded for import (`trine adapters import`)"),
+    (
+        "limits",
+        "BODY_IDLE_SECONDS",
+        "seconds a request body may send nothing before a 408 (`request_timeout`)",
+    ),
     ("limits", "INT64_MAX", "integers on the wire: indexes, steps, seeds, offsets, limits"),
     ("limits", "MAX_PAGE_SIZE", "`limit` of every list route"),
     ("limits", "MAX_TTL_SECONDS", "a checkpoint's `ttl_seconds` (100 years)"),

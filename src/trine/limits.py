@@ -131,6 +131,7 @@ MAX_SAMPLE_BYTES = 16 << 20
 MAX_CONTROL_BYTES = 1 << 20
 MAX_BODY_BYTES = MAX_EVENT_BYTES  # any route without a smaller limit of its own
 MAX_ADAPTER_UPLOAD_BYTES = 1 << 30  # a PEFT adapter uploaded for import (a tar of its two files)
+BODY_IDLE_SECONDS = 30.0  # a request body that sends nothing for this long gets a 408
 
 # ---------------------------------------------------------------------------- wire numbers
 INT64_MAX = 2**63 - 1  # indexes, steps, seeds, offsets, limits: what SQLite and torch hold

@@ -297,3 +297,96 @@ PUBLIC = sorted(
         ("GET", "/console/static/{name}", 404),  # the shipped assets (no asset is named "x")
     ]
 )
+
+
+def test_openai_errors_before_the_routes_keep_openais_shape(server):
+    """The body limit, unknown methods and content encodings answer on /v1 as the OpenAI routes do:
+    {"error": {"message", "type", "param", "code"}}; elsewhere trine's {"code", "message"}."""
+    url = server.url
+    with httpx.Client(
+        trust_env=False, timeout=60, headers={"Authorization": f"Bearer {server.api_key}"}
+    ) as c:
+        big = _raw(
+            server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1099511627776\r\n\r\n"
+        )
+        assert big.startswith("HTTP/1.1 413") and '{"error": {"message": "body: ' in big, big
+        options = c.request("OPTIONS", url + "/v1/chat/completions")
+        assert options.status_code == 405 and options.json()["error"]["code"] == "method_not_allowed"
+        get = c.get(url + "/v1/chat/completions")
+        assert get.status_code == 405 and get.headers["allow"] == "POST", get.text
+        assert "takes POST" in get.json()["error"]["message"]
+        assert c.head(url + "/v1/models").status_code == 200
+        zipped = c.post(url + "/v1/completions", headers={"content-encoding": "gzip"}, content=b"\x1f\x8b")
+        assert zipped.status_code == 415 and "Content-Encoding 'gzip'" in zipped.json()["error"]["message"]
+        pytrio = c.post(url + "/api/v1/sample", headers={"content-encoding": "gzip"}, content=b"\x1f\x8b")
+        assert pytrio.status_code == 415 and pytrio.json()["code"] == "unsupported_content_encoding"
+
+
+def _raw(server, request: bytes) -> str:
+    """What the server first answers to these bytes on a fresh connection."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        return s.recv(4096).decode()
+
+
+def test_a_body_that_stalls_gets_a_408(server, monkeypatch):
+    from trine.server.http import middleware
+
+    monkeypatch.setattr(middleware, "BODY_IDLE_SECONDS", 0.5)
+    answer = _raw(
+        server,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+        b"Bearer " + server.api_key.encode() + b'\r\nContent-Length: 100\r\n\r\n{"model"',
+    )
+    assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": MODEL, "prompt": "\ud800", "max_tokens": 2}, "prompt"),
+        ({"model": MODEL, "prompt": ["ok", "a\udfffb"], "max_tokens": 2}, "prompt[1]"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+         "messages[0].content[0].text"),
+    ],
+)  # fmt: skip
+def test_text_with_a_lone_surrogate_is_refused_naming_where(server, body, param):
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    raw = json.dumps(body).encode()  # ensure_ascii: the surrogate goes as a \\udxxx escape
+    r = httpx.post(
+        server.url + route,
+        content=raw,
+        headers={"Authorization": f"Bearer {server.api_key}", "content-type": "application/json"},
+        trust_env=False,
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "surrogate" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\uff11", "\u0663"])  # superscript 2, full-width 1, Arabic 3
+def test_logit_bias_keys_must_be_ascii_token_ids(server, key):
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {key: 1}},
+        headers={"Authorization": f"Bearer {server.api_key}"},
+        trust_env=False,
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_max_completion_tokens_is_named_as_sent(server):
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 2**62,
+        },
+        headers={"Authorization": f"Bearer {server.api_key}"},
+        trust_env=False,
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text

@@ -366,6 +366,47 @@ BAD = [
 ]
 
 
+CALLED = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    ],
+}
+BAD += [
+    (  # a call's arguments are named: OpenAI requires an object schema
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+        "tools[0].function.parameters",
+        "object schema",
+    ),
+    (
+        dict(messages=ASK + [CALLED, {"role": "tool", "content": "sunny"}]),
+        "messages[2].tool_call_id",
+        "missing",
+    ),
+    (
+        dict(messages=ASK + [CALLED, {"role": "tool", "tool_call_id": 5, "content": "sunny"}]),
+        "messages[2].tool_call_id",
+        "missing",
+    ),
+    (
+        dict(messages=ASK + [CALLED, {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]),
+        "messages[2].tool_call_id",
+        "answers no tool call",
+    ),
+    (
+        dict(messages=[{"role": "tool", "tool_call_id": "call_1", "content": "sunny"}] + ASK),
+        "messages[0]",
+        "earlier assistant message",
+    ),
+    (
+        dict(messages=ASK + [{**CALLED, "tool_calls": [{**CALLED["tool_calls"][0], "type": "bogus"}]}]),
+        "messages[1].tool_calls[0].type",
+        "function",
+    ),
+]
+
+
 @pytest.mark.parametrize("kw,param,says", BAD, ids=[b[1] for b in BAD])
 def test_what_cannot_be_served_is_refused_naming_the_field(oai, kw, param, says):
     args = {"model": MODEL, "messages": ASK, "max_tokens": 2, **kw}
@@ -380,3 +421,25 @@ def test_completions_refuse_response_format(oai):
             model=MODEL, prompt="hi", max_tokens=2, extra_body={"response_format": {"type": "json_object"}}
         )
     assert e.value.body["param"] == "response_format" and "/v1/chat/completions" in e.value.body["message"]
+
+
+class City(BaseModel):
+    name: Literal["Paris", "Oslo"]
+
+
+class Trip(BaseModel):
+    to: City  # a nested model: its schema is a $ref into $defs
+    back: City
+
+
+def test_a_forced_call_whose_parameters_use_refs_matches_them(oai):
+    """pydantic (and `openai.pydantic_function_tool`) put nested models in `$defs` and point at them
+    with root-relative `$ref`s; forced, the arguments sit inside the call's schema, where the refs
+    must still resolve."""
+    tool = openai.pydantic_function_tool(Trip)
+    assert "$defs" in tool["function"]["parameters"]
+    r = oai.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[tool], tool_choice="required", max_tokens=80, seed=0
+    )
+    call = r.choices[0].message.tool_calls[0]
+    Trip.model_validate_json(call.function.arguments)

@@ -40,7 +40,7 @@ from ..service import Service, ServiceError, Unauthorized
 from ..service.ownership import Ownership
 from ..service.queries import UsageLedger
 from . import console, openai, tinker, traces
-from .http import context
+from .http import context, middleware
 from .http.access_log import log_request
 from .http.auth import TokenSigner
 from .http.connections import (
@@ -77,6 +77,14 @@ def body_limit(path: str) -> int:
 
 def _error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"code": code, "message": message}, status_code=status, headers=headers)
+
+
+def error_body(path: str, status: int, code: str, message: str) -> dict:
+    """An error answered before or around the routes (body limits, unknown methods, internal
+    errors): in OpenAI's shape on the OpenAI routes, trine's `{"code", "message"}` elsewhere."""
+    if openai.serves(path):
+        return openai.OpenAIError(status, message, code=code).body()
+    return middleware.error_body(path, status, code, message)
 
 
 def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRouter, ...] = ()) -> FastAPI:
@@ -128,10 +136,14 @@ def create_app(service: Service, signer: TokenSigner, *, routers: tuple[APIRoute
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-        return _error(e.status_code, code, f"{request.method} {request.url.path}: {e.detail}")
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        body = error_body(request.url.path, e.status_code, code, message)
+        return JSONResponse(body, status_code=e.status_code, headers=e.headers)
 
-    app.add_middleware(InternalErrors)  # innermost: what no exception handler takes
-    app.add_middleware(BodyLimit, limit_for=body_limit)
+    app.add_middleware(InternalErrors, shaped=error_body)  # innermost: what no exception handler takes
+    app.add_middleware(
+        BodyLimit, limit_for=body_limit, shaped=error_body, decodes=lambda p: p in tinker.ENCODED_BODY_PATHS
+    )
 
     @app.head("/")
     @app.get("/")

@@ -8,6 +8,7 @@ service state happens (FastAPI would run a plain `def` in a thread pool).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi import Request
@@ -55,6 +56,37 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise TooLarge(f"body exceeds the limit of {limit} bytes; split the batch into smaller requests")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \\ud800-\\udfff escape in JSON text
+
+
+def lone_surrogate(raw: bytes, body: Any) -> str | None:
+    """The path (`messages[0].content`) of the first string in `body`, parsed from `raw`, holding an
+    unpaired UTF-16 surrogate (JSON allows the escape; no tokenizer can encode it), or None. Only a
+    body whose text has such an escape is walked."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return None
+
+    def walk(value: Any, path: str) -> str | None:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+            return None
+        items = (
+            value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+        )
+        for key, item in items:
+            if isinstance(key, str) and (found := walk(key, path)):
+                return found
+            sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+            if found := walk(item, sub):
+                return found
+        return None
+
+    return walk(body, "")
 
 
 def parse_json(raw: bytes, empty_ok: bool = True) -> Any:

@@ -101,6 +101,7 @@ class Generation:
     prompts: list[str | list[int]] | None  # completions: one or more prompts, each text or token ids
     n: int = 1
     max_tokens: int | None = None  # None (chat): up to the model's context
+    max_tokens_field: str = "max_tokens"  # the field it came in (chat: or max_completion_tokens)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -141,6 +142,7 @@ def parse_chat(body: Any) -> Generation:
     _common(body, g)
     if body.get("max_completion_tokens") is not None:
         g.max_tokens = _int(body, "max_completion_tokens", 1, INT64_MAX)
+        g.max_tokens_field = "max_completion_tokens"
     g.logprobs = _bool(body, "logprobs")
     if body.get("top_logprobs") is not None:
         g.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -301,7 +303,7 @@ def _penalties(body: dict, g: Generation) -> None:
             )
         pairs = []
         for k in bias:
-            if not (isinstance(k, str) and k.isdigit()):
+            if not (isinstance(k, str) and k.isascii() and k.isdigit()):  # not "²" nor "１"
                 raise bad_param("logit_bias", f"keys must be token ids (as strings), got {k!r}")
             pairs.append((int(k), _number(bias, k, -100, 100, f"logit_bias[{k}]")))
         g.logit_bias = tuple(pairs)
@@ -422,7 +424,8 @@ def _messages(messages: Any) -> list[dict]:
             "must be a non-empty list of {role, content} objects",
             "missing_required_parameter" if messages is None else "invalid_value",
         )
-    out = []
+    out: list[dict] = []
+    call_ids: set = set()  # the ids of earlier assistant tool calls (None: a call without one)
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -444,10 +447,29 @@ def _messages(messages: Any) -> list[dict]:
         }
         if calls:
             msg["tool_calls"] = assistant_tool_calls(calls, where)
-        if role == "tool" and isinstance(m.get("tool_call_id"), str):
-            msg["tool_call_id"] = m["tool_call_id"]
+            call_ids |= {c["id"] if isinstance(c["id"], str) else None for c in msg["tool_calls"]}
+        if role == "tool":
+            msg["tool_call_id"] = _tool_call_id(m.get("tool_call_id"), call_ids, where)
         out.append(msg)
     return out
+
+
+def _tool_call_id(tool_call_id: Any, call_ids: set, where: str) -> str:
+    """A tool message's `tool_call_id`, as OpenAI checks it: a string answering a call an earlier
+    assistant message made (any id, where those calls came without ids)."""
+    if not isinstance(tool_call_id, str) or not tool_call_id:
+        raise bad_param(
+            f"{where}.tool_call_id",
+            "is missing: a tool message answers one call, named by the id in the assistant's tool_calls",
+            "missing_required_parameter" if tool_call_id is None else "invalid_value",
+        )
+    if not call_ids:
+        raise bad_param(where, "a tool message must answer an earlier assistant message's tool_calls")
+    if None not in call_ids and tool_call_id not in call_ids:
+        raise bad_param(
+            f"{where}.tool_call_id", f"{tool_call_id!r} answers no tool call of an earlier assistant message"
+        )
+    return tool_call_id
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:

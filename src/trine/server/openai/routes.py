@@ -27,7 +27,7 @@ from ...limits import MAX_SAMPLE_BYTES
 from ...metering.http import MoneyJSONResponse
 from ...metering.money import dumps
 from ...service import ApiKey, Service, ServiceError
-from ..http.context import caller_key, read_body, service_of
+from ..http.context import caller_key, lone_surrogate, read_body, service_of
 from . import models as targets
 from . import shapes, tokenize, tool_calls
 from .bodies import CHAT, COMPLETION, Generation, parse_chat, parse_completion
@@ -88,9 +88,18 @@ def _guard(handler):
 async def _body(request: Request) -> dict:
     raw = await read_body(request, MAX_SAMPLE_BYTES)
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, RecursionError):
         raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    if path := lone_surrogate(raw, body):
+        raise OpenAIError(
+            400,
+            f"{path}: the text holds an unpaired UTF-16 surrogate (a \\ud800-\\udfff escape without "
+            "its pair), which is not Unicode text; send valid UTF-8",
+            param=path,
+            code="invalid_value",
+        )
+    return body
 
 
 # ---------------------------------------------------------------------------- models
@@ -311,10 +320,36 @@ def _sse(obj: dict) -> str:
     return f"data: {dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def serves(path: str) -> bool:
+    """Whether `path` is under one of the OpenAI API's prefixes (errors there take its shape)."""
+    return any(path == p or path.startswith(p + "/") for p in PREFIXES)
+
+
+# the routes under each prefix and their methods, for a wrong method's 405
+_METHODS = {
+    "/models": "GET",
+    "/chat/completions": "POST",
+    "/completions": "POST",
+    "/tokenize": "POST",
+    "/detokenize": "POST",
+    "/tokenizer_info": "GET",
+}
+
+
 async def unknown_route(request: Request):
+    path = request.url.path
+    route = next((path[len(p) :] for p in PREFIXES if path.startswith(p + "/")), "")
+    allowed = _METHODS.get(route) or ("GET" if route.startswith("/models/") else None)
+    if allowed:
+        raise OpenAIError(
+            405,
+            f"{request.method} {path}: this route takes {allowed}",
+            code="method_not_allowed",
+            headers={"Allow": allowed},
+        )
     raise OpenAIError(
         404,
-        f"Invalid URL ({request.method} {request.url.path}): this server serves "
+        f"Invalid URL ({request.method} {path}): this server serves "
         "/v1/models, /v1/chat/completions, /v1/completions, /tokenize, /detokenize and /tokenizer_info",
         code="unknown_url",
     )
@@ -326,8 +361,8 @@ for _prefix in ("",) + PREFIXES:  # vLLM serves them at the root
     router.add_api_route(f"{_prefix}/detokenize", _guard(detokenize_route), methods=["POST"])
     router.add_api_route(f"{_prefix}/tokenizer_info", _guard(tokenizer_info_route), methods=["GET"])
 for _prefix in PREFIXES:
-    router.add_api_route(f"{_prefix}/models", _guard(list_models), methods=["GET"])
-    router.add_api_route(f"{_prefix}/models/{{model:path}}", _guard(get_model), methods=["GET"])
+    router.add_api_route(f"{_prefix}/models", _guard(list_models), methods=["GET", "HEAD"])
+    router.add_api_route(f"{_prefix}/models/{{model:path}}", _guard(get_model), methods=["GET", "HEAD"])
     router.add_api_route(f"{_prefix}/chat/completions", _guard(chat_completions), methods=["POST"])
     router.add_api_route(f"{_prefix}/completions", _guard(completions), methods=["POST"])
     router.add_api_route(

@@ -96,6 +96,8 @@ def assistant_tool_calls(calls: Any, where: str) -> list[dict]:
     out = []
     for j, c in enumerate(calls):
         at = f"{where}.tool_calls[{j}]"
+        if isinstance(c, dict) and c.get("type", "function") != "function":
+            raise bad_param(f"{at}.type", f'must be "function", got {c["type"]!r}')
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad_param(at, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
@@ -136,6 +138,12 @@ def _tools(tools: Any) -> dict[str, dict]:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise bad_param(f"{at}.function.parameters", "must be a JSON schema object")
+        if params is not None and params.get("type", "object") != "object":
+            raise bad_param(
+                f"{at}.function.parameters",
+                f'must be an object schema ("type": "object"): a call\'s arguments are named; got "type": '
+                f"{json.dumps(params.get('type'))}",
+            )
         if params is not None:
             _checked(partial(grammars.json_schema, params), f"{at}.function.parameters")
         out[name] = {

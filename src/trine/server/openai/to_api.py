@@ -100,16 +100,14 @@ def tokens_to_generate(g: Generation, prompt: int, context: int) -> int:
     """The tokens to generate: as asked (0: none, echo only), or (unset) up to the end of the model's
     context."""
     if prompt >= context or (g.max_tokens is not None and prompt + g.max_tokens > context):
-        param = (
-            "max_tokens"
-            if g.max_tokens is not None and prompt < context
-            else ("messages" if g.chat else "prompt")
-        )
+        field = g.max_tokens_field
+        asked = g.max_tokens is not None and prompt < context
+        param = field if asked else ("messages" if g.chat else "prompt")
         raise OpenAIError(
             400,
             f"{param}: this model's maximum context length is {context} tokens; the "
-            f"prompt has {prompt} tokens and max_tokens is {g.max_tokens or 'unset'}. "
-            "Shorten the prompt or lower max_tokens.",
+            f"prompt has {prompt} tokens and {field} is {g.max_tokens or 'unset'}. "
+            f"Shorten the prompt or lower {field}.",
             param=param,
             code="context_length_exceeded",
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ...service import ModelTokenizer, grammars
 from ...service.tokenizers import TOOL_PROBE_NAME
@@ -62,21 +63,42 @@ def forcing_grammar(
     `close_id`: the tokenizer's own token for `<tool_call>` / `</tool_call>` when it has one (as
     Qwen's does), which the call must then use: constrained decoding never spells an added token
     out of plain-text pieces."""
-    alternatives = " | ".join(
-        grammars.embedded_json(
-            {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["name", "arguments"],
-                "properties": {"name": {"const": name}, "arguments": params or NO_PARAMETERS},
-            }
-        )
-        for name, params in tools.items()
-    )
+    calls = [grammars.embedded_json(_call_schema(name, params)) for name, params in tools.items()]
+    alternatives = " | ".join(calls)
     start = 'start: call ("\\n" call)*' if several else "start: call"
     open_ = f"<[{open_id}]>" if open_id is not None else f'"{OPEN}"'
     close = f"<[{close_id}]>" if close_id is not None else f'"{CLOSE}"'
     return grammars.lark(f'{start}\ncall: {open_} "\\n" ({alternatives}) "\\n" {close}\n')
+
+
+def _call_schema(name: str, params: dict | None) -> dict:
+    """The schema of one call to `name`: {"name": name, "arguments": matching params}. The
+    parameters' definitions (`$defs`, `definitions`) move to the call's root, and their other
+    root-relative `$ref`s get the path the arguments sit at, so every reference still resolves."""
+    params = dict(params or NO_PARAMETERS)
+    defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+    call = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "arguments"],
+        "properties": {"name": {"const": name}, "arguments": _rebased(params)},
+    }
+    return call | {k: _rebased(v) for k, v in defs.items()}
+
+
+def _rebased(schema: Any) -> Any:
+    """`schema` with each `$ref` to the parameters' root ("#", "#/properties/...") pointed at
+    `#/properties/arguments`; references to the definitions are left as they are."""
+    if isinstance(schema, list):
+        return [_rebased(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        if not ref.startswith(("#/$defs/", "#/definitions/")):
+            out["$ref"] = "#/properties/arguments" + ref[1:]
+    return out
 
 
 def call_format(tokenizer: ModelTokenizer) -> str | None:

@@ -25,6 +25,7 @@ from .errors import error_response
 from .state import state_of
 
 LARGE_BODY_PATHS = ("/api/v1/forward_backward", "/api/v1/asample")  # each route checks its own limit
+ENCODED_BODY_PATHS = ("/api/v1/forward_backward",)  # the route decodes its Content-Encoding (zstd)
 
 
 class TinkerRoute(APIRoute):
@@ -58,4 +59,4 @@ def make_router() -> APIRouter:
     return router
 
 
-__all__ = ["make_router", "LARGE_BODY_PATHS"]
+__all__ = ["make_router", "LARGE_BODY_PATHS", "ENCODED_BODY_PATHS"]
