@@ -156,6 +156,17 @@ class RawClient:
         r.raise_for_status()
         return msgpack.unpackb(r.content)
 
+    def refused(self, run: dict, event: dict) -> dict:
+        """Submit an event whose payload the server refuses: it is accepted, takes its index and
+        fails (the official client treats any failed submit as fatal to its run, so a refusal
+        must come as a failed event). Its error, {code, message}."""
+        r = self.submit(run, event)
+        assert r.status_code in (200, 202), (r.status_code, r.text)
+        assert msgpack.unpackb(r.content)["type"] == event["type"]  # the client checks it
+        got = self.wait(run, event["event_id"])
+        assert got["status"] == "failed" and got["type"] == event["type"], got
+        return got["error"]
+
     def wait(self, run: dict, event_id: str, timeout: int = 60) -> dict:
         for _ in range(timeout):
             ev = self.get(run, event_id, wait=2)

@@ -17,9 +17,13 @@ _TO_TINKER = {v: k for k, v in _TO_TRIO.items()}
 
 
 def to_trio_uri(path: str, field: str = "path") -> str:
-    """`tinker://<run>/weights/<name>` -> `trio://<run>/state/<name>` (sampler_weights -> weights).
-    Raises ValueError naming `field` (the request field that carried `path`) and the expected form
-    for anything else."""
+    """`tinker://<run>/weights/<name>` -> `trio://<run>/state/<name>` (sampler_weights -> weights);
+    a well-formed trio:// URI is already in that form. Raises ValueError naming `field` (the request
+    field that carried `path`) and the expected form for anything else."""
+    if isinstance(path, str) and path.startswith(TRIO_SCHEME):
+        parts = path[len(TRIO_SCHEME) :].split("/")
+        if len(parts) == 3 and parts[1] in _TO_TINKER and parts[0] and parts[2]:
+            return path
     if not isinstance(path, str) or not path.startswith(TINKER_SCHEME):
         raise ValueError(
             f"{field} {path!r}: use a tinker://<run>/<weights|sampler_weights>/<name> path "

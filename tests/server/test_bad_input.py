@@ -67,7 +67,8 @@ def test_out_of_range_event_metadata_is_refused_and_leaves_no_trace(server, clie
 )
 def test_save_ttl_is_range_checked_and_listing_keeps_working(client, payload, words):
     run, rid = new_run(client)
-    assert_4xx(client.submit(run, event("event_save00000001", "save_weights", 2, payload, rid)), *words)
+    err = client.refused(run, event(f"event_save{rid[-8:]}", "save_weights", 2, payload, rid))
+    assert all(w in err["message"] for w in words), err
     r = client.control("GET", "checkpoints")
     assert r.status_code == 200
 
@@ -75,27 +76,27 @@ def test_save_ttl_is_range_checked_and_listing_keeps_working(client, payload, wo
 def test_adam_params_must_be_finite_and_sane(client):
     run, rid = new_run(client)
     bad = (("learning_rate", 1e300), ("eps", 2.0), ("eps", 0.0), ("beta1", 1.0), ("weight_decay", -1.0))
-    for name, value in bad:
+    for i, (name, value) in enumerate(bad):
         adam = {"adam_params": {**ADAM["adam_params"], name: value}}
-        assert_4xx(client.submit(run, event("event_adam00000001", "optimize_step", 2, adam, rid)), name)
+        err = client.refused(run, event(f"event_adam0000000{i}", "optimize_step", 2 + i, adam, rid))
+        assert name in err["message"], err
     # eps 0 used to be accepted: a zero gradient then stepped its weight by 0/0, and every later
     # step of the run failed on a NaN loss. The run still trains.
-    fb = event("event_adam00000002", "forward_backward", 2, ce_payload([5, 6, 7]))
+    fb = event("event_adam00000009", "forward_backward", 2 + len(bad), ce_payload([5, 6, 7]))
     assert client.submit(run, fb).is_success
-    assert client.wait(run, "event_adam00000002")["status"] == "succeeded"
+    assert client.wait(run, "event_adam00000009")["status"] == "succeeded"
 
 
 def test_wire_integers_and_floats_are_range_checked(client):
     run, rid = new_run(client)
     bad_tokens = ce_payload([5, 6, 7])
     bad_tokens["data"][0]["target_ids"] = [6, 7, BIG]
-    assert_4xx(
-        client.submit(run, event("event_tok000000001", "forward_backward", 2, bad_tokens, rid)), "target_ids"
-    )
+    err = client.refused(run, event(f"event_tok{rid[-9:]}", "forward_backward", 2, bad_tokens, rid))
+    assert "target_ids" in err["message"]
     lora = init_payload(run["model_id"])
     lora["lora_config"]["seed"] = BIG
     run2 = client.training_run(client.session(), MODEL)
-    assert_4xx(client.submit(run2, event("event_seed00000001", "init_run", 1, lora)), "seed")
+    assert "seed" in client.refused(run2, event("event_seed00000001", "init_run", 1, lora))["message"]
     srun = client.sampling_run(client.session(), MODEL)
     base = {
         "request_id": "r1",
@@ -327,7 +328,21 @@ def _raw(server, request: bytes) -> str:
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(request)
-        return s.recv(4096).decode()
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _length(answer):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        return answer.decode()
+
+
+def _length(answer: bytes) -> int:
+    """The Content-Length an answer's headers declare."""
+    for line in answer.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 0
 
 
 def test_a_body_that_stalls_gets_a_408(server, monkeypatch):

@@ -301,3 +301,61 @@ def test_every_route_the_client_can_call_is_served_or_refused_by_name(srv):
             if codes <= {"not_found", "method_not_allowed"}:
                 missing.append(path)
     assert missing == []
+
+
+# ---------------------------------------------------------------------------- refusals
+def test_a_refused_save_takes_its_seq_id_and_the_client_goes_on(sc):
+    """A save whose body is refused (ttl_seconds 0) fails alone: its seq_id is taken by a failed
+    placeholder, so the client's next call does not wait for it."""
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
+    with pytest.raises(Exception, match="ttl_seconds"):
+        tc.save_state("short", ttl_seconds=0).result(timeout=60)
+    assert tc.forward_backward([datum()], "cross_entropy").result(timeout=60).metrics
+
+
+def test_load_state_of_another_lora_shape_is_refused_by_name(sc):
+    eight = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=1).result()
+    path = eight.save_state("rank8").result().path
+    four = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
+    with pytest.raises(Exception, match="lora_rank") as e:
+        four.load_state(path).result(timeout=60)
+    assert "create_training_client_from_state" in str(e.value)
+    assert four.forward_backward([datum()], "cross_entropy").result(timeout=60).metrics
+
+
+def _post(srv, route: str, body: dict) -> httpx.Response:
+    return httpx.post(
+        f"{srv.url}/api/v1/{route}", json=body, headers={"X-API-Key": "tml-" + srv.api_key}, trust_env=False
+    )
+
+
+def test_a_sampling_seq_id_reused_for_another_model_is_refused(srv, saved):
+    session = _post(srv, "create_session", {}).json()["session_id"]
+    first = {"session_id": session, "sampling_session_seq_id": 0, "base_model": MODEL}
+    a = _post(srv, "create_sampling_session", first)
+    assert a.status_code == 200 and _post(srv, "create_sampling_session", first).json() == a.json()  # a retry
+    other = _post(srv, "create_sampling_session", {**first, "base_model": None, "model_path": saved.sampler})
+    assert other.is_client_error and "sampling_session_seq_id 0" in other.json()["message"], other.text
+    negative = _post(srv, "create_sampling_session", {**first, "sampling_session_seq_id": -1})
+    assert negative.status_code == 400 and "sampling_session_seq_id" in negative.json()["message"]
+
+
+def test_both_path_forms_are_read_on_every_plane(srv, saved):
+    trio = _trio(saved.state)
+    info = _post(srv, "weights_info", {"tinker_path": trio})  # trine's own form on the Tinker plane
+    assert info.status_code == 200, info.text
+    by_uri = httpx.get(
+        f"{srv.url}/api/openapi/v1/training-runs/by-checkpoint-uri",
+        params={"checkpoint_uri": saved.state},  # Tinker's form on the PyTRIO control plane
+        headers={"Authorization": f"Bearer {srv.api_key}"},
+        trust_env=False,
+    )
+    assert by_uri.status_code == 200 and by_uri.json()["lora_rank"] == 4, by_uri.text
+
+
+def test_checkpoint_pages_count_only_what_they_list(srv, sc, saved):
+    saved.tc.save_weights_and_get_sampling_client()  # an in-memory snapshot: not a listed checkpoint
+    client = rest(srv)
+    total = client.list_user_checkpoints(limit=1000).result().cursor.total_count
+    pages = [client.list_user_checkpoints(limit=1, offset=i).result() for i in range(total + 1)]
+    assert all(len(p.checkpoints) == 1 for p in pages[:total]) and not pages[total].checkpoints

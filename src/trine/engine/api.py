@@ -545,14 +545,16 @@ class Refused:
 
     code: str
     message: str
+    shown_as: str = REFUSED  # the type its request came as: it is stored and answered as that type
 
 
 Op = InitRun | Forward | OptimStep | Save | EndRun | Refused
 
 
 def event_type(op) -> str:
-    """The event type an op (or a service command, which names `kind` the same way) is stored and
-    ordered as: one of `limits.EVENT_TYPES`, or REFUSED."""
+    """The event type an op (or a service command, which names `kind` the same way) is stored as:
+    one of `limits.EVENT_TYPES`, or REFUSED (a refused request's own type where it had one; the
+    ordering takes any refused event alone, service/ordering.py)."""
     if isinstance(op, Forward):
         return FORWARD_BACKWARD if op.backward else FORWARD
     kind = getattr(op, "kind", None)
@@ -563,7 +565,7 @@ def event_type(op) -> str:
     if isinstance(op, EndRun):
         return END_RUN
     if isinstance(op, Refused):
-        return REFUSED
+        return op.shown_as
     return INIT_RUN
 
 

@@ -72,7 +72,7 @@ async def trace_url(session_id: str, request: Request, key: ApiKey = Depends(api
 
 @router.get("/api/trine/v1/session-traces/{session_id}")
 async def signed_trace(session_id: str, request: Request, token: str = Query("")):
-    claims = signer_of(request).verify(token, TOKEN_KIND)
+    claims = signer_of(request).verify(token, TOKEN_KIND, url="trace URL")
     if claims["sub"] != session_id:
         raise NotFound(f"session {session_id} not found", code="session_not_found")
     svc = service_of(request)

@@ -152,11 +152,11 @@ class Checkpoints:
     async def archive(self, ck: Checkpoint, flat: bool = False) -> Path:
         """A tar file of the checkpoint directory (built once, atomically), for downloads: its files
         under one directory named after the checkpoint, or (`flat`) at the top of the archive."""
-        if not ck.path or not Path(ck.path).is_dir():
+        if ck.path and not Path(ck.path).is_dir():
             raise Conflict(
-                f"checkpoint {ck.uri} has no files to download (a temporary snapshot held in memory)",
-                code="checkpoint_not_downloadable",
+                f"checkpoint {ck.uri} has no files to download", code="checkpoint_not_downloadable"
             )
+        downloadable(ck)
         tar = self.archive_path(ck.id, flat)
         if not tar.is_file():
             await asyncio.get_running_loop().run_in_executor(None, _write_tar, Path(ck.path), tar, flat)
@@ -168,6 +168,18 @@ class Checkpoints:
     def _unlink_archives(self, checkpoint_id: str) -> None:
         for flat in (False, True):
             self.archive_path(checkpoint_id, flat).unlink(missing_ok=True)
+
+
+def downloadable(ck: Checkpoint) -> Checkpoint:
+    """`ck`, refused (400 naming why) if it is a snapshot held in memory, which has no files: what a
+    download URL is asked for is checked before the URL is signed."""
+    if not ck.path:
+        raise InvalidRequest(
+            f"checkpoint {ck.uri} is a temporary snapshot held in memory and has no "
+            "files; save it with a name to download it",
+            code="checkpoint_not_downloadable",
+        )
+    return ck
 
 
 def _write_tar(src: Path, dst: Path, flat: bool) -> None:

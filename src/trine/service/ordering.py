@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..engine.api import CycleEvent, RunShare, TrainingCycle
+from ..engine.api import CycleEvent, Refused, RunShare, TrainingCycle
 from ..limits import (
     END_RUN,
     FORWARD,
@@ -109,7 +109,7 @@ class RunQueue:
         state = _PRE
         tokens = 0
         while self.next_index in self.waiting:
-            t = self.waiting[self.next_index].type
+            t = _kind(self.waiting[self.next_index])
             if t in _FWD_TYPES and state <= _FWD:
                 if forward_tokens is not None and tokens and tokens >= forward_tokens:
                     break
@@ -136,10 +136,11 @@ def split_phases(events: list[Event]) -> RunShare:
     trained = False
     for ev in events:
         entry = CycleEvent(ev.id, ev.type, ev.op)
-        if ev.type in _FWD_TYPES:
+        kind = _kind(ev)
+        if kind in _FWD_TYPES:
             share.forward.append(entry)
             trained = True
-        elif ev.type == OPTIMIZE_STEP:
+        elif kind == OPTIMIZE_STEP:
             share.optim.append(entry)
             trained = True
         else:
@@ -160,6 +161,12 @@ class CyclePlan:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.runs.values())
+
+
+def _kind(ev: Event) -> str:
+    """How an event is ordered: by its type, but a refused one (whatever type its request came as)
+    as REFUSED: alone, and never in a forward batch."""
+    return REFUSED if isinstance(ev.op, Refused) else ev.type
 
 
 def _tokens(ev: Event) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..engine.api import ADAMW
 from ..store import ApiKey, Checkpoint, EventRecord, SamplingRun, Session, Store, TrainingRun
+from ..uris import as_trio_uri
 from .errors import Conflict, InvalidRequest, NotFound, Unauthorized
 
 
@@ -62,8 +63,9 @@ class Ownership:
         )
 
     def checkpoint_by_uri(self, key: ApiKey, uri: str) -> Checkpoint:
+        """The key's checkpoint at `uri`, in trio:// or Tinker's tinker:// form."""
         return owned(
-            self.store.checkpoint_by_uri((uri or "").strip()),
+            self.store.checkpoint_by_uri(_trio(uri)),
             key,
             f"checkpoint {uri!r}",
             "checkpoint_not_found",
@@ -72,9 +74,7 @@ class Ownership:
 
     def readable_by_uri(self, key: ApiKey, uri: str) -> Checkpoint:
         """A checkpoint the key owns or one its owner published (to sample, restore or download)."""
-        return self._readable(self.store.checkpoint_by_uri((uri or "").strip())) or self.checkpoint_by_uri(
-            key, uri
-        )
+        return self._readable(self.store.checkpoint_by_uri(_trio(uri))) or self.checkpoint_by_uri(key, uri)
 
     def readable(self, key: ApiKey, checkpoint_id: str) -> Checkpoint:
         return self._readable(self.store.checkpoint(checkpoint_id)) or self.checkpoint(key, checkpoint_id)
@@ -144,3 +144,13 @@ class Ownership:
         a run's family never changes)."""
         run = self.store.training_run(ck.training_run_id)
         return run.optimizer_family if run is not None else ADAMW
+
+
+def _trio(uri: str) -> str:
+    """A checkpoint URI as the store keys it (trio://), from either form; one that is neither is
+    kept as it is, and found nowhere."""
+    uri = (uri or "").strip() if isinstance(uri, str) else ""
+    try:
+        return as_trio_uri(uri)
+    except ValueError:
+        return uri

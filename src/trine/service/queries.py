@@ -134,12 +134,21 @@ class Queries:
 
     # ------------------------------------------------------------------ checkpoints, usage
     def checkpoints(
-        self, key: ApiKey, *, training_run_id: str | None = None, limit: int | None = None, offset: int = 0
+        self,
+        key: ApiKey,
+        *,
+        training_run_id: str | None = None,
+        on_disk: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
     ) -> tuple[list[Checkpoint], int]:
-        """A page of the key's checkpoints (of one of its training runs), oldest first, and the count."""
+        """A page of the key's checkpoints (of one of its training runs; `on_disk`: not in-memory
+        snapshots), oldest first, and the count."""
         if training_run_id is not None:
             self._ownership.training_run(key, training_run_id)
-        return self._store.checkpoints(key.id, training_run_id=training_run_id, limit=limit, offset=offset)
+        return self._store.checkpoints(
+            key.id, training_run_id=training_run_id, on_disk=on_disk, limit=limit, offset=offset
+        )
 
     def usage_events(
         self,

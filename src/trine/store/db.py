@@ -399,12 +399,17 @@ class Store:
         *,
         training_run_id: str | None = None,
         visibility: str | None = None,
+        on_disk: bool = False,
         limit: int | None = None,
         offset: int = 0,
     ) -> tuple[list[Checkpoint], int]:
+        """A page of checkpoints, oldest first, and how many match; `on_disk`: only those with a
+        directory (not in-memory sampler snapshots), counted and paged alike."""
         where, args = self._filters(
             api_key_id=api_key_id, training_run_id=training_run_id, visibility=visibility
         )
+        if on_disk:
+            where += " AND path != ''"
         rows = self._select("checkpoints", where, args, order="created_at", limit=limit, offset=offset)
         return rows, self._count("checkpoints", where, args)
 

@@ -45,8 +45,12 @@ class TokenSigner:
         )
         return token, float(int(exp))
 
-    def verify(self, token: str | None, kind: str | tuple[str, ...]) -> dict:
+    def verify(self, token: str | None, kind: str | tuple[str, ...], url: str = "") -> dict:
+        """The token's claims. `url` names the signed URL it came in (`download URL`): the refusals
+        then say to ask for a new one, not to renew an actor token."""
         if not token:
+            if url:
+                raise Unauthorized(f"this {url} lacks its ?token=: use the whole URL, or ask for a new {url}")
             raise Unauthorized(
                 "send the actor token as `Authorization: Bearer <token>` (renew it through the control plane)"
             )
@@ -58,11 +62,13 @@ class TokenSigner:
                 options={"require": ["exp", "sub", "key", "kind"]},
             )
         except jwt.ExpiredSignatureError:
-            raise Unauthorized(
-                "the actor token expired; renew it through the control plane", code="token_expired"
-            ) from None
+            fix = f"ask for a new {url}" if url else "renew it through the control plane"
+            what = f"this {url}'s token" if url else "the actor token"
+            raise Unauthorized(f"{what} expired; {fix}", code="token_expired") from None
         except jwt.InvalidTokenError:
-            raise Unauthorized("the actor token is not valid for this server", code="invalid_token") from None
+            what = f"this {url}'s token" if url else "the actor token"
+            fix = f"; ask for a new {url}" if url else ""
+            raise Unauthorized(f"{what} is not valid for this server{fix}", code="invalid_token") from None
         kinds = (kind,) if isinstance(kind, str) else kind
         if claims["kind"] not in kinds:
             raise Unauthorized(

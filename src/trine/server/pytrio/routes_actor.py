@@ -75,7 +75,7 @@ async def submit_event(request: Request):
             f"training run {env.metadata.run_id} not found (this token is for {run_id})",
             code="training_run_not_found",
         )
-    rec = await svc.events.submit(
+    rec = await svc.events.submit_or_refuse(  # a refused event fails alone: the client's later ones go on
         key,
         run_id,
         event_id=env.event_id,
@@ -84,6 +84,7 @@ async def submit_event(request: Request):
         command=command,
         fingerprint=fingerprint,
         notes=notes,
+        shown_as=env.type,
     )
     return Response(envelope(svc, rec), status_code=200 if rec.response else 202, media_type=MSGPACK)
 

@@ -17,6 +17,7 @@ from ...service import (
     ApiKey,
     NotFound,
 )
+from ...service.checkpoints import downloadable
 from ..http.auth import iso
 from ..http.bounds import INT64_MAX
 from ..http.context import api_key, parse_json, parse_model, service_of, signer_of
@@ -302,7 +303,7 @@ async def delete_checkpoint(checkpoint_id: str, request: Request, key: ApiKey = 
 
 @router.get("/openapi/v1/checkpoints/{checkpoint_id}/download-url")
 async def download_url(checkpoint_id: str, request: Request, key: ApiKey = Depends(api_key)):
-    c = service_of(request).ownership.checkpoint(key, checkpoint_id)
+    c = downloadable(service_of(request).ownership.checkpoint(key, checkpoint_id))
     token, exp = signer_of(request).issue(key_id=key.id, subject=c.id, kind="download")
     return {
         "url": f"{request.base_url}files/{c.id}?token={token}",
@@ -321,7 +322,7 @@ files_router = APIRouter()
 async def download(checkpoint_id: str, request: Request, token: str = Query("")):
     """The checkpoint directory as a tar file. The URL carries its own short-lived token (clients
     fetch it without auth headers); Range requests resume a partial download."""
-    claims = signer_of(request).verify(token, "download")
+    claims = signer_of(request).verify(token, "download", url="download URL")
     svc = service_of(request)
     if claims["sub"] != checkpoint_id:
         raise NotFound(f"checkpoint {checkpoint_id} not found", code="checkpoint_not_found")

@@ -172,15 +172,21 @@ def decode_msgpack(body: bytes) -> dict:
     return obj
 
 
-def parse_event(body: bytes, model: ModelView | None = None) -> tuple[Envelope, TrainingCommand, str, dict]:
-    """The envelope, the command (its data's images read for the run's `model`), the request's
+def parse_event(
+    body: bytes, model: ModelView | None = None
+) -> tuple[Envelope, TrainingCommand | InvalidRequest, str, dict]:
+    """The envelope, the command (its data's images read for the run's `model`; the refusal where
+    the envelope is sound but its payload is not), the request's
     fingerprint (type, index, step and payload: what a retry must repeat; the timestamp and SDK
     fields may differ), and the notes its answer is shaped by (`auto_shift`: shapes.unshift undoes
     the shift on the answer)."""
     env = parse_model(Envelope, decode_msgpack(body))
     if env.type not in EVENT_TYPES:
         raise InvalidRequest(f"type {env.type!r} is not an event type; use one of {', '.join(EVENT_TYPES)}")
-    command = parse_command(env.type, env.payload, model)
+    try:
+        command = parse_command(env.type, env.payload, model)
+    except InvalidRequest as refusal:  # the envelope is sound: the event takes its index, and fails
+        command = refusal
     packed = msgpack.packb([env.type, env.metadata.index, env.metadata.step, env.payload], use_bin_type=True)
     notes = (
         {"auto_shift": True}

@@ -26,6 +26,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from ...engine.api import FULL_RANK
 from ...limits import INT64_MAX, MAX_PAGE_SIZE
 from ...service import ApiKey, Checkpoint, InvalidRequest, NotFound, Service
+from ...service.checkpoints import downloadable
 from ..http.context import json_model, json_object, parse_model, service_of, signer_of
 from .bodies import TtlBody, WeightsInfoBody
 from .shapes import checkpoint_json, training_run_json
@@ -81,8 +82,8 @@ async def get_training_run(run_id: str, request: Request):
 @router.get("/training_runs/{run_id}/checkpoints")
 async def run_checkpoints(run_id: str, request: Request):
     svc, st, key = caller(request)
-    rows, _ = svc.queries.checkpoints(key, training_run_id=_run_id(st, key, run_id))
-    return {"checkpoints": [checkpoint_json(c) for c in rows if c.path]}
+    rows, _ = svc.queries.checkpoints(key, training_run_id=_run_id(st, key, run_id), on_disk=True)
+    return {"checkpoints": [checkpoint_json(c) for c in rows]}
 
 
 @router.get("/checkpoints")
@@ -92,9 +93,9 @@ async def list_checkpoints(
     offset: int = Query(0, ge=0, le=INT64_MAX),
 ):
     svc, _, key = caller(request)
-    rows, total = svc.queries.checkpoints(key, limit=limit, offset=offset)
-    return {
-        "checkpoints": [checkpoint_json(c) for c in rows if c.path],
+    rows, total = svc.queries.checkpoints(key, on_disk=True, limit=limit, offset=offset)
+    return {  # in-memory snapshots are neither listed nor counted: every page up to the total is full
+        "checkpoints": [checkpoint_json(c) for c in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},
     }
 
@@ -178,12 +179,7 @@ async def unpublish(run_id: str, kind: str, name: str, request: Request):
 # ---------------------------------------------------------------------------- downloads
 def _signed(request: Request, key: ApiKey, ck: Checkpoint, path: str) -> tuple[str, datetime]:
     """A URL on this server for `path` (under /api/v1) that carries its own download token."""
-    if not ck.path:
-        raise InvalidRequest(
-            f"checkpoint {ck.uri} is a temporary snapshot held in memory and has no "
-            "files; save it with a name to download it",
-            code="checkpoint_not_downloadable",
-        )
+    downloadable(ck)
     token, exp = signer_of(request).issue(key_id=key.id, subject=ck.id, kind="download")
     return (f"{request.base_url}api/v1/{path}?token={token}", datetime.fromtimestamp(exp, timezone.utc))
 
@@ -220,7 +216,7 @@ def _files(ck: Checkpoint) -> list[Path]:
 
 def _by_token(request: Request, checkpoint_id: str, token: str) -> tuple[Service, Checkpoint]:
     """The checkpoint a download token was issued for (to its key, which may still read it)."""
-    claims = signer_of(request).verify(token, "download")
+    claims = signer_of(request).verify(token, "download", url="download URL")
     svc = service_of(request)
     if claims["sub"] != checkpoint_id:
         raise NotFound("checkpoint not found", code="checkpoint_not_found")

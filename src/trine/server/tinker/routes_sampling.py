@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 
 from ...engine.api import SampleCancelled
 from ...limits import MAX_SAMPLE_BYTES
-from ...service import ApiKey, InvalidRequest, SamplingRunSpec, Service
+from ...service import ApiKey, Conflict, InvalidRequest, SamplingRunSpec, Service
 from ...uris import to_tinker_path
 from ..http.context import json_model, json_object, parse_model
 from . import shapes, to_api
@@ -39,12 +39,19 @@ router = APIRouter(prefix="/api/v1")
 def sampling_session(
     svc: Service, st: TinkerState, key: ApiKey, session_id: str, seq: int, base_model: str, source_uri: str
 ) -> str:
-    """The sampling run behind (session, sampling_session_seq_id), created once (retries reuse it)."""
+    """The sampling run behind (session, sampling_session_seq_id), created once: a retry (the same
+    model) gets it again, another model under the same seq is refused, as a reused seq_id is."""
     known = st.samplers.get((session_id, seq))
-    if known is not None and svc.ownership.sampling_run(key, known):
-        return known
+    if known is not None and svc.ownership.sampling_run(key, known[0]):
+        if known[1:] != (base_model, source_uri):
+            raise Conflict(
+                f"sampling_session_seq_id {seq}: already used in session {session_id} for another model; "
+                "each sampling client of a session takes the next seq",
+                code="sampling_session_seq_id_reused",
+            )
+        return known[0]
     r = svc.runs.create_sampling_run(key, session_id, SamplingRunSpec(base_model, source_uri))
-    st.samplers[(session_id, seq)] = r.id
+    st.samplers[(session_id, seq)] = (r.id, base_model, source_uri)
     return r.id
 
 
@@ -55,6 +62,8 @@ async def create_sampling_session(request: Request):
     parse_model(SamplingSessionBody, b)
     if not isinstance(b.get("session_id"), str) or not isinstance(b.get("sampling_session_seq_id"), int):
         raise InvalidRequest("body: send session_id and sampling_session_seq_id")
+    if b["sampling_session_seq_id"] < 0:
+        raise InvalidRequest(f"sampling_session_seq_id {b['sampling_session_seq_id']}: must be 0 or more")
     uri = to_trio_uri(b["model_path"], "model_path") if b.get("model_path") else ""
     if not uri and not b.get("base_model"):
         raise InvalidRequest("create_sampling_session: send base_model or model_path")

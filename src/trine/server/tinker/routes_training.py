@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
+import json
 from typing import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from ...engine.api import FULL_RANK, Refused
+from ...engine.api import FULL_RANK
 from ...limits import MAX_EVENT_BYTES
 from ...service import (
     ApiKey,
@@ -31,11 +33,10 @@ from ...service import (
     SaveByName,
     Service,
     ServiceError,
-    TooManyRequests,
     TrainingCommand,
 )
 from ...uris import to_tinker_path
-from ..http.context import json_model, read_body
+from ..http.context import json_model, json_object, parse_model, read_body
 from . import shapes, to_api
 from .bodies import (
     PROTOBUF,
@@ -49,7 +50,7 @@ from .bodies import (
     decompress,
 )
 from .custom_losses import stored_loss
-from .errors import REUSED, public_message
+from .errors import public_message
 from .futures import Failure, Reply
 from .state import Model, TinkerState, caller, model_id_of, optimizer_config, to_trio_uri
 
@@ -77,6 +78,48 @@ async def _settled(svc: Service, key: ApiKey, run_id: str, event_id: str):
 Shape = Callable[[EventResult], Awaitable[Reply]]
 
 
+class _RefusedBody(Exception):
+    """A numbered call (model_id, seq_id) whose other fields its body model refused."""
+
+    def __init__(self, call: ModelCall, refusal: InvalidRequest, raw: dict):
+        super().__init__(refusal.message)
+        self.call, self.refusal = call, refusal
+        self.raw = json.dumps(raw, sort_keys=True, default=str).encode()  # its fingerprint's body
+
+
+async def _numbered_body(request: Request, cls):
+    """The body of a numbered call as `cls` (a ModelCall). Where its model_id and seq_id are sound
+    but another field is refused, `_RefusedBody` carries the refusal to `numbered`."""
+    raw = await json_object(request)
+    try:
+        return parse_model(cls, raw)
+    except InvalidRequest as refusal:
+        try:
+            call = parse_model(ModelCall, {"model_id": raw.get("model_id"), "seq_id": raw.get("seq_id")})
+        except InvalidRequest:
+            raise refusal from None  # no sound (model_id, seq_id): nothing to number, a plain 400
+        if call.seq_id is None:
+            raise
+        raise _RefusedBody(call, refusal, raw) from None
+
+
+def numbered(handler):
+    """A route of numbered calls: a call whose body is refused (`_numbered_body`) still takes its
+    seq_id, as `_submit` lets any refused call, so the SDK's later calls do not wait for it."""
+
+    @functools.wraps(handler)
+    async def route(request: Request):
+        try:
+            return await handler(request)
+        except _RefusedBody as r:
+            svc, st, key = caller(request)
+            m = st.model(key, r.call.model_id)
+            reply = _json_reply({"model_id": r.call.model_id})
+            return await _submit(svc, st, key, r.call.model_id, m, r.call.seq_id, r.refusal, reply, r.raw)
+
+    return route
+
+
 async def _submit(
     svc: Service,
     st: TinkerState,
@@ -84,7 +127,7 @@ async def _submit(
     model_id: str,
     m: Model,
     seq_id: int,
-    command: TrainingCommand | InvalidRequest,
+    command: TrainingCommand | ServiceError,
     shape: Shape,
     body: BaseModel | bytes,
 ) -> dict:
@@ -94,27 +137,15 @@ async def _submit(
     as a placeholder that fails with the message: the SDK has numbered the call, and its later
     calls must not wait for it."""
     event_id = f"tk-{m.run_id}-{seq_id}"
-    fingerprint = _fingerprint(body)
-
-    async def submit(command: TrainingCommand) -> None:
-        await svc.events.submit(
-            key,
-            m.run_id,
-            event_id=event_id,
-            index=seq_id + 1,
-            step=0,
-            command=command,
-            fingerprint=fingerprint,
-        )
-
-    try:
-        if isinstance(command, InvalidRequest):
-            raise command
-        await submit(command)
-    except ServiceError as e:
-        if e.code in REUSED or isinstance(e, TooManyRequests):  # nothing took the index (a retry may)
-            raise
-        await submit(Refused(code=e.code, message=e.message))
+    await svc.events.submit_or_refuse(
+        key,
+        m.run_id,
+        event_id=event_id,
+        index=seq_id + 1,
+        step=0,
+        command=command,
+        fingerprint=_fingerprint(body),
+    )
 
     async def finish() -> Reply:
         return await shape(_outcome(await _settled(svc, key, m.run_id, event_id)))
@@ -186,9 +217,10 @@ async def create_model(request: Request):
 
 
 @router.post("/load_weights")
+@numbered
 async def load_weights(request: Request):
     svc, st, key = caller(request)
-    b = await json_model(request, LoadBody)
+    b = await _numbered_body(request, LoadBody)
     reply = {"type": "load_weights", "path": b.path}
     if b.session_id is not None:  # create-from-state: the model's seq 0, no create_model first
         uri = to_trio_uri(b.path)
@@ -306,9 +338,10 @@ def _seq(b: ModelCall) -> int:
 
 
 @router.post("/optim_step")
+@numbered
 async def optim_step(request: Request):
     svc, st, key = caller(request)
-    b = await json_model(request, OptimStepBody)
+    b = await _numbered_body(request, OptimStepBody)
     m = st.model(key, b.model_id)
 
     command = _command_or_refusal(lambda: to_api.optim_step(b))
@@ -330,7 +363,7 @@ async def _save(request: Request, sampler: bool) -> dict:
     """save_weights (a training state) or save_weights_for_sampler: named and persistent, or (no
     path) an in-memory snapshot plus a sampling session on it."""
     svc, st, key = caller(request)
-    b = await json_model(request, SaveBody)
+    b = await _numbered_body(request, SaveBody)
     m = st.model(key, b.model_id)
     seq = _seq(b)
     type_ = "save_weights_for_sampler" if sampler else "save_weights"
@@ -349,23 +382,26 @@ async def _save(request: Request, sampler: bool) -> dict:
 
 
 @router.post("/save_weights")
+@numbered
 async def save_weights(request: Request):
     return await _save(request, sampler=False)
 
 
 @router.post("/save_weights_for_sampler")
+@numbered
 async def save_weights_for_sampler(request: Request):
     return await _save(request, sampler=True)
 
 
 @router.post("/save_weights_external")
+@numbered
 async def save_weights_external(request: Request):
     """The model as a Hugging Face directory (safetensors, config, tokenizer, chat template): a LoRA
     run's adapter merged into the base weights by the code `trine export --merged` runs, a full
     run's own weights. It is checkpoint `tinker://<run>/external_weights/<name>`, whose files
     `external_weights_urls` signs (routes_checkpoints.py)."""
     svc, st, key = caller(request)
-    b = await json_model(request, SaveExternalBody)
+    b = await _numbered_body(request, SaveExternalBody)
     m = st.model(key, b.model_id)
 
     async def shape(res):

@@ -55,7 +55,8 @@ class StoredLoss:
 @dataclass
 class TinkerState:
     models: dict[str, Model] = field(default_factory=dict)  # tinker model id -> its training run
-    samplers: dict[tuple[str, int], str] = field(default_factory=dict)  # (session, seq) -> sampling run
+    # (session, sampling_session_seq_id) -> (sampling run, base_model, source uri) it was made for
+    samplers: dict[tuple[str, int], tuple[str, str, str]] = field(default_factory=dict)
     futures: FutureTable = field(default_factory=FutureTable)
     stability: StabilityRecords = field(default_factory=StabilityRecords)
     custom_losses: dict[str, StoredLoss] = field(default_factory=dict)  # loss id -> its graph

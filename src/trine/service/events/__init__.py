@@ -26,7 +26,12 @@ Invariants
 - An event whose engine replica is lost fails at once with `worker_lost`.
 - An event that arrives before a lower index waits at most `missing_index_seconds` for it; then it
   fails with `event_index_missing`, naming the index that never arrived, and leaves the queue (its
-  index may be sent again). A refused event (a 4xx/5xx answer) takes no index.
+  index may be sent again). A refused event (a 4xx/5xx answer) takes no index; but clients that
+  number their calls (Tinker's seq_id, PyTRIO's event index) submit through `submit_or_refuse`,
+  where a command refused for its content still takes its index, as a `Refused` event stored under
+  the type it was sent as, which fails with the refusal: only that call fails, and the client's
+  later ones do not wait for the index (the official PyTRIO client treats any refused submit as
+  fatal to its training client).
 - New work passes the `WorkGate` (gate.py) first: none while the server drains for shutdown, none
   without the disk space it may need. A full disk while settling keeps the result in memory
   (readable, `unstored`) instead of losing it.

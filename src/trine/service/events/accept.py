@@ -21,10 +21,13 @@ from ...limits import (
 from ...store import ApiKey, EventRecord, TrainingRun
 from ...store.keys import new_id
 from .. import commands
-from ..errors import Conflict, InvalidRequest
+from ..errors import Conflict, InvalidRequest, ServiceError, TooManyRequests
 from ..models import Replica, ServedModel, resolve_model
 from .event import Event
 from .state import EventsState
+
+# refusals that leave the event's index free (the same id's first request holds it, or a retry may)
+TAKES_NO_INDEX = ("event_id_reused", "request_id_reused")
 
 
 class Accepting(EventsState):
@@ -59,6 +62,36 @@ class Accepting(EventsState):
             fingerprint,
             lambda: self._accept(key, run_id, stored_id, index, step, command, fingerprint, notes or {}),
         )
+
+    async def submit_or_refuse(
+        self,
+        key: ApiKey,
+        run_id: str,
+        *,
+        event_id: str,
+        index: int,
+        step: int,
+        command: commands.TrainingCommand | ServiceError,
+        fingerprint: str = "",
+        notes: dict | None = None,
+        shown_as: str = api.REFUSED,
+    ) -> EventRecord:
+        """`submit`, except that a command refused here or by its front end (`command` a
+        ServiceError) still takes its index: as a `Refused` event (stored and answered as type
+        `shown_as`, the type the request came as) that fails with the refusal. A
+        client that numbers its calls (Tinker's seq_id, PyTRIO's index) then sees only that call
+        fail, not every later call wait for the index. A refusal that took no index (a reused event
+        id, a key over its limits) is raised: a retry may still take it."""
+        args = dict(event_id=event_id, index=index, step=step, fingerprint=fingerprint, notes=notes)
+        try:
+            if isinstance(command, ServiceError):
+                raise command
+            return await self.submit(key, run_id, command=command, **args)
+        except ServiceError as e:
+            if e.code in TAKES_NO_INDEX or isinstance(e, TooManyRequests):
+                raise
+            refused = api.Refused(code=e.code, message=e.message, shown_as=shown_as)
+            return await self.submit(key, run_id, command=refused, **args)
 
     async def _accept(
         self,
@@ -162,6 +195,8 @@ class Accepting(EventsState):
                 f"checkpoint {c.checkpoint_uri} holds {'full' if ck.lora_rank == api.FULL_RANK else 'LoRA'} "
                 "weights and this run trains the other kind: create a new training client from it"
             )
+        if r.lora_rank != api.FULL_RANK:
+            _same_lora_shape(c.checkpoint_uri, ck, r)
         saved = self.ownership.checkpoint_optimizer(ck)
         if c.load_optimizer and saved != r.optimizer_family:
             raise InvalidRequest(
@@ -235,3 +270,20 @@ def _invalid_unless(check, value, **options) -> None:
         check(value, **options)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
+
+
+LORA_SHAPE = ("lora_rank", "train_attn", "train_mlp", "train_unembed")
+
+
+def _same_lora_shape(uri: str, ck, r: TrainingRun) -> None:
+    """A LoRA checkpoint loads into a run of its own shape only: another rank or other targets
+    would leave the run's recorded shape (get_info, listings, later saves' metadata) untrue."""
+    differ = [f for f in LORA_SHAPE if getattr(ck, f) != getattr(r, f)]
+    if differ:
+        theirs = ", ".join(f"{f} {getattr(ck, f)}" for f in differ)
+        ours = ", ".join(f"{f} {getattr(r, f)}" for f in differ)
+        raise InvalidRequest(
+            f"{differ[0]}: checkpoint {uri} has {theirs}; this training run has {ours}. Load it into a "
+            "run of its shape: create a new training client from it (create_training_client_from_state)",
+            code="checkpoint_shape_mismatch",
+        )
