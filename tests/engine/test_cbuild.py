@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,23 @@ def test_each_kernel_path_builds_its_own_library(tmp_path, monkeypatch):
         paths[level] = lib._name
     assert len(set(paths.values())) == 3
     assert {Path(p).parent for p in paths.values()} == {tmp_path / "kernels"}
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler here")
+def test_every_kernel_builds_where_a_compiler_is(tmp_path, monkeypatch):
+    """The kernels' own tests skip where a kernel is not built (no compiler): a source that does
+    not compile must fail here instead of skipping them."""
+    monkeypatch.setenv("TRINE_KERNEL_DIR", str(tmp_path / "kernels"))
+    for source in sorted(Path(cbuild.__file__).parent.glob("*.c")):
+        cbuild.build(source)  # raises with the compiler's message
+
+
+def test_an_edited_header_builds_anew(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRINE_KERNEL_DIR", str(tmp_path / "kernels"))
+    (tmp_path / "one.h").write_text("static inline int one(void) { return 1; }\n")
+    src = tmp_path / "uses.c"
+    src.write_text('#include "one.h"\nint f(void) { return one(); }\n')
+    first = cbuild.build(src)._name
+    (tmp_path / "one.h").write_text("static inline int one(void) { return 2; }\n")
+    second = cbuild.build(src)
+    assert second._name != first and second.f() == 2

@@ -7,9 +7,9 @@ to), into `kernel_dir()`, and loaded with ctypes. The OpenMP runtime they link i
 already loaded (the same soname), so they run on torch's threads.
 
 Invariants
-- A built library is named by a hash of its source, flags (the -march among them), compiler
-  version and CPU model and flags: an edit, another compiler, another CPU or another instruction
-  set level builds anew; nothing stale is ever loaded.
+- A built library is named by a hash of its source and the local headers it includes, flags (the
+  -march among them), compiler version and CPU model and flags: an edit, another compiler, another
+  CPU or another instruction set level builds anew; nothing stale is ever loaded.
 - The kernels follow torch's kernel path: where `ATEN_CPU_CAPABILITY` holds torch to a lower
   instruction set than the CPU's (the test suite's second kernel path, `make test-portable`), they
   are built for that level too, so they are tested on the code a CPU of that level runs.
@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import tempfile
 import threading
@@ -66,6 +67,14 @@ def cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
+def _text_with_headers(source: Path) -> str:
+    """The source and the local headers it includes (`#include "x.h"`, beside it): what a build
+    is keyed by, so an edited header builds anew too."""
+    text = source.read_text()
+    headers = re.findall(r'^#include "([^"]+)"', text, flags=re.M)
+    return "\0".join([text, *((source.parent / h).read_text() for h in headers)])
+
+
 def build(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Compile `source` with BASE_FLAGS + `flags` (or reuse its build) and load it. Raises
     OSError, RuntimeError or subprocess.SubprocessError where it cannot be built."""
@@ -73,7 +82,7 @@ def build(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
     all_flags = [*BASE_FLAGS, march_flag(), *flags]
     key = hashlib.sha256(
-        "\0".join([source.read_text(), cc, version, " ".join(all_flags), cpu_identity()]).encode()
+        "\0".join([_text_with_headers(source), cc, version, " ".join(all_flags), cpu_identity()]).encode()
     ).hexdigest()[:16]
     path = kernel_dir() / f"{source.stem}-{key}.so"
     if not path.exists():

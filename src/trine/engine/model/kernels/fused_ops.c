@@ -17,20 +17,10 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define PARALLEL_FLOATS 32768 /* below this, one thread: a parallel region costs more */
 
-static inline float widen(uint16_t h) {
-    union { uint32_t u; float f; } x = {.u = (uint32_t)h << 16};
-    return x.f;
-}
-
-static inline uint16_t narrow(float f) { /* to nearest, ties to even, as torch; NaN stays NaN */
-    union { float f; uint32_t u; } x = {.f = f};
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u);
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16(float f) { return widen(narrow(f)); } /* f rounded to bf16, as fp32 */
 
 void rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t n, int64_t d,
               float eps, int threads) {
