@@ -405,3 +405,8 @@ def test_max_completion_tokens_is_named_as_sent(server):
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+
+
+def test_a_sampling_run_without_a_model_names_the_field(client):
+    r = client.control("POST", f"service-sessions/{client.session()}/sampling-runs", json={})
+    assert r.status_code == 400 and "base_model: required" in r.json()["message"], r.text

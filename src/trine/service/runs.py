@@ -284,6 +284,8 @@ class Runs:
                     f"base_model {spec.base_model!r} differs from the checkpoint's base "
                     f"model {ck.base_model!r}"
                 )
+        elif not spec.base_model:
+            raise InvalidRequest("base_model: required (or source_checkpoint_uri, to sample a checkpoint)")
         else:
             m = resolve_model(self.models, spec.base_model)
         owner = ck.training_run_id if ck else ""
