@@ -144,7 +144,7 @@ def test_engine_keeps_the_plain_sum_without_a_denominator(tiny_model_dir, tiny_m
         )
 
 
-def test_totals_smaller_than_the_chunk_are_refused_before_queueing(trio):
+def test_totals_smaller_than_the_chunk_are_refused_before_running(trio):
     srv = trio.server
     raw = RawClient(srv.url, srv.api_key)
     try:
@@ -168,10 +168,12 @@ def test_totals_smaller_than_the_chunk_are_refused_before_queueing(trio):
                 "total_advantage_tokens": 0,
             },
         }
-        r = raw.submit(run, event("event_normbad00001", "forward_backward", 2, payload))
-        assert r.status_code == 400 and "gradient_accumulation.total_active_tokens" in r.json()["message"]
+        # refused before anything runs: the event takes its index and fails naming the field (the
+        # official client treats an error answer to a submit as fatal to its training client)
+        err = raw.refused(run, event("event_normbad00001", "forward_backward", 2, payload))
+        assert "gradient_accumulation.total_active_tokens" in err["message"]
         payload["gradient_accumulation"]["total_active_tokens"] = 12
-        r = raw.submit(run, event("event_normgood0001", "forward_backward", 2, payload))  # index 2 is free
+        r = raw.submit(run, event("event_normgood0001", "forward_backward", 3, payload))
         assert r.status_code in (200, 202)
         assert raw.wait(run, "event_normgood0001")["status"] == "succeeded"
     finally:
