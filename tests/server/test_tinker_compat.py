@@ -373,7 +373,8 @@ def test_every_key_has_a_tml_form_that_is_the_same_key(tmp_path):
         rec, secret = store.create_key("k")
         assert tinker_form(secret) == "tml-" + secret
         assert store.key_by_secret(tinker_form(secret)).id == store.key_by_secret(secret).id == rec.id
-        assert store.key_by_secret("tml-" + secret[:-1] + "x") is None
+        other = "y" if secret.endswith("x") else "x"  # a secret may end in "x" (1 in 64)
+        assert store.key_by_secret("tml-" + secret[:-1] + other) is None
         assert store.key_by_secret(secret[len("trine-") :]) is None  # the prefix is not optional
         store.revoke_key(rec.id)
         assert store.key_by_secret(tinker_form(secret)) is None
