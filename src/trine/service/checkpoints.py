@@ -152,11 +152,10 @@ class Checkpoints:
     async def archive(self, ck: Checkpoint, flat: bool = False) -> Path:
         """A tar file of the checkpoint directory (built once, atomically), for downloads: its files
         under one directory named after the checkpoint, or (`flat`) at the top of the archive."""
-        if ck.path and not Path(ck.path).is_dir():
+        if not Path(downloadable(ck).path).is_dir():
             raise Conflict(
                 f"checkpoint {ck.uri} has no files to download", code="checkpoint_not_downloadable"
             )
-        downloadable(ck)
         tar = self.archive_path(ck.id, flat)
         if not tar.is_file():
             await asyncio.get_running_loop().run_in_executor(None, _write_tar, Path(ck.path), tar, flat)

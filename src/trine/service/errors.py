@@ -6,6 +6,9 @@ They subclass ValueError (bad input is a ValueError throughout trine). The serve
 
 from __future__ import annotations
 
+# a request id (event or sample) reused with another body: the 409 Conflicts of SingleFlight checks
+REUSED_CODES = ("event_id_reused", "request_id_reused")
+
 
 class ServiceError(ValueError):
     status = 400

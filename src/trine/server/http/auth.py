@@ -48,12 +48,12 @@ class TokenSigner:
     def verify(self, token: str | None, kind: str | tuple[str, ...], url: str = "") -> dict:
         """The token's claims. `url` names the signed URL it came in (`download URL`): the refusals
         then say to ask for a new one, not to renew an actor token."""
+        what = f"this {url}'s token" if url else "the actor token"
+        renew = f"ask for a new {url}" if url else "renew it through the control plane"
         if not token:
             if url:
-                raise Unauthorized(f"this {url} lacks its ?token=: use the whole URL, or ask for a new {url}")
-            raise Unauthorized(
-                "send the actor token as `Authorization: Bearer <token>` (renew it through the control plane)"
-            )
+                raise Unauthorized(f"this {url} lacks its ?token=: use the whole URL, or {renew}")
+            raise Unauthorized(f"send the actor token as `Authorization: Bearer <token>` ({renew})")
         try:
             claims = jwt.decode(
                 token,
@@ -62,12 +62,9 @@ class TokenSigner:
                 options={"require": ["exp", "sub", "key", "kind"]},
             )
         except jwt.ExpiredSignatureError:
-            fix = f"ask for a new {url}" if url else "renew it through the control plane"
-            what = f"this {url}'s token" if url else "the actor token"
-            raise Unauthorized(f"{what} expired; {fix}", code="token_expired") from None
+            raise Unauthorized(f"{what} expired; {renew}", code="token_expired") from None
         except jwt.InvalidTokenError:
-            what = f"this {url}'s token" if url else "the actor token"
-            fix = f"; ask for a new {url}" if url else ""
+            fix = f"; {renew}" if url else ""
             raise Unauthorized(f"{what} is not valid for this server{fix}", code="invalid_token") from None
         kinds = (kind,) if isinstance(kind, str) else kind
         if claims["kind"] not in kinds:

@@ -71,9 +71,8 @@ class BodyLimit:
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
             message = f"body: {int(declared)} bytes exceeds the limit of {limit} bytes for {scope['path']}"
-            return await send_error(
-                send, self.shaped(scope["path"], 413, "request_too_large", message), 413, True
-            )
+            body = self.shaped(scope["path"], 413, "request_too_large", message)
+            return await send_error(send, body, 413, close=True)
         chunks, size = [], 0
         while True:
             try:

@@ -325,22 +325,11 @@ def serves(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in PREFIXES)
 
 
-# the routes under each prefix and their methods, for a wrong method's 405
-_METHODS = {
-    "/models": "GET",
-    "/chat/completions": "POST",
-    "/completions": "POST",
-    "/tokenize": "POST",
-    "/detokenize": "POST",
-    "/tokenizer_info": "GET",
-}
-
-
 async def unknown_route(request: Request):
     path = request.url.path
-    route = next((path[len(p) :] for p in PREFIXES if path.startswith(p + "/")), "")
-    allowed = _METHODS.get(route) or ("GET" if route.startswith("/models/") else None)
-    if allowed:
+    served = [r for r in router.routes if r.name != "unknown_route" and r.path_regex.match(path)]
+    if served:  # a route of ours, asked with another method
+        allowed = ", ".join(sorted({m for r in served for m in r.methods}))
         raise OpenAIError(
             405,
             f"{request.method} {path}: this route takes {allowed}",

@@ -136,15 +136,15 @@ def _tools(tools: Any) -> dict[str, dict]:
         if name in out:
             raise bad_param(f"{at}.function.name", f"{name!r} is defined twice")
         params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad_param(f"{at}.function.parameters", "must be a JSON schema object")
-        if params is not None and params.get("type", "object") != "object":
-            raise bad_param(
-                f"{at}.function.parameters",
-                f'must be an object schema ("type": "object"): a call\'s arguments are named; got "type": '
-                f"{json.dumps(params.get('type'))}",
-            )
         if params is not None:
+            if not isinstance(params, dict):
+                raise bad_param(f"{at}.function.parameters", "must be a JSON schema object")
+            if params.get("type", "object") != "object":
+                raise bad_param(
+                    f"{at}.function.parameters",
+                    f'must be an object schema ("type": "object"): a call\'s arguments are named; got '
+                    f'"type": {json.dumps(params.get("type"))}',
+                )
             _checked(partial(grammars.json_schema, params), f"{at}.function.parameters")
         out[name] = {
             "type": "function",

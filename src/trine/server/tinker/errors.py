@@ -20,6 +20,7 @@ import re
 from fastapi.responses import JSONResponse
 
 from ...service import ServiceError
+from ...service.errors import REUSED_CODES
 from ...uris import to_tinker_path
 from ..http.refusals import public_message as without_server_paths
 from ..http.refusals import retry_headers
@@ -36,7 +37,7 @@ _NOT_OWNED = {
     "(create_sampling_client or save_weights_and_get_sampling_client)",
     "event_not_found": "request not found: use a request_id this API key submitted",
 }
-REUSED = ("event_id_reused", "request_id_reused")
+REUSED = REUSED_CODES
 _REUSED_MESSAGE = (
     "seq_id: already used by this client for a different request; a retry must resend the "
     "same body, and a new call takes the next seq_id"

@@ -21,13 +21,10 @@ from ...limits import (
 from ...store import ApiKey, EventRecord, TrainingRun
 from ...store.keys import new_id
 from .. import commands
-from ..errors import Conflict, InvalidRequest, ServiceError, TooManyRequests
+from ..errors import REUSED_CODES, Conflict, InvalidRequest, ServiceError, TooManyRequests
 from ..models import Replica, ServedModel, resolve_model
 from .event import Event
 from .state import EventsState
-
-# refusals that leave the event's index free (the same id's first request holds it, or a retry may)
-TAKES_NO_INDEX = ("event_id_reused", "request_id_reused")
 
 
 class Accepting(EventsState):
@@ -88,7 +85,7 @@ class Accepting(EventsState):
                 raise command
             return await self.submit(key, run_id, command=command, **args)
         except ServiceError as e:
-            if e.code in TAKES_NO_INDEX or isinstance(e, TooManyRequests):
+            if e.code in REUSED_CODES or isinstance(e, TooManyRequests):  # the index is still free
                 raise
             refused = api.Refused(code=e.code, message=e.message, shown_as=shown_as)
             return await self.submit(key, run_id, command=refused, **args)
